@@ -1,0 +1,1 @@
+"""Hivekeeper's desktop app (PySide6 + pyqtgraph)."""

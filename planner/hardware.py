@@ -1,0 +1,71 @@
+"""Hardware specs: compute devices (GPUs, the CPU), host memory, disk and network.
+
+All sizes are bytes, bandwidths bytes/s, compute FLOP/s, power watts, network bit/s and seconds. Spec numbers are
+vendor upper bounds; the fraction of them that real kernels reach lives in the cost model's efficiency factors.
+`sources` says where each number came from: "catalog:<reference>", "measured", "detected", "derived", "user".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ComputeDevice:
+    """One device that runs matmuls: a GPU, or the host CPU (whose memory is host RAM)."""
+
+    kind: str  # "gpu" or "cpu"
+    name: str
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s, device memory read bandwidth
+    flops: dict[str, float]  # dtype name ("fp32", "fp16", "bf16", "int8") -> peak dense matmul FLOP/s
+    power_watts: float  # board power (TDP) for energy estimates; for a CPU its package power
+    host_link_bandwidth: float | None = None  # bytes/s host<->device, practical; None for the CPU itself
+    unified_memory: bool = False  # True where the GPU shares host memory (Apple silicon)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a compute dtype; falls back to fp32's rate (or the best known) when not listed."""
+        if dtype in self.flops:
+            return self.flops[dtype]
+        if dtype in ("fp16", "bf16") and ("fp16" in self.flops or "bf16" in self.flops):
+            return self.flops.get("fp16", self.flops.get("bf16"))
+        return self.flops.get("fp32", max(self.flops.values()))
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    capacity_bytes: int
+    read_bandwidth: float  # bytes/s, sequential, without the page cache
+    write_bandwidth: float
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    upload_bps: float  # bit/s
+    download_bps: float  # bit/s
+    rtt_s: float  # round-trip time to a typical peer
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """A whole machine: its GPUs (possibly none), its CPU with host RAM, a disk and a network link."""
+
+    id: str
+    gpus: tuple[ComputeDevice, ...]
+    cpu: ComputeDevice  # memory_bytes = host RAM, memory_bandwidth = RAM read bandwidth
+    disk: DiskSpec
+    network: NetworkSpec
+    price_per_hour: float | None = None  # USD per hour of this machine, for cost per query
+    description: str = ""
+
+    @property
+    def accelerator(self) -> ComputeDevice:
+        """The device the model computes on: the first GPU, or the CPU on a CPU-only machine."""
+        return self.gpus[0] if self.gpus else self.cpu
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpus)
