@@ -23,6 +23,7 @@ class ComputeDevice:
     host_link_bandwidth: float | None = None  # bytes/s host<->device, practical; None for the CPU itself
     unified_memory: bool = False  # True where the GPU shares host memory (Apple silicon)
     sources: dict[str, str] = field(default_factory=dict)
+    cores: int | None = None  # physical cores of a CPU (None for GPUs)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; falls back to fp32's rate (or the best known) when not listed."""

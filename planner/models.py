@@ -27,12 +27,16 @@ class ModelSpec:
     num_experts: int = 1  # 1 for dense models
     experts_per_token: int = 1
     gated_mlp: bool = True  # SwiGLU (3 matrices) vs plain 2-matrix MLP
-    linear_bias: bool = False  # biases on every attention and MLP linear (BLOOM, OPT)
-    qkv_bias: bool = False  # biases on q, k, v only (Qwen2)
+    linear_bias: bool = False  # biases on every attention and MLP linear (BLOOM, OPT, Falcon with bias=true)
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2; Llama with attention_bias=true)
+    out_bias: bool = False  # bias on the attention output projection (Llama with attention_bias=true)
+    mlp_bias: bool = False  # biases on the MLP linears (Llama with mlp_bias=true)
     norm_has_bias: bool = False  # LayerNorm (weight + bias) vs RMSNorm (weight only)
     norms_per_block: int = 2
     learned_positions: int = 0  # rows of a learned position table (OPT: max_position_embeddings + 2)
     embedding_norm: bool = False  # a LayerNorm right after the embedding (BLOOM)
+    embed_proj_dim: int = 0  # OPT's word_embed_proj_dim when it differs from hidden_size (project_in/out); else 0
+    final_norm: bool = True  # a norm before the LM head (absent in OPT-350m, which normalizes after each block)
     torch_dtype: str = "bf16"  # dtype the checkpoint is published in
 
     # ---- parameter counts -------------------------------------------------------------------------------------
@@ -47,18 +51,18 @@ class ModelSpec:
     def attention_params(self) -> int:
         h = self.hidden_size
         weights = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        if self.linear_bias:
-            weights += self.q_dim + 2 * self.kv_dim + h
-        elif self.qkv_bias:
+        if self.linear_bias or self.qkv_bias:
             weights += self.q_dim + 2 * self.kv_dim
+        if self.linear_bias or self.out_bias:
+            weights += h
         return weights
 
     def expert_params(self) -> int:
         """Parameters of one MLP (one expert of a mixture-of-experts layer)."""
         h, i = self.hidden_size, self.intermediate_size
         weights = (3 if self.gated_mlp else 2) * h * i
-        if self.linear_bias:
-            weights += i + h
+        if self.linear_bias or self.mlp_bias:
+            weights += (2 * i if self.gated_mlp else i) + h
         return weights
 
     def router_params(self) -> int:
@@ -76,16 +80,25 @@ class ModelSpec:
         experts = min(self.experts_per_token, self.num_experts)
         return self.attention_params() + experts * self.expert_params() + self.router_params() + self.norm_params()
 
+    @property
+    def embedding_dim(self) -> int:
+        """Width of the token embedding (and of a tied LM head): hidden_size unless OPT projects it."""
+        return self.embed_proj_dim or self.hidden_size
+
     def embedding_params(self) -> int:
+        """Token table, learned positions, the embedding norm (BLOOM) and OPT's project_in."""
         h = self.hidden_size
         norm = 2 * h if self.embedding_norm else 0
-        return self.vocab_size * h + self.learned_positions * h + norm
+        project_in = h * self.embed_proj_dim if self.embed_proj_dim else 0
+        return self.vocab_size * self.embedding_dim + self.learned_positions * h + norm + project_in
 
     def head_params(self) -> int:
-        """Final norm plus the LM head (zero extra matrix when tied to the embedding)."""
+        """Final norm, OPT's project_out and the LM head (zero extra matrix when tied to the embedding)."""
         h = self.hidden_size
-        final_norm = h * (2 if self.norm_has_bias else 1)
-        return final_norm + (0 if self.tie_word_embeddings else self.vocab_size * h)
+        final_norm = h * (2 if self.norm_has_bias else 1) if self.final_norm else 0
+        project_out = h * self.embed_proj_dim if self.embed_proj_dim else 0
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.embedding_dim
+        return final_norm + project_out + head
 
     def outside_block_params(self) -> int:
         return self.embedding_params() + self.head_params()
