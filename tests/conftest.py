@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import time
 
 import psutil
@@ -11,17 +13,35 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-_WATCHED_NAMES = ("p2pd",)
+
+
+def _become_subreaper() -> None:
+    """Make the test process adopt its orphaned descendants (Linux), so a p2pd whose server was killed stays ours.
+
+    Without this an orphan is re-parented to init and we could only find it by scanning every p2pd on the machine,
+    which would also catch (and kill) daemons that other programs run.
+    """
+    if sys.platform.startswith("linux"):
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+_become_subreaper()
 
 
 def _watched_processes() -> set[int]:
-    """PIDs of our descendants plus every p2pd on the machine (a p2pd outlives its parent when orphaned)."""
-    me = psutil.Process()
-    pids = {child.pid for child in me.children(recursive=True)}
-    for proc in psutil.process_iter(["name"]):
-        if (proc.info["name"] or "") in _WATCHED_NAMES:
-            pids.add(proc.pid)
-    return pids
+    """PIDs of every live descendant of the test process (orphans included, thanks to the subreaper flag)."""
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _reap_adopted_zombies() -> None:
+    """Collect exit statuses of adopted orphans (p2pd of killed servers); tests only wait for their own children."""
+    for child in psutil.Process().children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE and child.name() == "p2pd":
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            pass
 
 
 def _alive(pid: int) -> bool:
@@ -36,6 +56,7 @@ def no_leftover_processes():
     """Fail a test that leaves child processes or p2pd daemons running; kill them so the next test is clean."""
     before = _watched_processes()
     yield
+    _reap_adopted_zombies()
     deadline = time.monotonic() + 5.0
     leftovers = {pid for pid in _watched_processes() - before if _alive(pid)}
     while leftovers and time.monotonic() < deadline:
