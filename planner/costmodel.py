@@ -1,0 +1,784 @@
+"""The cost model: memory per tier, time per phase, and the roofline bound, for one policy or a whole grid of them.
+
+A run has two phases: prefill of p tokens for every sequence, then decode steps of one token per sequence at a
+growing context. Time per block follows the engine FlexGen describes: weights and KV cache that live off the
+accelerator are streamed in over the host link (and from disk) while the accelerator computes, so per block
+
+    accelerator = bytes / (bandwidth × η_bw) + FLOPs / (peak × η_mm) + micro-batches × launch overhead
+    chain       = accelerator + CPU attention (FlexGen runs attention for a CPU-resident cache on the CPU)
+    prefetch 0: chain + link + disk;  1: max(chain, link + disk);  2: max(chain, link, disk)
+
+The additive accelerator term is a roofline with a soft corner: at small batch it is the weight reads, at large
+batch the FLOPs, so the effective FLOP/s rises with batch (arithmetic intensity) on its own. Beside every
+prediction sits the roofline of the same policy (FLOPs at peak, bytes at spec bandwidth, transfers at link and disk
+speed, no overheads, full overlap), and a prediction never exceeds it (a final min).
+
+Everything is computed on numpy arrays, one element per candidate policy, so the policy search evaluates
+thousands of candidates in one pass; `evaluate` is the same code on a single candidate. docs/cost-model.md has
+the formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .efficiency import MachineEfficiency, default_efficiency
+from .errors import InputError
+from .formats import WeightFormat, get_format
+from .hardware import ComputeDevice, HardwareSpec
+from .models import ModelSpec
+
+TIERS = ("gpu", "cpu", "disk")
+# A CPU without 16-bit math: PyTorch's matmul kernels widen 16-bit values in registers, so a 16-bit weight costs
+# what an fp32 one does (measured on the development machine: bf16 and fp32 GEMV take the same time per weight).
+HALF_AS_FP32_ON_CPU = 2.0
+# FlexGen's CPU attention copies the fp16 cache to fp32 first: read 2 B + write 4 B + read 4 B per 2-byte value.
+HALF_COPY_TRAFFIC_ON_CPU = 5.0
+_MAX_TOKENS = 10_000_000  # longer prompts or contexts are typos, not workloads
+
+
+# ---- inputs -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """What is asked: prompt and output lengths, and the KV cache capacity to reserve (default prompt + output)."""
+
+    prompt_len: int = 512
+    output_len: int = 128
+    context_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "output_len"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or not 1 <= value <= _MAX_TOKENS:
+                raise InputError(f"{name.replace('_', '-')} must be an integer from 1 to {_MAX_TOKENS}, got {value!r}")
+        if self.context_len is not None:
+            if not isinstance(self.context_len, (int, np.integer)) or not 1 <= self.context_len <= _MAX_TOKENS:
+                raise InputError(f"context must be an integer from 1 to {_MAX_TOKENS}, got {self.context_len!r}")
+            if self.context_len < self.prompt_len + self.output_len:
+                raise InputError(
+                    f"context {self.context_len} is shorter than prompt-len + output-len "
+                    f"({self.prompt_len} + {self.output_len})")
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens of KV cache reserved per sequence."""
+        return max(self.context_len or 0, self.prompt_len + self.output_len)
+
+    @property
+    def decode_context(self) -> float:
+        """Mean context length over the decode steps (they run at p+1 … p+o-1); step time is linear in it."""
+        return self.prompt_len + self.output_len / 2.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Fractions of something (weights, KV cache, activations) on each tier; they sum to 1."""
+
+    gpu: float = 1.0
+    cpu: float = 0.0
+    disk: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = (self.gpu, self.cpu, self.disk)
+        if any(not (-1e-9 <= v <= 1 + 1e-9) for v in values) or abs(sum(values) - 1.0) > 1e-6:
+            raise InputError(f"placement fractions must be in [0, 1] and sum to 1, got gpu={self.gpu} "
+                             f"cpu={self.cpu} disk={self.disk}")
+
+    def as_dict(self) -> dict[str, float]:
+        return {"gpu": round(self.gpu, 4), "cpu": round(self.cpu, 4), "disk": round(self.disk, 4)}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Every knob of a local run. Weight fractions cover the transformer blocks; embeddings and the LM head stay on
+    the accelerator. On a CPU-only machine "cpu" is the accelerator's memory and "gpu" must be 0."""
+
+    weight_format: str = "fp16"
+    weights: Placement = field(default_factory=Placement)
+    kv_cache: Placement = field(default_factory=Placement)
+    activations: Placement = field(default_factory=Placement)  # hidden states between blocks (gpu or cpu)
+    micro_batch_size: int = 1  # sequences computed together (rows of a decode matmul)
+    num_micro_batches: int = 1  # micro-batches sharing one pass over the weights (FlexGen's block schedule)
+    kv_recompute: bool = False  # keep each block's input hidden states and recompute K, V every step
+    prefetch_depth: int = 1  # 0: load then compute; 1: load the next block while computing; 2: also disk→RAM
+    attention_on_cpu: bool = False  # attention over a CPU/disk-resident cache runs on the CPU (FlexGen)
+
+    def __post_init__(self) -> None:
+        get_format(self.weight_format)
+        if not 1 <= self.micro_batch_size <= 65536 or not 1 <= self.num_micro_batches <= 4096:
+            raise InputError("micro_batch_size must be in 1..65536 and num_micro_batches in 1..4096")
+        if self.prefetch_depth not in (0, 1, 2):
+            raise InputError(f"prefetch_depth must be 0, 1 or 2, got {self.prefetch_depth}")
+        if self.activations.disk > 0:
+            raise InputError("activations live on gpu or cpu, not on disk")
+        if self.kv_recompute and self.attention_on_cpu:
+            raise InputError("kv_recompute and attention_on_cpu cannot be combined")
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches
+
+    def as_dict(self) -> dict:
+        return {
+            "weight_format": self.weight_format,
+            "weights": self.weights.as_dict(),
+            "kv_cache": self.kv_cache.as_dict(),
+            "activations": self.activations.as_dict(),
+            "batch_size": self.batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "num_micro_batches": self.num_micro_batches,
+            "kv_cache_mode": "recompute" if self.kv_recompute else "keep",
+            "prefetch_depth": self.prefetch_depth,
+            "attention_on_cpu": self.attention_on_cpu,
+        }
+
+
+# ---- the model's numbers ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelNumbers:
+    """Shape numbers the cost model needs, derived once from a ModelSpec."""
+
+    layers: int
+    hidden: int
+    q_dim: int
+    kv_dim: int
+    vocab: int
+    experts: int
+    experts_per_token: int
+    shared_matrix_params: int  # per block: attention projections and router (touched by every token)
+    expert_matrix_params: int  # per block, per expert
+    vector_params: int  # per block: norms and biases, kept in 16 bits by quantized formats
+    outside_params: int  # embeddings, final norm, LM head
+    head_params: int  # the LM head matmul (vocab × embedding width), tied or not
+    flops_per_token: float  # matmul FLOPs of one block for one token (active experts)
+    workspace_values_per_token: int  # activations alive inside one block, per token
+
+
+def model_numbers(model: ModelSpec) -> ModelNumbers:
+    h = model.hidden_size
+    attention = h * model.q_dim + 2 * h * model.kv_dim + model.q_dim * h
+    expert = (3 if model.gated_mlp else 2) * h * model.intermediate_size
+    router = model.router_params()
+    vector = model.block_params() - attention - model.num_experts * expert - router
+    active_experts = min(model.experts_per_token, model.num_experts)
+    # alive inside a block: its input and the residual, plus the larger of the attention phase (q, k, v and the
+    # attention output) and the MLP phase (the intermediate activations and the output)
+    attention_phase = 2 * model.q_dim + 2 * model.kv_dim
+    mlp_phase = (2 if model.gated_mlp else 1) * model.intermediate_size * active_experts + h
+    workspace = 2 * h + max(attention_phase, mlp_phase)
+    return ModelNumbers(
+        layers=model.num_layers, hidden=h, q_dim=model.q_dim, kv_dim=model.kv_dim, vocab=model.vocab_size,
+        experts=model.num_experts, experts_per_token=active_experts,
+        shared_matrix_params=attention + router, expert_matrix_params=expert, vector_params=max(0, vector),
+        outside_params=model.outside_block_params(), head_params=model.vocab_size * model.embedding_dim,
+        flops_per_token=float(model.block_matmul_flops_per_token()), workspace_values_per_token=workspace,
+    )
+
+
+def block_weight_bytes(model: ModelSpec, weight_format: str) -> float:
+    """Bytes of one transformer block in a format: matrices at the format's size (with its quantization
+    statistics), norms and biases in 16 bits (32 for fp32)."""
+    numbers = model_numbers(model)
+    fmt = get_format(weight_format)
+    matrices = numbers.shared_matrix_params + numbers.experts * numbers.expert_matrix_params
+    return matrices * fmt.bytes_per_param + numbers.vector_params * _vector_bytes(fmt)
+
+
+def weight_bytes(model: ModelSpec, weight_format: str) -> float:
+    """Bytes of the whole model: every block in the format, embeddings and LM head in 16 bits (32 for fp32)."""
+    fmt = get_format(weight_format)
+    blocks = model.num_layers * block_weight_bytes(model, weight_format)
+    return blocks + model.outside_block_params() * _vector_bytes(fmt)
+
+
+def kv_cache_bytes(model: ModelSpec, tokens: int, batch: int = 1, bytes_per_value: float = 2.0) -> float:
+    """KV cache of all blocks: 2 (K and V) × layers × kv_heads × head_dim × bytes per value, per token."""
+    return batch * tokens * model.num_layers * model.kv_bytes_per_token_per_block(bytes_per_value)
+
+
+def decode_flops_per_token(model: ModelSpec, context_len: int) -> float:
+    """FLOPs of one decode token at a context length: every block's matmuls and attention, plus the LM head."""
+    per_block = model.block_matmul_flops_per_token() + model.block_attention_flops_per_token(context_len)
+    return model.num_layers * per_block + 2.0 * model.vocab_size * model.embedding_dim
+
+
+def _vector_bytes(fmt: WeightFormat) -> float:
+    return 4.0 if fmt.name == "fp32" else 2.0
+
+
+def _experts_touched(experts: int, per_token: int, tokens):
+    """Expected distinct experts a block touches for `tokens` tokens routed uniformly, `per_token` each."""
+    if experts <= 1:
+        return np.ones_like(np.asarray(tokens, dtype=float))
+    return experts * (1.0 - (1.0 - per_token / experts) ** np.asarray(tokens, dtype=float))
+
+
+# ---- the machine as the cost model sees it ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Machine:
+    """Three memory tiers: the accelerator's memory, the host's RAM when separate, and the disk.
+
+    On a CPU-only machine the CPU is the accelerator and RAM its memory; on Apple silicon the GPU's unified
+    memory is RAM. Either way there is no separate host tier and no host link; `acc_tier` names the accelerator
+    tier the way users see it ("gpu" or "cpu").
+    """
+
+    hardware: HardwareSpec
+    acc: ComputeDevice
+    acc_tier: str
+    num_gpus: int
+    acc_capacity: float  # bytes usable after the reserve
+    host_capacity: float
+    disk_capacity: float
+    acc_bandwidth: float
+    link_bandwidth: float | None  # host→accelerator bytes/s, None when there is no separate host memory
+    cpu: ComputeDevice
+    disk_read: float
+    disk_write: float
+    power_watts: float  # the devices a plan keeps busy: every GPU used plus the CPU
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.link_bandwidth is not None
+
+
+def machine_view(hardware: HardwareSpec, reserve_bytes: dict[str, float] | None = None) -> Machine:
+    """Tiers, capacities (minus the per-tier reserve) and rates; several identical GPUs act as one pipeline."""
+    reserve = {tier: float((reserve_bytes or {}).get(tier, 0.0)) for tier in TIERS}
+    if any(v < 0 for v in reserve.values()):
+        raise InputError("memory reserve must be >= 0")
+    cpu = hardware.cpu
+    if hardware.gpus:
+        gpus = hardware.gpus
+        acc = min(gpus, key=lambda g: (g.memory_bandwidth, g.peak_flops("fp16")))  # the slowest sets the pace
+        unified = any(g.unified_memory for g in gpus)
+        acc_memory = float(sum(g.memory_bytes for g in gpus))
+        if unified:
+            acc_memory = min(acc_memory, float(cpu.memory_bytes))
+            host_memory, link = 0.0, None
+        else:
+            host_memory = float(cpu.memory_bytes)
+            links = [g.host_link_bandwidth for g in gpus if g.host_link_bandwidth]
+            link = float(min(links)) if links else 12e9  # PCIe 3.0 x16 practical when a spec leaves it out
+        acc_capacity = acc_memory - reserve["gpu"]
+        host_capacity = host_memory - reserve["cpu"] if not unified else 0.0
+        acc_tier, power = "gpu", float(sum(g.power_watts for g in gpus)) + cpu.power_watts
+        acc_bw, num_gpus = float(acc.memory_bandwidth), len(gpus)
+    else:
+        acc, acc_tier, num_gpus = cpu, "cpu", 0
+        acc_capacity, host_capacity, link = float(cpu.memory_bytes) - reserve["cpu"], 0.0, None
+        acc_bw, power = float(cpu.memory_bandwidth), cpu.power_watts
+    disk = hardware.disk
+    return Machine(
+        hardware=hardware, acc=acc, acc_tier=acc_tier, num_gpus=num_gpus,
+        acc_capacity=acc_capacity, host_capacity=max(0.0, host_capacity),
+        disk_capacity=float(disk.capacity_bytes) - reserve["disk"], acc_bandwidth=acc_bw, link_bandwidth=link,
+        cpu=cpu, disk_read=float(disk.read_bandwidth), disk_write=float(disk.write_bandwidth or disk.read_bandwidth),
+        power_watts=power,
+    )
+
+
+def _cpu_native_half(cpu: ComputeDevice) -> bool:
+    """Whether a CPU multiplies 16-bit values natively (AVX512_BF16, AMX); else it converts to fp32 first."""
+    fp32 = cpu.flops.get("fp32", 0.0)
+    return any(cpu.flops.get(dtype, 0.0) >= fp32 > 0 for dtype in ("bf16", "fp16"))
+
+
+@dataclass(frozen=True)
+class FormatTraits:
+    """How a weight format behaves on this machine's accelerator."""
+
+    fmt: WeightFormat
+    stored_bytes: float  # per matrix parameter, at rest (in memory, on the link, on disk)
+    read_bytes_gemv: float  # accelerator memory traffic per matrix parameter, one row (fused dequant kernel)
+    read_bytes_gemm: float  # … several rows (dequantize to 16 bits, write, read back)
+    vector_bytes: float
+    kv_bytes: float  # per cached value
+    kv_read_factor: float  # accelerator traffic per byte of cache read (conversion on a CPU without half math)
+    peak_flops: float  # accelerator peak for the format's compute dtype
+
+
+def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
+    fmt = get_format(weight_format)
+    stored = fmt.bytes_per_param
+    kv_bytes = 4.0 if fmt.name == "fp32" else 2.0
+    if machine.acc.kind == "cpu":
+        native = _cpu_native_half(machine.acc)
+        fp32_rate = machine.acc.peak_flops("fp32")
+        if fmt.name == "fp32":
+            gemv = gemm = 4.0
+            peak = fp32_rate
+        elif fmt.quantized:  # dequantize to fp32 (or bf16 where native) on every use
+            gemv = gemm = stored + (4.0 if native else 8.0)
+            peak = fp32_rate
+        else:
+            half_native = native and fmt.name == "bf16"
+            gemv = gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU
+            peak = machine.acc.peak_flops("bf16") if half_native else fp32_rate
+        kv_factor = 1.0 if (native or fmt.name == "fp32") else HALF_AS_FP32_ON_CPU
+    else:
+        gemv = stored
+        gemm = stored + 4.0 if fmt.quantized else stored
+        peak = machine.acc.peak_flops(fmt.compute_dtype)
+        kv_factor = 1.0
+    return FormatTraits(fmt, stored, gemv, gemm, _vector_bytes(fmt), kv_bytes, kv_factor, float(peak))
+
+
+def sixteen_bit_format(model: ModelSpec, machine: Machine) -> str:
+    """bf16 where the checkpoint is bf16 and the accelerator runs bf16 at full rate, else fp16."""
+    acc = machine.acc
+    if model.torch_dtype == "bf16" and acc.peak_flops("bf16") >= acc.peak_flops("fp16"):
+        return "bf16"
+    if acc.kind == "cpu" and model.torch_dtype == "bf16":
+        return "bf16"
+    return "fp16"
+
+
+# ---- the vectorized core ----------------------------------------------------------------------------------------
+# Candidate columns (numpy arrays of one length): fmt (index into `traits`), wa/wh/wd (block weights on
+# accelerator / host / disk), ca/ch/cd (KV cache), ah (activations on the host), b (micro-batch), n (micro-batches),
+# rec (recompute K,V), d (prefetch depth), cattn (attention on the CPU for the off-accelerator cache).
+
+COMPONENTS = ("accelerator compute", "accelerator memory", "host link", "disk", "cpu attention", "overhead")
+
+
+def _per_format(traits: list[FormatTraits], index: np.ndarray, attribute: str) -> np.ndarray:
+    return np.array([getattr(t, attribute) for t in traits], dtype=float)[index]
+
+
+def fixed_memory(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency, workload: Workload,
+                 traits: list[FormatTraits], c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Memory per tier that does not depend on where the block weights go, and the weight sizes.
+
+    Returned: acc/host/disk (fixed bytes), w_all (all block weights), w_blk (one block), and the buffer
+    multipliers: acc_buffers (streaming buffers per streamed block fraction) and host_staging (disk staging).
+    """
+    f = c["fmt"]
+    stored = _per_format(traits, f, "stored_bytes")
+    vbytes = _per_format(traits, f, "vector_bytes")
+    kvb = _per_format(traits, f, "kv_bytes")
+    w_blk = (numbers.shared_matrix_params + numbers.experts * numbers.expert_matrix_params) * stored \
+        + numbers.vector_params * vbytes
+    w_all = numbers.layers * w_blk
+    outside = numbers.outside_params * vbytes
+    b, n, d = c["b"], c["n"], c["d"]
+    batch = b * n
+    ctx = float(workload.cache_len)
+    p = float(workload.prompt_len)
+    # one token of one block's cache: K and V, or the block's input hidden state when recomputing them
+    per_token = np.where(c["rec"] > 0, numbers.hidden * kvb, 2.0 * numbers.kv_dim * kvb)
+    cache_all = batch * ctx * numbers.layers * per_token
+    off_acc_cache = 1.0 - c["ca"]
+    # one block's cache for one micro-batch, in flight to the accelerator (1 + depth buffers)
+    cache_buffers = np.where(c["cattn"] > 0, 0.0, (1.0 + d) * b * ctx * per_token * off_acc_cache)
+    hidden_states = 2.0 * batch * p * numbers.hidden * kvb  # inputs and outputs of a block, all micro-batches
+    workspace = b * p * numbers.workspace_values_per_token * kvb + b * numbers.vocab * 4.0  # + fp32 logits
+    acc = outside + c["ca"] * cache_all + cache_buffers + (1.0 - c["ah"]) * hidden_states + workspace \
+        + eff.accelerator.runtime_bytes
+    disk = c["cd"] * cache_all
+    if machine.has_host_tier:
+        cpu_attention_copies = np.where(c["cattn"] > 0, b * ctx * per_token * 2.0 * off_acc_cache, 0.0)
+        cache_staging = np.where(c["cd"] > 0, b * ctx * per_token * c["cd"], 0.0)
+        host = c["ch"] * cache_all + c["ah"] * hidden_states + cpu_attention_copies + cache_staging \
+            + eff.host.runtime_bytes
+        host_staging = 1.0 + (d >= 2)
+    else:
+        if machine.acc.kind != "cpu":  # unified memory: the process's own memory shares the GPU's
+            acc = acc + eff.host.runtime_bytes
+        host = np.zeros_like(acc)
+        host_staging = np.zeros_like(acc)
+    return {"acc": acc, "host": host, "disk": disk, "w_all": w_all, "w_blk": w_blk,
+            "acc_buffers": 1.0 + d, "host_staging": host_staging}
+
+
+def peak_memory(mem: dict[str, np.ndarray], wa, wh, wd) -> dict[str, np.ndarray]:
+    """Peak bytes per tier once the block weights are placed (streaming buffers only for what is streamed)."""
+    w_all, w_blk = mem["w_all"], mem["w_blk"]
+    streamed = 1.0 - wa
+    acc = mem["acc"] + wa * w_all + np.where(streamed > 1e-12, mem["acc_buffers"] * streamed * w_blk, 0.0)
+    host = mem["host"] + wh * w_all + np.where(wd > 1e-12, mem["host_staging"] * wd * w_blk, 0.0)
+    disk = mem["disk"] + wd * w_all
+    return {"acc": acc, "host": host, "disk": disk}
+
+
+def solve_weight_placement(mem: dict[str, np.ndarray], machine: Machine) -> tuple[np.ndarray, ...]:
+    """Most of the block weights on the accelerator, then on the host, the rest on disk (closed form).
+
+    Streaming time only falls as more weights sit closer, so the largest fractions that fit are the best ones
+    for every other knob fixed. Fractions are floored to 1e-4 so the peak stays within capacity.
+    Returns wa, wh, wd and a feasibility mask.
+    """
+    w_all, w_blk = mem["w_all"], mem["w_blk"]
+    # accelerator: wa·W + (1+d)·(1-wa)·W_blk + fixed ≤ C
+    room = machine.acc_capacity - mem["acc"]
+    whole = room >= w_all
+    slope = w_all - mem["acc_buffers"] * w_blk
+    with np.errstate(divide="ignore", invalid="ignore"):
+        partial = (room - mem["acc_buffers"] * w_blk) / slope
+    wa = np.where(whole, 1.0, np.floor(np.clip(partial, 0.0, 1.0) * 1e4) / 1e4)
+    ok = whole | ((slope > 0) & (room - mem["acc_buffers"] * w_blk >= 0))
+    wa = np.where(whole, 1.0, np.minimum(wa, 0.9999))
+    rest = 1.0 - wa
+    # host: wh·W + staging·(rest-wh)·W_blk + fixed ≤ C
+    room_h = machine.host_capacity - mem["host"]
+    fits_rest = room_h >= rest * w_all
+    slope_h = w_all - mem["host_staging"] * w_blk
+    with np.errstate(divide="ignore", invalid="ignore"):
+        partial_h = (room_h - mem["host_staging"] * w_blk * rest) / slope_h
+    wh = np.where(fits_rest, rest, np.floor(np.clip(partial_h, 0.0, 1.0) * 1e4) / 1e4)
+    wh = np.minimum(wh, rest)
+    wd = np.maximum(rest - wh, 0.0)
+    wd = np.where(wd < 1e-9, 0.0, wd)
+    peaks = peak_memory(mem, wa, wh, wd)
+    ok &= peaks["acc"] <= machine.acc_capacity + 1.0
+    ok &= peaks["host"] <= machine.host_capacity + 1.0
+    ok &= peaks["disk"] <= machine.disk_capacity + 1.0
+    ok &= room_h >= 0
+    return wa, wh, wd, ok
+
+
+def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency, workload: Workload,
+                    traits: list[FormatTraits], c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Times, bounds and memory of every candidate in `c` (which must include wa, wh, wd)."""
+    ea, eh = eff.accelerator, eff.host
+    f = c["fmt"]
+    stored = _per_format(traits, f, "stored_bytes")
+    gemv = _per_format(traits, f, "read_bytes_gemv")
+    gemm = _per_format(traits, f, "read_bytes_gemm")
+    vbytes = _per_format(traits, f, "vector_bytes")
+    kvb = _per_format(traits, f, "kv_bytes")
+    kv_factor = _per_format(traits, f, "kv_read_factor")
+    peak = _per_format(traits, f, "peak_flops")
+    wa, wh, wd = c["wa"], c["wh"], c["wd"]
+    ca, cd = c["ca"], c["cd"]
+    ah = c["ah"]
+    b, n, d = c["b"], c["n"], c["d"]
+    rec, cattn = c["rec"] > 0, c["cattn"] > 0
+    batch = b * n
+    N = numbers.layers
+    h = numbers.hidden
+
+    matrices_all = numbers.shared_matrix_params + numbers.experts * numbers.expert_matrix_params
+    w_blk = matrices_all * stored + numbers.vector_params * vbytes
+    kv_token = 2.0 * numbers.kv_dim * kvb  # one token of one block's K and V
+    per_token = np.where(rec, h * kvb, kv_token)  # what is stored per token and block
+    off = 1.0 - ca  # cache fraction off the accelerator
+    on_acc_attn = ca + off * (~cattn)  # cache fraction whose attention runs on the accelerator
+    link_bw = (machine.link_bandwidth or np.inf)
+    cpu_bw = machine.cpu.memory_bandwidth
+    cpu_peak = machine.cpu.peak_flops("fp32")
+    cpu_amp = 1.0 if _cpu_native_half(machine.cpu) else HALF_COPY_TRAFFIC_ON_CPU
+
+    def touched_matrices(tokens):
+        return numbers.shared_matrix_params + _experts_touched(numbers.experts, numbers.experts_per_token, tokens) \
+            * numbers.expert_matrix_params
+
+    def combine(chain, link, disk):
+        return np.where(d == 0, chain + link + disk,
+                        np.where(d == 1, np.maximum(chain, link + disk), np.maximum(chain, np.maximum(link, disk))))
+
+    # ---- decode step at the mean context, per block -------------------------------------------------------------
+    L = workload.decode_context
+    touched = touched_matrices(b)
+    read_per_param = np.where(b <= 1, gemv, gemm)
+    acc_bytes = n * (touched * read_per_param + numbers.vector_params * vbytes) \
+        + batch * L * per_token * on_acc_attn * kv_factor
+    acc_bytes_min = n * (touched * stored + numbers.vector_params * vbytes) + batch * L * per_token * on_acc_attn
+    attn_flops = 4.0 * numbers.q_dim * L * batch
+    acc_flops = batch * numbers.flops_per_token + attn_flops * on_acc_attn \
+        + np.where(rec, 4.0 * h * numbers.kv_dim * L * batch, 0.0)
+    acc_mem_t = acc_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction)
+    acc_cmp_t = acc_flops / (peak * ea.matmul_fraction)
+    overhead_t = n * ea.layer_overhead_s
+    cache_streamed = np.where(cattn, 0.0, batch * L * per_token * off)
+    if machine.has_host_tier:
+        new_kv = batch * kv_token * off
+        to_acc = (1.0 - wa) * w_blk + cache_streamed + ah * batch * h * kvb \
+            + np.where(cattn, batch * numbers.q_dim * kvb * off, 0.0)
+        to_host = new_kv + ah * batch * h * kvb + np.where(cattn, batch * numbers.q_dim * kvb * off, 0.0)
+        link_bytes = np.maximum(to_acc, to_host)
+        link_t = link_bytes / (link_bw * ea.link_fraction)
+        link_min = link_bytes / link_bw
+    else:
+        link_bytes = np.zeros_like(acc_bytes)
+        link_t = link_min = link_bytes
+    disk_read = wd * w_blk + cd * batch * L * per_token
+    disk_write = cd * batch * kv_token
+    disk_t = (disk_read / machine.disk_read + disk_write / machine.disk_write) / eh.disk_fraction
+    disk_min = disk_read / machine.disk_read + disk_write / machine.disk_write
+    cpu_cache_bytes = np.where(cattn, batch * L * kv_token * off, 0.0)
+    cpu_t = cpu_cache_bytes * cpu_amp / (cpu_bw * eh.bandwidth_fraction) \
+        + np.where(cattn, attn_flops * off, 0.0) / (cpu_peak * eh.matmul_fraction)
+    cpu_min = cpu_cache_bytes / cpu_bw
+    chain = acc_mem_t + acc_cmp_t + overhead_t + cpu_t
+    layer_t = combine(chain, link_t, disk_t)
+    layer_roof = np.maximum.reduce([acc_bytes_min / machine.acc_bandwidth, acc_flops / peak, link_min, disk_min,
+                                    cpu_min])
+    head_bytes = numbers.head_params * vbytes
+    head_flops = batch * 2.0 * numbers.head_params
+    head_t = head_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction) + head_flops / (peak * ea.matmul_fraction)
+    head_roof = np.maximum(head_bytes / machine.acc_bandwidth, head_flops / peak)
+    step = N * layer_t + head_t + ea.step_overhead_s
+    step_roof = N * layer_roof + head_roof
+    step = np.maximum(step, step_roof)
+
+    # ---- prefill of p tokens per sequence, per block ----------------------------------------------------------
+    p = float(workload.prompt_len)
+    rows = b * p
+    touched_p = touched_matrices(rows)
+    # every new K, V (or hidden state) is written to accelerator memory first, wherever it is kept
+    p_acc_bytes = n * (touched_p * np.where(rows <= 1, gemv, gemm) + numbers.vector_params * vbytes) \
+        + batch * p * per_token
+    p_acc_bytes_min = n * (touched_p * stored + numbers.vector_params * vbytes) + batch * p * per_token
+    p_attn_flops = 4.0 * numbers.q_dim * p * (p + 1.0) / 2.0 * batch  # causal: token i attends to i positions
+    p_flops = batch * p * numbers.flops_per_token + p_attn_flops
+    p_chain = p_acc_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction) \
+        + p_flops / (peak * ea.matmul_fraction) + n * ea.layer_overhead_s
+    if machine.has_host_tier:
+        p_to_acc = (1.0 - wa) * w_blk + ah * batch * p * h * kvb
+        p_to_host = off * batch * p * per_token + ah * batch * p * h * kvb
+        p_link_bytes = np.maximum(p_to_acc, p_to_host)
+        p_link_t = p_link_bytes / (link_bw * ea.link_fraction)
+        p_link_min = p_link_bytes / link_bw
+    else:
+        p_link_t = p_link_min = np.zeros_like(p_chain)
+    p_disk_min = wd * w_blk / machine.disk_read + cd * batch * p * per_token / machine.disk_write
+    p_disk_t = p_disk_min / eh.disk_fraction
+    p_layer = combine(p_chain, p_link_t, p_disk_t)
+    p_roof_layer = np.maximum.reduce([p_acc_bytes_min / machine.acc_bandwidth, p_flops / peak, p_link_min,
+                                      p_disk_min])
+    prefill = N * p_layer + head_t + ea.step_overhead_s
+    prefill_roof = N * p_roof_layer + head_roof
+    prefill = np.maximum(prefill, prefill_roof)
+
+    runtime = prefill + (workload.output_len - 1) * step
+    out = {
+        "step_s": step, "step_roof_s": step_roof, "prefill_s": prefill, "prefill_roof_s": prefill_roof,
+        "runtime_s": runtime,
+        "decode_tps": np.minimum(batch / step, batch / step_roof),
+        "roof_decode_tps": batch / step_roof,
+        "prefill_tps": np.minimum(batch * p / prefill, batch * p / prefill_roof),
+        "roof_prefill_tps": batch * p / prefill_roof,
+        "throughput_tps": batch * workload.output_len / runtime,
+        # components of one decode step (seconds), for the bottleneck
+        "accelerator compute": N * acc_cmp_t + head_flops / (peak * ea.matmul_fraction),
+        "accelerator memory": N * acc_mem_t + head_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction),
+        "host link": N * link_t, "disk": N * disk_t, "cpu attention": N * cpu_t,
+        "overhead": N * overhead_t + ea.step_overhead_s,
+        "chain_s": N * chain,
+        "link_bytes_step": N * link_bytes, "disk_bytes_step": N * disk_read, "acc_bytes_step": N * acc_bytes_min,
+        "cpu_cache_bytes_step": N * cpu_cache_bytes, "acc_flops_step": N * acc_flops,
+        "streamed_weight_bytes_step": N * (1.0 - wa) * w_blk, "cache_streamed_step": N * cache_streamed,
+    }
+    # the batch at which streaming the off-accelerator weights takes no longer than computing on them
+    effective_flops = peak * ea.matmul_fraction
+    stream_link = np.where(machine.has_host_tier, (1.0 - wa) * w_blk / (link_bw * ea.link_fraction), 0.0)
+    stream_disk = wd * w_blk / (machine.disk_read * eh.disk_fraction)
+    stream = np.where(d >= 2, np.maximum(stream_link, stream_disk), stream_link + stream_disk)
+    resident = matrices_all * stored / (machine.acc_bandwidth * ea.bandwidth_fraction)
+    basis_time = np.where(stream > 0, stream, resident)
+    out["min_compute_bound_batch"] = np.ceil(basis_time * effective_flops / numbers.flops_per_token - 1e-9)
+    out["min_compute_bound_basis"] = np.where(stream > 0, np.where(stream_disk > stream_link, 2, 1), 0)
+    return out
+
+
+# ---- one policy ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model says about one policy on one machine."""
+
+    policy: Policy
+    decode_tokens_per_s: float  # all sequences together, at the mean decode context
+    prefill_tokens_per_s: float
+    throughput_tokens_per_s: float  # generated tokens / (prefill + decode time): FlexGen's metric
+    roofline_decode_tokens_per_s: float
+    roofline_prefill_tokens_per_s: float
+    prefill_s: float  # α: prefill of the prompt, first token included
+    decode_step_s: float  # β: one more token for every sequence
+    runtime_s: float  # α + β (o − 1) for the whole batch
+    peak_memory_bytes: dict[str, int]
+    capacity_bytes: dict[str, int]
+    fits: bool
+    bottleneck: str  # the resource, e.g. "host link"
+    bottleneck_detail: str  # in words, with numbers
+    min_compute_bound_batch: int
+    min_compute_bound_basis: str
+    step_breakdown_s: dict[str, float]
+    efficiency: str
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["policy"] = self.policy.as_dict()
+        return data
+
+
+def _tier_map(machine: Machine, acc, host, disk) -> dict[str, float]:
+    """Accelerator/host/disk numbers under the names users see: gpu, cpu, disk."""
+    if machine.acc_tier == "gpu":
+        return {"gpu": acc, "cpu": host, "disk": disk}
+    return {"gpu": 0.0, "cpu": acc, "disk": disk}
+
+
+def policy_columns(machine: Machine, policy: Policy, format_index: int = 0) -> dict[str, np.ndarray]:
+    """A one-element candidate table for a policy, in accelerator/host/disk terms (validated for this machine)."""
+    w, kv, act = policy.weights, policy.kv_cache, policy.activations
+    if machine.acc_tier == "cpu" or not machine.has_host_tier:
+        acc_name = machine.acc_tier
+        other = "cpu" if acc_name == "gpu" else "gpu"
+        for what, placement in (("weights", w), ("kv_cache", kv), ("activations", act)):
+            if getattr(placement, other) > 1e-9:
+                raise InputError(f"policy puts {what} on {other!r}, but this machine's memory is one tier "
+                                 f"({acc_name!r}); use {acc_name!r} and 'disk'")
+            if policy.attention_on_cpu:
+                raise InputError("attention_on_cpu needs a GPU with separate host memory")
+        wa, wh = getattr(w, acc_name), 0.0
+        ca, ch = getattr(kv, acc_name), 0.0
+        ah = 0.0
+    else:
+        wa, wh, ca, ch, ah = w.gpu, w.cpu, kv.gpu, kv.cpu, act.cpu
+    col = lambda v: np.array([float(v)])  # noqa: E731
+    return {
+        "fmt": np.array([format_index]), "wa": col(wa), "wh": col(wh), "wd": col(w.disk),
+        "ca": col(ca), "ch": col(ch), "cd": col(kv.disk), "ah": col(ah),
+        "b": col(policy.micro_batch_size), "n": col(policy.num_micro_batches), "rec": col(policy.kv_recompute),
+        "d": col(policy.prefetch_depth), "cattn": col(policy.attention_on_cpu),
+    }
+
+
+_BASIS = {0: "accelerator memory", 1: "host link", 2: "disk"}
+
+
+def prediction_from_arrays(machine: Machine, eff: MachineEfficiency, policy: Policy, mem_peaks, out, i: int,
+                           model: ModelSpec) -> Prediction:
+    """Build the Prediction of candidate i from the grid's arrays."""
+    pick = lambda key: float(out[key][i])  # noqa: E731
+    breakdown = {name: pick(name) for name in COMPONENTS}
+    resource, detail = describe_bottleneck(machine, model, policy, out, i)
+    peaks = _tier_map(machine, *(float(mem_peaks[t][i]) for t in ("acc", "host", "disk")))
+    capacity = _tier_map(machine, machine.acc_capacity, machine.host_capacity, machine.disk_capacity)
+    fits = all(peaks[t] <= capacity[t] + 1.0 for t in TIERS)
+    basis = _BASIS[int(out["min_compute_bound_basis"][i])]
+    if machine.acc.kind == "cpu" and basis == "accelerator memory":
+        basis = "RAM bandwidth"
+    elif basis == "accelerator memory":
+        basis = "GPU memory bandwidth"
+    return Prediction(
+        policy=policy,
+        decode_tokens_per_s=pick("decode_tps"), prefill_tokens_per_s=pick("prefill_tps"),
+        throughput_tokens_per_s=pick("throughput_tps"),
+        roofline_decode_tokens_per_s=pick("roof_decode_tps"), roofline_prefill_tokens_per_s=pick("roof_prefill_tps"),
+        prefill_s=pick("prefill_s"), decode_step_s=pick("step_s"), runtime_s=pick("runtime_s"),
+        peak_memory_bytes={t: int(round(v)) for t, v in peaks.items()},
+        capacity_bytes={t: int(max(0.0, v)) for t, v in capacity.items()},
+        fits=fits, bottleneck=resource, bottleneck_detail=detail,
+        min_compute_bound_batch=int(max(1, out["min_compute_bound_batch"][i])), min_compute_bound_basis=basis,
+        step_breakdown_s=breakdown, efficiency=eff.name,
+    )
+
+
+def evaluate(model: ModelSpec, hardware: HardwareSpec, policy: Policy, workload: Workload | None = None,
+             efficiency: MachineEfficiency | None = None,
+             reserve_bytes: dict[str, float] | None = None) -> Prediction:
+    """Predict speed, memory and the bottleneck of one policy ("move a knob, get a new prediction"; ~1 ms)."""
+    workload = workload or Workload()
+    eff = efficiency or default_efficiency(hardware)
+    machine = machine_view(hardware, reserve_bytes)
+    numbers = model_numbers(model)
+    traits = [format_traits(machine, policy.weight_format)]
+    cols = policy_columns(machine, policy)
+    mem = fixed_memory(numbers, machine, eff, workload, traits, cols)
+    peaks = peak_memory(mem, cols["wa"], cols["wh"], cols["wd"])
+    out = evaluate_arrays(numbers, machine, eff, workload, traits, cols)
+    return prediction_from_arrays(machine, eff, policy, peaks, out, 0, model)
+
+
+def policy_batch_curve(model: ModelSpec, hardware: HardwareSpec, policy: Policy, batch_sizes,
+                       workload: Workload | None = None, efficiency: MachineEfficiency | None = None,
+                       reserve_bytes: dict[str, float] | None = None) -> list[dict]:
+    """One policy at other micro-batch sizes, everything else fixed, in one vectorized pass (for a chart).
+
+    Each point: batch_size (sequences), decode_tokens_per_s, throughput_tokens_per_s, roofline_decode_tokens_per_s,
+    fits.
+    """
+    workload = workload or Workload()
+    eff = efficiency or default_efficiency(hardware)
+    machine = machine_view(hardware, reserve_bytes)
+    numbers = model_numbers(model)
+    traits = [format_traits(machine, policy.weight_format)]
+    sizes = np.array([int(b) for b in batch_sizes], dtype=float)
+    if sizes.size == 0 or sizes.min() < 1:
+        raise InputError("batch sizes must be integers >= 1")
+    cols = {k: np.repeat(v, sizes.size) for k, v in policy_columns(machine, policy).items()}
+    cols["b"] = sizes
+    mem = fixed_memory(numbers, machine, eff, workload, traits, cols)
+    peaks = peak_memory(mem, cols["wa"], cols["wh"], cols["wd"])
+    out = evaluate_arrays(numbers, machine, eff, workload, traits, cols)
+    fits = (peaks["acc"] <= machine.acc_capacity + 1) & (peaks["host"] <= machine.host_capacity + 1) \
+        & (peaks["disk"] <= machine.disk_capacity + 1)
+    return [{"batch_size": int(b * policy.num_micro_batches), "decode_tokens_per_s": float(out["decode_tps"][i]),
+             "throughput_tokens_per_s": float(out["throughput_tps"][i]),
+             "roofline_decode_tokens_per_s": float(out["roof_decode_tps"][i]), "fits": bool(fits[i])}
+            for i, b in enumerate(sizes)]
+
+
+# ---- the bottleneck in words --------------------------------------------------------------------------------------
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3g} GB"
+
+
+def _rate(x: float) -> str:
+    return f"{x / 1e9:.3g} GB/s"
+
+
+def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out, i: int) -> tuple[str, str]:
+    """The resource that sets the decode step time, and a sentence with its numbers."""
+    value = lambda key: float(out[key][i])  # noqa: E731
+    chain, link, disk = value("chain_s"), value("host link"), value("disk")
+    depth = policy.prefetch_depth
+    if depth >= 1 and max(link, disk) > chain:
+        resource = "host link" if link >= disk else "disk"
+    else:
+        inside = {name: value(name) for name in ("accelerator compute", "accelerator memory", "cpu attention",
+                                                 "overhead")}
+        if depth == 0:
+            inside.update({"host link": link, "disk": disk})
+        resource = max(inside, key=inside.get)
+    acc_name = "GPU" if machine.acc_tier == "gpu" else "CPU"
+    mem_name = "GPU memory" if machine.acc_tier == "gpu" else "RAM"
+    weights = policy.weights
+    if resource == "host link":
+        parts = []
+        streamed = value("streamed_weight_bytes_step")
+        if streamed > 0:
+            parts.append(f"{100 * (1 - weights.gpu):.0f}% of the weights ({_gb(streamed)})")
+        if value("cache_streamed_step") > 0:
+            parts.append(f"the off-GPU KV cache ({_gb(value('cache_streamed_step'))})")
+        what = " and ".join(parts) or "activations"
+        detail = f"host→GPU link: streaming {what} per decode step at {_rate(machine.link_bandwidth or 0)}"
+    elif resource == "disk":
+        parts = []
+        if weights.disk > 0:
+            parts.append(f"{100 * weights.disk:.0f}% of the weights")
+        if policy.kv_cache.disk > 0:
+            parts.append(f"{100 * policy.kv_cache.disk:.0f}% of the KV cache")
+        detail = (f"disk reads: {' and '.join(parts) or 'data'} ({_gb(value('disk_bytes_step'))} per decode step) "
+                  f"at {_rate(machine.disk_read)}")
+    elif resource == "accelerator memory":
+        resource = "gpu memory bandwidth" if machine.acc_tier == "gpu" else "ram bandwidth"
+        detail = (f"{mem_name} bandwidth: reading {_gb(value('acc_bytes_step'))} of weights and KV cache per decode "
+                  f"step at {_rate(machine.acc_bandwidth)}")
+    elif resource == "accelerator compute":
+        resource = "gpu compute" if machine.acc_tier == "gpu" else "cpu compute"
+        flops = value("acc_flops_step")
+        detail = (f"{acc_name} compute: {flops / 1e12:.3g} TFLOP per decode step for "
+                  f"{policy.batch_size} sequences")
+    elif resource == "cpu attention":
+        detail = (f"CPU attention over the KV cache in RAM: {_gb(value('cpu_cache_bytes_step'))} per decode step at "
+                  f"{_rate(machine.cpu.memory_bandwidth)} RAM bandwidth")
+    else:
+        detail = (f"fixed overhead: {model.num_layers} blocks × {policy.num_micro_batches} micro-batch(es) of "
+                  f"kernel launches per decode step")
+    return resource, detail
+

@@ -1,0 +1,126 @@
+"""Efficiency factors: the fraction of a device's spec numbers that real kernels reach, plus fixed overheads.
+
+Spec numbers (planner/hardware.py) are vendor upper bounds. The cost model multiplies them by the factors here, so
+calibration (`hivekeeper profile`, a later issue) can replace a whole set without touching any spec. Every plan names
+the set it used. docs/cost-model.md explains where each default comes from; in short:
+
+- matmul_fraction: large matmuls (prefill). Datacenter GPUs 0.5: the Narayanan et al. davinci prefill slope,
+  (0.597 s - 0.109 s) / 1664 tokens for 2 × 175e9 FLOP per token on 8 × A100 = 150 TFLOP/s per GPU = 48% of
+  312. Power-capped inference cards (T4, L4: ≤ 100 W boards) 0.32: FlexGen's fitted T4 prefill rate 21 TFLOP/s
+  of 65. Consumer GPUs, CPUs, Apple: no published measurement, 0.5.
+- bandwidth_fraction: decode's weight and KV reads. GPUs 0.8, the middle of the 0.7–0.85 that decode kernels
+  reach. CPUs 0.5: PyTorch's CPU kernels over large tensors reach about half of the theoretical DRAM rate
+  (STREAM-like loops ~0.7–0.8). Apple 0.7 (no measurement; MPS kernels trail CUDA's).
+- layer_overhead_s: eager PyTorch launches ~20 kernels per block at ~15 µs each: 0.3 ms per block per
+  micro-batch on a GPU. What the reads at 0.8 leave unexplained per block: FlexGen's OPT-6.7B decode on a T4
+  (~59 ms per step vs 52 ms of reads) 0.2 ms, the GPT-J β on an A100 (21 ms vs 7–10 ms of reads) 0.4–0.5 ms.
+- link_fraction: the catalog's host-link numbers are already practical rates (80% of PCIe nominal), so 1.0.
+- disk_fraction: large sequential reads reach ~90% of a drive's rated speed.
+- runtime_bytes: memory the framework holds before any weight: CUDA context + cuBLAS workspace + allocator
+  slack on a GPU (1 GiB); Python + torch + tokenizer in RAM (1.5 GiB).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from .errors import InputError
+from .hardware import ComputeDevice, HardwareSpec
+
+GIB = 2**30
+
+HARDWARE_CLASSES = ("datacenter-gpu", "inference-gpu", "consumer-gpu", "apple", "cpu")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What one class of device reaches of its spec numbers, and its fixed costs. Fractions are in (0, 1]."""
+
+    name: str  # e.g. "default:datacenter-gpu"; calibration writes "measured:<machine>"
+    matmul_fraction: float  # of peak dense FLOP/s, reached by large matmuls
+    bandwidth_fraction: float  # of memory bandwidth, reached by streaming weight / KV reads
+    link_fraction: float = 1.0  # of the host link's practical rate (GPUs)
+    disk_fraction: float = 0.9  # of the disk's rated read/write speed (used for the host)
+    layer_overhead_s: float = 0.3e-3  # per block per micro-batch: kernel launches, Python
+    step_overhead_s: float = 1.0e-3  # per decode step: embedding, sampling, the generation loop
+    runtime_bytes: int = GIB  # memory held by the framework on this device before any tensor
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for field_name in ("matmul_fraction", "bandwidth_fraction", "link_fraction", "disk_fraction"):
+            value = getattr(self, field_name)
+            if not 0.0 < value <= 1.0:
+                raise InputError(f"efficiency {self.name!r}: {field_name} must be in (0, 1], got {value}")
+        for field_name in ("layer_overhead_s", "step_overhead_s"):
+            if not 0.0 <= getattr(self, field_name) < 10.0:
+                raise InputError(f"efficiency {self.name!r}: {field_name} must be in [0, 10) s")
+        if self.runtime_bytes < 0:
+            raise InputError(f"efficiency {self.name!r}: runtime_bytes must be >= 0")
+
+
+_GPU_SOURCE = "0.3 ms/block launch overhead and 0.8 bandwidth: FlexGen OPT-6.7B on T4, HELM GPT-J on A100"
+
+DEFAULTS: dict[str, Efficiency] = {
+    "datacenter-gpu": Efficiency(
+        "default:datacenter-gpu", matmul_fraction=0.5, bandwidth_fraction=0.8,
+        source="matmul 0.5: davinci prefill slope on 8×A100 (Narayanan et al.); " + _GPU_SOURCE),
+    "inference-gpu": Efficiency(
+        "default:inference-gpu", matmul_fraction=0.32, bandwidth_fraction=0.8,
+        source="matmul 0.32: FlexGen's fitted T4 prefill rate 21 of 65 TFLOP/s; " + _GPU_SOURCE),
+    "consumer-gpu": Efficiency(
+        "default:consumer-gpu", matmul_fraction=0.5, bandwidth_fraction=0.8,
+        source="no published measurement: datacenter matmul fraction; " + _GPU_SOURCE),
+    "apple": Efficiency(
+        "default:apple", matmul_fraction=0.5, bandwidth_fraction=0.7,
+        source="no published measurement: round figures (MPS kernels reach less of the bandwidth than CUDA)"),
+    "cpu": Efficiency(
+        "default:cpu", matmul_fraction=0.5, bandwidth_fraction=0.5, layer_overhead_s=0.2e-3,
+        runtime_bytes=int(1.5 * GIB),
+        source="round figures: PyTorch CPU kernels reach about half of theoretical DRAM bandwidth and FLOP/s"),
+}
+
+_CONSUMER_NAME = re.compile(r"geforce|titan|\brtx\s*\d{4}\b", re.IGNORECASE)
+
+
+def hardware_class(device: ComputeDevice) -> str:
+    """The efficiency class of a device: cpu, apple, consumer-gpu, inference-gpu (≤ 100 W boards) or datacenter-gpu.
+
+    Power-capped inference cards (T4, L4) get their own class: at 70 W they cannot hold the boost clocks their
+    tensor-core peak assumes, and FlexGen's fitted T4 rate shows it (32% of peak on large matmuls).
+    """
+    if device.kind == "cpu":
+        return "cpu"
+    if device.unified_memory:
+        return "apple"
+    if _CONSUMER_NAME.search(device.name):
+        return "consumer-gpu"
+    if device.power_watts <= 100.0:
+        return "inference-gpu"
+    return "datacenter-gpu"
+
+
+@dataclass(frozen=True)
+class MachineEfficiency:
+    """The efficiency sets a plan uses: one for the accelerator (the GPU, or the CPU of a CPU-only machine), one
+    for the host CPU (its RAM bandwidth for CPU attention, its disk)."""
+
+    accelerator: Efficiency
+    host: Efficiency
+
+    @property
+    def name(self) -> str:
+        if self.accelerator == self.host:
+            return self.accelerator.name
+        return f"{self.accelerator.name} + {self.host.name}"
+
+
+def default_efficiency(hardware: HardwareSpec) -> MachineEfficiency:
+    """The built-in efficiency sets for this machine's accelerator class and its CPU."""
+    return MachineEfficiency(DEFAULTS[hardware_class(hardware.accelerator)], DEFAULTS["cpu"])
+
+
+def with_overrides(efficiency: Efficiency, **changes) -> Efficiency:
+    """A copy with some factors replaced (what calibration does), renamed unless a name is given."""
+    changes.setdefault("name", efficiency.name.replace("default:", "custom:"))
+    return replace(efficiency, **changes)

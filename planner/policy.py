@@ -1,0 +1,402 @@
+"""Offloading policy search: the best policy of the cost model for a model, a machine, a goal and constraints.
+
+The search is exhaustive over a coarse grid — weight format × KV cache placement × activation placement ×
+micro-batch size × number of micro-batches × K/V kept or recomputed × attention on the CPU or not × prefetch
+depth — evaluated in one numpy pass (tens of thousands of candidates in a few milliseconds). Where the block
+weights go is not on the grid: for every candidate the closed form in costmodel.solve_weight_placement puts as
+much as fits on the accelerator, then in RAM, the rest on disk, which is optimal for the other knobs fixed.
+
+Goals: chat minimizes the runtime of the request (α + β(o − 1)) at the given batch (1 stream by default);
+batch maximizes generated tokens/s over prefill plus decode (FlexGen's metric); serve sizes a swarm server.
+With --quant auto a quantized format must win by a margin (QUALITY_WEIGHT): int8 by 11%, nf4 by 25%.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .costmodel import (TIERS, Machine, Placement, Policy, Prediction, Workload, evaluate_arrays, fixed_memory,
+                        format_traits, machine_view, model_numbers, peak_memory, prediction_from_arrays,
+                        sixteen_bit_format, solve_weight_placement)
+from .efficiency import MachineEfficiency, default_efficiency
+from .errors import InputError
+from .hardware import HardwareSpec
+from .models import ModelSpec
+from .runtime import RuntimeEstimate, idealized_runtime
+from .swarm import ServerPlan, client_fits, plan_server
+
+GOALS = ("chat", "batch", "serve")
+QUANTS = ("auto", "none", "int8", "nf4")
+QUALITY_WEIGHT = {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0, "int8": 0.9, "nf4": 0.8}
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MICRO_BATCH_COUNTS = (1, 2, 4, 8, 16)
+CACHE_ON_ACCELERATOR = (1.0, 0.75, 0.5, 0.25, 0.0)
+CACHE_HOST_SHARE = (1.0, 0.5, 0.0)  # of the cache not on the accelerator, the part in RAM (the rest on disk)
+PREFETCH_DEPTHS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user fixes: the quantization choice, the batch (sequences together), memory to leave free."""
+
+    quant: str = "auto"
+    batch_size: int | None = None
+    reserve_bytes: dict[str, float] = field(default_factory=dict)  # tier ("gpu", "cpu", "disk") -> bytes
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANTS:
+            raise InputError(f"unknown quantization {self.quant!r}; choose one of {', '.join(QUANTS)}")
+        if self.batch_size is not None and not 1 <= self.batch_size <= 65536:
+            raise InputError(f"batch must be an integer from 1 to 65536, got {self.batch_size}")
+        for tier, value in self.reserve_bytes.items():
+            if tier not in TIERS or not 0 <= value <= 1e15:
+                raise InputError(f"reserve for {tier!r} must be a tier (gpu, cpu, disk) and 0..1e15 bytes")
+
+
+def candidate_formats(model: ModelSpec, machine: Machine, quant: str) -> list[str]:
+    """Weight formats the search tries: the 16-bit format (and fp32 on a CPU), plus int8/nf4 when allowed."""
+    if quant in ("int8", "nf4"):
+        return [quant]
+    formats = [sixteen_bit_format(model, machine)]
+    if machine.acc.kind == "cpu":
+        formats.append("fp32")  # a CPU without 16-bit math converts every 16-bit value it reads
+    if quant == "auto":
+        formats += ["int8", "nf4"]
+    return formats
+
+
+def _batch_pairs(goal: str, batch_size: int | None) -> list[tuple[int, int]]:
+    if goal == "chat":
+        return [(batch_size or 1, 1)]
+    if batch_size is not None:
+        return [(b, batch_size // b) for b in range(1, batch_size + 1)
+                if batch_size % b == 0 and batch_size // b <= max(MICRO_BATCH_COUNTS)] or [(batch_size, 1)]
+    return [(b, n) for b in MICRO_BATCH_SIZES for n in MICRO_BATCH_COUNTS]
+
+
+def build_grid(model: ModelSpec, machine: Machine, goal: str, constraints: Constraints,
+               n_formats: int) -> dict[str, np.ndarray]:
+    """Every candidate (without weight fractions), as columns of one table."""
+    # recomputing K and V from stored hidden states only saves memory where they are wider than the hidden state
+    recompute = 2 * model.num_kv_heads * model.head_dim > model.hidden_size
+    cols = _grid_skeleton(goal, constraints.batch_size, machine.has_host_tier, recompute, n_formats)
+    return {k: v.copy() for k, v in cols.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_skeleton(goal: str, batch_size: int | None, host: bool, recompute_allowed: bool,
+                   n_formats: int) -> dict[str, np.ndarray]:
+    cache_options = []
+    for ca in CACHE_ON_ACCELERATOR:
+        shares = (1.0,) if ca == 1.0 else (CACHE_HOST_SHARE if host else (0.0,))
+        for share in shares:
+            cache_options.append((ca, (1.0 - ca) * share, (1.0 - ca) * (1.0 - share)))
+    cache = np.array(cache_options)
+    pairs = np.array(_batch_pairs(goal, batch_size), dtype=float)
+    recompute = (0.0, 1.0) if recompute_allowed else (0.0,)
+    axes = {
+        "fmt": np.arange(n_formats), "cache": np.arange(len(cache)), "ah": np.array((0.0, 1.0) if host else (0.0,)),
+        "pair": np.arange(len(pairs)), "rec": np.array(recompute),
+        "cattn": np.array((0.0, 1.0) if host else (0.0,)), "d": np.array(PREFETCH_DEPTHS, dtype=float),
+    }
+    mesh = np.meshgrid(*axes.values(), indexing="ij")
+    flat = {name: grid.ravel() for name, grid in zip(axes, mesh)}
+    ci, pi = flat.pop("cache"), flat.pop("pair")
+    cols = {"fmt": flat["fmt"].astype(int), "ca": cache[ci, 0], "ch": cache[ci, 1], "cd": cache[ci, 2],
+            "ah": flat["ah"], "b": pairs[pi, 0], "n": pairs[pi, 1], "rec": flat["rec"], "cattn": flat["cattn"],
+            "d": flat["d"]}
+    keep = ~((cols["cattn"] > 0) & ((cols["ca"] >= 1.0) | (cols["rec"] > 0)))
+    return {k: v[keep] for k, v in cols.items()}
+
+
+@dataclass
+class GridResult:
+    """A whole evaluated grid: the columns, memory peaks, cost-model outputs, feasibility and scores."""
+
+    machine: Machine
+    efficiency: MachineEfficiency
+    formats: list[str]
+    cols: dict[str, np.ndarray]
+    peaks: dict[str, np.ndarray]
+    out: dict[str, np.ndarray]
+    feasible: np.ndarray
+    speed: np.ndarray  # chat: 1 / runtime; batch: generated tokens/s
+    score: np.ndarray  # speed × quality weight of the format (−inf where infeasible)
+    mem: dict[str, np.ndarray]
+    batch_sizes: np.ndarray  # every batch size on the grid, fitting or not
+
+    def best(self) -> int:
+        """Index of the best candidate; exact ties (to 1e-9) go to the plan that keeps the least off the
+        accelerator, then to the shallowest prefetch and the fewest micro-batches."""
+        top = float(np.max(self.score))
+        if not np.isfinite(top):
+            return int(np.argmax(self.score))
+        near = np.flatnonzero(self.score >= top * (1.0 - 1e-9))
+        off_accelerator = self.peaks["host"][near] + self.peaks["disk"][near]
+        order = np.lexsort((self.cols["n"][near], self.cols["d"][near], off_accelerator))
+        return int(near[order[0]])
+
+    def policy(self, i: int) -> Policy:
+        c = self.cols
+        acc = self.machine.acc_tier
+
+        def placement(on_acc: float, on_host: float, on_disk: float) -> Placement:
+            if acc == "gpu":
+                return Placement(on_acc, on_host, on_disk)
+            return Placement(0.0, on_acc, on_disk)
+
+        return Policy(
+            weight_format=self.formats[int(c["fmt"][i])],
+            weights=placement(float(c["wa"][i]), float(c["wh"][i]), float(c["wd"][i])),
+            kv_cache=placement(float(c["ca"][i]), float(c["ch"][i]), float(c["cd"][i])),
+            activations=placement(1.0 - float(c["ah"][i]), float(c["ah"][i]), 0.0),
+            micro_batch_size=int(c["b"][i]), num_micro_batches=int(c["n"][i]), kv_recompute=bool(c["rec"][i]),
+            prefetch_depth=int(c["d"][i]), attention_on_cpu=bool(c["cattn"][i]),
+        )
+
+
+def evaluate_grid(model: ModelSpec, hardware: HardwareSpec, goal: str, constraints: Constraints,
+                  workload: Workload, efficiency: MachineEfficiency | None = None) -> GridResult:
+    """Evaluate every candidate of the grid for a local goal ("chat" or "batch")."""
+    eff = efficiency or default_efficiency(hardware)
+    machine = machine_view(hardware, constraints.reserve_bytes)
+    numbers = model_numbers(model)
+    formats = candidate_formats(model, machine, constraints.quant)
+    traits = [format_traits(machine, f) for f in formats]
+    cols = build_grid(model, machine, goal, constraints, len(formats))
+    mem = fixed_memory(numbers, machine, eff, workload, traits, cols)
+    wa, wh, wd, feasible = solve_weight_placement(mem, machine)
+    cols.update(wa=wa, wh=wh, wd=wd)
+    batch_sizes = np.unique((cols["b"] * cols["n"]).astype(int))
+    if feasible.any():
+        # time only what fits (memory is cheap to check, time is not), and skip candidates whose time is provably
+        # that of a simpler one: prefetch depth changes nothing when nothing streams, and depth 2 equals depth 1
+        # (with more buffers) when nothing is on disk
+        d = cols["d"]
+        nothing_streams = (wa >= 1.0) & (cols["ca"] >= 1.0) & (cols["ah"] == 0)
+        nothing_on_disk = (wd == 0) & (cols["cd"] == 0)
+        keep = feasible & ~((d > 0) & nothing_streams) & ~((d == 2) & nothing_on_disk)
+        cols = {k: v[keep] for k, v in cols.items()}
+        mem = {k: (v[keep] if isinstance(v, np.ndarray) and v.shape == keep.shape else v) for k, v in mem.items()}
+        feasible = feasible[keep]
+    peaks = peak_memory(mem, cols["wa"], cols["wh"], cols["wd"])
+    out = evaluate_arrays(numbers, machine, eff, workload, traits, cols)
+    speed = 1.0 / out["runtime_s"] if goal == "chat" else out["throughput_tps"]
+    quality = np.array([QUALITY_WEIGHT[f] for f in formats])[cols["fmt"]]
+    score = np.where(feasible, speed * quality, -np.inf)
+    return GridResult(machine, eff, formats, cols, peaks, out, feasible, speed, score, mem, batch_sizes)
+
+
+def _missing_bytes(grid: GridResult) -> dict[str, int]:
+    """For a model that fits nowhere: the least memory to add, per tier, over all candidates."""
+    mem, machine = grid.mem, grid.machine
+    need_acc = mem["acc"] + np.minimum(mem["w_all"], mem["acc_buffers"] * mem["w_blk"])
+    need = {"acc": need_acc, "host": mem["host"], "disk": mem["disk"]}
+    capacity = {"acc": machine.acc_capacity, "host": machine.host_capacity, "disk": machine.disk_capacity}
+    short = {t: np.maximum(0.0, need[t] - capacity[t]) for t in need}
+    free = sum(np.maximum(0.0, capacity[t] - need[t]) for t in need)
+    weights_short = np.maximum(0.0, mem["w_all"] - np.minimum(mem["w_all"], mem["acc_buffers"] * mem["w_blk"]) - free)
+    total = short["acc"] + short["host"] + short["disk"] + weights_short
+    i = int(np.argmin(total))
+    acc_name = machine.acc_tier
+    result = {"gpu": 0, "cpu": 0, "disk": 0}
+    result[acc_name] += int(short["acc"][i])
+    if machine.has_host_tier:
+        result["cpu"] += int(short["host"][i])
+    result["disk"] += int(short["disk"][i] + weights_short[i])
+    result["total"] = int(total[i])
+    return result
+
+
+# ---- plans --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """The recommendation: how to run (or serve) a model on a machine, how fast, and why."""
+
+    goal: str
+    model: str
+    hardware: str
+    workload: Workload
+    fit: str  # "local" | "swarm" | "none"
+    reason: str
+    prediction: Prediction | None  # the best local policy; None when nothing fits locally
+    runtime: RuntimeEstimate | None
+    missing_bytes: dict[str, int] | None  # what a model that cannot run lacks
+    server: ServerPlan | None  # goal "serve"
+    efficiency: str
+    candidates_evaluated: int
+
+
+def _placement_words(prediction: Prediction, machine: Machine) -> str:
+    policy = prediction.policy
+
+    def where(placement: Placement) -> str:
+        parts = [f"{100 * v:.0f}% {name.upper() if name != 'cpu' else 'RAM'}"
+                 for name, v in (("gpu", placement.gpu), ("cpu", placement.cpu), ("disk", placement.disk)) if v > 0]
+        return " / ".join(parts)
+
+    batch = policy.batch_size
+    split = f" ({policy.micro_batch_size} × {policy.num_micro_batches})" if policy.num_micro_batches > 1 else ""
+    return (f"{policy.weight_format} weights {where(policy.weights)}; KV cache {where(policy.kv_cache)}; "
+            f"batch {batch}{split}")
+
+
+def search(model: ModelSpec, hardware: HardwareSpec, goal: str = "chat", constraints: Constraints | None = None,
+           workload: Workload | None = None, efficiency: MachineEfficiency | None = None,
+           price_per_hour: float | None = None) -> Plan:
+    """The best plan of the cost model for this model, machine and goal."""
+    if goal not in GOALS:
+        raise InputError(f"unknown goal {goal!r}; choose one of {', '.join(GOALS)}")
+    constraints = constraints or Constraints()
+    workload = workload or Workload()
+    eff = efficiency or default_efficiency(hardware)
+    price = hardware.price_per_hour if price_per_hour is None else price_per_hour
+    grid = evaluate_grid(model, hardware, "batch" if goal == "batch" else "chat", constraints, workload, eff)
+    machine = grid.machine
+    best = grid.best()
+    local_ok = bool(grid.feasible[best])
+    prediction = prediction_from_arrays(machine, eff, grid.policy(best), grid.peaks, grid.out, best, model) \
+        if local_ok else None
+    client_ok = client_fits(model, machine, workload, eff)
+    missing = None
+    if prediction is not None:
+        on_disk = prediction.policy.weights.disk > 0
+        fit = "swarm" if (on_disk and goal != "batch" and client_ok) else "local"
+        reason = f"{prediction.bottleneck_detail}. {_placement_words(prediction, machine)}."
+        if fit == "swarm":
+            reason += (f" Locally {100 * prediction.policy.weights.disk:.0f}% of the weights would sit on disk "
+                       f"({prediction.decode_tokens_per_s:.3g} tokens/s): run it with the swarm instead.")
+    else:
+        missing = _missing_bytes(grid)
+        fit = "swarm" if client_ok else "none"
+        lacking = ", ".join(f"{tier} {missing[tier] / 1e9:.3g} GB" for tier in TIERS if missing[tier] > 0)
+        reason = f"does not fit locally: needs {missing['total'] / 1e9:.3g} GB more memory ({lacking})."
+        reason += " The swarm can run it: this machine holds the client side." if client_ok else \
+            " This machine cannot even hold the client side (embeddings and LM head)."
+    runtime = None
+    if prediction is not None:
+        runtime = idealized_runtime(prediction.prefill_s, prediction.decode_step_s, workload.prompt_len,
+                                    workload.output_len, prediction.policy.batch_size, machine.power_watts, price)
+    server = None
+    if goal == "serve":
+        server = plan_server(model, hardware, constraints.quant, None, constraints.reserve_bytes, eff)
+        n = server.num_blocks
+        if n:
+            alpha = n * workload.prompt_len / server.forward_rps
+            beta = n / server.inference_rps
+            runtime = idealized_runtime(alpha, beta, workload.prompt_len, workload.output_len, 1,
+                                        machine.power_watts, price)
+            reason = (f"serves {n} of {model.num_layers} blocks in {server.weight_format} with a "
+                      f"{server.cache_tokens}-token cache per block; a 1-token step is bound by "
+                      f"{server.inference_bound}. " + reason)
+        else:
+            runtime = None
+            reason = f"cannot hold a single block for serving ({server.block_bytes / 1e9:.3g} GB each). " + reason
+    return Plan(goal=goal, model=model.name, hardware=hardware.id, workload=workload, fit=fit, reason=reason,
+                prediction=prediction, runtime=runtime, missing_bytes=missing, server=server, efficiency=eff.name,
+                candidates_evaluated=int(grid.score.size))
+
+
+@dataclass(frozen=True)
+class BatchPoint:
+    batch_size: int
+    throughput_tokens_per_s: float | None  # None where no policy with this batch fits
+    decode_tokens_per_s: float | None
+
+
+def batch_curve(model: ModelSpec, hardware: HardwareSpec, workload: Workload | None = None,
+                constraints: Constraints | None = None,
+                efficiency: MachineEfficiency | None = None) -> list[BatchPoint]:
+    """Best predicted tokens/s at each batch size the grid reaches (for a chart), from one grid pass."""
+    constraints = constraints or Constraints()
+    grid = evaluate_grid(model, hardware, "batch", Constraints(constraints.quant, None, constraints.reserve_bytes),
+                         workload or Workload(), efficiency)
+    batch = (grid.cols["b"] * grid.cols["n"]).astype(int)
+    points = []
+    for size in grid.batch_sizes:
+        rows = np.flatnonzero((batch == size) & grid.feasible)
+        if rows.size == 0:
+            points.append(BatchPoint(int(size), None, None))
+            continue
+        i = rows[np.argmax(grid.score[rows])]
+        points.append(BatchPoint(int(size), float(grid.out["throughput_tps"][i]), float(grid.out["decode_tps"][i])))
+    return points
+
+
+# ---- JSON ---------------------------------------------------------------------------------------------------------
+def _round(x: float | None, digits: int = 6) -> float | None:
+    if x is None:
+        return None
+    return float(f"{x:.{digits}g}")
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """The plan as one JSON-ready object (docs/plan-json.md documents every field)."""
+    p, r, s, w = plan.prediction, plan.runtime, plan.server, plan.workload
+    data: dict = {
+        "goal": plan.goal, "model": plan.model, "hardware": plan.hardware, "fit": plan.fit, "reason": plan.reason,
+        "efficiency": plan.efficiency,
+        "prompt_len": w.prompt_len, "output_len": w.output_len, "context_len": w.cache_len,
+    }
+    if s is not None and s.num_blocks:
+        n = s.num_blocks
+        peaks = {"gpu": 0, "cpu": 0, "disk": 0}
+        peaks[s.tier] = s.peak_memory_bytes
+        data.update({
+            "policy": {"weight_format": s.weight_format, "num_blocks": n, "cache_tokens": s.cache_tokens,
+                       "blocks_on": s.tier},
+            # one client session's pass through this server's span
+            "decode_tokens_per_s": _round(s.inference_rps / n), "prefill_tokens_per_s": _round(s.forward_rps / n),
+            "throughput_tokens_per_s": _round(s.inference_rps / n),
+            "roofline_decode_tokens_per_s": _round(s.roofline_inference_rps / n),
+            "roofline_prefill_tokens_per_s": _round(s.roofline_forward_rps / n),
+            "bottleneck": s.inference_bound,
+            "bottleneck_detail": f"a 1-token step through {n} blocks is bound by {s.inference_bound}",
+            "min_compute_bound_batch": s.min_compute_bound_batch,
+            "min_compute_bound_basis": "GPU memory bandwidth" if s.tier == "gpu" else "RAM bandwidth",
+            "peak_memory_bytes": peaks,
+            "capacity_bytes": {tier: (s.capacity_bytes if tier == s.tier else 0) for tier in TIERS},
+        })
+    elif p is not None:
+        data.update({
+            "policy": p.policy.as_dict(),
+            "decode_tokens_per_s": _round(p.decode_tokens_per_s),
+            "prefill_tokens_per_s": _round(p.prefill_tokens_per_s),
+            "throughput_tokens_per_s": _round(p.throughput_tokens_per_s),
+            "roofline_decode_tokens_per_s": _round(p.roofline_decode_tokens_per_s),
+            "roofline_prefill_tokens_per_s": _round(p.roofline_prefill_tokens_per_s),
+            "bottleneck": p.bottleneck, "bottleneck_detail": p.bottleneck_detail,
+            "min_compute_bound_batch": p.min_compute_bound_batch, "min_compute_bound_basis": p.min_compute_bound_basis,
+            "peak_memory_bytes": dict(p.peak_memory_bytes), "capacity_bytes": dict(p.capacity_bytes),
+        })
+    else:
+        for key in ("policy", "decode_tokens_per_s", "prefill_tokens_per_s", "throughput_tokens_per_s",
+                    "roofline_decode_tokens_per_s", "roofline_prefill_tokens_per_s", "bottleneck",
+                    "bottleneck_detail", "min_compute_bound_batch", "min_compute_bound_basis", "peak_memory_bytes",
+                    "capacity_bytes"):
+            data[key] = None
+    data.update({
+        "runtime_s": _round(r.runtime_s) if r else None, "alpha_s": _round(r.alpha_s) if r else None,
+        "beta_s": _round(r.beta_s) if r else None, "power_watts": r.power_watts if r else None,
+        "energy_j": _round(r.energy_j) if r else None,
+        "energy_j_per_1k_tokens": _round(r.energy_j_per_1k_tokens) if r else None,
+        "price_per_hour": r.price_per_hour if r else None,
+        "cost_usd": _round(r.cost_usd) if r and r.cost_usd is not None else None,
+        "cost_usd_per_1k_tokens": _round(r.cost_usd_per_1k_tokens) if r and r.cost_usd_per_1k_tokens is not None
+        else None,
+        "missing_bytes": plan.missing_bytes,
+        "candidates_evaluated": plan.candidates_evaluated,
+    })
+    if plan.goal == "serve" and s is not None:
+        data.update({
+            "num_blocks": s.num_blocks, "total_blocks": s.total_blocks, "block_inference_rps": _round(s.inference_rps),
+            "block_forward_rps": _round(s.forward_rps), "cache_tokens": s.cache_tokens,
+            "block_bytes": s.block_bytes, "cache_bytes_per_block": s.cache_bytes_per_block,
+            "network_rps": _round(s.network_rps), "advertised_throughput": _round(s.throughput),
+        })
+    return data
+

@@ -1,0 +1,297 @@
+"""Swarm sizing: how many blocks a node serves and how fast, where its span should go, how fast a client's chain is.
+
+Follows the Petals conventions (shared/protocol/petals-wire.md): a server keeps whole blocks on its accelerator plus
+a KV cache for `cache_tokens` tokens per block (4096, or 16384 for grouped-query models); inference_rps is tokens/s
+of one block for 1-token steps with a cache, forward_rps tokens/s of one block for a 1024-token forward; a server
+advertises min(forward_rps / ((blocks + 1) / 2), network_rps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .costmodel import (Machine, Workload, _experts_touched, format_traits, machine_view, model_numbers,
+                        sixteen_bit_format)
+from .efficiency import MachineEfficiency, default_efficiency
+from .errors import InputError
+from .formats import get_format
+from .hardware import HardwareSpec
+from .models import ModelSpec
+
+CACHE_TOKENS_MHA = 4096
+CACHE_TOKENS_GQA = 16384
+FORWARD_TOKENS = 1024
+INFERENCE_CONTEXT = 64  # Petals measures inference_rps over short sessions that start from an empty cache
+
+
+def default_cache_tokens(model: ModelSpec) -> int:
+    """Petals' attn_cache_tokens: 4096, or 16384 for grouped-query models (their cache is smaller per token)."""
+    return CACHE_TOKENS_GQA if model.num_kv_heads < model.num_heads else CACHE_TOKENS_MHA
+
+
+@dataclass(frozen=True)
+class BlockSpeed:
+    """Speed of one block on this machine's accelerator, with the roofline bound beside each number."""
+
+    inference_rps: float
+    forward_rps: float
+    roofline_inference_rps: float
+    roofline_forward_rps: float
+    inference_bound: str  # what dominates a 1-token step: "gpu memory bandwidth", "gpu compute", "overhead", …
+    min_compute_bound_batch: int  # batch at which a step's compute time reaches its weight-read time
+
+
+def block_speed(model: ModelSpec, machine: Machine, eff: MachineEfficiency, weight_format: str,
+                context_len: int = INFERENCE_CONTEXT, forward_tokens: int = FORWARD_TOKENS) -> BlockSpeed:
+    """Tokens/s of one resident block: 1-token steps at a short context, and a long forward."""
+    numbers = model_numbers(model)
+    traits = format_traits(machine, weight_format)
+    ea = eff.accelerator
+    bw, peak = machine.acc_bandwidth, traits.peak_flops
+    kv_token = 2.0 * numbers.kv_dim * traits.kv_bytes
+    vectors = numbers.vector_params * traits.vector_bytes
+
+    def matrices(tokens: int) -> float:
+        experts = float(_experts_touched(numbers.experts, numbers.experts_per_token, tokens))
+        return numbers.shared_matrix_params + experts * numbers.expert_matrix_params
+
+    # one token attending to context_len cached positions
+    bytes_1 = matrices(1) * traits.read_bytes_gemv + vectors + context_len * kv_token * traits.kv_read_factor
+    bytes_1_min = matrices(1) * traits.stored_bytes + vectors + context_len * kv_token
+    flops_1 = numbers.flops_per_token + 4.0 * numbers.q_dim * context_len
+    memory_t = bytes_1 / (bw * ea.bandwidth_fraction)
+    compute_t = flops_1 / (peak * ea.matmul_fraction)
+    step = memory_t + compute_t + ea.layer_overhead_s
+    roof_step = max(bytes_1_min / bw, flops_1 / peak)
+    # a forward of T tokens (causal attention, cache written)
+    T = forward_tokens
+    bytes_f = matrices(T) * traits.read_bytes_gemm + vectors + T * kv_token
+    bytes_f_min = matrices(T) * traits.stored_bytes + vectors + T * kv_token
+    flops_f = T * numbers.flops_per_token + 4.0 * numbers.q_dim * T * (T + 1) / 2.0
+    forward = bytes_f / (bw * ea.bandwidth_fraction) + flops_f / (peak * ea.matmul_fraction) + ea.layer_overhead_s
+    roof_forward = max(bytes_f_min / bw, flops_f / peak)
+    gpu = machine.acc_tier == "gpu"
+    parts = {"gpu memory bandwidth" if gpu else "ram bandwidth": memory_t,
+             "gpu compute" if gpu else "cpu compute": compute_t, "overhead": ea.layer_overhead_s}
+    weight_read_t = matrices(1) * traits.stored_bytes / (bw * ea.bandwidth_fraction)
+    ridge = int(np.ceil(weight_read_t * peak * ea.matmul_fraction / numbers.flops_per_token))
+    return BlockSpeed(
+        inference_rps=min(1.0 / step, 1.0 / roof_step), forward_rps=min(T / forward, T / roof_forward),
+        roofline_inference_rps=1.0 / roof_step, roofline_forward_rps=T / roof_forward,
+        inference_bound=max(parts, key=parts.get), min_compute_bound_batch=max(1, ridge),
+    )
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """A node serving a span of blocks: what fits, how fast, what it advertises."""
+
+    weight_format: str
+    num_blocks: int  # blocks that fit (at most the model's)
+    total_blocks: int  # the model's blocks
+    cache_tokens: int  # KV cache reserved per block, in tokens
+    block_bytes: int
+    cache_bytes_per_block: int
+    workspace_bytes: int  # activations of a FORWARD_TOKENS forward plus the framework's own memory
+    peak_memory_bytes: int  # on the accelerator
+    capacity_bytes: int
+    inference_rps: float  # per block
+    forward_rps: float  # per block
+    roofline_inference_rps: float
+    roofline_forward_rps: float
+    network_rps: float | None
+    throughput: float  # what the server advertises for its span (Petals' formula)
+    inference_bound: str
+    min_compute_bound_batch: int  # sequences per step at which a block's weight reads stop dominating
+    tier: str  # where the blocks live: "gpu", or "cpu" on a CPU-only machine
+    efficiency: str
+
+
+def choose_server_format(model: ModelSpec, machine: Machine, quant: str, cache_tokens: int,
+                         eff: MachineEfficiency) -> str:
+    """The weight format a server uses: 16 bits where every block fits, else nf4 (Petals' choice for GPUs).
+
+    A CPU server stays unquantized (bitsandbytes' CPU kernels are slower than dense matmuls): fp32 where the
+    CPU has no native 16-bit math, else bf16.
+    """
+    quant = quant.lower()
+    if quant in ("int8", "nf4"):
+        return quant
+    if machine.acc.kind == "cpu":
+        native = any(dtype in machine.acc.flops for dtype in ("bf16", "fp16"))
+        return "bf16" if native else "fp32"
+    sixteen = sixteen_bit_format(model, machine)
+    if quant == "none":
+        return sixteen
+    if quant != "auto":
+        raise InputError(f"unknown quantization {quant!r}; choose auto, none, int8 or nf4")
+    if _blocks_that_fit(model, machine, sixteen, cache_tokens, eff)[0] >= model.num_layers:
+        return sixteen
+    return "nf4"
+
+
+def _blocks_that_fit(model: ModelSpec, machine: Machine, weight_format: str, cache_tokens: int,
+                     eff: MachineEfficiency) -> tuple[int, float, float, float]:
+    numbers = model_numbers(model)
+    traits = format_traits(machine, weight_format)
+    fmt = get_format(weight_format)
+    block = (numbers.shared_matrix_params + numbers.experts * numbers.expert_matrix_params) * fmt.bytes_per_param \
+        + numbers.vector_params * traits.vector_bytes
+    cache = cache_tokens * 2.0 * numbers.kv_dim * traits.kv_bytes
+    workspace = FORWARD_TOKENS * numbers.workspace_values_per_token * traits.kv_bytes + eff.accelerator.runtime_bytes
+    usable = machine.acc_capacity - workspace
+    count = int(max(0.0, usable) // (block + cache))
+    return min(count, model.num_layers), block, cache, workspace
+
+
+def plan_server(model: ModelSpec, hardware: HardwareSpec, quant: str = "auto", cache_tokens: int | None = None,
+                reserve_bytes: dict[str, float] | None = None, efficiency: MachineEfficiency | None = None,
+                using_relay: bool = False) -> ServerPlan:
+    """Size a server for this machine: format, blocks, per-block rps, advertised throughput."""
+    eff = efficiency or default_efficiency(hardware)
+    machine = machine_view(hardware, reserve_bytes)
+    cache_tokens = default_cache_tokens(model) if cache_tokens is None else int(cache_tokens)
+    if not 1 <= cache_tokens <= 10_000_000:
+        raise InputError(f"cache tokens must be in 1..10000000, got {cache_tokens}")
+    weight_format = choose_server_format(model, machine, quant, cache_tokens, eff)
+    count, block, cache, workspace = _blocks_that_fit(model, machine, weight_format, cache_tokens, eff)
+    speed = block_speed(model, machine, eff, weight_format)
+    network = hardware.network
+    network_rps = min(network.upload_bps, network.download_bps) / (16.0 * model.hidden_size) \
+        if network and network.upload_bps and network.download_bps else None
+    throughput = span_throughput(speed.forward_rps, max(count, 1), network_rps, using_relay) if count else 0.0
+    return ServerPlan(
+        weight_format=weight_format, num_blocks=count, total_blocks=model.num_layers, cache_tokens=cache_tokens,
+        block_bytes=int(block),
+        cache_bytes_per_block=int(cache), workspace_bytes=int(workspace),
+        peak_memory_bytes=int(workspace + count * (block + cache)), capacity_bytes=int(max(0.0, machine.acc_capacity)),
+        inference_rps=speed.inference_rps, forward_rps=speed.forward_rps,
+        roofline_inference_rps=speed.roofline_inference_rps, roofline_forward_rps=speed.roofline_forward_rps,
+        network_rps=network_rps, throughput=throughput, inference_bound=speed.inference_bound,
+        min_compute_bound_batch=speed.min_compute_bound_batch, tier=machine.acc_tier, efficiency=eff.name,
+    )
+
+
+def span_throughput(forward_rps: float, num_blocks: int, network_rps: float | None, using_relay: bool = False) -> float:
+    """Petals' advertised throughput: min(forward_rps / ((blocks + 1) / 2), network_rps × (0.2 if relayed))."""
+    compute = forward_rps / ((num_blocks + 1) / 2.0)
+    if network_rps is None:
+        return compute
+    return min(compute, network_rps * (0.2 if using_relay else 1.0))
+
+
+# ---- where a span should go ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServerSpan:
+    """A server's span [start, end) and the throughput it adds to each block of it."""
+
+    start: int
+    end: int
+    throughput: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise InputError(f"span [{self.start}, {self.end}) is empty or negative")
+        if self.throughput < 0:
+            raise InputError(f"span throughput must be >= 0, got {self.throughput}")
+
+
+def block_throughputs(total_blocks: int, spans: Sequence[ServerSpan]) -> np.ndarray:
+    """T[i]: the summed throughput of the servers covering block i."""
+    per_block = np.zeros(total_blocks)
+    for span in spans:
+        if span.end > total_blocks:
+            raise InputError(f"span [{span.start}, {span.end}) is past the model's {total_blocks} blocks")
+        per_block[span.start:span.end] += span.throughput
+    return per_block
+
+
+def choose_span(total_blocks: int, spans: Sequence[ServerSpan], num_blocks: int, throughput: float) -> int:
+    """Start of the span of `num_blocks` blocks that gives the swarm's weakest block the most throughput.
+
+    Among starts that tie on that, Petals' rule decides: the window whose sorted throughputs are lexicographically
+    smallest (it strengthens the weakest region), then the lowest start.
+    """
+    if not 1 <= num_blocks <= total_blocks:
+        raise InputError(f"cannot place {num_blocks} blocks in a model of {total_blocks}")
+    current = np.round(block_throughputs(total_blocks, spans), 9)
+
+    def key(start: int):
+        after = current.copy()
+        after[start:start + num_blocks] += throughput
+        return (-round(float(after.min()), 9), tuple(np.sort(current[start:start + num_blocks])), start)
+
+    return min(range(total_blocks - num_blocks + 1), key=key)
+
+
+def should_move(total_blocks: int, spans: Sequence[ServerSpan], index: int,
+                balance_quality: float = 0.75) -> tuple[bool, int]:
+    """Whether server `index` should move, and where: it moves when min T now / min T after its best move is
+    below `balance_quality` (Petals: 0.75). Only this server moves in the simulation."""
+    me = spans[index]
+    others = [s for i, s in enumerate(spans) if i != index]
+    length = me.end - me.start
+    best = choose_span(total_blocks, others, length, me.throughput)
+    before = block_throughputs(total_blocks, spans).min()
+    after = block_throughputs(total_blocks, others + [ServerSpan(best, best + length, me.throughput)]).min()
+    if best == me.start or after <= 0:
+        return False, me.start
+    return bool(before / after < balance_quality), best
+
+
+# ---- a client's chain of servers ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hop:
+    """One server of a client's chain: its blocks, per-block speeds, RTT from the previous hop, link speed."""
+
+    num_blocks: int
+    inference_rps: float
+    forward_rps: float
+    rtt_s: float
+    bandwidth_bps: float  # the slower of the two ends' links, bit/s
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.inference_rps <= 0 or self.forward_rps <= 0 or self.rtt_s < 0 \
+                or self.bandwidth_bps <= 0:
+            raise InputError(f"bad hop {self}: blocks >= 1, rps > 0, rtt >= 0 and bandwidth > 0 are required")
+
+
+@dataclass(frozen=True)
+class SessionSpeed:
+    inference_steps_per_s: float  # 1-token steps of one session through the whole chain
+    forward_tokens_per_s: float  # tokens/s of a long forward through the chain
+    step_s: float
+    slowest_hop: int  # index of the hop that takes longest per step
+
+
+def session_speed(hops: Sequence[Hop], hidden_size: int, batch: int = 1, forward_tokens: int = FORWARD_TOKENS,
+                  bytes_per_value: float = 2.0) -> SessionSpeed:
+    """Predicted speed of a client session: each hop costs its RTT, its blocks' compute, and sending the hidden
+    states both ways (the client relays them from hop to hop)."""
+    if not hops:
+        raise InputError("a chain needs at least one server")
+    bits_per_token = 2.0 * hidden_size * bytes_per_value * 8.0  # there and back
+    step_parts = [h.rtt_s + batch * h.num_blocks / h.inference_rps + batch * bits_per_token / h.bandwidth_bps
+                  for h in hops]
+    forward = sum(h.rtt_s + forward_tokens * h.num_blocks / h.forward_rps
+                  + forward_tokens * bits_per_token / h.bandwidth_bps for h in hops)
+    step = sum(step_parts)
+    return SessionSpeed(1.0 / step, forward_tokens / forward, step, int(np.argmax(step_parts)))
+
+
+# ---- the client side of a swarm run --------------------------------------------------------------------------------
+def client_bytes(model: ModelSpec, workload: Workload, eff: MachineEfficiency) -> float:
+    """Memory a swarm client needs locally: embeddings and LM head in 16 bits, one prompt's activations, the
+    framework. Blocks run on the servers."""
+    numbers = model_numbers(model)
+    return numbers.outside_params * 2.0 + workload.prompt_len * numbers.hidden * 2.0 * 4 \
+        + numbers.vocab * 4.0 + eff.accelerator.runtime_bytes
+
+
+def client_fits(model: ModelSpec, machine: Machine, workload: Workload, eff: MachineEfficiency) -> bool:
+    """Whether this machine can run the client side (on its accelerator or in RAM)."""
+    need = client_bytes(model, workload, eff)
+    return need <= max(machine.acc_capacity, machine.host_capacity)
