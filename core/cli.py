@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"hivekeeper {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and friends: stop quietly
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"hivekeeper {args.command}: interrupted", file=sys.stderr)
         return 130

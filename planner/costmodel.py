@@ -280,7 +280,7 @@ def machine_view(hardware: HardwareSpec, reserve_bytes: dict[str, float] | None 
     )
 
 
-def _cpu_native_half(cpu: ComputeDevice) -> bool:
+def cpu_native_half(cpu: ComputeDevice) -> bool:
     """Whether a CPU multiplies 16-bit values natively (AVX512_BF16, AMX); else it converts to fp32 first."""
     fp32 = cpu.flops.get("fp32", 0.0)
     return any(cpu.flops.get(dtype, 0.0) >= fp32 > 0 for dtype in ("bf16", "fp16"))
@@ -305,7 +305,7 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
     stored = fmt.bytes_per_param
     kv_bytes = 4.0 if fmt.name == "fp32" else 2.0
     if machine.acc.kind == "cpu":
-        native = _cpu_native_half(machine.acc)
+        native = cpu_native_half(machine.acc)
         fp32_rate = machine.acc.peak_flops("fp32")
         if fmt.name == "fp32":
             gemv = gemm = 4.0
@@ -316,7 +316,8 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
         else:
             half_native = native and fmt.name == "bf16"
             gemv = gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU
-            peak = machine.acc.peak_flops("bf16") if half_native else fp32_rate
+            # without native half math the catalog lists the (much lower) rate of software-converted kernels
+            peak = machine.acc.peak_flops(fmt.name) if fmt.name in machine.acc.flops else fp32_rate
         kv_factor = 1.0 if (native or fmt.name == "fp32") else HALF_AS_FP32_ON_CPU
     else:
         gemv = stored
@@ -469,7 +470,7 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
     link_bw = (machine.link_bandwidth or np.inf)
     cpu_bw = machine.cpu.memory_bandwidth
     cpu_peak = machine.cpu.peak_flops("fp32")
-    cpu_amp = 1.0 if _cpu_native_half(machine.cpu) else HALF_COPY_TRAFFIC_ON_CPU
+    cpu_amp = 1.0 if cpu_native_half(machine.cpu) else HALF_COPY_TRAFFIC_ON_CPU
 
     def touched_matrices(tokens):
         return numbers.shared_matrix_params + _experts_touched(numbers.experts, numbers.experts_per_token, tokens) \

@@ -105,6 +105,9 @@ def simd_level(flags: set[str] | list[str]) -> str:
     return "sse"
 
 
+CPU_SOFTWARE_HALF_SLOWDOWN = 7.0
+
+
 def cpu_peak_flops_tflops(cores: int, clock_ghz: float, flags: set[str] | list[str] | str) -> dict[str, float]:
     """Peak matmul TFLOP/s of a CPU: cores × clock × FLOP/cycle for its SIMD level and matrix extensions.
 
@@ -122,6 +125,11 @@ def cpu_peak_flops_tflops(cores: int, clock_ghz: float, flags: set[str] | list[s
         result["bf16"] = per_cycle * 1024  # AMX tile multiply: 512 bf16 FMAs per cycle per core
     elif "avx512_bf16" in flag_set:
         result["bf16"] = per_cycle * 2 * fp32
+    else:
+        # No native 16-bit float math: kernels convert to fp32 first. Measured here (AVX2, torch 2.13 linear):
+        # bf16 and fp16 reach about 1/7 of the fp32 rate at prefill shapes, so never plan them at fp32 speed.
+        result["bf16"] = result["fp32"] / CPU_SOFTWARE_HALF_SLOWDOWN
+        result["fp16"] = result["fp32"] / CPU_SOFTWARE_HALF_SLOWDOWN
     if "amx_int8" in flag_set:
         result["int8"] = per_cycle * 2048
     elif "avx512_vnni" in flag_set or "avx_vnni" in flag_set:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .costmodel import (Machine, Workload, _experts_touched, format_traits, machine_view, model_numbers,
+from .costmodel import (Machine, Workload, _experts_touched, cpu_native_half, format_traits, machine_view, model_numbers,
                         sixteen_bit_format)
 from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
@@ -121,8 +121,7 @@ def choose_server_format(model: ModelSpec, machine: Machine, quant: str, cache_t
     if quant in ("int8", "nf4"):
         return quant
     if machine.acc.kind == "cpu":
-        native = any(dtype in machine.acc.flops for dtype in ("bf16", "fp16"))
-        return "bf16" if native else "fp32"
+        return "bf16" if cpu_native_half(machine.acc) else "fp32"
     sixteen = sixteen_bit_format(model, machine)
     if quant == "none":
         return sixteen
