@@ -1,0 +1,266 @@
+"""The Petals wire format on hivemind: handler names, packed arguments, metadata, tensors and schemas.
+
+Everything a node and a client must agree on byte for byte lives here, so that the server and the client (and a
+Petals peer on the other end) read the same messages. See docs/swarm.md for the protocol in prose.
+
+- Requests and responses are hivemind `runtime_pb2` messages (ExpertRequest / ExpertResponse / ExpertUID /
+  ExpertInfo). Their `metadata` is `MSGPackSerializer` bytes (tuples survive as msgpack ext 0x40).
+- Tensors travel flat; `args_structure` in the metadata is the nesting `(args, kwargs)` with every tensor
+  replaced by a bytes marker `b"__T<index>"`.
+- Tensors are hivemind-serialized; bfloat16 may come as raw 16-bit data or (legacy) as float32 values.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.nested import nested_flatten, nested_pack
+from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+HANDLER_CLASS = "TransformerConnectionHandler"  # the class name Petals clients call
+PROTOCOL_VERSION = "2.3.0.dev2"  # the Petals release whose wire format this module speaks
+MAX_UNARY_BYTES = 4 * 1024 * 1024  # p2pd's cap on one unary message
+STREAM_SWITCH_BYTES = 1024 * 1024  # above this, use the *_stream variants (as Petals does)
+STREAM_CHUNK_BYTES = 256 * 1024  # tensor chunk size inside a stream
+
+_MARKER = re.compile(rb"^__T(\d+)$")
+# dtype name on the wire -> bytes per element as sent (bfloat16 may also come as float32: handled apart)
+_WIRE_DTYPES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+class ProtocolError(ValueError):
+    """A malformed request or response: the peer gets (or sent) an error, the node keeps serving."""
+
+
+def handler_name(method: str) -> str:
+    """The p2pd protocol name of an RPC, e.g. 'TransformerConnectionHandler.rpc_inference'."""
+    return f"{HANDLER_CLASS}.{method}"
+
+
+# ---- uids ------------------------------------------------------------------------------------------------------
+def block_uid(dht_prefix: str, index: int) -> str:
+    return f"{dht_prefix}.{index}"
+
+
+def chain_uid(dht_prefix: str, start: int, end: int) -> str:
+    """The uid of a chain of blocks [start, end): block uids joined by single spaces."""
+    return " ".join(block_uid(dht_prefix, i) for i in range(start, end))
+
+
+def parse_chain_uid(chain: str, dht_prefix: str) -> list[int]:
+    """Block indices of a chain uid; raises ProtocolError for a foreign prefix or a malformed index."""
+    if not isinstance(chain, str) or not chain.strip():
+        raise ProtocolError("empty uid: name the blocks as '<dht_prefix>.<index>' joined by spaces")
+    indices = []
+    for uid in chain.split(" "):
+        prefix, dot, index = uid.rpartition(".")
+        if not dot or prefix != dht_prefix or not index.isdigit():
+            raise ProtocolError(f"unknown block uid {uid!r} (this server serves {dht_prefix}.<index>)")
+        indices.append(int(index))
+    return indices
+
+
+# ---- metadata ------------------------------------------------------------------------------------------------------
+def pack_metadata(metadata: dict) -> bytes:
+    return MSGPackSerializer.dumps(metadata)
+
+
+def unpack_metadata(raw: bytes) -> dict:
+    """Metadata bytes -> dict ({} for empty bytes); anything else is a ProtocolError."""
+    if not raw:
+        return {}
+    try:
+        metadata = MSGPackSerializer.loads(raw)
+    except Exception as exc:
+        raise ProtocolError(f"metadata is not msgpack: {exc}") from None
+    if not isinstance(metadata, dict):
+        raise ProtocolError(f"metadata must be a msgpack map, got {type(metadata).__name__}")
+    return metadata
+
+
+# ---- packed arguments ----------------------------------------------------------------------------------------------
+def pack_args(*args, **kwargs) -> tuple[list[torch.Tensor], tuple]:
+    """Flatten (args, kwargs) into a list of tensors plus a structure where each tensor is b"__T<index>".
+
+    A tensor object passed twice is sent once.
+    """
+    tensors: list[torch.Tensor] = []
+    index_of: dict[int, int] = {}
+    masked = []
+    for value in nested_flatten((args, kwargs)):
+        if isinstance(value, torch.Tensor):
+            index = index_of.setdefault(id(value), len(tensors))
+            if index == len(tensors):
+                tensors.append(value)
+            masked.append(b"__T%d" % index)
+        else:
+            masked.append(value)
+    return tensors, nested_pack(masked, (args, kwargs))
+
+
+def unpack_args(tensors: Sequence[torch.Tensor], structure: Any) -> tuple[tuple, dict]:
+    """Inverse of pack_args. With no structure (older peers), the tensors are the positional arguments."""
+    if structure is None:
+        return tuple(tensors), {}
+    if not (isinstance(structure, (tuple, list)) and len(structure) == 2 and isinstance(structure[1], dict)):
+        raise ProtocolError("args_structure must be a pair (args, kwargs)")
+
+    def restore(value):
+        if isinstance(value, bytes):
+            match = _MARKER.match(value)
+            if match:
+                index = int(match.group(1))
+                if index >= len(tensors):
+                    raise ProtocolError(f"args_structure names tensor {index}, the request has {len(tensors)}")
+                return tensors[index]
+        return value
+
+    flat = [restore(value) for value in nested_flatten(structure)]
+    args, kwargs = nested_pack(flat, structure)
+    return tuple(args), dict(kwargs)
+
+
+# ---- tensors ---------------------------------------------------------------------------------------------------
+def serialize_tensor(tensor: torch.Tensor, compression: int = runtime_pb2.CompressionType.NONE) -> runtime_pb2.Tensor:
+    """hivemind's wire form of a tensor. Uncompressed non-bf16 tensors take a direct path that writes the same
+    message as hivemind's serializer, without its per-call descriptor work (it matters on 1-token steps)."""
+    if compression != runtime_pb2.CompressionType.NONE or tensor.dtype == torch.bfloat16:
+        return serialize_torch_tensor(tensor.cpu(), compression)  # bf16 as hivemind sends it (legacy fp32 default)
+    return runtime_pb2.Tensor(compression=compression, buffer=tensor.detach().cpu().numpy().tobytes(),
+                              size=tensor.shape, dtype=dtype_name(tensor.dtype), requires_grad=tensor.requires_grad)
+
+
+def deserialize_tensor(message: runtime_pb2.Tensor, max_elements: int | None = None) -> torch.Tensor:
+    """A wire tensor -> torch.Tensor, after checking its dtype and that its buffer matches its shape.
+
+    Accepts bfloat16 both as raw 16-bit data and in hivemind's legacy float32 form.
+    """
+    numel = 1
+    for dim in message.size:
+        numel *= dim
+    if max_elements is not None and numel > max_elements:
+        raise ProtocolError(f"tensor of {numel} elements exceeds the limit of {max_elements}")
+    if message.compression == runtime_pb2.CompressionType.NONE:
+        itemsize = _WIRE_DTYPES.get(message.dtype)
+        if itemsize is None:
+            raise ProtocolError(f"unsupported tensor dtype {message.dtype!r}")
+        if numel == 0 and not message.buffer:  # unused prompts / hypo_ids on every step: skip numpy
+            return torch.empty(tuple(message.size), dtype=getattr(torch, message.dtype))
+        sizes = {numel * itemsize} | ({numel * 4} if message.dtype == "bfloat16" else set())
+        if len(message.buffer) not in sizes:
+            raise ProtocolError(
+                f"tensor buffer of {len(message.buffer)} bytes does not match shape {list(message.size)} "
+                f"of {message.dtype}"
+            )
+    try:
+        return deserialize_torch_tensor(message)
+    except Exception as exc:
+        raise ProtocolError(f"cannot decode tensor: {exc}") from None
+
+
+def split_for_streaming(message: runtime_pb2.Tensor, chunk_bytes: int = STREAM_CHUNK_BYTES) -> Iterator[runtime_pb2.Tensor]:
+    """Cut a serialized tensor into parts: the first carries the header and `chunks`, the rest only bytes."""
+    buffer = memoryview(message.buffer)
+    num_chunks = max(1, -(-len(buffer) // chunk_bytes))
+    yield runtime_pb2.Tensor(
+        compression=message.compression,
+        buffer=buffer[:chunk_bytes].tobytes(),
+        chunks=num_chunks,
+        size=message.size,
+        dtype=message.dtype,
+        requires_grad=message.requires_grad,
+    )
+    for offset in range(chunk_bytes, len(buffer), chunk_bytes):
+        yield runtime_pb2.Tensor(buffer=buffer[offset : offset + chunk_bytes].tobytes())
+
+
+def combine_parts(parts: Iterable[runtime_pb2.Tensor]) -> list[runtime_pb2.Tensor]:
+    """Reassemble streamed tensor parts: a part with a dtype starts a new tensor, others extend the last one."""
+    tensors: list[runtime_pb2.Tensor] = []
+    buffers: list[list[bytes]] = []
+    for part in parts:
+        if part.dtype:
+            header = runtime_pb2.Tensor()
+            header.CopyFrom(part)
+            tensors.append(header)
+            buffers.append([part.buffer])
+        elif tensors:
+            buffers[-1].append(part.buffer)
+        else:
+            raise ProtocolError("streamed tensor part without a header")
+    for tensor, pieces in zip(tensors, buffers):
+        tensor.buffer = b"".join(pieces)
+    return tensors
+
+
+async def read_stream(requests: AsyncIterator, max_bytes: int) -> tuple[str, list[runtime_pb2.Tensor], dict]:
+    """Collect a *_stream request: (uid, whole tensors, metadata of the first message), within max_bytes."""
+    uid, metadata, parts, total = None, None, [], 0
+    async for request in requests:
+        if uid is None:
+            uid, metadata = request.uid, unpack_metadata(request.metadata)
+        for part in request.tensors:
+            total += len(part.buffer)
+            if total > max_bytes:
+                raise ProtocolError(f"request exceeds the limit of {max_bytes} bytes")
+            parts.append(part)
+    if uid is None:
+        raise ProtocolError("empty request stream")
+    return uid, combine_parts(parts), metadata
+
+
+def stream_messages(tensors: Sequence[runtime_pb2.Tensor], make_message, metadata: bytes = b"") -> Iterator:
+    """Yield messages (made by make_message(tensors=..., metadata=...)) carrying the tensors in chunks."""
+    first = True
+    for tensor in tensors:
+        for part in split_for_streaming(tensor):
+            yield make_message(tensors=[part], metadata=metadata if first else b"")
+            first = False
+    if first:  # no tensors at all: still send the metadata
+        yield make_message(tensors=[], metadata=metadata)
+
+
+# ---- schemas (rpc_info) --------------------------------------------------------------------------------------------
+def block_schemas(hidden_size: int, dtype: torch.dtype) -> dict:
+    """The schemas a block advertises in rpc_info: clients read input dtypes and compression from them.
+
+    forward: (hidden_states, prompts); inference: (hidden_states, prompts, hypo_ids); both with empty kwargs.
+    """
+    hidden = BatchTensorDescriptor(None, hidden_size, dtype=dtype)  # [batch, tokens, hidden]
+    prompts = BatchTensorDescriptor((), dtype=dtype)  # deep prompts, or an empty tensor
+    hypo_ids = BatchTensorDescriptor((), dtype=torch.int64)
+    return {
+        "forward_schema": ((hidden, prompts), {}),
+        "outputs_schema": (hidden,),
+        "inference_schema": ((hidden, prompts, hypo_ids), {}),
+        "keyword_names": (),
+    }
+
+
+def schema_dtypes(schema: Any) -> list[torch.dtype | None]:
+    """The dtype of each tensor a schema describes, in wire order (None where a peer left it open)."""
+    return [getattr(descriptor, "dtype", None) for descriptor in nested_flatten(schema)]
+
+
+# ---- dtypes ------------------------------------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
