@@ -69,14 +69,17 @@ def _number(text: str | None, option: str, low: float, high: float) -> float | N
 
 
 def _hardware(arg: str, overrides: dict[str, float]):
+    """(spec, efficiency or None). auto: this machine, with its saved profile's measured numbers and (calibrated)
+    efficiency factors when `hivekeeper measure` / `hivekeeper profile` ran here."""
     if arg == "auto":
-        from hivekeeper.core.detect import detect_hardware
+        from hivekeeper.core.machine_profile import detect_or_load_profile
         from hivekeeper.planner.hardware_catalog import apply_host_overrides
 
-        return apply_host_overrides(detect_hardware(), where="command line", **overrides)
+        hardware, efficiency = detect_or_load_profile()
+        return apply_host_overrides(hardware, where="command line", **overrides), efficiency
     from hivekeeper.planner.hardware_catalog import resolve_hardware
 
-    return resolve_hardware(arg, **overrides)
+    return resolve_hardware(arg, **overrides), None
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
@@ -103,10 +106,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
     from hivekeeper.planner.model_catalog import load_model_spec
 
     model = load_model_spec(args.model)
-    hardware = _hardware(args.hardware, overrides)
+    hardware, efficiency = _hardware(args.hardware, overrides)
     reserve = {"gpu": reserve_gb * 1e9, "cpu": reserve_gb * 1e9}
     constraints = Constraints(quant=args.quant, batch_size=batch, reserve_bytes=reserve)
-    return search(model, hardware, args.goal, constraints, workload, price_per_hour=price)
+    return search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
 
 
 # ---- human output ---------------------------------------------------------------------------------------------------

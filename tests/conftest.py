@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
+import shutil
+import tempfile
 import sys
 import time
 
@@ -13,6 +16,19 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+
+def _isolate_user_folders() -> None:
+    """Point settings, profiles, data and caches at a fresh folder for the whole run (child processes inherit it),
+    so a developer's saved machine profile or settings never change what a test sees, and tests write nothing
+    into the user's real folders."""
+    root = tempfile.mkdtemp(prefix="hivekeeper-tests-")
+    os.environ["HIVEKEEPER_CONFIG_DIR"] = os.path.join(root, "config")
+    os.environ["HIVEKEEPER_DATA_DIR"] = os.path.join(root, "data")
+    os.environ["XDG_CACHE_HOME"] = os.path.join(root, "cache")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+
+
+_isolate_user_folders()
 
 
 def _become_subreaper() -> None:
