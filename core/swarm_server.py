@@ -28,7 +28,6 @@ from hivemind.utils import get_dht_time
 
 from hivekeeper.core.checkpoint import load_config, load_span
 from hivekeeper.core.model import KVCache, ModelConfig
-from hivekeeper.core.swarm_balance import Placement, choose_start, should_move
 from hivekeeper.core.swarm_dht import (
     ServerInfo,
     ServerState,
@@ -43,6 +42,7 @@ from hivekeeper.core.swarm_memory import MemoryPool
 from hivekeeper.core.swarm_protocol import PROTOCOL_VERSION, dtype_name, handler_name
 from hivekeeper.core.swarm_throughput import BlockSpeed, get_block_speed, network_rps_for, span_throughput
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.swarm import ServerSpan, choose_start, should_move
 
 logger = logging.getLogger("hivekeeper.swarm.server")
 
@@ -363,10 +363,11 @@ class SwarmServer:
     async def _should_move(self) -> int | None:
         blocks = await read_blocks(self.dht, self.config.dht_prefix, self.model_config.num_layers)
         spans = spans_of(blocks, states=(ServerState.JOINING, ServerState.ONLINE))
-        placements = [Placement(peer, span.start, span.end, span.info.throughput) for peer, span in spans.items()]
-        if self.peer_id not in spans:  # our own record may not be visible yet: use what we know
-            placements.append(Placement(self.peer_id, self.blocks.start, self.blocks.stop, self.throughput()))
-        return should_move(self.peer_id, placements, self.model_config.num_layers, self.config.balance_quality)
+        placements = {peer: ServerSpan(span.start, span.end, span.info.throughput) for peer, span in spans.items()}
+        if self.peer_id not in placements:  # our own record may not be visible yet: use what we know
+            placements[self.peer_id] = ServerSpan(self.blocks.start, self.blocks.stop, self.throughput())
+        me = list(placements).index(self.peer_id)
+        return should_move(self.model_config.num_layers, list(placements.values()), me, self.config.balance_quality)
 
     async def _shutdown(self) -> None:
         if self.dht is not None and self.blocks is not None and self.state != ServerState.OFFLINE:

@@ -3,7 +3,8 @@
 Follows the Petals conventions (shared/protocol/petals-wire.md): a server keeps whole blocks on its accelerator plus
 a KV cache for `cache_tokens` tokens per block (4096, or 16384 for grouped-query models); inference_rps is tokens/s
 of one block for 1-token steps with a cache, forward_rps tokens/s of one block for a 1024-token forward; a server
-advertises min(forward_rps / ((blocks + 1) / 2), network_rps).
+advertises min(forward_rps / ((blocks + 1) / 2), network_rps). Block choice and rebalancing follow Petals' rule
+too (choose_start, should_move): the only implementation, which core/swarm_server.py calls.
 """
 
 from __future__ import annotations
@@ -182,7 +183,11 @@ def span_throughput(forward_rps: float, num_blocks: int, network_rps: float | No
     return min(compute, network_rps * (0.2 if using_relay else 1.0))
 
 
-# ---- where a span should go ------------------------------------------------------------------------------------
+# ---- where a span should go (Petals' rule; core/swarm_server.py runs it on live DHT records) ---------------------
+BALANCE_QUALITY = 0.75  # Petals' default: move only when the weakest block gains more than a third
+_ROUND_DECIMALS = 6  # keeps float noise from add/subtract cycles out of window comparisons
+
+
 @dataclass(frozen=True)
 class ServerSpan:
     """A server's span [start, end) and the throughput it adds to each block of it."""
@@ -208,37 +213,66 @@ def block_throughputs(total_blocks: int, spans: Sequence[ServerSpan]) -> np.ndar
     return per_block
 
 
-def choose_span(total_blocks: int, spans: Sequence[ServerSpan], num_blocks: int, throughput: float) -> int:
-    """Start of the span of `num_blocks` blocks that gives the swarm's weakest block the most throughput.
+def choose_start(throughputs: Sequence[float], num_blocks: int) -> int:
+    """Start of the window of `num_blocks` blocks whose sorted throughputs are lexicographically smallest (it
+    strengthens the weakest blocks first); ties go to the lowest start. `throughputs` is T per block."""
+    per_block = np.round(np.asarray(throughputs, dtype=float), _ROUND_DECIMALS)
+    total = len(per_block)
+    if not 1 <= num_blocks <= total:
+        raise InputError(f"cannot place {num_blocks} blocks in a model of {total}")
+    windows = np.sort(np.lib.stride_tricks.sliding_window_view(per_block, num_blocks), axis=1)  # (starts, num_blocks)
+    return min(range(len(windows)), key=lambda start: (tuple(windows[start]), start))
 
-    Among starts that tie on that, Petals' rule decides: the window whose sorted throughputs are lexicographically
-    smallest (it strengthens the weakest region), then the lowest start.
+
+def choose_span(total_blocks: int, spans: Sequence[ServerSpan], num_blocks: int) -> int:
+    """Where a new server with room for `num_blocks` blocks starts, given the servers already there."""
+    return choose_start(block_throughputs(total_blocks, spans), num_blocks)
+
+
+def _best_start(per_block: np.ndarray, span: ServerSpan) -> int:
+    without = per_block.copy()
+    without[span.start:span.end] -= span.throughput
+    return choose_start(without, span.end - span.start)
+
+
+def _move(per_block: np.ndarray, span: ServerSpan, start: int) -> ServerSpan:
+    """Move `span` to `start`, updating `per_block` in place."""
+    length = span.end - span.start
+    per_block[span.start:span.end] -= span.throughput
+    per_block[start:start + length] += span.throughput
+    return ServerSpan(start, start + length, span.throughput)
+
+
+def should_move(total_blocks: int, spans: Sequence[ServerSpan], index: int, balance_quality: float = BALANCE_QUALITY,
+                max_rounds: int = 10) -> int | None:
+    """The start server `index` should move to, or None to stay.
+
+    Simulates this server taking its best window given everyone else, then every server re-choosing greedily in
+    turn (until no one moves, or `max_rounds`), and moves only when min T before / min T after < `balance_quality`.
+    Re-placing the others matters: a move can pay off only once someone else follows it.
     """
-    if not 1 <= num_blocks <= total_blocks:
-        raise InputError(f"cannot place {num_blocks} blocks in a model of {total_blocks}")
-    current = np.round(block_throughputs(total_blocks, spans), 9)
-
-    def key(start: int):
-        after = current.copy()
-        after[start:start + num_blocks] += throughput
-        return (-round(float(after.min()), 9), tuple(np.sort(current[start:start + num_blocks])), start)
-
-    return min(range(total_blocks - num_blocks + 1), key=key)
-
-
-def should_move(total_blocks: int, spans: Sequence[ServerSpan], index: int,
-                balance_quality: float = 0.75) -> tuple[bool, int]:
-    """Whether server `index` should move, and where: it moves when min T now / min T after its best move is
-    below `balance_quality` (Petals: 0.75). Only this server moves in the simulation."""
-    me = spans[index]
-    others = [s for i, s in enumerate(spans) if i != index]
-    length = me.end - me.start
-    best = choose_span(total_blocks, others, length, me.throughput)
-    before = block_throughputs(total_blocks, spans).min()
-    after = block_throughputs(total_blocks, others + [ServerSpan(best, best + length, me.throughput)]).min()
-    if best == me.start or after <= 0:
-        return False, me.start
-    return bool(before / after < balance_quality), best
+    spans = list(spans)
+    if not 0 <= index < len(spans):
+        raise InputError(f"server index {index} is not among the {len(spans)} servers")
+    per_block = block_throughputs(total_blocks, spans)
+    before = per_block.min()
+    my_start = _best_start(per_block, spans[index])
+    if my_start == spans[index].start:
+        return None
+    spans[index] = _move(per_block, spans[index], my_start)
+    for _ in range(max_rounds):
+        changed = False
+        for i, span in enumerate(spans):
+            start = _best_start(per_block, span)
+            if start != span.start:
+                spans[i] = _move(per_block, span, start)
+                changed = True
+        if not changed:
+            break
+    after = per_block.min()
+    if after <= 0:
+        return None  # moving cannot close every gap: stay and let newcomers fill it
+    return my_start if before / after < balance_quality else None
 
 
 # ---- a client's chain of servers ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Swarm logic without servers: ServerInfo records, DHT prefixes, the balancing rule, routing, bans, the memory
-pool, the throughput cache, and declaring/reading blocks through two real in-process DHT nodes."""
+"""Swarm logic without servers: ServerInfo records, DHT prefixes, routing, bans, the memory pool, the throughput
+cache, and declaring/reading blocks through two real in-process DHT nodes. The balancing rule lives in the planner
+(tests/planner/test_swarm.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 import pytest
 import torch
 
-from hivekeeper.core.swarm_balance import Placement, choose_start, should_move, swarm_throughputs
 from hivekeeper.core.swarm_dht import (
     RemoteSpanInfo,
     ServerInfo,
@@ -68,42 +68,6 @@ def test_spans_and_block_throughputs_from_block_records():
     spans = spans_of(blocks)
     assert set(spans) == {"a"} and (spans["a"].start, spans["a"].end) == (0, 2)
     assert set(spans_of(blocks, states=tuple(ServerState))) == {"a", "b", "c"}
-
-
-# ---- balancing -------------------------------------------------------------------------------------------------------
-def test_new_server_takes_the_weakest_window():
-    assert choose_start([0, 0, 0, 0, 0, 0], 2) == 0  # ties -> lowest start
-    assert choose_start([5, 5, 0, 0, 0, 0], 2) == 2
-    assert choose_start([5, 5, 5, 5, 0, 0], 2) == 4
-    assert choose_start([3, 1, 2, 9, 9], 3) == 0  # sorted (1, 2, 3) < (1, 2, 9)
-    with pytest.raises(ValueError):
-        choose_start([1, 2], 3)
-
-
-def test_three_servers_joining_in_turn_cover_the_model():
-    placements = []
-    for peer in "abc":
-        start = choose_start(swarm_throughputs(placements, 6), 2)
-        placements.append(Placement(peer, start, start + 2, 1.0))
-    assert sorted((p.start, p.end) for p in placements) == [(0, 2), (2, 4), (4, 6)]
-
-
-def test_server_moves_to_fill_a_gap_and_stays_when_balanced():
-    # b left: blocks 2..3 are uncovered, a and c both hold 0..1
-    placements = [Placement("a", 0, 2, 1.0), Placement("c", 0, 2, 1.0), Placement("d", 4, 6, 1.0)]
-    assert should_move("a", placements, 6) == 2
-    balanced = [Placement("a", 0, 2, 1.0), Placement("b", 2, 4, 1.0), Placement("c", 4, 6, 1.0)]
-    assert all(should_move(p, balanced, 6) is None for p in "abc")
-    # moving cannot close every gap (three blocks, one spare server of two): stay
-    assert should_move("a", [Placement("a", 0, 2, 1.0)], 6) is None
-
-
-def test_small_improvements_do_not_trigger_a_move():
-    # T = [1.0, 1.6]; moving a to block 0 gives [1.2, 1.4]: ratio 1.0 / 1.2 = 0.83 > 0.75 -> stay,
-    # but a stricter quality moves
-    placements = [Placement("a", 1, 2, 0.2), Placement("b", 0, 2, 1.0), Placement("c", 1, 2, 0.4)]
-    assert should_move("a", placements, 2) is None
-    assert should_move("a", placements, 2, balance_quality=0.9) == 0
 
 
 # ---- routing ---------------------------------------------------------------------------------------------------------

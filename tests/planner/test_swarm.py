@@ -1,4 +1,5 @@
-"""Swarm sizing: blocks that fit, per-block speeds, span choice, moving, a client's chain, three-state fit."""
+"""Swarm sizing: blocks that fit, per-block speeds, span choice and moving (Petals' balancing rule, which the swarm
+server runs too), a client's chain, three-state fit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware_catalog import get_hardware
 from hivekeeper.planner.model_catalog import get_model
 from hivekeeper.planner.swarm import (FORWARD_TOKENS, Hop, ServerSpan, block_speed, block_throughputs, choose_span,
-                                      default_cache_tokens, plan_server, session_speed, should_move, span_throughput)
+                                      choose_start, default_cache_tokens, plan_server, session_speed, should_move,
+                                      span_throughput)
 
 
 def test_blocks_that_fit_by_hand():
@@ -56,32 +58,76 @@ def test_advertised_throughput_formula():
 
 
 def test_choose_span_fills_the_weakest_blocks():
-    assert choose_span(10, [], 4, 1.0) == 0  # empty swarm: lowest start
+    assert choose_span(10, [], 4) == 0  # empty swarm: lowest start
     spans = [ServerSpan(0, 4, 1.0), ServerSpan(7, 10, 1.0)]
-    assert choose_span(10, spans, 3, 1.0) == 4  # blocks 4-6 have nobody
+    assert choose_span(10, spans, 3) == 4  # blocks 4-6 have nobody
     # a gap of two blocks and a span of three: cover the gap, then the weaker neighbour side
     spans = [ServerSpan(0, 5, 1.0), ServerSpan(7, 10, 5.0)]
-    assert choose_span(10, spans, 3, 1.0) == 4
+    assert choose_span(10, spans, 3) == 4
     assert list(block_throughputs(10, spans)) == [1.0] * 5 + [0.0] * 2 + [5.0] * 3
     with pytest.raises(InputError):
-        choose_span(10, spans, 11, 1.0)
+        choose_span(10, spans, 11)
 
 
 def test_choose_span_ties_go_to_the_lowest_start():
     spans = [ServerSpan(0, 10, 1.0)]
-    assert choose_span(10, spans, 5, 1.0) == 0
+    assert choose_span(10, spans, 5) == 0
 
 
 def test_should_move():
     # server 2 doubles up on blocks 0-4 while 5-9 have only one server: moving there doubles the weakest block
     spans = [ServerSpan(0, 5, 1.0), ServerSpan(5, 10, 1.0), ServerSpan(0, 5, 1.0)]
-    assert should_move(10, spans, 2) == (False, 0)  # before 1.0, after 1.0: nothing gained
+    assert should_move(10, spans, 2) is None  # before 1.0, after 1.0: nothing gained
     thin = [ServerSpan(0, 10, 1.0), ServerSpan(0, 5, 3.0), ServerSpan(0, 5, 3.0)]
-    moved, start = should_move(10, thin, 2)
-    assert moved and start == 5  # min before 1, min after 4: ratio 0.25 < 0.75
+    assert should_move(10, thin, 2) == 5  # min before 1, min after 4: ratio 0.25 < 0.75
     balanced = [ServerSpan(0, 5, 1.0), ServerSpan(5, 10, 1.0)]
-    assert should_move(10, balanced, 0)[0] is False
+    assert should_move(10, balanced, 0) is None
 
+
+
+def test_new_server_takes_the_weakest_window():
+    assert choose_start([0, 0, 0, 0, 0, 0], 2) == 0  # ties -> lowest start
+    assert choose_start([5, 5, 0, 0, 0, 0], 2) == 2
+    assert choose_start([5, 5, 5, 5, 0, 0], 2) == 4
+    assert choose_start([3, 1, 2, 9, 9], 3) == 0  # sorted (1, 2, 3) < (1, 2, 9)
+    with pytest.raises(InputError):
+        choose_start([1, 2], 3)
+
+
+def test_three_servers_joining_in_turn_cover_the_model():
+    spans = []
+    for _ in "abc":
+        start = choose_start(block_throughputs(6, spans), 2)
+        spans.append(ServerSpan(start, start + 2, 1.0))
+    assert sorted((s.start, s.end) for s in spans) == [(0, 2), (2, 4), (4, 6)]
+
+
+def test_server_moves_to_fill_a_gap_and_stays_when_balanced():
+    # b left: blocks 2..3 are uncovered, a and c both hold 0..1
+    spans = [ServerSpan(0, 2, 1.0), ServerSpan(0, 2, 1.0), ServerSpan(4, 6, 1.0)]  # a, c, d
+    assert should_move(6, spans, 0) == 2
+    balanced = [ServerSpan(0, 2, 1.0), ServerSpan(2, 4, 1.0), ServerSpan(4, 6, 1.0)]
+    assert all(should_move(6, balanced, index) is None for index in range(3))
+    # moving cannot close every gap (three blocks, one spare server of two): stay
+    assert should_move(6, [ServerSpan(0, 2, 1.0)], 0) is None
+    with pytest.raises(InputError):
+        should_move(6, balanced, 3)
+
+
+def test_small_improvements_do_not_trigger_a_move():
+    # T = [1.0, 1.6]; moving a to block 0 gives [1.2, 1.4]: ratio 1.0 / 1.2 = 0.83 > 0.75 -> stay,
+    # but a stricter quality moves
+    spans = [ServerSpan(1, 2, 0.2), ServerSpan(0, 2, 1.0), ServerSpan(1, 2, 0.4)]  # a, b, c
+    assert should_move(2, spans, 0) is None
+    assert should_move(2, spans, 0, balance_quality=0.9) == 0
+
+
+def test_move_simulation_re_places_the_other_servers_too():
+    # T = [2, 6]. Server 1 moving alone gives [6, 2]: min 2 -> 2, no gain. But then server 2 follows greedily to
+    # block 1: [4, 4], min 2 -> 4, ratio 0.5 < 0.75 -> move (Petals simulates everyone, not just the mover)
+    spans = [ServerSpan(1, 2, 2.0), ServerSpan(1, 2, 4.0), ServerSpan(0, 1, 2.0)]
+    assert should_move(2, spans, 1) == 0
+    assert should_move(2, spans, 1, balance_quality=0.5) is None  # 0.5 is not below 0.5
 
 def test_session_speed_by_hand():
     hops = [Hop(num_blocks=40, inference_rps=1000.0, forward_rps=20000.0, rtt_s=0.05, bandwidth_bps=100e6),
