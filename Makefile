@@ -19,6 +19,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# PNGs of each page at 1280x800, with a local demo swarm running, into docs/screenshots/
+screenshots: $(STAMP)
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m hivekeeper.gui.screenshots --out docs/screenshots
+
 bench: $(STAMP)
 	for b in bench/*.py; do echo "# $$b"; $(BIN)/python $$b || exit 1; done
 
