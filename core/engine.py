@@ -1,0 +1,735 @@
+"""The offloading engine: runs a model's blocks where a planner policy puts them, streaming what does not fit.
+
+Each block's weights live on one tier: resident on the compute device, in CPU RAM (pinned when a GPU computes), or
+on disk, where they stay in the checkpoint's safetensors file and are read on demand into a small pool of block
+buffers ("slots") that are reused, so a streamed block never stays in memory after its turn. While one block
+computes, free slots are already loading the next streamed blocks — a reader thread from disk, an asynchronous copy
+stream from RAM to the GPU — so the pool size (prefetch depth + 1) bounds the buffering. The KV cache gets a tier
+per block too; batch and micro-batches follow the policy (each block's weights are fetched once per step and every
+micro-batch runs through them, FlexGen's block schedule).
+
+    plan = place_model(config, policy, device="cpu", dtype=torch.float32, batch=1, max_length=256,
+                       ram_budget_bytes=500e6)
+    model = OffloadedModel(path, plan)          # .embedding, .span, .head: the runner shape generation.py uses
+    cache = model.span.allocate_cache(batch=1, max_length=256)
+    logits = model.head(model.span(model.embedding(ids), cache))
+
+Block weights are read with positioned reads (os.preadv) straight into the destination tensors, not through a memory
+map: no page of a streamed block stays mapped into the process, so RSS holds only what the plan counts, and a read
+lands in its final (fused) place with one copy. (Embeddings and LM head come from checkpoint.py's loaders.) `drop_page_cache=True` also evicts what was read from the OS page cache, for
+benchmarks of the disk itself.
+
+The CPU and CUDA paths share everything but the slot loader; CUDA adds pinned RAM blocks, a copy stream and events.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tempfile
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from hivekeeper.planner.costmodel import Policy
+from hivekeeper.planner.errors import InputError
+
+from .checkpoint import Checkpoint, block_tensor_names, load_block, load_embedding, load_head
+from .model import Block, ModelConfig, RotaryTable
+
+TIERS = ("gpu", "cpu", "disk")
+FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_MAX_HEADER_BYTES = 100 << 20
+
+
+def use_physical_cores() -> int:
+    """Set torch's CPU threads to the physical core count (hyper-threads only contend for the same FPUs)."""
+    import psutil
+
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    return cores
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Placement: a tier per block, from a policy and a RAM budget
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EnginePlan:
+    """Where everything lives for one run. Tiers are "gpu", "cpu" (RAM) or "disk"; on a CPU-only machine the
+    compute tier is "cpu". `ram_bytes` is what the engine holds in RAM by this plan (see `ram_breakdown`)."""
+
+    weight_tiers: tuple[str, ...]  # per block
+    cache_tiers: tuple[str, ...]  # per block
+    device: str  # "cpu" or "cuda[:N]"
+    dtype: torch.dtype
+    quant: str = "none"  # "int8"/"nf4" only with every block resident on the device
+    prefetch_depth: int = 1
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    ram_budget_bytes: int | None = None
+    ram_breakdown: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def compute_tier(self) -> str:
+        return "gpu" if torch.device(self.device).type == "cuda" else "cpu"
+
+    @property
+    def streamed_blocks(self) -> tuple[int, ...]:
+        """Blocks whose weights are copied in for every step (not resident on the compute device)."""
+        return tuple(i for i, tier in enumerate(self.weight_tiers) if tier != self.compute_tier)
+
+    @property
+    def ram_bytes(self) -> int:
+        return sum(self.ram_breakdown.values())
+
+    def summary(self) -> dict:
+        """JSON-ready description (for `generate --json` and the chat banner)."""
+        count = {tier: self.weight_tiers.count(tier) for tier in TIERS}
+        cache = {tier: self.cache_tiers.count(tier) for tier in TIERS}
+        return {
+            "device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "quant": self.quant,
+            "blocks": {tier: n for tier, n in count.items() if n},
+            "disk_blocks": [i for i, tier in enumerate(self.weight_tiers) if tier == "disk"],
+            "kv_cache_blocks": {tier: n for tier, n in cache.items() if n},
+            "prefetch_depth": self.prefetch_depth, "micro_batch_size": self.micro_batch_size,
+            "num_micro_batches": self.num_micro_batches,
+            "ram_budget_bytes": self.ram_budget_bytes, "ram_bytes": self.ram_bytes,
+            "ram_breakdown": dict(self.ram_breakdown),
+        }
+
+    def describe(self) -> str:
+        """One line for people: where the weights and the cache are."""
+        names = {"gpu": "GPU", "cpu": "RAM", "disk": "disk"}
+        blocks = ", ".join(f"{n} {names[t]}" for t, n in self.summary()["blocks"].items())
+        cache = ", ".join(f"{n} {names[t]}" for t, n in self.summary()["kv_cache_blocks"].items())
+        dtype = self.quant if self.quant != "none" else str(self.dtype).removeprefix("torch.")
+        text = f"{dtype} blocks: {blocks}; KV cache blocks: {cache}"
+        if self.streamed_blocks:
+            text += f"; prefetch depth {self.prefetch_depth}"
+        batch = self.micro_batch_size * self.num_micro_batches
+        text += f"; batch {batch}" + (f" ({self.micro_batch_size} x {self.num_micro_batches})"
+                                      if self.num_micro_batches > 1 else "")
+        if self.ram_budget_bytes is not None:
+            text += f"; RAM {self.ram_bytes / 1e9:.2f} of {self.ram_budget_bytes / 1e9:.2f} GB budget"
+        return text
+
+
+def block_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    return config.block_param_count() * _itemsize(dtype)
+
+
+def outside_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Embedding, final norm and LM head (one matrix when tied)."""
+    matrices = 1 if config.tie_word_embeddings else 2
+    return (matrices * config.vocab_size * config.hidden_size + config.hidden_size) * _itemsize(dtype)
+
+
+def cache_bytes_per_block(config: ModelConfig, batch: int, max_length: int, dtype: torch.dtype) -> int:
+    return 2 * batch * config.num_kv_heads * max_length * config.head_dim * _itemsize(dtype)
+
+
+def workspace_bytes(config: ModelConfig, batch: int, tokens: int, dtype: torch.dtype) -> int:
+    """Activations alive inside one block for `tokens` new tokens per sequence, plus fp32 logits of the last ones."""
+    per_token = 4 * config.hidden_size + config.q_dim + 2 * config.kv_dim + 3 * config.intermediate_size
+    return batch * tokens * per_token * _itemsize(dtype) + 3 * batch * config.vocab_size * 4
+
+
+def _counts(fractions: dict[str, float], total: int, tiers: tuple[str, ...]) -> dict[str, int]:
+    """Split `total` blocks over `tiers` in proportion to fractions (largest remainders), in tier order."""
+    raw = {t: max(0.0, fractions.get(t, 0.0)) * total for t in tiers}
+    scale = sum(raw.values())
+    if scale <= 0:
+        return {t: (total if t == tiers[-1] else 0) for t in tiers}
+    raw = {t: v * total / scale for t, v in raw.items()}
+    counts = {t: math.floor(v + 1e-9) for t, v in raw.items()}
+    for t in sorted(tiers, key=lambda t: raw[t] - counts[t], reverse=True)[: total - sum(counts.values())]:
+        counts[t] += 1
+    return counts
+
+
+def _spread(n_marked: int, total: int) -> list[bool]:
+    """n_marked of total positions, spread evenly (so streamed blocks alternate with resident ones and their reads
+    overlap the resident blocks' compute)."""
+    return [math.floor((i + 1) * n_marked / total) > math.floor(i * n_marked / total) for i in range(total)]
+
+
+def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.device, dtype: torch.dtype, batch: int,
+                max_length: int, ram_budget_bytes: float | None = None, prefill_tokens: int = 256,
+                quant: str = "none") -> EnginePlan:
+    """A tier for every block's weights and KV cache from the policy's fractions, capped by a RAM budget.
+
+    The budget counts what the engine holds in RAM: embeddings and LM head (when the CPU computes), RAM-resident
+    blocks, the streaming slots, the KV cache kept in RAM and one step's activations. Without a budget the policy's
+    RAM/disk split is followed; with one, every block not on the GPU goes to RAM while the budget holds and the rest
+    stays on disk. The interpreter and torch themselves (the process baseline) are not part of the budget.
+    """
+    device = str(torch.device(device))
+    on_gpu = torch.device(device).type == "cuda"
+    layers = config.num_layers
+    if batch < 1 or max_length < 1:
+        raise InputError(f"batch and max_length must be positive (got {batch}, {max_length})")
+    w = policy.weights
+    if on_gpu:
+        weights = _counts({"gpu": w.gpu, "cpu": w.cpu, "disk": w.disk}, layers, TIERS)
+    else:  # no GPU: the plan's GPU share (if any) is RAM
+        weights = _counts({"cpu": w.gpu + w.cpu, "disk": w.disk}, layers, ("cpu", "disk"))
+        weights["gpu"] = 0
+    c = policy.kv_cache
+    cache = _counts({"gpu": c.gpu, "cpu": c.cpu, "disk": c.disk}, layers, TIERS) if on_gpu else \
+        {"gpu": 0, **_counts({"cpu": c.gpu + c.cpu, "disk": c.disk}, layers, ("cpu", "disk"))}
+    cache_tiers = ["gpu"] * cache["gpu"] + ["cpu"] * cache["cpu"] + ["disk"] * cache["disk"]
+
+    depth = policy.prefetch_depth
+    bb = block_bytes(config, dtype)
+    cache_ram = cache["cpu"] * cache_bytes_per_block(config, batch, max_length, dtype)
+    fixed = {"kv_cache": cache_ram}
+    if not on_gpu:
+        fixed["embedding_and_head"] = outside_bytes(config, dtype)
+        fixed["activations"] = workspace_bytes(config, batch, min(prefill_tokens, max_length), dtype)
+
+    def slots(n_disk: int, n_ram: int) -> int:
+        """RAM for streaming buffers: the CPU's slots, or on a GPU machine the pinned staging of disk reads."""
+        streamed = n_disk + (n_ram if on_gpu else 0)
+        if on_gpu and not n_disk:
+            return 0
+        return min(depth + 1, streamed) * bb
+
+    n_rest = layers - weights["gpu"]  # blocks in RAM or on disk
+    n_ram = weights["cpu"]
+
+    def ram_needed(n_ram: int) -> int:
+        return sum(fixed.values()) + n_ram * bb + slots(n_rest - n_ram, n_ram)
+
+    if ram_budget_bytes is not None:
+        # with a budget, RAM holds every block it can: a streamed block is never faster than a resident one
+        n_ram = n_rest
+        budget = float(ram_budget_bytes)
+        if not on_gpu and ram_needed(n_ram) > budget and depth == 0 and weights["disk"] == 0:
+            depth = 1  # the policy streams nothing, the budget makes it stream: overlap the reads
+        while n_ram > 0 and ram_needed(n_ram) > budget:
+            n_ram -= 1
+        if ram_needed(n_ram) > budget:
+            raise InputError(
+                f"RAM budget {budget / 1e9:.3g} GB is too small for this model: it needs at least "
+                f"{ram_needed(0) / 1e9:.3g} GB ({', '.join(f'{k} {v / 1e9:.3g} GB' for k, v in fixed.items() if v)}, "
+                f"{depth + 1} block buffer(s) of {bb / 1e9:.3g} GB)")
+    n_disk = n_rest - n_ram
+    if quant != "none" and (n_disk or (on_gpu and n_ram)):
+        raise InputError(f"{quant} weights must all be resident on {device}: streaming quantized blocks from RAM or "
+                         "disk is not supported; use an fp16/bf16/fp32 plan or a larger memory budget")
+
+    # GPU blocks first; among the rest, the disk blocks spread evenly between the RAM ones
+    weight_tiers = ["gpu"] * weights["gpu"]
+    for on_disk in _spread(n_disk, n_rest):
+        weight_tiers.append("disk" if on_disk else "cpu")
+    ram = dict(fixed)
+    ram["resident_blocks" if not on_gpu else "pinned_blocks"] = n_ram * bb
+    ram["stream_buffers"] = slots(n_disk, n_ram)
+    return EnginePlan(
+        weight_tiers=tuple(weight_tiers), cache_tiers=tuple(cache_tiers), device=device, dtype=dtype, quant=quant,
+        prefetch_depth=depth, micro_batch_size=policy.micro_batch_size, num_micro_batches=policy.num_micro_batches,
+        ram_budget_bytes=None if ram_budget_bytes is None else int(ram_budget_bytes),
+        ram_breakdown={k: int(v) for k, v in ram.items()},
+    )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading weights from safetensors files
+# ---------------------------------------------------------------------------------------------------------------
+class SafetensorsFile:
+    """One safetensors file, read with positioned reads: tensor bytes go straight into a destination tensor."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot open ({exc.strerror})") from None
+        try:
+            self.entries = self._read_header()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _read_header(self) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+        size = os.fstat(self.fd).st_size
+        prefix = os.pread(self.fd, 8, 0)
+        if len(prefix) < 8:
+            raise InputError(f"{self.path}: truncated safetensors file (no header)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(_MAX_HEADER_BYTES, size - 8):
+            raise InputError(f"{self.path}: corrupt safetensors header (length {length})")
+        try:
+            header = json.loads(os.pread(self.fd, length, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"{self.path}: corrupt safetensors header ({exc})") from None
+        data_start = 8 + length
+        entries = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                start, end = (int(x) for x in info["data_offsets"])
+                entries[name] = (_FILE_DTYPES.get(info["dtype"]), tuple(int(d) for d in info["shape"]),
+                                 data_start + start, data_start + end)
+            except (KeyError, TypeError, ValueError):
+                raise InputError(f"{self.path}: corrupt safetensors header entry for {name!r}") from None
+            if data_start + end > size:
+                raise InputError(f"{self.path}: truncated: tensor {name!r} ends past the end of the file")
+        return entries
+
+    def read_into(self, name: str, dest: Tensor) -> int:
+        """Read tensor `name` into `dest` (any device; converted to dest's dtype); returns the bytes read."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise InputError(f"{self.path}: tensor {name!r} is missing")
+        dtype, shape, start, end = entry
+        if dtype is None:
+            raise InputError(f"{self.path}: tensor {name!r} has an unsupported dtype (need F32, BF16 or F16)")
+        if shape != tuple(dest.shape):
+            raise InputError(f"{self.path}: tensor {name!r} has shape {shape}, expected {tuple(dest.shape)}")
+        direct = dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous()
+        target = dest if direct else torch.empty(shape, dtype=dtype)
+        self._pread_into(target.view(-1).view(torch.uint8).numpy(), start, end - start, name)
+        if not direct:
+            dest.copy_(target)
+        return end - start
+
+    def _pread_into(self, buffer, offset: int, length: int, name: str) -> None:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < length:  # one preadv moves at most ~2 GB
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise InputError(f"{self.path}: short read of tensor {name!r} (file truncated?)")
+            done += n
+
+    def drop_from_page_cache(self, names: list[str]) -> None:
+        """Ask the OS to forget these tensors' pages, so the next read comes from the disk itself."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for name in names:
+            _, _, start, end = self.entries[name]
+            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def block_destinations(block: Block, config: ModelConfig) -> dict[str, Tensor]:
+    """HF tensor name (within a layer) -> the tensor (or the rows of a fused one) of `block` it fills."""
+    q, kv, inter = config.q_dim, config.kv_dim, config.intermediate_size
+    attn, mlp = block.self_attn, block.mlp
+    qkv, gate_up = attn.qkv_proj.weight, mlp.gate_up_proj.weight
+    dest = {
+        "input_layernorm.weight": block.input_layernorm.weight,
+        "post_attention_layernorm.weight": block.post_attention_layernorm.weight,
+        "self_attn.q_proj.weight": qkv[:q], "self_attn.k_proj.weight": qkv[q : q + kv],
+        "self_attn.v_proj.weight": qkv[q + kv :], "self_attn.o_proj.weight": attn.o_proj.weight,
+        "mlp.gate_proj.weight": gate_up[:inter], "mlp.up_proj.weight": gate_up[inter:],
+        "mlp.down_proj.weight": mlp.down_proj.weight,
+    }
+    if config.qkv_bias:
+        bias = attn.qkv_proj.bias
+        dest.update({"self_attn.q_proj.bias": bias[:q], "self_attn.k_proj.bias": bias[q : q + kv],
+                     "self_attn.v_proj.bias": bias[q + kv :]})
+    if config.o_bias:
+        dest["self_attn.o_proj.bias"] = attn.o_proj.bias
+    if config.mlp_bias:
+        bias = mlp.gate_up_proj.bias
+        dest.update({"mlp.gate_proj.bias": bias[:inter], "mlp.up_proj.bias": bias[inter:],
+                     "mlp.down_proj.bias": mlp.down_proj.bias})
+    return dest
+
+
+class BlockReader:
+    """Fills Block modules with a layer's weights from the checkpoint's files (thread-safe: positioned reads)."""
+
+    def __init__(self, checkpoint: Checkpoint, drop_page_cache: bool = False):
+        self.checkpoint, self.config = checkpoint, checkpoint.config
+        self.drop_page_cache = drop_page_cache
+        self._files: dict[str, SafetensorsFile] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _file(self, file_name: str) -> SafetensorsFile:
+        with self._lock:
+            handle = self._files.get(file_name)
+            if handle is None:
+                path = self.checkpoint.path / file_name
+                if not path.is_file():
+                    raise InputError(f"{path}: missing shard (listed in the checkpoint's index)")
+                handle = self._files[file_name] = SafetensorsFile(path)
+            return handle
+
+    def check_layer(self, layer: int) -> None:
+        """Fail early (before any weight is read) on a tensor missing from the index or its file."""
+        for name in block_tensor_names(self.config, layer):
+            (file_name,) = self.checkpoint.files_for([name])
+            if name not in self._file(file_name).entries:
+                raise InputError(f"{self.checkpoint.path / file_name}: tensor {name!r} is missing")
+
+    def fill(self, block: Block, layer: int) -> int:
+        """Read layer `layer` into `block` (whose shapes match any layer); returns the bytes read."""
+        prefix = f"model.layers.{layer}."
+        total = 0
+        read: dict[SafetensorsFile, list[str]] = {}
+        for suffix, dest in block_destinations(block, self.config).items():
+            name = prefix + suffix
+            (file_name,) = self.checkpoint.files_for([name])
+            handle = self._file(file_name)
+            total += handle.read_into(name, dest)
+            read.setdefault(handle, []).append(name)
+        if self.drop_page_cache:
+            for handle, names in read.items():
+                handle.drop_from_page_cache(names)
+        block.layer_index = layer
+        block.self_attn.window = self.config.window_of(layer)
+        self.bytes_read += total
+        return total
+
+    def close(self) -> None:
+        with self._lock:
+            for handle in self._files.values():
+                handle.close()
+            self._files.clear()
+
+
+def empty_block(config: ModelConfig, rotary: RotaryTable, dtype: torch.dtype, device: str | torch.device,
+                pin: bool = False) -> Block:
+    """A Block with uninitialised weights of `dtype` on `device` (pinned host memory when pin=True)."""
+    with torch.device("meta"):
+        block = Block(config, 0, rotary)
+    # not Module.to_empty: it touches (and for a moment doubles) the memory it allocates
+    for module in block.modules():
+        for name, param in module.named_parameters(recurse=False):
+            fresh = torch.empty(param.shape, dtype=dtype, device=device, pin_memory=pin)
+            module._parameters[name] = torch.nn.Parameter(fresh, requires_grad=False)
+    block.rotary = rotary
+    return block
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming: a pool of slots that load the next blocks while the current one computes
+# ---------------------------------------------------------------------------------------------------------------
+class _Slot:
+    """A block buffer on the compute device; on CUDA also a pinned staging twin (for disk reads) and events."""
+
+    def __init__(self, block: Block, staging: Block | None = None):
+        self.block, self.staging = block, staging
+        self.loaded = torch.cuda.Event() if staging is not None or _is_cuda(block) else None  # copy done
+        self.released = torch.cuda.Event() if self.loaded is not None else None  # compute done with it
+        self.has_released = False
+
+
+def _is_cuda(block: Block) -> bool:
+    return block.input_layernorm.weight.device.type == "cuda"
+
+
+class BlockStreamer:
+    """Loads streamed blocks into `depth + 1` slots, in the order the blocks run, cycling from step to step.
+
+    acquire(layer) returns the block (waiting for its load); release(layer) hands the slot back, and every free
+    slot immediately starts loading the next streamed block — the following step's first ones after the last.
+    """
+
+    def __init__(self, layers: tuple[int, ...], slots: list[_Slot], load):
+        self.layers = layers
+        self.free: deque[_Slot] = deque(slots)
+        self.pending: deque[tuple[int, _Slot, Future]] = deque()
+        self.in_use: _Slot | None = None
+        self._load = load  # load(layer, slot): runs on the reader thread
+        self._next = 0  # index into `layers` of the next block to request
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hivekeeper-reader")
+
+    def _request_more(self) -> None:
+        while self.free:
+            layer = self.layers[self._next]
+            self._next = (self._next + 1) % len(self.layers)
+            slot = self.free.popleft()
+            self.pending.append((layer, slot, self._executor.submit(self._load, layer, slot)))
+
+    def _restart(self, layer: int) -> None:
+        """Out of order (first use, or a step that failed halfway): drop what was prefetched, start at `layer`."""
+        self._drain()
+        self._next = self.layers.index(layer)
+
+    def _drain(self) -> None:
+        while self.pending:
+            _, slot, future = self.pending.popleft()
+            try:
+                future.result()
+            except BaseException:
+                pass
+            self.free.append(slot)
+        if self.in_use is not None:
+            self.free.append(self.in_use)
+            self.in_use = None
+
+    def acquire(self, layer: int) -> Block:
+        if self.in_use is not None or not self.pending or self.pending[0][0] != layer:
+            self._restart(layer)
+            self._request_more()
+        _, slot, future = self.pending.popleft()
+        self.in_use = slot
+        try:
+            future.result()
+        except BaseException:
+            self._restart(layer)
+            raise
+        if slot.loaded is not None:
+            torch.cuda.current_stream().wait_event(slot.loaded)
+        self._request_more()
+        return slot.block
+
+    def release(self, layer: int) -> None:
+        slot, self.in_use = self.in_use, None
+        if slot is None:
+            return
+        if slot.released is not None:
+            slot.released.record()
+            slot.has_released = True
+        self.free.append(slot)
+        self._request_more()
+
+    def close(self) -> None:
+        self._drain()
+        self._executor.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV cache with a tier per block
+# ---------------------------------------------------------------------------------------------------------------
+class TieredKVCache:
+    """Keys and values of every block for one session, each block's on its own tier, pre-allocated for max_length.
+
+    "disk" caches are memory-mapped files (deleted at once, so nothing is left behind). When a GPU computes, a block
+    whose cache is in RAM or on disk is copied into a device scratch buffer for its turn and the new tokens written
+    back. `length` counts the tokens stored, as in KVCache.
+    """
+
+    def __init__(self, config: ModelConfig, tiers: tuple[str, ...], batch: int, max_length: int, dtype: torch.dtype,
+                 device: str | torch.device, disk_dir: str | os.PathLike | None = None):
+        if max_length > config.max_position_embeddings:
+            raise InputError(f"max_length {max_length} exceeds the model's context (max_position_embeddings "
+                             f"{config.max_position_embeddings})")
+        self.device = torch.device(device)
+        self.batch, self.max_length, self.length = batch, max_length, 0
+        self.tiers = tiers
+        shape = (batch, config.num_kv_heads, max_length, config.head_dim)
+        self.shape = shape
+        on_gpu = self.device.type == "cuda"
+
+        def allocate(tier: str) -> Tensor:
+            if tier == "disk":
+                return _file_tensor(shape, dtype, disk_dir)
+            if tier == "gpu":
+                return torch.empty(shape, dtype=dtype, device=self.device)
+            return torch.empty(shape, dtype=dtype, pin_memory=on_gpu)
+
+        self.blocks: list[tuple[Tensor, Tensor]] = [(allocate(tier), allocate(tier)) for tier in tiers]
+        needs_scratch = on_gpu and any(t != "gpu" for t in tiers)
+        self._scratch = (torch.empty(shape, dtype=dtype, device=self.device),
+                         torch.empty(shape, dtype=dtype, device=self.device)) if needs_scratch else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.blocks)
+
+    def _off_device(self, index: int) -> bool:
+        return self._scratch is not None and self.tiers[index] != "gpu"
+
+    def load(self, index: int, position: int) -> tuple[Tensor, Tensor]:
+        """(k, v) of block `index` on the compute device, holding the first `position` tokens."""
+        if not self._off_device(index):
+            return self.blocks[index]
+        for home, scratch in zip(self.blocks[index], self._scratch):
+            scratch[:, :, :position].copy_(home[:, :, :position], non_blocking=True)
+        return self._scratch
+
+    def store(self, index: int, position: int, tokens: int) -> None:
+        """Write the new tokens' K/V back home when the block computed on a scratch copy."""
+        if not self._off_device(index):
+            return
+        end = position + tokens
+        for home, scratch in zip(self.blocks[index], self._scratch):
+            home[:, :, position:end].copy_(scratch[:, :, position:end])
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise InputError(f"cannot rewind the KV cache to {length} tokens: it holds {self.length}")
+        self.length = length
+
+    def close(self) -> None:
+        self.blocks, self._scratch = [], None
+
+
+def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, folder) -> Tensor:
+    """A tensor backed by a shared memory-mapped file on disk; the file is unlinked at once (the mapping stays)."""
+    numel = math.prod(shape)
+    handle, path = tempfile.mkstemp(prefix="hivekeeper-kv-", dir=folder)
+    try:
+        os.ftruncate(handle, numel * _itemsize(dtype))
+        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    finally:
+        os.close(handle)
+        os.unlink(path)
+    return tensor.view(shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------------
+class OffloadedSpan:
+    """All blocks of the model, run in order with the engine's placement: span(hidden, cache) -> hidden."""
+
+    def __init__(self, model: "OffloadedModel"):
+        self._model = model
+        self.start, self.end = 0, model.config.num_layers
+
+    def allocate_cache(self, batch: int, max_length: int) -> TieredKVCache:
+        m = self._model
+        return TieredKVCache(m.config, m.plan.cache_tiers, batch, max_length, m.plan.dtype, m.device, m.cache_dir)
+
+    def __call__(self, hidden: Tensor, cache: TieredKVCache) -> Tensor:
+        return self._model.forward_blocks(hidden, cache)
+
+
+class OffloadedModel:
+    """A checkpoint run by an EnginePlan: `embedding`, `span` and `head`, the runner shape generation.py uses."""
+
+    def __init__(self, path: str | Path, plan: EnginePlan, *, cache_dir: str | os.PathLike | None = None,
+                 drop_page_cache: bool = False):
+        self.path = Path(path)
+        self.plan = plan
+        self.device = torch.device(plan.device)
+        self.cache_dir = cache_dir
+        self.checkpoint = Checkpoint(self.path)
+        config = self.config = self.checkpoint.config
+        if len(plan.weight_tiers) != config.num_layers:
+            raise InputError(f"the plan places {len(plan.weight_tiers)} blocks; the model has {config.num_layers}")
+        self.span = OffloadedSpan(self)
+        self.reader = BlockReader(self.checkpoint, drop_page_cache)
+        for layer in range(config.num_layers):
+            self.reader.check_layer(layer)
+        self.rotary = RotaryTable(config)
+        dtype, on_gpu = plan.dtype, self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if on_gpu and plan.streamed_blocks else None
+        self.streamer: BlockStreamer | None = None
+        self.bytes_streamed = 0  # weight bytes read from disk for streamed blocks (the reader thread adds)
+        try:
+            self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
+            self.head = load_head(self.path, dtype=dtype, device=self.device,
+                                  embedding=self.embedding if config.tie_word_embeddings else None)
+            self.resident: dict[int, Block] = {}  # on the compute device
+            self.pinned: dict[int, Block] = {}  # RAM blocks streamed to the GPU
+            for layer, tier in enumerate(plan.weight_tiers):
+                if tier == plan.compute_tier:
+                    self.resident[layer] = self._load_resident(layer)
+                elif tier == "cpu":
+                    self.pinned[layer] = empty_block(config, self.rotary, dtype, "cpu", pin=True)
+                    self.reader.fill(self.pinned[layer], layer)
+            streamed = plan.streamed_blocks
+            if streamed:
+                disk = any(plan.weight_tiers[i] == "disk" for i in streamed)
+                slots = [_Slot(empty_block(config, self.rotary, dtype, self.device),
+                               empty_block(config, self.rotary, dtype, "cpu", pin=True) if on_gpu and disk else None)
+                         for _ in range(min(plan.prefetch_depth + 1, len(streamed)))]
+                self.streamer = BlockStreamer(streamed, slots, self._load_slot)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_resident(self, layer: int) -> Block:
+        if self.plan.quant != "none":
+            return load_block(self.checkpoint, layer, dtype=self.plan.dtype, device=self.device,
+                              quant=self.plan.quant, rotary=self.rotary)
+        block = empty_block(self.config, self.rotary, self.plan.dtype, self.device)
+        self.reader.fill(block, layer)
+        return block
+
+    def _load_slot(self, layer: int, slot: _Slot) -> None:
+        """Runs on the reader thread: bring block `layer` into `slot` (disk read and/or copy to the GPU)."""
+        if slot.loaded is None:  # the CPU computes: read from disk straight into the slot
+            self.bytes_streamed += self.reader.fill(slot.block, layer)
+            return
+        if self.plan.weight_tiers[layer] == "disk":
+            slot.loaded.synchronize()  # the previous copy out of the staging buffer is finished
+            self.bytes_streamed += self.reader.fill(slot.staging, layer)
+            source = slot.staging
+        else:
+            source = self.pinned[layer]
+        with torch.cuda.stream(self._copy_stream):
+            if slot.has_released:
+                self._copy_stream.wait_event(slot.released)  # compute is done with the old weights
+            for dest, src in zip(slot.block.parameters(), source.parameters()):
+                dest.copy_(src, non_blocking=True)
+            slot.loaded.record(self._copy_stream)
+            slot.block.layer_index, slot.block.self_attn.window = layer, self.config.window_of(layer)
+
+    def _micro_batches(self, batch: int) -> list[slice]:
+        size = self.plan.micro_batch_size
+        if self.plan.num_micro_batches <= 1 or size >= batch:
+            return [slice(0, batch)]
+        return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
+
+    def forward_blocks(self, hidden: Tensor, cache: TieredKVCache) -> Tensor:
+        """hidden [batch, new_tokens, hidden] through every block; new tokens at positions cache.length, ..."""
+        batch, t, width = hidden.shape
+        position = cache.length
+        if width != self.config.hidden_size or batch != cache.batch:
+            raise InputError(f"hidden states {tuple(hidden.shape)} do not match the cache (batch {cache.batch}) "
+                             f"or the model (hidden {self.config.hidden_size})")
+        if position + t > cache.max_length:
+            raise InputError(f"{position + t} tokens exceed the KV cache's max_length {cache.max_length}")
+        hidden = hidden.to(device=self.device, dtype=self.plan.dtype)
+        rope = self.rotary.get(position, t, hidden.device, hidden.dtype)
+        rows = self._micro_batches(batch)
+        for layer in range(self.config.num_layers):
+            block = self.resident.get(layer)
+            streamed = block is None
+            if streamed:
+                block = self.streamer.acquire(layer)
+            try:
+                k, v = cache.load(layer, position)
+                if len(rows) == 1:
+                    hidden = block(hidden, k, v, position, rope)
+                else:
+                    out = torch.empty_like(hidden)
+                    for r in rows:
+                        out[r] = block(hidden[r], k[r], v[r], position, rope)
+                    hidden = out
+                cache.store(layer, position, t)
+            finally:
+                if streamed:
+                    self.streamer.release(layer)
+        cache.length = position + t
+        return hidden
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        self.reader.close()
+        self.checkpoint.close()
+
+    def __enter__(self) -> "OffloadedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
