@@ -62,7 +62,7 @@ def main() -> None:
         evaluation_grid = ProfileGrid((8, 32, 128, 384), (1, 8), (1, 2), repeats=2)
     else:
         demo, sizes = DEMO, BenchmarkSizes(ram_bytes=1 << 30, repeats=5, dtypes=("fp32",))
-        calibration_grid = ProfileGrid((16, 64, 256), (1, 16), (1, 4), repeats=args.repeats)
+        calibration_grid = ProfileGrid((16, 64, 256), (1, 16), (1, 2, 4), repeats=args.repeats)
         evaluation_grid = ProfileGrid((8, 32, 128, 384), (1, 8, 24), (1, 2, 4), repeats=args.repeats)
 
     with tempfile.TemporaryDirectory(prefix="hivekeeper-bench-") as folder:
@@ -116,6 +116,9 @@ def main() -> None:
         "weights_gb": round(spec.total_params() * 4 / 1e9, 3),
         "threads": threads,
         "calibration_s": round(calibration_s, 1), "measure_s": round(measure_s, 1),
+        "uncalibrated": {k: float(f"{getattr(base.accelerator, k):.4g}")
+                         for k in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
+                                   "weight_reread_rows")},
         "calibration_points": len(calibration.points), "evaluation_points": len(points),
         "decode_mape_calibrated_pct": pct(calibrated["decode"].mape),
         "prefill_mape_calibrated_pct": pct(calibrated["prefill"].mape),
@@ -127,7 +130,8 @@ def main() -> None:
         "idealized_runtime_mape_pct": pct(idealized["runtime"].mape) if idealized else None,
         "ram_read_gbps": round(ram.value / 1e9, 2), "fp32_matmul_gflops": round(mm.value / 1e9, 1),
         "fitted": {k: float(f"{getattr(calibration.accelerator, k):.4g}")
-                   for k in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s")},
+                   for k in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
+                             "weight_reread_rows")},
         "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "median_spread_pct": pct(float(np.median([pt.spread for pt in points]))),
         "goals": {"calibration_s": 60, "decode_mape_pct": 10, "prefill_mape_pct": 15, "uncalibrated_mape_pct": 30},

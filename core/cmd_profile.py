@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid, 2 repeats (for a first look and tests)")
     parser.add_argument("--prompt-lens", metavar="N,N,...", help="prompt lengths (default 16,64,256,1024)")
     parser.add_argument("--output-lens", metavar="N,N,...", help="output lengths (default 1,32)")
-    parser.add_argument("--batch-sizes", metavar="N,N,...", help="batch sizes (default 1,4)")
+    parser.add_argument("--batch-sizes", metavar="N,N,...", help="batch sizes (default 1,2,4)")
     parser.add_argument("--placements", metavar="NAME,...",
                         help="resident (default), ram (GPU: weights streamed from RAM), disk (half the blocks on disk)")
     parser.add_argument("--repeats", metavar="N",

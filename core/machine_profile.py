@@ -32,7 +32,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, HardwareSpec
 from hivekeeper.planner.hardware_catalog import GIB, clamp_to_limit
 
-from .measure import Measurement
+from .measurement import Measurement  # not .measure: reading a profile must not import torch
 
 PROFILE_VERSION = 1
 

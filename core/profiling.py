@@ -40,7 +40,8 @@ class ProfileGrid:
 
     prompt_lens: tuple[int, ...] = (16, 64, 256, 1024)
     output_lens: tuple[int, ...] = (1, 32)
-    batch_sizes: tuple[int, ...] = (1, 4)
+    # three batch sizes: on a CPU the weight re-reads (b = 2, 4) cannot be told from the bandwidth with two
+    batch_sizes: tuple[int, ...] = (1, 2, 4)
     placements: tuple[str, ...] = ("resident",)
     repeats: int = 3
 
@@ -313,7 +314,8 @@ def render_report(calibration: Calibration) -> str:
     lines.append("")
     unc, cal = calibration.uncalibrated_accelerator, calibration.accelerator
     lines.append(f"efficiency factors ({unc.name} -> {cal.name}):")
-    for name in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s"):
+    for name in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
+                 "weight_reread_rows"):
         lines.append(f"  {name:<19} {getattr(unc, name):.4g} -> {getattr(cal, name):.4g}")
     lines.append("idealized runtime(p, o) = α(p) + β·(o − 1):")
     linear = {(f.placement, f.batch_size): f for f in linear_alpha_fits(points)}

@@ -23,13 +23,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .costmodel import Placement, Policy, Workload, evaluate
-from .efficiency import Efficiency, MachineEfficiency, default_efficiency
+from .efficiency import MEASURED_PREFIX, Efficiency, MachineEfficiency, default_efficiency  # noqa: F401 (re-export)
 from .errors import InputError
 from .hardware import HardwareSpec
 from .models import ModelSpec
 
 CALIBRATED_PREFIX = "calibrated:"
-MEASURED_PREFIX = "measured:"
 
 
 # ---- error measures ---------------------------------------------------------------------------------------------
@@ -336,32 +335,9 @@ def point_policy(policy: Policy, point: ProfilePoint) -> Policy:
 
 # ---- efficiency factors -------------------------------------------------------------------------------------------
 def measured_efficiency(hardware: HardwareSpec) -> MachineEfficiency:
-    """Efficiency before any runtime profile. A number that `hivekeeper measure` measured is already what kernels
-    reach, so the fraction applied to it is 1; catalog and estimated numbers keep the default fractions."""
-    base = default_efficiency(hardware)
-
-    def measured(sources: dict[str, str], key: str) -> bool:
-        return sources.get(key, "").startswith("measured")
-
-    def adjust(eff: Efficiency, device, with_link: bool) -> Efficiency:
-        changes = {}
-        if measured(device.sources, "memory_bandwidth"):
-            changes["bandwidth_fraction"] = 1.0
-        if measured(device.sources, "flops"):
-            changes["matmul_fraction"] = 1.0
-        if with_link and measured(device.sources, "host_link_bandwidth"):
-            changes["link_fraction"] = 1.0
-        if measured(hardware.disk.sources, "read_bandwidth"):
-            changes["disk_fraction"] = 1.0
-        if not changes:
-            return eff
-        name = eff.name.replace("default:", MEASURED_PREFIX)
-        return dataclasses.replace(eff, name=name, source=f"fractions of measured numbers are 1 ({', '.join(changes)})",
-                                   **changes)
-
-    host = adjust(base.host, hardware.cpu, False)
-    accelerator = host if not hardware.gpus else adjust(base.accelerator, hardware.accelerator, True)
-    return MachineEfficiency(accelerator, host)
+    """Efficiency before any runtime profile: the defaults, with a fraction of 1 for every number that
+    `hivekeeper measure` measured (efficiency.default_efficiency decides this, for every plan)."""
+    return default_efficiency(hardware)
 
 
 def is_calibrated(efficiency_name: str) -> bool:
@@ -371,7 +347,7 @@ def is_calibrated(efficiency_name: str) -> bool:
 
 # Factors the fit may move -> (lower bound, upper bound, typical size) of the fitted parameter. Fractions are fitted
 # as their inverse (a multiplier on time, bounded below by 1), which keeps a resident run's time linear in every
-# parameter. A factor the cost model gains later is fitted by adding it here (and to DEFAULT_FIT_FACTORS).
+# parameter. A factor the cost model gains later is fitted by adding it here (and to the fit lists below).
 _FACTORS = {
     "bandwidth_fraction": (1.0, 1e4, 1.0),
     "matmul_fraction": (1.0, 1e4, 1.0),
@@ -379,9 +355,21 @@ _FACTORS = {
     "step_overhead_s": (0.0, 5.0, 1e-3),
     "link_fraction": (1.0, 1e4, 1.0),
     "disk_fraction": (1.0, 1e4, 1.0),
+    "weight_reread_rows": (1.0, 16.0, 1.0),
 }
 _INVERSE = ("bandwidth_fraction", "matmul_fraction", "link_fraction", "disk_fraction")
 DEFAULT_FIT_FACTORS = ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s")
+# On a CPU the weight re-reads of small-row matmuls are fitted too; a GPU keeps one read (no evidence of more).
+CPU_FIT_FACTORS = DEFAULT_FIT_FACTORS + ("weight_reread_rows",)
+
+
+# Huber threshold of the efficiency fit, in log(predicted / measured): ~10%
+ROBUST_THRESHOLD = 0.1
+
+
+def default_fit_factors(hardware: HardwareSpec) -> tuple[str, ...]:
+    """The factors a calibration fits on this machine."""
+    return DEFAULT_FIT_FACTORS if hardware.gpus else CPU_FIT_FACTORS
 
 
 def _to_theta(eff: Efficiency, names: tuple[str, ...]) -> np.ndarray:
@@ -448,18 +436,24 @@ def phase_accuracy(points: list[ProfilePoint], prefill_s: np.ndarray, step_s: np
 
 
 def fit_efficiency(model: ModelSpec, hardware: HardwareSpec, points: list[ProfilePoint], policies: dict[str, Policy],
-                   base: MachineEfficiency | None = None, factors: tuple[str, ...] = DEFAULT_FIT_FACTORS,
-                   name: str = "calibrated:profile", max_iterations: int = 12) -> EfficiencyFit:
+                   base: MachineEfficiency | None = None, factors: tuple[str, ...] | None = None,
+                   name: str = "calibrated:profile", max_iterations: int = 20,
+                   robust_threshold: float | None = ROBUST_THRESHOLD) -> EfficiencyFit:
     """Fit the accelerator's efficiency factors so the cost model's prefill and decode times match the points.
 
     Least squares of log(predicted / measured) over every measured prefill and decode step, factors within their
     valid ranges (fractions in (0, 1]), by Gauss-Newton with a line search (a resident run's time is linear in
     the factors, so it converges in a few steps). A tiny pull toward the starting values settles factors the
     points cannot tell apart (a per-block and a per-step overhead, with one model). On a CPU-only machine the
-    host set is the same as the accelerator's.
+    host set is the same as the accelerator's. `factors`: default_fit_factors(hardware) unless given.
+
+    On a shared machine a burst of load can slow every repeat of a point. So the loss is Huber's: a log ratio
+    beyond `robust_threshold` (0.1: ~10%) counts linearly, not squared, and such a point pulls the factors as much
+    as any point that is off by 10%, no more (iteratively reweighted; None: plain least squares).
     """
     if not points:
         raise InputError("no profile points to calibrate from")
+    factors = default_fit_factors(hardware) if factors is None else factors
     unknown = [f for f in factors if f not in _FACTORS]
     if unknown:
         raise InputError(f"unknown efficiency factor {unknown[0]!r}; choose from {', '.join(_FACTORS)}")
@@ -489,22 +483,36 @@ def fit_efficiency(model: ModelSpec, hardware: HardwareSpec, points: list[Profil
         # would let one point predicted 5x too slow outweigh every point predicted 2x too fast)
         return np.concatenate([np.log(prefill / measured_prefill), np.log(step / measured_step)[decoding]])
 
+    def loss(r: np.ndarray) -> float:
+        if robust_threshold is None:
+            return float(r @ r)
+        size = np.abs(r)
+        return float(np.sum(np.where(size <= robust_threshold, size**2,
+                                     2 * robust_threshold * size - robust_threshold**2)))
+
+    def row_weights(r: np.ndarray) -> np.ndarray:
+        """Square roots of the IRLS weights: 1 inside the threshold, sqrt(threshold / |r|) beyond it."""
+        if robust_threshold is None:
+            return np.ones_like(r)
+        return np.sqrt(np.minimum(1.0, robust_threshold / np.maximum(np.abs(r), 1e-300)))
+
     ridge = 1e-4  # pull toward the start, in units of each factor's scale: negligible beside real residuals
     theta, r = theta0.copy(), residuals(theta0)
-    cost = float(r @ r)
+    cost = loss(r)
     iterations = 0
     for iterations in range(1, max_iterations + 1):
         steps = scale * 1e-3
         jac = np.stack([(residuals(theta + steps * e) - r) / (steps * e).sum() for e in np.eye(len(names))], axis=1)
-        # linearized problem in x = theta_new / scale, with the ridge rows appended
-        a = np.vstack([jac * scale, ridge * np.eye(len(names))])
-        b = np.concatenate([jac @ theta - r, ridge * theta0 / scale])
+        w = row_weights(r)
+        # linearized (reweighted) problem in x = theta_new / scale, with the ridge rows appended
+        a = np.vstack([jac * scale * w[:, None], ridge * np.eye(len(names))])
+        b = np.concatenate([w * (jac @ theta - r), ridge * theta0 / scale])
         candidate = _bounded_lstsq(a, b, lower / scale, upper / scale) * scale
         step_size = 1.0
         while True:
             trial = theta + step_size * (candidate - theta)
             r_trial = residuals(trial)
-            cost_trial = float(r_trial @ r_trial)
+            cost_trial = loss(r_trial)
             if cost_trial <= cost * (1 + 1e-12) or step_size < 1e-3:
                 break
             step_size /= 2
@@ -697,7 +705,7 @@ def compare_forms(calibration: Calibration, hardware: HardwareSpec) -> dict[str,
 def build_calibration(model: ModelSpec, model_path: str, hardware: HardwareSpec, hardware_doc: dict, machine_id: str,
                       points: list[ProfilePoint], policies: dict[str, Policy], *, created: float,
                       profile_seconds: float, base: MachineEfficiency | None = None, device: str = "cpu",
-                      threads: int = 0, factors: tuple[str, ...] = DEFAULT_FIT_FACTORS,
+                      threads: int = 0, factors: tuple[str, ...] | None = None,
                       clock: Callable[[], float] | None = None) -> Calibration:
     """Fit the efficiency factors and the idealized forms to a measured grid; the Calibration to save.
 

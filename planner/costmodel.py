@@ -9,7 +9,9 @@ accelerator are streamed in over the host link (and from disk) while the acceler
     prefetch 0: chain + link + disk;  1: max(chain, link + disk);  2: max(chain, link, disk)
 
 The additive accelerator term is a roofline with a soft corner: at small batch it is the weight reads, at large
-batch the FLOPs, so the effective FLOP/s rises with batch (arithmetic intensity) on its own. Beside every
+batch the FLOPs, so the effective FLOP/s rises with batch (arithmetic intensity) on its own. On a CPU a matmul of
+a few rows reads its weights once per row, up to Efficiency.weight_reread_rows times (PyTorch's CPU kernels), so
+there decode at batch 2-4 costs 2-3x batch 1 rather than a few percent more. Beside every
 prediction sits the roofline of the same policy (FLOPs at peak, bytes at spec bandwidth, transfers at link and disk
 speed, no overheads, full overlap), and a prediction never exceeds it (a final min).
 
@@ -476,6 +478,11 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
         return numbers.shared_matrix_params + _experts_touched(numbers.experts, numbers.experts_per_token, tokens) \
             * numbers.expert_matrix_params
 
+    def weight_reads(rows):
+        """How many times a matmul of `rows` rows reads its weights: once, except where small-row matmuls
+        re-read them per row (CPU kernels; Efficiency.weight_reread_rows)."""
+        return np.clip(rows, 1.0, ea.weight_reread_rows)
+
     def combine(chain, link, disk):
         return np.where(d == 0, chain + link + disk,
                         np.where(d == 1, np.maximum(chain, link + disk), np.maximum(chain, np.maximum(link, disk))))
@@ -483,7 +490,7 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
     # ---- decode step at the mean context, per block -------------------------------------------------------------
     L = workload.decode_context
     touched = touched_matrices(b)
-    read_per_param = np.where(b <= 1, gemv, gemm)
+    read_per_param = np.where(b <= 1, gemv, gemm) * weight_reads(b)
     acc_bytes = n * (touched * read_per_param + numbers.vector_params * vbytes) \
         + batch * L * per_token * on_acc_attn * kv_factor
     acc_bytes_min = n * (touched * stored + numbers.vector_params * vbytes) + batch * L * per_token * on_acc_attn
@@ -519,7 +526,9 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
                                     cpu_min])
     head_bytes = numbers.head_params * vbytes
     head_flops = batch * 2.0 * numbers.head_params
-    head_t = head_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction) + head_flops / (peak * ea.matmul_fraction)
+    # the LM head runs on the last position of each sequence, in decode and prefill alike: `batch` rows
+    head_t = head_bytes * weight_reads(batch) / (machine.acc_bandwidth * ea.bandwidth_fraction) \
+        + head_flops / (peak * ea.matmul_fraction)
     head_roof = np.maximum(head_bytes / machine.acc_bandwidth, head_flops / peak)
     step = N * layer_t + head_t + ea.step_overhead_s
     step_roof = N * layer_roof + head_roof
@@ -530,8 +539,8 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
     rows = b * p
     touched_p = touched_matrices(rows)
     # every new K, V (or hidden state) is written to accelerator memory first, wherever it is kept
-    p_acc_bytes = n * (touched_p * np.where(rows <= 1, gemv, gemm) + numbers.vector_params * vbytes) \
-        + batch * p * per_token
+    p_acc_bytes = n * (touched_p * np.where(rows <= 1, gemv, gemm) * weight_reads(rows)
+                       + numbers.vector_params * vbytes) + batch * p * per_token
     p_acc_bytes_min = n * (touched_p * stored + numbers.vector_params * vbytes) + batch * p * per_token
     p_attn_flops = 4.0 * numbers.q_dim * p * (p + 1.0) / 2.0 * batch  # causal: token i attends to i positions
     p_flops = batch * p * numbers.flops_per_token + p_attn_flops
@@ -565,7 +574,9 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
         "throughput_tps": batch * workload.output_len / runtime,
         # components of one decode step (seconds), for the bottleneck
         "accelerator compute": N * acc_cmp_t + head_flops / (peak * ea.matmul_fraction),
-        "accelerator memory": N * acc_mem_t + head_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction),
+        "accelerator memory": N * acc_mem_t
+        + head_bytes * weight_reads(batch) / (machine.acc_bandwidth * ea.bandwidth_fraction),
+        "weight_reads": weight_reads(b),  # reads of each weight per decode step and micro-batch
         "host link": N * link_t, "disk": N * disk_t, "cpu attention": N * cpu_t,
         "overhead": N * overhead_t + ea.step_overhead_s,
         "chain_s": N * chain,
@@ -770,6 +781,8 @@ def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out,
         resource = "gpu memory bandwidth" if machine.acc_tier == "gpu" else "ram bandwidth"
         detail = (f"{mem_name} bandwidth: reading {_gb(value('acc_bytes_step'))} of weights and KV cache per decode "
                   f"step at {_rate(machine.acc_bandwidth)}")
+        if value("weight_reads") > 1.0:
+            detail += f" (the weights {value('weight_reads'):.3g} times: small-row CPU matmuls re-read them per row)"
     elif resource == "accelerator compute":
         resource = "gpu compute" if machine.acc_tier == "gpu" else "cpu compute"
         flops = value("acc_flops_step")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,12 +145,13 @@ RESIDENT = Policy("fp32", weights=Placement(0.0, 1.0, 0.0), kv_cache=Placement(0
                   activations=Placement(0.0, 1.0, 0.0), prefetch_depth=0)
 
 
-def synthetic_points(truth: MachineEfficiency, noise: float, seed: int = 0) -> list[ProfilePoint]:
+def synthetic_points(truth: MachineEfficiency, noise: float, seed: int = 0,
+                     batches: tuple[int, ...] = (1, 4)) -> list[ProfilePoint]:
     """Points whose times come from the cost model itself with known factors, times multiplicative noise."""
     hardware = get_hardware("cpu-generic")
     rng = np.random.default_rng(seed)
     shells = [ProfilePoint(p, o, b, prefill_s=1.0, step_s=1.0 if o > 1 else None, runtime_s=1.0)
-              for p in (8, 32, 128, 512, 1024) for o in (1, 16) for b in (1, 4)]
+              for p in (8, 32, 128, 512, 1024) for o in (1, 16) for b in batches]
     prefill, step = predict_points(MODEL, hardware, shells, {"resident": RESIDENT}, truth)
     points = []
     for pt, pre, st in zip(shells, prefill, step):
@@ -190,6 +192,43 @@ def test_fit_with_noise_recovers_what_the_points_determine(seed):
     # decode time is weight reads plus overheads, both nearly constant over the grid: their split is loose
     assert got.bandwidth_fraction == pytest.approx(0.35, rel=0.25)
     assert fit.after["decode"].mape < 0.03 and fit.after["prefill"].mape < 0.03  # noise level
+
+
+def test_fit_recovers_cpu_weight_rereads():
+    hardware = get_hardware("cpu-generic")
+    truth = dataclasses.replace(KNOWN, weight_reread_rows=2.5)
+    points = synthetic_points(MachineEfficiency(truth, truth), noise=0.01, seed=4, batches=(1, 2, 4))
+    fit = fit_efficiency(MODEL, hardware, points, {"resident": RESIDENT})
+    assert "weight_reread_rows" in fit.factors  # a CPU-only machine fits them
+    assert fit.efficiency.accelerator.weight_reread_rows == pytest.approx(2.5, rel=0.05)
+    assert fit.before["decode"].mape > 0.3 and fit.after["decode"].mape < 0.02
+    gpu = get_hardware("t4")
+    assert "weight_reread_rows" not in fit_efficiency(
+        MODEL, gpu, points[:4], {"resident": Policy("fp16")}, max_iterations=1).factors
+
+
+def test_fit_is_robust_to_points_slowed_by_other_processes():
+    hardware = get_hardware("cpu-generic")
+    points = synthetic_points(MachineEfficiency(KNOWN, KNOWN), noise=0.0)
+    # a burst of load slowed every repeat of three points 2x (prefill and decode alike)
+    slowed = [dataclasses.replace(pt, prefill_s=2 * pt.prefill_s, step_s=pt.step_s and 2 * pt.step_s)
+              if i in (3, 9, 14) else pt for i, pt in enumerate(points)]
+    robust = fit_efficiency(MODEL, hardware, slowed, {"resident": RESIDENT}).efficiency.accelerator
+    plain = fit_efficiency(MODEL, hardware, slowed, {"resident": RESIDENT},
+                           robust_threshold=None).efficiency.accelerator
+    clean = [i for i in range(len(points)) if i not in (3, 9, 14)]
+    truth_pre, truth_step = predict_points(MODEL, hardware, [points[i] for i in clean], {"resident": RESIDENT},
+                                           MachineEfficiency(KNOWN, KNOWN))
+
+    def error(eff) -> float:
+        pre, step = predict_points(MODEL, hardware, [points[i] for i in clean], {"resident": RESIDENT},
+                                   MachineEfficiency(eff, eff))
+        return float(np.max(np.abs(np.concatenate([pre / truth_pre, step / truth_step]) - 1)))
+
+    # the undisturbed points are predicted within a few % of the true factors' times (Huber bounds each slowed
+    # point's pull, it does not drop it); plain least squares is pulled toward the slow ones
+    assert error(robust) < 0.04
+    assert error(plain) > 3 * error(robust)
 
 
 def test_fit_keeps_fractions_valid_when_the_machine_beats_its_spec():
@@ -246,3 +285,48 @@ def test_calibration_round_trips_through_json():
     assert again.idealized_for(4).beta_s == pytest.approx(calibration.idealized_for(4).beta_s)
     with pytest.raises(InputError, match="malformed calibration"):
         Calibration.from_dict({"machine_id": "x"})
+
+
+# ---- measured numbers are not discounted twice ----------------------------------------------------------------------
+def _hardware_file(tmp_path, base_id: str, measured: dict[str, list[str]]) -> Path:
+    """A hardware JSON of a catalog machine whose listed numbers claim to be measured (as `measure --out` writes)."""
+    doc = hardware_to_json(get_hardware(base_id))
+    sections = {"cpu": doc["cpu"], "disk": doc["disk"], "gpu": doc["gpus"][0] if doc["gpus"] else None}
+    for section, keys in measured.items():
+        sections[section]["sources"] = {**sections[section].get("sources", {}),
+                                        **{k: "measured 2025-01-01 10.00: test bench" for k in keys}}
+    path = tmp_path / f"{base_id}-measured.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_plans_from_a_measured_hardware_file_use_fractions_of_one(tmp_path):
+    from hivekeeper.planner.efficiency import default_efficiency
+    from hivekeeper.planner.hardware_catalog import load_hardware_json
+    from hivekeeper.planner.policy import search
+
+    model = dataclasses.replace(MODEL, torch_dtype="fp16")
+    estimated = load_hardware_json(_hardware_file(tmp_path, "cpu-generic", {}))
+    measured = load_hardware_json(_hardware_file(
+        tmp_path, "cpu-generic", {"cpu": ["memory_bandwidth", "flops"], "disk": ["read_bandwidth"]}))
+    assert default_efficiency(estimated).name == "default:cpu"
+    eff = default_efficiency(measured).accelerator
+    assert eff.name == "measured:cpu" and not is_calibrated(eff.name)
+    assert (eff.bandwidth_fraction, eff.matmul_fraction, eff.disk_fraction) == (1.0, 1.0, 1.0)
+    assert eff.layer_overhead_s == DEFAULTS["cpu"].layer_overhead_s  # no benchmark measures overheads
+    # the planner's own choice (no efficiency passed) is the measured one: the same numbers are not discounted twice
+    plan, slow = search(model, measured, "chat"), search(model, estimated, "chat")
+    assert plan.efficiency == "measured:cpu" and slow.efficiency == "default:cpu"
+    assert plan.prediction.decode_tokens_per_s > 1.5 * slow.prediction.decode_tokens_per_s
+    assert measured_efficiency(measured) == default_efficiency(measured)
+
+
+def test_measured_gpu_numbers_change_only_their_own_fractions(tmp_path):
+    from hivekeeper.planner.efficiency import default_efficiency
+    from hivekeeper.planner.hardware_catalog import load_hardware_json
+
+    hardware = load_hardware_json(_hardware_file(tmp_path, "t4", {"gpu": ["memory_bandwidth"]}))
+    eff = default_efficiency(hardware)
+    assert eff.accelerator.name == "measured:inference-gpu" and eff.accelerator.bandwidth_fraction == 1.0
+    assert eff.accelerator.matmul_fraction == DEFAULTS["inference-gpu"].matmul_fraction  # FLOP/s still the catalog's
+    assert eff.host == DEFAULTS["cpu"]  # the host's RAM was not measured

@@ -254,3 +254,40 @@ def test_efficiency_classes():
     assert hardware_class(geforce) == "consumer-gpu"
     assert default_efficiency(MACHINE).name == "default:datacenter-gpu + default:cpu"
     assert evaluate(LLAMA2_7B, MACHINE, Policy("fp16")).efficiency == "default:datacenter-gpu + default:cpu"
+
+
+# ---- small-row matmuls on a CPU re-read the weights ---------------------------------------------------------------
+CPU_RESIDENT = dict(weights=Placement(0, 1, 0), kv_cache=Placement(0, 1, 0), activations=Placement(0, 1, 0))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_cpu_weight_rereads_by_hand(batch):
+    rereads = MachineEfficiency(dataclasses.replace(EFF.accelerator, weight_reread_rows=3.0), EFF.host)
+    policy = Policy("fp32", micro_batch_size=batch, **CPU_RESIDENT)
+    once = evaluate(LLAMA2_7B, CPU_ONLY, policy, Workload(100, 2), EFF)
+    pred = evaluate(LLAMA2_7B, CPU_ONLY, policy, Workload(100, 2), rereads)
+    reads = min(batch, 3)  # a matmul of `batch` rows reads each weight that many times, at most 3
+    # 32 blocks of fp32 matrices (read `reads` times), norms, K and V at context 101, and the LM head (read `reads`
+    # times), at 50 GB/s × 0.8
+    assert pred.step_breakdown_s["accelerator memory"] == pytest.approx(
+        (32 * (reads * 4 * 202_375_168 + 4 * 8192 + batch * 101 * 32768) + reads * 4 * 32000 * 4096) / 40e9, rel=1e-9)
+    # prefill: 100 × batch rows per block matmul (3 reads), `batch` rows for the LM head
+    assert pred.prefill_s - once.prefill_s == pytest.approx(
+        (32 * 2 * 4 * 202_375_168 + (reads - 1) * 4 * 32000 * 4096) / 40e9, rel=1e-9)
+    assert pred.decode_tokens_per_s <= pred.roofline_decode_tokens_per_s
+    if batch > 1:
+        assert "re-read" in pred.bottleneck_detail
+
+
+def test_weight_rereads_are_a_cpu_default_only():
+    from hivekeeper.planner.efficiency import DEFAULTS
+
+    assert DEFAULTS["cpu"].weight_reread_rows > 1
+    assert all(DEFAULTS[c].weight_reread_rows == 1.0 for c in DEFAULTS if c != "cpu")
+    # on a GPU machine the host CPU's set never touches the GPU's matmuls
+    host_rereads = MachineEfficiency(EFF.accelerator, dataclasses.replace(EFF.host, weight_reread_rows=8.0))
+    policy = Policy("fp16", micro_batch_size=4)
+    assert evaluate(LLAMA2_7B, MACHINE, policy, Workload(100, 2), host_rereads).decode_step_s == \
+        evaluate(LLAMA2_7B, MACHINE, policy, Workload(100, 2), EFF).decode_step_s
+    with pytest.raises(InputError, match="weight_reread_rows"):
+        Efficiency("bad", matmul_fraction=0.5, bandwidth_fraction=0.5, weight_reread_rows=0.5)
