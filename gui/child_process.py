@@ -1,0 +1,178 @@
+"""A child process that reports one JSON object per stdout line, wrapped in a QObject (no threads: QProcess).
+
+The child runs in its own session (process group), so stopping it can also take down what it started (hivemind's
+p2pd daemon) even if the child itself dies badly; on Linux it also gets SIGTERM if the app itself dies. stderr is
+kept as a short tail for error messages.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import sys
+
+from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
+
+
+# On Linux a child is asked to die with the app (SIGTERM when the app's process ends, even by a crash or SIGKILL):
+# a tiny Python shim sets PR_SET_PDEATHSIG, which survives exec, then becomes the real command. SIGTERM lets a
+# node announce OFFLINE and stop its p2pd on the way out.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):  # the app died before prctl took effect\n"
+    "    sys.exit(143)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """argv wrapped so that the child gets SIGTERM when this process ends (Linux only; unchanged elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
+
+def hivekeeper_command(*args: str) -> list[str]:
+    """argv of `hivekeeper ARGS` run with this Python (works in a venv without the console script on PATH)."""
+    return [sys.executable, "-m", "hivekeeper.core.cli", *args]
+
+
+class JsonLinesProcess(QObject):
+    """One child process at a time. Signals: event(dict) per JSON line, exited(code, stderr tail) once it ends."""
+
+    event = Signal(dict)
+    exited = Signal(int, str)
+    stderrLine = Signal(str)
+
+    def __init__(self, parent: QObject | None = None, stderr_lines: int = 200):
+        super().__init__(parent)
+        self._process: QProcess | None = None
+        self._stderr = collections.deque(maxlen=stderr_lines)
+        self._stderr_partial = b""
+        self._pid: int | None = None
+        self._kill_timer = QTimer(self)
+        self._kill_timer.setSingleShot(True)
+        self._kill_timer.timeout.connect(self.kill)
+
+    # ---- state -----------------------------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.state() != QProcess.ProcessState.NotRunning
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        return "\n".join(list(self._stderr)[-lines:])
+
+    # ---- start / stop ----------------------------------------------------------------------------------------------
+    def start(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        if self.running:
+            raise RuntimeError("the child process is already running")
+        self._stderr.clear()
+        self._stderr_partial = b""
+        process = QProcess(self)
+        argv = die_with_parent(argv)
+        process.setProgram(argv[0])
+        process.setArguments(argv[1:])
+        environment = QProcessEnvironment.systemEnvironment()
+        for key, value in (env or {}).items():
+            environment.insert(key, value)
+        process.setProcessEnvironment(environment)
+        # a session of its own: killpg then reaches the daemons it spawns; its stdin stays open (watchers exit on
+        # EOF, so they never outlive the app)
+        if sys.platform != "win32":
+            process.setUnixProcessParameters(QProcess.UnixProcessFlag.CreateNewSession)
+        process.readyReadStandardOutput.connect(self._read_stdout)
+        process.readyReadStandardError.connect(self._read_stderr)
+        process.finished.connect(self._finished)
+        process.errorOccurred.connect(self._error)
+        self._process = process
+        process.start()
+        if process.waitForStarted(10_000):
+            self._pid = int(process.processId())
+
+    def terminate(self, grace_ms: int = 20_000) -> None:
+        """Ask the child to stop (SIGTERM); SIGKILL its whole group if it is still there after grace_ms."""
+        if not self.running:
+            return
+        self._process.closeWriteChannel()
+        self._process.terminate()
+        self._kill_timer.start(grace_ms)
+
+    def stop_blocking(self, grace_ms: int = 20_000) -> None:
+        """terminate() and wait for the end (for closing the app); kills the group after grace_ms."""
+        if not self.running:
+            self._kill_group()
+            return
+        self._process.closeWriteChannel()
+        self._process.terminate()
+        if not self._process.waitForFinished(grace_ms):
+            self.kill()
+            self._process.waitForFinished(5_000)
+        self._kill_group()
+
+    def kill(self) -> None:
+        """SIGKILL the child and everything in its process group."""
+        self._kill_group()
+        if self.running:
+            self._process.kill()
+
+    def _kill_group(self) -> None:
+        if self._pid is None or sys.platform == "win32":
+            return
+        try:
+            os.killpg(self._pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ---- output ----------------------------------------------------------------------------------------------------
+    def _read_stdout(self) -> None:
+        process = self._process
+        while process is not None and process.canReadLine():
+            line = bytes(process.readLine()).decode("utf-8", errors="replace").strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self.event.emit(event)
+
+    def _read_stderr(self) -> None:
+        if self._process is None:
+            return
+        data = self._stderr_partial + bytes(self._process.readAllStandardError())
+        *lines, self._stderr_partial = data.split(b"\n")
+        for raw in lines:
+            line = raw.decode("utf-8", errors="replace").rstrip()
+            if line:
+                self._stderr.append(line)
+                self.stderrLine.emit(line)
+
+    def _finished(self, code: int, status) -> None:
+        self._kill_timer.stop()
+        self._read_stdout()
+        self._read_stderr()
+        if self._stderr_partial.strip():
+            self._stderr.append(self._stderr_partial.decode("utf-8", errors="replace"))
+            self._stderr_partial = b""
+        self._kill_group()  # a daemon the child left behind goes with it
+        if status == QProcess.ExitStatus.CrashExit:
+            code = -1  # killed by a signal: Qt's exit code means nothing then
+        process, self._process = self._process, None
+        if process is not None:
+            process.deleteLater()
+        self.exited.emit(int(code), self.stderr_tail())
+
+    def _error(self, error) -> None:
+        if error == QProcess.ProcessError.FailedToStart and self._process is not None:
+            self._stderr.append(f"cannot start {self._process.program()}: {self._process.errorString()}")
+            process, self._process = self._process, None
+            process.deleteLater()
+            self.exited.emit(-1, self.stderr_tail())

@@ -1,0 +1,144 @@
+"""`python -m hivekeeper.gui.screenshots [--out docs/screenshots]`: a PNG of every page at 1280×800, with real data.
+
+It writes an 8-block demo checkpoint, starts a loopback swarm of two `hivekeeper serve` processes (blocks 0:4 and
+2:6), opens the app (offscreen, on a temporary config folder: your settings are not touched), detects and measures
+this machine, joins the swarm with the Join button (the node fills blocks 6:8), chats through the swarm so the
+node serves real requests, lets the monitor run, then saves hardware.png, plan.png, swarm.png, chat.png and
+monitor.png. Everything it started is stopped before it exits. Takes a few minutes on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PAGE_FILES = {"Hardware": "hardware.png", "Plan": "plan.png", "Swarm": "swarm.png", "Chat": "chat.png",
+              "Monitor": "monitor.png"}
+QUESTIONS = ("What do bees do in winter?", "How do they keep warm?")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hivekeeper.gui.screenshots",
+                                     description="Save a 1280x800 PNG of each page of the app, with a demo swarm.")
+    parser.add_argument("--out", default="docs/screenshots", help="folder for the PNGs (default docs/screenshots)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each step")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    with tempfile.TemporaryDirectory(prefix="hivekeeper-shots-") as tmp:
+        os.environ["HIVEKEEPER_CONFIG_DIR"] = str(Path(tmp) / "config")
+        return _run(Path(tmp), out, args.timeout)
+
+
+def _run(tmp: Path, out: Path, timeout: float) -> int:
+    from PySide6.QtWidgets import QApplication
+
+    from hivekeeper.core.demo_model import make_demo_checkpoint
+    from hivekeeper.core.measure import BenchmarkSizes
+    from hivekeeper.core.swarm_local import LocalSwarm
+
+    from .main_window import PAGES, MainWindow
+    from .settings import Settings, SettingsStore
+    from .style import STYLESHEET, configure_pyqtgraph
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setStyleSheet(STYLESHEET)
+    configure_pyqtgraph()
+
+    def wait(what: str, condition, seconds: float = timeout) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"screenshots: timed out waiting for {what}")
+            app.processEvents()
+            time.sleep(0.02)
+
+    def settle(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            app.processEvents()
+            time.sleep(0.02)
+
+    print("writing an 8-block demo checkpoint…", flush=True)
+    demo = make_demo_checkpoint(tmp / "demo-llama-8", layers=8, hidden=128, heads=4, max_position=2048)
+    (tmp / "logs").mkdir()
+    with LocalSwarm(demo, log_dir=tmp / "logs") as swarm:
+        print("starting a loopback swarm of two servers…", flush=True)
+        swarm.start("--block-indices", "0:4", "--throughput", "30", "--public-name", "server-a", timeout=timeout)
+        swarm.start("--block-indices", "2:6", "--throughput", "18", "--public-name", "server-b", timeout=timeout)
+
+        settings = Settings()
+        settings.plan.model = "meta-llama/Meta-Llama-3.1-8B-Instruct"
+        settings.plan.hardware = "rtx-4090"
+        settings.plan.price_per_hour = 0.7
+        settings.swarm.model = str(demo)
+        settings.swarm.new_swarm = False
+        settings.swarm.initial_peers = swarm.initial_peers
+        settings.swarm.host = "127.0.0.1"
+        settings.swarm.num_blocks = 3
+        settings.swarm.public_name = "this-machine"
+        settings.chat.mode = "swarm"
+        settings.chat.model = str(demo)
+        settings.chat.max_new_tokens = 40
+        settings.chat.temperature = 0.8
+        window = MainWindow(SettingsStore(), settings, detect_on_start=False)
+        window.ask_on_close = lambda: "stop"
+        window.measure.sizes = BenchmarkSizes(ram_bytes=128 << 20, matmul_k=1024, matmul_n=2048, prefill_rows=128,
+                                              matmul_seconds=0.2, disk_bytes=64 << 20, link_bytes=64 << 20,
+                                              repeats=2, dtypes=("fp32", "bf16"))
+        window.measure.disk_folder = tmp
+        window.resize(1280, 800)
+        window.show()
+        try:
+            window.build_all_pages()
+            print("detecting and measuring this machine…", flush=True)
+            window.hardware_page.start_detection()
+            wait("hardware detection", lambda: not window.detect.running and window.hardware_page.spec is not None)
+            window.hardware_page.start_measure()
+            wait("the measurements", lambda: not window.measure.running and window.hardware_page.machine.measured_at)
+
+            print("joining the swarm…", flush=True)
+            window.show_page("Swarm")
+            window.swarm_page.join()
+            wait("the node to come online", lambda: window.node.state == "online")
+            page = window.swarm_page
+            wait("the coverage chart", lambda: page.coverage_data is not None and page.coverage_data[2].any())
+
+            print("chatting through the swarm…", flush=True)
+            chat = window.chat_page
+            for question in QUESTIONS:
+                chat.input.setPlainText(question)
+                chat.send()
+                wait("a chat reply", lambda: not chat.replying)
+                if chat.last_error:
+                    raise RuntimeError(f"screenshots: chat failed: {chat.last_error}")
+            window.show_page("Monitor")
+            settle(8.0)  # a few node stats lines and system samples for the plots
+            window.show_page("Plan")
+            plan = window.plan_page
+            wait("the plan's charts", lambda: plan.result is not None and plan.charts is not None)
+
+            for name in PAGES:
+                window.show_page(name)
+                settle(1.0)
+                path = out / PAGE_FILES[name]
+                if not window.grab().save(str(path)):
+                    raise OSError(f"cannot write {path}")
+                print(f"wrote {path}", flush=True)
+        finally:
+            window.shutdown()
+            window.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
