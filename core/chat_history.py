@@ -8,12 +8,12 @@ half-written history).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivekeeper.planner.errors import InputError
+
+from .atomic_file import write_json_atomic
 
 FORMAT_VERSION = 1
 ROLES = ("user", "assistant")
@@ -91,27 +91,7 @@ class ChatHistory:
 
     def save(self, path: str | Path) -> None:
         """Write the history as JSON atomically (temporary file in the same folder, then rename)."""
-        path = Path(path)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        except OSError as exc:
-            raise InputError(f"{path}: cannot write the chat history ({exc.strerror})") from None
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f, ensure_ascii=False, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, path)
-        except BaseException as exc:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
-            if isinstance(exc, OSError):
-                raise InputError(f"{path}: cannot write the chat history ({exc.strerror})") from None
-            raise
+        write_json_atomic(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "ChatHistory":

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from hivekeeper.planner.errors import InputError
+
+from .atomic_file import write_json_atomic
 from hivekeeper.planner.hardware import HardwareSpec
 from hivekeeper.planner.hardware_catalog import hardware_to_json
 
@@ -22,19 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def write_json_atomically(path: Path, doc: dict) -> None:
-    """Write JSON to a temp file beside `path`, then rename it into place: never a half-written file."""
+    """Write the spec for --out; the folder must exist (a typo in it should not create folders)."""
     path = path.expanduser()
     if not path.parent.is_dir():
         raise InputError(f"--out {path}: folder {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(doc, handle, indent=2)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(path, doc, indent=2)
 
 
 def _source_tag(sources: dict[str, str], key: str) -> str:

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, HardwareSpec
 from hivekeeper.planner.hardware_catalog import GIB, clamp_to_limit
 
+from .atomic_file import write_json_atomic
 from .measurement import Measurement  # not .measure: reading a profile must not import torch
 
 PROFILE_VERSION = 1
@@ -140,26 +140,6 @@ def save_profile(profile: MachineProfile, path: Path | None = None) -> Path:
     write_json_atomic(path, profile.as_dict())
     profile.path = path
     return path
-
-
-def write_json_atomic(path: Path, doc) -> None:
-    """JSON to a temp file beside `path`, flushed to disk, then renamed over it: never half a file."""
-    path = Path(path).expanduser()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"{path.parent}: cannot create folder ({exc.strerror or exc})") from None
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(doc, handle, indent=1)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_profile(path: str | Path) -> MachineProfile:

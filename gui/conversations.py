@@ -18,7 +18,7 @@ from pathlib import Path
 from hivekeeper.core.chat_history import ChatHistory
 from hivekeeper.planner.errors import InputError
 
-from .settings import write_json_atomic
+from hivekeeper.core.atomic_file import write_json_atomic
 
 
 @dataclass

@@ -20,7 +20,9 @@ from hivekeeper.planner.hardware import HardwareSpec
 from hivekeeper.planner.hardware_catalog import hardware_from_dict
 
 from .child_process import die_with_parent
-from .settings import config_dir, write_json_atomic
+from hivekeeper.core.atomic_file import write_json_atomic
+
+from .settings import config_dir
 
 
 @dataclass(frozen=True)

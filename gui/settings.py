@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.planner.errors import InputError
 
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3.1-8B-Instruct"
@@ -30,22 +30,6 @@ def config_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_config_dir("hivekeeper", appauthor=False))
-
-
-def write_json_atomic(path: Path, doc: Any) -> None:
-    """Write JSON to a temp file in the same folder, flush it to disk, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(doc, handle, indent=2)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---- the settings --------------------------------------------------------------------------------------------------

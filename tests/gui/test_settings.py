@@ -62,7 +62,7 @@ def test_saving_never_leaves_a_half_written_file(tmp_path, monkeypatch):
     monkeypatch.setattr(json, "dump", broken_dump)
     changed = Settings()
     changed.plan.goal = "serve"
-    with pytest.raises(OSError):
+    with pytest.raises(InputError, match="settings.json: cannot write"):
         store.save(changed)
     assert store.path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["settings.json"]
