@@ -194,9 +194,15 @@ def evaluate_grid(model: ModelSpec, hardware: HardwareSpec, goal: str, constrain
 def _missing_bytes(grid: GridResult) -> dict[str, int]:
     """For a model that fits nowhere: the least memory to add, per tier, over all candidates."""
     mem, machine = grid.mem, grid.machine
-    need_acc = mem["acc"] + np.minimum(mem["w_all"], mem["acc_buffers"] * mem["w_blk"])
-    need = {"acc": need_acc, "host": mem["host"], "disk": mem["disk"]}
+    w_all = mem["w_all"]
+    streamed = np.minimum(w_all, mem["acc_buffers"] * mem["w_blk"])
+    need_acc = mem["acc"] + streamed
     capacity = {"acc": machine.acc_capacity, "host": machine.host_capacity, "disk": machine.disk_capacity}
+    # weights that fit neither on the accelerator nor in RAM stream from disk through staging buffers in RAM
+    room = np.maximum(0.0, capacity["acc"] - need_acc) + np.maximum(0.0, capacity["host"] - mem["host"])
+    from_disk = (w_all - streamed - room) > 0
+    need_host = mem["host"] + np.where(from_disk, np.minimum(w_all, mem["host_staging"] * mem["w_blk"]), 0.0)
+    need = {"acc": need_acc, "host": need_host, "disk": mem["disk"]}
     short = {t: np.maximum(0.0, need[t] - capacity[t]) for t in need}
     free = sum(np.maximum(0.0, capacity[t] - need[t]) for t in need)
     weights_short = np.maximum(0.0, mem["w_all"] - np.minimum(mem["w_all"], mem["acc_buffers"] * mem["w_blk"]) - free)

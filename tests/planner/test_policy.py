@@ -161,3 +161,25 @@ def test_price_gives_cost_and_bad_constraints_are_rejected():
         Constraints(batch_size=0)
     with pytest.raises(InputError):
         search(get_model("meta-llama/Llama-2-7b-hf"), hardware, "fastest")
+
+
+def test_missing_memory_counts_the_ram_staging_of_weights_streamed_from_disk():
+    """A mixture-of-experts block bigger than RAM must be staged through RAM from disk: the missing memory says so,
+    and adding exactly that much makes the model runnable (found by hypothesis)."""
+    from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
+    from hivekeeper.planner.models import ModelSpec
+
+    model = ModelSpec(name="moe", family="mixtral", num_layers=2, hidden_size=8192, intermediate_size=49152,
+                      num_heads=64, num_kv_heads=1, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
+                      max_position_embeddings=8192, num_experts=8, experts_per_token=2, gated_mlp=False)
+    gpu = ComputeDevice(kind="gpu", name="gpu", memory_bytes=6_000_000_000, memory_bandwidth=1e11,
+                        flops={"fp16": 1e13, "fp32": 2e13}, power_watts=50.0, host_link_bandwidth=4e9)
+    cpu = ComputeDevice(kind="cpu", name="cpu", memory_bytes=4_000_000_000, memory_bandwidth=1e10,
+                        flops={"fp32": 1e12}, power_watts=100.0)
+    machine = HardwareSpec(id="small", gpus=(gpu,), cpu=cpu, disk=DiskSpec(50_000_000_000, 1e9, 1e9),
+                           network=NetworkSpec(1e9, 1e9, 0.02))
+    plan = search(model, machine, "chat", Constraints(), Workload(1, 1))
+    assert plan.prediction is None and plan.missing_bytes["cpu"] > 0
+    assert plan.missing_bytes["total"] == plan.missing_bytes["cpu"]
+    bigger = dataclasses.replace(cpu, memory_bytes=cpu.memory_bytes + plan.missing_bytes["cpu"] + 1)
+    assert search(model, dataclasses.replace(machine, cpu=bigger), "chat", Constraints(), Workload(1, 1)).prediction
