@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.checkpoint import load_config, parse_dtype, resolve_checkpoint
     from hivekeeper.core.swarm_dht import check_initial_peers, dht_prefix_for
     from hivekeeper.core.swarm_handler import ServingLimits
+    from hivekeeper.core.swarm_protocol import new_event_loop
     from hivekeeper.core.swarm_server import ServerConfig, SwarmServer
 
     if not args.new_swarm and not args.initial_peers:
@@ -187,7 +188,11 @@ def run(args: argparse.Namespace) -> int:
         server.install_signals()
         await server.run()
 
-    asyncio.run(main())
+    if hasattr(asyncio, "Runner"):  # Python 3.11+: serve on the swarm's (uvloop) event loop
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main())
     return 1 if server.error else 0
 
 

@@ -35,6 +35,7 @@ from hivekeeper.core.swarm_protocol import (
     chain_uid,
     deserialize_tensor,
     handler_name,
+    new_event_loop,
     pack_args,
     pack_metadata,
     serialize_tensor,
@@ -81,7 +82,7 @@ class _LoopThread:
     """An asyncio loop on a daemon thread; run(coro) blocks the caller until the coroutine is done."""
 
     def __init__(self):
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="hivekeeper-swarm", daemon=True)
         self.thread.start()
 

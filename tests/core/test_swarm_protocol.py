@@ -129,3 +129,42 @@ def test_block_schemas_survive_msgpack_and_name_the_dtypes():
 def test_empty_tensors_round_trip():
     empty = deserialize_tensor(serialize_tensor(torch.empty(0, dtype=torch.int64)))
     assert empty.numel() == 0 and empty.dtype == torch.int64 and tuple(empty.shape) == (0,)
+
+
+def test_stream_messages_go_out_in_one_write_and_read_back():
+    import asyncio
+
+    from hivemind.p2p import P2P
+    from hivemind.proto.p2pd_pb2 import RPCError
+
+    import hivekeeper.core.swarm_protocol  # noqa: F401  (installs the one-write sender)
+
+    class Writer:  # records each write, as a transport would send it
+        def __init__(self):
+            self.writes: list[bytes] = []
+
+        def write(self, data) -> None:
+            self.writes.append(bytes(data))
+
+        async def drain(self) -> None:
+            pass
+
+    message = runtime_pb2.ExpertRequest(uid="m.0", metadata=b"\x80",
+                                        tensors=[runtime_pb2.Tensor(buffer=b"\x01" * 300, size=[75], dtype="float32")])
+
+    async def roundtrip():
+        writer = Writer()
+        await P2P.send_protobuf(message, writer)
+        await P2P.send_protobuf(RPCError(message="boom"), writer)
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"".join(writer.writes))
+        reader.feed_eof()
+        got, _ = await P2P.receive_protobuf(runtime_pb2.ExpertRequest, reader)
+        _, error = await P2P.receive_protobuf(runtime_pb2.ExpertRequest, reader)
+        return writer.writes, got, error
+
+    writes, got, error = asyncio.run(roundtrip())
+    body = message.SerializeToString()
+    assert writes[0] == b"\x00" + len(body).to_bytes(8, "big") + body  # hivemind's framing, in one write
+    assert len(writes) == 2 and writes[1][:1] == b"\x01"
+    assert got == message and error.message == "boom"
