@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.model import Block, KVCache, ModelConfig
 from hivekeeper.planner.swarm import span_throughput as planner_span_throughput
 
@@ -85,14 +84,6 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def _write_cache(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".throughput-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-
-
 def get_block_speed(config: ModelConfig, device: str | torch.device, dtype: torch.dtype, quant: str = "none",
                     *, force_measure: bool = False, log=None) -> tuple[BlockSpeed, bool]:
     """(speed, from_cache): the cached measurement for this model shape/device/dtype/quant, or a new one."""
@@ -110,7 +101,7 @@ def get_block_speed(config: ModelConfig, device: str | torch.device, dtype: torc
     speed = measure_block_speed(config, device, dtype, quant)
     data = _read_cache(path)  # re-read: another server may have written meanwhile
     data[key] = asdict(speed)
-    _write_cache(path, data)
+    write_json_atomic(path, data)
     return speed, False
 
 
