@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install --quiet -e '.[gui,test]'
+	$(BIN)/python -m pip install --quiet -e '.[gui,quant,test]'
 	touch $(STAMP)
 
 run: $(STAMP)
