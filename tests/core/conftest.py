@@ -14,3 +14,15 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     from hivekeeper.core.demo_model import make_demo_checkpoint
 
     return make_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices: intra-op threads only add synchronisation (and on a busy shared machine, long stalls).
+    Modules of tiny-model tests use it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -18,13 +18,7 @@ from hivekeeper.planner.errors import InputError
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: intra-op threads only add synchronisation (and on a busy shared machine, long stalls)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 LAYERS = 6

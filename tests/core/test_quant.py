@@ -21,13 +21,7 @@ from hivekeeper.planner.formats import get_format
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: intra-op threads only add synchronisation (and on a busy shared machine, long stalls)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 bnb = pytest.importorskip("bitsandbytes")
 
 RELATIVE_BOUND = {"int8": 0.04, "nf4": 0.4}
