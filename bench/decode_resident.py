@@ -6,7 +6,9 @@ this machine's bandwidth bound (weight + KV bytes read per token / measured RAM 
 
 Prints one JSON line. Goals: speedup_vs_transformers >= 1.5, fraction_of_bandwidth_bound >= 0.75. fp32 on CPU (bf16
 matmuls on a CPU without AVX512-BF16 are ~100x slower). The RAM bandwidth measurement and both decodes are repeated
-in turn; the best of each counts (medians beside them). os.getloadavg() is recorded: numbers taken on a busy machine are noisy.
+in turn; the best of each counts (medians beside them). Our engine runs with its thread layout (torch on one thread,
+the matmuls on numpy's BLAS over every core: core/cpu_matmul.py); transformers runs with torch on every physical
+core and on one thread, and its better setting counts. os.getloadavg() is recorded: numbers taken on a busy machine are noisy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from hivekeeper.core.cpu_matmul import blas_active, physical_cores, torch_threads
 from hivekeeper.core.demo_model import PRESETS, DemoSpec, write_demo_checkpoint
 from hivekeeper.core.detect import default_data_dir
 from hivekeeper.core.engine import OffloadedModel, place_model, use_physical_cores
@@ -84,12 +87,16 @@ def main() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    samples = {"bandwidth": [], "ours": [], "transformers": []}
+    samples = {"bandwidth": [], "ours": [], "transformers_1t": [], f"transformers_{physical_cores()}t": []}
     generate(ours, prompt, max_new_tokens=2, ignore_eos=True)  # warm-up: first-touch of pages, kernel choice
     for _ in range(args.repeats):  # interleaved, so that a busy spell on a shared machine hits all three
         samples["bandwidth"].append(memory_read_bandwidth(size_bytes=256 << 20, repeats=3))
         samples["ours"].append(ours_decode(ours, prompt, args.new_tokens))
-        samples["transformers"].append(transformers_decode(hf_model, prompt, args.new_tokens))
+        for hf_threads in sorted({1, physical_cores()}):
+            with torch_threads(hf_threads):
+                samples[f"transformers_{hf_threads}t"].append(transformers_decode(hf_model, prompt, args.new_tokens))
+    hf_best_threads = max(sorted({1, physical_cores()}), key=lambda t: max(samples[f"transformers_{t}t"]))
+    samples["transformers"] = samples[f"transformers_{hf_best_threads}t"]
     bandwidth, ours_best, hf_best = (max(samples[k]) for k in ("bandwidth", "ours", "transformers"))
     median = {k: statistics.median(v) for k, v in samples.items()}
 
@@ -114,6 +121,10 @@ def main() -> None:
                    "fraction_of_bandwidth_bound": round(
                        median["ours"] * (weight_bytes + kv_bytes) / median["bandwidth"], 3)},
         "goal_speedup": 1.5, "goal_fraction_of_bound": 0.75, "threads": threads,
+        "transformers_threads": hf_best_threads,
+        "transformers_by_threads": {k.split("_")[1]: round(max(v), 3) for k, v in samples.items()
+                                    if k.startswith("transformers_")},
+        "cpu_matmul": "numpy-blas" if blas_active() else "torch",
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "torch": torch.__version__, "transformers": transformers.__version__,
     }))

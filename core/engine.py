@@ -41,6 +41,7 @@ from torch import Tensor
 from hivekeeper.planner.costmodel import Policy
 from hivekeeper.planner.errors import InputError
 
+from .cpu_matmul import use_blas_threads
 from .checkpoint import Checkpoint, block_tensor_names, load_block, load_embedding, load_head
 from .model import Block, ModelConfig, RotaryTable
 
@@ -51,12 +52,8 @@ _MAX_HEADER_BYTES = 100 << 20
 
 
 def use_physical_cores() -> int:
-    """Set torch's CPU threads to the physical core count (hyper-threads only contend for the same FPUs)."""
-    import psutil
-
-    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    torch.set_num_threads(cores)
-    return cores
+    """Set the CPU thread layout for inference (see cpu_matmul.use_blas_threads); returns the matmul threads."""
+    return use_blas_threads()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 
 from hivekeeper.planner.errors import InputError
 
+from .cpu_matmul import linear, physical_cores, torch_threads
 from .measurement import Measurement  # torch-free, so that saved profiles load without torch
 
 Progress = Callable[[float, str], None]
@@ -97,11 +98,13 @@ def measure_memory_read(device: str | torch.device = "cpu", size_bytes: int = 51
     device = torch.device(device)
     load = load_average()
     buffer = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
-    seconds = _timings(lambda: buffer.sum(), repeats, device)
+    # on the CPU every core reads (inference may keep torch on one thread while the matmuls use them all)
+    with torch_threads(physical_cores() if device.type == "cpu" else torch.get_num_threads()):
+        seconds = _timings(lambda: buffer.sum(), repeats, device)
     key = "ram_read" if device.type == "cpu" else f"gpu{device.index or 0}_memory_read"
     label = "RAM read bandwidth" if device.type == "cpu" else "GPU memory read bandwidth"
     return _rate_measurement(key, label, "B/s", size_bytes, seconds, load,
-                             f"sum of a {size_bytes / 2**20:.0f} MiB fp32 buffer, {torch.get_num_threads()} threads"
+                             f"sum of a {size_bytes / 2**20:.0f} MiB fp32 buffer, {physical_cores()} threads"
                              if device.type == "cpu" else f"sum of a {size_bytes / 2**20:.0f} MiB fp32 buffer")
 
 
@@ -127,7 +130,8 @@ def matmul_flops(shape: MatmulShape, dtype: str = "fp32", device: str | torch.de
 
 def measure_matmul(shape: MatmulShape, dtype: str = "fp32", device: str | torch.device = "cpu", repeats: int = 5,
                    phase: str = "prefill") -> Measurement:
-    """Achieved FLOP/s of [m, k] @ [k, n] in a dtype (weights laid out as nn.Linear keeps them: [n, k])."""
+    """Achieved FLOP/s of [m, k] @ [k, n] in a dtype (weights laid out as nn.Linear keeps them: [n, k]), through
+    the kernel the runtime uses (cpu_matmul.linear)."""
     if dtype not in _DTYPES:
         raise InputError(f"matmul dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     device = torch.device(device)
@@ -135,9 +139,9 @@ def measure_matmul(shape: MatmulShape, dtype: str = "fp32", device: str | torch.
     torch_dtype = _DTYPES[dtype]
     x = torch.randn(shape.m, shape.k, dtype=torch_dtype, device=device)
     weight = torch.randn(shape.n, shape.k, dtype=torch_dtype, device=device)
-    out = torch.empty(shape.m, shape.n, dtype=torch_dtype, device=device)
+
     def once() -> None:
-        torch.matmul(x, weight.t(), out=out)
+        linear(x, weight)
 
     # Small matmuls finish in microseconds: repeat inside one timing so timer resolution does not dominate.
     inner = _inner_count(once, device)

@@ -22,6 +22,8 @@ from torch import Tensor, nn
 
 from hivekeeper.planner.errors import InputError
 
+from .cpu_matmul import Linear, linear
+
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -317,8 +319,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.window = window
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_dim + 2 * config.kv_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_dim, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, config.q_dim + 2 * config.kv_dim, bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_dim, config.hidden_size, bias=config.o_bias)
         self.register_load_state_dict_pre_hook(_fuse_on_load(("q_proj", "k_proj", "v_proj"), "qkv_proj"))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor | None, v_cache: Tensor | None,
@@ -379,8 +381,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.register_load_state_dict_pre_hook(_fuse_on_load(("gate_proj", "up_proj"), "gate_up_proj"))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -591,4 +593,4 @@ class Head(nn.Module):
         self.weight = weight if weight is not None else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return F.linear(self.norm(hidden), self.weight)
+        return linear(self.norm(hidden), self.weight)

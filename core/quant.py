@@ -12,6 +12,8 @@ from torch import nn
 
 from hivekeeper.planner.errors import InputError
 
+from .cpu_matmul import Linear
+
 QUANT_TYPES = ("none", "int8", "nf4")
 # LLM.int8(): activation columns above this magnitude go through a 16-bit matmul (bitsandbytes' usual value)
 INT8_OUTLIER_THRESHOLD = 6.0
@@ -68,7 +70,7 @@ def quantize_block(block: nn.Module, quant: str, device: str | torch.device) -> 
         return block.to(device)
     for module in list(block.modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) in (nn.Linear, Linear):
                 setattr(module, child_name, quantized_linear(child, quant, device))
     return block.to(device)
 

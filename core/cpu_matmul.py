@@ -1,0 +1,101 @@
+"""fp32 matmuls on the CPU through numpy's BLAS (OpenBLAS in numpy's wheels) instead of torch's.
+
+Why: torch's CPU wheels multiply through MKL, whose single-row kernel (decode: one token times a weight matrix)
+runs on one core and reaches about half of the RAM bandwidth on the AMD CPUs we measured, while OpenBLAS spreads the
+same matrix-vector product over the cores and comes close to the bandwidth bound (bench/decode_resident.py); for
+many rows (prefill, batches) OpenBLAS was faster as well. The weights are shared, not copied: `Tensor.numpy()`
+is a view.
+
+The two libraries keep separate thread pools, and on a machine with few cores torch's OpenMP workers spinning
+between ops starve OpenBLAS's (we measured 2.5x slower decode). So the BLAS path is taken only while torch runs one
+thread: `use_blas_threads()` sets that layout, and `linear` falls back to torch whenever it does not hold, when
+autograd needs the result, or for other dtypes and devices (numpy has no bf16, and its fp16 matmul is slow).
+HIVEKEEPER_CPU_MATMUL=torch turns the BLAS path off (to compare the two).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_DISABLED = os.environ.get("HIVEKEEPER_CPU_MATMUL", "").lower() == "torch"
+
+
+def blas_active() -> bool:
+    """True while fp32 CPU matmuls go through numpy's BLAS (torch single-threaded, not disabled)."""
+    return not _DISABLED and torch.get_num_threads() == 1
+
+
+def use_blas_threads() -> int:
+    """The thread layout for CPU inference: torch on one thread (its ops here are small), numpy's BLAS on every
+    core for the matmuls. Returns the threads the matmuls use. With HIVEKEEPER_CPU_MATMUL=torch, torch gets the
+    physical cores instead."""
+    cores = physical_cores()
+    if _DISABLED:
+        torch.set_num_threads(cores)
+        return cores
+    torch.set_num_threads(1)
+    return blas_threads()
+
+
+def physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Run a block with torch on `count` threads (e.g. a bandwidth measurement on every core), then restore."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def blas_threads() -> int:
+    """Threads numpy's BLAS uses (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, or every logical CPU by default)."""
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return os.cpu_count() or 1
+
+
+def _blas_eligible(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return (
+        x.dtype is torch.float32 and weight.dtype is torch.float32
+        and x.device.type == "cpu" and weight.device.type == "cpu"
+        and x.numel() > 0 and weight.layout is torch.strided
+        and not (needs_grad and torch.is_grad_enabled())
+        and blas_active()
+    )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear (x [..., in] @ weight[out, in].T + bias), through numpy's BLAS where that is faster."""
+    if not _blas_eligible(x, weight, bias):
+        return F.linear(x, weight, bias)
+    k = x.shape[-1]
+    w = weight.detach().numpy()  # [out, in], a view
+    if x.numel() == k:  # one row: matrix-vector (gemv), the decode case
+        out = np.dot(w, x.detach().reshape(k).numpy())
+    else:
+        out = np.matmul(x.detach().reshape(-1, k).numpy(), w.T)
+    result = torch.from_numpy(out).view(*x.shape[:-1], weight.shape[0])
+    return result.add_(bias) if bias is not None else result
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through `linear` (same parameters, same state_dict)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
