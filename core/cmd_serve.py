@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--balance-quality", type=float, default=0.75,
                         help="move when min throughput before / after moving is below this")
     parser.add_argument("--stats-period", type=float, default=0.0, help="also print a stats status this often")
-    parser.add_argument("--torch-threads", type=int, help="CPU threads for compute (default: torch's choice)")
+    parser.add_argument("--torch-threads", type=int,
+                        help="torch's CPU threads (default: 1, with fp32 matmuls on numpy's BLAS over every core)")
 
 
 def _parse_block_indices(text: str) -> tuple[int, int]:
@@ -137,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     _setup_logging(args.json_status)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    else:
+        from .engine import use_physical_cores
+
+        use_physical_cores()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available on this machine")

@@ -20,10 +20,14 @@ lands in its final (fused) place with one copy. (Embeddings and LM head come fro
 benchmarks of the disk itself.
 
 The CPU and CUDA paths share everything but the slot loader; CUDA adds pinned RAM blocks, a copy stream and events.
+The policy's other knobs: `kv_recompute` keeps block inputs instead of K/V (RecomputeCache), `attention_on_cpu` runs
+attention next to a RAM/disk cache, `activations` keeps micro-batches' hidden states in pinned RAM between blocks
+(the block forwards for the first two are in block_variants.py; docs/local-inference.md has what runs where).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -41,9 +45,12 @@ from torch import Tensor
 from hivekeeper.planner.costmodel import Policy
 from hivekeeper.planner.errors import InputError
 
+from .block_variants import forward_recomputing_kv, forward_with_attention_at_cache
 from .cpu_matmul import use_blas_threads
-from .checkpoint import Checkpoint, block_tensor_names, load_block, load_embedding, load_head
+from .checkpoint import Checkpoint, _quant_compute_dtype, block_tensor_names, load_block, load_embedding, load_head
+from .local_plan import cpu_has_half_math
 from .model import Block, ModelConfig, RotaryTable
+from .quant import check_quant, quantized_block_bytes, quantized_tensors
 
 TIERS = ("gpu", "cpu", "disk")
 FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,16 +75,65 @@ class EnginePlan:
     cache_tiers: tuple[str, ...]  # per block
     device: str  # "cpu" or "cuda[:N]"
     dtype: torch.dtype
-    quant: str = "none"  # "int8"/"nf4" only with every block resident on the device
+    quant: str = "none"  # "int8"/"nf4": streamed blocks come quantized from quant_store.py
     prefetch_depth: int = 1
     micro_batch_size: int = 1
     num_micro_batches: int = 1
     ram_budget_bytes: int | None = None
     ram_breakdown: dict[str, int] = field(default_factory=dict)
+    kv_recompute: bool = False  # the cache keeps each block's input hidden states; K, V recomputed every step
+    attention_on_cpu: bool = False  # with a GPU: attention over a RAM/disk cache runs on the CPU
+    activations_ram_fraction: float = 0.0  # the policy's activations.cpu: micro-batches kept in RAM between blocks
 
     @property
     def compute_tier(self) -> str:
         return "gpu" if torch.device(self.device).type == "cuda" else "cpu"
+
+    def attention_tier(self, layer: int) -> str:
+        """Where block `layer`'s attention runs: on the CPU next to its cache when attention_on_cpu and a GPU
+        computes while the cache is in RAM or on disk; else on the compute device."""
+        if self.attention_on_cpu and self.compute_tier == "gpu" and self.cache_tiers[layer] != "gpu":
+            return "cpu"
+        return self.compute_tier
+
+    def activation_tiers(self, parts: int) -> list[str]:
+        """Where each of `parts` micro-batches' hidden states live between blocks: the compute device, or pinned
+        RAM for the policy's RAM share of them (rounded to whole micro-batches). Without a GPU both are RAM."""
+        if self.compute_tier == "cpu":
+            return ["cpu"] * parts
+        return _split_activations(self.activations_ram_fraction, parts)
+
+    def knob_notes(self) -> list[str]:
+        """Policy knobs that have no effect in this plan, and why (so nothing is dropped silently)."""
+        notes = []
+        if self.compute_tier == "cpu":
+            if self.attention_on_cpu:
+                notes.append("attention_on_cpu has no effect without a GPU: attention already runs on the CPU")
+            if self.activations_ram_fraction < 1.0:
+                notes.append("activations on 'gpu' have no effect without a GPU: hidden states stay in RAM")
+        elif self.attention_on_cpu and all(t == "gpu" for t in self.cache_tiers):
+            notes.append("attention_on_cpu has no effect: the whole KV cache is on the GPU")
+        return notes
+
+    def _attention_text(self) -> str:
+        if self.compute_tier == "cpu":
+            return "cpu (no GPU)"
+        on_cpu = sum(self.attention_tier(i) == "cpu" for i in range(len(self.cache_tiers)))
+        if not on_cpu:
+            return "gpu"
+        if on_cpu == len(self.cache_tiers):
+            return "cpu (next to the cache)"
+        return f"cpu for {on_cpu} blocks (cache off the GPU), gpu for {len(self.cache_tiers) - on_cpu}"
+
+    def _activations_text(self) -> str:
+        if self.compute_tier == "cpu":
+            return "cpu (no GPU)"
+        tiers = self.activation_tiers(self.num_micro_batches)
+        if "cpu" not in tiers:
+            return "gpu"
+        if "gpu" not in tiers:
+            return "cpu (pinned RAM)"
+        return f"cpu (pinned RAM) for {tiers.count('cpu')} of {len(tiers)} micro-batches, gpu for the rest"
 
     @property
     def streamed_blocks(self) -> tuple[int, ...]:
@@ -101,6 +157,9 @@ class EnginePlan:
             "num_micro_batches": self.num_micro_batches,
             "ram_budget_bytes": self.ram_budget_bytes, "ram_bytes": self.ram_bytes,
             "ram_breakdown": dict(self.ram_breakdown),
+            "kv_cache_mode": "recompute" if self.kv_recompute else "keep",
+            "attention": self._attention_text(), "activations": self._activations_text(),
+            "knob_notes": self.knob_notes(),
         }
 
     def describe(self) -> str:
@@ -110,6 +169,10 @@ class EnginePlan:
         cache = ", ".join(f"{n} {names[t]}" for t, n in self.summary()["kv_cache_blocks"].items())
         dtype = self.quant if self.quant != "none" else str(self.dtype).removeprefix("torch.")
         text = f"{dtype} blocks: {blocks}; KV cache blocks: {cache}"
+        if self.kv_recompute:
+            text += " (block inputs kept, K/V recomputed)"
+        if self.compute_tier == "gpu":
+            text += f"; attention {self._attention_text()}; activations {self._activations_text()}"
         if self.streamed_blocks:
             text += f"; prefetch depth {self.prefetch_depth}"
         batch = self.micro_batch_size * self.num_micro_batches
@@ -117,6 +180,8 @@ class EnginePlan:
                                       if self.num_micro_batches > 1 else "")
         if self.ram_budget_bytes is not None:
             text += f"; RAM {self.ram_bytes / 1e9:.2f} of {self.ram_budget_bytes / 1e9:.2f} GB budget"
+        for note in self.knob_notes():
+            text += f"; {note}"
         return text
 
 
@@ -130,8 +195,40 @@ def outside_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return (matrices * config.vocab_size * config.hidden_size + config.hidden_size) * _itemsize(dtype)
 
 
-def cache_bytes_per_block(config: ModelConfig, batch: int, max_length: int, dtype: torch.dtype) -> int:
-    return 2 * batch * config.num_kv_heads * max_length * config.head_dim * _itemsize(dtype)
+def cache_bytes_per_block(config: ModelConfig, batch: int, max_length: int, dtype: torch.dtype,
+                          recompute: bool = False) -> int:
+    """One block's cache: K and V, or with recompute the block's input hidden states."""
+    per_token = config.hidden_size if recompute else 2 * config.kv_dim
+    return batch * max_length * per_token * _itemsize(dtype)
+
+
+def recompute_buffer_bytes(config: ModelConfig, rows: int, max_length: int, dtype: torch.dtype) -> int:
+    """On the compute device, with recompute: one micro-batch's K, V scratch for one block, plus what recomputing
+    them over the whole prefix holds at its peak (normed inputs and K/V projections, or K/V and rotary temporaries)."""
+    per_token = 2 * config.kv_dim + max(config.hidden_size + 2 * config.kv_dim, 4 * config.kv_dim)
+    return rows * max_length * per_token * _itemsize(dtype)
+
+
+def micro_batch_rows(batch: int, micro_batch_size: int, num_micro_batches: int) -> int:
+    """Rows of the largest micro-batch the engine runs for `batch` sequences (OffloadedModel._micro_batches)."""
+    return batch if num_micro_batches <= 1 or micro_batch_size >= batch else micro_batch_size
+
+
+def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """CPU attention over a 16-bit cache runs in fp32 on a CPU without 16-bit math (FlexGen does the same)."""
+    return torch.float32 if dtype != torch.float32 and not _cpu_half_math() else None
+
+
+@functools.cache
+def _cpu_half_math() -> bool:
+    return cpu_has_half_math()
+
+
+def _split_activations(fraction_in_ram: float, parts: int) -> list[str]:
+    """"gpu" or "cpu" for each of `parts` micro-batches: the RAM share rounded to whole micro-batches, last."""
+    f = min(1.0, max(0.0, fraction_in_ram))
+    counts = _counts({"gpu": 1.0 - f, "cpu": f}, parts, ("gpu", "cpu"))
+    return ["gpu"] * counts["gpu"] + ["cpu"] * counts["cpu"]
 
 
 def workspace_bytes(config: ModelConfig, batch: int, tokens: int, dtype: torch.dtype) -> int:
@@ -168,6 +265,7 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
     blocks, the streaming slots, the KV cache kept in RAM and one step's activations. Without a budget the policy's
     RAM/disk split is followed; with one, every block not on the GPU goes to RAM while the budget holds and the rest
     stays on disk. The interpreter and torch themselves (the process baseline) are not part of the budget.
+    With quant "int8"/"nf4" every block counts its quantized size; the streamed ones come from quant_store.py.
     """
     device = str(torch.device(device))
     on_gpu = torch.device(device).type == "cuda"
@@ -186,12 +284,28 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
     cache_tiers = ["gpu"] * cache["gpu"] + ["cpu"] * cache["cpu"] + ["disk"] * cache["disk"]
 
     depth = policy.prefetch_depth
-    bb = block_bytes(config, dtype)
-    cache_ram = cache["cpu"] * cache_bytes_per_block(config, batch, max_length, dtype)
+    quant = check_quant(quant)
+    # int8/nf4 blocks are held quantized wherever they are: resident, pinned, or in a slot the store fills
+    bb = block_bytes(config, dtype) if quant == "none" else \
+        quantized_block_bytes(config, quant, _quant_compute_dtype(dtype, device))
+    recompute = policy.kv_recompute
+    cache_ram = cache["cpu"] * cache_bytes_per_block(config, batch, max_length, dtype, recompute)
     fixed = {"kv_cache": cache_ram}
+    rows = micro_batch_rows(batch, policy.micro_batch_size, policy.num_micro_batches)
     if not on_gpu:
         fixed["embedding_and_head"] = outside_bytes(config, dtype)
         fixed["activations"] = workspace_bytes(config, batch, min(prefill_tokens, max_length), dtype)
+        if recompute:
+            fixed["recompute_buffers"] = recompute_buffer_bytes(config, rows, max_length, dtype)
+    else:
+        parts = -(-batch // rows)
+        in_ram = _split_activations(policy.activations.cpu, parts).count("cpu") / parts
+        # hidden states between blocks (in and out) of a prefill chunk, for the micro-batches kept in pinned RAM
+        fixed["pinned_activations"] = round(in_ram * 2 * batch * min(prefill_tokens, max_length)
+                                            * config.hidden_size * _itemsize(dtype))
+        if policy.attention_on_cpu and cache["gpu"] < layers and cpu_attention_dtype(dtype) is not None:
+            # fp32 copies of one micro-batch's keys and values for one block's CPU attention
+            fixed["cpu_attention_copies"] = 2 * rows * max_length * config.kv_dim * 4
 
     def slots(n_disk: int, n_ram: int) -> int:
         """RAM for streaming buffers: the CPU's slots, or on a GPU machine the pinned staging of disk reads."""
@@ -220,9 +334,6 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
                 f"{ram_needed(0) / 1e9:.3g} GB ({', '.join(f'{k} {v / 1e9:.3g} GB' for k, v in fixed.items() if v)}, "
                 f"{depth + 1} block buffer(s) of {bb / 1e9:.3g} GB)")
     n_disk = n_rest - n_ram
-    if quant != "none" and (n_disk or (on_gpu and n_ram)):
-        raise InputError(f"{quant} weights must all be resident on {device}: streaming quantized blocks from RAM or "
-                         "disk is not supported; use an fp16/bf16/fp32 plan or a larger memory budget")
 
     # GPU blocks first; among the rest, the disk blocks spread evenly between the RAM ones
     weight_tiers = ["gpu"] * weights["gpu"]
@@ -236,6 +347,8 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
         prefetch_depth=depth, micro_batch_size=policy.micro_batch_size, num_micro_batches=policy.num_micro_batches,
         ram_budget_bytes=None if ram_budget_bytes is None else int(ram_budget_bytes),
         ram_breakdown={k: int(v) for k, v in ram.items()},
+        kv_recompute=recompute, attention_on_cpu=policy.attention_on_cpu,
+        activations_ram_fraction=policy.activations.cpu,
     )
 
 
@@ -248,6 +361,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 class SafetensorsFile:
     """One safetensors file, read with positioned reads: tensor bytes go straight into a destination tensor."""
+
+    dtypes = _FILE_DTYPES  # file dtypes it reads (others are listed with dtype None)
 
     def __init__(self, path: Path):
         self.path = path
@@ -280,7 +395,7 @@ class SafetensorsFile:
                 continue
             try:
                 start, end = (int(x) for x in info["data_offsets"])
-                entries[name] = (_FILE_DTYPES.get(info["dtype"]), tuple(int(d) for d in info["shape"]),
+                entries[name] = (self.dtypes.get(info["dtype"]), tuple(int(d) for d in info["shape"]),
                                  data_start + start, data_start + end)
             except (KeyError, TypeError, ValueError):
                 raise InputError(f"{self.path}: corrupt safetensors header entry for {name!r}") from None
@@ -512,12 +627,11 @@ class BlockStreamer:
 # ---------------------------------------------------------------------------------------------------------------
 # KV cache with a tier per block
 # ---------------------------------------------------------------------------------------------------------------
-class TieredKVCache:
-    """Keys and values of every block for one session, each block's on its own tier, pre-allocated for max_length.
+class _TieredStore:
+    """Per-block tensors of one session, each block's on its own tier, pre-allocated for max_length tokens.
 
-    "disk" caches are memory-mapped files (deleted at once, so nothing is left behind). When a GPU computes, a block
-    whose cache is in RAM or on disk is copied into a device scratch buffer for its turn and the new tokens written
-    back. `length` counts the tokens stored, as in KVCache.
+    "disk" tensors are memory-mapped files (deleted at once, so nothing is left behind); "cpu" ones are pinned when
+    a GPU computes. `length` counts the tokens stored, as in KVCache.
     """
 
     def __init__(self, config: ModelConfig, tiers: tuple[str, ...], batch: int, max_length: int, dtype: torch.dtype,
@@ -527,29 +641,51 @@ class TieredKVCache:
                              f"{config.max_position_embeddings})")
         self.device = torch.device(device)
         self.batch, self.max_length, self.length = batch, max_length, 0
-        self.tiers = tiers
-        shape = (batch, config.num_kv_heads, max_length, config.head_dim)
-        self.shape = shape
-        on_gpu = self.device.type == "cuda"
+        self.tiers, self.dtype, self.disk_dir = tiers, dtype, disk_dir
+        self.blocks: list[tuple[Tensor, ...]] = []
 
-        def allocate(tier: str) -> Tensor:
-            if tier == "disk":
-                return _file_tensor(shape, dtype, disk_dir)
-            if tier == "gpu":
-                return torch.empty(shape, dtype=dtype, device=self.device)
-            return torch.empty(shape, dtype=dtype, pin_memory=on_gpu)
+    def _allocate(self, shape: tuple[int, ...], tier: str) -> Tensor:
+        if tier == "disk":
+            return _file_tensor(shape, self.dtype, self.disk_dir)
+        if tier == "gpu":
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return torch.empty(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
-        self.blocks: list[tuple[Tensor, Tensor]] = [(allocate(tier), allocate(tier)) for tier in tiers]
-        needs_scratch = on_gpu and any(t != "gpu" for t in tiers)
-        self._scratch = (torch.empty(shape, dtype=dtype, device=self.device),
-                         torch.empty(shape, dtype=dtype, device=self.device)) if needs_scratch else None
+    def _off_device(self, index: int) -> bool:
+        return self.device.type == "cuda" and self.tiers[index] != "gpu"
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.blocks)
+        """Bytes of the per-block tensors on their tiers (scratch buffers on the compute device not counted)."""
+        return sum(t.nbytes for block in self.blocks for t in block)
 
-    def _off_device(self, index: int) -> bool:
-        return self._scratch is not None and self.tiers[index] != "gpu"
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise InputError(f"cannot rewind the KV cache to {length} tokens: it holds {self.length}")
+        self.length = length
+
+    def close(self) -> None:
+        self.blocks = []
+
+
+class TieredKVCache(_TieredStore):
+    """Keys and values of every block, each block's on its own tier.
+
+    When a GPU computes, a block whose cache is in RAM or on disk is copied into a device scratch buffer for its
+    turn and the new tokens written back — unless attention runs next to the cache (`attention_at_home`, the
+    attention_on_cpu knob), which needs no scratch: block_variants.forward_with_attention_at_cache writes and reads
+    the cache where it is.
+    """
+
+    def __init__(self, config: ModelConfig, tiers: tuple[str, ...], batch: int, max_length: int, dtype: torch.dtype,
+                 device: str | torch.device, disk_dir: str | os.PathLike | None = None, *,
+                 attention_at_home: bool = False):
+        super().__init__(config, tiers, batch, max_length, dtype, device, disk_dir)
+        shape = self.shape = (batch, config.num_kv_heads, max_length, config.head_dim)
+        self.blocks = [(self._allocate(shape, tier), self._allocate(shape, tier)) for tier in tiers]
+        needs_scratch = not attention_at_home and any(self._off_device(i) for i in range(len(tiers)))
+        self._scratch = (torch.empty(shape, dtype=dtype, device=self.device),
+                         torch.empty(shape, dtype=dtype, device=self.device)) if needs_scratch else None
 
     def load(self, index: int, position: int) -> tuple[Tensor, Tensor]:
         """(k, v) of block `index` on the compute device, holding the first `position` tokens."""
@@ -559,21 +695,65 @@ class TieredKVCache:
             scratch[:, :, :position].copy_(home[:, :, :position], non_blocking=True)
         return self._scratch
 
-    def store(self, index: int, position: int, tokens: int) -> None:
-        """Write the new tokens' K/V back home when the block computed on a scratch copy."""
+    def store(self, index: int, position: int, tokens: int, rows: slice = slice(None)) -> None:
+        """Write the new tokens' K/V (of these rows) back home when the block computed on a scratch copy."""
         if not self._off_device(index):
             return
         end = position + tokens
         for home, scratch in zip(self.blocks[index], self._scratch):
-            home[:, :, position:end].copy_(scratch[:, :, position:end])
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise InputError(f"cannot rewind the KV cache to {length} tokens: it holds {self.length}")
-        self.length = length
+            home[rows, :, position:end].copy_(scratch[rows, :, position:end])
 
     def close(self) -> None:
-        self.blocks, self._scratch = [], None
+        super().close()
+        self._scratch = None
+
+
+class RecomputeCache(_TieredStore):
+    """kv_cache_mode "recompute": each block's INPUT hidden states [batch, max_length, hidden] instead of its K and
+    V, on the block's cache tier. Every step recomputes K, V of the stored prefix into one scratch pair on the
+    compute device (one micro-batch's rows) and runs the block on them; with a GPU, a prefix kept in RAM or on disk
+    is first copied to a device buffer (hidden states, not K and V, cross the link).
+    """
+
+    def __init__(self, config: ModelConfig, tiers: tuple[str, ...], batch: int, max_length: int, dtype: torch.dtype,
+                 device: str | torch.device, disk_dir: str | os.PathLike | None = None, *, rows: int | None = None):
+        super().__init__(config, tiers, batch, max_length, dtype, device, disk_dir)
+        shape = self.shape = (batch, max_length, config.hidden_size)
+        self.blocks = [(self._allocate(shape, tier),) for tier in tiers]
+        rows = min(rows or batch, batch)
+        kv_shape = (rows, config.num_kv_heads, max_length, config.head_dim)
+        self._keys = torch.empty(kv_shape, dtype=dtype, device=self.device)
+        self._values = torch.empty(kv_shape, dtype=dtype, device=self.device)
+        off = any(self._off_device(i) for i in range(len(tiers)))
+        self._prefix = torch.empty((rows, max_length, config.hidden_size), dtype=dtype, device=self.device) \
+            if off else None
+
+    def run_block(self, index: int, block: Block, hidden: Tensor, rows: slice, position: int,
+                  rope: tuple[Tensor, Tensor]) -> Tensor:
+        """Block `index` on hidden [b, t, hidden] (the micro-batch `rows`) at `position`: store its inputs, then
+        recompute K, V of the prefix and run the block."""
+        b, t, _ = hidden.shape
+        home = self.blocks[index][0][rows]  # [b, max_length, hidden]
+        home[:, position : position + t].copy_(hidden)
+        prefix = home[:, :position]
+        if position and self._off_device(index):
+            prefix = self._prefix[:b, :position].copy_(prefix, non_blocking=True)
+        return forward_recomputing_kv(block, hidden, prefix, position, rope, self._keys[:b], self._values[:b])
+
+    def close(self) -> None:
+        super().close()
+        self._keys = self._values = self._prefix = None
+
+
+def keep_between_blocks(hidden: Tensor, home: torch.device) -> Tensor:
+    """Hidden states moved to where they wait for the next block: pinned RAM when they leave a GPU (the
+    activations knob), the device when they come from RAM, as they are when already there."""
+    if hidden.device.type == home.type:
+        return hidden
+    if home.type == "cpu":
+        pinned = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+        return pinned.copy_(hidden, non_blocking=True)
+    return hidden.to(home, non_blocking=True)
 
 
 def _file_tensor(shape: tuple[int, ...], dtype: torch.dtype, folder) -> Tensor:
@@ -599,9 +779,15 @@ class OffloadedSpan:
         self._model = model
         self.start, self.end = 0, model.config.num_layers
 
-    def allocate_cache(self, batch: int, max_length: int) -> TieredKVCache:
-        m = self._model
-        return TieredKVCache(m.config, m.plan.cache_tiers, batch, max_length, m.plan.dtype, m.device, m.cache_dir)
+    def allocate_cache(self, batch: int, max_length: int) -> TieredKVCache | RecomputeCache:
+        """The session's cache as the plan says: K and V (TieredKVCache) or block inputs (RecomputeCache)."""
+        m, plan = self._model, self._model.plan
+        args = (m.config, plan.cache_tiers, batch, max_length, plan.dtype, m.device, m.cache_dir)
+        if plan.kv_recompute:
+            rows = micro_batch_rows(batch, plan.micro_batch_size, plan.num_micro_batches)
+            return RecomputeCache(*args, rows=rows)
+        at_home = any(plan.attention_tier(i) != plan.compute_tier for i in range(len(plan.cache_tiers)))
+        return TieredKVCache(*args, attention_at_home=at_home)
 
     def __call__(self, hidden: Tensor, cache: TieredKVCache) -> Tensor:
         return self._model.forward_blocks(hidden, cache)
@@ -611,7 +797,9 @@ class OffloadedModel:
     """A checkpoint run by an EnginePlan: `embedding`, `span` and `head`, the runner shape generation.py uses."""
 
     def __init__(self, path: str | Path, plan: EnginePlan, *, cache_dir: str | os.PathLike | None = None,
-                 drop_page_cache: bool = False):
+                 drop_page_cache: bool = False, quant_store_dir: str | os.PathLike | None = None):
+        """quant_store_dir: where int8/nf4 blocks that stream are kept, quantized once (default: the data dir's
+        quantized/ folder; see quant_store.py)."""
         self.path = Path(path)
         self.plan = plan
         self.device = torch.device(plan.device)
@@ -629,7 +817,16 @@ class OffloadedModel:
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu and plan.streamed_blocks else None
         self.streamer: BlockStreamer | None = None
         self.bytes_streamed = 0  # weight bytes read from disk for streamed blocks (the reader thread adds)
+        self.quant_store = None  # int8/nf4 blocks not resident stream from their quantized copies
+        self._stream_reader = self.reader
         try:
+            if plan.quant != "none" and plan.streamed_blocks:
+                from .quant_store import QuantStore  # it imports this module
+
+                norm_dtype = _quant_compute_dtype(dtype, self.device)
+                self.quant_store = QuantStore.open(self.checkpoint, plan.quant, norm_dtype, plan.streamed_blocks,
+                                                   root=quant_store_dir, drop_page_cache=drop_page_cache)
+                self._stream_reader = self.quant_store
             self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
             self.head = load_head(self.path, dtype=dtype, device=self.device,
                                   embedding=self.embedding if config.tie_word_embeddings else None)
@@ -639,18 +836,30 @@ class OffloadedModel:
                 if tier == plan.compute_tier:
                     self.resident[layer] = self._load_resident(layer)
                 elif tier == "cpu":
-                    self.pinned[layer] = empty_block(config, self.rotary, dtype, "cpu", pin=True)
-                    self.reader.fill(self.pinned[layer], layer)
+                    self.pinned[layer] = self._stream_buffer("cpu", pin=True)
+                    self._stream_reader.fill(self.pinned[layer], layer)
             streamed = plan.streamed_blocks
             if streamed:
                 disk = any(plan.weight_tiers[i] == "disk" for i in streamed)
-                slots = [_Slot(empty_block(config, self.rotary, dtype, self.device),
-                               empty_block(config, self.rotary, dtype, "cpu", pin=True) if on_gpu and disk else None)
+                slots = [_Slot(self._stream_buffer(self.device),
+                               self._stream_buffer("cpu", pin=True) if on_gpu and disk else None)
                          for _ in range(min(plan.prefetch_depth + 1, len(streamed)))]
                 self.streamer = BlockStreamer(streamed, slots, self._load_slot)
         except BaseException:
             self.close()
             raise
+
+    def _stream_buffer(self, device: str | torch.device, pin: bool = False) -> Block:
+        """An unfilled block for streamed weights: quantized like the store's blocks, or of the plan's dtype."""
+        if self.quant_store is not None:
+            return self.quant_store.empty_block(self.rotary, device, pin=pin)
+        return empty_block(self.config, self.rotary, self.plan.dtype, device, pin=pin)
+
+    def _stream_tensors(self, block: Block) -> list[Tensor]:
+        """The tensors a streamed block's weights occupy, in the same order for every buffer of this model."""
+        if self.quant_store is not None:
+            return list(quantized_tensors(block).values())
+        return list(block.parameters())
 
     def _load_resident(self, layer: int) -> Block:
         if self.plan.quant != "none":
@@ -663,18 +872,18 @@ class OffloadedModel:
     def _load_slot(self, layer: int, slot: _Slot) -> None:
         """Runs on the reader thread: bring block `layer` into `slot` (disk read and/or copy to the GPU)."""
         if slot.loaded is None:  # the CPU computes: read from disk straight into the slot
-            self.bytes_streamed += self.reader.fill(slot.block, layer)
+            self.bytes_streamed += self._stream_reader.fill(slot.block, layer)
             return
         if self.plan.weight_tiers[layer] == "disk":
             slot.loaded.synchronize()  # the previous copy out of the staging buffer is finished
-            self.bytes_streamed += self.reader.fill(slot.staging, layer)
+            self.bytes_streamed += self._stream_reader.fill(slot.staging, layer)
             source = slot.staging
         else:
             source = self.pinned[layer]
         with torch.cuda.stream(self._copy_stream):
             if slot.has_released:
                 self._copy_stream.wait_event(slot.released)  # compute is done with the old weights
-            for dest, src in zip(slot.block.parameters(), source.parameters()):
+            for dest, src in zip(self._stream_tensors(slot.block), self._stream_tensors(source), strict=True):
                 dest.copy_(src, non_blocking=True)
             slot.loaded.record(self._copy_stream)
             slot.block.layer_index, slot.block.self_attn.window = layer, self.config.window_of(layer)
@@ -685,7 +894,26 @@ class OffloadedModel:
             return [slice(0, batch)]
         return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
 
-    def forward_blocks(self, hidden: Tensor, cache: TieredKVCache) -> Tensor:
+    def _block_runner(self, layer: int, block: Block, cache: TieredKVCache | RecomputeCache, position: int,
+                      rope: tuple[Tensor, Tensor]):
+        """run(x, rows) -> block `layer`'s output for one micro-batch's hidden states x (the cache's `rows`), with
+        the cache where the plan keeps it (K/V or block inputs) and the attention where the plan runs it."""
+        if isinstance(cache, RecomputeCache):
+            return lambda x, rows: cache.run_block(layer, block, x, rows, position, rope)
+        if self.plan.attention_tier(layer) != self.plan.compute_tier:
+            k, v = cache.blocks[layer]
+            dtype = cpu_attention_dtype(self.plan.dtype)
+            return lambda x, rows: forward_with_attention_at_cache(block, x, k[rows], v[rows], position, rope, dtype)
+        k, v = cache.load(layer, position)
+
+        def run(x: Tensor, rows: slice) -> Tensor:
+            out = block(x, k[rows], v[rows], position, rope)
+            cache.store(layer, position, x.shape[1], rows)
+            return out
+
+        return run
+
+    def forward_blocks(self, hidden: Tensor, cache: TieredKVCache | RecomputeCache) -> Tensor:
         """hidden [batch, new_tokens, hidden] through every block; new tokens at positions cache.length, ..."""
         batch, t, width = hidden.shape
         position = cache.length
@@ -697,31 +925,33 @@ class OffloadedModel:
         hidden = hidden.to(device=self.device, dtype=self.plan.dtype)
         rope = self.rotary.get(position, t, hidden.device, hidden.dtype)
         rows = self._micro_batches(batch)
+        # between blocks, each micro-batch's hidden states live where the plan says: the device or pinned RAM
+        homes = [self.device if tier == "gpu" else torch.device("cpu")
+                 for tier in self.plan.activation_tiers(len(rows))]
+        parts = [keep_between_blocks(hidden[r], home) for r, home in zip(rows, homes)]
         for layer in range(self.config.num_layers):
             block = self.resident.get(layer)
             streamed = block is None
             if streamed:
                 block = self.streamer.acquire(layer)
             try:
-                k, v = cache.load(layer, position)
-                if len(rows) == 1:
-                    hidden = block(hidden, k, v, position, rope)
-                else:
-                    out = torch.empty_like(hidden)
-                    for r in rows:
-                        out[r] = block(hidden[r], k[r], v[r], position, rope)
-                    hidden = out
-                cache.store(layer, position, t)
+                run = self._block_runner(layer, block, cache, position, rope)
+                for i, (r, home) in enumerate(zip(rows, homes)):
+                    parts[i] = keep_between_blocks(run(parts[i].to(self.device, non_blocking=True), r), home)
             finally:
                 if streamed:
                     self.streamer.release(layer)
         cache.length = position + t
-        return hidden
+        if len(parts) == 1:
+            return parts[0].to(self.device)
+        return torch.cat([part.to(self.device, non_blocking=True) for part in parts])
 
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
             self.streamer = None
+        if getattr(self, "quant_store", None) is not None:
+            self.quant_store.close()
         self.reader.close()
         self.checkpoint.close()
 

@@ -92,13 +92,17 @@ def _local_runner(path, key: BackendKey, hardware: HardwareSpec | None, describe
     from hivekeeper.core.checkpoint import load_config
     from hivekeeper.core.engine import OffloadedModel, place_model
     from hivekeeper.planner import policy as planner_policy
-    from hivekeeper.planner.costmodel import Policy, Workload
+    from hivekeeper.planner.costmodel import Placement, Policy, Workload
     from hivekeeper.planner.model_catalog import load_model_spec
 
     config = load_config(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     context = min(config.max_position_embeddings, 4096)
-    chosen = Policy(weight_format="fp32" if device == "cpu" else "fp16")
+    if device == "cpu":  # without a GPU, "cpu" is the compute device's memory (the planner's convention)
+        ram = Placement(0.0, 1.0, 0.0)
+        chosen = Policy(weight_format="fp32", weights=ram, kv_cache=ram, activations=ram)
+    else:
+        chosen = Policy(weight_format="fp16")
     if hardware is not None:
         describe("planning the placement…")
         spec = load_model_spec(str(path))
