@@ -18,6 +18,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", default="auto", metavar="auto|FILE",
                         help="auto: the planner's best policy for this machine (default); FILE: a plan from "
                              "`hivekeeper plan --json` (its policy is used)")
+    parser.add_argument("--quant", choices=("none", "int8", "nf4"), default="none",
+                        help="with --plan auto: plan for int8 or nf4 weights (bitsandbytes; slow on CPUs)")
     parser.add_argument("--ram-budget-gb", type=float, metavar="X",
                         help="RAM the model may hold (weights, KV cache, buffers; the Python+torch runtime not "
                              "counted); the blocks that do not fit are streamed from disk")
@@ -99,6 +101,8 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
 
         from .swarm_client import SwarmModel
 
+        if getattr(args, "quant", "none") != "none":
+            raise InputError("--quant applies to local runs: in a swarm each server chooses its weight format")
         if not args.initial_peers:
             raise InputError("--swarm needs --initial-peers (the multiaddrs a `hivekeeper serve` printed)")
         model = SwarmModel(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix)
@@ -107,7 +111,8 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
     from .engine import OffloadedModel
 
     choice = choose_policy(args.plan, path, batch=batch, prompt_len=prompt_len,
-                           max_new_tokens=max(1, max_length - prompt_len), ram_budget_bytes=ram_budget)
+                           max_new_tokens=max(1, max_length - prompt_len), ram_budget_bytes=ram_budget,
+                           quant=getattr(args, "quant", "none"))
     plan = engine_plan(config, choice, batch=batch, max_length=max_length, ram_budget_bytes=ram_budget,
                        prefill_tokens=min(256, max(1, prompt_len)))
     model = OffloadedModel(path, plan, drop_page_cache=drop_page_cache)

@@ -101,8 +101,9 @@ def fallback_policy(weight_format: str, batch: int) -> Policy:
 
 
 def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
-                  ram_budget_bytes: float | None = None) -> PolicyChoice:
-    """The planner's best policy for this machine (detected), this model and this run (16-bit or fp32 weights).
+                  ram_budget_bytes: float | None = None, quant: str = "none") -> PolicyChoice:
+    """The planner's best policy for this machine (detected), this model and this run: 16-bit or fp32 weights, or
+    int8/nf4 when `quant` says so.
 
     With a RAM budget the planner is told the machine has that much RAM on top of the runtime it reserves itself.
     """
@@ -120,21 +121,26 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
         runtime = (eff.host if hardware.has_gpu else eff.accelerator).runtime_bytes
         hardware = apply_host_overrides(hardware, ram_gb=(ram_budget_bytes + runtime) / GIB)
     goal = "batch" if batch > 1 else "chat"
-    plan = search(spec, hardware, goal, Constraints(quant="none", batch_size=batch),
+    plan = search(spec, hardware, goal, Constraints(quant=quant, batch_size=batch),
                   Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens)))
     if plan.prediction is None:
-        fmt = spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
+        fmt = quant if quant != "none" else spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
         return PolicyChoice(fallback_policy(fmt, batch), "fallback",
                             f"the planner found no local plan ({plan.reason}); streaming what RAM cannot hold")
     return PolicyChoice(plan.prediction.policy, "auto", plan.reason)
 
 
 def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
-                  ram_budget_bytes: float | None = None) -> PolicyChoice:
-    """--plan auto (the planner) or --plan FILE."""
+                  ram_budget_bytes: float | None = None, quant: str = "none") -> PolicyChoice:
+    """--plan auto (the planner, with --quant's weight format) or --plan FILE (whose weight_format decides)."""
+    if quant not in ("none", "int8", "nf4"):
+        raise InputError(f"--quant {quant!r}: choose none, int8 or nf4")
     if plan_arg == "auto":
         return search_policy(model_path, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                             ram_budget_bytes=ram_budget_bytes)
+                             ram_budget_bytes=ram_budget_bytes, quant=quant)
+    if quant != "none":
+        raise InputError(f"--quant {quant} goes with --plan auto; with --plan {plan_arg} the plan file's "
+                         "weight_format decides")
     return PolicyChoice(load_policy_file(plan_arg), str(plan_arg), f"policy read from {plan_arg}")
 
 

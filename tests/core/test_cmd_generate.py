@@ -82,6 +82,16 @@ def test_a_plan_file_offloads_and_gives_the_same_greedy_tokens(tiny_checkpoint, 
     assert len(batch["texts"]) == 3 and batch["batch"] == 3 and batch["new_tokens"] == 15
 
 
+def test_quant_plans_int8_weights_with_the_planner(tiny_checkpoint, in_process):
+    pytest.importorskip("bitsandbytes")
+    code, out, err = in_process("generate", "--model", str(tiny_checkpoint), "--prompt", PROMPT, "--json",
+                                "--max-new-tokens", "4", "--ignore-eos", "--quant", "int8")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["plan"]["policy"]["weight_format"] == "int8"
+    assert result["plan"]["engine"]["quant"] == "int8" and result["new_tokens"] == 4
+
+
 def test_readable_summary(tiny_checkpoint, in_process):
     code, out, err = in_process("generate", "--model", str(tiny_checkpoint), "--prompt", PROMPT,
                                 "--max-new-tokens", "4")
@@ -98,6 +108,10 @@ def test_readable_summary(tiny_checkpoint, in_process):
     (["--prompt", "x", "--ram-budget-gb", "0.0001"], r"RAM budget 0\.0001 GB is too small"),
     (["--prompt", "x", "--batch", "0"], "--batch must be an integer from 1"),
     (["--prompt", "x", "--temperature", "-1"], "temperature must be a number >= 0"),
+    (["--prompt", "x", "--quant", "int8", "--plan", "/nonexistent/plan.json"],
+     "--quant int8 goes with --plan auto"),
+    (["--prompt", "x", "--quant", "nf4", "--swarm", "--initial-peers", "/ip4/127.0.0.1/tcp/1"],
+     "--quant applies to local runs"),
 ])
 def test_bad_input_is_one_line_on_stderr_and_exit_2(tiny_checkpoint, in_process, args, message):
     code, out, err = in_process("generate", "--model", str(tiny_checkpoint), "--json", *args)
