@@ -278,8 +278,8 @@ def resolve_checkpoint(model: str, *, blocks: tuple[int, int] | None = None, emb
 
     For a hub id only config.json, the tokenizer files and the shards holding blocks [start, end) are fetched
     (all shards when blocks is None); `embeddings` also fetches the embedding, final norm and LM head (default:
-    only when blocks is None). Downloads show a progress bar and resume if interrupted. Offline or failing
-    downloads raise InputError saying what to do.
+    only when blocks is None). Downloads show a progress bar on a terminal; a cut connection resumes, and a rerun
+    fetches only the files not yet in the cache. Offline or failing downloads raise InputError saying what to do.
     """
     path = Path(model).expanduser()
     if path.is_dir():
@@ -292,22 +292,41 @@ def resolve_checkpoint(model: str, *, blocks: tuple[int, int] | None = None, emb
 
 
 def _download(repo_id: str, blocks: tuple[int, int] | None, embeddings: bool, cache_dir) -> Path:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+    """Fetch what blocks [start, end) need from the hub into the HF cache; returns the snapshot folder.
 
-    def fetch(file_name: str, required: bool = True) -> Path | None:
+    Each file is one `hf_hub_download` (a HEAD for its commit and ETag, then a GET unless the cache has it), so a
+    rerun fetches only what is missing, and with the hub unreachable (or HF_HUB_OFFLINE=1) the cached files still
+    resolve.
+    """
+    from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    def fetch(file_name: str, required: bool = True, missing: str | None = None) -> Path | None:
+        if not required and try_to_load_from_cache(repo_id, file_name, cache_dir=cache_dir) is _CACHED_NO_EXIST:
+            # the hub said this commit has no such file: asking again costs a request, and with the network down
+            # huggingface_hub retries it for about 20 s before giving up
+            return None
         try:
             return Path(hf_hub_download(repo_id, file_name, cache_dir=cache_dir))
-        except LocalEntryNotFoundError as exc:  # offline, or the hub unreachable, and the file not cached
-            if not required:
-                return None
-            raise _hub_error(repo_id, f"{file_name} is not in the local cache and the hub cannot be reached: {exc}")
         except RemoteEntryNotFoundError:
             if required:
-                raise _hub_error(repo_id, f"the repository has no {file_name}") from None
+                raise _hub_error(repo_id, missing or f"the repository has no {file_name}", retry_hint=False) from None
             return None
-        except Exception as exc:  # no such repo, gated, network or disk errors
-            raise _hub_error(repo_id, f"{type(exc).__name__}: {exc}") from None
+        except LocalEntryNotFoundError as exc:  # offline, hub unreachable or failing, and the file not cached
+            if not required:
+                return None
+            raise _hub_error(repo_id, f"{file_name} is not in the local cache and {_unreachable(exc)}") from None
+        except GatedRepoError:
+            raise _hub_error(repo_id, "the repository is gated: accept its conditions on its hub page, then log in "
+                                      "with `hf auth login` or set HF_TOKEN", retry_hint=False) from None
+        except RepositoryNotFoundError:
+            raise _hub_error(repo_id, "no such repository, or it is private: check the id; for a private model log "
+                                      "in with `hf auth login` or set HF_TOKEN", retry_hint=False) from None
+        except RevisionNotFoundError:
+            raise _hub_error(repo_id, "the repository has no 'main' revision", retry_hint=False) from None
+        except Exception as exc:  # other HTTP errors (403...), a full disk, a download cut too many times
+            raise _hub_error(repo_id, f"fetching {file_name} failed: {_first_line(exc)}") from None
 
     folder = fetch("config.json").parent
     config = ModelConfig.from_folder(folder)
@@ -315,14 +334,19 @@ def _download(repo_id: str, blocks: tuple[int, int] | None, embeddings: bool, ca
         fetch(side_file, required=False)
     index = fetch(INDEX_FILE, required=False)
     if index is None:
-        fetch(SINGLE_FILE)
+        fetch(SINGLE_FILE, missing=f"the repository has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors "
+                                   f"weights are supported")
         return folder
     try:
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError) as exc:
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise InputError(f"{index}: not a valid safetensors index ({exc})") from None
-    wanted = shards_for(config, weight_map, blocks, embeddings, source=f"{repo_id} {INDEX_FILE}")
-    for shard in sorted(wanted):  # huggingface_hub shows a progress bar per file and resumes partial downloads
+    wanted = sorted(shards_for(config, weight_map, blocks, embeddings, source=f"{repo_id} {INDEX_FILE}"))
+    log.info("%s: fetching %d of %d weight shards%s", repo_id, len(wanted), len(set(weight_map.values())),
+             "" if blocks is None else f" (blocks [{blocks[0]}, {blocks[1]}))")
+    for shard in wanted:  # huggingface_hub shows a progress bar per file on a terminal
         fetch(shard)
     return folder
 
@@ -345,9 +369,34 @@ def shards_for(config: ModelConfig, weight_map: dict[str, str], blocks: tuple[in
     return {weight_map[n] for n in names}
 
 
-def _hub_error(repo_id: str, reason: str) -> InputError:
-    return InputError(
-        f"cannot get model {repo_id!r} from the Hugging Face hub ({reason}). For an offline test model run "
-        f"`hivekeeper demo-model DIR` and pass DIR as the model, or download {repo_id!r} with network access "
-        f"(HF_HUB_OFFLINE unset)."
-    )
+def _hub_error(repo_id: str, reason: str, retry_hint: bool = True) -> InputError:
+    """One line: the model, why, and what to do. retry_hint: the cause is the network, not the repository."""
+    message = (f"cannot get model {repo_id!r} from the Hugging Face hub ({reason}). For an offline test model run "
+               f"`hivekeeper demo-model DIR` and pass DIR as the model")
+    if retry_hint:
+        message += f", or download {repo_id!r} with network access (HF_HUB_OFFLINE unset); files already " \
+                   f"downloaded are kept in the cache"
+    return InputError(message + ".")
+
+
+def _unreachable(exc: BaseException) -> str:
+    """Why huggingface_hub could not ask the hub about a file, from the error behind its LocalEntryNotFoundError."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    cause = exc
+    while cause is not None:
+        if isinstance(cause, OfflineModeIsEnabled):
+            return "HF_HUB_OFFLINE is set"
+        if isinstance(cause, HfHubHTTPError) and cause.response is not None:
+            return f"the hub at {constants.ENDPOINT} answered HTTP {cause.response.status_code}; try again later"
+        if cause.__cause__ is None and cause is not exc:  # the network error itself (refused, timeout, DNS)
+            return f"the hub at {constants.ENDPOINT} cannot be reached ({_first_line(cause)}); check the connection"
+        cause = cause.__cause__
+    return f"the hub at {constants.ENDPOINT} cannot be reached; check the connection"
+
+
+def _first_line(exc: BaseException) -> str:
+    """`Type: first line of the message` (huggingface_hub's messages run over several lines)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

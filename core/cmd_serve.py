@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available on this machine")
 
-    checkpoint = resolve_checkpoint(args.model, blocks=block_indices, embeddings=False)
+    # a hub id: the config and index now, a span's shards when the server has chosen the span (SwarmServer._load)
+    checkpoint = resolve_checkpoint(args.model, blocks=block_indices or (0, 0), embeddings=False)
     model_config = load_config(checkpoint)
     if args.dtype == "auto":
         stored = (model_config.torch_dtype or "").replace("torch.", "")

@@ -26,7 +26,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from hivekeeper.core.checkpoint import load_config, load_span
+from hivekeeper.core.checkpoint import load_config, load_span, resolve_checkpoint
 from hivekeeper.core.model import KVCache, ModelConfig
 from hivekeeper.core.swarm_dht import (
     ServerInfo,
@@ -253,8 +253,14 @@ class SwarmServer:
         self.emit(self.status_event("joining"))
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        span = await loop.run_in_executor(None, lambda: load_span(
-            cfg.checkpoint, blocks.start, blocks.stop, dtype=cfg.dtype, device=cfg.device, quant=cfg.quant))
+
+        def fetch_and_load():
+            folder = cfg.checkpoint
+            if cfg.repository:  # from the hub: only the shards of this span (a no-op for those already cached)
+                folder = resolve_checkpoint(cfg.repository, blocks=(blocks.start, blocks.stop), embeddings=False)
+            return load_span(folder, blocks.start, blocks.stop, dtype=cfg.dtype, device=cfg.device, quant=cfg.quant)
+
+        span = await loop.run_in_executor(None, fetch_and_load)
         self.handler.set_span(ServedSpan(span, cfg.dht_prefix, torch.device(cfg.device)))
         self.state = ServerState.ONLINE
         await self._announce(ServerState.ONLINE, blocks)
