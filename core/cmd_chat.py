@@ -3,6 +3,9 @@
 Lines typed are user turns; replies stream token by token, then a line with the reply's tokens/s. Ctrl-C stops a
 reply (the chat goes on; at the prompt it only reminds how to leave). /reset forgets the conversation (the system
 prompt stays), /exit or end of input quits. --history FILE keeps the conversation in a JSON file across runs.
+
+The conversation's KV cache is kept between turns (generation.PromptCache): a turn prefills only the tokens after
+what the cache already holds, so the first token comes as fast in a long conversation as in a short one.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .chat_history import ChatHistory
     from .cmd_generate import check_budget, open_runner, resolve_model, sampling_params, set_threads
-    from .generation import context_limit, generate
+    from .generation import context_limit, conversation_cache, generate
 
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -59,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the prompt in the model's "
                          f"context of {context} tokens")
     tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # no chat template: fail before loading
-    # the cache is sized per reply; the plan (and a RAM budget) is checked against a full context
+    # the plan (and a RAM budget) counts a KV cache of the full context: the one the conversation keeps
     runner = open_runner(args, path, tokenizer, config, batch=1, prompt_len=context - args.max_new_tokens,
                          max_length=context, ram_budget=ram_budget)
+    prompt_cache = conversation_cache(context, swarm=args.swarm)
     stop = threading.Event()
     waiting_for_input = False
 
@@ -98,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             if command == "/reset":
                 history.reset()
+                prompt_cache.reset()
                 _say("(conversation cleared)")
                 continue
             if command.startswith("/") or not command:
@@ -116,14 +121,21 @@ def run(args: argparse.Namespace) -> int:
             stop.clear()
             _say(ASSISTANT_PROMPT, end="")
             result = generate(runner.model, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                              tokenizer=tokenizer, on_text=lambda row, piece: _say(piece, end=""), stop=stop)
+                              tokenizer=tokenizer, on_text=lambda row, piece: _say(piece, end=""), stop=stop,
+                              prompt_cache=prompt_cache)
             history.add_assistant(result.texts[0])
             if args.history:
                 history.save(args.history)
             tps = result.decode_tokens_per_s
             stopped = ", stopped" if result.finish_reasons[0] == "stopped" else ""
             _say(f"\n[{result.new_tokens} tokens, {'n/a' if tps is None else f'{tps:.1f}'} tokens/s, "
-                 f"first token {result.time_to_first_token_s:.2f} s{stopped}]")
+                 f"first token {result.time_to_first_token_s:.2f} s{stopped}] "
+                 f"(prompt {result.prompt_tokens} tokens: {result.prefilled_tokens} prefilled, "
+                 f"{result.cached_prompt_tokens} from the cache)")
     finally:
         signal.signal(signal.SIGINT, previous_handler)
-        runner.close()
+        try:
+            prompt_cache.close()
+        finally:
+            runner.close()
+

@@ -1,7 +1,8 @@
 """What the chat worker talks to: the model run locally (offloaded as the planner says) or through a swarm.
 
 Imported on the chat worker thread only (it brings torch, and for the swarm hivemind), never at app start. Both
-backends hand core.generation.generate a runner with `config`, `embedding`, `span` and `head`.
+backends hand core.generation.generate a runner with `config`, `embedding`, `span` and `head`, and keep the
+conversation's KV cache between replies (core.generation.PromptCache): a reply prefills only the new turn.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Request:
     temperature: float
     top_p: float
     top_k: int
+    # which conversation: another one empties the kept KV cache (reuse stays exact without it: only the common
+    # prefix of the cached and the new prompt is reused)
+    conversation_id: str = ""
 
 
 class ChatBackend:
@@ -44,10 +48,13 @@ class ChatBackend:
         import torch  # noqa: F401  (worker thread: the first chat pays for the import, not the app start)
 
         from hivekeeper.core.checkpoint import resolve_checkpoint
+        from hivekeeper.core.generation import conversation_cache
         from hivekeeper.core.tokenizer import load_tokenizer
 
         self.key = key
         self.runner = None
+        self.prompt_cache = None
+        self.conversation_id = ""
         self.skipped_messages = 0
         describe("finding the checkpoint…")
         if key.mode == "swarm":
@@ -60,25 +67,37 @@ class ChatBackend:
             self.runner = SwarmModel(key.model, initial_peers=list(key.initial_peers))
             self.path = self.runner.path
             self.placement = f"blocks in the swarm; embeddings and head here ({len(key.initial_peers)} initial peers)"
+            self.context = self.runner.config.max_position_embeddings
         else:
             self.path = resolve_checkpoint(key.model)
-            self.runner, self.placement = _local_runner(self.path, key, hardware, describe, efficiency)
+            self.runner, self.placement, self.context = _local_runner(self.path, key, hardware, describe, efficiency)
         self.tokenizer = load_tokenizer(self.path)
+        # prompt and reply fit in `context`: for a local model, the KV cache length its plan counts
+        self.prompt_cache = conversation_cache(self.context, swarm=key.mode == "swarm")
 
     def reply(self, request: Request, on_text: Callable[[str], None], stop: threading.Event):
         """Stream one reply; returns core.generation's GenerationResult."""
         from hivekeeper.core.generation import generate
         from hivekeeper.core.sampling import SamplingParams
 
-        context = self.runner.config.max_position_embeddings
+        if request.conversation_id != self.conversation_id:
+            self.prompt_cache.reset()
+            self.conversation_id = request.conversation_id
+        context = self.context
         room = max(1, context - min(request.max_new_tokens, context // 2))
         # the oldest turns are left out when the conversation outgrows the context
         prompt, self.skipped_messages = request.history.prompt_ids(self.tokenizer, max_tokens=room)
         sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
-        return generate(self.runner, prompt, max_new_tokens=request.max_new_tokens, sampling=sampling,
-                        tokenizer=self.tokenizer, on_text=lambda row, text: on_text(text), stop=stop)
+        # the reply ends at the context's end (as it would at the model's)
+        max_new_tokens = max(1, min(request.max_new_tokens, context - len(prompt)))
+        return generate(self.runner, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                        tokenizer=self.tokenizer, on_text=lambda row, text: on_text(text), stop=stop,
+                        prompt_cache=self.prompt_cache)
 
     def close(self) -> None:
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()
+            self.prompt_cache = None
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -86,7 +105,8 @@ class ChatBackend:
 
 def _local_runner(path, key: BackendKey, hardware: HardwareSpec | None, describe: Callable[[str], None],
                   efficiency=None):
-    """An OffloadedModel placed by the planner's chat policy for this machine (everything in memory without one)."""
+    """An OffloadedModel placed by the planner's chat policy for this machine (everything in memory without one),
+    its description, and the KV cache length its plan counts."""
     import torch
 
     from hivekeeper.core.checkpoint import load_config
@@ -124,4 +144,4 @@ def _local_runner(path, key: BackendKey, hardware: HardwareSpec | None, describe
         dtype = torch.float32  # CPU kernels for fp16 are slow or missing
     engine_plan = place_model(config, chosen, device=device, dtype=dtype, batch=1, max_length=context, quant=quant)
     describe(f"loading the model ({engine_plan.describe()})…")
-    return OffloadedModel(path, engine_plan), engine_plan.describe()
+    return OffloadedModel(path, engine_plan), engine_plan.describe(), context

@@ -330,7 +330,8 @@ class ChatPage(QWidget):
         self.replying = True
         s = self.settings
         request = Request(history=ChatHistory.from_dict(self.conversation.history.to_dict()),
-                          max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+                          max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          conversation_id=self.conversation.id)
         self.service.send(self.backend_key(), request)
         self._update_buttons()
         self.render()
