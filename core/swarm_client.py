@@ -231,10 +231,19 @@ class _ServerSession:
         hidden = hidden.detach().to(torch.float32)  # keep full precision for replays
         self.history = hidden if history is None else torch.cat([history, hidden], dim=1)
 
-    async def close(self) -> None:
+    async def close(self, goodbye: bool = True) -> None:
+        """End the stream. goodbye: send the protocol's empty request first and let the server end its side (Petals
+        servers log a stream that just ends as an error); False for a server that already failed."""
         if self._inbox is not None:
+            if goodbye and self._responses is not None:
+                self._inbox.put_nowait(runtime_pb2.ExpertRequest())
             self._inbox.put_nowait(None)
         if self._responses is not None:
+            if goodbye:
+                try:
+                    await asyncio.wait_for(self._responses.__anext__(), 1.0)
+                except Exception:
+                    pass
             try:
                 await asyncio.wait_for(self._responses.aclose(), 1.0)
             except Exception:
@@ -333,7 +342,7 @@ class _InferenceCore:
         ban = self.client.bans.fail(failed.hop.peer_id)
         logger.warning("server %s failed on blocks %d:%d (%s); banned for %.0fs, re-routing",
                        failed.hop.peer_id[-8:], failed.hop.start, failed.hop.end, failure, ban)
-        await failed.close()
+        await failed.close(goodbye=False)
         history = failed.history
         if history is not None:
             if start_from is not None:
@@ -356,7 +365,7 @@ class _InferenceCore:
                 self.client.bans.fail(bad.hop.peer_id)
                 logger.warning("replacement %s failed too (%s)", bad.hop.peer_id[-8:], exc)
                 for session in replacements:
-                    await session.close()
+                    await session.close(goodbye=session is not bad)
                 if time.monotonic() > deadline:
                     raise SwarmError(f"could not recover blocks {failed.hop.start}:{failed.hop.end}: {exc}") from exc
         self.sessions[index : index + 1] = replacements

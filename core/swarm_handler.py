@@ -33,6 +33,7 @@ from hivekeeper.core.swarm_protocol import (
     handler_name,
     pack_metadata,
     parse_chain_uid,
+    push_request,
     read_stream,
     serialize_tensor,
     stream_messages,
@@ -374,12 +375,8 @@ class TransformerConnectionHandler(ServicerBase):
         try:
             peer_id, session_id, start, end = next_servers[0]
             served_prefix = self.served.dht_prefix if self.served else None
-            message = runtime_pb2.ExpertRequest(
-                uid=chain_uid(served_prefix, int(start), int(end)),
-                tensors=[serialize_tensor(output)],
-                metadata=pack_metadata({"session_id": session_id, "step_id": metadata.get("step_id"),
-                                        "next_servers": tuple(next_servers[1:])}),
-            )
+            message = push_request(output, chain_uid(served_prefix, int(start), int(end)), session_id,
+                                   metadata.get("step_id"), tuple(next_servers[1:]))
             await asyncio.wait_for(self.p2p.call_protobuf_handler(
                 PeerID.from_base58(peer_id), handler_name("rpc_push"), message, runtime_pb2.ExpertResponse), 5.0)
         except Exception as exc:  # the client delivers the step anyway

@@ -241,16 +241,31 @@ def stream_messages(tensors: Sequence[runtime_pb2.Tensor], make_message, metadat
 
 
 # ---- schemas (rpc_info) --------------------------------------------------------------------------------------------
+def push_request(output: torch.Tensor, uid: str, session_id: str, step_id: str | None,
+                 next_servers: tuple) -> runtime_pb2.ExpertRequest:
+    """rpc_push of a step's output to the next server: a whole step, as the client would send it. Petals servers
+    unpack every step, pushed or not, with the session's args_structure (hidden_states, prompts, hypo_ids), so a
+    lone hidden_states tensor fails there."""
+    no_prompts, keep_order = torch.empty(0, dtype=output.dtype), torch.empty(0, dtype=torch.int64)
+    tensors, structure = pack_args(output, no_prompts, keep_order)
+    return runtime_pb2.ExpertRequest(
+        uid=uid, tensors=[serialize_tensor(t) for t in tensors],
+        metadata=pack_metadata({"session_id": session_id, "step_id": step_id, "next_servers": next_servers,
+                                "args_structure": structure}))
+
+
 def block_schemas(hidden_size: int, dtype: torch.dtype) -> dict:
     """The schemas a block advertises in rpc_info: clients read input dtypes and compression from them.
 
-    forward: (hidden_states, prompts); inference: (hidden_states, prompts, hypo_ids); both with empty kwargs.
+    forward: (hidden_states,); inference: (hidden_states, prompts, hypo_ids); both with empty kwargs. A forward
+    request still carries the prompts after hidden_states: Petals clients (2.2) assert that they send one tensor more
+    than the forward schema's args, so a schema that lists the prompts makes them refuse the server.
     """
     hidden = BatchTensorDescriptor(None, hidden_size, dtype=dtype)  # [batch, tokens, hidden]
     prompts = BatchTensorDescriptor((), dtype=dtype)  # deep prompts, or an empty tensor
     hypo_ids = BatchTensorDescriptor((), dtype=torch.int64)
     return {
-        "forward_schema": ((hidden, prompts), {}),
+        "forward_schema": ((hidden,), {}),
         "outputs_schema": (hidden,),
         "inference_schema": ((hidden, prompts, hypo_ids), {}),
         "keyword_names": (),

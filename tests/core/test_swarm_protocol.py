@@ -17,6 +17,7 @@ from hivekeeper.core.swarm_protocol import (
     pack_args,
     pack_metadata,
     parse_chain_uid,
+    push_request,
     schema_dtypes,
     serialize_tensor,
     split_for_streaming,
@@ -121,6 +122,9 @@ def test_block_schemas_survive_msgpack_and_name_the_dtypes():
     schemas = block_schemas(64, torch.bfloat16)
     wire = MSGPackSerializer.loads(MSGPackSerializer.dumps(schemas))
     assert isinstance(wire["forward_schema"][0][0], BatchTensorDescriptor)
+    # Petals 2.2 clients send (hidden_states, prompts) to rpc_forward and insist that this is one tensor MORE than
+    # the forward schema lists: a schema naming the prompts makes them refuse the server
+    assert len(wire["forward_schema"][0]) == 1 and len(wire["inference_schema"][0]) == 3
     assert schema_dtypes(wire["inference_schema"]) == [torch.bfloat16, torch.bfloat16, torch.int64]
     assert wire["forward_schema"][1] == {} and wire["inference_schema"][1] == {}
     assert wire["outputs_schema"][0].shape[-1] == 64
@@ -168,3 +172,16 @@ def test_stream_messages_go_out_in_one_write_and_read_back():
     assert writes[0] == b"\x00" + len(body).to_bytes(8, "big") + body  # hivemind's framing, in one write
     assert len(writes) == 2 and writes[1][:1] == b"\x01"
     assert got == message and error.message == "boom"
+
+
+def test_a_push_carries_a_whole_step_with_its_structure():
+    """Petals servers unpack pushed steps with the session's args_structure: hidden_states, prompts, hypo_ids."""
+    output = torch.randn(1, 1, 64)
+    request = push_request(output, "demo.2:4", "session-1", "step-7", (("peer", "s2", 4, 6),))
+    metadata = unpack_metadata(request.metadata)
+    assert metadata["session_id"] == "session-1" and metadata["step_id"] == "step-7"
+    assert [tuple(hop) for hop in metadata["next_servers"]] == [("peer", "s2", 4, 6)]
+    args, kwargs = unpack_args([deserialize_tensor(t) for t in request.tensors], metadata["args_structure"])
+    assert len(args) == 3 and kwargs == {}
+    hidden, prompts, hypo_ids = args
+    assert torch.equal(hidden, output) and prompts.numel() == 0 and hypo_ids.dtype == torch.int64
