@@ -90,12 +90,12 @@ def main() -> None:
         uncalibrated = form_accuracy(points, cost_model_predictions(spec, hardware, points, policies, base))
         calibrated = form_accuracy(points, cost_model_predictions(spec, hardware, points, policies,
                                                                   calibration.efficiency))
-        by_batch = {}
+        by_batch, by_batch_uncalibrated = {}, {}
         for batch in evaluation_grid.batch_sizes:
             chosen = [pt for pt in points if pt.batch_size == batch]
-            acc = form_accuracy(chosen, cost_model_predictions(spec, hardware, chosen, policies,
-                                                               calibration.efficiency))
-            by_batch[str(batch)] = {q: round(100 * acc[q].mape, 1) for q in ("decode", "prefill")}
+            for table, eff in ((by_batch, calibration.efficiency), (by_batch_uncalibrated, base)):
+                acc = form_accuracy(chosen, cost_model_predictions(spec, hardware, chosen, policies, eff))
+                table[str(batch)] = {q: round(100 * acc[q].mape, 1) for q in ("decode", "prefill")}
         # the idealized fit is per batch size: evaluated on the batch sizes it was fitted at
         fitted_batches = {f.batch_size for f in calibration.idealized}
         ideal_points = [pt for pt in points if pt.batch_size in fitted_batches]
@@ -126,7 +126,7 @@ def main() -> None:
         "prefill_mape_uncalibrated_pct": pct(uncalibrated["prefill"].mape),
         "decode_worst_calibrated_pct": pct(calibrated["decode"].worst),
         "prefill_worst_calibrated_pct": pct(calibrated["prefill"].worst),
-        "calibrated_mape_pct_by_batch": by_batch,
+        "calibrated_mape_pct_by_batch": by_batch, "uncalibrated_mape_pct_by_batch": by_batch_uncalibrated,
         "idealized_runtime_mape_pct": pct(idealized["runtime"].mape) if idealized else None,
         "ram_read_gbps": round(ram.value / 1e9, 2), "fp32_matmul_gflops": round(mm.value / 1e9, 1),
         "fitted": {k: float(f"{getattr(calibration.accelerator, k):.4g}")

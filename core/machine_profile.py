@@ -28,7 +28,7 @@ from pathlib import Path
 from hivekeeper.planner.calibration import Calibration, measured_efficiency
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
-from hivekeeper.planner.hardware import ComputeDevice, HardwareSpec
+from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, HardwareSpec
 from hivekeeper.planner.hardware_catalog import GIB, clamp_to_limit
 
 from .atomic_file import write_json_atomic
@@ -184,6 +184,19 @@ def detect_or_load_profile(data_dir: str | Path | None = None) -> tuple[Hardware
     return hardware, profile.efficiency(hardware)
 
 
+def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
+    """What `hivekeeper measure` found of decode's weight streaming (measure.measure_weight_streaming), relative
+    to the measured RAM read bandwidth; None unless all of it was measured."""
+    by_key = {m.key: m for m in measurements}
+    stream, ram, reads, start = (by_key.get(k) for k in ("cpu_weight_stream", "ram_read", "cpu_small_rows_reads",
+                                                         "cpu_matmul_start"))
+    if stream is None or ram is None or reads is None or start is None or ram.value <= 0:
+        return None
+    return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram.value)),
+                           small_row_reads=min(16.0, max(1.0, reads.value)),
+                           matmul_start_s=min(0.1, max(0.0, start.value)))
+
+
 # ---- measured numbers into a spec ---------------------------------------------------------------------------------
 def _measured_on(when: float | None) -> str:
     return f"measured {time.strftime('%Y-%m-%d %H.%M', time.localtime(when))}" if when else "measured"
@@ -228,6 +241,9 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
         cpu = dataclasses.replace(cpu, memory_bandwidth=bandwidth,
                                   sources={**cpu.sources, "memory_bandwidth": _source(m, when)})
     cpu = _with_flops(cpu, _matmul_rates(measurements, "cpu"), when)
+    streaming = decode_streaming(measurements)
+    if streaming is not None:
+        cpu = dataclasses.replace(cpu, decode_streaming=streaming)
 
     disk_changes, disk_sources = {}, dict(disk.sources)
     for key, attr in (("disk_read", "read_bandwidth"), ("disk_write", "write_bandwidth")):

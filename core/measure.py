@@ -161,6 +161,69 @@ def measure_matmul(shape: MatmulShape, dtype: str = "fp32", device: str | torch.
                              shape.flops * inner, seconds, load, detail)
 
 
+def _layer_chain(hidden: int, total_bytes: int) -> list[torch.Tensor]:
+    """Distinct fp32 matrices shaped like decoder layers of width `hidden` (fused q/k/v with 4:1 grouped KV, o,
+    fused gate/up, down; MLP 2.75x wide), repeated to about `total_bytes`."""
+    inter = int(hidden * 2.75) // 64 * 64
+    layer = [(hidden + hidden // 2, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    layer_bytes = sum(o * i for o, i in layer) * 4
+    return [torch.randn(o, i) for _ in range(max(1, total_bytes // layer_bytes)) for o, i in layer]
+
+
+def _chain_seconds(weights: list[torch.Tensor], rows: int, repeats: int) -> list[float]:
+    """Seconds of each repeat of `rows` rows multiplied by every matrix in turn (a small op after each, as a
+    block has), through the runtime's kernel."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+
+    def chain() -> None:
+        with torch.inference_mode():
+            for weight in weights:
+                linear(inputs[weight.shape[1]], weight).add_(1.0)
+
+    return _timings(chain, repeats, torch.device("cpu"))
+
+
+def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, repeats: int = 5) -> list[Measurement]:
+    """How decode reads weights on the CPU, from chains of distinct layer-shaped fp32 matrices (far beyond the
+    caches) multiplied in turn by one row, through the runtime's kernel:
+
+    - cpu_weight_stream: the bytes/s of that streaming, and cpu_matmul_start: a fixed start-up time per matmul.
+      One large matrix streams at about the RAM bandwidth, but each multiply starts cold (and a small op between
+      two idles the memory), which costs small models most. A chain of width `hidden` and one 3/8 as wide (many
+      more, smaller matrices for the same bytes) give time = bytes / bandwidth + matmuls x start-up.
+    - cpu_small_rows_reads: the chain's time with 4 rows over its time with one (small-row GEMM kernels read the
+      weights several times).
+    """
+    load = load_average()
+    wide, narrow = _layer_chain(hidden, total_bytes), _layer_chain(max(64, hidden * 3 // 8), total_bytes)
+    runs = {}
+    for name, weights, rows in (("wide", wide, 1), ("narrow", narrow, 1), ("wide4", wide, 4)):
+        seconds = _chain_seconds(weights, rows, repeats)
+        runs[name] = (min(seconds), seconds, sum(w.numel() * 4 for w in weights), len(weights))
+    # time = bytes / bandwidth + matmuls * start-up, from the two one-row chains' best times
+    (t1, s1, b1, n1), (t2, s2, b2, n2) = runs["wide"], runs["narrow"]
+    start_up = max(0.0, (t2 - t1 * b2 / b1) / (n2 - n1 * b2 / b1)) if n2 * b1 != n1 * b2 else 0.0
+    bandwidth = b1 / max(t1 - n1 * start_up, 1e-9)
+    if bandwidth <= 0 or start_up * n1 >= t1:  # noise made the split meaningless: streaming alone explains it
+        start_up, bandwidth = 0.0, b1 / t1
+    rates = [b1 / s for s in s1]
+    load = max(load, load_average())
+    chains = (f"{n1} matrices of width {hidden} ({b1 / 2**20:.0f} MiB) {b1 / t1 / 1e9:.3g} GB/s, "
+              f"{n2} of width {max(64, hidden * 3 // 8)} ({b2 / 2**20:.0f} MiB) {b2 / t2 / 1e9:.3g} GB/s")
+    t4, s4, _, _ = runs["wide4"]
+    return [
+        Measurement("cpu_weight_stream", "decode weight streaming", bandwidth, "B/s",
+                    (max(rates) - min(rates)) / max(rates), len(s1), load,
+                    f"one-row matmuls over chains of layer-shaped fp32 matrices: {chains}; bandwidth and start-up "
+                    "fitted to both", [b1 / (s - n1 * start_up) for s in s1 if s > n1 * start_up]),
+        Measurement("cpu_matmul_start", "start-up time of one decode matmul", start_up, "s", 0.0, len(s1), load,
+                    f"fitted to the two chains: {chains}"),
+        Measurement("cpu_small_rows_reads", "weight reads of a 4-row matmul", t4 / t1, "x",
+                    (max(s4) - min(s4)) / min(s4), len(s4), load,
+                    f"the width-{hidden} chain with 4 rows takes {t4 / t1:.2f}x its one-row time"),
+    ]
+
+
 def _fitting_shape(shape: MatmulShape, dtype: str, device: torch.device, seconds_budget: float) -> MatmulShape:
     """The shape, with k and n halved until one multiply takes about `seconds_budget` or less.
 
@@ -401,6 +464,8 @@ class BenchmarkSizes:
     matmul_n: int = 8192  # fp32: 128 MiB, far beyond any CPU cache, as a decode step's weights are
     prefill_rows: int = 512
     decode_rows: int = 1
+    stream_hidden: int = 2048  # weight streaming: a chain of decoder-layer-shaped matrices of this width...
+    stream_bytes: int = 384 << 20  # ...this many bytes in all (far beyond the caches)
     matmul_seconds: float = 1.0  # one prefill-shape multiply takes at most about this long (slow dtypes shrink)
     disk_bytes: int = 512 << 20
     link_bytes: int = 256 << 20
@@ -410,6 +475,7 @@ class BenchmarkSizes:
 
 
 QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=256, matmul_n=512, prefill_rows=64, matmul_seconds=0.05,
+                       stream_hidden=256, stream_bytes=8 << 20,
                        disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"))
 
 
@@ -424,6 +490,9 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     steps.append(("RAM bandwidth", lambda: [measure_memory_read("cpu", sizes.ram_bytes, sizes.repeats)]))
     for dtype in sizes.dtypes:
         steps.append((f"CPU {dtype} matmul", lambda dtype=dtype: _matmul_pair(dtype, torch.device("cpu"), sizes)))
+    if "fp32" in sizes.dtypes:
+        steps.append(("CPU decode weight streaming",
+                      lambda: measure_weight_streaming(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats)))
     if disk_folder is not None:
         steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))
     if gpu and torch.cuda.is_available():

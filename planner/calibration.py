@@ -336,7 +336,8 @@ def point_policy(policy: Policy, point: ProfilePoint) -> Policy:
 # ---- efficiency factors -------------------------------------------------------------------------------------------
 def measured_efficiency(hardware: HardwareSpec) -> MachineEfficiency:
     """Efficiency before any runtime profile: the defaults, with a fraction of 1 for every number that
-    `hivekeeper measure` measured (efficiency.default_efficiency decides this, for every plan)."""
+    `hivekeeper measure` measured and the CPU's decode weight streaming as measured (efficiency.default_efficiency
+    decides this, for every plan)."""
     return default_efficiency(hardware)
 
 

@@ -10,8 +10,8 @@ accelerator are streamed in over the host link (and from disk) while the acceler
 
 The additive accelerator term is a roofline with a soft corner: at small batch it is the weight reads, at large
 batch the FLOPs, so the effective FLOP/s rises with batch (arithmetic intensity) on its own. On a CPU a matmul of
-a few rows reads its weights once per row, up to Efficiency.weight_reread_rows times (PyTorch's CPU kernels), so
-there decode at batch 2-4 costs 2-3x batch 1 rather than a few percent more. Beside every
+a few rows reads its weights Efficiency.weight_reread_rows times (BLAS kernels of small-row matmuls), so there
+decode at batch 2-4 costs about 3x batch 1 rather than a few percent more. Beside every
 prediction sits the roofline of the same policy (FLOPs at peak, bytes at spec bandwidth, transfers at link and disk
 speed, no overheads, full overlap), and a prediction never exceeds it (a final min).
 
@@ -479,9 +479,10 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
             * numbers.expert_matrix_params
 
     def weight_reads(rows):
-        """How many times a matmul of `rows` rows reads its weights: once, except where small-row matmuls
-        re-read them per row (CPU kernels; Efficiency.weight_reread_rows)."""
-        return np.clip(rows, 1.0, ea.weight_reread_rows)
+        """How many times a matmul of `rows` rows reads its weights: once for one row; CPU kernels read them
+        Efficiency.weight_reread_rows times for a few rows (1 on GPUs). Where many rows make a matmul
+        compute-bound the FLOP term takes over."""
+        return np.where(rows <= 1, 1.0, ea.weight_reread_rows)
 
     def combine(chain, link, disk):
         return np.where(d == 0, chain + link + disk,

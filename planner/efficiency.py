@@ -18,11 +18,12 @@ the set it used. docs/cost-model.md explains where each default comes from; in s
 - disk_fraction: large sequential reads reach ~90% of a drive's rated speed.
 - runtime_bytes: memory the framework holds before any weight: CUDA context + cuBLAS workspace + allocator
   slack on a GPU (1 GiB); Python + torch + tokenizer in RAM (1.5 GiB).
-- weight_reread_rows: PyTorch's CPU matmul of a few rows (decode at batch 2-8) reads the weight matrix about
-  once per row, up to this many times (measured on the development machine, one thread: a [m, 2048] x
-  [2048, 8192] fp32 matmul takes 2.7x / 4.6x / 5x the one-row time at m = 2 / 4 / 8 for matrices larger
-  than the L3 cache, 1.5x / 2x / 2.6x for 2-6 MiB ones re-read from it). CPUs 3, the middle. GPUs 1 (a GPU
-  GEMM reads a weight tile once for all rows of a batch; no measurement says otherwise).
+- weight_reread_rows: a CPU matmul of a few rows (decode at batch 2-8) takes several times the one-row time:
+  the one-row product is a bandwidth-tuned matrix-vector kernel, a few rows go through a GEMM kernel that reads
+  the weights less efficiently. Measured on the development machine (AVX2 EPYC), [m, 4096] x [4096, 8192] fp32:
+  OpenBLAS (the runtime's kernel) 3.5x / 3.6x / 2.5x the one-row time at m = 2 / 4 / 8; MKL 2.7x / 4.6x / 5x.
+  CPUs 3. `hivekeeper measure` measures it (decode weight streaming at 1 and 4 rows) and then replaces it.
+  GPUs 1 (a GPU GEMM reads a weight tile once for all rows of a batch; no measurement says otherwise).
 
 Numbers that were measured on the machine (a source starting with "measured") are already what kernels reach:
 `default_efficiency` gives them a fraction of 1, so a measured hardware JSON is not discounted twice.
@@ -53,7 +54,7 @@ class Efficiency:
     layer_overhead_s: float = 0.3e-3  # per block per micro-batch: kernel launches, Python
     step_overhead_s: float = 1.0e-3  # per decode step: embedding, sampling, the generation loop
     runtime_bytes: int = GIB  # memory held by the framework on this device before any tensor
-    # a matmul of m rows reads its weights min(m, weight_reread_rows) times (1: once, whatever the rows)
+    # a matmul of 2 or more rows (but not enough to be compute-bound) reads its weights this many times; 1: once
     weight_reread_rows: float = 1.0
     source: str = ""
 
@@ -162,10 +163,31 @@ def default_efficiency(hardware: HardwareSpec) -> MachineEfficiency:
     "measured:<class>"). Overheads and weight re-reads keep their defaults: no micro-benchmark measures them.
     """
     host = _measured_fractions(DEFAULTS["cpu"], hardware.cpu, hardware, with_link=False)
+    streaming = hardware.cpu.decode_streaming
+    if streaming is not None:
+        host = with_measured_streaming(host, streaming.bandwidth_fraction, streaming.small_row_reads,
+                                       streaming.matmul_start_s)
     if not hardware.gpus:
         return MachineEfficiency(host, host)
     accelerator = DEFAULTS[hardware_class(hardware.accelerator)]
     return MachineEfficiency(_measured_fractions(accelerator, hardware.accelerator, hardware, with_link=True), host)
+
+
+# matmuls in a decoder block: fused q/k/v, o, fused gate/up, down (each pays a start-up time on a CPU)
+MATMULS_PER_BLOCK = 4
+
+
+def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, small_row_reads: float,
+                            matmul_start_s: float) -> Efficiency:
+    """A CPU's set with what `hivekeeper measure` found of decode's weight streaming (hardware.DecodeStreaming):
+    the fraction of the measured RAM bandwidth that a chain of layer-shaped matrices reaches, the weight reads of
+    a few-row matmul, and a start-up time per matmul, paid MATMULS_PER_BLOCK times per block on top of the
+    default per-block overhead."""
+    changes = {"bandwidth_fraction": float(min(1.0, max(0.05, bandwidth_fraction))),
+               "weight_reread_rows": float(min(16.0, max(1.0, small_row_reads))),
+               "layer_overhead_s": float(min(1.0, efficiency.layer_overhead_s + MATMULS_PER_BLOCK * matmul_start_s))}
+    listed = ", ".join(f"{k} {v:.3g}" for k, v in changes.items())
+    return replace(efficiency, source=f"measured decode weight streaming: {listed}; {efficiency.source}", **changes)
 
 
 def with_overrides(efficiency: Efficiency, **changes) -> Efficiency:

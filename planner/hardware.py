@@ -11,6 +11,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class DecodeStreaming:
+    """How a CPU's inference kernels read weights in decode, as `hivekeeper measure` found (measure_weight_streaming):
+    the fraction of the RAM read bandwidth reached over a chain of layer-shaped matrices, how many times a matmul of
+    a few rows reads its weights, and a fixed start-up time per matmul."""
+
+    bandwidth_fraction: float
+    small_row_reads: float
+    matmul_start_s: float
+
+
+@dataclass(frozen=True)
 class ComputeDevice:
     """One device that runs matmuls: a GPU, or the host CPU (whose memory is host RAM)."""
 
@@ -24,6 +35,7 @@ class ComputeDevice:
     unified_memory: bool = False  # True where the GPU shares host memory (Apple silicon)
     sources: dict[str, str] = field(default_factory=dict)
     cores: int | None = None  # physical cores of a CPU (None for GPUs)
+    decode_streaming: DecodeStreaming | None = None  # a CPU's measured decode weight streaming (None: not measured)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; falls back to fp32's rate (or the best known) when not listed."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
-from .hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
+from .hardware import ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
 
 CATALOG_PATH = Path(__file__).parent / "data" / "hardware.json"
 
@@ -260,7 +260,26 @@ _DISK_SOURCE_KEYS = ("capacity_bytes", "read_bandwidth", "write_bandwidth")
 _NETWORK_SOURCE_KEYS = ("upload_bps", "download_bps", "rtt_s")
 _GPU_KEYS = {"name", "memory_gb", "memory_gib", "memory_bandwidth_gbps", "flops_tflops", "power_w", "host_link_gbps",
              "pcie_gen", "pcie_lanes", "unified_memory"}
-_CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w"}
+_CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w",
+             "decode_streaming"}
+# the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
+_STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
+
+
+def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or set(doc) != set(_STREAMING_FIELDS):
+        raise InputError(f"{where}: field 'cpu.decode_streaming' must be an object with exactly "
+                         f"{', '.join(_STREAMING_FIELDS)}, got {doc!r}")
+    values = {}
+    for key, (low, high) in _STREAMING_FIELDS.items():
+        value = doc[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise InputError(f"{where}: field 'cpu.decode_streaming.{key}' must be a number in [{low:g}, {high:g}], "
+                             f"got {value!r}")
+        values[key] = float(value)
+    return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3)
 
 
 def _parse_gpu(doc: Any, where: str, path: str, default_source: str) -> ComputeDevice:
@@ -314,6 +333,7 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         host_link_bandwidth=None,
         sources=sources,
         cores=cores,
+        decode_streaming=_parse_decode_streaming(s.doc.get("decode_streaming"), where),
     )
 
 
@@ -612,6 +632,11 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
             "ram_bandwidth_gbps": _unit(cpu.memory_bandwidth, 1e9),
             "flops_tflops": {dtype: _unit(value, 1e12) for dtype, value in cpu.flops.items()},
             "power_w": cpu.power_watts,
+            **({"decode_streaming": {
+                "bandwidth_fraction": round(cpu.decode_streaming.bandwidth_fraction, 4),
+                "small_row_reads": round(cpu.decode_streaming.small_row_reads, 4),
+                "matmul_start_ms": round(cpu.decode_streaming.matmul_start_s * 1e3, 4)}}
+               if cpu.decode_streaming is not None else {}),
             "sources": dict(cpu.sources),
         },
         "disk": {

@@ -67,8 +67,18 @@ def test_measured_numbers_replace_estimates_with_their_sources(measured):
     # the measured machine is a valid hardware document (what `measure --out` writes)
     again = hardware_from_dict(json.loads(json.dumps(hardware_to_json(hardware))), where="test")
     assert again.cpu.memory_bandwidth == hardware.cpu.memory_bandwidth
+    # decode's weight streaming, measured against the RAM bandwidth, travels with the document
+    streaming = hardware.cpu.decode_streaming
+    assert streaming.bandwidth_fraction == pytest.approx(
+        min(1.0, by_key["cpu_weight_stream"].value / by_key["ram_read"].value))
+    assert streaming.small_row_reads == pytest.approx(max(1.0, by_key["cpu_small_rows_reads"].value))
+    assert again.cpu.decode_streaming.small_row_reads == pytest.approx(streaming.small_row_reads, abs=1e-4)
     efficiency = measured_efficiency(hardware)
-    assert efficiency.accelerator.bandwidth_fraction == 1.0 and efficiency.accelerator.disk_fraction == 1.0
+    assert efficiency.accelerator.disk_fraction == 1.0  # measured: not discounted
+    # the CPU's fraction of the measured bandwidth is what the decode chain reached, not an assumed 1
+    assert efficiency.accelerator.bandwidth_fraction == pytest.approx(max(0.05, streaming.bandwidth_fraction))
+    assert efficiency.accelerator.weight_reread_rows == pytest.approx(streaming.small_row_reads)
+    assert efficiency.accelerator.layer_overhead_s >= 0.2e-3 + 4 * streaming.matmul_start_s - 1e-12
 
 
 def test_gpu_and_network_measurements_apply_to_the_right_fields(measured):

@@ -266,7 +266,7 @@ def test_cpu_weight_rereads_by_hand(batch):
     policy = Policy("fp32", micro_batch_size=batch, **CPU_RESIDENT)
     once = evaluate(LLAMA2_7B, CPU_ONLY, policy, Workload(100, 2), EFF)
     pred = evaluate(LLAMA2_7B, CPU_ONLY, policy, Workload(100, 2), rereads)
-    reads = min(batch, 3)  # a matmul of `batch` rows reads each weight that many times, at most 3
+    reads = 1 if batch == 1 else 3  # a matmul of a few rows reads each weight 3 times, of one row once
     # 32 blocks of fp32 matrices (read `reads` times), norms, K and V at context 101, and the LM head (read `reads`
     # times), at 50 GB/s × 0.8
     assert pred.step_breakdown_s["accelerator memory"] == pytest.approx(
@@ -291,3 +291,17 @@ def test_weight_rereads_are_a_cpu_default_only():
         evaluate(LLAMA2_7B, MACHINE, policy, Workload(100, 2), EFF).decode_step_s
     with pytest.raises(InputError, match="weight_reread_rows"):
         Efficiency("bad", matmul_fraction=0.5, bandwidth_fraction=0.5, weight_reread_rows=0.5)
+
+
+def test_measured_decode_streaming_sets_the_cpu_factors_and_slows_predictions():
+    from hivekeeper.planner.hardware import DecodeStreaming
+
+    streaming = DecodeStreaming(bandwidth_fraction=0.4, small_row_reads=3.5, matmul_start_s=1e-4)
+    measured = dataclasses.replace(CPU_ONLY, cpu=dataclasses.replace(CPU_ONLY.cpu, decode_streaming=streaming))
+    plain, eff = default_efficiency(CPU_ONLY).accelerator, default_efficiency(measured).accelerator
+    assert eff.bandwidth_fraction == 0.4 and eff.weight_reread_rows == 3.5
+    assert eff.layer_overhead_s == pytest.approx(plain.layer_overhead_s + 4 * 1e-4)
+    policy = Policy("fp32", micro_batch_size=1, **CPU_RESIDENT)
+    before = evaluate(LLAMA2_7B, CPU_ONLY, policy, Workload(100, 2), default_efficiency(CPU_ONLY))
+    after = evaluate(LLAMA2_7B, measured, policy, Workload(100, 2), default_efficiency(measured))
+    assert after.decode_tokens_per_s < before.decode_tokens_per_s

@@ -206,6 +206,9 @@ def test_cpu_only_json_needs_every_section(tmp_path):
     ({"base": "cpu-generic", "gpus": "t4"}, "gpus"),
     ({"base": "cpu-generic", "price_per_hour": -3}, "price_per_hour"),
     ({"base": "cpu-generic", "gpu": "t4", "gpus": ["t4"]}, "gpu"),
+    ({"base": "cpu-generic", "cpu": {"decode_streaming": {"bandwidth_fraction": 0.7}}}, "cpu.decode_streaming"),
+    ({"base": "cpu-generic", "cpu": {"decode_streaming": {"bandwidth_fraction": 1.5, "small_row_reads": 3,
+                                                         "matmul_start_ms": 0.1}}}, "cpu.decode_streaming.bandwidth_fraction"),
     ([1, 2], ""),
 ])
 def test_bad_json_names_file_and_field(tmp_path, doc, field):
