@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivekeeper.planner.calibration import Calibration, measured_efficiency
+from hivekeeper.planner.efficiency import DEFAULTS as DEFAULT_EFFICIENCY
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, HardwareSpec
@@ -310,6 +311,13 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
     for dtype in dtypes:
         rows.append(row("CPU", f"{dtype} matmul", cpu.flops.get(dtype), f"cpu_matmul_{dtype}_prefill", "FLOP/s",
                         cpu.sources.get("flops", "")))
+    # decode's weight streaming: the cost model's default (half the RAM bandwidth, 3 re-reads) beside the measured
+    default_cpu = DEFAULT_EFFICIENCY["cpu"]
+    rows.append(row("RAM", "decode weight streaming", cpu.memory_bandwidth * default_cpu.bandwidth_fraction,
+                    "cpu_weight_stream", "B/s", f"default: {default_cpu.bandwidth_fraction:g} of the RAM bandwidth"))
+    rows.append(row("CPU", "matmul start-up", None, "cpu_matmul_start", "s", ""))
+    rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, "cpu_small_rows_reads",
+                    "x", "default"))
     rows.append(row("disk", "read (uncached)", detected.disk.read_bandwidth, "disk_read", "B/s",
                     detected.disk.sources.get("read_bandwidth", "")))
     rows.append(row("disk", "write", detected.disk.write_bandwidth, "disk_write", "B/s",

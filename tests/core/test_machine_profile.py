@@ -79,6 +79,11 @@ def test_measured_numbers_replace_estimates_with_their_sources(measured):
     assert efficiency.accelerator.bandwidth_fraction == pytest.approx(max(0.05, streaming.bandwidth_fraction))
     assert efficiency.accelerator.weight_reread_rows == pytest.approx(streaming.small_row_reads)
     assert efficiency.accelerator.layer_overhead_s >= 0.2e-3 + 4 * streaming.matmul_start_s - 1e-12
+    # the Hardware page shows the measured streaming beside the cost model's default assumption
+    rows = {r.quantity: r for r in comparison_rows(spec, MachineProfile("x", {}, 1.7e9, measured))}
+    stream = rows["decode weight streaming"]
+    assert stream.measured == by_key["cpu_weight_stream"].value
+    assert stream.catalog == pytest.approx(0.5 * spec.cpu.memory_bandwidth)
 
 
 def test_gpu_and_network_measurements_apply_to_the_right_fields(measured):
