@@ -2,7 +2,8 @@
 
 Runs one Llama block (TinyLlama-1.1B's shape by default) with random weights: a decode step (1 token after a
 128-token context) and a 128-token prefill, for each weight format. Prints ONE JSON line; the planner uses
-`slowdown_vs_fp32` (time with the format / time with fp32 weights) for quantized weights on a CPU.
+`slowdown_vs_fp32` (time with the format / time with fp32 weights) for quantized weights on a CPU
+(planner/costmodel.py CPU_QUANT_SLOWDOWN, HALF_AS_FP32_ON_CPU: update them from this bench).
 
     python bench/quant_cpu.py [--hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4 --context 128 --repeats 5]
 """
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from hivekeeper.core.cpu_matmul import blas_active
 from hivekeeper.core.model import Block, KVCache, ModelConfig
 from hivekeeper.core.quant import quantize_block, weight_bytes
 
@@ -69,7 +71,16 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="measured rounds (best of)")
+    parser.add_argument("--torch-threads", type=int,
+                        help="torch threads (default: the runtime's layout, engine.use_physical_cores: torch on one "
+                             "thread, fp32 matmuls on numpy's BLAS over every core)")
     args = parser.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    else:
+        from hivekeeper.core.engine import use_physical_cores
+
+        use_physical_cores()
     config = ModelConfig(family="llama", vocab_size=32000, hidden_size=args.hidden,
                          intermediate_size=args.intermediate, num_layers=1, num_heads=args.heads,
                          num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads, max_position_embeddings=4096)
@@ -87,7 +98,8 @@ def main() -> None:
         "block": {"hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
                   "kv_heads": args.kv_heads, "params": config.block_param_count()},
         "context": args.context,
-        "threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(),
+        "fp32_matmul": "numpy-blas" if blas_active() else "torch",
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "bitsandbytes": bitsandbytes.__version__,

@@ -34,8 +34,15 @@ from .models import ModelSpec
 
 TIERS = ("gpu", "cpu", "disk")
 # A CPU without 16-bit math: PyTorch's matmul kernels widen 16-bit values in registers, so a 16-bit weight costs
-# what an fp32 one does (measured on the development machine: bf16 and fp32 GEMV take the same time per weight).
-HALF_AS_FP32_ON_CPU = 2.0
+# at least what an fp32 one does. Measured on the development machine (bench/quant_cpu.py, the runtime's thread
+# layout): a bf16 decode step takes 1.5x the fp32 one, whose product goes through OpenBLAS (core/cpu_matmul.py),
+# i.e. 6 bytes of traffic per 2-byte weight.
+HALF_AS_FP32_ON_CPU = 3.0
+# bitsandbytes' int8 / nf4 kernels on a CPU, relative to fp32 (decode step, 128-token prefill): measured by
+# bench/quant_cpu.py on the development machine (AVX2 EPYC, bitsandbytes 0.50.2, torch on one thread as the runtime
+# runs it) for a TinyLlama-sized block. They dequantize in unfused ops, so the time follows the weight count, not
+# the packed size: modelled as that many fp32 reads per weight, and the fp32 FLOP/s divided by the prefill factor.
+CPU_QUANT_SLOWDOWN = {"int8": (16.9, 3.2), "nf4": (16.7, 3.5)}
 # FlexGen's CPU attention copies the fp16 cache to fp32 first: read 2 B + write 4 B + read 4 B per 2-byte value.
 HALF_COPY_TRAFFIC_ON_CPU = 5.0
 _MAX_TOKENS = 10_000_000  # longer prompts or contexts are typos, not workloads
@@ -312,9 +319,10 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
         if fmt.name == "fp32":
             gemv = gemm = 4.0
             peak = fp32_rate
-        elif fmt.quantized:  # dequantize to fp32 (or bf16 where native) on every use
-            gemv = gemm = stored + (4.0 if native else 8.0)
-            peak = fp32_rate
+        elif fmt.quantized:  # bitsandbytes dequantizes on every use: CPU_QUANT_SLOWDOWN
+            decode_factor, prefill_factor = CPU_QUANT_SLOWDOWN[fmt.name]
+            gemv = gemm = 4.0 * decode_factor
+            peak = fp32_rate / prefill_factor
         else:
             half_native = native and fmt.name == "bf16"
             gemv = gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU

@@ -204,12 +204,26 @@ def test_cpu_only_machine_uses_ram_as_the_accelerator():
         evaluate(LLAMA2_7B, CPU_ONLY, Policy("fp32"), Workload(100, 2), EFF)
 
 
-def test_sixteen_bit_on_a_cpu_without_half_math_costs_like_fp32():
+def test_sixteen_bit_on_a_cpu_without_half_math_costs_more_than_fp32():
     policy = dict(weights=Placement(0, 1, 0), kv_cache=Placement(0, 1, 0), activations=Placement(0, 1, 0))
     half = evaluate(LLAMA2_7B, CPU_ONLY, Policy("bf16", **policy), Workload(100, 2), EFF)
     full = evaluate(LLAMA2_7B, CPU_ONLY, Policy("fp32", **policy), Workload(100, 2), EFF)
-    assert half.decode_step_s == pytest.approx(full.decode_step_s, rel=0.02)
+    # measured: a bf16 decode step takes about 1.5x the fp32 one (weights dominate this step)
+    assert 1.3 < half.decode_step_s / full.decode_step_s < 1.5
     assert half.peak_memory_bytes["cpu"] < full.peak_memory_bytes["cpu"]
+
+
+def test_bitsandbytes_on_a_cpu_is_as_slow_as_measured():
+    from hivekeeper.planner.costmodel import CPU_QUANT_SLOWDOWN
+
+    policy = dict(weights=Placement(0, 1, 0), kv_cache=Placement(0, 1, 0), activations=Placement(0, 1, 0))
+    full = evaluate(LLAMA2_7B, CPU_ONLY, Policy("fp32", **policy), Workload(100, 2), EFF)
+    for quant in ("int8", "nf4"):
+        packed = evaluate(LLAMA2_7B, CPU_ONLY, Policy(quant, **policy), Workload(100, 2), EFF)
+        ratio = packed.decode_step_s / full.decode_step_s
+        # weights dominate the step: close to the measured factor, a little under it (KV reads, overheads)
+        assert 0.8 * CPU_QUANT_SLOWDOWN[quant][0] < ratio <= CPU_QUANT_SLOWDOWN[quant][0]
+        assert packed.peak_memory_bytes["cpu"] < full.peak_memory_bytes["cpu"] / 3
 
 
 def test_policy_batch_curve_matches_evaluate_point_by_point():
