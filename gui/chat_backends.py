@@ -110,11 +110,13 @@ def _local_runner(path, key: BackendKey, hardware: HardwareSpec | None, describe
     import torch
 
     from hivekeeper.core.checkpoint import load_config
+    from hivekeeper.core.cmd_generate import set_threads
     from hivekeeper.core.engine import OffloadedModel, place_model
     from hivekeeper.planner import policy as planner_policy
     from hivekeeper.planner.costmodel import Placement, Policy, Workload
     from hivekeeper.planner.model_catalog import load_model_spec
 
+    set_threads()  # the runtime's thread layout, as `hivekeeper chat` uses (this process runs no other torch work)
     config = load_config(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     context = min(config.max_position_embeddings, 4096)
