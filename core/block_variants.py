@@ -45,7 +45,7 @@ def forward_with_attention_at_cache(block: Block, hidden: Tensor, k_cache: Tenso
     k_cache[:, :, position:end].copy_(k)
     v_cache[:, :, position:end].copy_(v)
     if position == 0:
-        out = attn._attend(q, k, v, 0, 0)
+        out = attn.attend(q, k, v, 0, 0)
     else:
         first_key = 0
         if attn.window is not None and t == 1 and end > attn.window:
@@ -53,7 +53,7 @@ def forward_with_attention_at_cache(block: Block, hidden: Tensor, k_cache: Tenso
         dtype = attention_dtype or k_cache.dtype
         keys = k_cache[:, :, first_key:end].to(dtype)
         values = v_cache[:, :, first_key:end].to(dtype)
-        out = attn._attend(q.to(k_cache.device, dtype), keys, values, position, first_key)
+        out = attn.attend(q.to(k_cache.device, dtype), keys, values, position, first_key)
         out = out.to(hidden.device, hidden.dtype)
     hidden = attn.o_proj(out.transpose(1, 2).reshape(b, t, nh * d)).add_(hidden)
     return block.mlp(block.post_attention_layernorm(hidden)).add_(hidden)

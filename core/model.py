@@ -344,10 +344,12 @@ class Attention(nn.Module):
                 keys, values = keys[:, :, first_key:], values[:, :, first_key:]
         else:
             keys, values, first_key = k, v, position
-        out = self._attend(q, keys, values, position, first_key)  # [b, nh, t, d]
+        out = self.attend(q, keys, values, position, first_key)  # [b, nh, t, d]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, nh * d))
 
-    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, position: int, first_key: int) -> Tensor:
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, position: int, first_key: int) -> Tensor:
+        """Causal (and windowed) grouped-query attention of q [b, nh, t, d] at positions [position, position + t)
+        over keys/values [b, nkv, n, d] at positions [first_key, first_key + n) -> [b, nh, t, d]."""
         b, nh, t, d = q.shape
         nkv, n_keys = keys.shape[1], keys.shape[2]
         groups = nh // nkv
