@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hivekeeper.core.demo_model import PRESETS, DemoSpec, write_demo_checkpoint
-from hivekeeper.core.detect import default_data_dir, detect_hardware
+from hivekeeper.core.detect import detect_hardware
 from hivekeeper.core.engine import OffloadedModel, place_model, use_physical_cores
 from hivekeeper.core.generation import generate
 from hivekeeper.core.model import ModelConfig
@@ -27,12 +26,7 @@ from hivekeeper.planner.costmodel import Workload
 from hivekeeper.planner.model_catalog import load_model_spec
 from hivekeeper.planner.policy import Constraints, batch_curve, search
 
-
-def demo_model(preset: str) -> Path:
-    path = default_data_dir() / "bench-models" / preset
-    if not (path / "config.json").is_file():
-        write_demo_checkpoint(path, DemoSpec(**PRESETS[preset]), overwrite=True)
-    return path
+from _common import demo_preset, fixed_prompt  # bench/ is the script's folder, first on sys.path
 
 
 def planner_batch(path: Path, workload: Workload, max_batch: int) -> tuple[int, int, float | None]:
@@ -85,11 +79,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads() if args.threads else use_physical_cores()
     load_before = os.getloadavg()
-    path = Path(args.model) if args.model else demo_model(args.preset)
+    path = Path(args.model) if args.model else demo_preset(args.preset)
     config = ModelConfig.from_folder(path)
     workload = Workload(prompt_len=args.prompt_tokens, output_len=args.new_tokens)
     chosen, used, predicted = planner_batch(path, workload, args.max_batch)
-    prompt = [1] + [(7 * i) % (config.vocab_size - 10) + 10 for i in range(args.prompt_tokens - 1)]
+    prompt = fixed_prompt(config.vocab_size, args.prompt_tokens)
     single = measure(path, config, 1, prompt, args.new_tokens, args.repeats)
     batched = measure(path, config, used, prompt, args.new_tokens, args.repeats)
     print(json.dumps({

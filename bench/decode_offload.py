@@ -22,17 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import demo_checkpoint  # bench/ is the script's folder, first on sys.path
+
 ONE_GB_MODEL = dict(layers=12, hidden=1024, intermediate=4096, heads=16, kv_heads=4, vocab=32000, max_position=4096)
-
-
-def demo_model() -> Path:
-    from hivekeeper.core.demo_model import DemoSpec, write_demo_checkpoint
-    from hivekeeper.core.detect import default_data_dir
-
-    path = default_data_dir() / "bench-models" / "1gb"
-    if not (path / "config.json").is_file():
-        write_demo_checkpoint(path, DemoSpec(**ONE_GB_MODEL), overwrite=True)
-    return path
 
 
 def run_child(command: list[str]) -> tuple[dict, int]:
@@ -100,7 +92,7 @@ def main() -> None:
     from hivekeeper.core.measure import disk_bandwidth
 
     load_before = os.getloadavg()
-    path = Path(args.model) if args.model else demo_model()
+    path = Path(args.model) if args.model else demo_checkpoint("1gb", ONE_GB_MODEL)
     model_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     budget = int(args.budget_fraction * model_bytes)
     prompt = " ".join(["bread"] * max(1, args.prompt_tokens - 1))

@@ -23,21 +23,13 @@ from pathlib import Path
 import torch
 
 from hivekeeper.core.cpu_matmul import blas_active, physical_cores, torch_threads
-from hivekeeper.core.demo_model import PRESETS, DemoSpec, write_demo_checkpoint
-from hivekeeper.core.detect import default_data_dir
 from hivekeeper.core.engine import OffloadedModel, place_model, use_physical_cores
 from hivekeeper.core.generation import generate
 from hivekeeper.core.measure import memory_read_bandwidth
 from hivekeeper.core.model import ModelConfig
 from hivekeeper.planner.costmodel import Placement, Policy
 
-
-def demo_model(preset: str) -> Path:
-    """A demo checkpoint of the preset, written once into the data folder and reused."""
-    path = default_data_dir() / "bench-models" / preset
-    if not (path / "config.json").is_file():
-        write_demo_checkpoint(path, DemoSpec(**PRESETS[preset]), overwrite=True)
-    return path
+from _common import demo_preset, fixed_prompt  # bench/ is the script's folder, first on sys.path
 
 
 def ours_decode(model: OffloadedModel, prompt: list[int], new_tokens: int) -> float:
@@ -74,10 +66,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads() if args.threads else use_physical_cores()
     load_before = os.getloadavg()
-    path = Path(args.model) if args.model else demo_model(args.preset)
+    path = Path(args.model) if args.model else demo_preset(args.preset)
     config = ModelConfig.from_folder(path)
     max_length = args.prompt_tokens + args.new_tokens
-    prompt = [1] + [(7 * i) % (config.vocab_size - 10) + 10 for i in range(args.prompt_tokens - 1)]
+    prompt = fixed_prompt(config.vocab_size, args.prompt_tokens)
 
     plan = place_model(config, Policy("fp32", Placement(0, 1, 0), Placement(0, 1, 0), prefetch_depth=0),
                        device="cpu", dtype=torch.float32, batch=1, max_length=max_length)

@@ -33,7 +33,8 @@ from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, Hardware
 from hivekeeper.planner.hardware_catalog import GIB, clamp_to_limit
 
 from .atomic_file import write_json_atomic
-from .measurement import Measurement  # not .measure: reading a profile must not import torch
+from .measurement import (  # not .measure: reading a profile must not import torch
+    MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
 
 PROFILE_VERSION = 1
 
@@ -189,8 +190,8 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
     """What `hivekeeper measure` found of decode's weight streaming (measure.measure_weight_streaming), relative
     to the measured RAM read bandwidth; None unless all of it was measured."""
     by_key = {m.key: m for m in measurements}
-    stream, ram, reads, start = (by_key.get(k) for k in ("cpu_weight_stream", "ram_read", "cpu_small_rows_reads",
-                                                         "cpu_matmul_start"))
+    stream, ram, reads, start = (by_key.get(k) for k in (WEIGHT_STREAM_KEY, "ram_read", SMALL_ROWS_READS_KEY,
+                                                         MATMUL_START_KEY))
     if stream is None or ram is None or reads is None or start is None or ram.value <= 0:
         return None
     return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram.value)),
@@ -314,9 +315,9 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
     # decode's weight streaming: the cost model's default (half the RAM bandwidth, 3 re-reads) beside the measured
     default_cpu = DEFAULT_EFFICIENCY["cpu"]
     rows.append(row("RAM", "decode weight streaming", cpu.memory_bandwidth * default_cpu.bandwidth_fraction,
-                    "cpu_weight_stream", "B/s", f"default: {default_cpu.bandwidth_fraction:g} of the RAM bandwidth"))
-    rows.append(row("CPU", "matmul start-up", None, "cpu_matmul_start", "s", ""))
-    rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, "cpu_small_rows_reads",
+                    WEIGHT_STREAM_KEY, "B/s", f"default: {default_cpu.bandwidth_fraction:g} of the RAM bandwidth"))
+    rows.append(row("CPU", "matmul start-up", None, MATMUL_START_KEY, "s", ""))
+    rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, SMALL_ROWS_READS_KEY,
                     "x", "default"))
     rows.append(row("disk", "read (uncached)", detected.disk.read_bandwidth, "disk_read", "B/s",
                     detected.disk.sources.get("read_bandwidth", "")))

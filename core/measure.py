@@ -25,7 +25,8 @@ import torch
 from hivekeeper.planner.errors import InputError
 
 from .cpu_matmul import linear, physical_cores, torch_threads
-from .measurement import Measurement  # torch-free, so that saved profiles load without torch
+from .measurement import (  # torch-free, so that saved profiles load without torch
+    MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
 
 Progress = Callable[[float, str], None]
 
@@ -201,7 +202,7 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
         seconds = _chain_seconds(weights, rows, repeats)
         runs[name] = (min(seconds), seconds, sum(w.numel() * 4 for w in weights), len(weights))
     # time = bytes / bandwidth + matmuls * start-up, from the two one-row chains' best times
-    (t1, s1, b1, n1), (t2, s2, b2, n2) = runs["wide"], runs["narrow"]
+    (t1, s1, b1, n1), (t2, _, b2, n2) = runs["wide"], runs["narrow"]
     start_up = max(0.0, (t2 - t1 * b2 / b1) / (n2 - n1 * b2 / b1)) if n2 * b1 != n1 * b2 else 0.0
     bandwidth = b1 / max(t1 - n1 * start_up, 1e-9)
     if bandwidth <= 0 or start_up * n1 >= t1:  # noise made the split meaningless: streaming alone explains it
@@ -212,13 +213,13 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
               f"{n2} of width {max(64, hidden * 3 // 8)} ({b2 / 2**20:.0f} MiB) {b2 / t2 / 1e9:.3g} GB/s")
     t4, s4, _, _ = runs["wide4"]
     return [
-        Measurement("cpu_weight_stream", "decode weight streaming", bandwidth, "B/s",
+        Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", bandwidth, "B/s",
                     (max(rates) - min(rates)) / max(rates), len(s1), load,
                     f"one-row matmuls over chains of layer-shaped fp32 matrices: {chains}; bandwidth and start-up "
                     "fitted to both", [b1 / (s - n1 * start_up) for s in s1 if s > n1 * start_up]),
-        Measurement("cpu_matmul_start", "start-up time of one decode matmul", start_up, "s", 0.0, len(s1), load,
+        Measurement(MATMUL_START_KEY, "start-up time of one decode matmul", start_up, "s", 0.0, len(s1), load,
                     f"fitted to the two chains: {chains}"),
-        Measurement("cpu_small_rows_reads", "weight reads of a 4-row matmul", t4 / t1, "x",
+        Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row matmul", t4 / t1, "x",
                     (max(s4) - min(s4)) / min(s4), len(s4), load,
                     f"the width-{hidden} chain with 4 rows takes {t4 / t1:.2f}x its one-row time"),
     ]

@@ -9,6 +9,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+# keys of measure.measure_weight_streaming's results, also read by machine_profile (which must not import torch)
+WEIGHT_STREAM_KEY = "cpu_weight_stream"
+MATMUL_START_KEY = "cpu_matmul_start"
+SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
+
+
 @dataclass
 class Measurement:
     """One benchmark's result: the best of its repeats, in `unit`, with how much the repeats disagreed."""

@@ -23,7 +23,7 @@ from hivekeeper.planner.errors import InputError
 from .chat_service import ChatService
 from .conversations import Conversation, ConversationStore, title_from
 from .settings import ChatSettings
-from .style import BAD, LINE, MUTED, label, page_widget
+from .style import BAD, LINE, MUTED, label, page_layout
 
 MODES = {"local": "on this machine", "swarm": "through the swarm"}
 
@@ -75,13 +75,7 @@ class ChatPage(QWidget):
         self.last_error = ""
         self._loading = False
 
-        root = page_widget()
-        outer = QHBoxLayout(self)
-        outer.setContentsMargins(0, 0, 0, 0)
-        outer.addWidget(root)
-        layout = QHBoxLayout(root)
-        layout.setContentsMargins(16, 14, 16, 14)
-        layout.setSpacing(12)
+        layout = page_layout(self, QHBoxLayout, (16, 14), spacing=12)
         layout.addWidget(self._build_list())
         layout.addWidget(self._build_center(), 1)
         layout.addWidget(self._build_settings())

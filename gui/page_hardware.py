@@ -21,7 +21,7 @@ from hivekeeper.planner.hardware import HardwareSpec
 
 from .hardware_service import DetectService, MachineInfo
 from .measure_service import MeasureService
-from .style import SOURCE_COLORS, label, page_widget
+from .style import SOURCE_COLORS, label, page_layout
 
 COLUMNS = ("Part", "Quantity", "Value", "Source", "Before measuring")
 COMPARE_COLUMNS = ("Part", "Quantity", "Catalog / estimate", "Measured", "Measured ÷ catalog", "Spread of repeats")
@@ -128,13 +128,7 @@ class HardwarePage(QWidget):
         self.rows: list[tuple[str, str, str, str, str]] = []
         self.comparison: list[ComparisonRow] = []  # measured rows only
 
-        root = page_widget()
-        outer = QVBoxLayout(self)
-        outer.setContentsMargins(0, 0, 0, 0)
-        outer.addWidget(root)
-        layout = QVBoxLayout(root)
-        layout.setContentsMargins(24, 20, 24, 20)
-        layout.setSpacing(10)
+        layout = page_layout(self, QVBoxLayout, (24, 20), spacing=10)
         layout.addWidget(label("Hardware", "title"))
         self.description = label("Detecting this machine…", "subtitle", wrap=True)
         layout.addWidget(self.description)

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QPushButton, QVBoxLayout
 
 from .node_service import NodeService
 from .ring_buffer import RingBuffer
-from .style import ACCENT, BAD, GOOD, KV_CACHE, WARN, label, page_widget
+from .style import ACCENT, BAD, GOOD, KV_CACHE, WARN, label, page_layout
 from .system_usage import SystemUsage
 
 WINDOW_S = 120.0  # seconds shown
@@ -40,12 +40,7 @@ class MonitorPage(QWidget):
         self._node_last: tuple[float, int] | None = None  # (time, requests_served) of the previous stats line
         self.usage = SystemUsage()
 
-        root = page_widget()
-        outer = QVBoxLayout(self)
-        outer.setContentsMargins(0, 0, 0, 0)
-        outer.addWidget(root)
-        layout = QVBoxLayout(root)
-        layout.setContentsMargins(24, 18, 24, 18)
+        layout = page_layout(self, QVBoxLayout, (24, 18))
         header = QHBoxLayout()
         header.addWidget(label("Monitor", "title"))
         header.addStretch(1)

@@ -30,7 +30,7 @@ from . import plan_view
 from .memory_bars import MemoryBars
 from .settings import GOALS, TIERS, PlanSettings
 from .style import (ACCENT, BAD, GOOD, MUTED, WARN, StatCard, fmt_bytes, fmt_energy, fmt_rate, fmt_seconds, label,
-                    page_widget)
+                    page_layout)
 from .workers import WorkerThread, run_in_thread
 
 DETECTED = "detected"
@@ -96,13 +96,7 @@ class PlanPage(QWidget):
         self._loading = True
         self._shut_down = False
 
-        root = page_widget()
-        outer = QHBoxLayout(self)
-        outer.setContentsMargins(0, 0, 0, 0)
-        outer.addWidget(root)
-        layout = QHBoxLayout(root)
-        layout.setContentsMargins(16, 14, 16, 14)
-        layout.setSpacing(14)
+        layout = page_layout(self, QHBoxLayout, (16, 14), spacing=14)
         layout.addWidget(self._build_controls(), 0)
         layout.addWidget(self._build_results(), 1)
 

@@ -14,7 +14,7 @@ from hivekeeper.planner.swarm import ServerPlan
 from .coverage_service import CoverageService
 from .node_service import STATE_WORDS, NodeLaunch, NodeService
 from .settings import SwarmSettings
-from .style import ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, fmt_rate, label, page_widget
+from .style import ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, fmt_rate, label, page_layout
 
 
 
@@ -60,13 +60,7 @@ class SwarmPage(QWidget):
         self.coverage_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._loading = False
 
-        root = page_widget()
-        outer = QHBoxLayout(self)
-        outer.setContentsMargins(0, 0, 0, 0)
-        outer.addWidget(root)
-        layout = QVBoxLayout(root)
-        layout.setContentsMargins(24, 18, 24, 18)
-        layout.setSpacing(10)
+        layout = page_layout(self, QVBoxLayout, (24, 18), spacing=10)
         layout.addWidget(label("Swarm", "title"))
         layout.addWidget(label("Serve a span of the model's blocks to a Petals-compatible swarm. The node runs as "
                                "a separate process; Leave announces it offline and stops it.", "subtitle", wrap=True))

@@ -116,6 +116,20 @@ def page_widget() -> QWidget:
     return widget
 
 
+def page_layout(page: QWidget, layout_class, margins: tuple[int, int], spacing: int | None = None):
+    """What every page sets up first: the styled page background filling `page`, and a layout of `layout_class`
+    (QHBoxLayout / QVBoxLayout) inside it with (horizontal, vertical) margins. Returns that layout."""
+    root = page_widget()
+    outer = QVBoxLayout(page)
+    outer.setContentsMargins(0, 0, 0, 0)
+    outer.addWidget(root)
+    layout = layout_class(root)
+    layout.setContentsMargins(margins[0], margins[1], margins[0], margins[1])
+    if spacing is not None:
+        layout.setSpacing(spacing)
+    return layout
+
+
 def fmt_rate(tokens_per_s: float | None) -> str:
     """Tokens/s with sensible digits."""
     if tokens_per_s is None:

@@ -462,7 +462,7 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
     kvb = _per_format(traits, f, "kv_bytes")
     kv_factor = _per_format(traits, f, "kv_read_factor")
     peak = _per_format(traits, f, "peak_flops")
-    wa, wh, wd = c["wa"], c["wh"], c["wd"]
+    wa, wd = c["wa"], c["wd"]
     ca, cd = c["ca"], c["cd"]
     ah = c["ah"]
     b, n, d = c["b"], c["n"], c["d"]
