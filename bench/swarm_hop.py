@@ -1,14 +1,17 @@
 """Per-hop overhead of the swarm: a 1-token inference step through 3 loopback servers vs the same blocks locally.
 
 Starts three `hivekeeper serve` processes on 127.0.0.1 (2 blocks each of a 6-block demo model, one torch thread
-each), opens one inference session through all of them and times 1-token steps; then times the same 6 blocks run
-in this process with a local KV cache. overhead_per_hop_ms = (swarm step - local step) / 3. Medians of STEPS steps.
-Goal: <= 3 ms per hop on loopback. Prints one JSON line.
+each) and opens one inference session through all of them. Then, STEPS times in turn, times one 1-token step
+through the swarm and one step of the same 6 blocks run in this process with a local KV cache: alternating puts
+both under the same load (this VM's speed drifts by up to 2x within minutes, so timing them minutes apart measured
+the drift). overhead_per_hop_ms = (median swarm step - median local step) / 3. Goal: <= 3 ms per hop on loopback.
+Prints one JSON line, with the load average.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -25,13 +28,10 @@ from hivekeeper.core.swarm_local import LocalSwarm
 LAYERS, SERVERS, STEPS, WARMUP = 6, 3, 300, 20
 
 
-def median_ms(step, count: int) -> float:
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def seconds(step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -45,18 +45,19 @@ def main() -> None:
                 swarm.start("--num-blocks", str(LAYERS // SERVERS), wait="joining")
             for server in swarm.servers:
                 server.wait_for("online")
+            span = load_span(checkpoint, 0, LAYERS)
+            cache = KVCache.allocate(span.config, LAYERS, 1, WARMUP + STEPS + 1)
             with SwarmModel(str(checkpoint), initial_peers=swarm.initial_peers) as model:
-                with model.inference_session(max_length=WARMUP + STEPS + 1) as session:
+                with model.inference_session(max_length=WARMUP + STEPS + 1) as session, torch.inference_mode():
                     for _ in range(WARMUP):
                         session.step(x)
+                        span(x, cache)
                     hops = len(session.route)
-                    swarm_ms = median_ms(lambda: session.step(x), STEPS)
-        span = load_span(checkpoint, 0, LAYERS)
-        cache = KVCache.allocate(span.config, LAYERS, 1, WARMUP + STEPS + 1)
-        with torch.inference_mode():
-            for _ in range(WARMUP):
-                span(x, cache)
-            local_ms = median_ms(lambda: span(x, cache), STEPS)
+                    swarm_times, local_times = [], []
+                    for _ in range(STEPS):
+                        swarm_times.append(seconds(lambda: session.step(x)))
+                        local_times.append(seconds(lambda: span(x, cache)))
+    swarm_ms, local_ms = (statistics.median(times) * 1e3 for times in (swarm_times, local_times))
     print(json.dumps({
         "bench": "swarm_hop",
         "hops": hops,
@@ -66,6 +67,7 @@ def main() -> None:
         "local_step_ms": round(local_ms, 3),
         "overhead_per_hop_ms": round((swarm_ms - local_ms) / hops, 3),
         "goal_ms": 3.0,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }))
 
 

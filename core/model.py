@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from hivekeeper.planner.errors import InputError
 
+from . import cpu_decode
 from .cpu_matmul import Linear, linear
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
@@ -415,6 +416,8 @@ class Block(nn.Module):
         rope: (cos, signed sin) of these positions from RotaryTable.get (a Span looks them up once for all blocks).
         """
         cos, sin = rope if rope is not None else self.rotary.get(position, hidden.shape[1], hidden.device, hidden.dtype)
+        if cpu_decode.eligible(self, hidden, k_cache):  # one token per row on the CPU: the same step in numpy
+            return cpu_decode.decode_step(self, hidden, k_cache, v_cache, position, (cos, sin))
         attn = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, position)
         hidden = attn.add_(hidden)
         mlp = self.mlp(self.post_attention_layernorm(hidden))

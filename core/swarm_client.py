@@ -126,7 +126,10 @@ class _ServerSession:
     def __init__(self, client: "SwarmClient", hop: Hop, max_length: int):
         self.client, self.hop, self.max_length = client, hop, max_length
         self.session_id = str(uuid.uuid4())
-        self.history: torch.Tensor | None = None  # [batch, length, hidden]: every input, for replay
+        # every input sent, for replay: the first `_length` positions of a buffer that doubles when full (a
+        # concatenation per step would copy the whole history every token)
+        self._history_buffer: torch.Tensor | None = None  # [batch, capacity, hidden], fp32
+        self._length = 0
         self.expected_seconds = 0.0
         self._inbox: asyncio.Queue | None = None
         self._responses: AsyncIterator | None = None
@@ -135,7 +138,12 @@ class _ServerSession:
 
     @property
     def length(self) -> int:
-        return 0 if self.history is None else self.history.shape[1]
+        return self._length
+
+    @property
+    def history(self) -> torch.Tensor | None:
+        """[batch, length, hidden]: the inputs this server was sent, in order (None before the first)."""
+        return None if self._history_buffer is None else self._history_buffer[:, : self._length]
 
     async def _open(self) -> None:
         self._inbox = asyncio.Queue()
@@ -222,14 +230,18 @@ class _ServerSession:
                 pending.cancel()
 
     def _remember(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None, start_from: int | None) -> None:
-        history = self.history
-        if history is not None:
-            if start_from is not None:
-                history = history[:, :start_from]
-            if hypo_ids is not None:
-                history = history[hypo_ids]
-        hidden = hidden.detach().to(torch.float32)  # keep full precision for replays
-        self.history = hidden if history is None else torch.cat([history, hidden], dim=1)
+        length = self._length if start_from is None else min(start_from, self._length)
+        buffer = self._history_buffer
+        batch, tokens, width = hidden.shape
+        if buffer is not None and hypo_ids is not None:
+            buffer = buffer[hypo_ids]  # beam search: row i continues the old row hypo_ids[i]
+        if buffer is None or buffer.shape[1] < length + tokens:
+            grown = torch.empty(batch, max(16, 2 * (length + tokens)), width, dtype=torch.float32)
+            if buffer is not None:
+                grown[:, :length] = buffer[:, :length]
+            buffer = grown
+        buffer.narrow(1, length, tokens).copy_(hidden.detach())  # kept in full precision for replays
+        self._history_buffer, self._length = buffer, length + tokens
 
     async def close(self, goodbye: bool = True) -> None:
         """End the stream. goodbye: send the protocol's empty request first and let the server end its side (Petals

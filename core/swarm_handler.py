@@ -476,8 +476,10 @@ class TransformerConnectionHandler(ServicerBase):
                         raise ProtocolError(f"session exceeded the server's session timeout of "
                                             f"{limits.session_timeout:g}s")
                     try:
-                        request = await asyncio.wait_for(session.inbox.get(), min(limits.step_timeout, remaining))
-                    except asyncio.TimeoutError:
+                        # asyncio.timeout, not wait_for: no task per step wrapped around the get
+                        async with asyncio.timeout(min(limits.step_timeout, remaining)):
+                            request = await session.inbox.get()
+                    except TimeoutError:
                         raise ProtocolError(f"no step within the step timeout of {limits.step_timeout:g}s") from None
                     if request is None or not request.tensors:
                         return  # the client closed the session

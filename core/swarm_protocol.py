@@ -16,6 +16,7 @@ import asyncio
 import re
 from typing import Any, AsyncIterator, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 import uvloop
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -46,6 +47,7 @@ _WIRE_DTYPES = {
     "uint8": 1,
     "bool": 1,
 }
+_NUMPY_DTYPES = {name: np.dtype(name) for name in _WIRE_DTYPES if name != "bfloat16"}
 
 
 class ProtocolError(ValueError):
@@ -172,6 +174,11 @@ def deserialize_tensor(message: runtime_pb2.Tensor, max_elements: int | None = N
                 f"tensor buffer of {len(message.buffer)} bytes does not match shape {list(message.size)} "
                 f"of {message.dtype}"
             )
+        if message.dtype != "bfloat16" and len(message.buffer) == numel * itemsize:
+            # hivemind's own path, without its per-call torch.Size / dtype lookups (they add up on 1-token steps)
+            array = np.frombuffer(message.buffer, dtype=_NUMPY_DTYPES[message.dtype]).copy()  # bytes are read-only
+            tensor = torch.from_numpy(array).view(tuple(message.size))
+            return tensor.requires_grad_(True) if message.requires_grad else tensor
     try:
         return deserialize_torch_tensor(message)
     except Exception as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hivekeeper.core import cpu_decode
 from hivekeeper.core.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.model import KVCache, ModelConfig, Span, rope_inverse_frequencies
 from hivekeeper.planner.errors import InputError
@@ -85,6 +86,16 @@ def reference(request, tmp_path_factory):
     return family, path, token_ids, hidden, logits, model
 
 
+@pytest.fixture(params=["numpy-decode", "torch-decode"])
+def decode_path(request, monkeypatch):
+    """Run 1-token steps through cpu_decode (numpy) or Block.forward's torch code; yields (path, numpy calls)."""
+    monkeypatch.setattr(cpu_decode, "ENABLED", request.param == "numpy-decode")
+    calls = []
+    real = cpu_decode.decode_step
+    monkeypatch.setattr(cpu_decode, "decode_step", lambda *args: calls.append(1) or real(*args))
+    return request.param, calls
+
+
 def run_with_cache(span: Span, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """A prefill of PROMPT tokens, a chunked prefill of CHUNKED tokens (chunks of 3), then DECODE 1-token steps."""
     outputs = [span(inputs[:, :PROMPT], cache)]
@@ -105,7 +116,7 @@ def test_full_model_logits_match(reference):
     assert (logits - ref_logits).abs().max().item() <= TOL
 
 
-def test_full_model_logits_match_through_cache(reference):
+def test_full_model_logits_match_through_cache(reference, decode_path):
     family, path, token_ids, _, ref_logits, _ = reference
     embedding, span, head = load_embedding(path), load_span(path, 0, LAYERS), load_head(path)
     cache = KVCache.allocate(span.config, LAYERS, batch=2, max_length=SEQ)
@@ -113,10 +124,11 @@ def test_full_model_logits_match_through_cache(reference):
         logits = head(run_with_cache(span, embedding(token_ids), cache))
     assert cache.length == SEQ
     assert (logits - ref_logits).abs().max().item() <= TOL
+    assert len(decode_path[1]) == (LAYERS * DECODE if decode_path[0] == "numpy-decode" else 0)
 
 
 @pytest.mark.parametrize("start,end", [(1, 3), (3, 4)])
-def test_span_hidden_states_match_through_prefill_chunks_and_decode(reference, start, end):
+def test_span_hidden_states_match_through_prefill_chunks_and_decode(reference, start, end, decode_path):
     family, path, _, hidden, _, _ = reference
     span = load_span(path, start, end)
     assert (span.start, span.end, len(span.blocks)) == (start, end, end - start)
@@ -126,6 +138,7 @@ def test_span_hidden_states_match_through_prefill_chunks_and_decode(reference, s
         plain = span(hidden[start])  # no cache: one causal forward
     assert (out - hidden[end]).abs().max().item() <= TOL
     assert (plain - hidden[end]).abs().max().item() <= TOL
+    assert len(decode_path[1]) == ((end - start) * DECODE if decode_path[0] == "numpy-decode" else 0)
 
 
 def test_backward_through_the_blocks_matches(reference):

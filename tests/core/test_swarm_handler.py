@@ -8,6 +8,7 @@ stream) and backward.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -243,6 +244,21 @@ def test_session_limits(rig):
     for s in open_sessions:
         s.close()
     assert wait_until(lambda: not rig.handler.sessions)
+
+
+def test_a_session_without_steps_ends_at_the_step_timeout(rig):
+    normal = rig.handler.limits
+    rig.handler.limits = dataclasses.replace(normal, step_timeout=0.3)
+    try:
+        session = RawSession(rig, max_length=8)
+        assert torch.isfinite(session.send(torch.randn(1, 1, 64))).all()
+        started = time.monotonic()
+        with pytest.raises(Exception, match="no step within the step timeout of 0.3s"):
+            rig.run(asyncio.wait_for(session.responses.__anext__(), 10))
+        assert 0.3 <= time.monotonic() - started < 5
+        assert wait_until(lambda: rig.handler.pool.used_bytes == 0 and not rig.handler.sessions)
+    finally:
+        rig.handler.limits = normal
 
 
 def test_malformed_requests_get_errors_and_the_server_keeps_serving(rig):
