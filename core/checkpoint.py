@@ -19,6 +19,7 @@ from torch import Tensor
 
 from hivekeeper.planner.errors import InputError
 
+from .cpu_matmul import store_tall_by_column, store_tall_linears_by_column
 from .model import Block, Embedding, Head, ModelConfig, RotaryTable, Span
 from .quant import check_quant, quantize_block
 
@@ -188,7 +189,9 @@ def load_block(checkpoint: Checkpoint, layer: int, *, dtype: torch.dtype = torch
     block.requires_grad_(False)
     if quant != "none":
         return quantize_block(block, quant, device)
-    return block.to(device)
+    block = block.to(device)
+    store_tall_linears_by_column(block)  # CPU fp32 only: faster decode matmuls
+    return block
 
 
 def _quant_compute_dtype(dtype: torch.dtype, device) -> torch.dtype:
@@ -263,7 +266,9 @@ def load_head(path: str | Path, *, dtype: str | torch.dtype = torch.float32, dev
         head.weight = embedding.weight  # shared, not copied
         return head.requires_grad_(False).to(device)
     head.load_state_dict({"norm.weight": norm, "weight": weight}, assign=True)
-    return head.requires_grad_(False).to(device)
+    head = head.requires_grad_(False).to(device)
+    store_tall_by_column(head.weight)  # CPU fp32 only (a tied matrix stays as the embedding lookup needs it)
+    return head
 
 
 # ---------------------------------------------------------------------------------------------------------------

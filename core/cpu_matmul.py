@@ -101,6 +101,29 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return result.add_(bias) if bias is not None else result
 
 
+# OpenBLAS streams the weights of a matrix-vector product faster column by column (its gemv "N" kernel, output
+# accumulated in the cache) than row by row (a dot product per output, "T") when the matrix has several times more
+# rows than columns: a 4096 x 768 fp32 weight (a 125M model's fused gate/up) read at 19-22 GB/s column-major
+# against 13-18 GB/s row-major here, and a 125M model decoded ~20% faster with its gate/up and LM head stored so.
+# Square and wide matrices (o, down) read faster row by row. Only the storage changes: the tensor keeps its
+# [out, in] shape, and torch's own matmuls accept either layout.
+COLUMN_MAJOR_MIN_RATIO = 2
+
+
+def store_tall_by_column(weight: nn.Parameter) -> None:
+    """Re-store a CPU fp32 weight [out, in] with out >= COLUMN_MAJOR_MIN_RATIO * in column-major (once, at load)."""
+    if (weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype is torch.float32
+            and weight.shape[0] >= COLUMN_MAJOR_MIN_RATIO * weight.shape[1] and weight.is_contiguous()):
+        weight.data = weight.data.t().contiguous().t()
+
+
+def store_tall_linears_by_column(module: nn.Module) -> None:
+    """store_tall_by_column for every Linear's weight in `module` (a block after loading)."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            store_tall_by_column(layer.weight)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose forward goes through `linear` (same parameters, same state_dict)."""
 

@@ -46,7 +46,7 @@ from hivekeeper.planner.costmodel import Policy
 from hivekeeper.planner.errors import InputError
 
 from .block_variants import forward_recomputing_kv, forward_with_attention_at_cache
-from .cpu_matmul import use_blas_threads
+from .cpu_matmul import store_tall_linears_by_column, use_blas_threads
 from .checkpoint import Checkpoint, _quant_compute_dtype, block_tensor_names, load_block, load_embedding, load_head
 from .local_plan import cpu_has_half_math
 from .model import Block, ModelConfig, RotaryTable
@@ -867,6 +867,7 @@ class OffloadedModel:
                               quant=self.plan.quant, rotary=self.rotary)
         block = empty_block(self.config, self.rotary, self.plan.dtype, self.device)
         self.reader.fill(block, layer)
+        store_tall_linears_by_column(block)  # CPU fp32 only: faster decode matmuls
         return block
 
     def _load_slot(self, layer: int, slot: _Slot) -> None:

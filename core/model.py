@@ -416,8 +416,9 @@ class Block(nn.Module):
         rope: (cos, signed sin) of these positions from RotaryTable.get (a Span looks them up once for all blocks).
         """
         cos, sin = rope if rope is not None else self.rotary.get(position, hidden.shape[1], hidden.device, hidden.dtype)
-        if cpu_decode.eligible(self, hidden, k_cache):  # one token per row on the CPU: the same step in numpy
-            return cpu_decode.decode_step(self, hidden, k_cache, v_cache, position, (cos, sin))
+        arrays = cpu_decode.prepare(self, hidden, k_cache)
+        if arrays is not None:  # one token per row on the CPU: the same step in numpy
+            return cpu_decode.decode_step(self, arrays, hidden, k_cache, v_cache, position, (cos, sin))
         attn = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, position)
         hidden = attn.add_(hidden)
         mlp = self.mlp(self.post_attention_layernorm(hidden))

@@ -1,4 +1,4 @@
-"""cpu_decode.eligible: the numpy decode step is taken only where it computes what Block.forward would."""
+"""cpu_decode: the numpy decode step is taken only where it computes what Block.forward would, and equals it."""
 
 import torch
 
@@ -16,33 +16,57 @@ def test_taken_for_one_token_fp32_cpu_inference_on_one_torch_thread():
     one_token, two_tokens = torch.randn(2, 1, 32), torch.randn(2, 2, 32)
     with torch_threads(1):
         with torch.inference_mode():
-            assert cpu_decode.eligible(block, one_token, k)
-            assert not cpu_decode.eligible(block, two_tokens, k)  # prefill: torch
-            assert not cpu_decode.eligible(block, one_token, None)  # no cache: a plain causal forward
+            assert cpu_decode.prepare(block, one_token, k) is not None
+            assert cpu_decode.prepare(block, two_tokens, k) is None  # prefill: torch
+            assert cpu_decode.prepare(block, one_token, None) is None  # no cache: a plain causal forward
             with torch_threads(2):
-                assert not cpu_decode.eligible(block, one_token, k)  # torch's threads would fight OpenBLAS's
-        assert not cpu_decode.eligible(block, one_token, k)  # autograd on: backward needs torch's ops
+                assert cpu_decode.prepare(block, one_token, k) is None  # torch's threads would fight OpenBLAS's
+        assert cpu_decode.prepare(block, one_token, k) is None  # autograd on: backward needs torch's ops
         with torch.inference_mode():
-            assert not cpu_decode.eligible(block.to(torch.bfloat16), one_token.bfloat16(), k.bfloat16())
+            assert cpu_decode.prepare(block.to(torch.bfloat16), one_token.bfloat16(), k.bfloat16()) is None
 
 
-def test_numpy_step_equals_the_torch_step():
+def decode_both_ways(block, x):
+    """Five 1-token steps through the numpy path and through torch's: (outputs, caches) of each."""
+    results = []
+    with torch_threads(1), torch.inference_mode():
+        for enabled in (True, False):
+            cache = KVCache.allocate(CONFIG, 1, batch=x.shape[0], max_length=8)
+            k, v = cache.block(0)
+            cpu_decode.ENABLED = enabled
+            try:
+                out = torch.cat([block(x[:, i : i + 1], k, v, i) for i in range(x.shape[1])], dim=1)
+            finally:
+                cpu_decode.ENABLED = True
+            results.append((out, cache))
+    return results
+
+
+def assert_same(results):
+    (ours, our_cache), (torch_out, torch_cache) = results
+    torch.testing.assert_close(ours, torch_out, rtol=1e-5, atol=1e-5)
+    for a, b in ((our_cache.k, torch_cache.k), (our_cache.v, torch_cache.v)):
+        torch.testing.assert_close(a[:, :, :, :5], b[:, :, :, :5], rtol=1e-5, atol=1e-5)
+
+
+def test_numpy_step_equals_the_torch_step_and_follows_new_weights():
     torch.manual_seed(0)
     block = Block(CONFIG).eval()
     with torch.no_grad():
         for param in block.parameters():
             param.normal_(0.0, 0.3)
     x = torch.randn(2, 5, 32)
-    caches = [KVCache.allocate(CONFIG, 1, batch=2, max_length=8) for _ in range(2)]
-    outputs = []
-    with torch_threads(1), torch.inference_mode():
-        for cache, enabled in zip(caches, (True, False)):
-            cpu_decode.ENABLED = enabled
-            try:
-                k, v = cache.block(0)
-                outputs.append(torch.cat([block(x[:, i : i + 1], k, v, i) for i in range(5)], dim=1))
-            finally:
-                cpu_decode.ENABLED = True
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(caches[0].k[:, :, :, :5], caches[1].k[:, :, :, :5], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(caches[0].v[:, :, :, :5], caches[1].v[:, :, :, :5], rtol=1e-5, atol=1e-5)
+    assert_same(decode_both_ways(block, x))
+    arrays = block.__dict__["_numpy_arrays"]
+    # weights re-stored (as store_tall_by_column does), then replaced by load_state_dict(assign=True): the numpy
+    # views made for the old storage must not be used
+    gate_up = block.mlp.gate_up_proj.weight
+    gate_up.data = (gate_up.data * 2).t().contiguous().t()
+    assert_same(decode_both_ways(block, x))
+    assert block.__dict__["_numpy_arrays"] is not arrays
+    state = {name: torch.randn_like(value) * 0.3 for name, value in block.state_dict().items()}
+    block.load_state_dict(state, assign=True)
+    assert_same(decode_both_ways(block, x))
+    with torch.no_grad():
+        block.self_attn.o_proj.weight.mul_(-1)  # filled in place (the engine's streamed slots): the views see it
+    assert_same(decode_both_ways(block, x))
