@@ -11,11 +11,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from .child_argv import die_with_parent, hivekeeper_command
 
 
 class ServerProcess:
@@ -28,7 +29,7 @@ class ServerProcess:
         self.events: list[dict] = []
         self._changed = threading.Condition()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "hivekeeper.core.cli", "serve", *args, "--json-status"],
+            die_with_parent(hivekeeper_command("serve", *args, "--json-status")),  # no orphans if we are killed
             stdout=subprocess.PIPE, stderr=self._log, env=env, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -15,29 +15,7 @@ import sys
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
-
-# On Linux a child is asked to die with the app (SIGTERM when the app's process ends, even by a crash or SIGKILL):
-# a tiny Python shim sets PR_SET_PDEATHSIG, which survives exec, then becomes the real command. SIGTERM lets a
-# node announce OFFLINE and stop its p2pd on the way out.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]):  # the app died before prctl took effect\n"
-    "    sys.exit(143)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def die_with_parent(argv: list[str]) -> list[str]:
-    """argv wrapped so that the child gets SIGTERM when this process ends (Linux only; unchanged elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return list(argv)
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
-
-
-def hivekeeper_command(*args: str) -> list[str]:
-    """argv of `hivekeeper ARGS` run with this Python (works in a venv without the console script on PATH)."""
-    return [sys.executable, "-m", "hivekeeper.core.cli", *args]
+from hivekeeper.core.child_argv import die_with_parent
 
 
 class JsonLinesProcess(QObject):

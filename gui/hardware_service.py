@@ -19,7 +19,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
 from hivekeeper.planner.hardware_catalog import hardware_from_dict
 
-from .child_process import die_with_parent
+from hivekeeper.core.child_argv import die_with_parent
 from hivekeeper.core.atomic_file import write_json_atomic
 
 from .settings import config_dir

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Signal
 
-from .child_process import JsonLinesProcess, hivekeeper_command
+from hivekeeper.core.child_argv import hivekeeper_command
+
+from .child_process import JsonLinesProcess
 
 STATES = ("stopped", "starting", "joining", "online", "moving", "leaving", "error")
 STATE_WORDS = {"stopped": "not serving", "starting": "starting…", "joining": "joining (loading blocks)…",
