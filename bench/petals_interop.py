@@ -9,6 +9,9 @@ build it); without one it prints a JSON line saying it was skipped and why. With
     mixed_swarm                        a Petals server (0:2) and ours (2:4) in one swarm; both clients generate
     mixed_swarm_reversed               ours (0:2) then a Petals server (2:4); our client with server-to-server
                                        push (our server pushes to the Petals one), and Petals' client
+    prompt_tuning_petals_client        Petals' client in deep_ptune mode takes one training step (loss, backward:
+                                       rpc_forward and rpc_backward with deep prompts) through our server and
+                                       through a Petals server; the losses and prompt gradients are compared
 
 Every generation is greedy and compared token by token with the same model run locally in this process.
 Starts and stops every process itself (each in its own process group, so its p2pd goes too). Prints one JSON line.
@@ -122,6 +125,31 @@ class PetalsServer:
         self._log.close()
 
 
+# Runs in the Petals venv: a prompt-tuning step (deep_ptune: a prompt before the input and one added inside every
+# block, which the servers receive as the `prompts` tensor) -- loss, then backward through the servers
+# (rpc_forward + rpc_backward), returning the prompts' gradients.
+PETALS_PTUNE_CODE = """
+import json, sys, torch
+from petals import AutoDistributedModelForCausalLM
+job = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+model = AutoDistributedModelForCausalLM.from_pretrained(job["model"], initial_peers=job["peers"],
+                                                        dht_prefix=job["prefix"], torch_dtype=torch.float32,
+                                                        tuning_mode="deep_ptune", pre_seq_len=job["pre_seq_len"])
+prompts, deep = model.transformer.prompt_embeddings, model.transformer.intermediate_prompt_embeddings
+generator = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    prompts.weight.copy_(torch.randn(prompts.weight.shape, generator=generator) * 0.5)
+    deep.weight.copy_(torch.randn(deep.weight.shape, generator=generator) * 0.5)
+ids = torch.tensor([job["prompt"]])
+loss = model(input_ids=ids, labels=ids).loss
+loss.backward()
+print("RESULT " + json.dumps({"loss": loss.item(), "prompt_grad": prompts.weight.grad.flatten().tolist(),
+                              "deep_grad": deep.weight.grad.flatten().tolist()}), flush=True)
+"""
+PRE_SEQ_LEN = 3
+
+
 def our_server(model: Path, log_dir: Path, name: str, *args: str) -> ServerProcess:
     argv = ["--model", str(model), "--host", "127.0.0.1", "--dht-prefix", PREFIX, "--throughput", "100",
             "--torch-threads", "1", "--balance-period", "0", *args]
@@ -130,10 +158,10 @@ def our_server(model: Path, log_dir: Path, name: str, *args: str) -> ServerProce
     return server
 
 
-def run_petals_client(model: Path, peers: list[str], forward: bool = False) -> dict:
+def run_petals_client(model: Path, peers: list[str], forward: bool = False, code: str = PETALS_CLIENT_CODE) -> dict:
     job = {"model": str(model), "peers": peers, "prefix": PREFIX, "prompt": PROMPT, "new_tokens": NEW_TOKENS,
-           "forward": forward}
-    proc = subprocess.Popen([str(PETALS_PYTHON), "-c", PETALS_CLIENT_CODE, json.dumps(job)], stdout=subprocess.PIPE,
+           "forward": forward, "pre_seq_len": PRE_SEQ_LEN}
+    proc = subprocess.Popen([str(PETALS_PYTHON), "-c", code, json.dumps(job)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=CLIENT_TIMEOUT_S)
@@ -199,6 +227,16 @@ def attempt(results: dict, name: str, expected: list[int], run) -> None:
         traceback.print_exc(file=sys.stderr)
 
 
+def compare_tuning(ours: dict, theirs: dict) -> dict:
+    """The same prompt-tuning step through our server and a Petals server: loss and gradients side by side."""
+    diffs = {key: float((torch.tensor(ours[key]) - torch.tensor(theirs[key])).abs().max())
+             for key in ("prompt_grad", "deep_grad")}
+    scale = max(float(torch.tensor(theirs[key]).abs().max()) for key in diffs)
+    return {"loss_ours": ours["loss"], "loss_petals": theirs["loss"], "grad_max_abs_diff": diffs,
+            "grad_max_abs": scale, "equal_within_1e-4": abs(ours["loss"] - theirs["loss"]) <= 1e-4 * max(
+                1.0, abs(theirs["loss"])) and all(d <= 1e-4 * max(1.0, scale) for d in diffs.values())}
+
+
 def main() -> None:
     if not PETALS_PYTHON.exists():
         skip(f"no Petals virtualenv at {PETALS_VENV} (set PETALS_VENV; see docs/swarm.md)")
@@ -215,6 +253,7 @@ def main() -> None:
         model = make_demo_checkpoint(tmp / PREFIX, layers=LAYERS)
         expected, local_logits = local_reference(model)
         servers: list = []
+        prompt_tuning: dict = {"error": "not run"}
 
         def forward_checked(peers):
             out = run_petals_client(model, peers, forward=True)
@@ -225,13 +264,26 @@ def main() -> None:
             ours = our_server(model, tmp, "hivekeeper-server", "--new-swarm", "--block-indices", f"0:{LAYERS}")
             servers.append(ours)
             attempt(results, "petals_client->hivekeeper_server", expected, lambda: forward_checked(ours.maddrs))
+            tuning = {}
+            try:
+                tuning["ours"] = run_petals_client(model, ours.maddrs, code=PETALS_PTUNE_CODE)
+            except Exception as exc:
+                tuning["error_ours"] = f"{type(exc).__name__}: {exc}"[-1500:]
             ours.stop()
 
             theirs = PetalsServer(model, tmp / "petals-server.log", blocks=f"0:{LAYERS}")
             servers.append(theirs)
             attempt(results, "hivekeeper_client->petals_server", expected,
                     lambda: run_our_client(model, theirs.wait_started()))
+            try:
+                tuning["petals"] = run_petals_client(model, theirs.wait_started(), code=PETALS_PTUNE_CODE)
+            except Exception as exc:
+                tuning["error_petals"] = f"{type(exc).__name__}: {exc}"[-1500:]
             theirs.stop()
+            if "ours" in tuning and "petals" in tuning:
+                prompt_tuning = compare_tuning(tuning["ours"], tuning["petals"])
+            else:
+                prompt_tuning = {key: value for key, value in tuning.items() if key.startswith("error")}
 
             half = LAYERS // 2
             theirs = PetalsServer(model, tmp / "petals-server-mixed.log", blocks=f"0:{half}")
@@ -267,6 +319,7 @@ def main() -> None:
         "worked": sorted(name for name, r in results.items() if r["ok"]),
         "tokens_equal": all(r.get("tokens_equal", False) for r in results.values()),
         "directions": results,
+        "prompt_tuning_petals_client": prompt_tuning,
     }))
 
 
