@@ -307,11 +307,21 @@ def _download(repo_id: str, blocks: tuple[int, int] | None, embeddings: bool, ca
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RemoteEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
+    unreachable: list[str | None] = []  # the hub probed once per call, the first time a file is not cached
+
     def fetch(file_name: str, required: bool = True, missing: str | None = None) -> Path | None:
-        if not required and try_to_load_from_cache(repo_id, file_name, cache_dir=cache_dir) is _CACHED_NO_EXIST:
+        cached = try_to_load_from_cache(repo_id, file_name, cache_dir=cache_dir)
+        if not required and cached is _CACHED_NO_EXIST:
             # the hub said this commit has no such file: asking again costs a request, and with the network down
             # huggingface_hub retries it for about 20 s before giving up
             return None
+        if cached is None:  # it must come from the hub: with the hub down, say so at once instead of after retries
+            if not unreachable:
+                unreachable.append(_hub_unreachable())
+            if unreachable[0] is not None:
+                if not required:
+                    return None
+                raise _hub_error(repo_id, f"{file_name} is not in the local cache and {unreachable[0]}")
         try:
             return Path(hf_hub_download(repo_id, file_name, cache_dir=cache_dir))
         except RemoteEntryNotFoundError:
@@ -382,6 +392,23 @@ def _hub_error(repo_id: str, reason: str, retry_hint: bool = True) -> InputError
         message += f", or download {repo_id!r} with network access (HF_HUB_OFFLINE unset); files already " \
                    f"downloaded are kept in the cache"
     return InputError(message + ".")
+
+
+def _hub_unreachable(timeout: float = 5.0) -> str | None:
+    """None when the hub endpoint answers at all (any HTTP status); else why it cannot be reached. One request,
+    no retries: huggingface_hub retries a refused or timed-out connection for ~25 s, printing a line per retry,
+    which is right for a blip during a download but not for a machine that is offline. With HF_HUB_OFFLINE set
+    nothing is asked (huggingface_hub refuses at once)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as exc:  # refused, DNS, timeout, TLS
+        return f"the hub at {constants.ENDPOINT} cannot be reached ({_first_line(exc)}); check the connection"
+    return None
 
 
 def _unreachable(exc: BaseException) -> str:
