@@ -798,8 +798,8 @@ class OffloadedModel:
 
     def __init__(self, path: str | Path, plan: EnginePlan, *, cache_dir: str | os.PathLike | None = None,
                  drop_page_cache: bool = False, quant_store_dir: str | os.PathLike | None = None):
-        """quant_store_dir: where int8/nf4 blocks that stream are kept, quantized once (default: the data dir's
-        quantized/ folder; see quant_store.py)."""
+        """quant_store_dir: where int8/nf4 blocks that stream (and, on a CPU, resident ones) are kept, quantized
+        once (default: the data dir's quantized/ folder; see quant_store.py)."""
         self.path = Path(path)
         self.plan = plan
         self.device = torch.device(plan.device)
@@ -817,16 +817,20 @@ class OffloadedModel:
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu and plan.streamed_blocks else None
         self.streamer: BlockStreamer | None = None
         self.bytes_streamed = 0  # weight bytes read from disk for streamed blocks (the reader thread adds)
-        self.quant_store = None  # int8/nf4 blocks not resident stream from their quantized copies
+        self.quant_store = None  # int8/nf4 blocks come from their quantized copies (see below)
         self._stream_reader = self.reader
         try:
-            if plan.quant != "none" and plan.streamed_blocks:
+            # int8/nf4 blocks that stream, and on a CPU the resident ones too (bitsandbytes quantizes slowly there:
+            # ~6 s for a 125M model at every start), come from the quantized store, built once
+            stored = plan.streamed_blocks + (self._resident_layers() if self.device.type == "cpu" else ())
+            if plan.quant != "none" and stored:
                 from .quant_store import QuantStore  # it imports this module
 
                 norm_dtype = _quant_compute_dtype(dtype, self.device)
-                self.quant_store = QuantStore.open(self.checkpoint, plan.quant, norm_dtype, plan.streamed_blocks,
+                self.quant_store = QuantStore.open(self.checkpoint, plan.quant, norm_dtype, sorted(stored),
                                                    root=quant_store_dir, drop_page_cache=drop_page_cache)
-                self._stream_reader = self.quant_store
+                if plan.streamed_blocks:
+                    self._stream_reader = self.quant_store
             self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
             self.head = load_head(self.path, dtype=dtype, device=self.device,
                                   embedding=self.embedding if config.tie_word_embeddings else None)
@@ -861,8 +865,15 @@ class OffloadedModel:
             return list(quantized_tensors(block).values())
         return list(block.parameters())
 
+    def _resident_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, tier in enumerate(self.plan.weight_tiers) if tier == self.plan.compute_tier)
+
     def _load_resident(self, layer: int) -> Block:
-        if self.plan.quant != "none":
+        if self.plan.quant != "none" and self.device.type == "cpu":
+            block = self.quant_store.empty_block(self.rotary, self.device, cpu_repack=True)  # kept: may repack
+            self.quant_store.fill(block, layer)
+            return block
+        if self.plan.quant != "none":  # quantized on the GPU as it is loaded (fast there)
             return load_block(self.checkpoint, layer, dtype=self.plan.dtype, device=self.device,
                               quant=self.plan.quant, rotary=self.rotary)
         block = empty_block(self.config, self.rotary, self.plan.dtype, self.device)

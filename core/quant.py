@@ -232,10 +232,12 @@ def prequantized_linear(info: dict, tensors: dict[str, Tensor], cpu_repack: bool
 
 def empty_quantized_block(config: ModelConfig, rotary: RotaryTable, layout: dict[str, dict],
                           tensor_specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], device: str | torch.device,
-                          pin: bool = False) -> Block:
+                          pin: bool = False, cpu_repack: bool = False) -> Block:
     """A quantized Block with unfilled tensors of these dtypes and shapes on `device` (pinned host memory when pin).
 
     layout: `quantized_layout` of a block of this model; tensor_specs: name -> (dtype, shape) of `quantized_tensors`.
+    cpu_repack: let bitsandbytes repack nf4 weights for its AVX512-BF16 kernel at the first forward (a block that is
+    filled once and kept; never for a streaming slot, which is refilled in the portable layout every step).
     """
     with torch.device("meta"):
         block = Block(config, 0, rotary)
@@ -250,7 +252,7 @@ def empty_quantized_block(config: ModelConfig, rotary: RotaryTable, layout: dict
         parent_name, _, child_name = module_name.rpartition(".")
         prefix = module_name + "."
         own = {name[len(prefix):]: fresh(name) for name in tensor_specs if name.startswith(prefix)}
-        setattr(block.get_submodule(parent_name), child_name, prequantized_linear(info, own, cpu_repack=False))
+        setattr(block.get_submodule(parent_name), child_name, prequantized_linear(info, own, cpu_repack=cpu_repack))
     for module_name, module in block.named_modules():
         for param_name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:

@@ -1,9 +1,11 @@
-"""A disk store of int8/nf4 blocks, quantized once, that the offloading engine streams from.
+"""A disk store of int8/nf4 blocks, quantized once, that the offloading engine streams (and on a CPU loads) from.
 
 Streaming a quantized block from the checkpoint would mean reading its fp16/fp32 weights and quantizing them again
 at every step. Instead, the first run that streams int8/nf4 blocks quantizes each of them once (bitsandbytes, on
 the CPU) and writes its packed tensors to one safetensors file per block; later runs read those files with
 positioned reads straight into the streaming slots' tensors, which the slots' bitsandbytes layers compute with.
+A CPU run loads its resident quantized blocks from the store too: bitsandbytes quantizes slowly on a CPU (~6 s for
+the blocks of a 125M model), and reading the packed bytes takes a fraction of a second.
 
     <data dir>/quantized/<model>-<hash of its path>-<quant>-<dtype>/
         manifest.json               what was quantized from what: the checkpoint's files (size, mtime), the
@@ -265,10 +267,12 @@ class QuantStore:
         self.quantized.append(layer)
 
     # ---- reading --------------------------------------------------------------------------------------------------
-    def empty_block(self, rotary: RotaryTable, device: str | torch.device, pin: bool = False) -> Block:
-        """A block buffer (unfilled) with this store's quantized layout, on `device`."""
+    def empty_block(self, rotary: RotaryTable, device: str | torch.device, pin: bool = False,
+                    cpu_repack: bool = False) -> Block:
+        """A block buffer (unfilled) with this store's quantized layout, on `device` (cpu_repack: for a block filled
+        once and kept, see quant.empty_quantized_block)."""
         return empty_quantized_block(self.config, rotary, self.manifest["layout"], self._tensor_specs(), device,
-                                     pin=pin)
+                                     pin=pin, cpu_repack=cpu_repack)
 
     def fill(self, block: Block, layer: int) -> int:
         """Read layer `layer`'s quantized tensors into `block` (an `empty_block` on the CPU); returns bytes read."""

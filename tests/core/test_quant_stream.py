@@ -1,9 +1,10 @@
 """int8 / nf4 blocks streamed from the quantized block store (core/quant_store.py), on CPU.
 
-A plan that streams quantized blocks from disk must compute exactly what the all-resident quantized plan computes
-(same greedy tokens, same logits: both use bitsandbytes' CPU quantization of the same weights); the store is written
-once and then only read; a damaged store is detected and rebuilt; `hivekeeper generate` with an int8 plan file and a
-RAM budget smaller than the model streams and gives the all-resident tokens. The CUDA path (pinned staging, copies
+A plan that streams quantized blocks from disk, and one that holds them all in RAM (on a CPU, read from the store
+too), must compute exactly what the blocks quantized in memory by `load_span` compute (same greedy tokens, same
+logits: all use bitsandbytes' CPU quantization of the same weights); the store is written once and then only read;
+a damaged store is detected and rebuilt; `hivekeeper generate` with an int8 plan file and a RAM budget smaller than
+the model streams and gives the all-resident tokens. The CUDA path (pinned staging, copies
 to the GPU) shares the buffers and the store but is not exercised here.
 """
 
@@ -16,9 +17,10 @@ import os
 import pytest
 import torch
 
+from hivekeeper.core.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.demo_model import make_demo_checkpoint
 from hivekeeper.core.engine import OffloadedModel, place_model
-from hivekeeper.core.model import ModelConfig
+from hivekeeper.core.model import KVCache, ModelConfig
 from hivekeeper.core.quant import quantized_block_bytes, quantized_tensors
 from hivekeeper.planner.costmodel import Placement, Policy
 from hivekeeper.planner.errors import InputError
@@ -68,11 +70,35 @@ def run(path, plan, store_dir) -> tuple[list[int], torch.Tensor, OffloadedModel]
     return tokens, logits, model
 
 
+class InMemory:
+    """The model with its blocks quantized in memory as they load (`load_span`, no store): the reference."""
+
+    def __init__(self, path, quant: str):
+        self.embedding, self.head = load_embedding(path), load_head(path)
+        self.span = load_span(path, 0, ModelConfig.from_folder(path).num_layers, quant=quant)
+        self.span.allocate_cache = lambda batch, max_length: KVCache.allocate(
+            self.span.config, len(self.span.blocks), batch, max_length)
+
+
 @pytest.fixture(scope="module")
 def resident(checkpoint):
-    """Greedy tokens and logits of the all-resident plans: int8, nf4 and unquantized fp32."""
-    return {quant: run(checkpoint, plan_for(checkpoint, quant, (0, 1, 0)), None)[:2]
-            for quant in ("int8", "nf4", "fp32")}
+    """Greedy tokens and logits of the blocks quantized in memory: int8, nf4 and unquantized fp32."""
+    return {quant: greedy(InMemory(checkpoint, "none" if quant == "fp32" else quant)) for quant in ("int8", "nf4",
+                                                                                                  "fp32")}
+
+
+@pytest.mark.parametrize("quant", ["int8", "nf4"])
+def test_resident_quantized_blocks_load_from_the_store_on_a_cpu(checkpoint, resident, quant, tmp_path):
+    plan = plan_for(checkpoint, quant, (0, 1, 0))
+    assert not plan.streamed_blocks
+    tokens, logits, first = run(checkpoint, plan, tmp_path)
+    assert first.quant_store.quantized == [0, 1, 2, 3]  # the first run quantizes every block once
+    assert tokens == resident[quant][0]
+    torch.testing.assert_close(logits, resident[quant][1], rtol=1e-5, atol=1e-5)
+    tokens, logits, second = run(checkpoint, plan, tmp_path)
+    assert second.quant_store.quantized == [] and second.quant_store.bytes_read > 0  # later runs only read
+    assert tokens == resident[quant][0]
+    torch.testing.assert_close(logits, resident[quant][1], rtol=1e-5, atol=1e-5)
 
 
 def store_files(store_dir) -> dict[str, int]:
@@ -114,11 +140,12 @@ def test_streamed_quantized_blocks_match_the_all_resident_plan(checkpoint, resid
 def test_the_store_is_written_once_then_only_read(checkpoint, resident, tmp_path):
     plan = plan_for(checkpoint, "int8", (0, 0.5, 0.5))
     first_tokens, _, first = run(checkpoint, plan, tmp_path)
-    assert first.quant_store.quantized == list(plan.streamed_blocks)
+    assert plan.streamed_blocks and len(plan.streamed_blocks) < 4
+    assert first.quant_store.quantized == [0, 1, 2, 3]  # streamed and (on a CPU) resident blocks alike
     written = store_files(tmp_path)
-    assert sum(name.endswith(".safetensors") for name in written) == len(plan.streamed_blocks)
+    assert sum(name.endswith(".safetensors") for name in written) == 4
     manifest = json.loads(next(tmp_path.rglob("manifest.json")).read_text())
-    assert manifest["quant"] == "int8" and set(manifest["blocks"]) == {str(i) for i in plan.streamed_blocks}
+    assert manifest["quant"] == "int8" and set(manifest["blocks"]) == {"0", "1", "2", "3"}
 
     tokens, _, second = run(checkpoint, plan, tmp_path)
     assert second.quant_store.quantized == []  # read, not quantized again
@@ -141,28 +168,43 @@ def test_a_damaged_block_file_is_rebuilt_when_the_store_opens(checkpoint, reside
     torch.testing.assert_close(logits, resident["nf4"][1], rtol=1e-5, atol=1e-5)
 
 
-def test_corrupted_bytes_are_caught_on_first_read_and_requantized_next_run(checkpoint, resident, tmp_path):
-    plan = plan_for(checkpoint, "int8", (0, 0.5, 0.5))
-    run(checkpoint, plan, tmp_path)
-    victim = sorted(tmp_path.rglob("block-00001.safetensors"))[0]
-    size = victim.stat().st_size
-    with open(victim, "r+b") as handle:  # same size, valid header, one weight byte flipped
+def flip_a_weight_byte(path) -> None:
+    """Same size, valid header, one weight byte flipped: only the CRC can tell."""
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
         handle.seek(size - 100)
         byte = handle.read(1)
         handle.seek(size - 100)
         handle.write(bytes([byte[0] ^ 0x5A]))
+
+
+def test_corrupted_bytes_are_caught_on_first_read_and_requantized_next_run(checkpoint, resident, tmp_path):
+    plan = plan_for(checkpoint, "int8", (0, 0.5, 0.5))
+    resident_layer, streamed_layer = plan.weight_tiers.index("cpu"), plan.streamed_blocks[0]
+    run(checkpoint, plan, tmp_path)
+    # a streamed block: the engine opens, the first step that reads it fails
+    victim = sorted(tmp_path.rglob(f"block-{streamed_layer:05d}.safetensors"))[0]
+    flip_a_weight_byte(victim)
     model = OffloadedModel(checkpoint, plan, quant_store_dir=tmp_path)
     try:
         assert model.quant_store.quantized == []  # size and header look fine
-        with pytest.raises(InputError, match=r"block-00001\.safetensors: corrupt quantized block"):
+        with pytest.raises(InputError, match=rf"block-{streamed_layer:05d}\.safetensors: corrupt quantized block"):
             greedy(model)
     finally:
         model.close()
     assert not victim.exists()
     tokens, logits, again = run(checkpoint, plan, tmp_path)
-    assert again.quant_store.quantized == [1]
+    assert again.quant_store.quantized == [streamed_layer]
     assert tokens == resident["int8"][0]
     torch.testing.assert_close(logits, resident["int8"][1], rtol=1e-5, atol=1e-5)
+    # a resident block is read while the engine loads: loading fails, naming the file, and the next run rebuilds it
+    victim = sorted(tmp_path.rglob(f"block-{resident_layer:05d}.safetensors"))[0]
+    flip_a_weight_byte(victim)
+    with pytest.raises(InputError, match=rf"block-{resident_layer:05d}\.safetensors: corrupt quantized block"):
+        OffloadedModel(checkpoint, plan, quant_store_dir=tmp_path)
+    assert not victim.exists()
+    tokens, _, again = run(checkpoint, plan, tmp_path)
+    assert again.quant_store.quantized == [resident_layer] and tokens == resident["int8"][0]
 
 
 def test_a_changed_checkpoint_or_a_garbled_manifest_rebuilds_the_store(tmp_path, caplog):
@@ -170,18 +212,18 @@ def test_a_changed_checkpoint_or_a_garbled_manifest_rebuilds_the_store(tmp_path,
     plan = plan_for(path, "int8", (0, 0.5, 0.5))
     store = tmp_path / "store"
     first, _, model = run(path, plan, store)
-    assert model.quant_store.quantized == [1]
+    assert model.quant_store.quantized == [0, 1]
     manifest = next(store.rglob("manifest.json"))
     manifest.write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="hivekeeper.core.quant_store"):
         tokens, _, model = run(path, plan, store)
-    assert model.quant_store.quantized == [1] and tokens == first
+    assert model.quant_store.quantized == [0, 1] and tokens == first
     assert any("corrupt quantized-store manifest" in r.getMessage() for r in caplog.records)
 
     weights = path / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # "re-downloaded"
     _, _, model = run(path, plan, store)
-    assert model.quant_store.quantized == [1]
+    assert model.quant_store.quantized == [0, 1]
     _, _, model = run(path, plan, store)
     assert model.quant_store.quantized == []
 
@@ -215,7 +257,7 @@ def test_generate_streams_int8_blocks_under_a_ram_budget(checkpoint, tmp_path, m
     assert streamed_run["bytes_streamed"] > 0
     assert streamed_run["text"] == resident_run["text"]  # greedy: the same tokens
     stored = sorted(p.name for p in (tmp_path / "data" / "quantized").glob("*-int8-float32/block-*"))
-    assert stored == [f"block-{i:05d}.safetensors" for i in engine["disk_blocks"]]  # the disk blocks only
+    assert stored == [f"block-{i:05d}.safetensors" for i in range(4)]  # the resident run stored every block
 
 
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
