@@ -12,6 +12,8 @@ build it); without one it prints a JSON line saying it was skipped and why. With
     prompt_tuning_petals_client        Petals' client in deep_ptune mode takes one training step (loss, backward:
                                        rpc_forward and rpc_backward with deep prompts) through our server and
                                        through a Petals server; the losses and prompt gradients are compared
+    beam_search_petals_client          Petals' client runs a 3-beam search (hypo_ids reorder the servers' caches)
+                                       through our server and through a Petals server; the tokens are compared
 
 Every generation is greedy and compared token by token with the same model run locally in this process.
 Starts and stops every process itself (each in its own process group, so its p2pd goes too). Prints one JSON line.
@@ -149,6 +151,21 @@ print("RESULT " + json.dumps({"loss": loss.item(), "prompt_grad": prompts.weight
 """
 PRE_SEQ_LEN = 3
 
+# Runs in the Petals venv: beam search, whose steps reorder the servers' caches with hypo_ids.
+PETALS_BEAM_CODE = """
+import json, sys, torch
+from petals import AutoDistributedModelForCausalLM
+job = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+model = AutoDistributedModelForCausalLM.from_pretrained(job["model"], initial_peers=job["peers"],
+                                                        dht_prefix=job["prefix"], torch_dtype=torch.float32)
+ids = torch.tensor([job["prompt"]])
+with torch.inference_mode():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=job["new_tokens"], num_beams=3,
+                         do_sample=False, pad_token_id=0)
+print("RESULT " + json.dumps({"new_ids": out[0, ids.shape[1]:].tolist()}), flush=True)
+"""
+
 
 def our_server(model: Path, log_dir: Path, name: str, *args: str) -> ServerProcess:
     argv = ["--model", str(model), "--host", "127.0.0.1", "--dht-prefix", PREFIX, "--throughput", "100",
@@ -254,6 +271,7 @@ def main() -> None:
         expected, local_logits = local_reference(model)
         servers: list = []
         prompt_tuning: dict = {"error": "not run"}
+        beam_search: dict = {"error": "not run"}
 
         def forward_checked(peers):
             out = run_petals_client(model, peers, forward=True)
@@ -264,11 +282,15 @@ def main() -> None:
             ours = our_server(model, tmp, "hivekeeper-server", "--new-swarm", "--block-indices", f"0:{LAYERS}")
             servers.append(ours)
             attempt(results, "petals_client->hivekeeper_server", expected, lambda: forward_checked(ours.maddrs))
-            tuning = {}
+            tuning, beams = {}, {}
             try:
                 tuning["ours"] = run_petals_client(model, ours.maddrs, code=PETALS_PTUNE_CODE)
             except Exception as exc:
                 tuning["error_ours"] = f"{type(exc).__name__}: {exc}"[-1500:]
+            try:
+                beams["ours"] = run_petals_client(model, ours.maddrs, code=PETALS_BEAM_CODE)["new_ids"]
+            except Exception as exc:
+                beams["error_ours"] = f"{type(exc).__name__}: {exc}"[-1500:]
             ours.stop()
 
             theirs = PetalsServer(model, tmp / "petals-server.log", blocks=f"0:{LAYERS}")
@@ -279,7 +301,12 @@ def main() -> None:
                 tuning["petals"] = run_petals_client(model, theirs.wait_started(), code=PETALS_PTUNE_CODE)
             except Exception as exc:
                 tuning["error_petals"] = f"{type(exc).__name__}: {exc}"[-1500:]
+            try:
+                beams["petals"] = run_petals_client(model, theirs.wait_started(), code=PETALS_BEAM_CODE)["new_ids"]
+            except Exception as exc:
+                beams["error_petals"] = f"{type(exc).__name__}: {exc}"[-1500:]
             theirs.stop()
+            beam_search = {**beams, "equal": "ours" in beams and beams.get("ours") == beams.get("petals")}
             if "ours" in tuning and "petals" in tuning:
                 prompt_tuning = compare_tuning(tuning["ours"], tuning["petals"])
             else:
@@ -320,6 +347,7 @@ def main() -> None:
         "tokens_equal": all(r.get("tokens_equal", False) for r in results.values()),
         "directions": results,
         "prompt_tuning_petals_client": prompt_tuning,
+        "beam_search_petals_client": beam_search,
     }))
 
 
