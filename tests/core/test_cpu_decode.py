@@ -26,12 +26,12 @@ def test_taken_for_one_token_fp32_cpu_inference_on_one_torch_thread():
             assert cpu_decode.prepare(block.to(torch.bfloat16), one_token.bfloat16(), k.bfloat16()) is None
 
 
-def decode_both_ways(block, x):
+def decode_both_ways(block, x, config=None):
     """Five 1-token steps through the numpy path and through torch's: (outputs, caches) of each."""
     results = []
     with torch_threads(1), torch.inference_mode():
         for enabled in (True, False):
-            cache = KVCache.allocate(CONFIG, 1, batch=x.shape[0], max_length=8)
+            cache = KVCache.allocate(config or CONFIG, 1, batch=x.shape[0], max_length=8)
             k, v = cache.block(0)
             cpu_decode.ENABLED = enabled
             try:
@@ -70,3 +70,21 @@ def test_numpy_step_equals_the_torch_step_and_follows_new_weights():
     with torch.no_grad():
         block.self_attn.o_proj.weight.mul_(-1)  # filled in place (the engine's streamed slots): the views see it
     assert_same(decode_both_ways(block, x))
+
+
+def test_biases_and_a_sliding_window_follow_the_torch_step():
+    """Llama with attention_bias and mlp_bias (a bias on all four matmuls) and a 3-token window (Mistral-style)."""
+    config = ModelConfig.from_hf_config(dict(model_type="mistral", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=3))
+    biased = ModelConfig.from_hf_config(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                                             attention_bias=True, mlp_bias=True))
+    for cfg in (config, biased):
+        torch.manual_seed(1)
+        block = Block(cfg).eval()
+        with torch.no_grad():
+            for param in block.parameters():
+                param.normal_(0.0, 0.3)
+        assert_same(decode_both_ways(block, torch.randn(2, 5, 32), cfg))
+        assert block.__dict__["_numpy_arrays"].usable  # the numpy path ran
