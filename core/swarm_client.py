@@ -235,6 +235,9 @@ class _ServerSession:
         batch, tokens, width = hidden.shape
         if buffer is not None and hypo_ids is not None:
             buffer = buffer[hypo_ids]  # beam search: row i continues the old row hypo_ids[i]
+        if buffer is not None and (buffer.shape[0], buffer.shape[2]) != (batch, width):
+            raise InputError(f"hidden states {list(hidden.shape)} do not continue this session's batch of "
+                             f"{buffer.shape[0]} rows of width {buffer.shape[2]}")
         if buffer is None or buffer.shape[1] < length + tokens:
             grown = torch.empty(batch, max(16, 2 * (length + tokens)), width, dtype=torch.float32)
             if buffer is not None:

@@ -217,3 +217,30 @@ def test_cli_rejects_bad_input_in_one_line(tiny_checkpoint, capsys, argv, messag
     assert main([arg.replace("{ckpt}", str(tiny_checkpoint)) for arg in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_server_sessions_input_history_grows_rewinds_and_follows_beams():
+    """What a client replays to a replacement server: every input so far, after rewinds and beam reorders."""
+    from types import SimpleNamespace
+
+    from hivekeeper.core.swarm_client import _ServerSession
+
+    hop = SimpleNamespace(span=SimpleNamespace(info=SimpleNamespace(torch_dtype="float32")), start=0, end=2,
+                          peer_id="peer")
+    session = _ServerSession(client=None, hop=hop, max_length=100)
+    assert session.history is None and session.length == 0
+    steps = [torch.randn(2, 5, 4)] + [torch.randn(2, 1, 4) for _ in range(40)]  # past the first capacities
+    for step in steps:
+        session._remember(step, None, None)
+    expected = torch.cat(steps, dim=1)
+    assert session.length == 45 and torch.equal(session.history, expected)
+    rewind = torch.randn(2, 3, 4)
+    session._remember(rewind, None, 10)  # start_from_position: the tokens after 10 are replaced
+    expected = torch.cat([expected[:, :10], rewind], dim=1)
+    assert session.length == 13 and torch.equal(session.history, expected)
+    beam = torch.randn(2, 1, 4)
+    session._remember(beam, torch.tensor([1, 1]), None)  # both rows continue old row 1
+    expected = torch.cat([expected[[1, 1]], beam], dim=1)
+    assert torch.equal(session.history, expected)
+    with pytest.raises(InputError, match="do not continue this session's batch of 2 rows"):
+        session._remember(torch.randn(3, 1, 4), None, None)
