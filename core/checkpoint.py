@@ -242,8 +242,10 @@ def load_embedding(path: str | Path, *, dtype: str | torch.dtype = torch.float32
 
 
 def load_head(path: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              embedding: Embedding | None = None) -> Head:
-    """The final norm and LM head. For tied models pass the loaded `embedding` to share its matrix."""
+              embedding: Embedding | None = None, tall_by_column: bool = True) -> Head:
+    """The final norm and LM head. For tied models pass the loaded `embedding` to share its matrix.
+    tall_by_column: store an untied CPU fp32 matrix column-major (cpu_matmul.store_tall_by_column; the re-store
+    briefly holds a second copy of it)."""
     check_device(device)
     checkpoint = Checkpoint(path)
     config = checkpoint.config
@@ -267,7 +269,8 @@ def load_head(path: str | Path, *, dtype: str | torch.dtype = torch.float32, dev
         return head.requires_grad_(False).to(device)
     head.load_state_dict({"norm.weight": norm, "weight": weight}, assign=True)
     head = head.requires_grad_(False).to(device)
-    store_tall_by_column(head.weight)  # CPU fp32 only (a tied matrix stays as the embedding lookup needs it)
+    if tall_by_column:  # CPU fp32 only (a tied matrix stays as the embedding lookup needs it)
+        store_tall_by_column(head.weight)
     return head
 
 

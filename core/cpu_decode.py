@@ -4,8 +4,9 @@ Why: at batch 1 a decoder layer is four matrix-vector products and about thirty 
 10-40 us of dispatch on each small op (RMSNorm alone ~37 us, attention ~40 us for one query), numpy 1-2 us. Between
 matmuls that stream megabytes of weights the caches are cold, and every Python-level step costs several times its
 warm price, so the step also avoids per-call work: the block's weights are looked up as numpy views once
-(`BlockArrays`) and reused while they are still the block's. A 12-layer ~125M model went from ~6 ms of small ops
-per token in torch to ~1.5 ms (bench/decode_resident.py).
+(`BlockArrays`) and reused while they are still the block's. In a decode step of a 12-layer ~125M model the small
+ops took ~10 ms per token in torch and take ~5 ms here (~1.5 ms when the caches are warm); the model decodes ~25%
+faster (bench/decode_resident.py).
 
 The arithmetic is Block.forward's, in the same order; tests/core/test_model.py checks both paths against
 transformers. The path is taken only when `prepare` says so: torch on one thread (cpu_matmul's layout), no autograd,

@@ -106,7 +106,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # rows than columns: a 4096 x 768 fp32 weight (a 125M model's fused gate/up) read at 19-22 GB/s column-major
 # against 13-18 GB/s row-major here, and a 125M model decoded ~20% faster with its gate/up and LM head stored so.
 # Square and wide matrices (o, down) read faster row by row. Only the storage changes: the tensor keeps its
-# [out, in] shape, and torch's own matmuls accept either layout.
+# [out, in] shape, and torch's own matmuls accept either layout. The re-store holds the matrix twice for a moment,
+# so the engine skips it when it streams blocks under a RAM budget (there disk reads set the speed anyway).
 COLUMN_MAJOR_MIN_RATIO = 2
 
 

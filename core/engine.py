@@ -833,7 +833,8 @@ class OffloadedModel:
                     self._stream_reader = self.quant_store
             self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
             self.head = load_head(self.path, dtype=dtype, device=self.device,
-                                  embedding=self.embedding if config.tie_word_embeddings else None)
+                                  embedding=self.embedding if config.tie_word_embeddings else None,
+                                  tall_by_column=not plan.streamed_blocks)
             self.resident: dict[int, Block] = {}  # on the compute device
             self.pinned: dict[int, Block] = {}  # RAM blocks streamed to the GPU
             for layer, tier in enumerate(plan.weight_tiers):
@@ -878,7 +879,8 @@ class OffloadedModel:
                               quant=self.plan.quant, rotary=self.rotary)
         block = empty_block(self.config, self.rotary, self.plan.dtype, self.device)
         self.reader.fill(block, layer)
-        store_tall_linears_by_column(block)  # CPU fp32 only: faster decode matmuls
+        if not self.plan.streamed_blocks:  # CPU fp32 only: faster decode matmuls; not under a RAM budget that
+            store_tall_linears_by_column(block)  # streams blocks (the re-store briefly holds a matrix twice)
         return block
 
     def _load_slot(self, layer: int, slot: _Slot) -> None:

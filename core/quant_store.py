@@ -17,7 +17,8 @@ Every file is written to a temp file and renamed into place; the manifest is rew
 interrupted build keeps what it finished. A store made from other files (the checkpoint changed) or another
 bitsandbytes is rebuilt. A block file that is missing, of the wrong size or with a bad header is re-quantized when
 the store opens (with a warning); one whose bytes do not match its CRC-32 (checked the first time a process reads
-it) raises InputError and is removed, so the next run re-quantizes it.
+it) raises InputError and is removed, so the next run re-quantizes it. Opening a store removes the other stores
+whose checkpoint folder no longer exists.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import zlib
@@ -123,6 +125,27 @@ def _exclusive(folder: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def remove_orphaned_stores(root: Path, keep: Path) -> list[Path]:
+    """Delete the stores under `root` whose checkpoint folder is gone (moved, deleted, an evicted hub cache): nothing
+    could ever read them again. Stores whose manifest cannot be read are left alone. Returns what was removed."""
+    removed = []
+    for manifest in sorted(root.glob(f"*/{MANIFEST}")):
+        folder = manifest.parent
+        if folder == keep:
+            continue
+        try:
+            source = Path(json.loads(manifest.read_text(encoding="utf-8"))["source"]["path"])
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            continue
+        if (source / "config.json").is_file():
+            continue
+        with _exclusive(folder):  # not while another process writes it
+            shutil.rmtree(folder, ignore_errors=True)
+        log.warning("removed the quantized store %s: its checkpoint %s is gone", folder, source)
+        removed.append(folder)
+    return removed
+
+
 class QuantStore:
     """The quantized blocks of one checkpoint for one quantization and norm dtype (see the module docstring).
 
@@ -154,6 +177,7 @@ class QuantStore:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise InputError(f"{folder}: cannot create the quantized block store ({exc.strerror or exc})") from None
+        remove_orphaned_stores(folder.parent, keep=folder)
         store = cls(checkpoint, quant, dtype, folder)
         store.drop_page_cache = drop_page_cache
         try:

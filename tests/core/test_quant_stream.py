@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -279,3 +280,20 @@ def test_place_model_counts_quantized_blocks_and_streams_what_the_budget_leaves_
     assert squeezed.weight_tiers.count("cpu") == 3 and squeezed.weight_tiers.count("disk") == 5
     assert squeezed.ram_breakdown["resident_blocks"] == 3 * block
     assert squeezed.ram_breakdown["stream_buffers"] == 2 * block and squeezed.ram_bytes <= everything.ram_bytes
+
+
+def test_stores_of_checkpoints_that_are_gone_are_removed(tmp_path, caplog):
+    kept, gone = (make_demo_checkpoint(tmp_path / name, layers=2, seed=3) for name in ("kept", "gone"))
+    store = tmp_path / "store"
+    plan = plan_for(kept, "int8", (0, 1, 0))
+    run(kept, plan, store)
+    run(gone, plan, store)
+    assert len(list(store.glob("*/manifest.json"))) == 2
+    (store / "not-a-store").mkdir()  # something else in the folder is left alone
+    shutil.rmtree(gone)  # deleted (or an evicted hub cache)
+    with caplog.at_level(logging.WARNING, logger="hivekeeper.core.quant_store"):
+        _, _, model = run(kept, plan, store)
+    assert model.quant_store.quantized == []  # its own store is still there
+    assert [p.parent.name for p in store.glob("*/manifest.json")] == [model.quant_store.folder.name]
+    assert (store / "not-a-store").is_dir()
+    assert any("its checkpoint" in r.getMessage() and "is gone" in r.getMessage() for r in caplog.records)
