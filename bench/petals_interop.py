@@ -52,14 +52,24 @@ print(json.dumps({"petals": petals.__version__, "hivemind": hivemind.__version__
                   "transformers": transformers.__version__, "torch": torch.__version__}))
 """
 
-# Runs in the Petals venv: greedy generation with Petals' own client, then a forward without a session.
-PETALS_CLIENT_CODE = """
+# Scripts for the Petals venv: each loads the model with Petals' own client from the job in argv[1] (this preamble,
+# with extra from_pretrained arguments), then prints "RESULT <json>".
+PETALS_PREAMBLE = """
 import json, sys, torch
 from petals import AutoDistributedModelForCausalLM
 job = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 model = AutoDistributedModelForCausalLM.from_pretrained(job["model"], initial_peers=job["peers"],
-                                                        dht_prefix=job["prefix"], torch_dtype=torch.float32)
+                                                        dht_prefix=job["prefix"], torch_dtype=torch.float32{extra})
+"""
+
+
+def petals_script(body: str, extra_model_args: str = "") -> str:
+    return PETALS_PREAMBLE.replace("{extra}", extra_model_args) + body
+
+
+# greedy generation, then a forward without a session
+PETALS_CLIENT_CODE = petals_script("""
 ids = torch.tensor([job["prompt"]])
 with torch.inference_mode():
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=job["new_tokens"],
@@ -68,7 +78,7 @@ with torch.inference_mode():
     if job.get("forward"):
         result["last_logits"] = model(ids).logits[0, -1].tolist()
 print("RESULT " + json.dumps(result), flush=True)
-"""
+""")
 
 
 def skip(reason: str) -> None:
@@ -130,14 +140,7 @@ class PetalsServer:
 # Runs in the Petals venv: a prompt-tuning step (deep_ptune: a prompt before the input and one added inside every
 # block, which the servers receive as the `prompts` tensor) -- loss, then backward through the servers
 # (rpc_forward + rpc_backward), returning the prompts' gradients.
-PETALS_PTUNE_CODE = """
-import json, sys, torch
-from petals import AutoDistributedModelForCausalLM
-job = json.loads(sys.argv[1])
-torch.set_num_threads(1)
-model = AutoDistributedModelForCausalLM.from_pretrained(job["model"], initial_peers=job["peers"],
-                                                        dht_prefix=job["prefix"], torch_dtype=torch.float32,
-                                                        tuning_mode="deep_ptune", pre_seq_len=job["pre_seq_len"])
+PETALS_PTUNE_CODE = petals_script("""
 prompts, deep = model.transformer.prompt_embeddings, model.transformer.intermediate_prompt_embeddings
 generator = torch.Generator().manual_seed(0)
 with torch.no_grad():
@@ -148,23 +151,17 @@ loss = model(input_ids=ids, labels=ids).loss
 loss.backward()
 print("RESULT " + json.dumps({"loss": loss.item(), "prompt_grad": prompts.weight.grad.flatten().tolist(),
                               "deep_grad": deep.weight.grad.flatten().tolist()}), flush=True)
-"""
+""", ', tuning_mode="deep_ptune", pre_seq_len=job["pre_seq_len"]')
 PRE_SEQ_LEN = 3
 
 # Runs in the Petals venv: beam search, whose steps reorder the servers' caches with hypo_ids.
-PETALS_BEAM_CODE = """
-import json, sys, torch
-from petals import AutoDistributedModelForCausalLM
-job = json.loads(sys.argv[1])
-torch.set_num_threads(1)
-model = AutoDistributedModelForCausalLM.from_pretrained(job["model"], initial_peers=job["peers"],
-                                                        dht_prefix=job["prefix"], torch_dtype=torch.float32)
+PETALS_BEAM_CODE = petals_script("""
 ids = torch.tensor([job["prompt"]])
 with torch.inference_mode():
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=job["new_tokens"], num_beams=3,
                          do_sample=False, pad_token_id=0)
 print("RESULT " + json.dumps({"new_ids": out[0, ids.shape[1]:].tolist()}), flush=True)
-"""
+""")
 
 
 def our_server(model: Path, log_dir: Path, name: str, *args: str) -> ServerProcess:

@@ -822,12 +822,12 @@ class OffloadedModel:
         try:
             # int8/nf4 blocks that stream, and on a CPU the resident ones too (bitsandbytes quantizes slowly there:
             # ~6 s for a 125M model at every start), come from the quantized store, built once
-            stored = plan.streamed_blocks + (self._resident_layers() if self.device.type == "cpu" else ())
+            stored = tuple(range(config.num_layers)) if self.device.type == "cpu" else plan.streamed_blocks
             if plan.quant != "none" and stored:
                 from .quant_store import QuantStore  # it imports this module
 
                 norm_dtype = _quant_compute_dtype(dtype, self.device)
-                self.quant_store = QuantStore.open(self.checkpoint, plan.quant, norm_dtype, sorted(stored),
+                self.quant_store = QuantStore.open(self.checkpoint, plan.quant, norm_dtype, stored,
                                                    root=quant_store_dir, drop_page_cache=drop_page_cache)
                 if plan.streamed_blocks:
                     self._stream_reader = self.quant_store
@@ -865,9 +865,6 @@ class OffloadedModel:
         if self.quant_store is not None:
             return list(quantized_tensors(block).values())
         return list(block.parameters())
-
-    def _resident_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, tier in enumerate(self.plan.weight_tiers) if tier == self.plan.compute_tier)
 
     def _load_resident(self, layer: int) -> Block:
         if self.plan.quant != "none" and self.device.type == "cpu":
