@@ -19,7 +19,7 @@ from torch import Tensor
 
 from hivekeeper.planner.errors import InputError
 
-from .cpu_matmul import store_tall_by_column, store_tall_linears_by_column
+from .cpu_matmul import pack_in_order, store_tall_by_column, store_tall_linears_by_column
 from .model import Block, Embedding, Head, ModelConfig, RotaryTable, Span
 from .quant import check_quant, quantize_block
 
@@ -224,6 +224,8 @@ def load_span(path: str | Path, start: int, end: int, *, dtype: str | torch.dtyp
                   for layer in range(start, end)]
     finally:
         checkpoint.close()
+    if quant == "none":
+        pack_in_order(blocks)  # CPU fp32 weights in one buffer, in the order a decode step reads them
     return Span(config, start, end, blocks)
 
 

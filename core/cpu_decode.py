@@ -16,12 +16,14 @@ quantized blocks, backward) runs Block.forward's torch code.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from . import native_kernels
 from .cpu_matmul import Linear, blas_active
 
 ENABLED = True  # tests switch it off to run the torch path through the same checks
@@ -49,6 +51,7 @@ class BlockArrays:
         self.usable = all(isinstance(layer, Linear) for layer in linears) and all(
             tensor.dtype is torch.float32 and tensor.device.type == "cpu"
             for _, _, tensor, _ in self._tensors if tensor is not None)
+        self.native = None  # the C kernels' table of this block, when they can run it
         if not self.usable:
             return
 
@@ -60,6 +63,23 @@ class BlockArrays:
         self.weights = tuple((array(layer.weight), array(layer.bias)) for layer in linears)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.intermediate_size = mlp.intermediate_size
+        self.native = self._native_block(attn) if native_kernels.library() is not None else None
+
+    def _native_block(self, attn) -> native_kernels.Block | None:
+        """The C kernels' view of this block (they read row-major weights only), or None."""
+        arrays = [*self.norm_weights, *(a for pair in self.weights for a in pair if a is not None)]
+        if not all(a.flags.c_contiguous for a in arrays):
+            return None
+
+        def address(a: np.ndarray | None) -> int | None:
+            return None if a is None else a.ctypes.data
+
+        (qkv_w, qkv_b), (o_w, o_b), (gate_up_w, gate_up_b), (down_w, down_b) = self.weights
+        return native_kernels.Block(
+            self.norm_weights[0].shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
+            address(self.norm_weights[0]), address(self.norm_weights[1]), self.norm_eps[0], self.norm_eps[1],
+            address(qkv_w), address(qkv_b), address(o_w), address(o_b), address(gate_up_w), address(gate_up_b),
+            address(down_w), address(down_b))
 
     def current(self) -> bool:
         return all(parent._modules.get(name) is child for parent, name, child in self._children) and all(
@@ -76,13 +96,18 @@ def block_arrays(block) -> BlockArrays:
     return arrays
 
 
+def _step_allowed(hidden: Tensor, k_cache: Tensor | None) -> bool:
+    """Whether a decode step of these hidden states and cache can leave torch (see the module docstring)."""
+    if not ENABLED or k_cache is None or hidden.dim() != 3 or hidden.shape[1] != 1:
+        return False
+    if hidden.dtype is not torch.float32 or hidden.device.type != "cpu" or k_cache.dtype is not torch.float32:
+        return False
+    return not torch.is_grad_enabled() and blas_active() and k_cache.device.type == "cpu"
+
+
 def prepare(block, hidden: Tensor, k_cache: Tensor | None) -> BlockArrays | None:
     """The block's arrays when this step can run in numpy (`decode_step`), else None (Block.forward's torch code)."""
-    if not ENABLED or k_cache is None or hidden.dim() != 3 or hidden.shape[1] != 1:
-        return None
-    if hidden.dtype is not torch.float32 or hidden.device.type != "cpu" or k_cache.dtype is not torch.float32:
-        return None
-    if torch.is_grad_enabled() or not blas_active() or k_cache.device.type != "cpu":
+    if not _step_allowed(hidden, k_cache):
         return None
     arrays = block_arrays(block)
     return arrays if arrays.usable else None
@@ -121,9 +146,13 @@ def decode_step(block, w: BlockArrays, hidden: Tensor, k_cache: Tensor, v_cache:
                 rope: tuple[Tensor, Tensor]) -> Tensor:
     """Block.forward for hidden [batch, 1, hidden_size] at `position` with the block's arrays `w` (from `prepare`),
     writing K/V into the caches [batch, kv_heads, max_length, head_dim]. Returns a new [batch, 1, hidden] tensor."""
+    batch, _, width = hidden.shape
+    if w.native is not None and batch == 1 and native_kernels.ENABLED:
+        out = _native_step(block, w.native, hidden, k_cache, v_cache, position, rope)
+        if out is not None:
+            return out
     (qkv_w, qkv_b), (o_w, o_b), (gate_up_w, gate_up_b), (down_w, down_b) = w.weights
     nh, nkv, d = w.num_heads, w.num_kv_heads, w.head_dim
-    batch, _, width = hidden.shape
     x = hidden.detach().numpy().reshape(batch, width)  # [b, hidden]
     cos, signed_sin = rope[0].numpy().reshape(d), rope[1].numpy().reshape(d)
     half = d // 2
@@ -139,8 +168,7 @@ def decode_step(block, w: BlockArrays, hidden: Tensor, k_cache: Tensor, v_cache:
     keys_all[:, :, position] = rotated[:, nh:]
     values_all[:, :, position] = qkv[:, nh + nkv :]
     end = position + 1
-    window = block.self_attn.window  # per call: the engine's streamed slots change it with the layer
-    first_key = end - window if window is not None and end > window else 0
+    first_key = _first_key(block, position)
     keys, values = keys_all[:, :, first_key:end], values_all[:, :, first_key:end]  # [b, nkv, n, d]
     q = rotated[:, :nh].reshape(batch, nkv, nh // nkv, d)  # each kv head's query group
     scores = np.matmul(q, keys.transpose(0, 1, 3, 2))  # [b, nkv, groups, n]
@@ -157,3 +185,121 @@ def decode_step(block, w: BlockArrays, hidden: Tensor, k_cache: Tensor, v_cache:
     size = w.intermediate_size
     x += _matmul(_silu_times(gate_up[:, :size], gate_up[:, size:]), down_w, down_b)
     return torch.from_numpy(x).view(batch, 1, width)
+
+
+def _first_key(block, position: int) -> int:
+    window = block.self_attn.window  # per call: the engine's streamed slots change it with the layer
+    end = position + 1
+    return end - window if window is not None and end > window else 0
+
+
+def _native_cache(block, k_cache: Tensor, v_cache: Tensor) -> native_kernels.Cache | None:
+    """The C kernels' hk_cache for row 0 of a block's caches, or None when they cannot take them."""
+    if (k_cache.dtype is not torch.float32 or k_cache.device.type != "cpu" or v_cache.dtype is not torch.float32
+            or v_cache.device.type != "cpu" or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1):
+        return None
+    return native_kernels.Cache(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1), k_cache.stride(2),
+                                block.self_attn.window or 0)
+
+
+def _native_token(position: int, rope: tuple[Tensor, Tensor]) -> tuple[native_kernels.Token, tuple[Tensor, Tensor]]:
+    """The C kernels' hk_token, and the rope tables it points into (keep them until the call returns)."""
+    cos, signed_sin = (table if table.is_contiguous() else table.contiguous() for table in rope)
+    return native_kernels.Token(position, cos.data_ptr(), signed_sin.data_ptr()), (cos, signed_sin)
+
+
+def _run_native_span(library, block_table: ctypes.Array, cache_table: ctypes.Array, hidden: Tensor, position: int,
+                     rope: tuple[Tensor, Tensor]) -> Tensor:
+    token, _tables = _native_token(position, rope)
+    out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [1, 1, hidden]: updated in place
+    if library.hk_span_decode(block_table, cache_table, len(block_table), ctypes.byref(token), out.data_ptr()) != 0:
+        raise MemoryError("decode: the native kernels could not allocate their scratch memory")
+    return out
+
+
+def _native_tables(blocks, caches) -> tuple[ctypes.Array, ctypes.Array, list[BlockArrays]] | None:
+    """(block table, cache table, the blocks' arrays) for the C kernels, or None when they cannot run every block."""
+    arrays, entries = [], []
+    for block, (k_cache, v_cache) in zip(blocks, caches, strict=True):
+        block_weights = block_arrays(block)
+        entry = _native_cache(block, k_cache, v_cache) if block_weights.native is not None else None
+        if entry is None:
+            return None
+        arrays.append(block_weights)
+        entries.append(entry)
+    count = len(arrays)
+    return ((native_kernels.Block * count)(*(a.native for a in arrays)), (native_kernels.Cache * count)(*entries),
+            arrays)
+
+
+def decode_blocks(blocks, caches, hidden: Tensor, position: int, rope: tuple[Tensor, Tensor]) -> Tensor | None:
+    """One token (hidden [1, 1, hidden_size]) through consecutive `blocks` with their (k, v) `caches` in one call
+    of the C kernels, or None when the native path cannot take all of them (the caller runs them one by one).
+    Every call checks that each block's weights are still those its table points to (`block_arrays`)."""
+    library = native_kernels.library()
+    if library is None or not blocks or hidden.shape[:2] != (1, 1) or not _step_allowed(hidden, caches[0][0]):
+        return None
+    tables = _native_tables(blocks, caches)
+    if tables is None:
+        return None
+    return _run_native_span(library, tables[0], tables[1], hidden, position, rope)
+
+
+class PreparedSpan:
+    """decode_blocks for blocks whose weights stay put (an engine's resident blocks: nothing replaces or moves
+    them after loading) and one set of caches. The tables are built once, so a step costs one call and no Python
+    per block (~40 us a block otherwise, cache-cold between matmuls). Each step checks that the caches are still
+    the same tensors."""
+
+    def __init__(self, blocks, caches, tables):
+        self.block_table, self.cache_table, self._arrays = tables
+        self._caches = [tensor for pair in caches for tensor in pair]  # also keeps them alive for the table
+
+    @classmethod
+    def prepare(cls, blocks, caches, hidden: Tensor) -> "PreparedSpan | None":
+        if native_kernels.library() is None or not blocks or not _step_allowed(hidden, caches[0][0]):
+            return None
+        tables = _native_tables(blocks, caches)
+        return cls(blocks, caches, tables) if tables is not None else None
+
+    def __call__(self, caches, hidden: Tensor, position: int, rope: tuple[Tensor, Tensor]) -> Tensor | None:
+        """The step, or None when it cannot run natively now (autograd on, threads changed, other caches)."""
+        library = native_kernels.library()
+        if library is None or hidden.shape[:2] != (1, 1) or not _step_allowed(hidden, self._caches[0]):
+            return None
+        if any(a is not b for a, b in zip((t for pair in caches for t in pair), self._caches, strict=True)):
+            return None
+        return _run_native_span(library, self.block_table, self.cache_table, hidden, position, rope)
+
+
+def head_step(head, hidden: Tensor) -> Tensor | None:
+    """Head.forward (final norm, LM head) of one row in one call of the C kernels, or None when it cannot run
+    there (then torch and cpu_matmul.linear do)."""
+    library = native_kernels.library()
+    norm, weight = head.norm, head.weight
+    if (library is None or hidden.numel() != hidden.shape[-1] or hidden.dtype is not torch.float32
+            or hidden.device.type != "cpu" or weight.dtype is not torch.float32 or weight.device.type != "cpu"
+            or norm.weight.dtype is not torch.float32 or not weight.is_contiguous() or torch.is_grad_enabled()
+            or not blas_active()):
+        return None
+    row = hidden.detach().reshape(-1).contiguous()
+    logits = torch.empty(*hidden.shape[:-1], weight.shape[0])
+    if library.hk_norm_gemv(norm.weight.data_ptr(), norm.eps, weight.data_ptr(), row.data_ptr(), logits.data_ptr(),
+                            weight.shape[0], weight.shape[1]) != 0:
+        raise MemoryError("head_step: the native kernels could not allocate their scratch memory")
+    return logits
+
+
+def _native_step(block, native: native_kernels.Block, hidden: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 position: int, rope: tuple[Tensor, Tensor]) -> Tensor | None:
+    """decode_step for one row in one call of the C kernels (core/native/decode_kernels.c); None when the caches'
+    layout does not suit them."""
+    cache = _native_cache(block, k_cache, v_cache)
+    if cache is None:
+        return None
+    token, _tables = _native_token(position, rope)
+    out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [1, 1, hidden]: updated in place
+    if native_kernels.library().hk_block_decode(ctypes.byref(native), ctypes.byref(cache), ctypes.byref(token),
+                                                out.data_ptr()) != 0:
+        raise MemoryError("decode_step: the native kernels could not allocate their scratch memory")
+    return out

@@ -45,8 +45,9 @@ from torch import Tensor
 from hivekeeper.planner.costmodel import Policy
 from hivekeeper.planner.errors import InputError
 
+from . import cpu_decode
 from .block_variants import forward_recomputing_kv, forward_with_attention_at_cache
-from .cpu_matmul import store_tall_linears_by_column, use_blas_threads
+from .cpu_matmul import pack_in_order, store_tall_linears_by_column, use_blas_threads
 from .checkpoint import Checkpoint, _quant_compute_dtype, block_tensor_names, load_block, load_embedding, load_head
 from .local_plan import cpu_has_half_math
 from .model import Block, ModelConfig, RotaryTable
@@ -686,6 +687,7 @@ class TieredKVCache(_TieredStore):
         needs_scratch = not attention_at_home and any(self._off_device(i) for i in range(len(tiers)))
         self._scratch = (torch.empty(shape, dtype=dtype, device=self.device),
                          torch.empty(shape, dtype=dtype, device=self.device)) if needs_scratch else None
+        self.native_span = None  # OffloadedModel's PreparedSpan for these caches (False: they cannot take one)
 
     def load(self, index: int, position: int) -> tuple[Tensor, Tensor]:
         """(k, v) of block `index` on the compute device, holding the first `position` tokens."""
@@ -843,6 +845,9 @@ class OffloadedModel:
                 elif tier == "cpu":
                     self.pinned[layer] = self._stream_buffer("cpu", pin=True)
                     self._stream_reader.fill(self.pinned[layer], layer)
+            if self.device.type == "cpu" and plan.quant == "none" and not plan.streamed_blocks:
+                # in the order a decode step reads them (not under a RAM budget: packing holds a tensor twice)
+                pack_in_order([self.resident[layer] for layer in sorted(self.resident)] + [self.head])
             streamed = plan.streamed_blocks
             if streamed:
                 disk = any(plan.weight_tiers[i] == "disk" for i in streamed)
@@ -935,6 +940,10 @@ class OffloadedModel:
             raise InputError(f"{position + t} tokens exceed the KV cache's max_length {cache.max_length}")
         hidden = hidden.to(device=self.device, dtype=self.plan.dtype)
         rope = self.rotary.get(position, t, hidden.device, hidden.dtype)
+        native = self._native_decode(hidden, cache, position, rope)
+        if native is not None:
+            cache.length = position + t
+            return native
         rows = self._micro_batches(batch)
         # between blocks, each micro-batch's hidden states live where the plan says: the device or pinned RAM
         homes = [self.device if tier == "gpu" else torch.device("cpu")
@@ -956,6 +965,23 @@ class OffloadedModel:
         if len(parts) == 1:
             return parts[0].to(self.device)
         return torch.cat([part.to(self.device, non_blocking=True) for part in parts])
+
+    def _native_decode(self, hidden: Tensor, cache: TieredKVCache | RecomputeCache, position: int,
+                       rope: tuple[Tensor, Tensor]) -> Tensor | None:
+        """One token through every block in one call of the C kernels (cpu_decode.decode_blocks) when all blocks
+        are resident in RAM with their K/V caches, else None (the layer-by-layer loop runs)."""
+        if (hidden.shape[:2] != (1, 1) or self.device.type != "cpu" or not isinstance(cache, TieredKVCache)
+                or len(self.resident) != self.config.num_layers):
+            return None
+        prepared = cache.native_span
+        if prepared is None:  # first step with this cache
+            layers = range(self.config.num_layers)
+            if any(self.plan.attention_tier(i) != self.plan.compute_tier or cache._off_device(i) for i in layers):
+                prepared = False
+            else:
+                prepared = cpu_decode.PreparedSpan.prepare([self.resident[i] for i in layers], cache.blocks, hidden)
+            cache.native_span = prepared or False  # False: not this cache (None would ask again every step)
+        return prepared(cache.blocks, hidden, position, rope) if prepared else None
 
     def close(self) -> None:
         if self.streamer is not None:

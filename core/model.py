@@ -535,9 +535,16 @@ class Span(nn.Module):
         if t == 0:
             return hidden
         rope = self.rotary.get(position, t, hidden.device, hidden.dtype)
-        for i, block in enumerate(self.blocks):
-            k, v = cache.block(i) if cache is not None else (None, None)
-            hidden = block(hidden, k, v, position, rope)
+        native = None
+        if cache is not None and t == 1:  # one token on the CPU: every block in one call of the C kernels
+            native = cpu_decode.decode_blocks(self.blocks, [cache.block(i) for i in range(len(self.blocks))],
+                                              hidden, position, rope)
+        if native is not None:
+            hidden = native
+        else:
+            for i, block in enumerate(self.blocks):
+                k, v = cache.block(i) if cache is not None else (None, None)
+                hidden = block(hidden, k, v, position, rope)
         if cache is not None:
             cache.length = position + t
         return hidden
@@ -599,4 +606,5 @@ class Head(nn.Module):
         self.weight = weight if weight is not None else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return linear(self.norm(hidden), self.weight)
+        logits = cpu_decode.head_step(self, hidden)  # one row on the CPU: norm and LM head in one native call
+        return logits if logits is not None else linear(self.norm(hidden), self.weight)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hivekeeper.core import cpu_decode
+from hivekeeper.core import cpu_decode, native_kernels
 from hivekeeper.core.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.model import KVCache, ModelConfig, Span, rope_inverse_frequencies
 from hivekeeper.planner.errors import InputError
@@ -86,14 +86,27 @@ def reference(request, tmp_path_factory):
     return family, path, token_ids, hidden, logits, model
 
 
-@pytest.fixture(params=["numpy-decode", "torch-decode"])
+@pytest.fixture(params=["native-decode", "numpy-decode", "torch-decode"])
 def decode_path(request, monkeypatch):
-    """Run 1-token steps through cpu_decode (numpy) or Block.forward's torch code; yields (path, numpy calls)."""
-    monkeypatch.setattr(cpu_decode, "ENABLED", request.param == "numpy-decode")
+    """Run 1-token steps through the C kernels (one call per span), cpu_decode's numpy step or Block.forward's torch
+    code; yields (path, batch, calls of that path). The C kernels take one row at a time, so that path runs row 0."""
+    path = request.param
+    if path == "native-decode" and native_kernels.library() is None:
+        pytest.skip(f"native kernels {native_kernels.status()}")
+    monkeypatch.setattr(native_kernels, "ENABLED", path == "native-decode")
+    monkeypatch.setattr(cpu_decode, "ENABLED", path != "torch-decode")
     calls = []
-    real = cpu_decode.decode_step
-    monkeypatch.setattr(cpu_decode, "decode_step", lambda *args: calls.append(1) or real(*args))
-    return request.param, calls
+    name = "decode_blocks" if path == "native-decode" else "decode_step"
+    real = getattr(cpu_decode, name)
+    monkeypatch.setattr(cpu_decode, name, lambda *args: (lambda out: calls.append(out is not None) or out)(real(*args)))
+    return path, (1 if path == "native-decode" else 2), calls
+
+
+def expected_calls(decode_path, layers: int) -> list[bool]:
+    path, _, calls = decode_path
+    if path == "native-decode":
+        return [True] * DECODE  # one call per token for all the span's blocks, each taken natively
+    return [True] * (layers * DECODE) if path == "numpy-decode" else []
 
 
 def run_with_cache(span: Span, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -118,27 +131,29 @@ def test_full_model_logits_match(reference):
 
 def test_full_model_logits_match_through_cache(reference, decode_path):
     family, path, token_ids, _, ref_logits, _ = reference
+    batch = decode_path[1]
     embedding, span, head = load_embedding(path), load_span(path, 0, LAYERS), load_head(path)
-    cache = KVCache.allocate(span.config, LAYERS, batch=2, max_length=SEQ)
+    cache = KVCache.allocate(span.config, LAYERS, batch=batch, max_length=SEQ)
     with torch.inference_mode():
-        logits = head(run_with_cache(span, embedding(token_ids), cache))
+        logits = head(run_with_cache(span, embedding(token_ids[:batch]), cache))
     assert cache.length == SEQ
-    assert (logits - ref_logits).abs().max().item() <= TOL
-    assert len(decode_path[1]) == (LAYERS * DECODE if decode_path[0] == "numpy-decode" else 0)
+    assert (logits - ref_logits[:batch]).abs().max().item() <= TOL
+    assert decode_path[2] == expected_calls(decode_path, LAYERS)
 
 
 @pytest.mark.parametrize("start,end", [(1, 3), (3, 4)])
 def test_span_hidden_states_match_through_prefill_chunks_and_decode(reference, start, end, decode_path):
     family, path, _, hidden, _, _ = reference
+    batch = decode_path[1]
     span = load_span(path, start, end)
     assert (span.start, span.end, len(span.blocks)) == (start, end, end - start)
-    cache = KVCache.allocate(span.config, end - start, batch=2, max_length=SEQ + 4)
+    cache = KVCache.allocate(span.config, end - start, batch=batch, max_length=SEQ + 4)
     with torch.inference_mode():
-        out = run_with_cache(span, hidden[start], cache)
-        plain = span(hidden[start])  # no cache: one causal forward
-    assert (out - hidden[end]).abs().max().item() <= TOL
-    assert (plain - hidden[end]).abs().max().item() <= TOL
-    assert len(decode_path[1]) == ((end - start) * DECODE if decode_path[0] == "numpy-decode" else 0)
+        out = run_with_cache(span, hidden[start][:batch], cache)
+        plain = span(hidden[start][:batch])  # no cache: one causal forward
+    assert (out - hidden[end][:batch]).abs().max().item() <= TOL
+    assert (plain - hidden[end][:batch]).abs().max().item() <= TOL
+    assert decode_path[2] == expected_calls(decode_path, end - start)
 
 
 def test_backward_through_the_blocks_matches(reference):

@@ -1,0 +1,369 @@
+/* One-token decode of a decoder layer in fp32 on x86-64 CPUs with AVX2 and FMA (hivekeeper.core.native_kernels
+ * compiles this file at first use and calls it through ctypes).
+ *
+ * Why native code: at batch 1 a layer is four matrix-vector products that stream megabytes of weights, with ~30
+ * small vector ops between them. From Python each small op costs microseconds, cache-cold after every matmul, and
+ * the matmuls go through OpenBLAS, whose worker threads spin between calls. Here a layer is one call: the small ops
+ * run in a few microseconds, and the matrix-vector products run on a small thread pool of our own whose workers
+ * wait spinning for a moment, then sleep.
+ *
+ * The arithmetic is Block.forward's, in the same order (tests/core/test_native_kernels.py and test_model.py compare
+ * it with the torch and numpy paths and with transformers). Weights are row-major [out, in], as torch stores them.
+ * Calls are serialized by one lock: the pool and the scratch buffers are shared.
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_THREADS 64
+
+/* Busy-wait step. Not PAUSE: in a KVM guest a PAUSE loop traps to the hypervisor (pause-loop exiting), which may
+   deschedule the waiting vCPU; a 125M model decoded 10-20% slower with it. OpenBLAS spins with NOPs as well. */
+#define SPIN_STEP() __asm__ __volatile__("nop; nop; nop; nop; nop; nop; nop; nop")
+
+/* ---- thread pool ---------------------------------------------------------------------------------------------- */
+typedef void (*task_fn)(void *ctx, int index, int count);
+
+static struct {
+    int count;             /* threads running tasks, the caller's included; 0 before the first task */
+    int wanted;            /* hk_set_threads */
+    pid_t owner;           /* the process that started the workers: a forked child starts its own */
+    pthread_t workers[MAX_THREADS];
+    _Atomic uint64_t generation; /* bumped once per task: workers watch it */
+    uint64_t start_generation;
+    _Atomic int running, sleepers, stop;
+    task_fn fn;
+    void *ctx;
+    pthread_mutex_t mutex;
+    pthread_cond_t wake;
+    double spin_seconds;   /* how long an idle worker spins before it sleeps */
+} pool = {.wanted = 1, .spin_seconds = 0.002};
+
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* A child forked while another thread held the lock would wait forever; its pool restarts on first use. */
+static void reset_in_child(void) { pthread_mutex_init(&call_lock, NULL); }
+__attribute__((constructor)) static void register_fork_handler(void) { pthread_atfork(NULL, NULL, reset_in_child); }
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void *worker_main(void *arg) {
+    int index = (int)(intptr_t)arg;
+    uint64_t seen = pool.start_generation, current;
+    for (;;) {
+        double deadline = 0;
+        unsigned spins = 0;
+        while ((current = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
+            SPIN_STEP();
+            if ((++spins & 255) != 0) continue;
+            double now = seconds_now();
+            if (deadline == 0) {
+                deadline = now + pool.spin_seconds;
+            } else if (now > deadline) {
+                /* sleepers is raised before generation is read again under the mutex, and the caller bumps
+                   generation before it reads sleepers: one of the two sees the other (no lost wake-up) */
+                pthread_mutex_lock(&pool.mutex);
+                atomic_fetch_add(&pool.sleepers, 1);
+                while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.mutex);
+                atomic_fetch_sub(&pool.sleepers, 1);
+                pthread_mutex_unlock(&pool.mutex);
+                deadline = 0;
+            }
+        }
+        seen = current;
+        if (atomic_load(&pool.stop)) return NULL;
+        pool.fn(pool.ctx, index, pool.count);
+        atomic_fetch_sub_explicit(&pool.running, 1, memory_order_release);
+    }
+}
+
+static void pool_stop(void) {
+    if (pool.count > 1) {
+        atomic_store(&pool.stop, 1);
+        atomic_fetch_add(&pool.generation, 1);
+        pthread_mutex_lock(&pool.mutex);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.mutex);
+        for (int i = 1; i < pool.count; i++) pthread_join(pool.workers[i], NULL);
+    }
+    pool.count = 0;
+}
+
+static void pool_start(void) {
+    pool.owner = getpid();
+    pthread_mutex_init(&pool.mutex, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.stop, 0);
+    pool.start_generation = atomic_load(&pool.generation);
+    pool.count = 1;
+    for (int i = 1; i < pool.wanted; i++) {
+        if (pthread_create(&pool.workers[i], NULL, worker_main, (void *)(intptr_t)i) != 0) break;
+        pool.count = i + 1;
+    }
+}
+
+/* Run fn(ctx, index, count) on every thread of the pool (the caller is index 0) and wait for all of them. */
+static void parallel(task_fn fn, void *ctx) {
+    if (pool.owner != getpid()) {
+        pool.count = 0; /* a forked child: the workers stayed in the parent */
+        pool_start();
+    } else if (pool.count != pool.wanted) {
+        pool_stop();
+        pool_start();
+    }
+    if (pool.count == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    atomic_store(&pool.running, pool.count - 1);
+    atomic_fetch_add(&pool.generation, 1);
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.mutex);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.mutex);
+    }
+    fn(ctx, 0, pool.count);
+    while (atomic_load_explicit(&pool.running, memory_order_acquire) > 0) SPIN_STEP();
+}
+
+/* Threads for the next calls (the pool restarts when it changes); returns the count in effect. */
+int hk_set_threads(int count) {
+    pthread_mutex_lock(&call_lock);
+    pool.wanted = count < 1 ? 1 : count > MAX_THREADS ? MAX_THREADS : count;
+    pthread_mutex_unlock(&call_lock);
+    return pool.wanted;
+}
+
+/* Stop the workers (they are started again by the next call). */
+void hk_shutdown(void) {
+    pthread_mutex_lock(&call_lock);
+    if (pool.owner == getpid()) pool_stop();
+    pthread_mutex_unlock(&call_lock);
+}
+
+/* ---- matrix-vector product ------------------------------------------------------------------------------------ */
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static float dot(const float *a, const float *b, long n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0; /* four chains: more loads in flight */
+    long j = 0;
+    for (; j + 32 <= n; j += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), s3);
+    }
+    for (; j + 8 <= n; j += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+    float s = sum8(_mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3)));
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+typedef struct {
+    const float *w, *x, *bias; /* w [rows, cols] row-major, x [cols], bias [rows] or NULL */
+    float *y;                  /* [rows]: y = w x + bias, or y += w x + bias when accumulate */
+    long rows, cols;
+    int accumulate;
+} gemv_task;
+
+/* One row at a time: each thread reads its share of the matrix as one forward stream, which this CPU's
+   prefetchers follow best (4- and 8-row blocks and software prefetching measured slower). */
+static void gemv_part(void *ctx, int index, int count) {
+    const gemv_task *t = ctx;
+    long per = (t->rows + count - 1) / count;
+    long r0 = per * index, r1 = r0 + per < t->rows ? r0 + per : t->rows;
+    for (long r = r0; r < r1; r++) {
+        float s = dot(t->w + r * t->cols, t->x, t->cols);
+        if (t->bias) s += t->bias[r];
+        t->y[r] = t->accumulate ? t->y[r] + s : s;
+    }
+}
+
+static void gemv(const float *w, const float *x, const float *bias, float *y, long rows, long cols, int accumulate) {
+    gemv_task t = {w, x, bias, y, rows, cols, accumulate};
+    parallel(gemv_part, &t);
+}
+
+/* y [rows] = w [rows, cols] x [cols] (+ bias) on the pool. */
+void hk_gemv(const float *w, const float *x, const float *bias, float *y, long rows, long cols) {
+    pthread_mutex_lock(&call_lock);
+    gemv(w, x, bias, y, rows, cols, 0);
+    pthread_mutex_unlock(&call_lock);
+}
+
+/* ---- one decoder layer ---------------------------------------------------------------------------------------- */
+typedef struct {
+    long hidden, heads, kv_heads, head_dim, intermediate;
+    const float *norm1, *norm2; /* input_layernorm, post_attention_layernorm weights [hidden] */
+    double eps1, eps2;
+    const float *qkv_w, *qkv_b;         /* [(heads + 2 kv_heads) head_dim, hidden]: q, k, v rows */
+    const float *o_w, *o_b;             /* [hidden, heads head_dim] */
+    const float *gate_up_w, *gate_up_b; /* [2 intermediate, hidden]: gate rows, then up rows */
+    const float *down_w, *down_b;       /* [hidden, intermediate] */
+} hk_block;
+
+typedef struct {
+    float *k, *v;                       /* this row's caches: [kv_heads, max_length, head_dim], head_dim contiguous */
+    long head_stride, position_stride;  /* in floats */
+    long window;                        /* the layer's sliding window (the last `window` keys), 0 for none */
+} hk_cache;
+
+typedef struct {
+    long position;                      /* the new token's K/V go there */
+    const float *cos, *signed_sin;      /* [head_dim]: rotate_half's sign folded into signed_sin */
+} hk_token;
+
+static void rms_norm(const float *x, const float *weight, double eps, float *out, long n) {
+    double squares = 0;
+    for (long i = 0; i < n; i++) squares += (double)x[i] * x[i];
+    float inv_rms = (float)(1.0 / sqrt(squares / (double)n + eps));
+    for (long i = 0; i < n; i++) out[i] = x[i] * weight[i] * inv_rms;
+}
+
+static void rotate(float *v, const float *cos, const float *signed_sin, long d) {
+    long half = d / 2;
+    for (long i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] + b * signed_sin[i];
+        v[i + half] = b * cos[i + half] + a * signed_sin[i + half];
+    }
+}
+
+typedef struct {
+    const hk_block *b;
+    const hk_cache *c;
+    long first_key, keys; /* attend to keys [first_key, first_key + keys) */
+    const float *q; /* [heads, head_dim], rotated */
+    float *scores;  /* [heads, keys] */
+    float *context; /* [heads, head_dim] */
+} attention_task;
+
+/* softmax(q k^T / sqrt(d)) v for this thread's share of kv heads (each with its group of query heads) */
+static void attention_part(void *ctx, int index, int count) {
+    const attention_task *t = ctx;
+    const hk_block *b = t->b;
+    const hk_cache *c = t->c;
+    long d = b->head_dim, group = b->heads / b->kv_heads, keys = t->keys;
+    float scale = (float)(1.0 / sqrt((double)d));
+    for (long g = index; g < b->kv_heads; g += count) {
+        const float *k = c->k + g * c->head_stride + t->first_key * c->position_stride;
+        const float *v = c->v + g * c->head_stride + t->first_key * c->position_stride;
+        for (long h = g * group; h < (g + 1) * group; h++) {
+            float *p = t->scores + h * keys, *out = t->context + h * d;
+            float top = -INFINITY, total = 0;
+            for (long n = 0; n < keys; n++) {
+                p[n] = dot(t->q + h * d, k + n * c->position_stride, d) * scale;
+                top = p[n] > top ? p[n] : top;
+            }
+            for (long n = 0; n < keys; n++) total += (p[n] = expf(p[n] - top));
+            memset(out, 0, (size_t)d * sizeof(float));
+            for (long n = 0; n < keys; n++) {
+                const float *vn = v + n * c->position_stride;
+                float weight = p[n] / total;
+                for (long i = 0; i < d; i++) out[i] += weight * vn[i];
+            }
+        }
+    }
+}
+
+static float *scratch;
+static size_t scratch_floats;
+
+static int reserve_scratch(size_t floats) {
+    if (floats <= scratch_floats) return 0;
+    float *grown = realloc(scratch, floats * sizeof(float));
+    if (!grown) return -1;
+    scratch = grown;
+    scratch_floats = floats;
+    return 0;
+}
+
+/* x [hidden] <- the layer's output for one token at t->position; writes its K/V into the caches (call_lock held). */
+static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x) {
+    long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, width = b->hidden, size = b->intermediate;
+    long end = t->position + 1, first_key = c->window > 0 && end > c->window ? end - c->window : 0;
+    long keys = end - first_key;
+    long qkv_rows = (nh + 2 * nkv) * d;
+    size_t need = (size_t)(width + qkv_rows + nh * keys + nh * d + 2 * size + size);
+    if (reserve_scratch(need) != 0) return -1;
+    float *normed = scratch, *qkv = normed + width, *scores = qkv + qkv_rows, *context = scores + nh * keys;
+    float *gate_up = context + nh * d, *act = gate_up + 2 * size;
+
+    /* attention: q, k, v from one matmul; q and k rotated; this token's k and v into the cache */
+    rms_norm(x, b->norm1, b->eps1, normed, width);
+    gemv(b->qkv_w, normed, b->qkv_b, qkv, qkv_rows, width, 0);
+    for (long h = 0; h < nh + nkv; h++) rotate(qkv + h * d, t->cos, t->signed_sin, d);
+    for (long g = 0; g < nkv; g++) {
+        long at = g * c->head_stride + t->position * c->position_stride;
+        memcpy(c->k + at, qkv + (nh + g) * d, (size_t)d * sizeof(float));
+        memcpy(c->v + at, qkv + (nh + nkv + g) * d, (size_t)d * sizeof(float));
+    }
+    attention_task attention = {b, c, first_key, keys, qkv, scores, context};
+    if (keys * nh * d >= (1L << 16)) /* long contexts: kv heads over the pool; short ones cost less than a hand-off */
+        parallel(attention_part, &attention);
+    else
+        attention_part(&attention, 0, 1);
+    gemv(b->o_w, context, b->o_b, x, width, nh * d, 1); /* x += o(context) */
+
+    /* MLP: gate and up from one matmul */
+    rms_norm(x, b->norm2, b->eps2, normed, width);
+    gemv(b->gate_up_w, normed, b->gate_up_b, gate_up, 2 * size, width, 0);
+    for (long i = 0; i < size; i++) {
+        float g = gate_up[i];
+        act[i] = g / (1.0f + expf(-g)) * gate_up[size + i];
+    }
+    gemv(b->down_w, act, b->down_b, x, width, size, 1); /* x += down(act) */
+    return 0;
+}
+
+/* One layer's decode step (see block_decode). Returns 0, or -1 when scratch memory ran out (x unchanged). */
+int hk_block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x) {
+    pthread_mutex_lock(&call_lock);
+    int status = block_decode(b, c, t, x);
+    pthread_mutex_unlock(&call_lock);
+    return status;
+}
+
+/* y [rows] = w [rows, cols] rms_norm(x [cols]) * norm: the final norm and LM head of a decode step. Returns 0, or -1
+   when scratch memory ran out. */
+int hk_norm_gemv(const float *norm, double eps, const float *w, const float *x, float *y, long rows, long cols) {
+    pthread_mutex_lock(&call_lock);
+    int status = reserve_scratch((size_t)cols);
+    if (status == 0) {
+        rms_norm(x, norm, eps, scratch, cols);
+        gemv(w, scratch, NULL, y, rows, cols, 0);
+    }
+    pthread_mutex_unlock(&call_lock);
+    return status;
+}
+
+/* `count` consecutive layers in one call (one Python call per token instead of one per layer: between layers
+   Python runs cache-cold and costs ~0.2 ms). Returns 0, or -1-i when layer i ran out of scratch memory (layers
+   before it are done). */
+int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, const hk_token *t, float *x) {
+    pthread_mutex_lock(&call_lock);
+    int status = 0;
+    for (long i = 0; i < count && status == 0; i++)
+        if (block_decode(blocks + i, caches + i, t, x) != 0) status = -1 - (int)i;
+    pthread_mutex_unlock(&call_lock);
+    return status;
+}
