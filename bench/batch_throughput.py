@@ -11,6 +11,8 @@ decode-only rate is reported beside it. Prints one JSON line, with os.getloadavg
 
 from __future__ import annotations
 
+import hivekeeper.core  # noqa: F401 - first, before numpy and torch: sets OpenBLAS's idle-thread timeout
+
 import argparse
 import json
 import os

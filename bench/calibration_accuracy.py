@@ -17,6 +17,8 @@ other processes slow some runs, and every point keeps its fastest repeat.
 
 from __future__ import annotations
 
+import hivekeeper.core  # noqa: F401 - first, before numpy and torch: sets OpenBLAS's idle-thread timeout
+
 import argparse
 import json
 import os

@@ -13,6 +13,8 @@ for the comparison with disk bandwidth. The budget counts what the engine holds 
 
 from __future__ import annotations
 
+import hivekeeper.core  # noqa: F401 - first, before numpy and torch: sets OpenBLAS's idle-thread timeout
+
 import argparse
 import json
 import os

@@ -19,6 +19,8 @@ as long as one decode run), as the decode's tokens/s is its rate over ~1 s. On a
 
 from __future__ import annotations
 
+import hivekeeper.core  # noqa: F401 - first, before numpy and torch: sets OpenBLAS's idle-thread timeout
+
 import argparse
 import json
 import os

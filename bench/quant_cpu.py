@@ -10,6 +10,8 @@ Runs one Llama block (TinyLlama-1.1B's shape by default) with random weights: a 
 
 from __future__ import annotations
 
+import hivekeeper.core  # noqa: F401 - first, before numpy and torch: sets OpenBLAS's idle-thread timeout
+
 import argparse
 import json
 import platform

@@ -10,6 +10,8 @@ Prints one JSON line, with the load average.
 
 from __future__ import annotations
 
+import hivekeeper.core  # noqa: F401 - first, before numpy and torch: sets OpenBLAS's idle-thread timeout
+
 import json
 import os
 import statistics

@@ -70,5 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     elif not args.out:
+        from . import native_kernels
+
         print(describe(spec))
+        print(f"CPU decode kernels: {native_kernels.status()}")  # built here on first use: it may take a second
     return 0

@@ -12,6 +12,11 @@ The arithmetic is Block.forward's, in the same order; tests/core/test_model.py c
 transformers. The path is taken only when `prepare` says so: torch on one thread (cpu_matmul's layout), no autograd,
 fp32 weights of our own Linear on the CPU, one token per row, a KV cache. Everything else (prefill, GPUs, bf16,
 quantized blocks, backward) runs Block.forward's torch code.
+
+One row (batch 1, the chat and serving case) goes further, into the C kernels of core/native_kernels.py when they
+are built: `decode_blocks` runs a whole span's step in one call (a Span's, or an engine's through `PreparedSpan`),
+`head_step` the final norm and LM head, and a lone block's step (`decode_step`) takes one call too. Several rows
+stay in numpy, whose BLAS multiplies a batch faster than row-by-row products would.
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ def decode_step(block, w: BlockArrays, hidden: Tensor, k_cache: Tensor, v_cache:
     """Block.forward for hidden [batch, 1, hidden_size] at `position` with the block's arrays `w` (from `prepare`),
     writing K/V into the caches [batch, kv_heads, max_length, head_dim]. Returns a new [batch, 1, hidden] tensor."""
     batch, _, width = hidden.shape
-    if w.native is not None and batch == 1 and native_kernels.ENABLED:
+    if w.native is not None and batch <= native_kernels.MAX_ROWS and native_kernels.ENABLED:
         out = _native_step(block, w.native, hidden, k_cache, v_cache, position, rope)
         if out is not None:
             return out
@@ -194,12 +199,20 @@ def _first_key(block, position: int) -> int:
 
 
 def _native_cache(block, k_cache: Tensor, v_cache: Tensor) -> native_kernels.Cache | None:
-    """The C kernels' hk_cache for row 0 of a block's caches, or None when they cannot take them."""
+    """The C kernels' hk_cache for a block's caches [batch, kv_heads, max_length, head_dim], or None when they
+    cannot take them."""
     if (k_cache.dtype is not torch.float32 or k_cache.device.type != "cpu" or v_cache.dtype is not torch.float32
-            or v_cache.device.type != "cpu" or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1):
+            or v_cache.device.type != "cpu" or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(-1) != 1):
         return None
-    return native_kernels.Cache(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1), k_cache.stride(2),
-                                block.self_attn.window or 0)
+    return native_kernels.Cache(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                                k_cache.stride(2), block.self_attn.window or 0)
+
+
+def _native_rows(hidden: Tensor, caches) -> bool:
+    """hidden [batch, 1, hidden_size] of a batch the kernels take, with caches of that batch."""
+    return (hidden.dim() == 3 and hidden.shape[1] == 1 and 1 <= hidden.shape[0] <= native_kernels.MAX_ROWS
+            and caches[0][0].shape[0] == hidden.shape[0])
 
 
 def _native_token(position: int, rope: tuple[Tensor, Tensor]) -> tuple[native_kernels.Token, tuple[Tensor, Tensor]]:
@@ -211,8 +224,9 @@ def _native_token(position: int, rope: tuple[Tensor, Tensor]) -> tuple[native_ke
 def _run_native_span(library, block_table: ctypes.Array, cache_table: ctypes.Array, hidden: Tensor, position: int,
                      rope: tuple[Tensor, Tensor]) -> Tensor:
     token, _tables = _native_token(position, rope)
-    out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [1, 1, hidden]: updated in place
-    if library.hk_span_decode(block_table, cache_table, len(block_table), ctypes.byref(token), out.data_ptr()) != 0:
+    out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [batch, 1, hidden]: updated in place
+    if library.hk_span_decode(block_table, cache_table, len(block_table), ctypes.byref(token), out.data_ptr(),
+                              out.shape[0]) != 0:
         raise MemoryError("decode: the native kernels could not allocate their scratch memory")
     return out
 
@@ -233,11 +247,12 @@ def _native_tables(blocks, caches) -> tuple[ctypes.Array, ctypes.Array, list[Blo
 
 
 def decode_blocks(blocks, caches, hidden: Tensor, position: int, rope: tuple[Tensor, Tensor]) -> Tensor | None:
-    """One token (hidden [1, 1, hidden_size]) through consecutive `blocks` with their (k, v) `caches` in one call
-    of the C kernels, or None when the native path cannot take all of them (the caller runs them one by one).
-    Every call checks that each block's weights are still those its table points to (`block_arrays`)."""
+    """One token per row (hidden [batch, 1, hidden_size], batch <= MAX_ROWS) through consecutive `blocks` with their
+    (k, v) `caches` [batch, ...] in one call of the C kernels, or None when the native path cannot take all of them
+    (the caller runs them one by one). Every call checks that each block's weights are still those its table points
+    to (`block_arrays`)."""
     library = native_kernels.library()
-    if library is None or not blocks or hidden.shape[:2] != (1, 1) or not _step_allowed(hidden, caches[0][0]):
+    if library is None or not blocks or not _native_rows(hidden, caches) or not _step_allowed(hidden, caches[0][0]):
         return None
     tables = _native_tables(blocks, caches)
     if tables is None:
@@ -257,7 +272,8 @@ class PreparedSpan:
 
     @classmethod
     def prepare(cls, blocks, caches, hidden: Tensor) -> "PreparedSpan | None":
-        if native_kernels.library() is None or not blocks or not _step_allowed(hidden, caches[0][0]):
+        if (native_kernels.library() is None or not blocks or not _native_rows(hidden, caches)
+                or not _step_allowed(hidden, caches[0][0])):
             return None
         tables = _native_tables(blocks, caches)
         return cls(blocks, caches, tables) if tables is not None else None
@@ -265,7 +281,7 @@ class PreparedSpan:
     def __call__(self, caches, hidden: Tensor, position: int, rope: tuple[Tensor, Tensor]) -> Tensor | None:
         """The step, or None when it cannot run natively now (autograd on, threads changed, other caches)."""
         library = native_kernels.library()
-        if library is None or hidden.shape[:2] != (1, 1) or not _step_allowed(hidden, self._caches[0]):
+        if library is None or not _native_rows(hidden, caches) or not _step_allowed(hidden, self._caches[0]):
             return None
         if any(a is not b for a, b in zip((t for pair in caches for t in pair), self._caches, strict=True)):
             return None
@@ -273,11 +289,12 @@ class PreparedSpan:
 
 
 def head_step(head, hidden: Tensor) -> Tensor | None:
-    """Head.forward (final norm, LM head) of one row in one call of the C kernels, or None when it cannot run
-    there (then torch and cpu_matmul.linear do)."""
+    """Head.forward (final norm, LM head) of up to MAX_ROWS rows in one call of the C kernels, or None when it cannot
+    run there (then torch and cpu_matmul.linear do)."""
     library = native_kernels.library()
     norm, weight = head.norm, head.weight
-    if (library is None or hidden.numel() != hidden.shape[-1] or hidden.dtype is not torch.float32
+    rows = hidden.numel() // max(hidden.shape[-1], 1)
+    if (library is None or not 1 <= rows <= native_kernels.MAX_ROWS or hidden.dtype is not torch.float32
             or hidden.device.type != "cpu" or weight.dtype is not torch.float32 or weight.device.type != "cpu"
             or norm.weight.dtype is not torch.float32 or not weight.is_contiguous() or torch.is_grad_enabled()
             or not blas_active()):
@@ -285,7 +302,7 @@ def head_step(head, hidden: Tensor) -> Tensor | None:
     row = hidden.detach().reshape(-1).contiguous()
     logits = torch.empty(*hidden.shape[:-1], weight.shape[0])
     if library.hk_norm_gemv(norm.weight.data_ptr(), norm.eps, weight.data_ptr(), row.data_ptr(), logits.data_ptr(),
-                            weight.shape[0], weight.shape[1]) != 0:
+                            weight.shape[0], weight.shape[1], rows) != 0:
         raise MemoryError("head_step: the native kernels could not allocate their scratch memory")
     return logits
 
@@ -295,11 +312,11 @@ def _native_step(block, native: native_kernels.Block, hidden: Tensor, k_cache: T
     """decode_step for one row in one call of the C kernels (core/native/decode_kernels.c); None when the caches'
     layout does not suit them."""
     cache = _native_cache(block, k_cache, v_cache)
-    if cache is None:
+    if cache is None or k_cache.shape[0] != hidden.shape[0]:
         return None
     token, _tables = _native_token(position, rope)
-    out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [1, 1, hidden]: updated in place
+    out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [batch, 1, hidden]: updated in place
     if native_kernels.library().hk_block_decode(ctypes.byref(native), ctypes.byref(cache), ctypes.byref(token),
-                                                out.data_ptr()) != 0:
+                                                out.data_ptr(), out.shape[0]) != 0:
         raise MemoryError("decode_step: the native kernels could not allocate their scratch memory")
     return out

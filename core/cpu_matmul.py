@@ -92,12 +92,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if not _blas_eligible(x, weight, bias):
         return F.linear(x, weight, bias)
     k = x.shape[-1]
-    if x.numel() == k and weight.is_contiguous() and (native := _native_library()) is not None:
-        # one row of a row-major weight: the native kernels' matrix-vector product (their pool, not OpenBLAS's)
-        row = x.detach().reshape(k).contiguous()
+    rows = x.numel() // k
+    if (rows <= _NATIVE_MAX_ROWS and (x.dim() == 1 or x.shape[-2] == 1) and weight.is_contiguous()
+            and (native := _native_library()) is not None):
+        # one new token in each of a few rows (decode) times a row-major weight: the native kernels' product, on
+        # their pool rather than OpenBLAS's; prefills stay with OpenBLAS, whose threads they would keep spinning
+        inputs = x.detach().reshape(rows, k).contiguous()
         result = torch.empty(*x.shape[:-1], weight.shape[0])
-        native.hk_gemv(weight.data_ptr(), row.data_ptr(), bias.data_ptr() if bias is not None else None,
-                       result.data_ptr(), weight.shape[0], k)
+        native.hk_gemv(weight.data_ptr(), inputs.data_ptr(), bias.data_ptr() if bias is not None else None,
+                       result.data_ptr(), weight.shape[0], k, rows)
         return result
     w = weight.detach().numpy()  # [out, in], a view
     if x.numel() == k:  # one row: matrix-vector (gemv), the decode case
@@ -162,6 +165,9 @@ def pack_in_order(modules) -> Tensor | None:
         param.data = packed
         offset += size
     return arena
+
+
+_NATIVE_MAX_ROWS = 8  # native_kernels.MAX_ROWS (not imported: that module is loaded lazily)
 
 
 def _native_library():

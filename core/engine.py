@@ -968,10 +968,11 @@ class OffloadedModel:
 
     def _native_decode(self, hidden: Tensor, cache: TieredKVCache | RecomputeCache, position: int,
                        rope: tuple[Tensor, Tensor]) -> Tensor | None:
-        """One token through every block in one call of the C kernels (cpu_decode.decode_blocks) when all blocks
-        are resident in RAM with their K/V caches, else None (the layer-by-layer loop runs)."""
-        if (hidden.shape[:2] != (1, 1) or self.device.type != "cpu" or not isinstance(cache, TieredKVCache)
-                or len(self.resident) != self.config.num_layers):
+        """One token per row through every block in one call of the C kernels (cpu_decode.PreparedSpan) when all
+        blocks are resident in RAM with their K/V caches and the batch is one micro-batch of at most
+        native_kernels.MAX_ROWS rows, else None (the layer-by-layer loop runs)."""
+        if (hidden.shape[1] != 1 or self.device.type != "cpu" or not isinstance(cache, TieredKVCache)
+                or len(self.resident) != self.config.num_layers or len(self._micro_batches(hidden.shape[0])) != 1):
             return None
         prepared = cache.native_span
         if prepared is None:  # first step with this cache

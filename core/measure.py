@@ -174,7 +174,7 @@ def _layer_chain(hidden: int, total_bytes: int) -> list[torch.Tensor]:
 def _chain_seconds(weights: list[torch.Tensor], rows: int, repeats: int) -> list[float]:
     """Seconds of each repeat of `rows` rows multiplied by every matrix in turn (a small op after each, as a
     block has), through the runtime's kernel."""
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    inputs = {w.shape[1]: torch.randn(rows, 1, w.shape[1]) for w in weights}  # one new token per row, as decode
 
     def chain() -> None:
         with torch.inference_mode():

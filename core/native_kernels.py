@@ -23,6 +23,7 @@ SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c11", "-shared", "-fPIC", "-pthread")
 
 ENABLED = True  # tests and benchmarks switch it off to run the numpy path in the same process
+MAX_ROWS = 8  # batch rows the kernels take (decode_kernels.c's MAX_ROWS); more are not memory-bound: BLAS's job
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -39,10 +40,10 @@ class Block(ctypes.Structure):
 
 
 class Cache(ctypes.Structure):
-    """hk_cache: one block's K/V caches (row 0) and its sliding window (0: none)."""
+    """hk_cache: one block's K/V caches and its sliding window (0: none)."""
 
-    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("head_stride", ctypes.c_long),
-                ("position_stride", ctypes.c_long), ("window", ctypes.c_long)]
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("batch_stride", ctypes.c_long),
+                ("head_stride", ctypes.c_long), ("position_stride", ctypes.c_long), ("window", ctypes.c_long)]
 
 
 class Token(ctypes.Structure):
@@ -124,15 +125,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     library.hk_set_threads.restype = ctypes.c_int
     library.hk_shutdown.argtypes = []
     library.hk_shutdown.restype = None
-    library.hk_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long]
+    library.hk_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     library.hk_gemv.restype = None
     library.hk_block_decode.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(Cache), ctypes.POINTER(Token),
-                                        ctypes.c_void_p]
+                                        ctypes.c_void_p, ctypes.c_long]
     library.hk_block_decode.restype = ctypes.c_int
     library.hk_span_decode.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(Cache), ctypes.c_long,
-                                       ctypes.POINTER(Token), ctypes.c_void_p]
+                                       ctypes.POINTER(Token), ctypes.c_void_p, ctypes.c_long]
     library.hk_span_decode.restype = ctypes.c_int
-    library.hk_norm_gemv.argtypes = [ctypes.c_void_p, ctypes.c_double] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
+    library.hk_norm_gemv.argtypes = [ctypes.c_void_p, ctypes.c_double] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
     library.hk_norm_gemv.restype = ctypes.c_int
     threads = library.hk_set_threads(default_threads())
     return library, f"on ({threads} threads, {path.name})"

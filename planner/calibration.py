@@ -354,12 +354,14 @@ _FACTORS = {
     "matmul_fraction": (1.0, 1e4, 1.0),
     "layer_overhead_s": (0.0, 0.5, 1e-4),
     "step_overhead_s": (0.0, 5.0, 1e-3),
+    "prefill_layer_overhead_s": (0.0, 0.5, 1e-4),
     "link_fraction": (1.0, 1e4, 1.0),
     "disk_fraction": (1.0, 1e4, 1.0),
     "weight_reread_rows": (1.0, 16.0, 1.0),
 }
 _INVERSE = ("bandwidth_fraction", "matmul_fraction", "link_fraction", "disk_fraction")
-DEFAULT_FIT_FACTORS = ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s")
+DEFAULT_FIT_FACTORS = ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
+                       "prefill_layer_overhead_s")
 # On a CPU the weight re-reads of small-row matmuls are fitted too; a GPU keeps one read (no evidence of more).
 CPU_FIT_FACTORS = DEFAULT_FIT_FACTORS + ("weight_reread_rows",)
 
@@ -544,7 +546,10 @@ def efficiency_to_dict(eff: Efficiency) -> dict:
 
 def efficiency_from_dict(doc: dict) -> Efficiency:
     known = {f.name for f in dataclasses.fields(Efficiency)}
-    return Efficiency(**{k: v for k, v in doc.items() if k in known})
+    values = {k: v for k, v in doc.items() if k in known}
+    if "prefill_layer_overhead_s" not in values and "layer_overhead_s" in values:  # written before it existed
+        values["prefill_layer_overhead_s"] = values["layer_overhead_s"]
+    return Efficiency(**values)
 
 
 @dataclass(frozen=True)

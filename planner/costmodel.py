@@ -554,7 +554,7 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
     p_attn_flops = 4.0 * numbers.q_dim * p * (p + 1.0) / 2.0 * batch  # causal: token i attends to i positions
     p_flops = batch * p * numbers.flops_per_token + p_attn_flops
     p_chain = p_acc_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction) \
-        + p_flops / (peak * ea.matmul_fraction) + n * ea.layer_overhead_s
+        + p_flops / (peak * ea.matmul_fraction) + n * ea.prefill_layer_overhead_s
     if machine.has_host_tier:
         p_to_acc = (1.0 - wa) * w_blk + ah * batch * p * h * kvb
         p_to_host = off * batch * p * per_token + ah * batch * p * h * kvb

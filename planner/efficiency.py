@@ -11,8 +11,12 @@ the set it used. docs/cost-model.md explains where each default comes from; in s
 - bandwidth_fraction: decode's weight and KV reads. GPUs 0.8, the middle of the 0.7–0.85 that decode kernels
   reach. CPUs 0.5: PyTorch's CPU kernels over large tensors reach about half of the theoretical DRAM rate
   (STREAM-like loops ~0.7–0.8). Apple 0.7 (no measurement; MPS kernels trail CUDA's).
-- layer_overhead_s: eager PyTorch launches ~20 kernels per block at ~15 µs each: 0.3 ms per block per
-  micro-batch on a GPU. What the reads at 0.8 leave unexplained per block: FlexGen's OPT-6.7B decode on a T4
+- layer_overhead_s, prefill_layer_overhead_s (decode, prefill): eager PyTorch launches ~20 kernels per block at
+  ~15 µs each: 0.3 ms per block per micro-batch on a GPU. On a CPU a decode step runs in hivekeeper's native
+  kernels (0.2 ms a block, `hivekeeper measure` adds the measured start-up of its products) while a prefill runs
+  torch's ops block by block through OpenBLAS: 3 ms a block, measured on the development machine (2-core AVX2
+  EPYC): an 8-token prefill of a 4-block, 768-wide demo model took 25-28 ms, of which ~6 ms were weight reads, and
+  calibration fitted 3.9 ms. What the reads at 0.8 leave unexplained per block: FlexGen's OPT-6.7B decode on a T4
   (~59 ms per step vs 52 ms of reads) 0.2 ms, the GPT-J β on an A100 (21 ms vs 7–10 ms of reads) 0.4–0.5 ms.
 - link_fraction: the catalog's host-link numbers are already practical rates (80% of PCIe nominal), so 1.0.
 - disk_fraction: large sequential reads reach ~90% of a drive's rated speed.
@@ -51,8 +55,11 @@ class Efficiency:
     bandwidth_fraction: float  # of memory bandwidth, reached by streaming weight / KV reads
     link_fraction: float = 1.0  # of the host link's practical rate (GPUs)
     disk_fraction: float = 0.9  # of the disk's rated read/write speed (used for the host)
-    layer_overhead_s: float = 0.3e-3  # per block per micro-batch: kernel launches, Python
+    layer_overhead_s: float = 0.3e-3  # per block per micro-batch of a decode step: kernel launches, Python
     step_overhead_s: float = 1.0e-3  # per decode step: embedding, sampling, the generation loop
+    # per block per micro-batch of a prefill: its own figure because decode may run another code path (on a CPU,
+    # hivekeeper's native kernels run a whole decode step in one call; a prefill runs torch's ops block by block)
+    prefill_layer_overhead_s: float = 0.3e-3
     runtime_bytes: int = GIB  # memory held by the framework on this device before any tensor
     # a matmul of 2 or more rows (but not enough to be compute-bound) reads its weights this many times; 1: once
     weight_reread_rows: float = 1.0
@@ -63,7 +70,7 @@ class Efficiency:
             value = getattr(self, field_name)
             if not 0.0 < value <= 1.0:
                 raise InputError(f"efficiency {self.name!r}: {field_name} must be in (0, 1], got {value}")
-        for field_name in ("layer_overhead_s", "step_overhead_s"):
+        for field_name in ("layer_overhead_s", "step_overhead_s", "prefill_layer_overhead_s"):
             if not 0.0 <= getattr(self, field_name) < 10.0:
                 raise InputError(f"efficiency {self.name!r}: {field_name} must be in [0, 10) s")
         if self.runtime_bytes < 0:
@@ -90,9 +97,11 @@ DEFAULTS: dict[str, Efficiency] = {
         source="no published measurement: round figures (MPS kernels reach less of the bandwidth than CUDA)"),
     "cpu": Efficiency(
         "default:cpu", matmul_fraction=0.5, bandwidth_fraction=0.5, layer_overhead_s=0.2e-3,
+        prefill_layer_overhead_s=3e-3,
         runtime_bytes=int(1.5 * GIB), weight_reread_rows=3.0,
         source="round figures: PyTorch CPU kernels reach about half of theoretical DRAM bandwidth and FLOP/s; "
-               "small-row matmuls re-read the weights per row, up to 3 times (measured on an AVX2 EPYC)"),
+               "small-row matmuls re-read the weights per row, up to 3 times, and a prefill costs 3 ms a block "
+               "beyond its matmuls (measured on an AVX2 EPYC)"),
 }
 
 _CONSUMER_NAME = re.compile(r"geforce|titan|\brtx\s*\d{4}\b", re.IGNORECASE)

@@ -13,6 +13,8 @@ import time
 import psutil
 import pytest
 
+import hivekeeper.core  # noqa: F401 - first: sets OpenBLAS's idle-thread timeout before numpy loads it, as the app does
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 

@@ -44,7 +44,7 @@ static struct {
     pthread_mutex_t mutex;
     pthread_cond_t wake;
     double spin_seconds;   /* how long an idle worker spins before it sleeps */
-} pool = {.wanted = 1, .spin_seconds = 0.002};
+} pool = {.wanted = 1, .spin_seconds = 0.001};
 
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -114,8 +114,8 @@ static void pool_start(void) {
     }
 }
 
-/* Run fn(ctx, index, count) on every thread of the pool (the caller is index 0) and wait for all of them. */
-static void parallel(task_fn fn, void *ctx) {
+/* The pool's thread count, after (re)starting it if needed. */
+static int pool_ready(void) {
     if (pool.owner != getpid()) {
         pool.count = 0; /* a forked child: the workers stayed in the parent */
         pool_start();
@@ -123,7 +123,12 @@ static void parallel(task_fn fn, void *ctx) {
         pool_stop();
         pool_start();
     }
-    if (pool.count == 1) {
+    return pool.count;
+}
+
+/* Run fn(ctx, index, count) on every thread of the pool (the caller is index 0) and wait for all of them. */
+static void parallel(task_fn fn, void *ctx) {
+    if (pool_ready() == 1) {
         fn(ctx, 0, 1);
         return;
     }
@@ -178,35 +183,96 @@ static float dot(const float *a, const float *b, long n) {
     return s;
 }
 
-typedef struct {
-    const float *w, *x, *bias; /* w [rows, cols] row-major, x [cols], bias [rows] or NULL */
-    float *y;                  /* [rows]: y = w x + bias, or y += w x + bias when accumulate */
-    long rows, cols;
-    int accumulate;
-} gemv_task;
+/* A few rows of a batch (one new token each) go through here; more go to BLAS, where they are no longer
+   memory-bound. hivekeeper.core.native_kernels.MAX_ROWS must say the same. */
+#define MAX_ROWS 8
 
-/* One row at a time: each thread reads its share of the matrix as one forward stream, which this CPU's
-   prefetchers follow best (4- and 8-row blocks and software prefetching measured slower). */
-static void gemv_part(void *ctx, int index, int count) {
-    const gemv_task *t = ctx;
-    long per = (t->rows + count - 1) / count;
-    long r0 = per * index, r1 = r0 + per < t->rows ? r0 + per : t->rows;
-    for (long r = r0; r < r1; r++) {
-        float s = dot(t->w + r * t->cols, t->x, t->cols);
-        if (t->bias) s += t->bias[r];
-        t->y[r] = t->accumulate ? t->y[r] + s : s;
+typedef struct {
+    _Atomic long next; /* the first output row not yet claimed */
+    long end;
+    char padding[48];  /* one cache line each: the threads claim from their own without sharing a line */
+} share;
+
+typedef struct {
+    const float *w, *x, *bias; /* w [outs, cols] row-major, x [batch, cols], bias [outs] or NULL */
+    float *y;                  /* [batch, outs]: y = x w^T + bias, or y += x w^T + bias when accumulate */
+    long outs, cols, batch, chunk;
+    int accumulate;
+    share shares[MAX_THREADS];
+} matvec_task;
+
+static inline void put(const matvec_task *t, long row, long out, float s) {
+    if (t->bias) s += t->bias[out];
+    float *y = t->y + row * t->outs + out;
+    *y = t->accumulate ? *y + s : s;
+}
+
+/* One weight row times every batch row: the weights are read from memory once for all of them. */
+static void row_times_batch(const float *w, const float *x, long cols, long batch, float *sums) {
+    __m256 acc[MAX_ROWS];
+    for (long b = 0; b < batch; b++) acc[b] = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= cols; j += 8) {
+        __m256 wv = _mm256_loadu_ps(w + j);
+        for (long b = 0; b < batch; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * cols + j), acc[b]);
+    }
+    for (long b = 0; b < batch; b++) {
+        float s = sum8(acc[b]);
+        for (long k = j; k < cols; k++) s += w[k] * x[b * cols + k];
+        sums[b] = s;
     }
 }
 
-static void gemv(const float *w, const float *x, const float *bias, float *y, long rows, long cols, int accumulate) {
-    gemv_task t = {w, x, bias, y, rows, cols, accumulate};
-    parallel(gemv_part, &t);
+static void matvec_rows(const matvec_task *t, long r0, long r1) {
+    float sums[MAX_ROWS];
+    for (long r = r0; r < r1; r++) {
+        const float *w = t->w + r * t->cols;
+        if (t->batch == 1) {
+            put(t, 0, r, dot(w, t->x, t->cols));
+        } else {
+            row_times_batch(w, t->x, t->cols, t->batch, sums);
+            for (long b = 0; b < t->batch; b++) put(t, b, r, sums[b]);
+        }
+    }
 }
 
-/* y [rows] = w [rows, cols] x [cols] (+ bias) on the pool. */
-void hk_gemv(const float *w, const float *x, const float *bias, float *y, long rows, long cols) {
+/* Each thread reads its share of the matrix, one weight row after the next: one forward stream, which this CPU's
+   prefetchers follow best (4- and 8-row blocks and software prefetching measured slower). It claims the share a
+   chunk at a time and then helps with the others', so a thread the OS took off its core (other programs, BLAS
+   threads still spinning after a prefill) delays the product by a chunk, not by its whole share. */
+static void matvec_part(void *ctx, int index, int count) {
+    matvec_task *t = ctx;
+    for (int k = 0; k < count; k++) {
+        share *own = &t->shares[(index + k) % count];
+        for (;;) {
+            long r0 = atomic_fetch_add_explicit(&own->next, t->chunk, memory_order_relaxed);
+            if (r0 >= own->end) break;
+            matvec_rows(t, r0, r0 + t->chunk < own->end ? r0 + t->chunk : own->end);
+        }
+    }
+}
+
+#define CHUNK_BYTES (64 * 1024)
+
+static void matvec(const float *w, const float *x, const float *bias, float *y, long outs, long cols, long batch,
+                   int accumulate) {
+    matvec_task t = {.w = w, .x = x, .bias = bias, .y = y, .outs = outs, .cols = cols, .batch = batch,
+                     .accumulate = accumulate};
+    int count = pool_ready();
+    long per = (outs + count - 1) / count;
+    t.chunk = CHUNK_BYTES / (cols * (long)sizeof(float)) > 0 ? CHUNK_BYTES / (cols * (long)sizeof(float)) : 1;
+    for (int i = 0; i < count; i++) {
+        long start = per * i < outs ? per * i : outs;
+        atomic_init(&t.shares[i].next, start);
+        t.shares[i].end = start + per < outs ? start + per : outs;
+    }
+    parallel(matvec_part, &t);
+}
+
+/* y [batch, outs] = x [batch, cols] w [outs, cols]^T (+ bias) on the pool; batch <= MAX_ROWS. */
+void hk_gemv(const float *w, const float *x, const float *bias, float *y, long outs, long cols, long batch) {
     pthread_mutex_lock(&call_lock);
-    gemv(w, x, bias, y, rows, cols, 0);
+    matvec(w, x, bias, y, outs, cols, batch, 0);
     pthread_mutex_unlock(&call_lock);
 }
 
@@ -222,13 +288,13 @@ typedef struct {
 } hk_block;
 
 typedef struct {
-    float *k, *v;                       /* this row's caches: [kv_heads, max_length, head_dim], head_dim contiguous */
-    long head_stride, position_stride;  /* in floats */
+    float *k, *v;                       /* caches [batch, kv_heads, max_length, head_dim], head_dim contiguous */
+    long batch_stride, head_stride, position_stride; /* in floats */
     long window;                        /* the layer's sliding window (the last `window` keys), 0 for none */
 } hk_cache;
 
 typedef struct {
-    long position;                      /* the new token's K/V go there */
+    long position;                      /* the new token's K/V go there (the same position in every row) */
     const float *cos, *signed_sin;      /* [head_dim]: rotate_half's sign folded into signed_sin */
 } hk_token;
 
@@ -251,27 +317,30 @@ static void rotate(float *v, const float *cos, const float *signed_sin, long d) 
 typedef struct {
     const hk_block *b;
     const hk_cache *c;
-    long first_key, keys; /* attend to keys [first_key, first_key + keys) */
-    const float *q; /* [heads, head_dim], rotated */
-    float *scores;  /* [heads, keys] */
-    float *context; /* [heads, head_dim] */
+    long batch, first_key, keys; /* attend to keys [first_key, first_key + keys) */
+    const float *qkv;            /* [batch, (heads + 2 kv_heads) head_dim], q and k rotated */
+    float *scores;               /* [batch, heads, keys] */
+    float *context;              /* [batch, heads head_dim] */
 } attention_task;
 
-/* softmax(q k^T / sqrt(d)) v for this thread's share of kv heads (each with its group of query heads) */
+/* softmax(q k^T / sqrt(d)) v for this thread's share of (row, kv head) pairs, each with its group of query heads */
 static void attention_part(void *ctx, int index, int count) {
     const attention_task *t = ctx;
     const hk_block *b = t->b;
     const hk_cache *c = t->c;
-    long d = b->head_dim, group = b->heads / b->kv_heads, keys = t->keys;
+    long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, group = nh / nkv, keys = t->keys;
+    long qkv_width = (nh + 2 * nkv) * d;
     float scale = (float)(1.0 / sqrt((double)d));
-    for (long g = index; g < b->kv_heads; g += count) {
-        const float *k = c->k + g * c->head_stride + t->first_key * c->position_stride;
-        const float *v = c->v + g * c->head_stride + t->first_key * c->position_stride;
+    for (long pair = index; pair < t->batch * nkv; pair += count) {
+        long row = pair / nkv, g = pair % nkv;
+        long at = row * c->batch_stride + g * c->head_stride + t->first_key * c->position_stride;
+        const float *k = c->k + at, *v = c->v + at;
         for (long h = g * group; h < (g + 1) * group; h++) {
-            float *p = t->scores + h * keys, *out = t->context + h * d;
+            const float *q = t->qkv + row * qkv_width + h * d;
+            float *p = t->scores + (row * nh + h) * keys, *out = t->context + (row * nh + h) * d;
             float top = -INFINITY, total = 0;
             for (long n = 0; n < keys; n++) {
-                p[n] = dot(t->q + h * d, k + n * c->position_stride, d) * scale;
+                p[n] = dot(q, k + n * c->position_stride, d) * scale;
                 top = p[n] > top ? p[n] : top;
             }
             for (long n = 0; n < keys; n++) total += (p[n] = expf(p[n] - top));
@@ -297,60 +366,66 @@ static int reserve_scratch(size_t floats) {
     return 0;
 }
 
-/* x [hidden] <- the layer's output for one token at t->position; writes its K/V into the caches (call_lock held). */
-static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x) {
+/* x [batch, hidden] <- the layer's output for one new token per row at t->position; writes their K/V into the
+   caches (call_lock held). */
+static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x, long batch) {
     long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, width = b->hidden, size = b->intermediate;
     long end = t->position + 1, first_key = c->window > 0 && end > c->window ? end - c->window : 0;
     long keys = end - first_key;
-    long qkv_rows = (nh + 2 * nkv) * d;
-    size_t need = (size_t)(width + qkv_rows + nh * keys + nh * d + 2 * size + size);
+    long qkv_width = (nh + 2 * nkv) * d;
+    size_t need = (size_t)(batch * (width + qkv_width + nh * keys + nh * d + 3 * size));
     if (reserve_scratch(need) != 0) return -1;
-    float *normed = scratch, *qkv = normed + width, *scores = qkv + qkv_rows, *context = scores + nh * keys;
-    float *gate_up = context + nh * d, *act = gate_up + 2 * size;
+    float *normed = scratch, *qkv = normed + batch * width, *scores = qkv + batch * qkv_width;
+    float *context = scores + batch * nh * keys, *gate_up = context + batch * nh * d, *act = gate_up + batch * 2 * size;
 
-    /* attention: q, k, v from one matmul; q and k rotated; this token's k and v into the cache */
-    rms_norm(x, b->norm1, b->eps1, normed, width);
-    gemv(b->qkv_w, normed, b->qkv_b, qkv, qkv_rows, width, 0);
-    for (long h = 0; h < nh + nkv; h++) rotate(qkv + h * d, t->cos, t->signed_sin, d);
-    for (long g = 0; g < nkv; g++) {
-        long at = g * c->head_stride + t->position * c->position_stride;
-        memcpy(c->k + at, qkv + (nh + g) * d, (size_t)d * sizeof(float));
-        memcpy(c->v + at, qkv + (nh + nkv + g) * d, (size_t)d * sizeof(float));
+    /* attention: q, k, v from one product; q and k rotated; the new tokens' k and v into the cache */
+    for (long r = 0; r < batch; r++) rms_norm(x + r * width, b->norm1, b->eps1, normed + r * width, width);
+    matvec(b->qkv_w, normed, b->qkv_b, qkv, qkv_width, width, batch, 0);
+    for (long r = 0; r < batch; r++) {
+        float *row = qkv + r * qkv_width;
+        for (long h = 0; h < nh + nkv; h++) rotate(row + h * d, t->cos, t->signed_sin, d);
+        for (long g = 0; g < nkv; g++) {
+            long at = r * c->batch_stride + g * c->head_stride + t->position * c->position_stride;
+            memcpy(c->k + at, row + (nh + g) * d, (size_t)d * sizeof(float));
+            memcpy(c->v + at, row + (nh + nkv + g) * d, (size_t)d * sizeof(float));
+        }
     }
-    attention_task attention = {b, c, first_key, keys, qkv, scores, context};
-    if (keys * nh * d >= (1L << 16)) /* long contexts: kv heads over the pool; short ones cost less than a hand-off */
+    attention_task attention = {b, c, batch, first_key, keys, qkv, scores, context};
+    if (batch * keys * nh * d >= (1L << 16)) /* long contexts over the pool; short ones cost less than a hand-off */
         parallel(attention_part, &attention);
     else
         attention_part(&attention, 0, 1);
-    gemv(b->o_w, context, b->o_b, x, width, nh * d, 1); /* x += o(context) */
+    matvec(b->o_w, context, b->o_b, x, width, nh * d, batch, 1); /* x += o(context) */
 
-    /* MLP: gate and up from one matmul */
-    rms_norm(x, b->norm2, b->eps2, normed, width);
-    gemv(b->gate_up_w, normed, b->gate_up_b, gate_up, 2 * size, width, 0);
-    for (long i = 0; i < size; i++) {
-        float g = gate_up[i];
-        act[i] = g / (1.0f + expf(-g)) * gate_up[size + i];
-    }
-    gemv(b->down_w, act, b->down_b, x, width, size, 1); /* x += down(act) */
+    /* MLP: gate and up from one product */
+    for (long r = 0; r < batch; r++) rms_norm(x + r * width, b->norm2, b->eps2, normed + r * width, width);
+    matvec(b->gate_up_w, normed, b->gate_up_b, gate_up, 2 * size, width, batch, 0);
+    for (long r = 0; r < batch; r++)
+        for (long i = 0; i < size; i++) {
+            float g = gate_up[r * 2 * size + i];
+            act[r * size + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * size + size + i];
+        }
+    matvec(b->down_w, act, b->down_b, x, width, size, batch, 1); /* x += down(act) */
     return 0;
 }
 
 /* One layer's decode step (see block_decode). Returns 0, or -1 when scratch memory ran out (x unchanged). */
-int hk_block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x) {
+int hk_block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x, long batch) {
     pthread_mutex_lock(&call_lock);
-    int status = block_decode(b, c, t, x);
+    int status = block_decode(b, c, t, x, batch);
     pthread_mutex_unlock(&call_lock);
     return status;
 }
 
-/* y [rows] = w [rows, cols] rms_norm(x [cols]) * norm: the final norm and LM head of a decode step. Returns 0, or -1
-   when scratch memory ran out. */
-int hk_norm_gemv(const float *norm, double eps, const float *w, const float *x, float *y, long rows, long cols) {
+/* y [batch, outs] = rms_norm(x [batch, cols]) * norm, times w [outs, cols]^T: the final norm and LM head of a
+   decode step. Returns 0, or -1 when scratch memory ran out. */
+int hk_norm_gemv(const float *norm, double eps, const float *w, const float *x, float *y, long outs, long cols,
+                 long batch) {
     pthread_mutex_lock(&call_lock);
-    int status = reserve_scratch((size_t)cols);
+    int status = reserve_scratch((size_t)(batch * cols));
     if (status == 0) {
-        rms_norm(x, norm, eps, scratch, cols);
-        gemv(w, scratch, NULL, y, rows, cols, 0);
+        for (long r = 0; r < batch; r++) rms_norm(x + r * cols, norm, eps, scratch + r * cols, cols);
+        matvec(w, scratch, NULL, y, outs, cols, batch, 0);
     }
     pthread_mutex_unlock(&call_lock);
     return status;
@@ -359,11 +434,12 @@ int hk_norm_gemv(const float *norm, double eps, const float *w, const float *x, 
 /* `count` consecutive layers in one call (one Python call per token instead of one per layer: between layers
    Python runs cache-cold and costs ~0.2 ms). Returns 0, or -1-i when layer i ran out of scratch memory (layers
    before it are done). */
-int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, const hk_token *t, float *x) {
+int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, const hk_token *t, float *x,
+                   long batch) {
     pthread_mutex_lock(&call_lock);
     int status = 0;
     for (long i = 0; i < count && status == 0; i++)
-        if (block_decode(blocks + i, caches + i, t, x) != 0) status = -1 - (int)i;
+        if (block_decode(blocks + i, caches + i, t, x, batch) != 0) status = -1 - (int)i;
     pthread_mutex_unlock(&call_lock);
     return status;
 }

@@ -94,6 +94,9 @@ def test_cli_detect_json_and_text(tmp_path, capsys):
     assert main(["detect", "--data-dir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "RAM:" in text and "[estimated]" in text
+    from hivekeeper.core import native_kernels
+
+    assert f"CPU decode kernels: {native_kernels.status()}" in text  # "on (...)" or "off: <why>"
 
 
 def test_cli_detect_bad_out_folder_is_one_line_error(tmp_path, capsys):

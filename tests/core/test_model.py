@@ -89,7 +89,7 @@ def reference(request, tmp_path_factory):
 @pytest.fixture(params=["native-decode", "numpy-decode", "torch-decode"])
 def decode_path(request, monkeypatch):
     """Run 1-token steps through the C kernels (one call per span), cpu_decode's numpy step or Block.forward's torch
-    code; yields (path, batch, calls of that path). The C kernels take one row at a time, so that path runs row 0."""
+    code; yields (path, batch, calls of that path)."""
     path = request.param
     if path == "native-decode" and native_kernels.library() is None:
         pytest.skip(f"native kernels {native_kernels.status()}")
@@ -99,7 +99,7 @@ def decode_path(request, monkeypatch):
     name = "decode_blocks" if path == "native-decode" else "decode_step"
     real = getattr(cpu_decode, name)
     monkeypatch.setattr(cpu_decode, name, lambda *args: (lambda out: calls.append(out is not None) or out)(real(*args)))
-    return path, (1 if path == "native-decode" else 2), calls
+    return path, 2, calls
 
 
 def expected_calls(decode_path, layers: int) -> list[bool]:

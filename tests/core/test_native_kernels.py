@@ -111,9 +111,26 @@ def test_block_by_block_steps_equal_the_torch_code(native, monkeypatch):
     assert_close(out, ref_out)
 
 
-def test_batches_of_several_rows_stay_on_the_numpy_path(native, monkeypatch):
+@pytest.mark.parametrize("batch", [3, native_kernels.MAX_ROWS])
+def test_a_few_rows_decode_together_and_equal_the_torch_code(native, batch, monkeypatch):
+    """Each weight row is read once for all the batch's rows; rows keep their own caches."""
+    span = random_span(CONFIGS["qwen2-window"])
+    x = torch.randn(batch, PROMPT + DECODE, span.config.hidden_size)
+    calls = []
+    real = cpu_decode.decode_blocks
+    monkeypatch.setattr(cpu_decode, "decode_blocks", lambda *args: (lambda out: calls.append(out is not None) or out)(
+        real(*args)))
+    out, cache = decode(span, x, "native", monkeypatch)
+    assert calls == [True] * DECODE
+    ref_out, ref_cache = decode(span, x, "torch", monkeypatch)
+    assert_close(out, ref_out)
+    assert_close(cache.k, ref_cache.k)
+    assert_close(cache.v, ref_cache.v)
+
+
+def test_more_rows_than_the_kernels_take_stay_on_the_numpy_path(native, monkeypatch):
     span = random_span(CONFIGS["llama-gqa"])
-    x = torch.randn(3, PROMPT + DECODE, span.config.hidden_size)
+    x = torch.randn(native_kernels.MAX_ROWS + 1, PROMPT + DECODE, span.config.hidden_size)
     native_calls = []
     for name in ("hk_block_decode", "hk_span_decode"):
         monkeypatch.setattr(native, name, lambda *args: native_calls.append(1) or -1)
@@ -134,17 +151,21 @@ def test_head_step_equals_norm_then_lm_head(native):
     with torch.inference_mode():
         logits = cpu_decode.head_step(head, hidden)
         expected = F.linear(F.rms_norm(hidden, (config.hidden_size,), head.norm.weight, head.norm.eps), head.weight)
-        assert cpu_decode.head_step(head, torch.randn(2, 1, config.hidden_size)) is None  # two rows: torch
+        rows = torch.randn(3, 1, config.hidden_size)
+        assert_close(cpu_decode.head_step(head, rows), F.linear(F.rms_norm(
+            rows, (config.hidden_size,), head.norm.weight, head.norm.eps), head.weight))
+        too_many = torch.randn(native_kernels.MAX_ROWS + 1, 1, config.hidden_size)
+        assert cpu_decode.head_step(head, too_many) is None  # torch and BLAS take those
     assert logits.shape == (1, 1, config.vocab_size)
     assert_close(logits, expected)
 
 
-@pytest.mark.parametrize("rows,cols,bias", [(701, 403, True), (1024, 512, False)])
-def test_one_row_linear_equals_f_linear(native, rows, cols, bias):
-    """cpu_matmul.linear's one-row product (an LM head, any large linear at batch 1) runs on the kernels' pool;
-    odd sizes exercise the uneven split between threads and the scalar tail."""
+@pytest.mark.parametrize("rows,cols,bias,batch", [(701, 403, True, 1), (1024, 512, False, 1), (701, 403, True, 5)])
+def test_few_row_linear_equals_f_linear(native, rows, cols, bias, batch):
+    """cpu_matmul.linear's product of a few rows (an LM head, any large linear at a small batch) runs on the
+    kernels' pool; odd sizes exercise the uneven split between threads and the scalar tails."""
     torch.manual_seed(0)
-    weight, x = torch.randn(rows, cols), torch.randn(1, 1, cols)
+    weight, x = torch.randn(rows, cols), torch.randn(batch, 1, cols)
     b = torch.randn(rows) if bias else None
     with torch.inference_mode():
         assert (linear(x, weight, b) - F.linear(x, weight, b)).abs().max().item() <= 1e-4
@@ -282,6 +303,7 @@ def test_a_prepared_span_declines_other_caches(native):
     prepared_with, other = (KVCache.allocate(span.config, 3, batch=1, max_length=8) for _ in range(2))
     x = torch.randn(1, 1, span.config.hidden_size)
     rope = span.rotary.get(0, 1, x.device, x.dtype)
+    other.k.zero_(), other.v.zero_()  # allocated uninitialized: NaNs there would never compare equal
     untouched = (other.k.clone(), other.v.clone())
     with torch.inference_mode():
         prepared = cpu_decode.PreparedSpan.prepare(list(span.blocks), [prepared_with.block(i) for i in range(3)], x)

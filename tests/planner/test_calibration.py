@@ -16,6 +16,8 @@ from hivekeeper.planner.calibration import (
     ProfilePoint,
     accuracy,
     build_calibration,
+    efficiency_from_dict,
+    efficiency_to_dict,
     fit_efficiency,
     fit_idealized,
     is_calibrated,
@@ -200,7 +202,8 @@ def test_fit_recovers_cpu_weight_rereads():
     points = synthetic_points(MachineEfficiency(truth, truth), noise=0.01, seed=4, batches=(1, 2, 4))
     fit = fit_efficiency(MODEL, hardware, points, {"resident": RESIDENT})
     assert "weight_reread_rows" in fit.factors  # a CPU-only machine fits them
-    assert fit.efficiency.accelerator.weight_reread_rows == pytest.approx(2.5, rel=0.05)
+    # within 8% under 1% noise (5.6% here): the fit also moves prefill's own per-block overhead
+    assert fit.efficiency.accelerator.weight_reread_rows == pytest.approx(2.5, rel=0.08)
     assert fit.before["decode"].mape > 0.3 and fit.after["decode"].mape < 0.02
     gpu = get_hardware("t4")
     assert "weight_reread_rows" not in fit_efficiency(
@@ -330,3 +333,23 @@ def test_measured_gpu_numbers_change_only_their_own_fractions(tmp_path):
     assert eff.accelerator.name == "measured:inference-gpu" and eff.accelerator.bandwidth_fraction == 1.0
     assert eff.accelerator.matmul_fraction == DEFAULTS["inference-gpu"].matmul_fraction  # FLOP/s still the catalog's
     assert eff.host == DEFAULTS["cpu"]  # the host's RAM was not measured
+
+
+def test_prefill_and_decode_have_their_own_per_block_overhead():
+    """A CPU decode step runs in native kernels, a prefill in torch's ops: each phase pays its own overhead."""
+    hardware = get_hardware("cpu-generic")
+    points = synthetic_points(MachineEfficiency(KNOWN, KNOWN), noise=0.0)
+    slower_prefill = dataclasses.replace(KNOWN, prefill_layer_overhead_s=KNOWN.prefill_layer_overhead_s + 1e-3)
+    base_prefill, base_step = predict_points(MODEL, hardware, points, {"resident": RESIDENT},
+                                             MachineEfficiency(KNOWN, KNOWN))
+    prefill, step = predict_points(MODEL, hardware, points, {"resident": RESIDENT},
+                                   MachineEfficiency(slower_prefill, slower_prefill))
+    decoding = ~np.isnan(base_step)
+    assert np.allclose(prefill - base_prefill, MODEL.num_layers * 1e-3)  # 1 ms more for each block
+    assert np.array_equal(step[decoding], base_step[decoding])
+
+
+def test_efficiency_written_before_the_prefill_overhead_existed_reads_as_before():
+    doc = efficiency_to_dict(KNOWN)
+    del doc["prefill_layer_overhead_s"]
+    assert efficiency_from_dict(doc).prefill_layer_overhead_s == KNOWN.layer_overhead_s
