@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import native_kernels
-from .cpu_matmul import Linear, blas_active
+from .cpu_matmul import Linear, blas_active, column_major
 
 ENABLED = True  # tests switch it off to run the torch path through the same checks
 
@@ -71,10 +71,16 @@ class BlockArrays:
         self.native = self._native_block(attn) if native_kernels.library() is not None else None
 
     def _native_block(self, attn) -> native_kernels.Block | None:
-        """The C kernels' view of this block (they read row-major weights only), or None."""
-        arrays = [*self.norm_weights, *(a for pair in self.weights for a in pair if a is not None)]
-        if not all(a.flags.c_contiguous for a in arrays):
+        """The C kernels' view of this block (weights row- or column-major, the rest contiguous), or None."""
+        vectors = [*self.norm_weights, *(bias for _, bias in self.weights if bias is not None)]
+        if not all(a.flags.c_contiguous for a in vectors):
             return None
+        layout = 0
+        for bit, (weight, _) in enumerate(self.weights):
+            if not weight.flags.c_contiguous:
+                if not weight.flags.f_contiguous:
+                    return None
+                layout |= 1 << bit
 
         def address(a: np.ndarray | None) -> int | None:
             return None if a is None else a.ctypes.data
@@ -84,7 +90,7 @@ class BlockArrays:
             self.norm_weights[0].shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
             address(self.norm_weights[0]), address(self.norm_weights[1]), self.norm_eps[0], self.norm_eps[1],
             address(qkv_w), address(qkv_b), address(o_w), address(o_b), address(gate_up_w), address(gate_up_b),
-            address(down_w), address(down_b))
+            address(down_w), address(down_b), layout)
 
     def current(self) -> bool:
         return all(parent._modules.get(name) is child for parent, name, child in self._children) and all(
@@ -296,13 +302,15 @@ def head_step(head, hidden: Tensor) -> Tensor | None:
     rows = hidden.numel() // max(hidden.shape[-1], 1)
     if (library is None or not 1 <= rows <= native_kernels.MAX_ROWS or hidden.dtype is not torch.float32
             or hidden.device.type != "cpu" or weight.dtype is not torch.float32 or weight.device.type != "cpu"
-            or norm.weight.dtype is not torch.float32 or not weight.is_contiguous() or torch.is_grad_enabled()
-            or not blas_active()):
+            or norm.weight.dtype is not torch.float32 or torch.is_grad_enabled() or not blas_active()):
+        return None
+    layout = column_major(weight)
+    if layout is None:
         return None
     row = hidden.detach().reshape(-1).contiguous()
     logits = torch.empty(*hidden.shape[:-1], weight.shape[0])
-    if library.hk_norm_gemv(norm.weight.data_ptr(), norm.eps, weight.data_ptr(), row.data_ptr(), logits.data_ptr(),
-                            weight.shape[0], weight.shape[1], rows) != 0:
+    if library.hk_norm_gemv(norm.weight.data_ptr(), norm.eps, weight.data_ptr(), layout, row.data_ptr(),
+                            logits.data_ptr(), weight.shape[0], weight.shape[1], rows) != 0:
         raise MemoryError("head_step: the native kernels could not allocate their scratch memory")
     return logits
 

@@ -93,15 +93,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k
-    if (rows <= _NATIVE_MAX_ROWS and (x.dim() == 1 or x.shape[-2] == 1) and weight.is_contiguous()
+    if (rows <= _NATIVE_MAX_ROWS and (x.dim() == 1 or x.shape[-2] == 1)
             and (native := _native_library()) is not None):
-        # one new token in each of a few rows (decode) times a row-major weight: the native kernels' product, on
-        # their pool rather than OpenBLAS's; prefills stay with OpenBLAS, whose threads they would keep spinning
-        inputs = x.detach().reshape(rows, k).contiguous()
-        result = torch.empty(*x.shape[:-1], weight.shape[0])
-        native.hk_gemv(weight.data_ptr(), inputs.data_ptr(), bias.data_ptr() if bias is not None else None,
-                       result.data_ptr(), weight.shape[0], k, rows)
-        return result
+        # one new token in each of a few rows (decode): the native kernels' product, on their pool rather than
+        # OpenBLAS's; prefills stay with OpenBLAS, whose threads they would keep spinning
+        layout = column_major(weight)
+        if layout is not None:
+            inputs = x.detach().reshape(rows, k).contiguous()
+            result = torch.empty(*x.shape[:-1], weight.shape[0])
+            if native.hk_gemv(weight.data_ptr(), layout, inputs.data_ptr(),
+                              bias.data_ptr() if bias is not None else None, result.data_ptr(), weight.shape[0], k,
+                              rows) != 0:
+                raise MemoryError("linear: the native kernels could not allocate their partial sums")
+            return result
     w = weight.detach().numpy()  # [out, in], a view
     if x.numel() == k:  # one row: matrix-vector (gemv), the decode case
         out = np.dot(w, x.detach().reshape(k).numpy())
@@ -121,10 +125,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 COLUMN_MAJOR_MIN_RATIO = 2
 
 
+def column_major(tensor: Tensor) -> bool | None:
+    """A weight's storage: False row-major (contiguous), True column-major, None neither."""
+    if tensor.is_contiguous():
+        return False
+    return True if tensor.dim() == 2 and tensor.t().is_contiguous() else None
+
+
 def store_tall_by_column(weight: nn.Parameter) -> None:
-    """Re-store a CPU fp32 weight [out, in] with out >= COLUMN_MAJOR_MIN_RATIO * in column-major (once, at load).
-    Not with the native kernels: they read row-major weights at full speed, and only those."""
-    if _native_library() is None and (weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype is torch.float32
+    """Re-store a CPU fp32 weight [out, in] with out >= COLUMN_MAJOR_MIN_RATIO * in column-major (once, at load)."""
+    if (weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype is torch.float32
             and weight.shape[0] >= COLUMN_MAJOR_MIN_RATIO * weight.shape[1] and weight.is_contiguous()):
         weight.data = weight.data.t().contiguous().t()
 
@@ -144,14 +154,14 @@ PACK_ALIGN_ELEMENTS = 16  # each tensor starts on a 64-byte cache line
 
 
 def pack_in_order(modules) -> Tensor | None:
-    """Move the contiguous CPU fp32 parameters of `modules` (each once, in order) into one buffer; returns it, or
-    None when there is nothing to pack. The parameters stay the same objects (their .data is replaced); each is
-    copied and its old memory freed in turn, so RAM grows by at most one tensor meanwhile."""
+    """Move the CPU fp32 parameters of `modules` (each once, in order; row- or column-major, which they keep) into
+    one buffer; returns it, or None when there is nothing to pack. The parameters stay the same objects (their .data
+    is replaced); each is copied and its old memory freed in turn, so RAM grows by at most one tensor meanwhile."""
     params, seen = [], set()
     for module in modules:
         for param in module.parameters():
             if (id(param) not in seen and param.device.type == "cpu" and param.dtype is torch.float32
-                    and param.is_contiguous()):
+                    and column_major(param) is not None):
                 seen.add(id(param))
                 params.append(param)
     if not params:
@@ -160,7 +170,8 @@ def pack_in_order(modules) -> Tensor | None:
     arena = torch.empty(sum(sizes), dtype=torch.float32)
     offset = 0
     for param, size in zip(params, sizes):
-        packed = arena[offset : offset + param.numel()].view(param.shape)
+        flat = arena[offset : offset + param.numel()]
+        packed = flat.view(param.shape[1], param.shape[0]).t() if column_major(param) else flat.view(param.shape)
         packed.copy_(param.data)
         param.data = packed
         offset += size

@@ -24,7 +24,7 @@ import torch
 
 from hivekeeper.planner.errors import InputError
 
-from .cpu_matmul import linear, physical_cores, torch_threads
+from .cpu_matmul import linear, physical_cores, store_tall_by_column, torch_threads
 from .measurement import (  # torch-free, so that saved profiles load without torch
     MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
 
@@ -164,11 +164,15 @@ def measure_matmul(shape: MatmulShape, dtype: str = "fp32", device: str | torch.
 
 def _layer_chain(hidden: int, total_bytes: int) -> list[torch.Tensor]:
     """Distinct fp32 matrices shaped like decoder layers of width `hidden` (fused q/k/v with 4:1 grouped KV, o,
-    fused gate/up, down; MLP 2.75x wide), repeated to about `total_bytes`."""
+    fused gate/up, down; MLP 2.75x wide), repeated to about `total_bytes`, stored as the runtime stores them (tall
+    ones column-major)."""
     inter = int(hidden * 2.75) // 64 * 64
     layer = [(hidden + hidden // 2, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
     layer_bytes = sum(o * i for o, i in layer) * 4
-    return [torch.randn(o, i) for _ in range(max(1, total_bytes // layer_bytes)) for o, i in layer]
+    weights = [torch.randn(o, i) for _ in range(max(1, total_bytes // layer_bytes)) for o, i in layer]
+    for weight in weights:
+        store_tall_by_column(weight)
+    return weights
 
 
 def _chain_seconds(weights: list[torch.Tensor], rows: int, repeats: int) -> list[float]:

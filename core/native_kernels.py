@@ -36,7 +36,7 @@ class Block(ctypes.Structure):
     _fields_ = [(name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
         ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_double), ("eps2", ctypes.c_double),
     ] + [(name, ctypes.c_void_p) for name in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w",
-                                              "down_b")]
+                                              "down_b")] + [("column_major", ctypes.c_long)]
 
 
 class Cache(ctypes.Structure):
@@ -125,15 +125,16 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     library.hk_set_threads.restype = ctypes.c_int
     library.hk_shutdown.argtypes = []
     library.hk_shutdown.restype = None
-    library.hk_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-    library.hk_gemv.restype = None
+    library.hk_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    library.hk_gemv.restype = ctypes.c_int
     library.hk_block_decode.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(Cache), ctypes.POINTER(Token),
                                         ctypes.c_void_p, ctypes.c_long]
     library.hk_block_decode.restype = ctypes.c_int
     library.hk_span_decode.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(Cache), ctypes.c_long,
                                        ctypes.POINTER(Token), ctypes.c_void_p, ctypes.c_long]
     library.hk_span_decode.restype = ctypes.c_int
-    library.hk_norm_gemv.argtypes = [ctypes.c_void_p, ctypes.c_double] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    library.hk_norm_gemv.argtypes = [ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.c_void_p] + [ctypes.c_long] * 3
     library.hk_norm_gemv.restype = ctypes.c_int
     threads = library.hk_set_threads(default_threads())
     return library, f"on ({threads} threads, {path.name})"

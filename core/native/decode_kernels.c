@@ -254,8 +254,8 @@ static void matvec_part(void *ctx, int index, int count) {
 
 #define CHUNK_BYTES (64 * 1024)
 
-static void matvec(const float *w, const float *x, const float *bias, float *y, long outs, long cols, long batch,
-                   int accumulate) {
+static void matvec_by_rows(const float *w, const float *x, const float *bias, float *y, long outs, long cols,
+                           long batch, int accumulate) {
     matvec_task t = {.w = w, .x = x, .bias = bias, .y = y, .outs = outs, .cols = cols, .batch = batch,
                      .accumulate = accumulate};
     int count = pool_ready();
@@ -269,11 +269,101 @@ static void matvec(const float *w, const float *x, const float *bias, float *y, 
     parallel(matvec_part, &t);
 }
 
-/* y [batch, outs] = x [batch, cols] w [outs, cols]^T (+ bias) on the pool; batch <= MAX_ROWS. */
-void hk_gemv(const float *w, const float *x, const float *bias, float *y, long outs, long cols, long batch) {
+/* The same product for a weight stored column-major (element (o, j) at wt[j * outs + o]; the runtime stores tall
+   matrices so, because OpenBLAS's prefill products read them faster). Each thread reads a contiguous range of
+   the weight's columns into its own partial sums [batch, outs] (in its L1/L2), then the partials are added up.
+   The ranges are fixed per thread, not shared out, so the sums are added in the same order on every call. */
+typedef struct {
+    const float *wt, *x, *bias;
+    float *y, *partials; /* partials [threads, batch, outs] */
+    long outs, cols, batch;
+    int accumulate;
+} column_task;
+
+static void column_partial(void *ctx, int index, int count) {
+    const column_task *t = ctx;
+    long outs = t->outs, cols = t->cols, batch = t->batch, per = (cols + count - 1) / count;
+    long j0 = per * index < cols ? per * index : cols, j1 = j0 + per < cols ? j0 + per : cols;
+    float *part = t->partials + (long)index * batch * outs;
+    memset(part, 0, (size_t)(batch * outs) * sizeof(float));
+    long j = j0;
+    for (; j + 4 <= j1; j += 4) { /* four columns at a time: each partial is loaded and stored once for four */
+        const float *w0 = t->wt + j * outs, *w1 = w0 + outs, *w2 = w1 + outs, *w3 = w2 + outs;
+        __m256 xs[MAX_ROWS][4];
+        for (long b = 0; b < batch; b++)
+            for (int k = 0; k < 4; k++) xs[b][k] = _mm256_set1_ps(t->x[b * cols + j + k]);
+        long o = 0;
+        for (; o + 8 <= outs; o += 8) {
+            __m256 a = _mm256_loadu_ps(w0 + o), c = _mm256_loadu_ps(w1 + o);
+            __m256 e = _mm256_loadu_ps(w2 + o), g = _mm256_loadu_ps(w3 + o);
+            for (long b = 0; b < batch; b++) {
+                float *p = part + b * outs + o;
+                __m256 acc = _mm256_fmadd_ps(a, xs[b][0], _mm256_loadu_ps(p));
+                acc = _mm256_fmadd_ps(c, xs[b][1], acc);
+                acc = _mm256_fmadd_ps(e, xs[b][2], acc);
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(g, xs[b][3], acc));
+            }
+        }
+        for (; o < outs; o++)
+            for (long b = 0; b < batch; b++) {
+                const float *xb = t->x + b * cols + j;
+                part[b * outs + o] += w0[o] * xb[0] + w1[o] * xb[1] + w2[o] * xb[2] + w3[o] * xb[3];
+            }
+    }
+    for (; j < j1; j++)
+        for (long b = 0; b < batch; b++) {
+            float xb = t->x[b * cols + j];
+            for (long o = 0; o < outs; o++) part[b * outs + o] += t->wt[j * outs + o] * xb;
+        }
+}
+
+static void column_sum(void *ctx, int index, int count) {
+    const column_task *t = ctx;
+    long outs = t->outs, per = (outs + count - 1) / count;
+    long o0 = per * index < outs ? per * index : outs, o1 = o0 + per < outs ? o0 + per : outs;
+    for (long b = 0; b < t->batch; b++)
+        for (long o = o0; o < o1; o++) {
+            float s = 0;
+            for (int i = 0; i < count; i++) s += t->partials[((long)i * t->batch + b) * outs + o];
+            if (t->bias) s += t->bias[o];
+            float *y = t->y + b * outs + o;
+            *y = t->accumulate ? *y + s : s;
+        }
+}
+
+static float *partials;
+static size_t partial_floats;
+
+/* y [batch, outs] = x [batch, cols] w^T (+ bias), or y += that; w [outs, cols] is row-major, or column-major when
+   column_major. Returns 0, or -1 when the partial sums of a column-major product found no memory (y unchanged). */
+static int matvec(const float *w, int column_major, const float *x, const float *bias, float *y, long outs,
+                  long cols, long batch, int accumulate) {
+    if (!column_major) {
+        matvec_by_rows(w, x, bias, y, outs, cols, batch, accumulate);
+        return 0;
+    }
+    int count = pool_ready();
+    size_t need = (size_t)count * (size_t)(batch * outs);
+    if (need > partial_floats) {
+        float *grown = realloc(partials, need * sizeof(float));
+        if (!grown) return -1;
+        partials = grown;
+        partial_floats = need;
+    }
+    column_task t = {w, x, bias, y, partials, outs, cols, batch, accumulate};
+    parallel(column_partial, &t);
+    parallel(column_sum, &t);
+    return 0;
+}
+
+/* y [batch, outs] = x [batch, cols] w [outs, cols]^T (+ bias) on the pool; batch <= MAX_ROWS; w row-major, or
+   column-major when column_major. Returns 0, or -1 when memory ran out. */
+int hk_gemv(const float *w, int column_major, const float *x, const float *bias, float *y, long outs, long cols,
+            long batch) {
     pthread_mutex_lock(&call_lock);
-    matvec(w, x, bias, y, outs, cols, batch, 0);
+    int status = matvec(w, column_major, x, bias, y, outs, cols, batch, 0);
     pthread_mutex_unlock(&call_lock);
+    return status;
 }
 
 /* ---- one decoder layer ---------------------------------------------------------------------------------------- */
@@ -285,6 +375,7 @@ typedef struct {
     const float *o_w, *o_b;             /* [hidden, heads head_dim] */
     const float *gate_up_w, *gate_up_b; /* [2 intermediate, hidden]: gate rows, then up rows */
     const float *down_w, *down_b;       /* [hidden, intermediate] */
+    long column_major;                  /* bits: 1 qkv_w, 2 o_w, 4 gate_up_w, 8 down_w stored column-major */
 } hk_block;
 
 typedef struct {
@@ -380,7 +471,7 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
 
     /* attention: q, k, v from one product; q and k rotated; the new tokens' k and v into the cache */
     for (long r = 0; r < batch; r++) rms_norm(x + r * width, b->norm1, b->eps1, normed + r * width, width);
-    matvec(b->qkv_w, normed, b->qkv_b, qkv, qkv_width, width, batch, 0);
+    if (matvec(b->qkv_w, b->column_major & 1, normed, b->qkv_b, qkv, qkv_width, width, batch, 0)) return -1;
     for (long r = 0; r < batch; r++) {
         float *row = qkv + r * qkv_width;
         for (long h = 0; h < nh + nkv; h++) rotate(row + h * d, t->cos, t->signed_sin, d);
@@ -395,21 +486,21 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
         parallel(attention_part, &attention);
     else
         attention_part(&attention, 0, 1);
-    matvec(b->o_w, context, b->o_b, x, width, nh * d, batch, 1); /* x += o(context) */
+    if (matvec(b->o_w, b->column_major & 2, context, b->o_b, x, width, nh * d, batch, 1)) return -1; /* x += o(context) */
 
     /* MLP: gate and up from one product */
     for (long r = 0; r < batch; r++) rms_norm(x + r * width, b->norm2, b->eps2, normed + r * width, width);
-    matvec(b->gate_up_w, normed, b->gate_up_b, gate_up, 2 * size, width, batch, 0);
+    if (matvec(b->gate_up_w, b->column_major & 4, normed, b->gate_up_b, gate_up, 2 * size, width, batch, 0)) return -1;
     for (long r = 0; r < batch; r++)
         for (long i = 0; i < size; i++) {
             float g = gate_up[r * 2 * size + i];
             act[r * size + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * size + size + i];
         }
-    matvec(b->down_w, act, b->down_b, x, width, size, batch, 1); /* x += down(act) */
+    if (matvec(b->down_w, b->column_major & 8, act, b->down_b, x, width, size, batch, 1)) return -1; /* x += down(act) */
     return 0;
 }
 
-/* One layer's decode step (see block_decode). Returns 0, or -1 when scratch memory ran out (x unchanged). */
+/* One layer's decode step (see block_decode). Returns 0, or -1 when memory ran out (x is then undefined). */
 int hk_block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x, long batch) {
     pthread_mutex_lock(&call_lock);
     int status = block_decode(b, c, t, x, batch);
@@ -419,13 +510,13 @@ int hk_block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, flo
 
 /* y [batch, outs] = rms_norm(x [batch, cols]) * norm, times w [outs, cols]^T: the final norm and LM head of a
    decode step. Returns 0, or -1 when scratch memory ran out. */
-int hk_norm_gemv(const float *norm, double eps, const float *w, const float *x, float *y, long outs, long cols,
-                 long batch) {
+int hk_norm_gemv(const float *norm, double eps, const float *w, int column_major, const float *x, float *y, long outs,
+                 long cols, long batch) {
     pthread_mutex_lock(&call_lock);
     int status = reserve_scratch((size_t)(batch * cols));
     if (status == 0) {
         for (long r = 0; r < batch; r++) rms_norm(x + r * cols, norm, eps, scratch + r * cols, cols);
-        matvec(w, scratch, NULL, y, outs, cols, batch, 0);
+        status = matvec(w, column_major, scratch, NULL, y, outs, cols, batch, 0);
     }
     pthread_mutex_unlock(&call_lock);
     return status;

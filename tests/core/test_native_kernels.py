@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hivekeeper.core import cpu_decode, native_kernels
-from hivekeeper.core.cpu_matmul import linear
+from hivekeeper.core.cpu_matmul import linear, store_tall_linears_by_column
 from hivekeeper.core.engine import OffloadedModel, place_model
 from hivekeeper.core.generation import generate
 from hivekeeper.core.model import Head, KVCache, ModelConfig, Span
@@ -81,9 +81,14 @@ def test_built_and_loaded_where_a_compiler_and_avx2_exist():
     assert native_kernels.status().startswith("on (")
 
 
+@pytest.mark.parametrize("layout", ["row-major", "tall-by-column"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_span_decode_equals_the_torch_code(native, name, monkeypatch):
+def test_span_decode_equals_the_torch_code(native, name, layout, monkeypatch):
+    """As loaded by the runtime (tall weights, here the fused gate/up, stored column-major) and as built."""
     span = random_span(CONFIGS[name])
+    if layout == "tall-by-column":
+        store_tall_linears_by_column(span)
+        assert not span.blocks[0].mlp.gate_up_proj.weight.is_contiguous()
     x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
     calls = []
     real = cpu_decode.decode_blocks
@@ -150,6 +155,9 @@ def test_head_step_equals_norm_then_lm_head(native):
     hidden = torch.randn(1, 1, config.hidden_size)
     with torch.inference_mode():
         logits = cpu_decode.head_step(head, hidden)
+        by_column = Head(config, torch.nn.Parameter(head.weight.detach().t().contiguous().t()))
+        by_column.norm.weight.data.copy_(head.norm.weight)
+        assert_close(cpu_decode.head_step(by_column, hidden), logits)
         expected = F.linear(F.rms_norm(hidden, (config.hidden_size,), head.norm.weight, head.norm.eps), head.weight)
         rows = torch.randn(3, 1, config.hidden_size)
         assert_close(cpu_decode.head_step(head, rows), F.linear(F.rms_norm(
@@ -160,12 +168,17 @@ def test_head_step_equals_norm_then_lm_head(native):
     assert_close(logits, expected)
 
 
-@pytest.mark.parametrize("rows,cols,bias,batch", [(701, 403, True, 1), (1024, 512, False, 1), (701, 403, True, 5)])
-def test_few_row_linear_equals_f_linear(native, rows, cols, bias, batch):
+@pytest.mark.parametrize("rows,cols,bias,batch,by_column", [
+    (701, 403, True, 1, False), (1024, 512, False, 1, False), (701, 403, True, 5, False),
+    (1031, 403, True, 1, True), (1031, 403, False, 5, True), (1024, 512, True, 8, True)])
+def test_few_row_linear_equals_f_linear(native, rows, cols, bias, batch, by_column):
     """cpu_matmul.linear's product of a few rows (an LM head, any large linear at a small batch) runs on the
-    kernels' pool; odd sizes exercise the uneven split between threads and the scalar tails."""
+    kernels' pool, for row- and column-major weights; odd sizes exercise the uneven split between threads and the
+    scalar tails (403 columns = 4 x 100 + 3, 1031 outputs = 8 x 128 + 7)."""
     torch.manual_seed(0)
     weight, x = torch.randn(rows, cols), torch.randn(batch, 1, cols)
+    if by_column:
+        weight = weight.t().contiguous().t()
     b = torch.randn(rows) if bias else None
     with torch.inference_mode():
         assert (linear(x, weight, b) - F.linear(x, weight, b)).abs().max().item() <= 1e-4
