@@ -12,6 +12,9 @@ thread: `use_blas_threads()` sets that layout, and `linear` falls back to torch 
 autograd needs the result, for small weights (BLAS_MIN_WEIGHT_ELEMENTS), or for other dtypes and devices (numpy has
 no bf16, and its fp16 matmul is slow).
 HIVEKEEPER_CPU_MATMUL=torch turns the BLAS path off (to compare the two).
+
+Decode's products (one new token in each of up to 8 rows) go to the native kernels instead when they are built
+(core/native_kernels.py): their own thread pool, so OpenBLAS's stays idle between prefills.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
  * wait spinning for a moment, then sleep.
  *
  * The arithmetic is Block.forward's, in the same order (tests/core/test_native_kernels.py and test_model.py compare
- * it with the torch and numpy paths and with transformers). Weights are row-major [out, in], as torch stores them.
+ * it with the torch and numpy paths and with transformers). Weights [out, in] are row-major, or column-major (the
+ * runtime stores tall ones so, see cpu_matmul.store_tall_by_column).
  * Calls are serialized by one lock: the pool and the scratch buffers are shared.
  */
 #define _GNU_SOURCE
