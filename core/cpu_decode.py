@@ -227,12 +227,12 @@ def _native_token(position: int, rope: tuple[Tensor, Tensor]) -> tuple[native_ke
     return native_kernels.Token(position, cos.data_ptr(), signed_sin.data_ptr()), (cos, signed_sin)
 
 
-def _run_native_span(library, block_table: ctypes.Array, cache_table: ctypes.Array, hidden: Tensor, position: int,
-                     rope: tuple[Tensor, Tensor]) -> Tensor:
+def _run_native(library, blocks, caches, count: int, hidden: Tensor, position: int,
+                rope: tuple[Tensor, Tensor]) -> Tensor:
+    """`count` blocks' step in one call: blocks and caches are tables of that many entries (or one, by reference)."""
     token, _tables = _native_token(position, rope)
     out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [batch, 1, hidden]: updated in place
-    if library.hk_span_decode(block_table, cache_table, len(block_table), ctypes.byref(token), out.data_ptr(),
-                              out.shape[0]) != 0:
+    if library.hk_span_decode(blocks, caches, count, ctypes.byref(token), out.data_ptr(), out.shape[0]) != 0:
         raise MemoryError("decode: the native kernels could not allocate their scratch memory")
     return out
 
@@ -257,13 +257,8 @@ def decode_blocks(blocks, caches, hidden: Tensor, position: int, rope: tuple[Ten
     (k, v) `caches` [batch, ...] in one call of the C kernels, or None when the native path cannot take all of them
     (the caller runs them one by one). Every call checks that each block's weights are still those its table points
     to (`block_arrays`)."""
-    library = native_kernels.library()
-    if library is None or not blocks or not _native_rows(hidden, caches) or not _step_allowed(hidden, caches[0][0]):
-        return None
-    tables = _native_tables(blocks, caches)
-    if tables is None:
-        return None
-    return _run_native_span(library, tables[0], tables[1], hidden, position, rope)
+    prepared = PreparedSpan.prepare(blocks, caches, hidden)
+    return prepared.run(hidden, position, rope) if prepared is not None else None
 
 
 class PreparedSpan:
@@ -272,7 +267,7 @@ class PreparedSpan:
     per block (~40 us a block otherwise, cache-cold between matmuls). Each step checks that the caches are still
     the same tensors."""
 
-    def __init__(self, blocks, caches, tables):
+    def __init__(self, caches, tables):
         self.block_table, self.cache_table, self._arrays = tables
         self._caches = [tensor for pair in caches for tensor in pair]  # also keeps them alive for the table
 
@@ -282,16 +277,21 @@ class PreparedSpan:
                 or not _step_allowed(hidden, caches[0][0])):
             return None
         tables = _native_tables(blocks, caches)
-        return cls(blocks, caches, tables) if tables is not None else None
+        return cls(caches, tables) if tables is not None else None
+
+    def run(self, hidden: Tensor, position: int, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """The step, with the conditions `prepare` checked holding."""
+        return _run_native(native_kernels.library(), self.block_table, self.cache_table, len(self.block_table),
+                           hidden, position, rope)
 
     def __call__(self, caches, hidden: Tensor, position: int, rope: tuple[Tensor, Tensor]) -> Tensor | None:
         """The step, or None when it cannot run natively now (autograd on, threads changed, other caches)."""
-        library = native_kernels.library()
-        if library is None or not _native_rows(hidden, caches) or not _step_allowed(hidden, self._caches[0]):
+        if native_kernels.library() is None or not _native_rows(hidden, caches) or not _step_allowed(
+                hidden, self._caches[0]):
             return None
         if any(a is not b for a, b in zip((t for pair in caches for t in pair), self._caches, strict=True)):
             return None
-        return _run_native_span(library, self.block_table, self.cache_table, hidden, position, rope)
+        return self.run(hidden, position, rope)
 
 
 def head_step(head, hidden: Tensor) -> Tensor | None:
@@ -317,14 +317,10 @@ def head_step(head, hidden: Tensor) -> Tensor | None:
 
 def _native_step(block, native: native_kernels.Block, hidden: Tensor, k_cache: Tensor, v_cache: Tensor,
                  position: int, rope: tuple[Tensor, Tensor]) -> Tensor | None:
-    """decode_step for one row in one call of the C kernels (core/native/decode_kernels.c); None when the caches'
-    layout does not suit them."""
+    """decode_step in one call of the C kernels (core/native/decode_kernels.c); None when the caches' layout does
+    not suit them."""
     cache = _native_cache(block, k_cache, v_cache)
     if cache is None or k_cache.shape[0] != hidden.shape[0]:
         return None
-    token, _tables = _native_token(position, rope)
-    out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [batch, 1, hidden]: updated in place
-    if native_kernels.library().hk_block_decode(ctypes.byref(native), ctypes.byref(cache), ctypes.byref(token),
-                                                out.data_ptr(), out.shape[0]) != 0:
-        raise MemoryError("decode_step: the native kernels could not allocate their scratch memory")
-    return out
+    return _run_native(native_kernels.library(), ctypes.byref(native), ctypes.byref(cache), 1, hidden, position,
+                       rope)

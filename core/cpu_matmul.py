@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import native_kernels
+
 _DISABLED = os.environ.get("HIVEKEEPER_CPU_MATMUL", "").lower() == "torch"
 
 
@@ -96,8 +98,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k
-    if (rows <= _NATIVE_MAX_ROWS and (x.dim() == 1 or x.shape[-2] == 1)
-            and (native := _native_library()) is not None):
+    if (rows <= native_kernels.MAX_ROWS and (x.dim() == 1 or x.shape[-2] == 1)
+            and (native := native_kernels.library()) is not None):
         # one new token in each of a few rows (decode): the native kernels' product, on their pool rather than
         # OpenBLAS's; prefills stay with OpenBLAS, whose threads they would keep spinning
         layout = column_major(weight)
@@ -179,15 +181,6 @@ def pack_in_order(modules) -> Tensor | None:
         param.data = packed
         offset += size
     return arena
-
-
-_NATIVE_MAX_ROWS = 8  # native_kernels.MAX_ROWS (not imported: that module is loaded lazily)
-
-
-def _native_library():
-    from . import native_kernels
-
-    return native_kernels.library()
 
 
 class Linear(nn.Linear):

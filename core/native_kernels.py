@@ -123,13 +123,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"off: {error}"
     library.hk_set_threads.argtypes = [ctypes.c_int]
     library.hk_set_threads.restype = ctypes.c_int
-    library.hk_shutdown.argtypes = []
-    library.hk_shutdown.restype = None
     library.hk_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
     library.hk_gemv.restype = ctypes.c_int
-    library.hk_block_decode.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(Cache), ctypes.POINTER(Token),
-                                        ctypes.c_void_p, ctypes.c_long]
-    library.hk_block_decode.restype = ctypes.c_int
     library.hk_span_decode.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(Cache), ctypes.c_long,
                                        ctypes.POINTER(Token), ctypes.c_void_p, ctypes.c_long]
     library.hk_span_decode.restype = ctypes.c_int

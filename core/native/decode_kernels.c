@@ -154,13 +154,6 @@ int hk_set_threads(int count) {
     return pool.wanted;
 }
 
-/* Stop the workers (they are started again by the next call). */
-void hk_shutdown(void) {
-    pthread_mutex_lock(&call_lock);
-    if (pool.owner == getpid()) pool_stop();
-    pthread_mutex_unlock(&call_lock);
-}
-
 /* ---- matrix-vector product ------------------------------------------------------------------------------------ */
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -501,14 +494,6 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
     return 0;
 }
 
-/* One layer's decode step (see block_decode). Returns 0, or -1 when memory ran out (x is then undefined). */
-int hk_block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x, long batch) {
-    pthread_mutex_lock(&call_lock);
-    int status = block_decode(b, c, t, x, batch);
-    pthread_mutex_unlock(&call_lock);
-    return status;
-}
-
 /* y [batch, outs] = rms_norm(x [batch, cols]) * norm, times w [outs, cols]^T: the final norm and LM head of a
    decode step. Returns 0, or -1 when scratch memory ran out. */
 int hk_norm_gemv(const float *norm, double eps, const float *w, int column_major, const float *x, float *y, long outs,
@@ -523,8 +508,8 @@ int hk_norm_gemv(const float *norm, double eps, const float *w, int column_major
     return status;
 }
 
-/* `count` consecutive layers in one call (one Python call per token instead of one per layer: between layers
-   Python runs cache-cold and costs ~0.2 ms). Returns 0, or -1-i when layer i ran out of scratch memory (layers
+/* `count` consecutive layers (one or more) in one call (one Python call per token instead of one per layer:
+   between layers Python runs cache-cold and costs ~0.2 ms). Returns 0, or -1-i when layer i ran out of scratch memory (layers
    before it are done). */
 int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, const hk_token *t, float *x,
                    long batch) {
