@@ -9,8 +9,8 @@ from pathlib import Path
 def demo_checkpoint(name: str, shape: dict) -> Path:
     """A demo checkpoint of `shape` (demo_model.DemoSpec fields), written once into <data dir>/bench-models/<name>
     and reused. torch is imported only here, so a bench's parent process can stay light until it needs one."""
-    from hivekeeper.core.demo_model import DemoSpec, write_demo_checkpoint
-    from hivekeeper.core.detect import default_data_dir
+    from hivekeeper.core.runtime.demo_model import DemoSpec, write_demo_checkpoint
+    from hivekeeper.core.machine.detect import default_data_dir
 
     path = default_data_dir() / "bench-models" / name
     if not (path / "config.json").is_file():
@@ -20,7 +20,7 @@ def demo_checkpoint(name: str, shape: dict) -> Path:
 
 def demo_preset(preset: str) -> Path:
     """The checkpoint of a demo_model.PRESETS entry ("100m", "1b")."""
-    from hivekeeper.core.demo_model import PRESETS
+    from hivekeeper.core.runtime.demo_model import PRESETS
 
     return demo_checkpoint(preset, PRESETS[preset])
 

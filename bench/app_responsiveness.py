@@ -58,7 +58,7 @@ def knob_updates() -> dict:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6.QtWidgets import QApplication
 
-    from hivekeeper.gui.page_plan import PlanPage
+    from hivekeeper.gui.pages.plan import PlanPage
     from hivekeeper.gui.settings import PlanSettings
 
     app = QApplication.instance() or QApplication([])

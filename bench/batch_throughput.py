@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from hivekeeper.core.detect import detect_hardware
-from hivekeeper.core.engine import OffloadedModel, place_model, use_physical_cores
-from hivekeeper.core.generation import generate
-from hivekeeper.core.model import ModelConfig
+from hivekeeper.core.machine.detect import detect_hardware
+from hivekeeper.core.offload.engine import OffloadedModel, place_model, use_physical_cores
+from hivekeeper.core.runtime.generation import generate
+from hivekeeper.core.runtime.model import ModelConfig
 from hivekeeper.planner.costmodel import Workload
 from hivekeeper.planner.model_catalog import load_model_spec
 from hivekeeper.planner.policy import Constraints, batch_curve, search

@@ -42,12 +42,12 @@ def main() -> None:
 
     import torch
 
-    from hivekeeper.core.demo_model import make_demo_checkpoint
-    from hivekeeper.core.detect import detect_hardware
-    from hivekeeper.core.engine import use_physical_cores
-    from hivekeeper.core.machine_profile import apply_measurements, machine_fingerprint
-    from hivekeeper.core.measure import BenchmarkSizes, TerminalProgress, run_benchmarks
-    from hivekeeper.core.profiling import ProfileGrid, denoise, measure_grid
+    from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.offload.engine import use_physical_cores
+    from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
+    from hivekeeper.core.machine.measure import BenchmarkSizes, TerminalProgress, run_benchmarks
+    from hivekeeper.core.machine.profiling import ProfileGrid, denoise, measure_grid
     from hivekeeper.planner.calibration import (build_calibration, cost_model_predictions, form_accuracy,
                                                 idealized_predictions, measured_efficiency)
     from hivekeeper.planner.hardware_catalog import hardware_to_json

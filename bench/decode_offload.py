@@ -91,7 +91,7 @@ def main() -> None:
         hf_child(model, int(budget), int(prompt), int(new))
         return
 
-    from hivekeeper.core.measure import disk_bandwidth
+    from hivekeeper.core.machine.measure import disk_bandwidth
 
     load_before = os.getloadavg()
     path = Path(args.model) if args.model else demo_checkpoint("1gb", ONE_GB_MODEL)
@@ -101,7 +101,7 @@ def main() -> None:
     _, disk_read, cache_bypassed = disk_bandwidth(path)
 
     def ours(*extra: str) -> tuple[dict, int]:
-        return run_child([sys.executable, "-m", "hivekeeper.core.cli", "generate", "--model", str(path), "--prompt",
+        return run_child([sys.executable, "-m", "hivekeeper.core.cli.main", "generate", "--model", str(path), "--prompt",
                           prompt, "--max-new-tokens", str(args.new_tokens), "--ignore-eos", "--json",
                           "--ram-budget-gb", f"{budget / 1e9:.9f}", *extra])
 
@@ -110,8 +110,8 @@ def main() -> None:
     engine = cold["plan"]["engine"]
     import torch
 
-    from hivekeeper.core.engine import block_bytes
-    from hivekeeper.core.model import ModelConfig
+    from hivekeeper.core.offload.engine import block_bytes
+    from hivekeeper.core.runtime.model import ModelConfig
 
     disk_blocks = engine["blocks"].get("disk", 0)
     streamed_per_token = disk_blocks * block_bytes(ModelConfig.from_folder(path), torch.float32)

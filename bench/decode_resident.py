@@ -7,7 +7,7 @@ this machine's bandwidth bound (weight + KV bytes read per token / measured RAM 
 Prints one JSON line. Goals: speedup_vs_transformers >= 1.5, fraction_of_bandwidth_bound >= 0.75. fp32 on CPU (bf16
 matmuls on a CPU without AVX512-BF16 are ~100x slower). The RAM bandwidth measurement and both decodes are repeated
 in turn; the best of each counts (medians beside them). Our engine runs with its thread layout (torch on one thread,
-decode steps in the native kernels, core/native_kernels.py, or else numpy's BLAS: core/cpu_matmul.py); transformers
+decode steps in the native kernels, core/runtime/kernels/native_kernels.py, or else numpy's BLAS: core/runtime/kernels/cpu_matmul.py); transformers
 runs with torch on every physical core and on one thread, and its better setting counts. os.getloadavg() is recorded:
 numbers taken on a busy machine are noisy.
 
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from hivekeeper.core.cpu_matmul import blas_active, physical_cores, torch_threads
-from hivekeeper.core.engine import OffloadedModel, place_model, use_physical_cores
-from hivekeeper.core.generation import generate
-from hivekeeper.core import native_kernels
-from hivekeeper.core.measure import measure_memory_read
-from hivekeeper.core.model import ModelConfig
+from hivekeeper.core.runtime.kernels.cpu_matmul import blas_active, physical_cores, torch_threads
+from hivekeeper.core.offload.engine import OffloadedModel, place_model, use_physical_cores
+from hivekeeper.core.runtime.generation import generate
+from hivekeeper.core.runtime.kernels import native_kernels
+from hivekeeper.core.machine.measure import measure_memory_read
+from hivekeeper.core.runtime.model import ModelConfig
 from hivekeeper.planner.costmodel import Placement, Policy
 
 from _common import demo_preset, fixed_prompt  # bench/ is the script's folder, first on sys.path

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from hivekeeper.core.checkpoint import load_embedding, load_head, load_span
-from hivekeeper.core.demo_model import make_demo_checkpoint
-from hivekeeper.core.model import KVCache
-from hivekeeper.core.swarm_local import ServerProcess
+from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
+from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+from hivekeeper.core.runtime.model import KVCache
+from hivekeeper.core.swarm.local import ServerProcess
 
 LAYERS, NEW_TOKENS, PREFIX = 4, 12, "petals-interop"
 CLIENT_TIMEOUT_S = 120
@@ -198,7 +198,7 @@ def run_petals_client(model: Path, peers: list[str], forward: bool = False, code
 def run_our_client(model: Path, peers: list[str], stats_of: str | None = None, use_push: bool = False) -> dict:
     """Greedy generation with our client; stats_of: a Hivekeeper server's peer id whose rpc_info stats to add;
     use_push: servers push each step's output to the next server of the chain."""
-    from hivekeeper.core.swarm_client import SwarmModel
+    from hivekeeper.core.swarm.client.inference import SwarmModel
 
     with SwarmModel(str(model), initial_peers=peers, dht_prefix=PREFIX, retry_seconds=20, use_push=use_push) as swarm:
         new_ids = swarm.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS)

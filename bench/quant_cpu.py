@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from hivekeeper.core.cpu_matmul import blas_active
-from hivekeeper.core.model import Block, KVCache, ModelConfig
-from hivekeeper.core.quant import quantize_block, weight_bytes
+from hivekeeper.core.runtime.kernels.cpu_matmul import blas_active
+from hivekeeper.core.runtime.model import Block, KVCache, ModelConfig
+from hivekeeper.core.runtime.quant.bnb import quantize_block, weight_bytes
 
 
 def build_block(config: ModelConfig, dtype: torch.dtype, quant: str) -> Block:
@@ -80,7 +80,7 @@ def main() -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     else:
-        from hivekeeper.core.engine import use_physical_cores
+        from hivekeeper.core.offload.engine import use_physical_cores
 
         use_physical_cores()
     config = ModelConfig(family="llama", vocab_size=32000, hidden_size=args.hidden,

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from hivekeeper.core.checkpoint import load_span
-from hivekeeper.core.demo_model import make_demo_checkpoint
-from hivekeeper.core.model import KVCache
-from hivekeeper.core.swarm_client import SwarmModel
-from hivekeeper.core.swarm_local import LocalSwarm
+from hivekeeper.core.runtime.checkpoint import load_span
+from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+from hivekeeper.core.runtime.model import KVCache
+from hivekeeper.core.swarm.client.inference import SwarmModel
+from hivekeeper.core.swarm.local import LocalSwarm
 
 LAYERS, SERVERS, STEPS, WARMUP = 6, 3, 300, 20
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from hivekeeper.core.demo_model import make_demo_checkpoint
-from hivekeeper.core.swarm_client import SwarmModel
-from hivekeeper.core.swarm_local import LocalSwarm
+from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+from hivekeeper.core.swarm.client.inference import SwarmModel
+from hivekeeper.core.swarm.local import LocalSwarm
 
 LAYERS, NEW_TOKENS, FAIL_AT = 6, 64, 20
 PROMPT = torch.tensor([[1, 17, 42, 99, 7]])

@@ -28,4 +28,4 @@ def die_with_parent(argv: list[str]) -> list[str]:
 
 def hivekeeper_command(*args: str) -> list[str]:
     """argv of `hivekeeper ARGS` run with this Python (works in a venv without the console script on PATH)."""
-    return [sys.executable, "-m", "hivekeeper.core.cli", *args]
+    return [sys.executable, "-m", "hivekeeper.core.cli.main", *args]

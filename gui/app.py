@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from PySide6.QtWidgets import QApplication
 
-    from .main_window import MainWindow
-    from .settings import SettingsStore
-    from .style import STYLESHEET, configure_pyqtgraph
+    from hivekeeper.gui.main_window import MainWindow
+    from hivekeeper.gui.settings import SettingsStore
+    from hivekeeper.gui.style import STYLESHEET, configure_pyqtgraph
 
     app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
     app.setApplicationName("Hivekeeper")

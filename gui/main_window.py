@@ -17,14 +17,14 @@ from PySide6.QtWidgets import (QHBoxLayout, QLabel, QLayout, QListWidget, QListW
 
 from hivekeeper.planner.errors import InputError
 
-from .chat_service import ChatService
-from .coverage_service import CoverageService
-from .hardware_service import DetectService
-from .measure_service import MeasureService
-from .node_service import STATE_WORDS, NodeService
-from .settings import Settings, SettingsStore
-from .style import STATE_COLORS
-from .workers import WorkerThread
+from hivekeeper.gui.services.chat import ChatService
+from hivekeeper.gui.services.coverage import CoverageService
+from hivekeeper.gui.services.hardware import DetectService
+from hivekeeper.gui.services.measure import MeasureService
+from hivekeeper.gui.services.node import STATE_WORDS, NodeService
+from hivekeeper.gui.settings import Settings, SettingsStore
+from hivekeeper.gui.style import STATE_COLORS
+from hivekeeper.gui.services.workers import WorkerThread
 
 PAGES = ("Hardware", "Plan", "Swarm", "Chat", "Monitor")
 
@@ -160,7 +160,7 @@ class MainWindow(QMainWindow):
         return self.page("Monitor")
 
     def _build_hardware(self) -> QWidget:
-        from .page_hardware import HardwarePage
+        from hivekeeper.gui.pages.hardware import HardwarePage
 
         page = HardwarePage(self.detect, self.measure)
         page.machineChanged.connect(self._machine_changed)
@@ -169,7 +169,7 @@ class MainWindow(QMainWindow):
         return page
 
     def _build_plan(self) -> QWidget:
-        from .page_plan import PlanPage
+        from hivekeeper.gui.pages.plan import PlanPage
 
         page = PlanPage(self.settings.plan)
         page.planChanged.connect(self._plan_changed)
@@ -179,7 +179,7 @@ class MainWindow(QMainWindow):
         return page
 
     def _build_swarm(self) -> QWidget:
-        from .page_swarm import SwarmPage
+        from hivekeeper.gui.pages.swarm import SwarmPage
 
         page = SwarmPage(self.settings.swarm, self.node, self.coverage)
         page.settingsChanged.connect(self._swarm_settings_changed)
@@ -189,7 +189,7 @@ class MainWindow(QMainWindow):
         return page
 
     def _build_chat(self) -> QWidget:
-        from .page_chat import ChatPage
+        from hivekeeper.gui.pages.chat import ChatPage
 
         page = ChatPage(self.settings.chat, self.chat, self.conversations_dir)
         page.settingsChanged.connect(self.save_settings_soon)
@@ -199,7 +199,7 @@ class MainWindow(QMainWindow):
         return page
 
     def _build_monitor(self) -> QWidget:
-        from .page_monitor import MonitorPage
+        from hivekeeper.gui.pages.monitor import MonitorPage
 
         return MonitorPage(self.node)
 

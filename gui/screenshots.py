@@ -42,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(tmp: Path, out: Path, timeout: float) -> int:
     from PySide6.QtWidgets import QApplication
 
-    from hivekeeper.core.demo_model import make_demo_checkpoint
-    from hivekeeper.core.measure import BenchmarkSizes
-    from hivekeeper.core.swarm_local import LocalSwarm
+    from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+    from hivekeeper.core.machine.measure import BenchmarkSizes
+    from hivekeeper.core.swarm.local import LocalSwarm
 
-    from .main_window import PAGES, MainWindow
-    from .settings import Settings, SettingsStore
-    from .style import STYLESHEET, configure_pyqtgraph
+    from hivekeeper.gui.main_window import PAGES, MainWindow
+    from hivekeeper.gui.settings import Settings, SettingsStore
+    from hivekeeper.gui.style import STYLESHEET, configure_pyqtgraph
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setStyleSheet(STYLESHEET)

@@ -8,7 +8,7 @@ Three forms predict the time of a run of p prompt tokens and o output tokens at 
 - the idealized-runtime form of Narayanan et al., runtime(p, o) = α(p) + β·(o − 1), fitted per batch size and
   placement, with α piecewise linear in p so that it can bend where attention (quadratic in p) takes over.
 
-Everything here is pure numpy; the measurements come from hivekeeper.core.profiling. Errors are relative:
+Everything here is pure numpy; the measurements come from hivekeeper.core.machine.profiling. Errors are relative:
 MAPE is the mean of |predicted − measured| / measured, the worst error the largest of them.
 """
 

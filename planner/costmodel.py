@@ -35,7 +35,7 @@ from .models import ModelSpec
 TIERS = ("gpu", "cpu", "disk")
 # A CPU without 16-bit math: PyTorch's matmul kernels widen 16-bit values in registers, so a 16-bit weight costs
 # at least what an fp32 one does. Measured on the development machine (bench/quant_cpu.py, the runtime's thread
-# layout): a bf16 decode step takes 1.5x the fp32 one, whose product goes through OpenBLAS (core/cpu_matmul.py),
+# layout): a bf16 decode step takes 1.5x the fp32 one, whose product goes through OpenBLAS (core/runtime/kernels/cpu_matmul.py),
 # i.e. 6 bytes of traffic per 2-byte weight.
 HALF_AS_FP32_ON_CPU = 3.0
 # bitsandbytes' int8 / nf4 kernels on a CPU, relative to fp32 (decode step, 128-token prefill): measured by

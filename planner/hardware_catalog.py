@@ -592,7 +592,7 @@ def resolve_hardware(arg: str, **host_overrides: float | None) -> HardwareSpec:
     "auto" (detect this machine) needs torch/NVML, so core's detection handles it before calling here.
     """
     if arg == "auto":
-        raise InputError("hardware 'auto' is detected by hivekeeper.core.detect, not by the planner")
+        raise InputError("hardware 'auto' is detected by hivekeeper.core.machine.detect, not by the planner")
     path = Path(arg).expanduser()
     if path.is_file() or arg.endswith(".json"):
         return apply_host_overrides(load_hardware_json(path), where="command line", **host_overrides)

@@ -4,7 +4,7 @@ Follows the Petals conventions (shared/protocol/petals-wire.md): a server keeps 
 a KV cache for `cache_tokens` tokens per block (4096, or 16384 for grouped-query models); inference_rps is tokens/s
 of one block for 1-token steps with a cache, forward_rps tokens/s of one block for a 1024-token forward; a server
 advertises min(forward_rps / ((blocks + 1) / 2), network_rps). Block choice and rebalancing follow Petals' rule
-too (choose_start, should_move): the only implementation, which core/swarm_server.py calls.
+too (choose_start, should_move): the only implementation, which core/swarm/server/server.py calls.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def span_throughput(forward_rps: float, num_blocks: int, network_rps: float | No
     return min(compute, network_rps * (0.2 if using_relay else 1.0))
 
 
-# ---- where a span should go (Petals' rule; core/swarm_server.py runs it on live DHT records) ---------------------
+# ---- where a span should go (Petals' rule; core/swarm/server/server.py runs it on live DHT records) ---------------------
 BALANCE_QUALITY = 0.75  # Petals' default: move only when the weakest block gains more than a third
 _ROUND_DECIMALS = 6  # keeps float noise from add/subtract cycles out of window comparisons
 

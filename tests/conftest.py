@@ -18,6 +18,12 @@ import hivekeeper.core  # noqa: F401 - first: sets OpenBLAS's idle-thread timeou
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+# Machines differ: the whole suite (child processes included) sees one CPU, an AVX2 + FMA x86-64 without AVX512,
+# whatever runs it (core/machine/cpu_features.py). Tests of the other cases pin theirs with `cpu_flags` below.
+# On a CPU that really lacks AVX2 the native kernels stay off whatever is pinned: tests of them say so and skip.
+SUITE_CPU_FLAGS = "sse2 avx avx2 fma"
+os.environ["HIVEKEEPER_CPU_FLAGS"] = SUITE_CPU_FLAGS
+
 
 def _isolate_user_folders() -> None:
     """Point settings, profiles, data and caches at a fresh folder for the whole run (child processes inherit it),
@@ -67,6 +73,20 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch):
+    """Pin the CPU flags this test (and its child processes) sees: `cpu_flags("avx2 fma avx512f avx512_bf16")`."""
+    from hivekeeper.core.runtime.kernels import native_kernels
+
+    def pin(flags: str) -> None:
+        monkeypatch.setenv("HIVEKEEPER_CPU_FLAGS", flags)
+        native_kernels.forget()
+
+    yield pin
+    monkeypatch.setenv("HIVEKEEPER_CPU_FLAGS", SUITE_CPU_FLAGS)
+    native_kernels.forget()
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import pytest
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A tiny random-weight Llama checkpoint (2 layers, hidden 64, 4 heads / 2 KV heads, vocab 512, fp32, seed 0)
     in Hugging Face format, with tokenizer and chat template. Treat it as read-only: it is shared by all tests."""
-    from hivekeeper.core.demo_model import make_demo_checkpoint
+    from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 
     return make_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny-llama")
 

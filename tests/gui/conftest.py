@@ -12,7 +12,7 @@ from hivekeeper.gui.settings import Settings, SettingsStore
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory) -> Path:
     """A tiny random-weight Llama checkpoint (2 blocks, hidden 64) with tokenizer and chat template; read-only."""
-    from hivekeeper.core.demo_model import make_demo_checkpoint
+    from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 
     return make_demo_checkpoint(tmp_path_factory.mktemp("gui-demo") / "tiny-llama")
 

@@ -18,7 +18,7 @@ def _env(tmp_path, **extra) -> dict:
 
 
 def test_without_a_display_it_points_to_the_cli(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "hivekeeper.core.cli", "app", "--model", "Qwen/Qwen2.5-0.5B"],
+    out = subprocess.run([sys.executable, "-m", "hivekeeper.core.cli.main", "app", "--model", "Qwen/Qwen2.5-0.5B"],
                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "No display found" in out.stdout and "hivekeeper plan" in out.stdout
@@ -26,7 +26,7 @@ def test_without_a_display_it_points_to_the_cli(tmp_path):
 
 
 def test_the_app_opens_and_closes_cleanly_on_sigterm(tmp_path):
-    app = subprocess.Popen([sys.executable, "-m", "hivekeeper.core.cli", "app"],
+    app = subprocess.Popen([sys.executable, "-m", "hivekeeper.core.cli.main", "app"],
                            env=_env(tmp_path, QT_QPA_PLATFORM="offscreen"), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hivekeeper.gui.ring_buffer import RingBuffer
+from hivekeeper.gui.viewmodels.ring_buffer import RingBuffer
 from hivekeeper.gui.settings import Settings, SettingsStore, settings_from_dict
 from hivekeeper.planner.errors import InputError
 

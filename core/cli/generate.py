@@ -1,0 +1,225 @@
+"""`hivekeeper generate`: generate text once from a prompt, for scripts and benchmarks.
+
+Runs the model locally through the offloading engine (with the planner's policy, or one from a plan file, under an
+optional RAM budget) or through a swarm (--swarm). Prints the text and a summary — tokens/s, time to first token,
+peak RSS, the plan used — or all of it as one JSON object with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+# ---- arguments shared with `hivekeeper chat` -----------------------------------------------------------------------
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local checkpoint folder or hub id (org/name)")
+    parser.add_argument("--plan", default="auto", metavar="auto|FILE",
+                        help="auto: the planner's best policy for this machine (default); FILE: a plan from "
+                             "`hivekeeper plan --json` (its policy is used)")
+    parser.add_argument("--quant", choices=("none", "int8", "nf4"), default="none",
+                        help="with --plan auto: plan for int8 or nf4 weights (bitsandbytes; slow on CPUs)")
+    parser.add_argument("--ram-budget-gb", type=float, metavar="X",
+                        help="RAM the model may hold (weights, KV cache, buffers; the Python+torch runtime not "
+                             "counted); the blocks that do not fit are streamed from disk")
+    swarm = parser.add_argument_group("swarm")
+    swarm.add_argument("--swarm", action="store_true", help="run the blocks in a swarm; embeddings and head run here")
+    swarm.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs to join the swarm")
+    swarm.add_argument("--dht-prefix", help="the model's name in the swarm (default: derived from --model)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float, top_p: float) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=temperature,
+                       help=f"0 = greedy (default {temperature:g})")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    group.add_argument("--top-p", type=float, default=top_p, help=f"nucleus sampling mass (1 = off; default {top_p:g})")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1 = off)")
+    group.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
+
+
+def sampling_params(args: argparse.Namespace):
+    from hivekeeper.core.runtime.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def check_budget(args: argparse.Namespace) -> float | None:
+    from hivekeeper.planner.errors import InputError
+
+    if args.ram_budget_gb is None:
+        return None
+    if not 0 < args.ram_budget_gb < 1e6:
+        raise InputError(f"--ram-budget-gb must be a positive number of GB, got {args.ram_budget_gb}")
+    if args.swarm:
+        raise InputError("--ram-budget-gb applies to local runs; with --swarm the blocks run on the servers")
+    return args.ram_budget_gb * 1e9
+
+
+def set_threads() -> None:
+    import os
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        from hivekeeper.core.offload.engine import use_physical_cores
+
+        use_physical_cores()
+
+
+class Runner:
+    """An opened model (local engine or swarm client) with its tokenizer and a description of the plan used."""
+
+    def __init__(self, model, tokenizer, plan_info: dict, description: str, is_demo: bool):
+        self.model, self.tokenizer, self.plan_info, self.description = model, tokenizer, plan_info, description
+        self.is_demo = is_demo
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def resolve_model(args: argparse.Namespace):
+    """(checkpoint folder, tokenizer, ModelConfig) of --model; for --swarm only the client's files are fetched."""
+    from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
+    from hivekeeper.core.runtime.tokenizer import Tokenizer
+
+    if args.swarm:
+        path = resolve_checkpoint(args.model, blocks=(0, 0), embeddings=True)
+    else:
+        path = resolve_checkpoint(args.model)
+    return path, Tokenizer.from_folder(path), load_config(path)
+
+
+def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int, prompt_len: int,
+                max_length: int, ram_budget: float | None, drop_page_cache: bool = False) -> Runner:
+    """Load the model for this run: the engine with a plan, or a swarm client."""
+    from hivekeeper.core.offload.local_plan import choose_policy, engine_plan
+
+    is_demo = _is_demo(path)
+    if args.swarm:
+        from hivekeeper.planner.errors import InputError
+
+        from hivekeeper.core.swarm.client.inference import SwarmModel
+
+        if getattr(args, "quant", "none") != "none":
+            raise InputError("--quant applies to local runs: in a swarm each server chooses its weight format")
+        if not args.initial_peers:
+            raise InputError("--swarm needs --initial-peers (the multiaddrs a `hivekeeper serve` printed)")
+        model = SwarmModel(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix)
+        info = {"source": "swarm", "initial_peers": list(args.initial_peers)}
+        return Runner(model, tokenizer, info, "blocks in the swarm, embeddings and head here", is_demo)
+    from hivekeeper.core.offload.engine import OffloadedModel
+
+    choice = choose_policy(args.plan, path, batch=batch, prompt_len=prompt_len,
+                           max_new_tokens=max(1, max_length - prompt_len), ram_budget_bytes=ram_budget,
+                           quant=getattr(args, "quant", "none"))
+    plan = engine_plan(config, choice, batch=batch, max_length=max_length, ram_budget_bytes=ram_budget,
+                       prefill_tokens=min(256, max(1, prompt_len)))
+    model = OffloadedModel(path, plan, drop_page_cache=drop_page_cache)
+    info = {"source": choice.source, "reason": choice.reason, "policy": choice.policy.as_dict(),
+            "engine": plan.summary()}
+    return Runner(model, tokenizer, info, plan.describe(), is_demo)
+
+
+def _is_demo(path) -> bool:
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("hivekeeper_demo") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def warm_up_torch_runtime() -> None:
+    """Run a few tiny ops so torch's thread pool and matmul/attention libraries allocate their own memory now:
+    that is runtime, counted in the baseline, not in the engine's RAM budget."""
+    import torch
+
+    x = torch.ones(1, 4, 8, 64)
+    torch.nn.functional.linear(x, torch.ones(64, 64)).sum()
+    torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).sum()
+
+
+# ---- the command ---------------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--batch", type=int, default=1, help="sequences generated together from the prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sequence (default 64)")
+    add_sampling_arguments(parser, temperature=0.0, top_p=1.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence (benchmarks)")
+    parser.add_argument("--drop-page-cache", action="store_true",
+                        help="evict streamed weights from the OS page cache after each read, so that every step "
+                             "reads the disk (benchmarks of the disk itself)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text and summary")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from hivekeeper.planner.errors import InputError
+
+    if not 1 <= args.batch <= 65536:
+        raise InputError(f"--batch must be an integer from 1 to 65536, got {args.batch}")
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    ram_budget = check_budget(args)
+    sampling = sampling_params(args)
+
+    from hivekeeper.core.runtime.generation import check_prompt_fits, context_limit, generate
+
+    set_threads()
+    path, tokenizer, config = resolve_model(args)
+    prompt_ids = tokenizer.encode(args.prompt)
+    check_prompt_fits(len(prompt_ids), config, what="--prompt")
+    max_length = min(len(prompt_ids) + args.max_new_tokens, context_limit(config))
+
+    warm_up_torch_runtime()
+    baseline_rss = current_rss_bytes()
+    started = time.perf_counter()
+    runner = open_runner(args, path, tokenizer, config, batch=args.batch, prompt_len=len(prompt_ids),
+                         max_length=max_length, ram_budget=ram_budget, drop_page_cache=args.drop_page_cache)
+    try:
+        load_s = time.perf_counter() - started
+        result = generate(runner.model, prompt_ids, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                          sampling=sampling, tokenizer=tokenizer, ignore_eos=args.ignore_eos)
+        streamed = getattr(runner.model, "bytes_streamed", 0)
+    finally:
+        runner.close()
+    report = result.as_dict()
+    if args.batch == 1:
+        report.pop("texts")
+    report.update({
+        "model": str(args.model), "load_s": round(load_s, 4), "peak_rss_bytes": peak_rss_bytes(),
+        "baseline_rss_bytes": baseline_rss, "bytes_streamed": streamed,
+        "streamed_bytes_per_s": round(streamed / result.total_s) if streamed and result.total_s > 0 else 0,
+        "plan": runner.plan_info, "random_weights": runner.is_demo,
+    })
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for row, text in enumerate(result.texts):
+        print(text if args.batch == 1 else f"[{row}] {text}")
+    tps = result.decode_tokens_per_s
+    print("---")
+    print(f"{result.new_tokens} new tokens ({', '.join(sorted(set(result.finish_reasons)))}); "
+          f"{'n/a' if tps is None else f'{tps:.1f}'} tokens/s; first token after {result.time_to_first_token_s:.2f} s; "
+          f"peak RSS {report['peak_rss_bytes'] / 1e6:.0f} MB (runtime before loading {baseline_rss / 1e6:.0f} MB)")
+    print(f"plan ({runner.plan_info['source']}): {runner.description}")
+    if runner.is_demo:
+        print("note: this is a demo checkpoint with RANDOM weights, so the text is gibberish", file=sys.stderr)
+    return 0

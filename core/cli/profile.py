@@ -1,0 +1,137 @@
+"""`hivekeeper profile`: time the real runtime over a grid and calibrate the planner; `--report` shows how well
+each form (uncalibrated and calibrated cost model, idealized α(p) + β(o − 1)) predicts what was measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hivekeeper.planner.errors import InputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint folder or hub id (from the local cache) to profile")
+    parser.add_argument("--quick", action="store_true", help="a small grid, 2 repeats (for a first look and tests)")
+    parser.add_argument("--prompt-lens", metavar="N,N,...", help="prompt lengths (default 16,64,256,1024)")
+    parser.add_argument("--output-lens", metavar="N,N,...", help="output lengths (default 1,32)")
+    parser.add_argument("--batch-sizes", metavar="N,N,...", help="batch sizes (default 1,2,4)")
+    parser.add_argument("--placements", metavar="NAME,...",
+                        help="resident (default), ram (GPU: weights streamed from RAM), disk (half the blocks on disk)")
+    parser.add_argument("--repeats", metavar="N",
+                        help="repeats of the whole grid; each point keeps its fastest (default 3)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--no-save", action="store_true", help="do not save the calibration in the machine profile")
+    parser.add_argument("--report", action="store_true", help="report the saved calibration instead of profiling")
+    parser.add_argument("--png", metavar="FILE", help="also draw the report as a PNG (needs matplotlib)")
+    parser.add_argument("--profile-file", metavar="FILE",
+                        help="the machine profile to report (default: this machine's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _int_list(text: str | None, option: str, default: tuple[int, ...], high: int) -> tuple[int, ...]:
+    if text is None:
+        return default
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            raise InputError(f"--{option} must be integers separated by commas, got {text!r}") from None
+        if not 1 <= value <= high:
+            raise InputError(f"--{option} values must be from 1 to {high}, got {value}")
+        values.append(value)
+    return tuple(sorted(set(values)))
+
+
+def build_grid(args: argparse.Namespace):
+    from hivekeeper.core.machine.profiling import QUICK_GRID, ProfileGrid
+
+    base = QUICK_GRID if args.quick else ProfileGrid()
+    repeats = base.repeats
+    if args.repeats is not None:
+        repeats = _int_list(args.repeats, "repeats", (), 50)[0]
+    placements = base.placements
+    if args.placements:
+        placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
+    return ProfileGrid(
+        prompt_lens=_int_list(args.prompt_lens, "prompt-lens", base.prompt_lens, 10_000_000),
+        output_lens=_int_list(args.output_lens, "output-lens", base.output_lens, 10_000_000),
+        batch_sizes=_int_list(args.batch_sizes, "batch-sizes", base.batch_sizes, 65536),
+        placements=placements, repeats=repeats,
+    )
+
+
+def _report(args: argparse.Namespace) -> int:
+    from hivekeeper.core.machine.profiles import load_machine_profile, load_profile
+    from hivekeeper.core.machine.profiling import render_report, report_dict, write_report_png
+
+    if args.profile_file:
+        profile = load_profile(args.profile_file)
+    else:
+        profile = load_machine_profile()
+        if profile is None:
+            raise InputError("this machine has no saved profile: run `hivekeeper profile --model ...` first")
+    if profile.calibration is None:
+        raise InputError(f"{profile.path}: no calibration in this profile: run `hivekeeper profile --model ...`")
+    png = write_report_png(profile.calibration, args.png) if args.png else None
+    if args.json:
+        doc = report_dict(profile.calibration)
+        doc["png"] = str(png) if png else None
+        print(json.dumps(doc))
+    else:
+        print(render_report(profile.calibration))
+        if png:
+            print(f"plot: {png}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.report:
+        return _report(args)
+    if not args.model:
+        raise InputError("--model is required (a checkpoint folder or hub id), or --report for the saved calibration")
+    if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
+        raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
+    grid = build_grid(args)
+    if args.png and not Path(args.png).expanduser().parent.is_dir():
+        raise InputError(f"--png {args.png}: folder does not exist")
+
+    from hivekeeper.planner.calibration import measured_efficiency
+
+    from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.offload.engine import use_physical_cores
+    from hivekeeper.core.machine.profiles import load_machine_profile, new_profile, save_profile
+    from hivekeeper.core.machine.measure import TerminalProgress
+    from hivekeeper.core.machine.profiling import profile_model, render_report, report_dict, write_report_png
+
+    path = resolve_checkpoint(args.model)
+    use_physical_cores()
+    detected = detect_hardware()
+    profile = load_machine_profile(detected) or new_profile(detected)
+    if not profile.measurements:
+        print("note: this machine has not been measured (`hivekeeper measure`): the planner's numbers are estimates, "
+              "and calibration can only scale them down", file=sys.stderr)
+    hardware = profile.hardware(detected)
+    base = measured_efficiency(hardware)  # what the planner uses before calibration; every fit starts from it
+    calibration = profile_model(path, grid, hardware, profile.fingerprint, base=base, device=args.device,
+                                progress=TerminalProgress("profile "))
+    saved = None
+    if not args.no_save:
+        profile.calibration = calibration
+        saved = save_profile(profile)
+    png = write_report_png(calibration, args.png) if args.png else None
+    if args.json:
+        doc = report_dict(calibration)
+        doc.update(saved=str(saved) if saved else None, png=str(png) if png else None)
+        print(json.dumps(doc))
+        return 0
+    print(render_report(calibration))
+    if saved:
+        print(f"saved: {saved} (plans on this machine now use the calibrated factors)")
+    if png:
+        print(f"plot: {png}")
+    return 0
+

@@ -1,0 +1,237 @@
+"""`hivekeeper serve`: serve a span of a model's blocks to a swarm (Petals-compatible).
+
+Prints the multiaddrs to share (other nodes pass them as --initial-peers) and each status change; with
+--json-status every status change is one JSON line on stdout (for the GUI), logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hivekeeper.planner.errors import InputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="hub id (org/name) or local checkpoint folder")
+    swarm = parser.add_mutually_exclusive_group()
+    swarm.add_argument("--new-swarm", action="store_true", help="start a new private swarm")
+    swarm.add_argument("--initial-peers", nargs="+", metavar="MADDR", default=[],
+                       help="multiaddrs of peers of the swarm to join")
+    span = parser.add_mutually_exclusive_group()
+    span.add_argument("--num-blocks", type=int, help="serve this many blocks, chosen where the swarm is weakest "
+                      "(the server also rebalances later)")
+    span.add_argument("--block-indices", metavar="A:B", help="serve exactly blocks A..B-1 (no rebalancing)")
+    parser.add_argument("--dht-prefix", help="the model's name in the swarm (default: Petals' convention for a hub "
+                        "id, the folder name for a local checkpoint)")
+    parser.add_argument("--quant", default="none", choices=("none", "int8", "nf4"), help="weight quantization")
+    parser.add_argument("--dtype", default="auto", help="fp32, bf16 or fp16 (auto: fp32 on CPU, the checkpoint's "
+                        "16-bit dtype on GPU)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when present)")
+    parser.add_argument("--public-name", help="a name shown to the swarm (e.g. a link or nickname)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for loopback only)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (0 = any free port)")
+    parser.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
+                        help="public multiaddrs to announce when behind a port forward")
+    parser.add_argument("--json-status", action="store_true", help="one JSON line per status change on stdout")
+    parser.add_argument("--throughput", default="auto",
+                        help="auto (measure once, cached), eval (measure again) or a number of requests/s")
+    parser.add_argument("--network-mbps", type=float,
+                        help="your link speed in Mbit/s (min of up and down); advertised as network_rps")
+    parser.add_argument("--cache-tokens", type=int, help="KV cache pool size in tokens (default 4096, 16384 "
+                        "for grouped-query models)")
+    parser.add_argument("--max-length", type=int, default=None, help="most tokens per inference session "
+                        "(default 2048, 8192 for grouped-query models)")
+    parser.add_argument("--max-sessions", type=int, default=16, help="most concurrent inference sessions")
+    parser.add_argument("--max-request-mib", type=float, default=64.0, help="largest request in MiB")
+    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds a session may idle between steps")
+    parser.add_argument("--session-timeout", type=float, default=1800.0, help="seconds a session may last")
+    parser.add_argument("--update-period", type=float, default=60.0, help="seconds between re-announcements")
+    parser.add_argument("--balance-period", type=float, default=120.0,
+                        help="seconds between rebalancing checks (with --num-blocks; 0 = never move)")
+    parser.add_argument("--balance-quality", type=float, default=0.75,
+                        help="move when min throughput before / after moving is below this")
+    parser.add_argument("--stats-period", type=float, default=0.0, help="also print a stats status this often")
+    parser.add_argument("--torch-threads", type=int,
+                        help="torch's CPU threads (default: 1, with fp32 matmuls on numpy's BLAS over every core)")
+
+
+def _parse_block_indices(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise InputError(f"--block-indices {text!r}: expected A:B, e.g. 0:8") from None
+    if not 0 <= start < end:
+        raise InputError(f"--block-indices {text!r}: need 0 <= A < B")
+    return start, end
+
+
+def _check_positive(name: str, value, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise InputError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def default_num_blocks(checkpoint: Path, model_config, dtype, device: str, quant: str, cache_tokens: int) -> int:
+    """How many blocks to serve: the planner's swarm sizing for this machine, capped by what fits in 80% of the
+    device's free memory right now (each block with its share of the KV cache, in the dtype actually used)."""
+    import psutil
+    import torch
+
+    from hivekeeper.core.runtime.model import KVCache
+
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+    else:
+        free = psutil.virtual_memory().available
+    bits = {"none": torch.empty((), dtype=dtype).element_size() * 8, "int8": 8.02, "nf4": 4.13}[quant]
+    per_block = model_config.block_param_count() * bits / 8
+    per_block += KVCache.nbytes_for(model_config, 1, 1, cache_tokens, dtype)
+    fits = min(model_config.num_layers, int(0.8 * free // per_block))
+    try:
+        from hivekeeper.core.machine.profiles import detect_or_load_profile
+        from hivekeeper.planner.model_catalog import load_model_spec
+        from hivekeeper.planner.swarm import plan_server
+
+        hardware, efficiency = detect_or_load_profile()
+        plan = plan_server(load_model_spec(str(checkpoint)), hardware, quant=quant, cache_tokens=cache_tokens,
+                           efficiency=efficiency)
+        fits = min(fits, plan.num_blocks)
+    except InputError as exc:  # the planner cannot size this model/machine: the free-memory bound alone
+        print(f"hivekeeper serve: planner sizing unavailable ({exc}); using free memory", file=sys.stderr)
+    if fits < 1:
+        raise InputError(f"not even one block of this model fits in the free memory of {device} "
+                         f"({free / 2**30:.1f} GiB); free memory, use --quant, or give --num-blocks")
+    return fits
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import torch
+
+    from hivekeeper.core.runtime.checkpoint import load_config, parse_dtype, resolve_checkpoint
+    from hivekeeper.core.swarm.dht import check_initial_peers, dht_prefix_for
+    from hivekeeper.core.swarm.server.handler import ServingLimits
+    from hivekeeper.core.swarm.protocol import new_event_loop
+    from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
+
+    if not args.new_swarm and not args.initial_peers:
+        raise InputError("choose --new-swarm (start a private swarm) or --initial-peers MADDR ... (join one)")
+    for name in ("num_blocks", "max_sessions", "step_timeout", "session_timeout", "update_period",
+                 "max_request_mib", "cache_tokens", "max_length", "torch_threads"):
+        _check_positive("--" + name.replace("_", "-"), getattr(args, name))
+    for name in ("balance_period", "stats_period", "network_mbps"):
+        _check_positive("--" + name.replace("_", "-"), getattr(args, name), allow_zero=True)
+    if not 0 < args.balance_quality <= 1:
+        raise InputError(f"--balance-quality must be in (0, 1], got {args.balance_quality}")
+    throughput: str | float = args.throughput
+    if throughput not in ("auto", "eval"):
+        try:
+            throughput = float(throughput)
+        except ValueError:
+            raise InputError(f"--throughput {args.throughput!r}: use auto, eval or a number") from None
+        _check_positive("--throughput", throughput, allow_zero=True)
+    block_indices = _parse_block_indices(args.block_indices) if args.block_indices else None
+
+    _setup_logging(args.json_status)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    else:
+        from hivekeeper.core.offload.engine import use_physical_cores
+
+        use_physical_cores()
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available on this machine")
+
+    # a hub id: the config and index now, a span's shards when the server has chosen the span (SwarmServer._load)
+    checkpoint = resolve_checkpoint(args.model, blocks=block_indices or (0, 0), embeddings=False)
+    model_config = load_config(checkpoint)
+    if args.dtype == "auto":
+        stored = (model_config.torch_dtype or "").replace("torch.", "")
+        dtype = torch.float32 if device == "cpu" else parse_dtype(stored if stored in ("float16", "bfloat16")
+                                                                  else "bf16")
+    else:
+        dtype = parse_dtype(args.dtype)
+    grouped = model_config.num_kv_heads < model_config.num_heads
+    cache_tokens = args.cache_tokens or (16384 if grouped else 4096)
+    max_length = min(args.max_length or (8192 if grouped else 2048), model_config.max_position_embeddings)
+    num_blocks = args.num_blocks
+    if num_blocks is None and block_indices is None:
+        num_blocks = default_num_blocks(checkpoint, model_config, dtype, device, args.quant, cache_tokens)
+    is_local = Path(args.model).expanduser().is_dir()
+    config = ServerConfig(
+        checkpoint=checkpoint,
+        dht_prefix=dht_prefix_for(args.model, args.dht_prefix),
+        repository=None if is_local else args.model,
+        initial_peers=check_initial_peers(args.initial_peers),
+        host=args.host,
+        port=args.port,
+        announce_maddrs=tuple(args.announce_maddrs),
+        num_blocks=num_blocks,
+        block_indices=block_indices,
+        dtype=dtype,
+        device=device,
+        quant=args.quant,
+        public_name=args.public_name,
+        throughput=throughput,
+        network_bps=args.network_mbps * 1e6 if args.network_mbps else None,
+        cache_tokens=cache_tokens,
+        limits=ServingLimits(max_length=max_length, max_sessions=args.max_sessions,
+                             max_request_bytes=int(args.max_request_mib * 2**20), step_timeout=args.step_timeout,
+                             session_timeout=args.session_timeout),
+        update_period=args.update_period,
+        balance_period=args.balance_period,
+        balance_quality=args.balance_quality,
+        stats_period=args.stats_period,
+    )
+    printer = _json_printer if args.json_status else _human_printer
+    server = SwarmServer(config, status=printer)
+
+    async def main() -> None:
+        server.install_signals()
+        await server.run()
+
+    if hasattr(asyncio, "Runner"):  # Python 3.11+: serve on the swarm's (uvloop) event loop
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main())
+    return 1 if server.error else 0
+
+
+def _setup_logging(json_status: bool) -> None:
+    import logging
+
+    ours = logging.getLogger("hivekeeper")
+    if not any(getattr(h, "_hivekeeper_serve", False) for h in ours.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        handler._hivekeeper_serve = True
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    # hivemind logs every failed handler with a traceback; bad requests are expected, we log them in one line
+    logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.ERROR)
+
+
+def _json_printer(event: dict) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _human_printer(event: dict) -> None:
+    state = event["state"]
+    if state == "started":
+        print(f"Peer {event['peer_id']} is up. Other nodes join this swarm with:", flush=True)
+        print("  --initial-peers " + " ".join(event["maddrs"]), flush=True)
+        return
+    blocks = event.get("blocks")
+    where = f" blocks {blocks[0]}:{blocks[1]} of {event['num_model_blocks']}" if blocks else ""
+    line = f"[{state}] {event['dht_prefix']}{where}"
+    if state in ("online", "stats"):
+        line += (f", throughput {event['throughput']:.1f} rps, {event['sessions']} sessions, "
+                 f"{event['cache_tokens_left']} cache tokens left")
+    if state == "moving":
+        line += f" -> {event['to_blocks'][0]}:{event['to_blocks'][1]}"
+    print(line, flush=True)

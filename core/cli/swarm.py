@@ -1,0 +1,104 @@
+"""`hivekeeper swarm status`: who serves which blocks of a model, how fast, and where the bottleneck is."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hivekeeper.planner.errors import InputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="swarm_command", metavar="SUBCOMMAND")
+    status = sub.add_parser("status", help="per block: the servers covering it; per server: state, span, speed")
+    status.add_argument("--model", required=True, help="hub id or local checkpoint folder (for its block count)")
+    status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="peers of the swarm")
+    status.add_argument("--dht-prefix", help="the model's name in the swarm (default as `hivekeeper serve`)")
+    status.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def swarm_status(blocks: list[dict], dht_prefix: str, rtts: dict[str, float] | None = None) -> dict:
+    """The status report from per-block DHT records ({peer: ServerInfo} per block)."""
+    from hivekeeper.core.swarm.dht import ServerState, block_throughputs, spans_of
+
+    rtts = rtts or {}
+    throughputs = block_throughputs(blocks)
+    all_states = (ServerState.OFFLINE, ServerState.JOINING, ServerState.ONLINE)
+    spans = spans_of(blocks, states=all_states)
+    live = (ServerState.JOINING, ServerState.ONLINE)
+    per_block = [{
+        "index": i,
+        "throughput": throughputs[i],
+        "servers": sorted(p for p, info in servers.items() if info.state in live),
+    } for i, servers in enumerate(blocks)]
+    bottleneck = min(range(len(blocks)), key=lambda i: throughputs[i]) if blocks else None
+    servers = []
+    for peer_id, span in sorted(spans.items(), key=lambda item: (item[1].start, item[0])):
+        info = span.info
+        servers.append({
+            "peer_id": peer_id, "state": info.state.name.lower(), "public_name": info.public_name,
+            "start": span.start, "end": span.end, "throughput": info.throughput,
+            "inference_rps": info.inference_rps, "forward_rps": info.forward_rps, "network_rps": info.network_rps,
+            "cache_tokens_left": info.cache_tokens_left, "torch_dtype": info.torch_dtype,
+            "quant_type": info.quant_type, "version": info.version, "rtt": rtts.get(peer_id),
+        })
+    return {
+        "dht_prefix": dht_prefix,
+        "num_blocks": len(blocks),
+        "blocks": per_block,
+        "gaps": [b["index"] for b in per_block if not b["servers"]],
+        "bottleneck": None if bottleneck is None else {"block": bottleneck, "throughput": throughputs[bottleneck]},
+        "servers": servers,
+    }
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def print_tables(report: dict) -> None:
+    online = sum(s["state"] == "online" for s in report["servers"])
+    print(f"swarm of {report['dht_prefix']}: {report['num_blocks']} blocks, {len(report['servers'])} servers "
+          f"({online} online)")
+    print(f"{'block':>5}  {'throughput':>10}  servers")
+    for block in report["blocks"]:
+        names = ", ".join(p[-8:] for p in block["servers"]) or "NONE (gap)"
+        print(f"{block['index']:>5}  {block['throughput']:>10.1f}  {names}")
+    if report["bottleneck"]:
+        print(f"bottleneck: block {report['bottleneck']['block']} ({report['bottleneck']['throughput']:.1f} rps)")
+    if report["gaps"]:
+        print(f"gaps: blocks {', '.join(map(str, report['gaps']))} have no server")
+    print()
+    print(f"{'peer':<10} {'state':<8} {'blocks':<9} {'rps':>9} {'infer/s':>9} {'cache left':>10} {'rtt ms':>7}  name")
+    for s in report["servers"]:
+        rtt = "-" if s["rtt"] is None else f"{s['rtt'] * 1e3:.1f}"
+        span = f"{s['start']}:{s['end']}"
+        print(f"{s['peer_id'][-8:]:<10} {s['state']:<8} {span:<9} "
+              f"{_fmt(s['throughput']):>9} {_fmt(s['inference_rps']):>9} {_fmt(s['cache_tokens_left']):>10} "
+              f"{rtt:>7}  {s['public_name'] or ''}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.swarm_command != "status":
+        raise InputError("usage: hivekeeper swarm status --model ID|PATH --initial-peers MADDR ... [--json]")
+    from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
+    from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
+    from hivekeeper.core.swarm.dht import dht_prefix_for, read_blocks
+
+    config = load_config(resolve_checkpoint(args.model, blocks=(0, 0), embeddings=False))
+    prefix = dht_prefix_for(args.model, args.dht_prefix)
+    client = SwarmClient(ClientConfig(tuple(args.initial_peers), prefix, config.num_layers))
+    try:
+        blocks = client.run(read_blocks(client.dht, prefix, config.num_layers))
+        peers = sorted({p for servers in blocks for p in servers})
+        rtts = client.run(client.rtts(peers)) if peers else {}
+    finally:
+        client.close()
+    report = swarm_status(blocks, prefix, rtts)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_tables(report)
+    return 0

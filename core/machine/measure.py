@@ -1,0 +1,575 @@
+"""Micro-benchmarks of this machine: RAM and device bandwidth, matmul FLOP/s, host<->device copies, disk reads, peers.
+
+Every benchmark repeats its timing and keeps the fastest run (the least disturbed by other processes) together with
+the spread of the repeats and the 1-minute load average, so a noisy measurement shows itself. `run_benchmarks`
+runs them all and calls `progress(fraction, label)` between steps (a terminal bar or a GUI).
+
+The plain functions (memory_read_bandwidth, matmul_flops, host_device_bandwidth, disk_bandwidth) return the best
+rate only; the measure_* functions return a `Measurement` with the repeats.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import socketserver
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, TextIO
+
+import torch
+
+from hivekeeper.planner.errors import InputError
+
+from hivekeeper.core.runtime.kernels.cpu_matmul import linear, physical_cores, store_tall_by_column, torch_threads
+from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
+    MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+
+Progress = Callable[[float, str], None]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _silent(fraction: float, label: str) -> None:
+    pass
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timings(fn: Callable[[], None], repeats: int, device: torch.device) -> list[float]:
+    """Seconds of each of `repeats` runs of fn, after one warm-up run (first-touch page faults, kernel choice)."""
+    fn()
+    _synchronize(device)
+    seconds = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _inner_count(fn: Callable[[], None], device: torch.device, target_s: float = 0.02, most: int = 1000) -> int:
+    """How many calls of fn make one timing of about target_s (at least 1): short calls are repeated inside a
+    timing so that timer resolution and call overhead do not dominate."""
+    fn()
+    _synchronize(device)
+    start = time.perf_counter()
+    fn()
+    _synchronize(device)
+    single = time.perf_counter() - start
+    return max(1, min(most, int(target_s / max(single, 1e-7))))
+
+
+def _best_seconds(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
+    return min(_timings(fn, repeats, device))
+
+
+def load_average() -> float:
+    """The 1-minute load average (0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def _rate_measurement(key: str, label: str, unit: str, amount: float, seconds: list[float], load_before: float,
+                      detail: str) -> Measurement:
+    """A rate (amount per second) from timed repeats: best = amount / fastest time."""
+    rates = [amount / s for s in seconds]
+    best = max(rates)
+    return Measurement(key, label, best, unit, (best - min(rates)) / best if best > 0 else 0.0, len(rates),
+                       max(load_before, load_average()), detail, rates)
+
+
+# ---- RAM and device memory ------------------------------------------------------------------------------------------
+def memory_read_bandwidth(device: str | torch.device = "cpu", size_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Read bandwidth of a device's memory in bytes/s: a reduction over a buffer far larger than the caches."""
+    return measure_memory_read(device, size_bytes, repeats).value
+
+
+def measure_memory_read(device: str | torch.device = "cpu", size_bytes: int = 512 << 20,
+                        repeats: int = 5) -> Measurement:
+    device = torch.device(device)
+    load = load_average()
+    buffer = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
+    # on the CPU every core reads (inference may keep torch on one thread while the matmuls use them all)
+    with torch_threads(physical_cores() if device.type == "cpu" else torch.get_num_threads()):
+        seconds = _timings(lambda: buffer.sum(), repeats, device)
+    key = "ram_read" if device.type == "cpu" else f"gpu{device.index or 0}_memory_read"
+    label = "RAM read bandwidth" if device.type == "cpu" else "GPU memory read bandwidth"
+    return _rate_measurement(key, label, "B/s", size_bytes, seconds, load,
+                             f"sum of a {size_bytes / 2**20:.0f} MiB fp32 buffer, {physical_cores()} threads"
+                             if device.type == "cpu" else f"sum of a {size_bytes / 2**20:.0f} MiB fp32 buffer")
+
+
+# ---- matmuls --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MatmulShape:
+    """A matmul [m, k] @ [k, n]; decode multiplies a few rows by a weight matrix, prefill many."""
+
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n
+
+
+def matmul_flops(shape: MatmulShape, dtype: str = "fp32", device: str | torch.device = "cpu",
+                 repeats: int = 5) -> float:
+    """Achieved FLOP/s of one matmul shape in a dtype on a device."""
+    return measure_matmul(shape, dtype, device, repeats).value
+
+
+def measure_matmul(shape: MatmulShape, dtype: str = "fp32", device: str | torch.device = "cpu", repeats: int = 5,
+                   phase: str = "prefill") -> Measurement:
+    """Achieved FLOP/s of [m, k] @ [k, n] in a dtype (weights laid out as nn.Linear keeps them: [n, k]), through
+    the kernel the runtime uses (cpu_matmul.linear)."""
+    if dtype not in _DTYPES:
+        raise InputError(f"matmul dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    device = torch.device(device)
+    load = load_average()
+    torch_dtype = _DTYPES[dtype]
+    x = torch.randn(shape.m, shape.k, dtype=torch_dtype, device=device)
+    weight = torch.randn(shape.n, shape.k, dtype=torch_dtype, device=device)
+
+    def once() -> None:
+        linear(x, weight)
+
+    # Small matmuls finish in microseconds: repeat inside one timing so timer resolution does not dominate.
+    inner = _inner_count(once, device)
+
+    def run() -> None:
+        for _ in range(inner):
+            once()
+
+    seconds = _timings(run, repeats, device)
+    where = "cpu" if device.type == "cpu" else f"gpu{device.index or 0}"
+    weight_bytes = shape.k * shape.n * weight.element_size()
+    detail = f"[{shape.m}, {shape.k}] x [{shape.k}, {shape.n}] {dtype}"
+    if phase == "decode":
+        rate = weight_bytes * inner / min(seconds)
+        detail += f", reads {weight_bytes / 2**20:.0f} MiB of weights: {rate / 1e9:.3g} GB/s"
+    return _rate_measurement(f"{where}_matmul_{dtype}_{phase}", f"{dtype} matmul, {phase} shape", "FLOP/s",
+                             shape.flops * inner, seconds, load, detail)
+
+
+def _layer_chain(hidden: int, total_bytes: int) -> list[torch.Tensor]:
+    """Distinct fp32 matrices shaped like decoder layers of width `hidden` (fused q/k/v with 4:1 grouped KV, o,
+    fused gate/up, down; MLP 2.75x wide), repeated to about `total_bytes`, stored as the runtime stores them (tall
+    ones column-major)."""
+    inter = int(hidden * 2.75) // 64 * 64
+    layer = [(hidden + hidden // 2, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    layer_bytes = sum(o * i for o, i in layer) * 4
+    weights = [torch.randn(o, i) for _ in range(max(1, total_bytes // layer_bytes)) for o, i in layer]
+    for weight in weights:
+        store_tall_by_column(weight)
+    return weights
+
+
+def _chain_seconds(weights: list[torch.Tensor], rows: int, repeats: int) -> list[float]:
+    """Seconds of each repeat of `rows` rows multiplied by every matrix in turn (a small op after each, as a
+    block has), through the runtime's kernel."""
+    inputs = {w.shape[1]: torch.randn(rows, 1, w.shape[1]) for w in weights}  # one new token per row, as decode
+
+    def chain() -> None:
+        with torch.inference_mode():
+            for weight in weights:
+                linear(inputs[weight.shape[1]], weight).add_(1.0)
+
+    return _timings(chain, repeats, torch.device("cpu"))
+
+
+def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, repeats: int = 5) -> list[Measurement]:
+    """How decode reads weights on the CPU, from chains of distinct layer-shaped fp32 matrices (far beyond the
+    caches) multiplied in turn by one row, through the runtime's kernel:
+
+    - cpu_weight_stream: the bytes/s of that streaming, and cpu_matmul_start: a fixed start-up time per matmul.
+      One large matrix streams at about the RAM bandwidth, but each multiply starts cold (and a small op between
+      two idles the memory), which costs small models most. A chain of width `hidden` and one 3/8 as wide (many
+      more, smaller matrices for the same bytes) give time = bytes / bandwidth + matmuls x start-up.
+    - cpu_small_rows_reads: the chain's time with 4 rows over its time with one (small-row GEMM kernels read the
+      weights several times).
+    """
+    load = load_average()
+    wide, narrow = _layer_chain(hidden, total_bytes), _layer_chain(max(64, hidden * 3 // 8), total_bytes)
+    runs = {}
+    for name, weights, rows in (("wide", wide, 1), ("narrow", narrow, 1), ("wide4", wide, 4)):
+        seconds = _chain_seconds(weights, rows, repeats)
+        runs[name] = (min(seconds), seconds, sum(w.numel() * 4 for w in weights), len(weights))
+    # time = bytes / bandwidth + matmuls * start-up, from the two one-row chains' best times
+    (t1, s1, b1, n1), (t2, _, b2, n2) = runs["wide"], runs["narrow"]
+    start_up = max(0.0, (t2 - t1 * b2 / b1) / (n2 - n1 * b2 / b1)) if n2 * b1 != n1 * b2 else 0.0
+    bandwidth = b1 / max(t1 - n1 * start_up, 1e-9)
+    if bandwidth <= 0 or start_up * n1 >= t1:  # noise made the split meaningless: streaming alone explains it
+        start_up, bandwidth = 0.0, b1 / t1
+    rates = [b1 / s for s in s1]
+    load = max(load, load_average())
+    chains = (f"{n1} matrices of width {hidden} ({b1 / 2**20:.0f} MiB) {b1 / t1 / 1e9:.3g} GB/s, "
+              f"{n2} of width {max(64, hidden * 3 // 8)} ({b2 / 2**20:.0f} MiB) {b2 / t2 / 1e9:.3g} GB/s")
+    t4, s4, _, _ = runs["wide4"]
+    return [
+        Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", bandwidth, "B/s",
+                    (max(rates) - min(rates)) / max(rates), len(s1), load,
+                    f"one-row matmuls over chains of layer-shaped fp32 matrices: {chains}; bandwidth and start-up "
+                    "fitted to both", [b1 / (s - n1 * start_up) for s in s1 if s > n1 * start_up]),
+        Measurement(MATMUL_START_KEY, "start-up time of one decode matmul", start_up, "s", 0.0, len(s1), load,
+                    f"fitted to the two chains: {chains}"),
+        Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row matmul", t4 / t1, "x",
+                    (max(s4) - min(s4)) / min(s4), len(s4), load,
+                    f"the width-{hidden} chain with 4 rows takes {t4 / t1:.2f}x its one-row time"),
+    ]
+
+
+def _fitting_shape(shape: MatmulShape, dtype: str, device: torch.device, seconds_budget: float) -> MatmulShape:
+    """The shape, with k and n halved until one multiply takes about `seconds_budget` or less.
+
+    Some dtypes are ~100x slower on some CPUs (bf16 without AVX512-BF16): measuring them at the full shape would
+    take minutes, and the rate is the same at a smaller one.
+    """
+    probe = MatmulShape(shape.m, min(shape.k, 256), min(shape.n, 256))
+    rate = measure_matmul(probe, dtype, device, repeats=1).value
+    while shape.flops / rate > seconds_budget and min(shape.k, shape.n) > 64:
+        shape = MatmulShape(shape.m, shape.k // 2, shape.n // 2)
+    return shape
+
+
+# ---- host <-> device ------------------------------------------------------------------------------------------------
+def host_device_bandwidth(direction: str, pinned: bool, size_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Copy bandwidth between host RAM and the first CUDA device ("h2d" or "d2h"), in bytes/s."""
+    return measure_host_device(direction, pinned, size_bytes, repeats).value
+
+
+def measure_host_device(direction: str, pinned: bool, size_bytes: int = 256 << 20, repeats: int = 5) -> Measurement:
+    if direction not in ("h2d", "d2h"):
+        raise ValueError(f"direction must be 'h2d' or 'd2h', not {direction!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    device = torch.device("cuda", 0)
+    load = load_average()
+    host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=pinned)
+    dev = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    if direction == "h2d":
+        seconds = _timings(lambda: dev.copy_(host, non_blocking=pinned), repeats, device)
+    else:
+        seconds = _timings(lambda: host.copy_(dev, non_blocking=pinned), repeats, device)
+    kind = "pinned" if pinned else "pageable"
+    arrow = "host→GPU" if direction == "h2d" else "GPU→host"
+    return _rate_measurement(f"gpu0_{direction}_{kind}", f"{arrow} copy, {kind} memory", "B/s", size_bytes, seconds,
+                             load, f"{size_bytes / 2**20:.0f} MiB copies, {kind} host buffer")
+
+
+# ---- disk -----------------------------------------------------------------------------------------------------------
+def _drop_from_page_cache(fd: int) -> None:
+    """Ask the kernel to forget a file's cached pages so the next read comes from the disk itself.
+
+    posix_fadvise(DONTNEED) evicts clean pages of that one file (we fsync first so all are clean); it needs no
+    privileges, unlike writing to /proc/sys/vm/drop_caches.
+    """
+    os.fsync(fd)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def disk_bandwidth(folder: str | os.PathLike, size_bytes: int = 256 << 20, repeats: int = 3,
+                   progress: Progress = _silent) -> tuple[float, float, bool]:
+    """Sequential (write, read) bandwidth of the disk holding `folder`, in bytes/s, reading past the page cache.
+
+    Returns (write_bps, read_bps, cache_bypassed): cache_bypassed is False where the platform has no
+    posix_fadvise, in which case the read figure may include the page cache and overstates the disk.
+    """
+    write, read = measure_disk(folder, size_bytes, repeats, progress)
+    return write.value, read.value, hasattr(os, "posix_fadvise")
+
+
+def measure_disk(folder: str | os.PathLike, size_bytes: int = 256 << 20, repeats: int = 3,
+                 progress: Progress = _silent) -> tuple[Measurement, Measurement]:
+    """(write, read) Measurements of the disk holding `folder`: a temporary file written with fsync, evicted from
+    the page cache (posix_fadvise DONTNEED), then read back in 8 MiB chunks."""
+    chunk = 8 << 20
+    size_bytes = max(chunk, size_bytes // chunk * chunk)
+    block = os.urandom(chunk)
+    load = load_average()
+    write_s, read_s = [], []
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".hivekeeper-disk-", delete=True) as handle:
+        fd = handle.fileno()
+        for attempt in range(max(1, repeats)):
+            os.lseek(fd, 0, os.SEEK_SET)
+            start = time.perf_counter()
+            for _ in range(size_bytes // chunk):
+                os.write(fd, block)
+            os.fsync(fd)
+            write_s.append(time.perf_counter() - start)
+            _drop_from_page_cache(fd)
+            os.lseek(fd, 0, os.SEEK_SET)
+            start = time.perf_counter()
+            while os.read(fd, chunk):
+                pass
+            read_s.append(time.perf_counter() - start)
+            progress((attempt + 1) / max(1, repeats), "disk")
+    bypassed = hasattr(os, "posix_fadvise")
+    how = "page cache bypassed: posix_fadvise(DONTNEED) after fsync" if bypassed else \
+        "page cache NOT bypassed (no posix_fadvise here): the read figure may overstate the disk"
+    detail = f"{size_bytes / 2**20:.0f} MiB file in {folder}; {how}"
+    write = _rate_measurement("disk_write", "disk write (sequential, fsync)", "B/s", size_bytes, write_s, load, detail)
+    read = _rate_measurement("disk_read", "disk read (sequential, uncached)", "B/s", size_bytes, read_s, load, detail)
+    return write, read
+
+
+# ---- peers: round-trip time and bandwidth ---------------------------------------------------------------------------
+# A peer is host:port (or a multiaddr /ip4/HOST/tcp/PORT/...). RTT is the TCP handshake time (connect() returns
+# after SYN, SYN-ACK: one round trip), so any listening peer answers it (a hivemind node's libp2p port too).
+# Bandwidth needs a peer that takes part: `hivekeeper measure --listen PORT` runs the small protocol below.
+#   client -> b"U" + u64 n, then n bytes; server -> b"K" once all n arrived    (upload)
+#   client -> b"D" + u64 n; server -> n bytes                                  (download)
+_HEADER = struct.Struct("!cQ")
+_MAX_TRANSFER = 1 << 32
+
+
+def parse_peer(address: str) -> tuple[str, int]:
+    """(host, port) from "host:port", "[v6]:port" or a multiaddr "/ip4/1.2.3.4/tcp/31337/p2p/..."."""
+    text = address.strip()
+    if text.startswith("/"):
+        parts = text.strip("/").split("/")
+        try:
+            host = parts[parts.index(next(p for p in parts if p in ("ip4", "ip6", "dns", "dns4", "dns6"))) + 1]
+            port = int(parts[parts.index("tcp") + 1])
+        except (StopIteration, ValueError, IndexError):
+            raise InputError(f"peer {address!r}: a multiaddr needs /ip4|ip6|dns/HOST and /tcp/PORT") from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host:
+            raise InputError(f"peer {address!r}: expected HOST:PORT or a multiaddr")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise InputError(f"peer {address!r}: port {port_text!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise InputError(f"peer {address!r}: port {port} is outside 1-65535")
+    return host, port
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> None:
+    view = memoryview(bytearray(min(n, 1 << 20)))
+    left = n
+    while left:
+        got = sock.recv_into(view, min(left, len(view)))
+        if not got:
+            raise ConnectionError("peer closed the connection")
+        left -= got
+
+
+class _BandwidthHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        sock = self.request
+        sock.settimeout(30)
+        payload = b"\0" * (1 << 20)
+        try:
+            while True:
+                header = bytearray()
+                while len(header) < _HEADER.size:
+                    piece = sock.recv(_HEADER.size - len(header))
+                    if not piece:
+                        return
+                    header += piece
+                command, n = _HEADER.unpack(bytes(header))
+                if n > _MAX_TRANSFER:
+                    return
+                if command == b"U":
+                    _recv_exactly(sock, n)
+                    sock.sendall(b"K")
+                elif command == b"D":
+                    left = n
+                    while left:
+                        sent = sock.send(payload[: min(left, len(payload))])
+                        left -= sent
+                else:
+                    return
+        except (OSError, ConnectionError):
+            return
+
+
+class BandwidthServer(socketserver.ThreadingTCPServer):
+    """The peer side of bandwidth measurements (`hivekeeper measure --listen`); `serve_forever` to run it."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        super().__init__((host, port), _BandwidthHandler)
+
+    @property
+    def address(self) -> str:
+        host, port = self.server_address[:2]
+        return f"{host}:{port}"
+
+
+def measure_peer(address: str, repeats: int = 5, transfer_bytes: int = 16 << 20,
+                 timeout_s: float = 5.0) -> list[Measurement]:
+    """RTT to a peer (TCP handshake), and upload/download bandwidth (bit/s) when it runs `measure --listen`."""
+    host, port = parse_peer(address)
+    load = load_average()
+    rtts = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                rtts.append(time.perf_counter() - start)
+        except OSError as exc:
+            raise InputError(f"peer {address}: cannot connect ({exc.strerror or exc})") from None
+    best = min(rtts)
+    results = [Measurement(f"peer_rtt:{address}", f"round trip to {address}", best, "s",
+                           (max(rtts) - best) / best if best > 0 else 0.0, len(rtts), max(load, load_average()),
+                           "TCP handshake (connect) time", rtts)]
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            up, down = [], []
+            payload = b"\0" * (1 << 20)
+            for _ in range(max(1, min(repeats, 3))):
+                start = time.perf_counter()
+                sock.sendall(_HEADER.pack(b"U", transfer_bytes))
+                left = transfer_bytes
+                while left:
+                    sent = sock.send(payload[: min(left, len(payload))])
+                    left -= sent
+                if sock.recv(1) != b"K":
+                    raise ConnectionError("no acknowledgement")
+                up.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                sock.sendall(_HEADER.pack(b"D", transfer_bytes))
+                _recv_exactly(sock, transfer_bytes)
+                down.append(time.perf_counter() - start)
+    except (OSError, ConnectionError):
+        return results  # a peer that does not run `measure --listen`: RTT only
+    bits = transfer_bytes * 8.0
+    detail = f"{transfer_bytes / 2**20:.0f} MiB each way over one TCP connection"
+    results.append(_rate_measurement(f"peer_upload:{address}", f"upload to {address}", "bit/s", bits, up, load, detail))
+    results.append(_rate_measurement(f"peer_download:{address}", f"download from {address}", "bit/s", bits, down, load,
+                                     detail))
+    return results
+
+
+# ---- everything -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchmarkSizes:
+    """How big and how often: the defaults take about a minute on a laptop; QUICK is for tests and a first look."""
+
+    ram_bytes: int = 1 << 30
+    matmul_k: int = 4096  # weight matrix [n, k] of the matmul benchmarks
+    matmul_n: int = 8192  # fp32: 128 MiB, far beyond any CPU cache, as a decode step's weights are
+    prefill_rows: int = 512
+    decode_rows: int = 1
+    stream_hidden: int = 2048  # weight streaming: a chain of decoder-layer-shaped matrices of this width...
+    stream_bytes: int = 384 << 20  # ...this many bytes in all (far beyond the caches)
+    matmul_seconds: float = 1.0  # one prefill-shape multiply takes at most about this long (slow dtypes shrink)
+    disk_bytes: int = 512 << 20
+    link_bytes: int = 256 << 20
+    peer_bytes: int = 16 << 20
+    repeats: int = 5
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=256, matmul_n=512, prefill_rows=64, matmul_seconds=0.05,
+                       stream_hidden=256, stream_bytes=8 << 20,
+                       disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"))
+
+
+def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str | os.PathLike | None = None,
+                   peers: tuple[str, ...] = (), gpu: bool = True, progress: Progress = _silent,
+                   should_stop: Callable[[], bool] = lambda: False) -> list[Measurement]:
+    """Every benchmark this machine allows, in turn: RAM, CPU matmuls per dtype (decode and prefill shapes), disk
+    (when a folder is given), GPU memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA
+    device is present (and gpu=True), and each peer. progress(fraction, label) is called before each step;
+    should_stop() is checked between steps (what was measured so far is returned)."""
+    steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
+    steps.append(("RAM bandwidth", lambda: [measure_memory_read("cpu", sizes.ram_bytes, sizes.repeats)]))
+    for dtype in sizes.dtypes:
+        steps.append((f"CPU {dtype} matmul", lambda dtype=dtype: _matmul_pair(dtype, torch.device("cpu"), sizes)))
+    if "fp32" in sizes.dtypes:
+        steps.append(("CPU decode weight streaming",
+                      lambda: measure_weight_streaming(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats)))
+    if disk_folder is not None:
+        steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))
+    if gpu and torch.cuda.is_available():
+        cuda = torch.device("cuda", 0)
+        steps.append(("GPU memory bandwidth",
+                      lambda: [measure_memory_read(cuda, max(sizes.ram_bytes, 256 << 20), sizes.repeats)]))
+        for dtype in sizes.dtypes:
+            steps.append((f"GPU {dtype} matmul", lambda dtype=dtype: _matmul_pair(dtype, cuda, sizes, gpu=True)))
+        for direction in ("h2d", "d2h"):
+            for pinned in (True, False):
+                steps.append((f"{'host→GPU' if direction == 'h2d' else 'GPU→host'} "
+                              f"{'pinned' if pinned else 'pageable'}",
+                              lambda d=direction, p=pinned: [measure_host_device(d, p, sizes.link_bytes,
+                                                                                 sizes.repeats)]))
+    for peer in peers:
+        steps.append((f"peer {peer}", lambda peer=peer: measure_peer(peer, sizes.repeats, sizes.peer_bytes)))
+
+    results: list[Measurement] = []
+    for index, (label, step) in enumerate(steps):
+        if should_stop():
+            break
+        progress(index / len(steps), label)
+        results.extend(step())
+    progress(1.0, "done")
+    return results
+
+
+def _matmul_pair(dtype: str, device: torch.device, sizes: BenchmarkSizes, gpu: bool = False) -> list[Measurement]:
+    """A dtype's matmul rate at a decode shape (few rows: bound by reading the weights) and at a prefill shape."""
+    k, n = (max(sizes.matmul_k, 8192), max(sizes.matmul_n, 8192)) if gpu else (sizes.matmul_k, sizes.matmul_n)
+    prefill = MatmulShape(max(sizes.prefill_rows, 4096) if gpu else sizes.prefill_rows, k, n)
+    # decode keeps the full weight matrix (it must not fit in a cache); only the prefill shape may shrink
+    decode = MatmulShape(sizes.decode_rows, k, n)
+    prefill = _fitting_shape(prefill, dtype, device, sizes.matmul_seconds) if not gpu else prefill
+    return [measure_matmul(decode, dtype, device, sizes.repeats, phase="decode"),
+            measure_matmul(prefill, dtype, device, sizes.repeats, phase="prefill")]
+
+
+# ---- a terminal progress bar ----------------------------------------------------------------------------------------
+class TerminalProgress:
+    """progress(fraction, label) drawn as one bar on stderr: redrawn in place on a terminal, else one line per step."""
+
+    def __init__(self, title: str = "", stream: TextIO | None = None, width: int = 30):
+        self.title, self.stream, self.width = title, stream or sys.stderr, width
+        self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_label: str | None = None
+
+    def __call__(self, fraction: float, label: str) -> None:
+        fraction = min(max(fraction, 0.0), 1.0)
+        filled = int(round(fraction * self.width))
+        bar = "#" * filled + "." * (self.width - filled)
+        text = f"{self.title}[{bar}] {100 * fraction:3.0f}% {label}"
+        if self.interactive:
+            self.stream.write("\r" + text.ljust(self.width + 40))
+            if fraction >= 1.0:
+                self.stream.write("\n")
+        elif label != self._last_label:
+            self.stream.write(text + "\n")
+        self._last_label = label
+        self.stream.flush()
+
+
+def format_value(measurement: Measurement) -> str:
+    """A measurement's best value in readable units."""
+    v = measurement.value
+    if measurement.unit == "B/s":
+        return f"{v / 1e9:.3g} GB/s"
+    if measurement.unit == "FLOP/s":
+        return f"{v / 1e9:.3g} GFLOP/s" if v < 1e12 else f"{v / 1e12:.3g} TFLOP/s"
+    if measurement.unit == "bit/s":
+        return f"{v / 1e6:.4g} Mbit/s"
+    if measurement.unit == "s":
+        return f"{v * 1e3:.3g} ms"
+    return f"{v:.4g} {measurement.unit}"
+

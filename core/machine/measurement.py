@@ -1,0 +1,45 @@
+"""One micro-benchmark's result, as `hivekeeper measure` saves it in a machine profile.
+
+Kept apart from core/machine/measure.py (which imports torch to run the benchmarks) so that reading a saved profile,
+e.g. in the desktop app's process, never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+# keys of measure.measure_weight_streaming's results, also read by machine_profile (which must not import torch)
+WEIGHT_STREAM_KEY = "cpu_weight_stream"
+MATMUL_START_KEY = "cpu_matmul_start"
+SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
+
+
+@dataclass
+class Measurement:
+    """One benchmark's result: the best of its repeats, in `unit`, with how much the repeats disagreed."""
+
+    key: str  # stable name, e.g. "ram_read", "cpu_matmul_fp32_prefill", "disk_read", "gpu0_h2d_pinned"
+    label: str  # for people
+    value: float  # best (fastest) of the repeats
+    unit: str  # "B/s", "FLOP/s", "s" or "bit/s"
+    spread: float  # (worst - best) / best over the repeats
+    repeats: int
+    loadavg: float  # 1-minute load average, the larger of before and after
+    detail: str = ""  # shape, size, method (e.g. how the page cache was bypassed)
+    samples: list[float] = field(default_factory=list)  # every repeat, in `unit`
+
+    def as_dict(self) -> dict:
+        doc = asdict(self)
+        doc["value"] = float(f"{self.value:.6g}")
+        doc["spread"] = float(f"{self.spread:.4g}")
+        doc["loadavg"] = round(self.loadavg, 2)
+        doc["samples"] = [float(f"{s:.6g}") for s in self.samples]
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "Measurement":
+        return cls(key=str(doc["key"]), label=str(doc.get("label", doc["key"])), value=float(doc["value"]),
+                   unit=str(doc["unit"]), spread=float(doc.get("spread", 0.0)), repeats=int(doc.get("repeats", 1)),
+                   loadavg=float(doc.get("loadavg", 0.0)), detail=str(doc.get("detail", "")),
+                   samples=[float(s) for s in doc.get("samples", [])])

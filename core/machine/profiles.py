@@ -1,0 +1,347 @@
+"""Machine profiles: what `hivekeeper measure` and `hivekeeper profile` learned about this machine, kept for reuse.
+
+A profile is one JSON file per machine in the user config folder (HIVEKEEPER_CONFIG_DIR, else the platform's,
+e.g. ~/.config/hivekeeper/profiles/<fingerprint>.json). The fingerprint hashes what identifies the hardware: CPU
+name and core count, RAM (whole GiB) and GPU names, so a profile is only used on the machine that made it.
+
+It holds the benchmark results (core/machine/measure.py) and, after `hivekeeper profile`, a calibration
+(planner/calibration.py). The planner then takes this machine as detected, with measured numbers in place of
+estimates and catalog figures, and the efficiency factors that go with them:
+
+    hardware, efficiency = detect_or_load_profile()       # efficiency is None without a profile
+    plan = search(model, hardware, goal, efficiency=efficiency)
+
+Measuring again replaces the measurements and drops the calibration: its factors were fitted to the old numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hivekeeper.planner.calibration import Calibration, measured_efficiency
+from hivekeeper.planner.efficiency import DEFAULTS as DEFAULT_EFFICIENCY
+from hivekeeper.planner.efficiency import MachineEfficiency
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, HardwareSpec
+from hivekeeper.planner.hardware_catalog import GIB, clamp_to_limit
+
+from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
+    MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+
+PROFILE_VERSION = 1
+
+
+# ---- where ------------------------------------------------------------------------------------------------------
+def config_dir() -> Path:
+    """HIVEKEEPER_CONFIG_DIR, else the platform's user config folder (e.g. ~/.config/hivekeeper)."""
+    explicit = os.environ.get("HIVEKEEPER_CONFIG_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("hivekeeper", appauthor=False))
+
+
+def profiles_dir() -> Path:
+    return config_dir() / "profiles"
+
+
+def fingerprint_fields(spec: HardwareSpec) -> dict:
+    """What identifies a machine's hardware: CPU name and cores, RAM in whole GiB, GPU names."""
+    return {"cpu": spec.cpu.name, "cores": spec.cpu.cores or 1, "ram_gib": round(spec.cpu.memory_bytes / GIB),
+            "gpus": [gpu.name for gpu in spec.gpus]}
+
+
+def machine_fingerprint(spec: HardwareSpec) -> str:
+    """16 hex digits of SHA-256 over the fingerprint fields."""
+    text = json.dumps(fingerprint_fields(spec), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def profile_path(fingerprint: str) -> Path:
+    return profiles_dir() / f"{fingerprint}.json"
+
+
+# ---- the profile --------------------------------------------------------------------------------------------------
+@dataclass
+class MachineProfile:
+    """Measurements (and a calibration) of one machine."""
+
+    fingerprint: str
+    machine: dict  # fingerprint_fields, for people reading the file
+    measured_at: float | None  # unix time of the benchmarks; None when only a calibration was saved
+    measurements: list[Measurement] = field(default_factory=list)
+    calibration: Calibration | None = None
+    threads: int = 0  # torch CPU threads the benchmarks ran with
+    path: Path | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        """The flag a GUI shows: predictions on this machine use factors fitted to its own runtime."""
+        return self.calibration is not None and self.calibration.calibrated
+
+    def measurement(self, key: str) -> Measurement | None:
+        return next((m for m in self.measurements if m.key == key), None)
+
+    def hardware(self, detected: HardwareSpec) -> HardwareSpec:
+        """The detected spec with every measured number in place of its estimate or catalog value."""
+        return apply_measurements(detected, self.measurements, self.measured_at)
+
+    def efficiency(self, hardware: HardwareSpec) -> MachineEfficiency:
+        """The calibrated factors when there are some, else defaults with fractions of 1 for measured numbers."""
+        if self.calibration is not None:
+            return self.calibration.efficiency
+        return measured_efficiency(hardware)
+
+    def as_dict(self) -> dict:
+        return {
+            "version": PROFILE_VERSION, "fingerprint": self.fingerprint, "machine": self.machine,
+            "measured_at": self.measured_at, "threads": self.threads,
+            "measurements": [m.as_dict() for m in self.measurements],
+            "calibration": self.calibration.as_dict() if self.calibration is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict, where: str) -> "MachineProfile":
+        if not isinstance(doc, dict):
+            raise InputError(f"{where}: a machine profile must be a JSON object")
+        if doc.get("version") != PROFILE_VERSION:
+            raise InputError(f"{where}: field 'version' is {doc.get('version')!r}, expected {PROFILE_VERSION}; "
+                             "run `hivekeeper measure` again")
+        try:
+            measurements = [Measurement.from_dict(m) for m in doc.get("measurements") or []]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{where}: field 'measurements' is malformed ({type(exc).__name__}: {exc})") from None
+        calibration = doc.get("calibration")
+        measured_at = doc.get("measured_at")
+        if not isinstance(doc.get("fingerprint"), str):
+            raise InputError(f"{where}: field 'fingerprint' must be a string")
+        return cls(
+            fingerprint=doc["fingerprint"], machine=dict(doc.get("machine") or {}),
+            measured_at=float(measured_at) if measured_at is not None else None, measurements=measurements,
+            calibration=Calibration.from_dict(calibration, f"{where}: field 'calibration'") if calibration else None,
+            threads=int(doc.get("threads") or 0), path=Path(where),
+        )
+
+
+def new_profile(detected: HardwareSpec) -> MachineProfile:
+    return MachineProfile(machine_fingerprint(detected), fingerprint_fields(detected), None)
+
+
+def save_profile(profile: MachineProfile, path: Path | None = None) -> Path:
+    """Write the profile atomically (temp file, fsync, rename); returns where."""
+    path = Path(path) if path is not None else profile_path(profile.fingerprint)
+    write_json_atomic(path, profile.as_dict())
+    profile.path = path
+    return path
+
+
+def load_profile(path: str | Path) -> MachineProfile:
+    """Read a profile file; errors name the file and the field."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read machine profile ({exc.strerror or exc})") from None
+    try:
+        doc = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc}); delete it or run `hivekeeper measure` again") from None
+    return MachineProfile.from_dict(doc, str(path))
+
+
+def load_machine_profile(detected: HardwareSpec | None = None) -> MachineProfile | None:
+    """This machine's saved profile, or None when it has none (or the file belongs to other hardware)."""
+    if detected is None:
+        from hivekeeper.core.machine.detect import detect_hardware
+
+        detected = detect_hardware()
+    fingerprint = machine_fingerprint(detected)
+    path = profile_path(fingerprint)
+    if not path.is_file():
+        return None
+    profile = load_profile(path)
+    return profile if profile.fingerprint == fingerprint else None
+
+
+def detect_or_load_profile(data_dir: str | Path | None = None) -> tuple[HardwareSpec, MachineEfficiency | None]:
+    """This machine for the planner: detected, with a matching saved profile's measured numbers and efficiency
+    factors (calibrated when `hivekeeper profile` ran). Without a profile: (detected spec, None), and the planner
+    uses its default factors."""
+    from hivekeeper.core.machine.detect import detect_hardware
+
+    detected = detect_hardware(data_dir)
+    profile = load_machine_profile(detected)
+    if profile is None:
+        return detected, None
+    hardware = profile.hardware(detected)
+    return hardware, profile.efficiency(hardware)
+
+
+def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
+    """What `hivekeeper measure` found of decode's weight streaming (measure.measure_weight_streaming), relative
+    to the measured RAM read bandwidth; None unless all of it was measured."""
+    by_key = {m.key: m for m in measurements}
+    stream, ram, reads, start = (by_key.get(k) for k in (WEIGHT_STREAM_KEY, "ram_read", SMALL_ROWS_READS_KEY,
+                                                         MATMUL_START_KEY))
+    if stream is None or ram is None or reads is None or start is None or ram.value <= 0:
+        return None
+    return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram.value)),
+                           small_row_reads=min(16.0, max(1.0, reads.value)),
+                           matmul_start_s=min(0.1, max(0.0, start.value)))
+
+
+# ---- measured numbers into a spec ---------------------------------------------------------------------------------
+def _measured_on(when: float | None) -> str:
+    return f"measured {time.strftime('%Y-%m-%d %H.%M', time.localtime(when))}" if when else "measured"
+
+
+def _source(m: Measurement, when: float | None) -> str:
+    return (f"{_measured_on(when)}: {m.label}, best of {m.repeats} (spread {100 * m.spread:.0f}%, "
+            f"load {m.loadavg:.1f}); {m.detail}")
+
+
+def _matmul_rates(measurements: list[Measurement], prefix: str) -> dict[str, Measurement]:
+    """dtype -> the prefill-shape matmul measurement of one device (prefix "cpu" or "gpu0")."""
+    rates = {}
+    for m in measurements:
+        if m.key.startswith(f"{prefix}_matmul_") and m.key.endswith("_prefill"):
+            rates[m.key[len(prefix) + len("_matmul_"):-len("_prefill")]] = m
+    return rates
+
+
+def _with_flops(device: ComputeDevice, rates: dict[str, Measurement], when: float | None) -> ComputeDevice:
+    """A device whose FLOP/s table is the measured rates (dtypes not measured are dropped: one table, one source)."""
+    if not rates:
+        return device
+    flops = {dtype: clamp_to_limit(m.value / 1e12, "tflops") * 1e12 for dtype, m in rates.items()}
+    first = rates.get("fp32") or next(iter(rates.values()))
+    listed = ", ".join(f"{d} {m.value / 1e9:.3g} GFLOP/s" for d, m in rates.items())
+    source = (f"{_measured_on(when)}: matmul at the prefill shape ({listed}), best of {first.repeats} "
+              f"(load {first.loadavg:.1f}); {first.detail}")
+    return dataclasses.replace(device, flops=flops, sources={**device.sources, "flops": source})
+
+
+def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when: float | None = None) -> HardwareSpec:
+    """The spec with measured numbers in place: RAM bandwidth, CPU FLOP/s per dtype, disk read/write, the first
+    GPU's memory bandwidth, FLOP/s and host link (and every GPU of the same name), RTT and bandwidth to peers.
+    Each replaced number's source says "measured ..." with the spread and load of its measurement."""
+    by_key = {m.key: m for m in measurements}
+    cpu, disk, network, gpus = spec.cpu, spec.disk, spec.network, list(spec.gpus)
+
+    if "ram_read" in by_key:
+        m = by_key["ram_read"]
+        bandwidth = float(round(clamp_to_limit(m.value / 1e9, "ram_bandwidth_gbps") * 1e9))
+        cpu = dataclasses.replace(cpu, memory_bandwidth=bandwidth,
+                                  sources={**cpu.sources, "memory_bandwidth": _source(m, when)})
+    cpu = _with_flops(cpu, _matmul_rates(measurements, "cpu"), when)
+    streaming = decode_streaming(measurements)
+    if streaming is not None:
+        cpu = dataclasses.replace(cpu, decode_streaming=streaming)
+
+    disk_changes, disk_sources = {}, dict(disk.sources)
+    for key, attr in (("disk_read", "read_bandwidth"), ("disk_write", "write_bandwidth")):
+        if key in by_key:
+            disk_changes[attr] = float(round(clamp_to_limit(by_key[key].value / 1e9, "disk_gbps") * 1e9))
+            disk_sources[attr] = _source(by_key[key], when)
+    if disk_changes:
+        disk = dataclasses.replace(disk, sources=disk_sources, **disk_changes)
+
+    if gpus:
+        first = gpus[0]
+        gpu = _with_flops(first, _matmul_rates(measurements, "gpu0"), when)
+        if "gpu0_memory_read" in by_key:
+            m = by_key["gpu0_memory_read"]
+            gpu = dataclasses.replace(gpu, memory_bandwidth=float(round(m.value)),
+                                      sources={**gpu.sources, "memory_bandwidth": _source(m, when)})
+        if "gpu0_h2d_pinned" in by_key and not gpu.unified_memory:
+            m = by_key["gpu0_h2d_pinned"]
+            gpu = dataclasses.replace(gpu, host_link_bandwidth=float(round(m.value)),
+                                      sources={**gpu.sources, "host_link_bandwidth": _source(m, when)})
+        gpus = [gpu if g.name == first.name else g for g in gpus]
+
+    rtts = [m for m in measurements if m.key.startswith("peer_rtt:")]
+    uploads = [m for m in measurements if m.key.startswith("peer_upload:")]
+    downloads = [m for m in measurements if m.key.startswith("peer_download:")]
+    net_changes, net_sources = {}, dict(network.sources)
+    if rtts:
+        net_changes["rtt_s"] = round(statistics.median(m.value for m in rtts), 6)
+        net_sources["rtt_s"] = f"measured: median over {len(rtts)} peer(s) of the best TCP handshake time"
+    for attr, found, what in (("upload_bps", uploads, "upload"), ("download_bps", downloads, "download")):
+        if found:
+            net_changes[attr] = float(round(statistics.median(m.value for m in found)))
+            net_sources[attr] = f"measured: median {what} over {len(found)} peer(s) running `measure --listen`"
+    if net_changes:
+        network = dataclasses.replace(network, sources=net_sources, **net_changes)
+    return dataclasses.replace(spec, cpu=cpu, disk=disk, network=network, gpus=tuple(gpus))
+
+
+# ---- measured beside catalog, for the Hardware page ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ComparisonRow:
+    part: str  # "CPU", "RAM", "disk", "GPU 0", "network"
+    quantity: str  # e.g. "read bandwidth"
+    catalog: float | None  # the detected / catalog / estimated value (None: none)
+    measured: float | None
+    unit: str  # "B/s", "FLOP/s", "s", "bit/s"
+    catalog_source: str
+    spread: float | None  # of the measurement's repeats
+
+
+def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> list[ComparisonRow]:
+    """Every number a measurement can replace: the catalog (or detected) value beside the measured one."""
+    measured = {m.key: m for m in (profile.measurements if profile else [])}
+
+    def row(part, quantity, catalog, key, unit, source) -> ComparisonRow:
+        m = measured.get(key)
+        return ComparisonRow(part, quantity, catalog, m.value if m else None, unit, source, m.spread if m else None)
+
+    cpu = detected.cpu
+    rows = [row("RAM", "read bandwidth", cpu.memory_bandwidth, "ram_read", "B/s",
+                cpu.sources.get("memory_bandwidth", ""))]
+    dtypes = sorted(set(cpu.flops) | set(_matmul_rates(list(measured.values()), "cpu")),
+                    key=lambda d: ("fp32", "bf16", "fp16").index(d) if d in ("fp32", "bf16", "fp16") else 9)
+    for dtype in dtypes:
+        rows.append(row("CPU", f"{dtype} matmul", cpu.flops.get(dtype), f"cpu_matmul_{dtype}_prefill", "FLOP/s",
+                        cpu.sources.get("flops", "")))
+    # decode's weight streaming: the cost model's default (half the RAM bandwidth, 3 re-reads) beside the measured
+    default_cpu = DEFAULT_EFFICIENCY["cpu"]
+    rows.append(row("RAM", "decode weight streaming", cpu.memory_bandwidth * default_cpu.bandwidth_fraction,
+                    WEIGHT_STREAM_KEY, "B/s", f"default: {default_cpu.bandwidth_fraction:g} of the RAM bandwidth"))
+    rows.append(row("CPU", "matmul start-up", None, MATMUL_START_KEY, "s", ""))
+    rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, SMALL_ROWS_READS_KEY,
+                    "x", "default"))
+    rows.append(row("disk", "read (uncached)", detected.disk.read_bandwidth, "disk_read", "B/s",
+                    detected.disk.sources.get("read_bandwidth", "")))
+    rows.append(row("disk", "write", detected.disk.write_bandwidth, "disk_write", "B/s",
+                    detected.disk.sources.get("write_bandwidth", "")))
+    if detected.gpus:
+        gpu = detected.gpus[0]
+        rows.append(row("GPU 0", "memory bandwidth", gpu.memory_bandwidth, "gpu0_memory_read", "B/s",
+                        gpu.sources.get("memory_bandwidth", "")))
+        for dtype in ("fp32", "fp16", "bf16"):
+            rows.append(row("GPU 0", f"{dtype} matmul", gpu.flops.get(dtype), f"gpu0_matmul_{dtype}_prefill",
+                            "FLOP/s", gpu.sources.get("flops", "")))
+        if not gpu.unified_memory:
+            copies = (("gpu0_h2d_pinned", "host→GPU, pinned"), ("gpu0_h2d_pageable", "host→GPU, pageable"),
+                      ("gpu0_d2h_pinned", "GPU→host, pinned"), ("gpu0_d2h_pageable", "GPU→host, pageable"))
+            for key, quantity in copies:
+                catalog = gpu.host_link_bandwidth if key.endswith("pinned") and "h2d" in key else None
+                rows.append(row("GPU 0", quantity, catalog, key, "B/s", gpu.sources.get("host_link_bandwidth", "")))
+    net = detected.network
+    for m in measured.values():
+        if m.key.startswith("peer_rtt:"):
+            rows.append(ComparisonRow("network", m.label, net.rtt_s, m.value, "s", net.sources.get("rtt_s", ""),
+                                      m.spread))
+        elif m.key.startswith(("peer_upload:", "peer_download:")):
+            catalog = net.upload_bps if m.key.startswith("peer_upload:") else net.download_bps
+            rows.append(ComparisonRow("network", m.label, catalog, m.value, "bit/s", "", m.spread))
+    return rows

@@ -1,0 +1,442 @@
+"""Runtime profiles: time the real runtime over a grid, calibrate the planner, and report predicted vs measured.
+
+`profile_model` loads a checkpoint into the offloading engine once per placement, runs `generation.generate`
+(greedy, ignore_eos) for every prompt length × output length × batch size of a `ProfileGrid`, and repeats the whole
+grid `repeats` times, so a burst of load from other processes hits different repeats of a point at different
+moments; each point keeps its fastest repeat (the least disturbed) and the spread. It then fits the cost model's
+efficiency factors and the idealized-runtime forms (planner/calibration.py) and returns the Calibration to save.
+
+`render_report` and `write_report_png` compare the three forms (uncalibrated cost model, calibrated cost model,
+idealized α(p) + β(o − 1)) with the measurements: per point, MAPE and worst error, and plots of runtime vs p and o.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from hivekeeper.planner.calibration import (Calibration, FormPrediction, ProfilePoint, build_calibration,
+                                            compare_forms, cost_model_predictions, form_accuracy, linear_alpha_fits)
+from hivekeeper.planner.costmodel import Placement, Policy
+from hivekeeper.planner.efficiency import MachineEfficiency
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware import HardwareSpec
+
+Progress = Callable[[float, str], None]
+
+PLACEMENTS = ("resident", "ram", "disk")
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """The points to time: every prompt length × output length × batch size, for each placement."""
+
+    prompt_lens: tuple[int, ...] = (16, 64, 256, 1024)
+    output_lens: tuple[int, ...] = (1, 32)
+    # three batch sizes: on a CPU the weight re-reads (b = 2, 4) cannot be told from the bandwidth with two
+    batch_sizes: tuple[int, ...] = (1, 2, 4)
+    placements: tuple[str, ...] = ("resident",)
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_lens", "output_lens", "batch_sizes"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise InputError(f"grid {name.replace('_', '-')} must be positive integers, got {values!r}")
+        if len(set(self.prompt_lens)) < 2:
+            raise InputError("the grid needs at least two prompt lengths (the idealized fit has a slope in p)")
+        unknown = [p for p in self.placements if p not in PLACEMENTS]
+        if unknown or not self.placements:
+            name = unknown[0] if unknown else ""
+            raise InputError(f"unknown placement {name!r}; choose from {', '.join(PLACEMENTS)}")
+        if not 1 <= self.repeats <= 50:
+            raise InputError(f"repeats must be from 1 to 50, got {self.repeats}")
+
+    def points(self) -> list[tuple[int, int, int]]:
+        """(prompt_len, output_len, batch) of every point, the cheapest first."""
+        grid = [(p, o, b) for b in self.batch_sizes for p in self.prompt_lens for o in self.output_lens]
+        return sorted(grid, key=lambda g: (g[2] * (g[0] + 4 * g[1]), g))
+
+    @property
+    def runs(self) -> int:
+        return len(self.placements) * self.repeats * len(self.points())
+
+
+QUICK_GRID = ProfileGrid(prompt_lens=(8, 32, 128), output_lens=(1, 8), batch_sizes=(1,), repeats=2)
+
+_FORMAT_OF_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def placement_policy(name: str, on_gpu: bool, weight_format: str) -> Policy:
+    """The policy of a named placement. resident: weights and KV cache on the compute device; ram (GPU only):
+    weights in RAM, streamed to the GPU; disk: half the blocks on disk (the rest in RAM), streamed."""
+    compute = Placement(1.0, 0.0, 0.0) if on_gpu else Placement(0.0, 1.0, 0.0)
+    if name == "resident":
+        return Policy(weight_format, weights=compute, kv_cache=compute, activations=compute, prefetch_depth=0)
+    if name == "ram":
+        if not on_gpu:
+            raise InputError("placement 'ram' streams weights from RAM to a GPU; on a CPU 'resident' is RAM")
+        return Policy(weight_format, weights=Placement(0.0, 1.0, 0.0), kv_cache=compute, activations=compute,
+                      prefetch_depth=1)
+    if name == "disk":
+        return Policy(weight_format, weights=Placement(0.0, 0.5, 0.5), kv_cache=compute, activations=compute,
+                      prefetch_depth=1)
+    raise InputError(f"unknown placement {name!r}; choose from {', '.join(PLACEMENTS)}")
+
+
+class StepClock:
+    """Passed to generate() as its stop flag, which it checks once between decode steps: the time of each check
+    gives the duration of every step, so a burst of load from another process spoils a few steps, not the run."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def is_set(self) -> bool:
+        self.times.append(time.perf_counter())
+        return False
+
+    def step_durations(self, last_token_at: float) -> list[float]:
+        """Each decode step's seconds: between checks, and from the last check to the last token."""
+        marks = self.times + [last_token_at]
+        return [b - a for a, b in zip(marks[:-1], marks[1:])]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed generate() call. step_s is the median of its decode steps (robust to bursts of load; the steps'
+    context grows linearly, so the median step is also the mean one)."""
+
+    prompt_len: int
+    output_len: int
+    batch_size: int
+    placement: str
+    prefill_s: float
+    step_s: float | None
+    runtime_s: float
+    loadavg: float
+
+
+def denoise(runs: list[Run]) -> list[ProfilePoint]:
+    """One point per (placement, p, o, batch): the fastest repeat of each time, and the runtime's spread."""
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.placement, run.prompt_len, run.output_len, run.batch_size), []).append(run)
+    points = []
+    for (placement, p, o, b), group in groups.items():
+        runtimes = [r.runtime_s for r in group]
+        steps = [r.step_s for r in group if r.step_s is not None]
+        points.append(ProfilePoint(
+            prompt_len=p, output_len=o, batch_size=b, placement=placement,
+            prefill_s=min(r.prefill_s for r in group), step_s=min(steps) if steps else None,
+            runtime_s=min(runtimes), spread=(max(runtimes) - min(runtimes)) / min(runtimes),
+            repeats=len(group), loadavg=max(r.loadavg for r in group),
+        ))
+    return points
+
+
+def _silent(fraction: float, label: str) -> None:
+    pass
+
+
+def measure_grid(model_path: str | Path, grid: ProfileGrid, *, device: str = "cpu", progress: Progress = _silent,
+                 should_stop: Callable[[], bool] = lambda: False, seed: int = 0) -> tuple[list[Run], dict[str, Policy]]:
+    """Time generate() at every grid point and repeat; returns the raw runs and the policy of each placement."""
+    import torch
+
+    from hivekeeper.core.runtime.checkpoint import load_config
+    from hivekeeper.core.offload.engine import OffloadedModel, place_model
+    from hivekeeper.core.runtime.generation import generate
+    from hivekeeper.core.offload.local_plan import compute_dtype
+    from hivekeeper.core.machine.measure import load_average
+
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    config = load_config(model_path)
+    spec = load_model_spec(str(model_path))
+    on_gpu = torch.device(device).type == "cuda"
+    dtype, quant = compute_dtype(spec.torch_dtype, device)
+    weight_format = _FORMAT_OF_DTYPE[str(dtype)]
+    longest = max(grid.prompt_lens) + max(grid.output_lens)
+    if longest > config.max_position_embeddings:
+        raise InputError(f"the grid's longest run ({max(grid.prompt_lens)} + {max(grid.output_lens)} tokens) exceeds "
+                         f"the model's context ({config.max_position_embeddings} tokens)")
+    generator = torch.Generator().manual_seed(seed)
+    policies = {name: placement_policy(name, on_gpu, weight_format) for name in grid.placements}
+    runs: list[Run] = []
+    done, total = 0, grid.runs
+    for name, policy in policies.items():
+        plan = place_model(config, policy, device=device, dtype=dtype, batch=max(grid.batch_sizes),
+                           max_length=longest, quant=quant)
+        progress(done / total, f"loading ({name})")
+        model = OffloadedModel(model_path, plan, drop_page_cache=name == "disk")
+        try:
+            warm = torch.randint(0, config.vocab_size, (min(grid.prompt_lens),), generator=generator).tolist()
+            generate(model, warm, max_new_tokens=2, ignore_eos=True)  # first-call costs: allocator, kernel choice
+            for repeat in range(grid.repeats):
+                for p, o, b in grid.points():
+                    if should_stop():
+                        return runs, policies
+                    progress(done / total, f"{name} p={p} o={o} b={b} (repeat {repeat + 1}/{grid.repeats})")
+                    ids = torch.randint(0, config.vocab_size, (b, p), generator=generator).tolist()
+                    load = load_average()
+                    clock = StepClock()
+                    called = time.perf_counter()
+                    result = generate(model, ids, max_new_tokens=o, batch=b, ignore_eos=True, stop=clock)
+                    last_token_at = called + result.time_to_first_token_s + result.decode_s
+                    steps = clock.step_durations(last_token_at) if result.steps > 1 else []
+                    step = float(np.median(steps)) if steps else None
+                    runs.append(Run(p, o, b, name, result.time_to_first_token_s, step, result.total_s,
+                                    max(load, load_average())))
+                    done += 1
+        finally:
+            model.close()
+    progress(1.0, "measured")
+    return runs, policies
+
+
+def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareSpec, machine_id: str, *,
+                  base: MachineEfficiency | None = None, device: str | None = None, progress: Progress = _silent,
+                  should_stop: Callable[[], bool] = lambda: False) -> Calibration:
+    """Measure the grid on this machine and fit every form: the Calibration to save in the machine profile.
+
+    `hardware` is the spec the planner uses here (with measured numbers when `hivekeeper measure` ran) and `base`
+    the efficiency it uses before calibration; the fitted factors are relative to that spec.
+    """
+    import torch
+
+    from hivekeeper.planner.hardware_catalog import hardware_to_json
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    from hivekeeper.core.offload.local_plan import default_device
+
+    device = device or default_device()
+    started = time.perf_counter()
+    runs, policies = measure_grid(model_path, grid, device=device, progress=progress, should_stop=should_stop)
+    if should_stop():
+        raise InputError("profiling stopped before the grid was measured")
+    points = denoise(runs)
+    progress(1.0, "fitting")
+    spec = load_model_spec(str(model_path))
+    return build_calibration(
+        spec, str(Path(model_path).absolute()), hardware, hardware_to_json(hardware), machine_id, points, policies,
+        created=time.time(), profile_seconds=time.perf_counter() - started, base=base, device=device,
+        threads=torch.get_num_threads(), clock=time.perf_counter,
+    )
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def calibration_hardware(calibration: Calibration) -> HardwareSpec:
+    """The hardware spec the calibration was fitted against (saved with it)."""
+    from hivekeeper.planner.hardware_catalog import hardware_from_dict
+
+    return hardware_from_dict(calibration.hardware, where="calibration hardware", default_source="measured")
+
+
+def _pct(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{100 * x:+.0f}%"
+
+
+def _err(predicted: float, measured: float | None) -> float:
+    if measured is None or not math.isfinite(predicted) or predicted <= 0:
+        return math.nan
+    return (predicted - measured) / measured
+
+
+_FORM_NAMES = {"uncalibrated": "cost model, uncalibrated", "calibrated": "cost model, calibrated",
+               "idealized": "idealized, piecewise α", "linear-alpha": "idealized, linear α"}
+
+
+def report_dict(calibration: Calibration, predictions: dict[str, FormPrediction] | None = None) -> dict:
+    """Everything the report shows, as JSON-ready data."""
+    hardware = calibration_hardware(calibration)
+    predictions = predictions or compare_forms(calibration, hardware)
+    points = list(calibration.points)
+    rows = []
+    for i, pt in enumerate(points):
+        row = pt.as_dict()
+        row["prefill_tokens_per_s"] = round(pt.prefill_tokens_per_s, 4)
+        row["decode_tokens_per_s"] = None if pt.step_s is None else round(pt.decode_tokens_per_s, 4)
+        row["predicted"] = {}
+        for form, pred in predictions.items():
+            row["predicted"][form] = {
+                "prefill_s": _finite(pred.prefill_s[i]), "step_s": _finite(pred.step_s[i]),
+                "runtime_s": _finite(pred.runtime_s[i]),
+            }
+        rows.append(row)
+    accuracy = {form: {q: a.as_dict() for q, a in form_accuracy(points, pred).items()}
+                for form, pred in predictions.items()}
+    return {
+        "model": calibration.model.name, "model_path": calibration.model_path, "machine_id": calibration.machine_id,
+        "device": calibration.device, "threads": calibration.threads, "created": calibration.created,
+        "profile_seconds": round(calibration.profile_seconds, 3),
+        "efficiency": {"uncalibrated": dataclasses.asdict(calibration.uncalibrated_accelerator),
+                       "calibrated": dataclasses.asdict(calibration.accelerator)},
+        "idealized": [f.as_dict() for f in calibration.idealized],
+        "linear_alpha": [f.as_dict() for f in linear_alpha_fits(points)],
+        "accuracy": accuracy, "points": rows,
+    }
+
+
+def _finite(x: float) -> float | None:
+    return float(f"{x:.6g}") if math.isfinite(x) else None
+
+
+def render_report(calibration: Calibration) -> str:
+    """Predicted vs measured at every point for every form, then MAPE / worst error / R², then the fits."""
+    hardware = calibration_hardware(calibration)
+    predictions = compare_forms(calibration, hardware)
+    points = list(calibration.points)
+    lines = [f"{calibration.model.name} on {calibration.device} ({calibration.threads} threads), "
+             f"{len(points)} points, calibrated in {calibration.profile_seconds:.1f} s",
+             "errors: (predicted − measured) / measured for uncalibrated / calibrated / idealized"]
+    lines += _columns(_point_table(points, predictions))
+    lines.append("")
+    summary = [("form", "prefill MAPE", "worst", "decode MAPE", "worst", "runtime MAPE", "worst", "runtime R²")]
+    for form, pred in predictions.items():
+        acc = form_accuracy(points, pred)
+        if not acc:
+            continue
+        cells = [_FORM_NAMES[form]]
+        for quantity in ("prefill", "decode", "runtime"):
+            a = acc.get(quantity)
+            cells += [f"{100 * a.mape:.1f}%", f"{100 * a.worst:.0f}%"] if a else ["-", "-"]
+        r2 = acc["runtime"].r2
+        cells.append(f"{r2:.4f}" if math.isfinite(r2) else "-")
+        summary.append(tuple(cells))
+    lines += _columns(summary)
+    lines.append("")
+    unc, cal = calibration.uncalibrated_accelerator, calibration.accelerator
+    lines.append(f"efficiency factors ({unc.name} -> {cal.name}):")
+    for name in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
+                 "weight_reread_rows"):
+        lines.append(f"  {name:<19} {getattr(unc, name):.4g} -> {getattr(cal, name):.4g}")
+    lines.append("idealized runtime(p, o) = α(p) + β·(o − 1):")
+    linear = {(f.placement, f.batch_size): f for f in linear_alpha_fits(points)}
+    for fit in calibration.idealized:
+        knots = ", ".join(f"α({p:g}) = {a:.4g} s" for p, a in zip(fit.knots_p, fit.alpha_s))
+        breaks = ", ".join(f"{b:.0f}" for b in fit.breaks) or "none"
+        lines.append(f"  {fit.placement} b={fit.batch_size}: {knots}; β = {1e3 * fit.beta_s:.4g} ms; "
+                     f"breaks at p = {breaks}; R² {fit.r2:.4f}, MAPE {100 * fit.mape:.1f}%")
+        flat = linear.get((fit.placement, fit.batch_size))
+        if flat is not None:
+            group = [i for i, pt in enumerate(points)
+                     if pt.placement == fit.placement and pt.batch_size == fit.batch_size]
+            longest = max(group, key=lambda i: (points[i].prompt_len, points[i].output_len))
+            err = _err(float(flat.runtime(points[longest].prompt_len, points[longest].output_len)),
+                       points[longest].runtime_s)
+            lines.append(f"    α linear in p instead: R² {flat.r2:.4f}, MAPE {100 * flat.mape:.1f}%, "
+                         f"{_pct(err)} at the longest prompt (p = {points[longest].prompt_len})")
+    return "\n".join(lines)
+
+
+def _point_table(points: list[ProfilePoint], predictions: dict[str, FormPrediction]) -> list[tuple[str, ...]]:
+    """One row per point: measured rates and runtime, each form's error on them."""
+    forms = ("uncalibrated", "calibrated", "idealized")
+    with np.errstate(divide="ignore", invalid="ignore"):  # a form predicting zero time shows as "-"
+        table = [("place", "p", "o", "b", "prefill tok/s", "errors", "decode tok/s", "errors", "runtime s", "errors",
+                  "spread", "load")]
+        for i, pt in enumerate(points):
+            pre = [_err(pt.batch_size * pt.prompt_len / predictions[f].prefill_s[i], pt.prefill_tokens_per_s)
+                   for f in forms]
+            dec = [_err(pt.batch_size / predictions[f].step_s[i], pt.decode_tokens_per_s) for f in forms]
+            run = [_err(predictions[f].runtime_s[i], pt.runtime_s) for f in forms]
+            table.append((pt.placement, str(pt.prompt_len), str(pt.output_len), str(pt.batch_size),
+                          f"{pt.prefill_tokens_per_s:.4g}", " ".join(_pct(e) for e in pre),
+                          "-" if pt.step_s is None else f"{pt.decode_tokens_per_s:.4g}",
+                          " ".join(_pct(e) for e in dec) if pt.step_s is not None else "",
+                          f"{pt.runtime_s:.4g}", " ".join(_pct(e) for e in run), f"{100 * pt.spread:.0f}%",
+                          f"{pt.loadavg:.1f}"))
+        return table
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))).rstrip()
+            for row in rows]
+
+
+def write_report_png(calibration: Calibration, path: str | Path) -> Path:
+    """Three panels: predicted vs measured runtime for every form; runtime vs p (batch 1, longest output) with
+    each form's curve; runtime vs o for each prompt length with the idealized lines. Written atomically."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("--png needs matplotlib: pip install matplotlib") from None
+    path = Path(path).expanduser()
+    if not path.parent.is_dir():
+        raise InputError(f"--png {path}: folder {path.parent} does not exist")
+    hardware = calibration_hardware(calibration)
+    predictions = compare_forms(calibration, hardware)
+    points = list(calibration.points)
+    measured = np.array([pt.runtime_s for pt in points])
+    colors = {"uncalibrated": "tab:gray", "calibrated": "tab:blue", "idealized": "tab:green",
+              "linear-alpha": "tab:orange"}
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    ax = axes[0]
+    for form, pred in predictions.items():
+        ax.scatter(measured, pred.runtime_s, s=18, color=colors[form], label=_FORM_NAMES[form], alpha=0.8)
+    low, high = measured.min() / 1.5, measured.max() * 1.5
+    ax.plot([low, high], [low, high], color="black", linewidth=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="measured runtime (s)", ylabel="predicted runtime (s)",
+           title="predicted vs measured")
+    ax.legend(fontsize=8)
+
+    placement = points[0].placement
+    batch = min(pt.batch_size for pt in points if pt.placement == placement)
+    group = [pt for pt in points if pt.placement == placement and pt.batch_size == batch]
+    o_max = max(pt.output_len for pt in group)
+    along_p = sorted((pt for pt in group if pt.output_len == o_max), key=lambda pt: pt.prompt_len)
+    ax = axes[1]
+    ax.scatter([pt.prompt_len for pt in along_p], [pt.runtime_s for pt in along_p], color="black", zorder=3,
+               label="measured")
+    dense_p = np.unique(np.geomspace(min(pt.prompt_len for pt in along_p), max(pt.prompt_len for pt in along_p), 40)
+                        .round().astype(int))
+    dense = [dataclasses.replace(along_p[0], prompt_len=int(p), output_len=o_max) for p in dense_p]
+    for form, eff in (("uncalibrated", calibration.uncalibrated), ("calibrated", calibration.efficiency)):
+        curve = cost_model_predictions(calibration.model, hardware, dense, calibration.policies, eff)
+        ax.plot(dense_p, curve.runtime_s, color=colors[form], label=_FORM_NAMES[form])
+    fit = calibration.idealized_for(batch, placement)
+    flat = next((f for f in linear_alpha_fits(points) if f.batch_size == batch and f.placement == placement), None)
+    for form, f in (("idealized", fit), ("linear-alpha", flat)):
+        if f is not None:
+            ax.plot(dense_p, f.runtime(dense_p, o_max), color=colors[form], linestyle="--", label=_FORM_NAMES[form])
+    if fit is not None:
+        for b in fit.breaks:
+            ax.axvline(b, color=colors["idealized"], linewidth=0.6, linestyle=":")
+    ax.set(xscale="log", yscale="log", xlabel="prompt length p", ylabel="runtime (s)",
+           title=f"runtime vs p (b={batch}, o={o_max}, {placement})")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    for index, p in enumerate(sorted({pt.prompt_len for pt in group})):
+        row = sorted((pt for pt in group if pt.prompt_len == p), key=lambda pt: pt.output_len)
+        color = plt.cm.viridis(index / max(1, len({pt.prompt_len for pt in group}) - 1))
+        ax.scatter([pt.output_len for pt in row], [pt.runtime_s for pt in row], color=color, label=f"p={p}")
+        if fit is not None:
+            os_ = np.array([row[0].output_len, row[-1].output_len], dtype=float)
+            ax.plot(os_, fit.runtime(p, os_), color=color, linestyle="--")
+    ax.set(xlabel="output length o", ylabel="runtime (s)", title="runtime vs o (dashed: α(p) + β(o − 1))")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{calibration.model.name} on {calibration.device}: calibrated in {calibration.profile_seconds:.0f} s")
+    fig.tight_layout()
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return path
+

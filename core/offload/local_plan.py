@@ -1,0 +1,180 @@
+"""Choosing how to run a model locally: a planner Policy (searched for this machine, or read from a plan file) turned
+into an EnginePlan for the offloading engine, under an optional RAM budget. Shared by `generate`, `chat` and benches.
+
+A plan file is what `hivekeeper plan --json` writes (its "policy" object is read), or a bare policy object:
+
+    {"weight_format": "fp32", "weights": {"gpu": 0, "cpu": 0.5, "disk": 0.5}, "kv_cache": {"gpu": 0, "cpu": 1,
+     "disk": 0}, "micro_batch_size": 1, "num_micro_batches": 1, "prefetch_depth": 1}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hivekeeper.planner.costmodel import Placement, Policy, Workload
+from hivekeeper.planner.errors import InputError
+
+from hivekeeper.core.machine.cpu_features import has_half_math
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    policy: Policy
+    source: str  # "auto" (the planner), "fallback" (the planner found nothing that fits) or the plan file's path
+    reason: str  # the planner's explanation, or where the policy came from
+
+
+def _placement(doc, source: str, name: str, default: Placement) -> Placement:
+    if doc is None:
+        return default
+    if not isinstance(doc, dict):
+        raise InputError(f"{source}: field {name!r} must be an object like {{\"gpu\": 0, \"cpu\": 1, \"disk\": 0}}")
+    try:
+        values = [float(doc.get(tier, 0.0)) for tier in ("gpu", "cpu", "disk")]
+    except (TypeError, ValueError):
+        raise InputError(f"{source}: field {name!r} must hold numbers") from None
+    try:
+        return Placement(*values)
+    except InputError as exc:
+        raise InputError(f"{source}: field {name!r}: {exc}") from None
+
+
+def policy_from_dict(doc, source: str = "plan") -> Policy:
+    """A Policy from a plan JSON object (`hivekeeper plan --json`) or a bare policy object."""
+    if not isinstance(doc, dict):
+        raise InputError(f"{source}: expected a JSON object")
+    if "policy" in doc:
+        doc = doc["policy"]
+        if doc is None:
+            raise InputError(f"{source}: the plan has no local policy (field 'policy' is null: it does not fit here)")
+        if not isinstance(doc, dict):
+            raise InputError(f"{source}: field 'policy' must be an object")
+        if "num_blocks" in doc:
+            raise InputError(f"{source}: this is a serving plan (goal 'serve'); make a chat or batch plan")
+
+    def integer(name: str, default: int) -> int:
+        value = doc.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"{source}: field {name!r} must be an integer, got {value!r}")
+        return value
+
+    fmt = doc.get("weight_format", "fp32")
+    if not isinstance(fmt, str):
+        raise InputError(f"{source}: field 'weight_format' must be a string")
+    mode = doc.get("kv_cache_mode", "keep")
+    if mode not in ("keep", "recompute"):
+        raise InputError(f"{source}: field 'kv_cache_mode' must be 'keep' or 'recompute', got {mode!r}")
+    try:
+        return Policy(
+            weight_format=fmt,
+            weights=_placement(doc.get("weights"), source, "weights", Placement(0.0, 1.0, 0.0)),
+            kv_cache=_placement(doc.get("kv_cache"), source, "kv_cache", Placement(0.0, 1.0, 0.0)),
+            activations=_placement(doc.get("activations"), source, "activations", Placement(0.0, 1.0, 0.0)),
+            micro_batch_size=integer("micro_batch_size", 1),
+            num_micro_batches=integer("num_micro_batches", 1),
+            kv_recompute=mode == "recompute",
+            prefetch_depth=integer("prefetch_depth", 1),
+            attention_on_cpu=bool(doc.get("attention_on_cpu", False)),
+        )
+    except InputError as exc:
+        raise InputError(f"{source}: {exc}") from None
+
+
+def load_policy_file(path: str | Path) -> Policy:
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such plan file (give --plan auto or a file from `hivekeeper plan --json`)") \
+            from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not a valid plan JSON file ({exc})") from None
+    return policy_from_dict(doc, source=str(path))
+
+
+def fallback_policy(weight_format: str, batch: int) -> Policy:
+    """Everything in RAM as far as the budget allows, the rest streamed from disk with double buffering."""
+    return Policy(weight_format=weight_format, weights=Placement(0.0, 1.0, 0.0), kv_cache=Placement(0.0, 1.0, 0.0),
+                  activations=Placement(0.0, 1.0, 0.0), micro_batch_size=batch, prefetch_depth=1)
+
+
+def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
+                  ram_budget_bytes: float | None = None, quant: str = "none") -> PolicyChoice:
+    """The planner's best policy for this machine (detected), this model and this run: 16-bit or fp32 weights, or
+    int8/nf4 when `quant` says so.
+
+    With a RAM budget the planner is told the machine has that much RAM on top of the runtime it reserves itself.
+    """
+    from hivekeeper.planner.efficiency import default_efficiency
+    from hivekeeper.planner.hardware_catalog import apply_host_overrides
+    from hivekeeper.planner.model_catalog import load_model_spec
+    from hivekeeper.planner.policy import Constraints, search
+
+    from hivekeeper.core.machine.detect import detect_hardware
+
+    hardware = detect_hardware()
+    spec = load_model_spec(str(model_path))
+    if ram_budget_bytes is not None:
+        eff = default_efficiency(hardware)
+        runtime = (eff.host if hardware.has_gpu else eff.accelerator).runtime_bytes
+        hardware = apply_host_overrides(hardware, ram_gb=(ram_budget_bytes + runtime) / GIB)
+    goal = "batch" if batch > 1 else "chat"
+    plan = search(spec, hardware, goal, Constraints(quant=quant, batch_size=batch),
+                  Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens)))
+    if plan.prediction is None:
+        fmt = quant if quant != "none" else spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
+        return PolicyChoice(fallback_policy(fmt, batch), "fallback",
+                            f"the planner found no local plan ({plan.reason}); streaming what RAM cannot hold")
+    return PolicyChoice(plan.prediction.policy, "auto", plan.reason)
+
+
+def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
+                  ram_budget_bytes: float | None = None, quant: str = "none") -> PolicyChoice:
+    """--plan auto (the planner, with --quant's weight format) or --plan FILE (whose weight_format decides)."""
+    if quant not in ("none", "int8", "nf4"):
+        raise InputError(f"--quant {quant!r}: choose none, int8 or nf4")
+    if plan_arg == "auto":
+        return search_policy(model_path, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                             ram_budget_bytes=ram_budget_bytes, quant=quant)
+    if quant != "none":
+        raise InputError(f"--quant {quant} goes with --plan auto; with --plan {plan_arg} the plan file's "
+                         "weight_format decides")
+    return PolicyChoice(load_policy_file(plan_arg), str(plan_arg), f"policy read from {plan_arg}")
+
+
+def compute_dtype(weight_format: str, device: str):
+    """(torch dtype, quant) to run a weight format with on a device. On a CPU without 16-bit math a 16-bit plan
+    runs in fp32 (prefill would otherwise be ~100x slower); int8/nf4 compute in fp16 on CUDA, fp32 on the CPU."""
+    import torch
+
+    from hivekeeper.core.offload.engine import FLOAT_FORMATS
+
+    on_gpu = torch.device(device).type == "cuda"
+    if weight_format in ("int8", "nf4"):
+        return (torch.float16 if on_gpu else torch.float32), weight_format
+    if weight_format not in FLOAT_FORMATS:
+        raise InputError(f"weight format {weight_format!r} is not supported by the engine")
+    if not on_gpu and weight_format != "fp32" and not has_half_math():
+        return torch.float32, "none"
+    return FLOAT_FORMATS[weight_format], "none"
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_plan(config, choice: PolicyChoice, *, batch: int, max_length: int, ram_budget_bytes: float | None = None,
+                prefill_tokens: int = 256, device: str | None = None):
+    """The EnginePlan for this run (device, dtype and every block's tier)."""
+    from hivekeeper.core.offload.engine import place_model
+
+    device = device or default_device()
+    dtype, quant = compute_dtype(choice.policy.weight_format, device)
+    return place_model(config, choice.policy, device=device, dtype=dtype, batch=batch, max_length=max_length,
+                       ram_budget_bytes=ram_budget_bytes, prefill_tokens=prefill_tokens, quant=quant)

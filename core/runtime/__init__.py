@@ -1,0 +1,13 @@
+"""A model and how one generation runs, whatever runs its blocks (this machine, the offload engine or a swarm).
+
+- `model`         Llama-family blocks (Llama, Mistral, Qwen2) and the caller-owned KV cache; imports nothing of ours
+                  but the kernels it is sped up by.
+- `checkpoint`    Hugging Face checkpoint folders, read a block range at a time; hub ids resolved to folders.
+- `tokenizer`     tokenizer and chat template of a checkpoint.
+- `sampling`      the next token from logits; stop rules.
+- `generation`    the one generation loop for every runner.
+- `chat_history`  a conversation turned into prompt tokens.
+- `demo_model`, `demo_text`  random-weight demo checkpoints for offline use and tests.
+- `kernels/`      CPU decode: numpy matmuls and the native C kernels.
+- `quant/`        quantized weights (bitsandbytes) and their disk store.
+"""

@@ -1,0 +1,6 @@
+"""CPU decode kernels, applied to the model from outside (runtime/model.py stays plain torch).
+
+- `cpu_matmul`      fp32 products through numpy's BLAS; weights packed in the order a step reads them.
+- `cpu_decode`      one decode step of a block in numpy.
+- `native_kernels`  the C kernels in `native/`, compiled at first use and loaded with ctypes.
+"""

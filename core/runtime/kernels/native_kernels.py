@@ -1,0 +1,174 @@
+"""The native decode kernels (core/runtime/kernels/native/decode_kernels.c): compiled at first use, loaded through ctypes.
+
+The C file is built with the machine's C compiler (CC, else cc or gcc) into the user cache folder, once per source,
+compiler and flags (the file name carries their hash; the build goes to a temporary name and is renamed into place,
+so processes starting together never load a half-written library). Without a compiler, on a CPU without AVX2 and
+FMA, or with HIVEKEEPER_NATIVE=0, `library()` is None and decoding runs the numpy path (core/runtime/kernels/cpu_decode.py);
+`status()` says which and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from hivekeeper.core.machine.cpu_features import FLAGS_ENV, native_kernel_flags_missing, pinned_flags
+
+SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c11", "-shared", "-fPIC", "-pthread")
+
+ENABLED = True  # tests and benchmarks switch it off to run the numpy path in the same process
+MAX_ROWS = 8  # batch rows the kernels take (decode_kernels.c's MAX_ROWS); more are not memory-bound: BLAS's job
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_status: str | None = None
+
+
+class Block(ctypes.Structure):
+    """hk_block: one layer's shapes and weight addresses (the arrays must outlive it)."""
+
+    _fields_ = [(name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
+        ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_double), ("eps2", ctypes.c_double),
+    ] + [(name, ctypes.c_void_p) for name in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w",
+                                              "down_b")] + [("column_major", ctypes.c_long)]
+
+
+class Cache(ctypes.Structure):
+    """hk_cache: one block's K/V caches and its sliding window (0: none)."""
+
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("batch_stride", ctypes.c_long),
+                ("head_stride", ctypes.c_long), ("position_stride", ctypes.c_long), ("window", ctypes.c_long)]
+
+
+class Token(ctypes.Structure):
+    """hk_token: the new token's position and its rotary tables."""
+
+    _fields_ = [("position", ctypes.c_long), ("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p)]
+
+
+def _cpu_supported() -> str | None:
+    """None when the CPU runs the kernels (x86-64 with AVX2 and FMA), else why not.
+
+    The flags pinned by HIVEKEEPER_CPU_FLAGS (core/machine/cpu_features.py) can switch the kernels off; the real CPU
+    (as numpy sees it) must also have them, since the kernels execute those instructions."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are written for x86-64, this CPU is {platform.machine()}"
+    missing = native_kernel_flags_missing()
+    if missing:
+        return f"this CPU lacks {' and '.join(flag.upper() for flag in missing)}" + (
+            f" (flags pinned by {FLAGS_ENV})" if pinned_flags() is not None else "")
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+    except ImportError:  # numpy < 2
+        from numpy.core._multiarray_umath import __cpu_features__ as features
+    missing = [flag for flag in ("AVX2", "FMA3") if not features.get(flag)]
+    return f"this CPU lacks {' and '.join(missing)}" if missing else None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cache_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("hivekeeper")) / "native"
+
+
+def _compiler_identity(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+
+
+def build(compiler: str, out_dir: Path) -> Path:
+    """Compile the kernels with `compiler` into out_dir (reused when already built); raises RuntimeError with the
+    compiler's message when the build fails."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + "\0".join((*FLAGS, _compiler_identity(compiler))).encode()).hexdigest()[:16]
+    target = out_dir / f"decode_kernels-{key}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=out_dir, prefix=".build-", suffix=".so")
+    os.close(handle)
+    try:
+        try:
+            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], capture_output=True,
+                                    text=True, timeout=300)
+        except FileNotFoundError:
+            raise RuntimeError(f"the C compiler {compiler!r} was not found (set CC, or install gcc)") from None
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("HIVEKEEPER_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None, "off (HIVEKEEPER_NATIVE=0)"
+    unsupported = _cpu_supported()
+    if unsupported:
+        return None, f"off: {unsupported}"
+    compiler = _compiler()
+    if compiler is None:
+        return None, "off: no C compiler found (set CC, or install gcc)"
+    try:
+        path = build(compiler, _cache_dir())
+        library = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        return None, f"off: {error}"
+    library.hk_set_threads.argtypes = [ctypes.c_int]
+    library.hk_set_threads.restype = ctypes.c_int
+    library.hk_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    library.hk_gemv.restype = ctypes.c_int
+    library.hk_span_decode.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(Cache), ctypes.c_long,
+                                       ctypes.POINTER(Token), ctypes.c_void_p, ctypes.c_long]
+    library.hk_span_decode.restype = ctypes.c_int
+    library.hk_norm_gemv.argtypes = [ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.c_void_p] + [ctypes.c_long] * 3
+    library.hk_norm_gemv.restype = ctypes.c_int
+    threads = library.hk_set_threads(default_threads())
+    return library, f"on ({threads} threads, {path.name})"
+
+
+def default_threads() -> int:
+    """The pool's size: the physical cores, or fewer when OPENBLAS_NUM_THREADS / OMP_NUM_THREADS say so."""
+    from hivekeeper.core.runtime.kernels.cpu_matmul import blas_threads, physical_cores
+
+    return min(physical_cores(), blas_threads())
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot run (see `status`). Built and loaded once per process."""
+    global _library, _status
+    if _status is None:
+        with _lock:
+            if _status is None:
+                _library, _status = _load()
+    return _library if ENABLED else None
+
+
+def forget() -> None:
+    """Decide again at the next call (after the pinned CPU flags or HIVEKEEPER_NATIVE changed: tests do)."""
+    global _library, _status
+    with _lock:
+        _library, _status = None, None
+
+
+def status() -> str:
+    """'on (...)' or 'off: <why>' for benchmarks and `hivekeeper detect`."""
+    library()
+    return _status or ""

@@ -1,0 +1,8 @@
+"""The Petals-compatible swarm.
+
+- `protocol`  the wire format on hivemind: handler names, packed arguments, tensors, schemas.
+- `dht`       the swarm's state in the DHT: who serves which blocks, in what state, how fast.
+- `local`     `hivekeeper serve` child processes on this machine: a loopback swarm.
+- `server/`   serving a span: lifecycle, RPC handlers, KV memory pool, throughput.
+- `client/`   using a swarm: routing and inference sessions that survive server failures.
+"""

@@ -1,0 +1,5 @@
+"""A swarm client.
+
+- `routing`    choosing servers for a chain of blocks and banning failing ones (pure logic).
+- `inference`  reading the swarm, inference sessions that replay history onto a replacement server, SwarmModel.
+"""

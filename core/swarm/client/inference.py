@@ -1,0 +1,717 @@
+"""The swarm client: read the swarm from the DHT, route, run inference sessions that survive server failures.
+
+    model = SwarmModel("path/or/org-name", initial_peers=[...])    # embeddings and head run locally
+    with model.inference_session(max_length=128) as session:          # KVCache-like: .length, .truncate, .reorder
+        hidden = model.span(model.embedding(ids), session)            # all blocks, through the swarm
+        logits = model.head(hidden)
+
+Fault tolerance: each server session keeps every input it was sent. When a server fails (its stream breaks, it
+answers an error, or it misses the step deadline) the client bans it with backoff, routes that server's blocks
+again and replays the history to the replacement(s) in one step, so the generation continues exactly.
+
+The network side runs on an asyncio loop in a background thread; the public API is synchronous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Coroutine
+
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from hivekeeper.core.swarm.dht import RemoteSpanInfo, ServerState, check_initial_peers, read_blocks, spans_of
+from hivekeeper.core.swarm.protocol import (
+    DTYPES,
+    STREAM_SWITCH_BYTES,
+    chain_uid,
+    deserialize_tensor,
+    handler_name,
+    new_event_loop,
+    pack_args,
+    pack_metadata,
+    serialize_tensor,
+    stream_messages,
+    combine_parts,
+    unpack_metadata,
+)
+from hivekeeper.core.swarm.client.routing import BanList, Hop, NoRoute, route_forward, route_inference
+from hivekeeper.planner.errors import InputError
+
+logger = logging.getLogger("hivekeeper.swarm.client")
+
+
+class SwarmError(InputError):
+    """The swarm could not serve a request (no servers for some blocks, or every retry failed).
+
+    An InputError, so that the CLI reports it in one line: the swarm named by --initial-peers cannot run this model
+    right now."""
+
+
+@dataclass
+class ClientConfig:
+    initial_peers: tuple[str, ...]
+    dht_prefix: str
+    num_blocks: int  # blocks in the model
+    host: str = "127.0.0.1"  # a client only dials out; it listens on loopback
+    step_timeout: float = 5.0  # seconds for an inference step, plus the expected compute time × 10
+    forward_timeout: float = 60.0  # seconds for a forward pass through one server
+    connect_timeout: float = 5.0
+    alloc_timeout: float = 5.0  # seconds a server may wait for cache room before refusing our session
+    ban_seconds: float = 15.0  # first ban of a failing peer; doubles per failure
+    retry_seconds: float = 60.0  # give up when no route works for this long
+    swarm_cache_seconds: float = 10.0  # reuse a DHT read this long
+    ping_timeout: float = 2.0  # for RTT measurements when routing
+    probe_interval: float = 0.5  # while a step is late, check the server is alive this often
+    probe_timeout: float = 1.0  # a liveness probe unanswered this long means the server is gone
+    fresh_seconds: float = 2.0  # when re-routing, servers not heard from this long are probed first
+    # ask servers to pass each step's output straight to the next server: saves a client round trip per hop on
+    # real networks, but costs CPU; on a loaded 2-core loopback box it made steps slower (18 vs 15 ms), so opt-in
+    use_push: bool = False
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread; run(coro) blocks the caller until the coroutine is done."""
+
+    def __init__(self):
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="hivekeeper-swarm", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        async def cancel_the_rest() -> None:  # hivemind leaves background tasks (DHT refreshes) behind
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        try:
+            self.run(cancel_the_rest(), timeout=5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+_STEP_STRUCTURE = ((b"__T0", b"__T1", b"__T2"), {})  # pack_args(hidden_states, prompts, hypo_ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _empty_wire(dtype: torch.dtype) -> runtime_pb2.Tensor:
+    return serialize_tensor(torch.empty(0, dtype=dtype))
+
+
+# ---- one server's part of a session ----------------------------------------------------------------------------------
+class _ServerSession:
+    """A stream to one server running blocks [start, end) for one session; keeps the inputs it was sent."""
+
+    def __init__(self, client: "SwarmClient", hop: Hop, max_length: int):
+        self.client, self.hop, self.max_length = client, hop, max_length
+        self.session_id = str(uuid.uuid4())
+        # every input sent, for replay: the first `_length` positions of a buffer that doubles when full (a
+        # concatenation per step would copy the whole history every token)
+        self._history_buffer: torch.Tensor | None = None  # [batch, capacity, hidden], fp32
+        self._length = 0
+        self.expected_seconds = 0.0
+        self._inbox: asyncio.Queue | None = None
+        self._responses: AsyncIterator | None = None
+        dtype_name = hop.span.info.torch_dtype or "float32"
+        self.wire_dtype = DTYPES.get(dtype_name, torch.float32)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def history(self) -> torch.Tensor | None:
+        """[batch, length, hidden]: the inputs this server was sent, in order (None before the first)."""
+        return None if self._history_buffer is None else self._history_buffer[:, : self._length]
+
+    async def _open(self) -> None:
+        self._inbox = asyncio.Queue()
+
+        async def requests():
+            while True:
+                request = await self._inbox.get()
+                if request is None:
+                    return
+                yield request
+
+        self._responses = await asyncio.wait_for(self.client.p2p.iterate_protobuf_handler(
+            PeerID.from_base58(self.hop.peer_id), handler_name("rpc_inference"), requests(),
+            runtime_pb2.ExpertResponse), self.client.config.connect_timeout)
+
+    def _compute_seconds(self, tokens: int) -> float:
+        """Expected compute time of a step from the server's advertised speed."""
+        info = self.hop.span.info
+        rps = info.forward_rps if tokens > 1 and info.forward_rps else info.inference_rps or info.throughput or 1.0
+        return tokens * (self.hop.end - self.hop.start) / max(rps, 1e-3)
+
+    def _timeout(self, tokens: int) -> float:
+        self.expected_seconds = self._compute_seconds(tokens)
+        return self.client.config.step_timeout + 10.0 * self.expected_seconds
+
+    @property
+    def opened(self) -> bool:
+        return self._responses is not None
+
+    async def step(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None = None, start_from: int | None = None,
+                   step_id: str | None = None, next_servers: list | None = None) -> torch.Tensor:
+        """Send one step ([batch, tokens, hidden]) and wait for the output of our last block.
+
+        next_servers: (peer, session_id, start, end) of the servers after this one, for server-to-server push."""
+        metadata: dict = {"session_id": self.session_id, "step_id": step_id or str(uuid.uuid4())}
+        if next_servers:
+            metadata["next_servers"] = tuple(tuple(server) for server in next_servers)
+        if self._responses is None:
+            await self._open()
+            metadata.update(max_length=self.max_length, alloc_timeout=self.client.config.alloc_timeout)
+        if start_from is not None:
+            metadata["start_from_position"] = start_from
+        # (hidden_states, prompts, hypo_ids); the empty ones are the same bytes every step
+        metadata["args_structure"] = _STEP_STRUCTURE
+        tensors = [serialize_tensor(hidden.to(self.wire_dtype)), _empty_wire(self.wire_dtype),
+                   serialize_tensor(hypo_ids) if hypo_ids is not None else _empty_wire(torch.int64)]
+        uid = chain_uid(self.client.config.dht_prefix, self.hop.start, self.hop.end)
+        self._inbox.put_nowait(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=pack_metadata(metadata)))
+        response = await self._await_response(self._timeout(hidden.shape[1]))
+        if len(response.tensors) != 1:
+            raise ConnectionError(f"server {self.hop.peer_id[-8:]} answered {len(response.tensors)} tensors")
+        output = deserialize_tensor(response.tensors[0])
+        if output.shape != hidden.shape:
+            raise ConnectionError(f"server {self.hop.peer_id[-8:]} answered shape {list(output.shape)} "
+                                  f"for input {list(hidden.shape)}")
+        self.client.heard_from(self.hop.peer_id)
+        self._remember(hidden, hypo_ids, start_from)
+        return output
+
+    async def _await_response(self, timeout: float) -> runtime_pb2.ExpertResponse:
+        """The next response, within `timeout`. While it is late, probe the server every probe_interval: a server
+        whose process died can leave its stream open (its p2pd lives on), and a probe finds that out in ~1 s."""
+        pending = asyncio.ensure_future(self._responses.__anext__())
+        deadline = time.monotonic() + timeout
+        probe_at = time.monotonic() + max(self.client.config.probe_interval, 3 * self.expected_seconds)
+        try:
+            while True:
+                wait = min(probe_at, deadline) - time.monotonic()
+                probe_at += self.client.config.probe_interval
+                done, _ = await asyncio.wait({pending}, timeout=max(0.0, wait))
+                if done:
+                    try:
+                        return pending.result()
+                    except StopAsyncIteration:
+                        raise ConnectionError(f"server {self.hop.peer_id[-8:]} closed the session") from None
+                if time.monotonic() >= deadline:
+                    raise asyncio.TimeoutError(f"server {self.hop.peer_id[-8:]} missed the {timeout:.1f}s deadline")
+                try:
+                    await self.client.ping(self.hop.peer_id, self.client.config.probe_timeout)
+                except Exception as exc:
+                    raise ConnectionError(f"server {self.hop.peer_id[-8:]} stopped answering ({exc!r})") from None
+        finally:
+            if not pending.done():
+                pending.cancel()
+
+    def _remember(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None, start_from: int | None) -> None:
+        length = self._length if start_from is None else min(start_from, self._length)
+        buffer = self._history_buffer
+        batch, tokens, width = hidden.shape
+        if buffer is not None and hypo_ids is not None:
+            buffer = buffer[hypo_ids]  # beam search: row i continues the old row hypo_ids[i]
+        if buffer is not None and (buffer.shape[0], buffer.shape[2]) != (batch, width):
+            raise InputError(f"hidden states {list(hidden.shape)} do not continue this session's batch of "
+                             f"{buffer.shape[0]} rows of width {buffer.shape[2]}")
+        if buffer is None or buffer.shape[1] < length + tokens:
+            grown = torch.empty(batch, max(16, 2 * (length + tokens)), width, dtype=torch.float32)
+            if buffer is not None:
+                grown[:, :length] = buffer[:, :length]
+            buffer = grown
+        buffer.narrow(1, length, tokens).copy_(hidden.detach())  # kept in full precision for replays
+        self._history_buffer, self._length = buffer, length + tokens
+
+    async def close(self, goodbye: bool = True) -> None:
+        """End the stream. goodbye: send the protocol's empty request first and let the server end its side (Petals
+        servers log a stream that just ends as an error); False for a server that already failed."""
+        if self._inbox is not None:
+            if goodbye and self._responses is not None:
+                self._inbox.put_nowait(runtime_pb2.ExpertRequest())
+            self._inbox.put_nowait(None)
+        if self._responses is not None:
+            if goodbye:
+                try:
+                    await asyncio.wait_for(self._responses.__anext__(), 1.0)
+                except Exception:
+                    pass
+            try:
+                await asyncio.wait_for(self._responses.aclose(), 1.0)
+            except Exception:
+                pass
+            self._responses = None
+
+
+# ---- a session over many servers -------------------------------------------------------------------------------------
+class _InferenceCore:
+    """An inference session over blocks [start, end), as a list of server sessions (async, on the client loop)."""
+
+    def __init__(self, client: "SwarmClient", max_length: int, batch: int, start: int = 0, end: int | None = None):
+        self.client, self.max_length, self.batch = client, max_length, batch
+        self.start, self.end = start, client.config.num_blocks if end is None else end
+        self.sessions: list[_ServerSession] = []
+        self.position = 0
+        self.recoveries: list[dict] = []  # one entry per recovered failure: peer, blocks, seconds
+        self.closed = False
+
+    def route(self) -> list[tuple[str, int, int]]:
+        return [(s.hop.peer_id, s.hop.start, s.hop.end) for s in self.sessions]
+
+    async def _new_sessions(self, start: int, end: int, deadline: float, fresh: bool = False) -> list[_ServerSession]:
+        """Sessions for blocks [start, end) along the best route; waits for servers up to the deadline.
+
+        fresh: (after a failure) probe every candidate not heard from in the last seconds first, so that a server
+        that died earlier but is still listed in the DHT is not chosen again."""
+        client, config = self.client, self.client.config
+        max_age, timeout = (config.fresh_seconds, config.probe_timeout) if fresh else (60.0, config.ping_timeout)
+        refresh = False
+        while True:
+            spans = await client.spans(refresh=refresh)
+            candidates = {s.peer_id for s in spans if s.start < end and s.end > start and not client.bans.banned(s.peer_id)}
+            # probe the candidates we have not heard from lately, all at once; route as soon as the ones that
+            # answered cover the blocks (a dead server's probe then runs out in the background and bans it)
+            pending = {asyncio.create_task(client.measure(peer, timeout))
+                       for peer in candidates if not client.heard_within(peer, max_age)}
+            while True:
+                try:
+                    hops = route_inference(spans, start, end, rtts=client.known_rtts(),
+                                           cache_tokens_needed=self.batch * self.max_length,
+                                           banned=lambda peer: client.bans.banned(peer)
+                                           or not client.heard_within(peer, max_age))
+                    return [_ServerSession(client, hop, self.max_length) for hop in hops]
+                except NoRoute as exc:
+                    if not pending:
+                        no_route = exc
+                        break
+                    _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if time.monotonic() > deadline:
+                raise SwarmError(f"{no_route}; waited {config.retry_seconds:g}s for a server") from None
+            refresh = True
+            await asyncio.sleep(1.0)
+
+    async def step(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None = None,
+                   start_from: int | None = None) -> torch.Tensor:
+        if self.closed:
+            raise SwarmError("the inference session is closed")
+        position = self.position if start_from is None else start_from
+        if position + hidden.shape[1] > self.max_length:
+            raise InputError(f"{position + hidden.shape[1]} tokens exceed the session's max_length {self.max_length}")
+        deadline = time.monotonic() + self.client.config.retry_seconds
+        if not self.sessions:
+            self.sessions = await self._new_sessions(self.start, self.end, deadline)
+        # one step_id for the whole chain: a server pushes its output to the next one, which starts at once and
+        # skips the copy we send after it (plain steps on open sessions only; see docs/swarm.md)
+        step_id = str(uuid.uuid4())
+        push = (self.client.config.use_push and hypo_ids is None and start_from is None
+                and all(s.opened for s in self.sessions))
+        x, index = hidden, 0
+        while index < len(self.sessions):
+            session = self.sessions[index]
+            next_servers = [(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end)
+                            for s in self.sessions[index + 1:]] if push else None
+            try:
+                x = await session.step(x, hypo_ids, start_from, step_id, next_servers)
+                index += 1
+                continue
+            except InputError:
+                raise
+            except Exception as exc:  # a broken stream, an error answer, a missed deadline: route around it
+                failure = exc
+            x, replaced = await self._recover(index, x, hypo_ids, start_from, failure, deadline)
+            index += replaced
+        self.position = position + hidden.shape[1]
+        return x
+
+    async def _recover(self, index: int, x: torch.Tensor, hypo_ids, start_from, failure: Exception,
+                       deadline: float) -> tuple[torch.Tensor, int]:
+        """Replace the failed session `index` by a new route over its blocks; replay its history plus this step.
+
+        Returns the step output of the replacement chain and how many sessions now stand in its place.
+        """
+        failed = self.sessions[index]
+        started = time.monotonic()
+        ban = self.client.bans.fail(failed.hop.peer_id)
+        logger.warning("server %s failed on blocks %d:%d (%s); banned for %.0fs, re-routing",
+                       failed.hop.peer_id[-8:], failed.hop.start, failed.hop.end, failure, ban)
+        await failed.close(goodbye=False)
+        history = failed.history
+        if history is not None:
+            if start_from is not None:
+                history = history[:, :start_from]
+            if hypo_ids is not None:
+                history = history[hypo_ids]
+        replay_len = 0 if history is None else history.shape[1]
+        while True:
+            replacements = await self._new_sessions(failed.hop.start, failed.hop.end, deadline, fresh=True)
+            inputs = x if history is None else torch.cat([history.to(x.dtype), x], dim=1)
+            try:
+                out = inputs
+                for session in replacements:
+                    out = await session.step(out)
+                break
+            except InputError:
+                raise
+            except Exception as exc:  # a replacement failed too: ban it and try again
+                bad = next((s for s in replacements if s.length == 0), replacements[-1])
+                self.client.bans.fail(bad.hop.peer_id)
+                logger.warning("replacement %s failed too (%s)", bad.hop.peer_id[-8:], exc)
+                for session in replacements:
+                    await session.close(goodbye=session is not bad)
+                if time.monotonic() > deadline:
+                    raise SwarmError(f"could not recover blocks {failed.hop.start}:{failed.hop.end}: {exc}") from exc
+        self.sessions[index : index + 1] = replacements
+        seconds = time.monotonic() - started
+        self.recoveries.append({"peer_id": failed.hop.peer_id, "blocks": [failed.hop.start, failed.hop.end],
+                                "replayed_tokens": replay_len, "seconds": seconds,
+                                "new_route": [(s.hop.peer_id, s.hop.start, s.hop.end) for s in replacements]})
+        logger.warning("recovered blocks %d:%d in %.2fs (replayed %d tokens)", failed.hop.start, failed.hop.end,
+                       seconds, replay_len)
+        return out[:, replay_len:], len(replacements)
+
+    async def close(self) -> None:
+        self.closed = True
+        await asyncio.gather(*(s.close() for s in self.sessions), return_exceptions=True)
+
+
+class RemoteSession:
+    """An inference session through the swarm, shaped like a KVCache: `length`, `truncate(n)`, `reorder(ids)`.
+
+    The session's KV cache lives on the servers; truncate/reorder are sent with the next step.
+    """
+
+    def __init__(self, client: "SwarmClient", max_length: int, batch: int = 1):
+        if max_length <= 0:
+            raise InputError(f"max_length must be positive, got {max_length}")
+        self.client = client
+        self.max_length, self.batch = max_length, batch
+        self._core = _InferenceCore(client, max_length, batch)
+        self._start_from: int | None = None
+        self._hypo_ids: torch.Tensor | None = None
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def recoveries(self) -> list[dict]:
+        return self._core.recoveries
+
+    @property
+    def route(self) -> list[tuple[str, int, int]]:
+        """(peer_id, start, end) of each server the session currently uses."""
+        return self._core.route()
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise InputError(f"cannot rewind the session to {length} tokens: it holds {self._length}")
+        self._length = length
+        self._start_from = length
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        hypo_ids = hypo_ids.to(torch.int64).cpu()
+        if hypo_ids.shape != (self.batch,):
+            raise InputError(f"hypo_ids must have shape ({self.batch},), got {tuple(hypo_ids.shape)}")
+        self._hypo_ids = hypo_ids if self._hypo_ids is None else self._hypo_ids[hypo_ids]
+
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [batch, new_tokens, hidden] -> the hidden states after the model's last block."""
+        if hidden.dim() != 3 or hidden.shape[0] != self.batch:
+            raise InputError(f"hidden states must be [{self.batch}, tokens, hidden], got {tuple(hidden.shape)}")
+        device, dtype = hidden.device, hidden.dtype
+        output = self.client.run(self._core.step(hidden.detach().cpu(), self._hypo_ids, self._start_from))
+        self._start_from, self._hypo_ids = None, None
+        self._length += hidden.shape[1]
+        return output.to(device=device, dtype=dtype)
+
+    def close(self) -> None:
+        if not self._core.closed:
+            self.client.run(self._core.close())
+
+    def __enter__(self) -> "RemoteSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- the client ----------------------------------------------------------------------------------------------------
+@dataclass
+class SwarmView:
+    """What the DHT says now: per block {peer: ServerInfo}, and each ONLINE server's span."""
+
+    blocks: list[dict]
+    spans: list[RemoteSpanInfo]
+    read_at: float = field(default_factory=time.monotonic)
+
+
+class SwarmClient:
+    """A client peer of the swarm (P2P + a client-mode DHT node on a background loop)."""
+
+    def __init__(self, config: ClientConfig):
+        if not config.initial_peers:
+            raise InputError("the swarm client needs --initial-peers (multiaddrs printed by `hivekeeper serve`)")
+        check_initial_peers(config.initial_peers)
+        self.config = config
+        self.bans = BanList(config.ban_seconds)
+        self.p2p: P2P | None = None
+        self.dht: DHTNode | None = None
+        self._view: SwarmView | None = None
+        self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
+        self._thread = _LoopThread()
+        try:
+            self.run(self._connect())
+        except BaseException:
+            self._thread.stop()
+            raise
+
+    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        return self._thread.run(coro, timeout)
+
+    async def _connect(self) -> None:
+        peers = list(self.config.initial_peers)
+        try:
+            self.p2p = await P2P.create(initial_peers=peers, host_maddrs=[f"/ip4/{self.config.host}/tcp/0"])
+            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=peers, client_mode=True, num_workers=8,
+                                            cache_locally=False)
+        except Exception as exc:
+            if self.p2p is not None:
+                await self.p2p.shutdown()
+            raise InputError(f"cannot join the swarm at {', '.join(peers)}: {exc}") from None
+
+    def close(self) -> None:
+        if self.p2p is None:
+            return
+        self.run(self._shutdown())
+        self._thread.stop()
+
+    async def _shutdown(self) -> None:
+        if self.dht is not None:
+            try:
+                await asyncio.wait_for(self.dht.shutdown(), 5.0)
+            except Exception:
+                pass
+        await self.p2p.shutdown()
+        self.p2p = None
+
+    # ---- the swarm as the DHT sees it -------------------------------------------------------------------------------
+    async def view(self, refresh: bool = False) -> SwarmView:
+        cached = self._view
+        if cached is not None and not refresh and time.monotonic() - cached.read_at < self.config.swarm_cache_seconds:
+            return cached
+        blocks = await read_blocks(self.dht, self.config.dht_prefix, self.config.num_blocks)
+        self._view = SwarmView(blocks, list(spans_of(blocks, states=(ServerState.ONLINE,)).values()))
+        return self._view
+
+    async def spans(self, refresh: bool = False) -> list[RemoteSpanInfo]:
+        return (await self.view(refresh)).spans
+
+    async def ping(self, peer_id: str, timeout: float | None = None) -> tuple[float, dict]:
+        """(round-trip seconds, rpc_info dict) of one server."""
+        started = time.perf_counter()
+        response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
+            PeerID.from_base58(peer_id), handler_name("rpc_info"), runtime_pb2.ExpertUID(),
+            runtime_pb2.ExpertInfo), timeout or self.config.ping_timeout)
+        rtt = time.perf_counter() - started
+        self._rtts[peer_id] = (rtt, time.monotonic())
+        return rtt, unpack_metadata(response.serialized_info)
+
+    def heard_from(self, peer_id: str) -> None:
+        """A server just answered: it counts as alive (its RTT stays as measured)."""
+        if peer_id in self._rtts:
+            self._rtts[peer_id] = (self._rtts[peer_id][0], time.monotonic())
+
+    def heard_within(self, peer_id: str, seconds: float) -> bool:
+        entry = self._rtts.get(peer_id)
+        return entry is not None and time.monotonic() - entry[1] <= seconds
+
+    def known_rtts(self) -> dict[str, float]:
+        return {peer: rtt for peer, (rtt, _) in self._rtts.items()}
+
+    async def measure(self, peer_id: str, timeout: float | None = None) -> bool:
+        """Ping a server; one that does not answer is banned. True if it answered."""
+        try:
+            await self.ping(peer_id, timeout)
+            return True
+        except Exception as exc:
+            self.bans.fail(peer_id)
+            logger.info("server %s does not answer (%s); banned", peer_id[-8:], type(exc).__name__)
+            return False
+
+    async def rtts(self, peers: list[str], max_age: float = 60.0, timeout: float | None = None) -> dict[str, float]:
+        """RTT to each peer, pinging those not heard from within max_age; peers that do not answer get banned."""
+        await asyncio.gather(*(self.measure(p, timeout) for p in set(peers) if not self.heard_within(p, max_age)))
+        return {p: self._rtts[p][0] for p in peers if p in self._rtts}
+
+    # ---- forward (no cache) -----------------------------------------------------------------------------------------
+    async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = DTYPES.get(hop.span.info.torch_dtype or "float32", torch.float32)
+        tensors, structure = pack_args(hidden.to(dtype), torch.empty(0, dtype=dtype))
+        serialized = [serialize_tensor(t) for t in tensors]
+        metadata = pack_metadata({"args_structure": structure})
+        uid = chain_uid(self.config.dht_prefix, hop.start, hop.end)
+        peer = PeerID.from_base58(hop.peer_id)
+        timeout = self.config.forward_timeout
+        if sum(len(t.buffer) for t in serialized) <= STREAM_SWITCH_BYTES:
+            response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
+                peer, handler_name("rpc_forward"), runtime_pb2.ExpertRequest(uid=uid, tensors=serialized,
+                                                                             metadata=metadata),
+                runtime_pb2.ExpertResponse), timeout)
+            parts = list(response.tensors)
+        else:
+            def make(**fields):
+                return runtime_pb2.ExpertRequest(uid=uid, **fields)
+
+            async def requests():
+                for message in stream_messages(serialized, make, metadata):
+                    yield message
+
+            async def collect():
+                responses = await self.p2p.iterate_protobuf_handler(
+                    peer, handler_name("rpc_forward_stream"), requests(), runtime_pb2.ExpertResponse)
+                return [part async for response in responses for part in response.tensors]
+
+            parts = await asyncio.wait_for(collect(), timeout)
+        outputs = combine_parts(parts)
+        if len(outputs) != 1:
+            raise ConnectionError(f"server {hop.peer_id[-8:]} answered {len(outputs)} tensors")
+        output = deserialize_tensor(outputs[0])
+        if output.shape != hidden.shape:
+            raise ConnectionError(f"server {hop.peer_id[-8:]} answered shape {list(output.shape)}")
+        return output
+
+    async def forward(self, hidden: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Blocks [start, end) over hidden [batch, tokens, hidden], no cache; failed servers are routed around."""
+        end = self.config.num_blocks if end is None else end
+        deadline = time.monotonic() + self.config.retry_seconds
+        position, x, refresh = start, hidden, False
+        while position < end:
+            try:
+                hops = route_forward(await self.spans(refresh), position, end, banned=self.bans.banned)
+            except NoRoute as exc:
+                if time.monotonic() > deadline:
+                    raise SwarmError(str(exc)) from None
+                refresh = True
+                await asyncio.sleep(1.0)
+                continue
+            for hop in hops:
+                try:
+                    x = await self._forward_hop(hop, x)
+                    position = hop.end
+                except Exception as exc:
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    self.bans.fail(hop.peer_id)
+                    logger.warning("forward on %s failed (%s); re-routing", hop.peer_id[-8:], exc)
+                    if time.monotonic() > deadline:
+                        raise SwarmError(f"forward through blocks {position}:{end} failed: {exc}") from exc
+                    break
+        return x
+
+    # ---- sessions ---------------------------------------------------------------------------------------------------
+    def inference_session(self, max_length: int, batch: int = 1) -> RemoteSession:
+        return RemoteSession(self, max_length, batch)
+
+
+# ---- the model facade ----------------------------------------------------------------------------------------------
+class RemoteSpan:
+    """All blocks of the model, through the swarm, with Span's call shape: span(hidden, cache) -> hidden.
+
+    `cache` is a RemoteSession (from `allocate_cache`) instead of a KVCache; without one it is a plain forward.
+    """
+
+    def __init__(self, client: SwarmClient, num_blocks: int):
+        self.client, self.start, self.end = client, 0, num_blocks
+
+    def allocate_cache(self, batch: int, max_length: int) -> RemoteSession:
+        return self.client.inference_session(max_length, batch)
+
+    def __call__(self, hidden: torch.Tensor, cache: RemoteSession | None = None) -> torch.Tensor:
+        if cache is not None:
+            return cache.step(hidden)
+        device, dtype = hidden.device, hidden.dtype
+        return self.client.run(self.client.forward(hidden.detach().cpu())).to(device=device, dtype=dtype)
+
+    forward = __call__
+
+
+class SwarmModel:
+    """A model whose blocks run in the swarm; embeddings, final norm and LM head run here."""
+
+    def __init__(self, model: str, *, initial_peers, dht_prefix: str | None = None,
+                 dtype: str | torch.dtype = torch.float32, device: str = "cpu", **client_options):
+        from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_config, parse_dtype, resolve_checkpoint
+        from hivekeeper.core.swarm.dht import dht_prefix_for
+
+        path = resolve_checkpoint(model, blocks=(0, 0), embeddings=True)
+        self.path = path
+        self.config = load_config(path)
+        self.dtype = parse_dtype(dtype)
+        self.embedding = load_embedding(path, dtype=self.dtype, device=device)
+        self.head = load_head(path, dtype=self.dtype, device=device,
+                              embedding=self.embedding if self.config.tie_word_embeddings else None)
+        client_config = ClientConfig(tuple(initial_peers), dht_prefix_for(model, dht_prefix), self.config.num_layers,
+                                     **client_options)
+        self.client = SwarmClient(client_config)
+        self.span = RemoteSpan(self.client, self.config.num_layers)
+
+    def inference_session(self, max_length: int, batch: int = 1) -> RemoteSession:
+        return self.client.inference_session(max_length, batch)
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, sampler=None,
+                 session: RemoteSession | None = None, on_token=None) -> torch.Tensor:
+        """Generate after input_ids [batch, t]: greedy (argmax) or with a core.sampling.Sampler; returns the new ids
+        [batch, max_new_tokens]. on_token(step, ids) is called after each token (for streaming)."""
+        batch, prompt_len = input_ids.shape
+        own = session is None
+        session = session or self.inference_session(prompt_len + max_new_tokens, batch)
+        try:
+            generated = []
+            hidden = self.embedding(input_ids)
+            all_ids = input_ids
+            for step in range(max_new_tokens):
+                logits = self.head(session.step(hidden))[:, -1]
+                next_ids = sampler(logits, all_ids) if sampler is not None else logits.argmax(dim=-1)
+                generated.append(next_ids)
+                all_ids = torch.cat([all_ids, next_ids[:, None]], dim=1)
+                if on_token is not None:
+                    on_token(step, next_ids)
+                hidden = self.embedding(next_ids[:, None])
+            return torch.stack(generated, dim=1) if generated else input_ids[:, :0]
+        finally:
+            if own:
+                session.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "SwarmModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

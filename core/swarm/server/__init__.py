@@ -1,0 +1,7 @@
+"""A swarm server.
+
+- `server`      its life: join, choose and load a span, announce it, serve, rebalance, leave.
+- `handler`     the RPC handlers (`TransformerConnectionHandler.*`): check input, then run named steps.
+- `memory`      the KV-cache memory pool shared by all sessions.
+- `throughput`  how fast this node serves a block, measured once and cached.
+"""

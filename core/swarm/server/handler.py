@@ -1,0 +1,494 @@
+"""The server's RPC handlers, registered as `TransformerConnectionHandler.*` so Petals clients can call them.
+
+rpc_info, rpc_inference (one streaming session with a KV cache held here), rpc_forward / rpc_backward (unary and
+`_stream`), rpc_push (a peer server hands us its step output). Every malformed request gets an error response (the
+exception text) and the server keeps serving everyone else. Compute runs on one worker thread, so the event loop
+keeps answering the DHT and other peers meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from hivekeeper.core.runtime.model import KVCache, Span
+from hivekeeper.core.swarm.server.memory import AllocationFailed, MemoryPool
+from hivekeeper.core.swarm.protocol import (
+    HANDLER_CLASS,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    block_schemas,
+    chain_uid,
+    deserialize_tensor,
+    handler_name,
+    pack_metadata,
+    parse_chain_uid,
+    push_request,
+    read_stream,
+    serialize_tensor,
+    stream_messages,
+    unpack_args,
+    unpack_metadata,
+)
+from hivekeeper.planner.errors import InputError
+
+logger = logging.getLogger("hivekeeper.swarm.server")
+
+# 1-token steps whose previous step took less than this run on the event loop instead of the compute thread: for
+# small models the thread hop costs ~0.5 ms per step, and blocking the loop this briefly delays nothing
+INLINE_STEP_SECONDS = 0.005
+
+
+@dataclass
+class ServingLimits:
+    """Limits against abuse; a request beyond one gets an error naming the limit."""
+
+    max_length: int = 2048  # tokens per inference session (the cache a session may reserve)
+    max_sessions: int = 16  # concurrent inference sessions
+    max_request_bytes: int = 64 * 2**20  # tensors in one request (streams included)
+    max_forward_tokens: int = 16384  # batch × tokens in one forward/backward
+    step_timeout: float = 300.0  # seconds a session may wait for its next step
+    session_timeout: float = 1800.0  # seconds a session may last
+    max_alloc_timeout: float = 600.0  # cap on the alloc_timeout a client asks for
+    default_alloc_timeout: float = 1.0  # when the client names none
+
+
+@dataclass
+class ServedSpan:
+    """What the handler serves now: blocks [start, end) of a model under dht_prefix."""
+
+    span: Span
+    dht_prefix: str
+    device: torch.device
+    _subspans: dict = field(default_factory=dict)
+
+    @property
+    def start(self) -> int:
+        return self.span.start
+
+    @property
+    def end(self) -> int:
+        return self.span.end
+
+    @property
+    def config(self):
+        return self.span.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.span.dtype
+
+    def sub(self, start: int, end: int) -> Span:
+        """A Span over blocks [start, end) of ours (the same modules, no copy)."""
+        if (start, end) == (self.start, self.end):
+            return self.span
+        if (start, end) not in self._subspans:
+            blocks = list(self.span.blocks[start - self.start : end - self.start])
+            self._subspans[(start, end)] = Span(self.config, start, end, blocks)
+        return self._subspans[(start, end)]
+
+
+@dataclass
+class _Session:
+    session_id: str
+    inbox: asyncio.Queue  # client requests and pushed steps, in arrival order; None = the client closed
+    steps_done: set = field(default_factory=set)
+    steps_order: deque = field(default_factory=deque)
+
+    def remember(self, step_id) -> None:
+        self.steps_done.add(step_id)
+        self.steps_order.append(step_id)
+        if len(self.steps_order) > 4096:  # bounded: a step is only ever duplicated soon after it ran
+            self.steps_done.discard(self.steps_order.popleft())
+
+
+@dataclass
+class _Step:
+    hidden: torch.Tensor  # [batch, tokens, hidden]
+    prompts: torch.Tensor | None  # [n_blocks, batch, prefix, hidden] or None
+    hypo_ids: torch.Tensor | None  # [batch] int64 or None
+
+
+# ---- compute (runs on the worker thread) ----------------------------------------------------------------------------
+def run_blocks(span: Span, hidden: torch.Tensor, cache: KVCache | None, prompts: torch.Tensor | None) -> torch.Tensor:
+    """span(hidden, cache), adding deep prompts (one per block) to the first positions of each block's input."""
+    hidden = hidden.to(device=span.blocks[0].input_layernorm.weight.device, dtype=span.dtype)
+    if prompts is None:
+        return span(hidden, cache)
+    position = cache.length if cache is not None else 0
+    tokens = hidden.shape[1]
+    if tokens == 0:
+        return hidden
+    rope = span.rotary.get(position, tokens, hidden.device, hidden.dtype)
+    prompts = prompts.to(device=hidden.device, dtype=hidden.dtype)
+    for i, block in enumerate(span.blocks):
+        prefix = min(prompts.shape[2], tokens)
+        hidden = torch.cat([hidden[:, :prefix] + prompts[i, :, :prefix], hidden[:, prefix:]], dim=1)
+        k, v = cache.block(i) if cache is not None else (None, None)
+        hidden = block(hidden, k, v, position, rope)
+    if cache is not None:
+        cache.length = position + tokens
+    return hidden
+
+
+def _inference_step(span: Span, cache: KVCache, step: _Step, start_from: int | None) -> torch.Tensor:
+    with torch.inference_mode():
+        if start_from is not None:
+            cache.truncate(start_from)
+        if step.hypo_ids is not None:
+            cache.reorder(step.hypo_ids)
+        return run_blocks(span, step.hidden, cache, step.prompts).cpu()
+
+
+def _forward(span: Span, step: _Step) -> torch.Tensor:
+    with torch.inference_mode():
+        return run_blocks(span, step.hidden, None, step.prompts).cpu()
+
+
+def _backward(span: Span, step: _Step, grad_outputs: torch.Tensor) -> list[torch.Tensor]:
+    with torch.enable_grad():
+        hidden = step.hidden.detach().to(span.dtype).requires_grad_(True)
+        prompts = step.prompts.detach().to(span.dtype).requires_grad_(True) if step.prompts is not None else None
+        outputs = run_blocks(span, hidden, None, prompts)
+        outputs.backward(grad_outputs.to(outputs.dtype))
+    grads = [hidden.grad.cpu()]
+    if prompts is not None:
+        grads.append(prompts.grad.cpu())
+    return grads
+
+
+def _allocate(config, num_blocks, batch, max_length, dtype, device) -> KVCache:
+    with torch.inference_mode():
+        return KVCache.allocate(config, num_blocks, batch, max_length, dtype, device)
+
+
+# ---- the handler ----------------------------------------------------------------------------------------------------
+class TransformerConnectionHandler(ServicerBase):
+    """Petals-compatible RPCs over one served span. `served` is None while the server loads or moves."""
+
+    def __init__(self, p2p: P2P, pool: MemoryPool, limits: ServingLimits, *, dht_client_mode: bool = False,
+                 on_sessions_changed: Callable[[], None] | None = None):
+        assert type(self).__name__ == HANDLER_CLASS  # the p2pd protocol names depend on it
+        self.p2p = p2p
+        self.pool = pool
+        self.limits = limits
+        self.dht_client_mode = dht_client_mode
+        self.served: ServedSpan | None = None
+        self.generation = 0  # bumped when the span changes: sessions on the old span end
+        self.sessions: dict[str, _Session] = {}
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hivekeeper-compute")
+        self.on_sessions_changed = on_sessions_changed or (lambda: None)
+        self.requests_served = 0
+        self.pushed_steps_served = 0  # steps that came from the previous server rather than the client
+
+    def set_span(self, served: ServedSpan | None) -> None:
+        self.served = served
+        self.generation += 1
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- helpers ------------------------------------------------------------------------------------------------------
+    def _require_served(self) -> ServedSpan:
+        if self.served is None:
+            raise ProtocolError("this server is not serving blocks right now (loading or moving); try another")
+        return self.served
+
+    def _chain(self, uid: str, served: ServedSpan) -> tuple[int, int]:
+        indices = parse_chain_uid(uid, served.dht_prefix)
+        start, end = indices[0], indices[-1] + 1
+        if indices != list(range(start, end)):
+            raise ProtocolError(f"uid chain {uid!r} is not a run of consecutive blocks")
+        if start < served.start or end > served.end:
+            raise ProtocolError(
+                f"blocks {start}:{end} are not served here (this server serves {served.start}:{served.end})"
+            )
+        return start, end
+
+    def cache_tokens_left(self) -> int:
+        served = self.served
+        if served is None:
+            return 0
+        per_token = KVCache.nbytes_for(served.config, served.end - served.start, 1, 1, served.dtype)
+        return max(0, self.pool.free_bytes // max(1, per_token))
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _decode(self, tensors: list[runtime_pb2.Tensor], metadata: dict) -> tuple:
+        """Wire tensors + args_structure -> positional arguments (within the request size limit)."""
+        total = sum(len(t.buffer) for t in tensors)
+        if total > self.limits.max_request_bytes:
+            raise ProtocolError(f"request of {total} bytes exceeds the limit of {self.limits.max_request_bytes}")
+        args, _kwargs = unpack_args([deserialize_tensor(t) for t in tensors], metadata.get("args_structure"))
+        return args
+
+    def _parse_step(self, tensors: list[runtime_pb2.Tensor], metadata: dict, served: ServedSpan, start: int,
+                    end: int, batch: int | None = None) -> _Step:
+        return self._check_step(self._decode(tensors, metadata), served, start, end, batch)
+
+    def _check_step(self, args: tuple, served: ServedSpan, start: int, end: int, batch: int | None = None) -> _Step:
+        """(hidden_states, prompts, hypo_ids) checked against the served model; ProtocolError names what is wrong."""
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise ProtocolError("the request carries no hidden_states tensor")
+        hidden = args[0]
+        hidden_size = served.config.hidden_size
+        if hidden.dim() != 3 or hidden.shape[2] != hidden_size or not hidden.is_floating_point():
+            raise ProtocolError(
+                f"hidden_states must be a float tensor [batch, tokens, {hidden_size}], got "
+                f"{hidden.dtype} {list(hidden.shape)}"
+            )
+        if hidden.shape[0] == 0 or (batch is not None and hidden.shape[0] != batch):
+            raise ProtocolError(f"hidden_states batch {hidden.shape[0]} does not match the session's batch {batch}")
+        prompts = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].numel() else None
+        if prompts is not None:
+            expected = (end - start, hidden.shape[0], hidden_size)
+            if prompts.dim() != 4 or (prompts.shape[0], prompts.shape[1], prompts.shape[3]) != expected:
+                raise ProtocolError(f"prompts must be [{end - start}, batch, prefix, {hidden_size}], got "
+                                    f"{list(prompts.shape)}")
+            if not prompts.is_floating_point():
+                raise ProtocolError("prompts must be a float tensor")
+        hypo_ids = args[2] if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].numel() else None
+        if hypo_ids is not None:
+            if hypo_ids.dtype not in (torch.int64, torch.int32) or hypo_ids.shape != (hidden.shape[0],):
+                raise ProtocolError(f"hypo_ids must be int64 [{hidden.shape[0]}], got {hypo_ids.dtype} "
+                                    f"{list(hypo_ids.shape)}")
+            if int(hypo_ids.min()) < 0 or int(hypo_ids.max()) >= hidden.shape[0]:
+                raise ProtocolError("hypo_ids must index rows of the batch")
+            hypo_ids = hypo_ids.long()
+        return _Step(hidden, prompts, hypo_ids)
+
+    # -- rpc_info ----------------------------------------------------------------------------------------------------
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        info = {
+            "version": PROTOCOL_VERSION,
+            "dht_client_mode": self.dht_client_mode,
+            "cache_tokens_available": self.cache_tokens_left(),
+            # our own diagnostics (other readers ignore unknown keys)
+            "hivekeeper_stats": {"sessions": len(self.sessions), "requests_served": self.requests_served,
+                                 "pushed_steps_served": self.pushed_steps_served},
+        }
+        if request.uid:
+            served = self._require_served()
+            self._chain(request.uid, served)
+            info.update(block_schemas(served.config.hidden_size, served.dtype))
+        return runtime_pb2.ExpertInfo(serialized_info=pack_metadata(info))
+
+    # -- rpc_forward / rpc_backward ----------------------------------------------------------------------------------
+    async def _forward(self, uid: str, tensors, metadata: dict) -> list[torch.Tensor]:
+        served = self._require_served()
+        start, end = self._chain(uid, served)
+        step = self._parse_step(tensors, metadata, served, start, end)
+        if step.hidden.shape[0] * step.hidden.shape[1] > self.limits.max_forward_tokens:
+            raise ProtocolError(f"batch × tokens {step.hidden.shape[0] * step.hidden.shape[1]} exceeds the limit "
+                                f"of {self.limits.max_forward_tokens}")
+        if step.hidden.shape[1] > served.config.max_position_embeddings:
+            raise ProtocolError(f"{step.hidden.shape[1]} tokens exceed the model's context")
+        self.requests_served += 1
+        return [await self._run(_forward, served.sub(start, end), step)]
+
+    async def _backward(self, uid: str, tensors, metadata: dict) -> list[torch.Tensor]:
+        served = self._require_served()
+        start, end = self._chain(uid, served)
+        args = self._decode(tensors, metadata)
+        # (inputs, grad_outputs[, prompts]): inputs and prompts get the same checks as a forward's
+        if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
+            raise ProtocolError("backward needs (hidden_states, grad_outputs[, prompts])")
+        grad_outputs = args[1]
+        step = self._check_step((args[0], *args[2:3]), served, start, end)
+        if grad_outputs.shape != step.hidden.shape or not grad_outputs.is_floating_point():
+            raise ProtocolError(f"grad_outputs must match hidden_states {list(step.hidden.shape)}, got "
+                                f"{list(grad_outputs.shape)}")
+        if step.hidden.shape[0] * step.hidden.shape[1] > self.limits.max_forward_tokens:
+            raise ProtocolError(f"batch × tokens exceeds the limit of {self.limits.max_forward_tokens}")
+        self.requests_served += 1
+        return await self._run(_backward, served.sub(start, end), step, grad_outputs)
+
+    @staticmethod
+    def _response(outputs: list[torch.Tensor], metadata: dict) -> list[runtime_pb2.Tensor]:
+        compressions = metadata.get("output_compression")
+        if not isinstance(compressions, (tuple, list)) or len(compressions) != len(outputs):
+            compressions = [runtime_pb2.CompressionType.NONE] * len(outputs)
+        valid = set(runtime_pb2.CompressionType.values())
+        return [serialize_tensor(t, c if c in valid else runtime_pb2.CompressionType.NONE)
+                for t, c in zip(outputs, compressions)]
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        metadata = unpack_metadata(request.metadata)
+        outputs = await self._guard(self._forward(request.uid, list(request.tensors), metadata), "forward", context)
+        return runtime_pb2.ExpertResponse(tensors=self._response(outputs, metadata))
+
+    async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                                 context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        uid, tensors, metadata = await read_stream(requests, self.limits.max_request_bytes)
+        outputs = await self._guard(self._forward(uid, tensors, metadata), "forward_stream", context)
+        for message in stream_messages(self._response(outputs, metadata), runtime_pb2.ExpertResponse):
+            yield message
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        metadata = unpack_metadata(request.metadata)
+        grads = await self._guard(self._backward(request.uid, list(request.tensors), metadata), "backward", context)
+        return runtime_pb2.ExpertResponse(tensors=self._response(grads, metadata))
+
+    async def rpc_backward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                                  context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        uid, tensors, metadata = await read_stream(requests, self.limits.max_request_bytes)
+        grads = await self._guard(self._backward(uid, tensors, metadata), "backward_stream", context)
+        for message in stream_messages(self._response(grads, metadata), runtime_pb2.ExpertResponse):
+            yield message
+
+    async def _guard(self, coro, what: str, context: P2PContext):
+        """Await coro; log a bad request in one line (the caller gets the exception text as its error)."""
+        try:
+            return await coro
+        except (ProtocolError, InputError, AllocationFailed) as exc:
+            logger.info("rejected %s from %s: %s", what, str(context.remote_id)[-8:], exc)
+            raise
+
+    # -- rpc_push ----------------------------------------------------------------------------------------------------
+    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A previous server hands us the input of a step of one of our sessions (server-to-server pipelining)."""
+        metadata = unpack_metadata(request.metadata)
+        session = self.sessions.get(metadata.get("session_id"))
+        if session is None:
+            raise ProtocolError(f"push for unknown session {metadata.get('session_id')!r}")
+        metadata["pushed"] = True
+        pushed = runtime_pb2.ExpertRequest(uid=request.uid, tensors=request.tensors, metadata=pack_metadata(metadata))
+        session.inbox.put_nowait(pushed)
+        return runtime_pb2.ExpertResponse()
+
+    async def _push_next(self, output: torch.Tensor, metadata: dict) -> None:
+        """Send our step output to the next server of the client's chain (best effort: the client sends it too)."""
+        next_servers = metadata.get("next_servers")
+        if not next_servers:
+            return
+        try:
+            peer_id, session_id, start, end = next_servers[0]
+            served_prefix = self.served.dht_prefix if self.served else None
+            message = push_request(output, chain_uid(served_prefix, int(start), int(end)), session_id,
+                                   metadata.get("step_id"), tuple(next_servers[1:]))
+            await asyncio.wait_for(self.p2p.call_protobuf_handler(
+                PeerID.from_base58(peer_id), handler_name("rpc_push"), message, runtime_pb2.ExpertResponse), 5.0)
+        except Exception as exc:  # the client delivers the step anyway
+            logger.debug("push to the next server failed: %s", exc)
+
+    # -- rpc_inference -----------------------------------------------------------------------------------------------
+    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """One session: the first request opens it (max_length, session_id, alloc_timeout), each request is a step."""
+        limits = self.limits
+        try:
+            first = await asyncio.wait_for(requests.__anext__(), limits.step_timeout)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            return
+        try:
+            served = self._require_served()
+            generation = self.generation
+            metadata = unpack_metadata(first.metadata)
+            start, end = self._chain(first.uid, served)
+            max_length = metadata.get("max_length")
+            if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
+                raise ProtocolError(f"metadata.max_length must be a positive int, got {max_length!r}")
+            if max_length > limits.max_length:
+                raise ProtocolError(f"max_length {max_length} exceeds this server's limit of {limits.max_length} "
+                                    "tokens per session")
+            alloc_timeout = metadata.get("alloc_timeout", limits.default_alloc_timeout)
+            if isinstance(alloc_timeout, bool) or not isinstance(alloc_timeout, (int, float)) or alloc_timeout < 0:
+                raise ProtocolError(f"metadata.alloc_timeout must be a number >= 0, got {alloc_timeout!r}")
+            alloc_timeout = min(float(alloc_timeout), limits.max_alloc_timeout)
+            session_id = metadata.get("session_id")
+            if not isinstance(session_id, str) or not session_id or session_id in self.sessions:
+                session_id = str(uuid.uuid4())  # absent or clashing: pushes cannot reach this session then
+            if len(self.sessions) >= limits.max_sessions:
+                raise ProtocolError(f"server busy: {len(self.sessions)} sessions open (limit {limits.max_sessions})")
+            if not first.tensors:
+                return  # an empty first request opens nothing
+            step = self._parse_step(list(first.tensors), metadata, served, start, end)
+        except (ProtocolError, InputError) as exc:
+            logger.info("rejected inference from %s: %s", str(context.remote_id)[-8:], exc)
+            raise
+
+        batch = step.hidden.shape[0]
+        config, dtype = served.config, served.dtype
+        nbytes = KVCache.nbytes_for(config, end - start, batch, max_length, dtype)
+        session = _Session(session_id, asyncio.Queue())
+        self.sessions[session_id] = session
+
+        async def pump() -> None:  # client requests into the inbox (pushes land there too)
+            try:
+                async for request in requests:
+                    session.inbox.put_nowait(request)
+            finally:
+                session.inbox.put_nowait(None)
+
+        pump_task = asyncio.create_task(pump())
+        deadline = time.monotonic() + limits.session_timeout
+        try:
+            async with self.pool.reserve(nbytes, alloc_timeout):
+                self.on_sessions_changed()
+                cache = await self._run(_allocate, config, end - start, batch, max_length, dtype, served.device)
+                span = served.sub(start, end)
+                request, step_meta = first, metadata
+                last_step_seconds = float("inf")
+                while True:
+                    step_id = step_meta.get("step_id")
+                    if step_id is None or step_id not in session.steps_done:
+                        if step_id is not None:
+                            session.remember(step_id)
+                        if self.generation != generation:
+                            raise ProtocolError("this server moved to other blocks; re-route the session")
+                        start_from = step_meta.get("start_from_position")
+                        if start_from is not None and (isinstance(start_from, bool) or not isinstance(start_from, int)
+                                                       or not 0 <= start_from <= cache.length):
+                            raise ProtocolError(f"start_from_position {start_from!r} is outside the session's "
+                                                f"{cache.length} tokens")
+                        position = cache.length if start_from is None else start_from
+                        if position + step.hidden.shape[1] > max_length:
+                            raise ProtocolError(f"{position + step.hidden.shape[1]} tokens exceed the session's "
+                                                f"max_length {max_length}")
+                        started = time.perf_counter()
+                        if step.hidden.shape[1] <= 1 and last_step_seconds < INLINE_STEP_SECONDS:
+                            # a step known to be tiny runs right here: a thread hop would cost more than it
+                            output = _inference_step(span, cache, step, start_from)
+                        else:
+                            output = await self._run(_inference_step, span, cache, step, start_from)
+                        last_step_seconds = time.perf_counter() - started
+                        self.requests_served += 1
+                        self.pushed_steps_served += bool(step_meta.get("pushed"))
+                        yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(output)])
+                        # pipelining: hand the output straight to the next server of the client's chain. Only
+                        # plain steps: a pushed copy carries no hypo_ids, prompts or rewind
+                        if (step_meta.get("next_servers") and step.hypo_ids is None and step.prompts is None
+                                and step_meta.get("start_from_position") is None):
+                            asyncio.create_task(self._push_next(output, step_meta))
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise ProtocolError(f"session exceeded the server's session timeout of "
+                                            f"{limits.session_timeout:g}s")
+                    try:
+                        # asyncio.timeout, not wait_for: no task per step wrapped around the get
+                        async with asyncio.timeout(min(limits.step_timeout, remaining)):
+                            request = await session.inbox.get()
+                    except TimeoutError:
+                        raise ProtocolError(f"no step within the step timeout of {limits.step_timeout:g}s") from None
+                    if request is None or not request.tensors:
+                        return  # the client closed the session
+                    step_meta = unpack_metadata(request.metadata)
+                    step = self._parse_step(list(request.tensors), step_meta, served, start, end, batch)
+        except (ProtocolError, InputError, AllocationFailed) as exc:
+            logger.info("inference session %s from %s ended: %s", session_id[:8], str(context.remote_id)[-8:], exc)
+            raise
+        finally:
+            pump_task.cancel()
+            self.sessions.pop(session_id, None)
+            self.on_sessions_changed()

@@ -1,0 +1,393 @@
+"""A swarm server's life: join (or start) a swarm, choose and load a span, announce it, serve, rebalance, leave.
+
+    start P2P + DHT -> measure block speed (cached) -> choose blocks -> JOINING -> load span -> ONLINE
+    -> every update_period: re-announce (cache left, next_pings); every balance_period: maybe move
+    -> SIGINT/SIGTERM: OFFLINE, handlers off, DHT and P2P (p2pd) shut down.
+
+Everything runs on one asyncio loop; compute runs on the handler's worker thread and loading on another, so the
+node keeps answering the DHT while it loads. `status` callbacks get a dict per state change (the CLI prints them,
+one JSON line each with --json-status, for the GUI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from hivekeeper.core.runtime.checkpoint import load_config, load_span, resolve_checkpoint
+from hivekeeper.core.runtime.model import KVCache, ModelConfig
+from hivekeeper.core.swarm.dht import (
+    ServerInfo,
+    ServerState,
+    block_throughputs,
+    declare_blocks,
+    read_blocks,
+    register_model,
+    spans_of,
+)
+from hivekeeper.core.swarm.server.handler import ServedSpan, ServingLimits, TransformerConnectionHandler
+from hivekeeper.core.swarm.server.memory import MemoryPool
+from hivekeeper.core.swarm.protocol import PROTOCOL_VERSION, dtype_name, handler_name
+from hivekeeper.core.swarm.server.throughput import BlockSpeed, get_block_speed, network_rps_for, span_throughput
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.swarm import ServerSpan, choose_start, should_move
+
+logger = logging.getLogger("hivekeeper.swarm.server")
+
+IMPLEMENTATION = "hivekeeper 0.1.0"
+
+
+@dataclass
+class ServerConfig:
+    checkpoint: Path  # a local checkpoint folder (already resolved)
+    dht_prefix: str
+    repository: str | None = None  # hub id, for the public models registry
+    initial_peers: tuple[str, ...] = ()  # empty = a new private swarm
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce_maddrs: tuple[str, ...] = ()
+    num_blocks: int | None = None  # choose the span (and rebalance); or:
+    block_indices: tuple[int, int] | None = None  # a fixed span [start, end)
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    quant: str = "none"
+    public_name: str | None = None
+    throughput: str | float = "auto"  # "auto" (cached measurement), "eval" (measure again) or a number
+    network_bps: float | None = None  # the operator's link speed in bit/s (min of up/down), None = unknown
+    cache_tokens: int | None = None  # KV pool size in tokens (per block); default as Petals
+    limits: ServingLimits = field(default_factory=ServingLimits)
+    update_period: float = 60.0  # re-announce period; records expire after 2 periods
+    balance_period: float = 120.0  # how often a server with --num-blocks checks whether to move
+    balance_quality: float = 0.75
+    stats_period: float = 0.0  # >0: also emit a "stats" status this often (sessions, cache left)
+
+
+class SwarmServer:
+    """One serving node. `await run()` serves until `stop()` (or SIGINT/SIGTERM with install_signals)."""
+
+    def __init__(self, config: ServerConfig, status: Callable[[dict], None] = lambda event: None):
+        self.config = config
+        self.emit = status
+        self.model_config: ModelConfig = load_config(config.checkpoint)
+        self._check_config()
+        self.state = ServerState.OFFLINE
+        self.blocks: range | None = None
+        self.speed: BlockSpeed | None = None
+        self.p2p: P2P | None = None
+        self.dht: DHTNode | None = None
+        self.handler: TransformerConnectionHandler | None = None
+        self.peer_id: str | None = None
+        self.maddrs: list[str] = []
+        self.next_pings: dict[str, float] = {}
+        self.error: str | None = None  # why the server stopped on its own, if it did
+        self._stop = asyncio.Event()
+        self._wake_announcer = asyncio.Event()
+
+    def _check_config(self) -> None:
+        cfg, model = self.config, self.model_config
+        if cfg.block_indices is not None:
+            start, end = cfg.block_indices
+            if not 0 <= start < end <= model.num_layers:
+                raise InputError(f"--block-indices {start}:{end} is outside the model's {model.num_layers} blocks")
+        elif cfg.num_blocks is not None and not 0 < cfg.num_blocks <= model.num_layers:
+            raise InputError(f"--num-blocks {cfg.num_blocks} must be between 1 and {model.num_layers}")
+        if cfg.limits.max_length > model.max_position_embeddings:
+            cfg.limits.max_length = model.max_position_embeddings
+
+    # ---- numbers ---------------------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        if self.config.block_indices is not None:
+            return self.config.block_indices[1] - self.config.block_indices[0]
+        return self.config.num_blocks or self.model_config.num_layers
+
+    def cache_tokens(self) -> int:
+        """KV pool size in tokens; Petals' defaults: 4096 tokens, 16384 for grouped-query models."""
+        if self.config.cache_tokens is not None:
+            return self.config.cache_tokens
+        return 16384 if self.model_config.num_kv_heads < self.model_config.num_heads else 4096
+
+    def pool_bytes(self) -> int:
+        return KVCache.nbytes_for(self.model_config, self.num_blocks, 1, self.cache_tokens(), self.config.dtype)
+
+    def network_rps(self) -> float | None:
+        return network_rps_for(self.config.network_bps, self.model_config.hidden_size)
+
+    def throughput(self) -> float:
+        if isinstance(self.config.throughput, (int, float)):
+            return float(self.config.throughput)
+        return span_throughput(self.speed, self.num_blocks, self.network_rps())
+
+    def server_info(self, state: ServerState, blocks: range) -> ServerInfo:
+        speed = self.speed
+        return ServerInfo(
+            state=state,
+            throughput=self.throughput(),
+            start_block=blocks.start,
+            end_block=blocks.stop,
+            public_name=self.config.public_name,
+            version=PROTOCOL_VERSION,
+            network_rps=self.network_rps(),
+            forward_rps=speed.forward_rps if speed else None,
+            inference_rps=speed.inference_rps if speed else None,
+            adapters=(),
+            torch_dtype=dtype_name(self.config.dtype),
+            quant_type=self.config.quant,
+            using_relay=False,
+            cache_tokens_left=self.handler.cache_tokens_left() if self.handler and self.handler.served else
+            self.cache_tokens(),
+            next_pings=dict(self.next_pings),
+            extra={"implementation": IMPLEMENTATION},
+        )
+
+    def status_event(self, state: str, **fields) -> dict:
+        event = {
+            "event": "status",
+            "state": state,
+            "time": time.time(),
+            "peer_id": self.peer_id,
+            "maddrs": self.maddrs,
+            "dht_prefix": self.config.dht_prefix,
+            "blocks": [self.blocks.start, self.blocks.stop] if self.blocks else None,
+            "num_model_blocks": self.model_config.num_layers,
+        }
+        if self.speed is not None:
+            event.update(throughput=self.throughput(), inference_rps=self.speed.inference_rps,
+                         forward_rps=self.speed.forward_rps, network_rps=self.network_rps())
+        if self.handler is not None:
+            event.update(sessions=len(self.handler.sessions), cache_tokens_left=self.handler.cache_tokens_left(),
+                         requests_served=self.handler.requests_served)
+        event.update(fields)
+        return event
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop)
+
+    async def run(self) -> None:
+        try:
+            await self._start()
+            if not self._stop.is_set():
+                await self._serve()
+        finally:
+            await self._shutdown()
+
+    async def _start(self) -> None:
+        cfg = self.config
+        host_maddrs = [f"/ip4/{cfg.host}/tcp/{cfg.port}"]
+        try:
+            self.p2p = await P2P.create(initial_peers=list(cfg.initial_peers) or None, host_maddrs=host_maddrs,
+                                        announce_maddrs=list(cfg.announce_maddrs) or None)
+            self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=list(cfg.initial_peers) or None,
+                                            num_workers=8, cache_locally=False)
+        except Exception as exc:
+            raise InputError(f"cannot join the swarm at {', '.join(cfg.initial_peers) or host_maddrs[0]}: {exc}")
+        self.peer_id = self.p2p.peer_id.to_base58()
+        self.maddrs = [str(a) for a in await self.p2p.get_visible_maddrs()]
+        self.emit(self.status_event("started"))
+
+        self.speed = await self._block_speed()
+        self.handler = TransformerConnectionHandler(self.p2p, MemoryPool(self.pool_bytes()), cfg.limits,
+                                                    on_sessions_changed=self._wake_announcer.set)
+        await self.handler.add_p2p_handlers(self.p2p)
+        if self._stop.is_set():
+            return
+        self.blocks = await self._choose_blocks()
+        await self._load(self.blocks)
+
+    async def _block_speed(self) -> BlockSpeed:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        return (await loop.run_in_executor(None, lambda: get_block_speed(
+            self.model_config, cfg.device, cfg.dtype, cfg.quant, force_measure=cfg.throughput == "eval",
+            log=logger.info)))[0]
+
+    async def _choose_blocks(self, exclude_self: bool = False) -> range:
+        cfg = self.config
+        if cfg.block_indices is not None:
+            return range(*cfg.block_indices)
+        blocks = await read_blocks(self.dht, cfg.dht_prefix, self.model_config.num_layers)
+        if exclude_self:
+            for servers in blocks:
+                servers.pop(self.peer_id, None)
+        start = choose_start(block_throughputs(blocks), self.num_blocks)
+        return range(start, start + self.num_blocks)
+
+    async def _announce(self, state: ServerState, blocks: range, timeout: float = 10.0) -> None:
+        cfg = self.config
+        info = self.server_info(state, blocks)
+        expiration = get_dht_time() + 2 * cfg.update_period
+        try:
+            await asyncio.wait_for(declare_blocks(self.dht, cfg.dht_prefix, blocks, self.peer_id, info, expiration),
+                                   timeout)
+            if cfg.repository and state != ServerState.OFFLINE:
+                await asyncio.wait_for(register_model(self.dht, cfg.dht_prefix, self.model_config.num_layers,
+                                                      cfg.repository, cfg.update_period), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("announcing %s for blocks %d:%d timed out", state.name, blocks.start, blocks.stop)
+        except Exception as exc:  # no reachable DHT peer right now: the next period tries again
+            logger.warning("announcing %s for blocks %d:%d failed: %s", state.name, blocks.start, blocks.stop, exc)
+
+    async def _load(self, blocks: range) -> None:
+        """JOINING -> load the span (on a thread) -> ONLINE."""
+        cfg = self.config
+        self.state = ServerState.JOINING
+        await self._announce(ServerState.JOINING, blocks)
+        self.emit(self.status_event("joining"))
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+
+        def fetch_and_load():
+            folder = cfg.checkpoint
+            if cfg.repository:  # from the hub: only the shards of this span (a no-op for those already cached)
+                folder = resolve_checkpoint(cfg.repository, blocks=(blocks.start, blocks.stop), embeddings=False)
+            return load_span(folder, blocks.start, blocks.stop, dtype=cfg.dtype, device=cfg.device, quant=cfg.quant)
+
+        span = await loop.run_in_executor(None, fetch_and_load)
+        self.handler.set_span(ServedSpan(span, cfg.dht_prefix, torch.device(cfg.device)))
+        self.state = ServerState.ONLINE
+        await self._announce(ServerState.ONLINE, blocks)
+        self.emit(self.status_event("online", load_seconds=round(time.monotonic() - started, 3)))
+
+    async def _serve(self) -> None:
+        tasks = [asyncio.create_task(self._announce_loop())]
+        if self.config.block_indices is None and self.config.balance_period > 0:
+            tasks.append(asyncio.create_task(self._balance_loop()))
+        if self.config.stats_period > 0:
+            tasks.append(asyncio.create_task(self._stats_loop()))
+        stopped = asyncio.create_task(self._stop.wait())
+        try:
+            # serve until asked to stop, or until a background loop dies (then shut down cleanly and say why)
+            done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopped and task.exception() is not None:
+                    logger.error("server loop failed: %r; shutting down", task.exception())
+                    self.error = str(task.exception())
+                    self.emit(self.status_event("error", error=self.error))
+        finally:
+            stopped.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _announce_loop(self) -> None:
+        period = self.config.update_period
+        next_full = time.monotonic() + min(period, 5.0)  # first RTTs to the next servers soon after joining
+        while True:
+            timeout = max(0.0, next_full - time.monotonic())
+            try:
+                # a session opening or closing changes cache_tokens_left: re-announce soon (rate-limited)
+                await asyncio.wait_for(self._wake_announcer.wait(), timeout)
+                await asyncio.sleep(min(5.0, period / 4))
+            except asyncio.TimeoutError:
+                pass
+            self._wake_announcer.clear()
+            if time.monotonic() >= next_full:
+                await self._measure_next_pings()
+                next_full = time.monotonic() + period
+            if self.state == ServerState.ONLINE and self.blocks is not None:
+                await self._announce(ServerState.ONLINE, self.blocks)
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_period)
+            self.emit(self.status_event("stats"))
+
+    async def _measure_next_pings(self) -> None:
+        """RTTs (rpc_info round trips) to up to 5 servers that hold the block right after our span."""
+        if self.blocks is None or self.blocks.stop >= self.model_config.num_layers:
+            self.next_pings = {}
+            return
+        try:
+            blocks = await read_blocks(self.dht, self.config.dht_prefix, self.model_config.num_layers)
+        except Exception:
+            return
+        peers = [p for p, info in blocks[self.blocks.stop].items()
+                 if p != self.peer_id and info.state == ServerState.ONLINE][:5]
+
+        async def ping(peer: str) -> tuple[str, float | None]:
+            started = time.perf_counter()
+            try:
+                await asyncio.wait_for(self.p2p.call_protobuf_handler(
+                    PeerID.from_base58(peer), handler_name("rpc_info"), runtime_pb2.ExpertUID(),
+                    runtime_pb2.ExpertInfo), 2.0)
+                return peer, time.perf_counter() - started
+            except Exception:
+                return peer, None
+
+        results = await asyncio.gather(*(ping(p) for p in peers))
+        self.next_pings = {peer: rtt for peer, rtt in results if rtt is not None}
+
+    async def _balance_loop(self) -> None:
+        cfg = self.config
+        while True:
+            # jitter keeps servers that joined together from all moving at the same moment
+            await asyncio.sleep(cfg.balance_period * random.uniform(0.7, 1.3))
+            if self.state != ServerState.ONLINE:
+                continue
+            try:
+                new_start = await self._should_move()
+            except Exception as exc:
+                logger.warning("balance check failed: %s", exc)
+                continue
+            if new_start is None:
+                continue
+            old = self.blocks
+            new = range(new_start, new_start + self.num_blocks)
+            logger.info("moving from blocks %d:%d to %d:%d to strengthen the swarm", old.start, old.stop,
+                        new.start, new.stop)
+            self.emit(self.status_event("moving", to_blocks=[new.start, new.stop]))
+            self.handler.set_span(None)  # sessions on the old span end at their next step; clients re-route
+            await self._announce(ServerState.OFFLINE, old)
+            self.blocks = new
+            try:
+                await self._load(new)
+            except Exception as exc:
+                logger.error("loading blocks %d:%d failed (%s); going back to %d:%d", new.start, new.stop, exc,
+                             old.start, old.stop)
+                await self._announce(ServerState.OFFLINE, new)
+                self.blocks = old
+                await self._load(old)  # if even this fails, the loop ends and the server stops
+
+    async def _should_move(self) -> int | None:
+        blocks = await read_blocks(self.dht, self.config.dht_prefix, self.model_config.num_layers)
+        spans = spans_of(blocks, states=(ServerState.JOINING, ServerState.ONLINE))
+        placements = {peer: ServerSpan(span.start, span.end, span.info.throughput) for peer, span in spans.items()}
+        if self.peer_id not in placements:  # our own record may not be visible yet: use what we know
+            placements[self.peer_id] = ServerSpan(self.blocks.start, self.blocks.stop, self.throughput())
+        me = list(placements).index(self.peer_id)
+        return should_move(self.model_config.num_layers, list(placements.values()), me, self.config.balance_quality)
+
+    async def _shutdown(self) -> None:
+        if self.dht is not None and self.blocks is not None and self.state != ServerState.OFFLINE:
+            self.state = ServerState.OFFLINE
+            await self._announce(ServerState.OFFLINE, self.blocks, timeout=5.0)
+        if self.handler is not None:
+            self.handler.set_span(None)
+            self.handler.close()
+        if self.dht is not None:
+            try:
+                await asyncio.wait_for(self.dht.shutdown(), 5.0)
+            except Exception as exc:
+                logger.debug("DHT shutdown: %s", exc)
+        if self.p2p is not None:
+            await self.p2p.shutdown()
+        if self.peer_id is not None:
+            self.emit(self.status_event("offline"))

@@ -1,0 +1,315 @@
+"""Page 1, Hardware: what was detected, every number with where it came from, and the Measure button.
+
+Below the machine as the planner uses it, a second table puts every measured number beside the catalog figure or
+estimate it replaced, with the spread of its repeats: read from this machine's saved profile
+(core.machine_profile, the file `hivekeeper measure` writes too), which loads without torch.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QProgressBar, QPushButton, QTableWidget, QTableWidgetItem,
+                               QVBoxLayout, QWidget)
+
+from hivekeeper.core.machine.profiles import ComparisonRow, MachineProfile, comparison_rows, load_machine_profile
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware import HardwareSpec
+
+from hivekeeper.gui.services.hardware import DetectService, MachineInfo
+from hivekeeper.gui.services.measure import MeasureService
+from hivekeeper.gui.style import SOURCE_COLORS, label, page_layout
+
+COLUMNS = ("Part", "Quantity", "Value", "Source", "Before measuring")
+COMPARE_COLUMNS = ("Part", "Quantity", "Catalog / estimate", "Measured", "Measured ÷ catalog", "Spread of repeats")
+
+
+def split_source(source: str) -> tuple[str, str]:
+    """(kind, detail) of a source: "catalog:T4 datasheet" -> ("catalog", "T4 datasheet"),
+    "measured 2025-01-02 10.00: RAM read, best of 5" -> ("measured", "2025-01-02 10.00: RAM read, best of 5")."""
+    match = re.match(r"\s*([A-Za-z]+)\s*:?\s*(.*)", source or "")
+    if not match:
+        return "unknown", ""
+    kind, detail = match.group(1).lower(), match.group(2).strip()
+    if kind not in SOURCE_COLORS:  # a catalog entry names its reference directly
+        return "catalog", source.strip()
+    return kind, detail
+
+
+def _gbps(x: float | None) -> str:
+    return "–" if not x else f"{x / 1e9:.3g} GB/s"
+
+
+def _tflops(flops: dict[str, float]) -> str:
+    order = [d for d in ("fp16", "bf16", "fp32", "int8") if d in flops]
+    return ", ".join(f"{flops[d] / 1e12:.3g} {d}" for d in order) + " TFLOP/s"
+
+
+def hardware_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:
+    """(part, quantity, value, source) for every number the planner uses."""
+    rows = []
+    for index, gpu in enumerate(spec.gpus):
+        part = f"GPU {index}: {gpu.name}"
+        src = gpu.sources
+        rows += [
+            (part, "memory", f"{gpu.memory_bytes / 1e9:.3g} GB", src.get("memory_bytes", "")),
+            (part, "memory bandwidth", _gbps(gpu.memory_bandwidth), src.get("memory_bandwidth", "")),
+            (part, "peak compute", _tflops(gpu.flops), src.get("flops", "")),
+            (part, "host link", "unified memory" if gpu.unified_memory else _gbps(gpu.host_link_bandwidth),
+             src.get("host_link_bandwidth", "")),
+            (part, "power", f"{gpu.power_watts:.0f} W", src.get("power_watts", "")),
+        ]
+    cpu, disk, net = spec.cpu, spec.disk, spec.network
+    rows += [
+        (f"CPU: {cpu.name}", "cores", str(cpu.cores or "–"), cpu.sources.get("cores", "")),
+        (f"CPU: {cpu.name}", "peak compute", _tflops(cpu.flops), cpu.sources.get("flops", "")),
+        ("RAM", "size", f"{cpu.memory_bytes / 1e9:.3g} GB", cpu.sources.get("memory_bytes", "")),
+        ("RAM", "bandwidth", _gbps(cpu.memory_bandwidth), cpu.sources.get("memory_bandwidth", "")),
+        ("Disk", "capacity", f"{disk.capacity_bytes / 1e9:.4g} GB", disk.sources.get("capacity_bytes", "")),
+        ("Disk", "read", _gbps(disk.read_bandwidth), disk.sources.get("read_bandwidth", "")),
+        ("Disk", "write", _gbps(disk.write_bandwidth), disk.sources.get("write_bandwidth", "")),
+        ("Network", "upload", f"{net.upload_bps / 1e6:.4g} Mbit/s", net.sources.get("upload_bps", "")),
+        ("Network", "download", f"{net.download_bps / 1e6:.4g} Mbit/s", net.sources.get("download_bps", "")),
+        ("Network", "round trip", f"{net.rtt_s * 1e3:.3g} ms", net.sources.get("rtt_s", "")),
+    ]
+    return rows
+
+
+def format_quantity(value: float | None, unit: str) -> str:
+    """A number of a comparison row in the unit people read: GB/s, GFLOP/s or TFLOP/s, ms, Mbit/s."""
+    if value is None:
+        return "–"
+    if unit == "B/s":
+        return f"{value / 1e9:.3g} GB/s"
+    if unit == "FLOP/s":
+        return f"{value / 1e12:.3g} TFLOP/s" if value >= 1e12 else f"{value / 1e9:.3g} GFLOP/s"
+    if unit == "s":
+        return f"{value * 1e3:.3g} ms"
+    if unit == "bit/s":
+        return f"{value / 1e6:.4g} Mbit/s"
+    return f"{value:.4g} {unit}"
+
+
+def comparison_cells(row: ComparisonRow) -> tuple[str, str, str, str, str, str]:
+    """The cells of one measured-beside-catalog row."""
+    ratio = ""
+    if row.catalog and row.measured is not None:
+        ratio = f"{row.measured / row.catalog:.2f}×"
+    spread = "" if row.spread is None else f"{100 * row.spread:.0f}%"
+    return (row.part, row.quantity, format_quantity(row.catalog, row.unit), format_quantity(row.measured, row.unit),
+            ratio, spread)
+
+
+def machine_rows(machine: MachineInfo) -> list[tuple[str, str, str, str, str]]:
+    """The rows of the machine as the planner uses it, with the detected (catalog or estimated) value beside each
+    number that a measurement replaced."""
+    used, before = hardware_rows(machine.hardware), hardware_rows(machine.detected)
+    if len(used) != len(before):
+        before = used  # a different machine shape (should not happen): no comparison
+    return [(part, quantity, value, source, old_value if old_value != value else "")
+            for (part, quantity, value, source), (_, _, old_value, _) in zip(used, before, strict=True)]
+
+
+class HardwarePage(QWidget):
+    """Shows this machine. `machineChanged(MachineInfo)` fires when detection or a measurement changes what the
+    planner uses."""
+
+    machineChanged = Signal(object)
+
+    def __init__(self, detect: DetectService, measure: MeasureService, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.detect = detect
+        self.measure = measure
+        self.machine: MachineInfo | None = None
+        self.profile: MachineProfile | None = None  # this machine's saved measurements, when there are some
+        self.rows: list[tuple[str, str, str, str, str]] = []
+        self.comparison: list[ComparisonRow] = []  # measured rows only
+
+        layout = page_layout(self, QVBoxLayout, (24, 20), spacing=10)
+        layout.addWidget(label("Hardware", "title"))
+        self.description = label("Detecting this machine…", "subtitle", wrap=True)
+        layout.addWidget(self.description)
+        self.profile_label = label("", "small", wrap=True)
+        layout.addWidget(self.profile_label)
+
+        bar = QHBoxLayout()
+        self.detect_button = QPushButton("Detect again")
+        self.detect_button.clicked.connect(self.start_detection)
+        self.measure_button = QPushButton("Measure")
+        self.measure_button.setObjectName("primary")
+        self.measure_button.setToolTip("Run the micro-benchmarks of `hivekeeper measure` in the background (RAM, "
+                                       "matmuls, disk, GPU and its link); measured numbers replace estimates and "
+                                       "catalog figures in every plan for this machine")
+        self.measure_button.clicked.connect(self.start_measure)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.measure.cancel)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 100)
+        self.progress.setValue(0)
+        self.progress.setFormat("not measured yet")
+        self.progress_label = label("", "small")
+        for widget in (self.detect_button, self.measure_button, self.cancel_button):
+            bar.addWidget(widget)
+        bar.addWidget(self.progress, 1)
+        bar.addWidget(self.progress_label)
+        layout.addLayout(bar)
+
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.table.setSelectionMode(QTableWidget.SelectionMode.NoSelection)
+        header = self.table.horizontalHeader()
+        for column in (0, 1, 2, 4):
+            header.setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(3, QHeaderView.ResizeMode.Stretch)
+        layout.addWidget(self.table, 3)
+        self.compare_title = label("Measured beside the catalog", "subtitle")
+        self.compare_table = QTableWidget(0, len(COMPARE_COLUMNS))
+        self.compare_table.setHorizontalHeaderLabels(COMPARE_COLUMNS)
+        self.compare_table.verticalHeader().setVisible(False)
+        self.compare_table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.compare_table.setSelectionMode(QTableWidget.SelectionMode.NoSelection)
+        compare_header = self.compare_table.horizontalHeader()
+        for column in range(len(COMPARE_COLUMNS) - 1):
+            compare_header.setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
+        compare_header.setSectionResizeMode(len(COMPARE_COLUMNS) - 1, QHeaderView.ResizeMode.Stretch)
+        layout.addWidget(self.compare_title)
+        layout.addWidget(self.compare_table, 2)
+        self.compare_title.hide()
+        self.compare_table.hide()
+        layout.addWidget(label("Sources: catalog = published spec sheets; detected = read from this system; "
+                               "derived = computed from what the driver reports; estimated/default = a guess until "
+                               "measured; measured = the Measure button or `hivekeeper measure` (hover a source for "
+                               "the whole story).", "small", wrap=True))
+
+        detect.detected.connect(self._on_machine)
+        detect.failed.connect(self._on_detect_failed)
+        measure.progress.connect(self._on_progress)
+        measure.measured.connect(self._on_measured)
+        measure.failed.connect(self._on_measure_failed)
+        measure.runningChanged.connect(self._on_measure_running)
+        if detect.machine is not None:
+            self._show(detect.machine)
+
+    @property
+    def spec(self) -> HardwareSpec | None:
+        """The machine as the planner uses it (measured numbers in place), or None before the first detection."""
+        return self.machine.hardware if self.machine is not None else None
+
+    # ---- actions ---------------------------------------------------------------------------------------------------
+    def start_detection(self) -> None:
+        self.detect_button.setEnabled(False)
+        if self.machine is None:
+            self.description.setText("Detecting this machine…")
+        self.detect.detect()
+
+    def start_measure(self) -> None:
+        self.progress.setValue(0)
+        self.progress.setFormat("%p%")
+        self.progress_label.setText("starting…")
+        self.measure.start(self.machine.detected if self.machine is not None else None)
+
+    # ---- updates ---------------------------------------------------------------------------------------------------
+    def _show(self, machine: MachineInfo) -> None:
+        self.machine = machine
+        spec = machine.hardware
+        self.description.setText(spec.description or spec.id)
+        if machine.measured_at:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(machine.measured_at))
+            text = f"Measured {when}; plans for this machine use the measured numbers."
+            self.progress.setValue(100)
+            self.progress.setFormat(f"measured {when}")
+        else:
+            text = "Not measured yet: estimates and catalog figures are in use."
+        self.profile_label.setText(f"{text} Cost-model factors: {machine.factors}.")
+        self.profile_label.setToolTip(machine.profile or "")
+        self._show_comparison(machine)
+        rows = self.rows = machine_rows(machine)
+        self.table.setRowCount(len(rows))
+        previous_part = None
+        for r, (part, quantity, value, source, before) in enumerate(rows):
+            kind, detail = split_source(source)
+            cells = (part if part != previous_part else "", quantity, value,
+                     f"{kind}  ·  {detail}" if detail else kind, before)
+            previous_part = part
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                if c == 3:
+                    item.setToolTip(source or "unknown")
+                    item.setForeground(QColor(SOURCE_COLORS.get(kind, "#616e7c")))
+                if c == 2:
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
+                if c == 4:
+                    item.setForeground(QColor("#9aa5b1"))
+                item.setFlags(Qt.ItemFlag.ItemIsEnabled)
+                self.table.setItem(r, c, item)
+        self.machineChanged.emit(machine)
+
+    def _show_comparison(self, machine: MachineInfo) -> None:
+        """Measured numbers beside what they replaced, from the saved profile (read here: no torch needed)."""
+        try:
+            self.profile = load_machine_profile(machine.detected)
+        except InputError as exc:  # a broken profile file: say so, the detected numbers still stand
+            self.profile = None
+            self.profile_label.setText(f"{self.profile_label.text()} The saved measurements cannot be read: {exc}")
+        self.comparison = [row for row in comparison_rows(machine.detected, self.profile) if row.measured is not None]
+        visible = bool(self.comparison)
+        self.compare_title.setVisible(visible)
+        self.compare_table.setVisible(visible)
+        if self.profile is not None and self.profile.measurements:
+            low, high = (f"{f([m.loadavg for m in self.profile.measurements]):.1f}" for f in (min, max))
+            load = low if low == high else f"{low}–{high}"
+            self.compare_title.setText(
+                f"Measured beside the catalog (best of the repeats; load average {load} while measuring"
+                f"{'; calibrated with hivekeeper profile' if self.profile.calibrated else ''})")
+        self.compare_table.setRowCount(len(self.comparison))
+        for r, row in enumerate(self.comparison):
+            for c, text in enumerate(comparison_cells(row)):
+                item = QTableWidgetItem(text)
+                item.setFlags(Qt.ItemFlag.ItemIsEnabled)
+                if c == 2:
+                    item.setToolTip(row.catalog_source or "")
+                    item.setForeground(QColor("#9aa5b1"))
+                if c == 3:
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
+                    item.setForeground(QColor(SOURCE_COLORS["measured"]))
+                self.compare_table.setItem(r, c, item)
+
+    def _on_machine(self, machine: MachineInfo) -> None:
+        self.detect_button.setEnabled(True)
+        self._show(machine)
+
+    def _on_detect_failed(self, message: str) -> None:
+        self.detect_button.setEnabled(True)
+        self.description.setText(f"Detection failed: {message}")
+
+    def _on_progress(self, fraction: float, what: str) -> None:
+        self.progress.setValue(int(round(fraction * 100)))
+        self.progress_label.setText(what if what == "done" else f"measuring {what}…")
+
+    def _on_measured(self, doc: dict) -> None:
+        self.progress_label.setText("done")
+        try:
+            self.detect.remember(doc)  # the same path as a detection: cache, Hardware and Plan pages
+        except InputError as exc:
+            self._on_measure_failed(str(exc))
+
+    def _on_measure_failed(self, message: str) -> None:
+        self.progress_label.setText("")
+        self.progress.setFormat("failed")
+        self.profile_label.setText(f"Measurement failed: {message}")
+
+    def _on_measure_running(self, running: bool) -> None:
+        self.measure_button.setEnabled(not running)
+        self.cancel_button.setEnabled(running)
+        if not running and self.progress_label.text().startswith("measuring"):
+            self.progress_label.setText("cancelled")

@@ -1,0 +1,358 @@
+"""Page 3, Swarm: one button to serve a span of the model from this machine, its live state, and the coverage chart."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
+                               QLineEdit, QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+
+from hivekeeper.planner.swarm import ServerPlan
+
+from hivekeeper.gui.services.coverage import CoverageService
+from hivekeeper.gui.services.node import STATE_WORDS, NodeLaunch, NodeService
+from hivekeeper.gui.settings import SwarmSettings
+from hivekeeper.gui.style import ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, fmt_rate, label, page_layout
+
+
+
+FIELD_CAPTIONS = {"span": "span", "servers": "servers online", "cache": "cache left (tokens)",
+                  "served": "requests served"}
+
+
+def quant_and_dtype(weight_format: str) -> tuple[str, str]:
+    """`hivekeeper serve` --quant and --dtype for a planner weight format."""
+    if weight_format in ("int8", "nf4"):
+        return weight_format, "auto"
+    if weight_format in ("fp32", "bf16", "fp16"):
+        return "none", weight_format
+    return "none", "auto"
+
+
+def coverage_arrays(report: dict, my_peer_id: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(block indices, others' throughput, this node's throughput) per block, from a swarm status report."""
+    n = int(report.get("num_blocks") or len(report.get("blocks", [])))
+    mine, total = np.zeros(n), np.zeros(n)
+    for block in report.get("blocks", []):
+        total[block["index"]] = block.get("throughput") or 0.0
+    for server in report.get("servers", []):
+        if server.get("peer_id") == my_peer_id and server.get("state") in ("online", "joining"):
+            mine[server["start"]:server["end"]] += server.get("throughput") or 0.0
+    others = np.maximum(0.0, total - mine)
+    return np.arange(n), others, np.minimum(mine, total) if total.any() else mine
+
+
+class SwarmPage(QWidget):
+    """Join / Leave, the node's state, and who covers which block."""
+
+    settingsChanged = Signal()
+
+    def __init__(self, settings: SwarmSettings, node: NodeService, coverage: CoverageService,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.settings = settings
+        self.node = node
+        self.coverage = coverage
+        self.default_model = ""  # the plan's model, used when the model field is empty
+        self.recommendation: ServerPlan | None = None
+        self.coverage_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._loading = False
+
+        layout = page_layout(self, QVBoxLayout, (24, 18), spacing=10)
+        layout.addWidget(label("Swarm", "title"))
+        layout.addWidget(label("Serve a span of the model's blocks to a Petals-compatible swarm. The node runs as "
+                               "a separate process; Leave announces it offline and stops it.", "subtitle", wrap=True))
+        top = QHBoxLayout()
+        self.setup_box, self.status_box = self._build_setup(), self._build_status()
+        top.addWidget(self.setup_box, 1)
+        top.addWidget(self.status_box, 1)
+        layout.addLayout(top, 0)
+
+        chart_box = QGroupBox("Coverage: throughput of the servers covering each block")
+        chart_layout = QVBoxLayout(chart_box)
+        self.coverage_plot = pg.PlotWidget()
+        self.coverage_plot.setLabel("bottom", "block")
+        self.coverage_plot.setLabel("left", "throughput (requests/s)")
+        self.coverage_plot.showGrid(x=False, y=True, alpha=0.2)
+        self.coverage_plot.setMenuEnabled(False)
+        self.coverage_plot.setMinimumHeight(180)
+        self.coverage_plot.getAxis("left").enableAutoSIPrefix(False)
+        self.others_bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=OTHERS, pen=None)
+        self.mine_bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=ACCENT, pen=None)
+        self.gap_marks = self.coverage_plot.plot([], [], pen=None, symbol="x", symbolSize=12, symbolBrush=BAD,
+                                                 symbolPen=BAD)
+        self.coverage_plot.addItem(self.others_bars)
+        self.coverage_plot.addItem(self.mine_bars)
+        legend = (f"<span style='color:{ACCENT}'>■</span> this node &nbsp; "
+                  f"<span style='color:{OTHERS}'>■</span> other servers &nbsp; "
+                  f"<span style='color:{BAD}'>✕</span> no server")
+        chart_layout.addWidget(label(legend, "small"))
+        self.coverage_note = label("The chart fills in once the node is online.", "small", wrap=True)
+        chart_layout.addWidget(self.coverage_plot, 1)
+        chart_layout.addWidget(self.coverage_note)
+        layout.addWidget(chart_box, 1)
+
+        node.stateChanged.connect(self._on_state)
+        node.statusReceived.connect(self._on_status)
+        coverage.reportReceived.connect(self._on_report)
+        coverage.errorReceived.connect(self._on_coverage_error)
+        self._load_settings()
+        self._on_state(node.state)
+
+    # ---- building ------------------------------------------------------------------------------------------------
+    def _build_setup(self) -> QWidget:
+        box = QGroupBox("Serve")
+        form = QFormLayout(box)
+        model_row = QHBoxLayout()
+        self.model_edit = QLineEdit()
+        self.model_edit.setPlaceholderText("the plan's model")
+        browse = QPushButton("Folder…")
+        browse.clicked.connect(self._browse)
+        model_row.addWidget(self.model_edit, 1)
+        model_row.addWidget(browse)
+        self.recommendation_label = label("", "small", wrap=True)
+        self.blocks_spin = QSpinBox()
+        self.blocks_spin.setRange(0, 10_000)
+        self.blocks_spin.setSpecialValueText("the plan's recommendation")
+        self.new_swarm_check = QCheckBox("Start a new private swarm")
+        self.peers_edit = QPlainTextEdit()
+        self.peers_edit.setPlaceholderText("Initial peers: multiaddrs of the swarm to join, one per line\n"
+                                           "/ip4/203.0.113.5/tcp/31337/p2p/Qm…")
+        self.peers_edit.setFixedHeight(58)
+        self.name_edit = QLineEdit()
+        self.name_edit.setPlaceholderText("optional: a name or link shown to the swarm")
+        form.addRow("Model", model_row)
+        form.addRow("", self.recommendation_label)
+        form.addRow("Blocks", self.blocks_spin)
+        form.addRow("", self.new_swarm_check)
+        form.addRow("Join", self.peers_edit)
+        form.addRow("Public name", self.name_edit)
+        buttons = QHBoxLayout()
+        self.join_button = QPushButton("Join the swarm")
+        self.join_button.setObjectName("primary")
+        self.join_button.setMinimumHeight(36)
+        self.join_button.clicked.connect(self.join)
+        self.leave_button = QPushButton("Leave")
+        self.leave_button.setObjectName("danger")
+        self.leave_button.setMinimumHeight(36)
+        self.leave_button.clicked.connect(self.leave)
+        buttons.addWidget(self.join_button, 2)
+        buttons.addWidget(self.leave_button, 1)
+        form.addRow(buttons)
+        self.form_error = label("", "error", wrap=True)
+        self.form_error.hide()
+        form.addRow(self.form_error)
+        for widget in (self.model_edit, self.name_edit):
+            widget.editingFinished.connect(self._read_widgets)
+        self.new_swarm_check.toggled.connect(self._read_widgets)
+        self.blocks_spin.valueChanged.connect(self._read_widgets)
+        self.peers_edit.textChanged.connect(self._read_widgets)
+        return box
+
+    def _build_status(self) -> QWidget:
+        box = QGroupBox("This node")
+        column = QVBoxLayout(box)
+        self.state_card = StatCard("state")
+        self.state_card.set_value_style("font-size: 22px; font-weight: 600;")
+        column.addWidget(self.state_card)
+        # one rich-text label (a table) rather than a grid of labels: it never gets squeezed into clipping
+        self.field_values: dict[str, tuple[str, str]] = {key: ("–", "") for key in FIELD_CAPTIONS}
+        self.node_info = QLabel()
+        self.node_info.setTextFormat(Qt.TextFormat.RichText)
+        column.addWidget(self.node_info)
+        self._render_fields()
+        self.address_label = label("", "small", wrap=True)
+        self.address_box = QPlainTextEdit()
+        self.address_box.setReadOnly(True)
+        self.address_box.setFixedHeight(46)
+        self.address_box.setPlaceholderText("The address to share appears here once the node is up.")
+        self.copy_button = QPushButton("Copy address")
+        self.copy_button.clicked.connect(self._copy_address)
+        self.error_label = label("", "error", wrap=True)
+        self.restart_button = QPushButton("Restart the node")
+        self.restart_button.clicked.connect(self.restart)
+        column.addWidget(self.address_label)
+        column.addWidget(self.address_box)
+        row = QHBoxLayout()
+        row.addWidget(self.copy_button)
+        row.addStretch(1)
+        row.addWidget(self.restart_button)
+        column.addLayout(row)
+        column.addWidget(self.error_label)
+        column.addStretch(1)
+        return box
+
+    def set_field(self, key: str, value: str, detail: str = "") -> None:
+        self.field_values[key] = (value, detail)
+        self._render_fields()
+
+    def _render_fields(self) -> None:
+        cells = []
+        for key, caption in FIELD_CAPTIONS.items():
+            value, detail = self.field_values[key]
+            cells.append(f"<td style='padding: 2px 24px 2px 0'><span style='color:{MUTED}; font-size:11px'>"
+                         f"{caption.upper()}</span><br><span style='font-size:17px; font-weight:600'>{value}</span>"
+                         f" <span style='color:{MUTED}; font-size:12px'>{detail}</span></td>")
+        self.node_info.setText(f"<table><tr>{cells[0]}{cells[1]}</tr><tr>{cells[2]}{cells[3]}</tr></table>")
+
+    def showEvent(self, event) -> None:
+        # word-wrapped labels make the boxes report a height-for-width that is too small: pin the polished height
+        for box in (self.setup_box, self.status_box):
+            box.setMinimumHeight(box.sizeHint().height())
+        super().showEvent(event)
+
+    # ---- settings --------------------------------------------------------------------------------------------------
+    def _load_settings(self) -> None:
+        s = self.settings
+        self._loading = True
+        self.model_edit.setText(s.model)
+        self.blocks_spin.setValue(s.num_blocks)
+        self.new_swarm_check.setChecked(s.new_swarm)
+        self.peers_edit.setPlainText("\n".join(s.initial_peers))
+        self.name_edit.setText(s.public_name)
+        self.peers_edit.setEnabled(not s.new_swarm)
+        self._loading = False
+
+    def _read_widgets(self, *_) -> None:
+        if self._loading:
+            return
+        s = self.settings
+        s.model = self.model_edit.text().strip()
+        s.num_blocks = self.blocks_spin.value()
+        s.new_swarm = self.new_swarm_check.isChecked()
+        s.initial_peers = [line.strip() for line in self.peers_edit.toPlainText().split() if line.strip()]
+        s.public_name = self.name_edit.text().strip()
+        self.peers_edit.setEnabled(not s.new_swarm)
+        self.settingsChanged.emit()
+
+    def _browse(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Checkpoint folder to serve")
+        if folder:
+            self.model_edit.setText(folder)
+            self._read_widgets()
+
+    def model_to_serve(self) -> str:
+        return self.settings.model or self.default_model
+
+    def set_recommendation(self, server: ServerPlan | None, note: str = "") -> None:
+        """The plan's serving recommendation for this machine (blocks and format), shown and used by Join."""
+        self.recommendation = server
+        if server is not None and server.num_blocks:
+            self.recommendation_label.setText(
+                f"The plan for this machine: {server.num_blocks} blocks in {server.weight_format}, "
+                f"about {fmt_rate(server.throughput)} requests/s advertised. {note}".strip())
+        else:
+            self.recommendation_label.setText(note or "No recommendation yet (waiting for the plan).")
+
+    # ---- actions ---------------------------------------------------------------------------------------------------
+    def launch(self) -> NodeLaunch:
+        self._read_widgets()
+        s = self.settings
+        model = self.model_to_serve()
+        if not model:
+            raise ValueError("choose a model to serve (a checkpoint folder or a hub id)")
+        if not s.new_swarm and not s.initial_peers:
+            raise ValueError("give the initial peers of the swarm to join, or tick 'Start a new private swarm'")
+        bad = [a for a in s.initial_peers if not a.startswith("/")]
+        if bad and not s.new_swarm:
+            raise ValueError(f"not a multiaddr: {bad[0]!r} (expected /ip4/…/tcp/…/p2p/…)")
+        rec = self.recommendation
+        num_blocks = s.num_blocks or (rec.num_blocks if rec is not None and rec.num_blocks else None)
+        quant, dtype = quant_and_dtype(rec.weight_format) if rec is not None else ("none", "auto")
+        return NodeLaunch(model=model, new_swarm=s.new_swarm, initial_peers=tuple(s.initial_peers),
+                          num_blocks=num_blocks, quant=quant, dtype=dtype, host=s.host, public_name=s.public_name)
+
+    def join(self) -> None:
+        try:
+            launch = self.launch()
+        except ValueError as exc:
+            self.form_error.setText(str(exc))
+            self.form_error.show()
+            return
+        self.form_error.hide()
+        self.node.start(launch)
+
+    def leave(self) -> None:
+        self.coverage.stop()
+        self.node.stop()
+
+    def restart(self) -> None:
+        self.error_label.setText("")
+        self.node.restart()
+
+    def _copy_address(self) -> None:
+        QGuiApplication.clipboard().setText(" ".join(self.node.maddrs))
+
+    # ---- node and swarm updates --------------------------------------------------------------------------------------
+    def _on_state(self, state: str) -> None:
+        busy = state in ("starting", "joining", "online", "moving", "leaving")
+        self.join_button.setEnabled(not busy)
+        self.leave_button.setEnabled(busy and state != "leaving")
+        self.restart_button.setVisible(state == "error" or (state == "stopped" and self.node.launch is not None))
+        self.state_card.set(STATE_WORDS.get(state, state), "", STATE_COLORS.get(state))
+        if state == "error":
+            self.error_label.setText(f"The node stopped: {self.node.error}")
+            self.coverage.stop()
+        elif state in ("starting", "joining"):
+            self.error_label.setText("")
+        if state == "online":
+            self._watch_coverage()
+        if state == "stopped":
+            self.coverage.stop()
+            self.state_card.detail.setText("")
+
+    def _watch_coverage(self) -> None:
+        launch = self.node.launch
+        if launch is None:
+            return
+        peers = list(launch.initial_peers) if not launch.new_swarm else self.node.maddrs
+        if peers:
+            self.coverage.watch(launch.model, peers)
+
+    def _on_status(self, event: dict) -> None:
+        node = self.node
+        if node.maddrs:
+            share = " ".join(node.maddrs)
+            self.address_label.setText("Others join this swarm with:" if node.launch and node.launch.new_swarm
+                                       else "This node's address:")
+            self.address_box.setPlainText(f"--initial-peers {share}")
+        ev = node.last_event
+        blocks = ev.get("blocks")
+        if blocks:
+            self.set_field("span", f"blocks {blocks[0]}:{blocks[1]}", f"of {ev.get('num_model_blocks', '?')}")
+        if ev.get("cache_tokens_left") is not None:
+            self.set_field("cache", f"{ev['cache_tokens_left']:,}")
+        if ev.get("requests_served") is not None:
+            self.set_field("served", f"{ev['requests_served']:,}", f"{ev.get('sessions', 0)} open sessions")
+        if ev.get("throughput") is not None:
+            self.state_card.detail.setText(f"advertises {ev['throughput']:.3g} requests/s; peer "
+                                           f"…{(node.peer_id or '')[-8:]}")
+
+    def _on_report(self, report: dict) -> None:
+        x, others, mine = coverage_arrays(report, self.node.peer_id)
+        self.coverage_data = (x, others, mine)
+        self.others_bars.setOpts(x=x, height=others, y0=np.zeros_like(others), width=0.8)
+        self.mine_bars.setOpts(x=x, height=mine, y0=others, width=0.8)
+        if len(x) <= 48:  # whole block numbers under each bar
+            step = 1 if len(x) <= 24 else 2
+            self.coverage_plot.getAxis("bottom").setTicks([[(int(i), str(int(i))) for i in x[::step]], []])
+        else:
+            self.coverage_plot.getAxis("bottom").setTicks(None)
+        self.coverage_plot.setXRange(-0.6, max(len(x), 1) - 0.4, padding=0)
+        gaps = report.get("gaps") or []
+        self.gap_marks.setData(gaps, [0.0] * len(gaps))
+        servers = report.get("servers", [])
+        online = sum(s.get("state") == "online" for s in servers)
+        self.set_field("servers", str(online), f"{len(servers)} announced")
+        bottleneck = report.get("bottleneck")
+        note = f"{report.get('num_blocks', 0)} blocks, {online} servers online"
+        if bottleneck:
+            note += f"; weakest block {bottleneck['block']} ({bottleneck['throughput']:.3g} requests/s)"
+        if gaps:
+            note += f"; no server for blocks {', '.join(map(str, gaps))}"
+        self.coverage_note.setText(note)
+
+    def _on_coverage_error(self, message: str) -> None:
+        self.coverage_note.setText(f"Reading the swarm failed: {message}")

@@ -1,0 +1,9 @@
+"""Work off the GUI thread, as QObjects with signals.
+
+- `workers`        a function on a QThread with an abort flag.
+- `child_process`  a child process that reports one JSON object per line (QProcess).
+- `hardware`, `hardware_probe`  this machine, detected in a child process; `measure` the Measure button.
+- `chat`, `chat_backends`  chat generation on a worker, locally or through a swarm.
+- `node`           the serving node as a child process; `coverage`, `swarm_watch` the swarm's coverage.
+- `system_usage`   CPU, RAM and GPU use, sampled.
+"""

@@ -1,0 +1,149 @@
+"""What the chat worker talks to: the model run locally (offloaded as the planner says) or through a swarm.
+
+Imported on the chat worker thread only (it brings torch, and for the swarm hivemind), never at app start. Both
+backends hand core.generation.generate a runner with `config`, `embedding`, `span` and `head`, and keep the
+conversation's KV cache between replies (core.generation.PromptCache): a reply prefills only the new turn.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from hivekeeper.core.runtime.chat_history import ChatHistory
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware import HardwareSpec
+
+DTYPE_OF_FORMAT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class BackendKey:
+    """Which model, where: a new key means a new backend (the old one is closed)."""
+
+    mode: str  # "local" or "swarm"
+    model: str  # checkpoint folder or hub id
+    initial_peers: tuple[str, ...] = ()
+    quant: str = "none"  # local only: the plan's weight format choice (int8/nf4 need bitsandbytes)
+
+
+@dataclass(frozen=True)
+class Request:
+    history: ChatHistory  # a copy of the conversation, ending with the user's new message
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    # which conversation: another one empties the kept KV cache (reuse stays exact without it: only the common
+    # prefix of the cached and the new prompt is reused)
+    conversation_id: str = ""
+
+
+class ChatBackend:
+    """A loaded model and its tokenizer, ready to stream replies."""
+
+    def __init__(self, key: BackendKey, hardware: HardwareSpec | None, describe: Callable[[str], None],
+                 efficiency=None):
+        import torch  # noqa: F401  (worker thread: the first chat pays for the import, not the app start)
+
+        from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
+        from hivekeeper.core.runtime.generation import conversation_cache
+        from hivekeeper.core.runtime.tokenizer import load_tokenizer
+
+        self.key = key
+        self.runner = None
+        self.prompt_cache = None
+        self.conversation_id = ""
+        self.skipped_messages = 0
+        describe("finding the checkpoint…")
+        if key.mode == "swarm":
+            if not key.initial_peers:
+                raise InputError("chat through the swarm needs initial peers (join or start a swarm on the Swarm "
+                                 "page, or give its addresses there)")
+            from hivekeeper.core.swarm.client.inference import SwarmModel
+
+            describe("connecting to the swarm…")
+            self.runner = SwarmModel(key.model, initial_peers=list(key.initial_peers))
+            self.path = self.runner.path
+            self.placement = f"blocks in the swarm; embeddings and head here ({len(key.initial_peers)} initial peers)"
+            self.context = self.runner.config.max_position_embeddings
+        else:
+            self.path = resolve_checkpoint(key.model)
+            self.runner, self.placement, self.context = _local_runner(self.path, key, hardware, describe, efficiency)
+        self.tokenizer = load_tokenizer(self.path)
+        # prompt and reply fit in `context`: for a local model, the KV cache length its plan counts
+        self.prompt_cache = conversation_cache(self.context, swarm=key.mode == "swarm")
+
+    def reply(self, request: Request, on_text: Callable[[str], None], stop: threading.Event):
+        """Stream one reply; returns core.generation's GenerationResult."""
+        from hivekeeper.core.runtime.generation import generate
+        from hivekeeper.core.runtime.sampling import SamplingParams
+
+        if request.conversation_id != self.conversation_id:
+            self.prompt_cache.reset()
+            self.conversation_id = request.conversation_id
+        context = self.context
+        room = max(1, context - min(request.max_new_tokens, context // 2))
+        # the oldest turns are left out when the conversation outgrows the context
+        prompt, self.skipped_messages = request.history.prompt_ids(self.tokenizer, max_tokens=room)
+        sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
+        # the reply ends at the context's end (as it would at the model's)
+        max_new_tokens = max(1, min(request.max_new_tokens, context - len(prompt)))
+        return generate(self.runner, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                        tokenizer=self.tokenizer, on_text=lambda row, text: on_text(text), stop=stop,
+                        prompt_cache=self.prompt_cache)
+
+    def close(self) -> None:
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()
+            self.prompt_cache = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+
+def _local_runner(path, key: BackendKey, hardware: HardwareSpec | None, describe: Callable[[str], None],
+                  efficiency=None):
+    """An OffloadedModel placed by the planner's chat policy for this machine (everything in memory without one),
+    its description, and the KV cache length its plan counts."""
+    import torch
+
+    from hivekeeper.core.runtime.checkpoint import load_config
+    from hivekeeper.core.cli.generate import set_threads
+    from hivekeeper.core.offload.engine import OffloadedModel, place_model
+    from hivekeeper.planner import policy as planner_policy
+    from hivekeeper.planner.costmodel import Placement, Policy, Workload
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    set_threads()  # the runtime's thread layout, as `hivekeeper chat` uses (this process runs no other torch work)
+    config = load_config(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    context = min(config.max_position_embeddings, 4096)
+    if device == "cpu":  # without a GPU, "cpu" is the compute device's memory (the planner's convention)
+        ram = Placement(0.0, 1.0, 0.0)
+        chosen = Policy(weight_format="fp32", weights=ram, kv_cache=ram, activations=ram)
+    else:
+        chosen = Policy(weight_format="fp16")
+    if hardware is not None:
+        describe("planning the placement…")
+        spec = load_model_spec(str(path))
+        quant = key.quant if key.quant in ("int8", "nf4") else "none"
+        plan = planner_policy.search(spec, hardware, "chat", planner_policy.Constraints(quant=quant),
+                                     Workload(prompt_len=min(512, context // 2), output_len=min(512, context // 2)),
+                                     efficiency=efficiency)
+        if plan.prediction is None:
+            raise InputError(f"{spec.name} does not fit on this machine: {plan.reason} Chat through the swarm "
+                             "instead (Chat → through the swarm).")
+        chosen = plan.prediction.policy
+    fmt = chosen.weight_format
+    quant = fmt if fmt in ("int8", "nf4") else "none"
+    if fmt in DTYPE_OF_FORMAT:
+        dtype = getattr(torch, DTYPE_OF_FORMAT[fmt])
+    else:
+        dtype = torch.float16 if device == "cuda" else torch.float32
+    if device == "cpu" and dtype == torch.float16:
+        dtype = torch.float32  # CPU kernels for fp16 are slow or missing
+    engine_plan = place_model(config, chosen, device=device, dtype=dtype, batch=1, max_length=context, quant=quant)
+    describe(f"loading the model ({engine_plan.describe()})…")
+    return OffloadedModel(path, engine_plan), engine_plan.describe(), context

@@ -1,0 +1,75 @@
+"""Child process for the app's coverage chart: join a swarm as a client and print its status every few seconds.
+
+    python -m hivekeeper.gui.services.swarm_watch --model PATH|ID --initial-peers MADDR... [--period 3]
+
+One JSON line per report (the same object as `hivekeeper swarm status --json`, plus "time"); an error is one line
+{"event": "error", "message": ...}. It exits when its stdin closes (the app quit or died) or on SIGTERM, so it
+never outlives the app, and shuts its p2pd down on the way out. hivemind stays out of the GUI process this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="swarm_watch")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--dht-prefix")
+    parser.add_argument("--period", type=float, default=3.0)
+    return parser.parse_args(argv)
+
+
+def _print(doc: dict) -> None:
+    print(json.dumps(doc), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def watch_stdin() -> None:  # EOF: the app is gone
+        while sys.stdin.readline():
+            pass
+        stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+
+    from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
+    from hivekeeper.core.cli.swarm import swarm_status
+    from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
+    from hivekeeper.core.swarm.dht import dht_prefix_for, read_blocks
+    from hivekeeper.planner.errors import InputError
+
+    try:
+        config = load_config(resolve_checkpoint(args.model, blocks=(0, 0), embeddings=False))
+        prefix = dht_prefix_for(args.model, args.dht_prefix)
+        client = SwarmClient(ClientConfig(tuple(args.initial_peers), prefix, config.num_layers))
+    except (InputError, OSError) as exc:
+        _print({"event": "error", "message": str(exc)})
+        return 2
+    try:
+        while not stop.is_set():
+            try:
+                blocks = client.run(read_blocks(client.dht, prefix, config.num_layers), timeout=30)
+                peers = sorted({p for servers in blocks for p in servers})
+                rtts = client.run(client.rtts(peers), timeout=30) if peers else {}
+                _print({"event": "report", "time": time.time(), **swarm_status(blocks, prefix, rtts)})
+            except Exception as exc:  # one failed read is reported; the next period tries again
+                _print({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+            stop.wait(args.period)
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""What the Plan page shows, computed from the planner alone (no Qt): one function per panel, each fast.
+
+    plan_for(...)      the recommendation for the knobs, or the user's placement override evaluated (~1–70 ms)
+    memory_bars(...)   per tier: weights / KV cache / activations and buffers / free, in bytes
+    batch_chart(...)   best tokens/s at each batch size, and the point of the current choice
+    budget_chart(...)  tokens/s against the accelerator memory budget, and the current budget
+    model_fit(...)     the three-state fit of a model on a machine: fits here / needs the swarm / too large
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from hivekeeper.planner import policy as planner_policy
+from hivekeeper.planner.costmodel import (Placement, Workload, block_weight_bytes, evaluate, kv_cache_bytes,
+                                          machine_view)
+from hivekeeper.planner.efficiency import MachineEfficiency
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware import HardwareSpec
+from hivekeeper.planner.models import ModelSpec
+from hivekeeper.planner.runtime import idealized_runtime
+
+from hivekeeper.gui.settings import PlanSettings, TIERS
+
+GB = 1e9
+FIT_WORDS = {"local": "fits here", "swarm": "needs the swarm", "none": "too large"}
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """One evaluation of the knobs: the planner's Plan, its JSON-style numbers, and whether it is an override."""
+
+    plan: planner_policy.Plan
+    numbers: dict  # policy.plan_to_dict of the plan (or of the override's evaluation)
+    overridden: bool
+
+
+def workload_of(settings: PlanSettings) -> Workload:
+    return Workload(settings.prompt_len, settings.output_len, settings.context_len or None)
+
+
+def constraints_of(settings: PlanSettings) -> planner_policy.Constraints:
+    return planner_policy.Constraints(
+        quant=settings.quant, batch_size=settings.batch_size or None,
+        reserve_bytes={tier: settings.reserve_gb.get(tier, 0.0) * GB for tier in TIERS})
+
+
+def _placement(percent: dict[str, float], has_gpu: bool, what: str) -> Placement:
+    values = {tier: max(0.0, float(percent.get(tier, 0.0))) for tier in TIERS}
+    if not has_gpu and values["gpu"] > 0:
+        raise InputError(f"{what}: this machine has no GPU; put the GPU share on RAM or disk")
+    total = sum(values.values())
+    if total <= 0:
+        raise InputError(f"{what}: the shares on GPU, RAM and disk add up to 0%")
+    return Placement(values["gpu"] / total, values["cpu"] / total, values["disk"] / total)
+
+
+def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
+             efficiency: MachineEfficiency | None = None) -> PlanResult:
+    """The plan for the knobs. With the placement override on, the recommended policy with the user's weight and
+    KV cache placement, evaluated by the cost model (the search's other choices kept). `efficiency`: the cost-model
+    factors for this machine (measured or calibrated), None for the defaults."""
+    workload = workload_of(settings)
+    constraints = constraints_of(settings)
+    price = settings.price_per_hour or None
+    plan = planner_policy.search(model, hardware, settings.goal, constraints, workload, efficiency=efficiency,
+                                 price_per_hour=price)
+    if not settings.override_placement or settings.goal == "serve" or plan.prediction is None:
+        return PlanResult(plan, planner_policy.plan_to_dict(plan), False)
+    has_gpu = hardware.has_gpu
+    best = plan.prediction.policy
+    weights = _placement(settings.weights_percent, has_gpu, "weights placement")
+    cache = _placement(settings.cache_percent, has_gpu, "KV cache placement")
+    policy = replace(best, weights=weights, kv_cache=cache,
+                     attention_on_cpu=best.attention_on_cpu and cache.gpu < 1.0)
+    prediction = evaluate(model, hardware, policy, workload, efficiency=efficiency,
+                          reserve_bytes=constraints.reserve_bytes)
+    machine = machine_view(hardware, constraints.reserve_bytes)
+    runtime = idealized_runtime(prediction.prefill_s, prediction.decode_step_s, workload.prompt_len,
+                                workload.output_len, policy.batch_size, machine.power_watts,
+                                price if price is not None else hardware.price_per_hour)
+    fit = "local" if prediction.fits else "none"
+    reason = prediction.bottleneck_detail + ("." if prediction.fits else
+                                             ". This placement does not fit in memory (see the bars).")
+    overridden = replace(plan, prediction=prediction, runtime=runtime, fit=fit, reason=reason, missing_bytes=None)
+    return PlanResult(overridden, planner_policy.plan_to_dict(overridden), True)
+
+
+# ---- memory per tier -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierBar:
+    tier: str  # "gpu", "cpu" (RAM) or "disk"
+    weights: float
+    kv_cache: float
+    activations: float  # activations, streaming buffers and the framework's own memory
+    free: float
+    capacity: float
+
+    @property
+    def used(self) -> float:
+        return self.weights + self.kv_cache + self.activations
+
+    @property
+    def over(self) -> bool:
+        return self.used > self.capacity + 1.0
+
+
+def memory_bars(model: ModelSpec, hardware: HardwareSpec, result: PlanResult) -> list[TierBar]:
+    """Bytes per tier split into weights, KV cache, the rest of the peak, and what stays free."""
+    plan, numbers = result.plan, result.numbers
+    server = plan.server
+    if plan.goal == "serve" and server is not None and server.num_blocks:
+        bars = []
+        for tier in TIERS:
+            capacity = float(numbers["capacity_bytes"].get(tier, 0.0) if numbers.get("capacity_bytes") else 0.0)
+            if tier != server.tier:
+                bars.append(TierBar(tier, 0.0, 0.0, 0.0, capacity, capacity))
+                continue
+            weights = float(server.num_blocks * server.block_bytes)
+            cache = float(server.num_blocks * server.cache_bytes_per_block)
+            other = float(server.workspace_bytes)
+            bars.append(TierBar(tier, weights, cache, other, max(0.0, capacity - weights - cache - other), capacity))
+        return bars
+    prediction = plan.prediction
+    if prediction is None:
+        return []
+    policy = prediction.policy
+    value_bytes = 4.0 if policy.weight_format == "fp32" else 2.0
+    blocks = model.num_layers * block_weight_bytes(model, policy.weight_format)
+    outside = model.outside_block_params() * value_bytes
+    acc_tier = "gpu" if hardware.has_gpu else "cpu"
+    tokens = plan.workload.cache_len
+    if policy.kv_recompute:
+        cache_all = policy.batch_size * tokens * model.num_layers * model.hidden_size * value_bytes
+    else:
+        cache_all = kv_cache_bytes(model, tokens, policy.batch_size, value_bytes)
+    bars = []
+    for tier in TIERS:
+        peak = float(prediction.peak_memory_bytes.get(tier, 0))
+        capacity = float(prediction.capacity_bytes.get(tier, 0))
+        weights = blocks * getattr(policy.weights, tier) + (outside if tier == acc_tier else 0.0)
+        cache = cache_all * getattr(policy.kv_cache, tier)
+        weights, cache = min(weights, peak), min(cache, max(0.0, peak - min(weights, peak)))
+        other = max(0.0, peak - weights - cache)
+        bars.append(TierBar(tier, weights, cache, other, max(0.0, capacity - peak), capacity))
+    return bars
+
+
+# ---- charts --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Curve:
+    x: np.ndarray
+    throughput: np.ndarray  # generated tokens/s over prefill + decode (NaN where nothing fits)
+    decode: np.ndarray  # decode tokens/s
+    current_x: float | None
+    current_y: float | None
+
+
+def batch_chart(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings, result: PlanResult,
+                efficiency: MachineEfficiency | None = None) -> Curve:
+    """Best predicted tokens/s at each batch size the search reaches; the current plan marked."""
+    points = planner_policy.batch_curve(model, hardware, workload_of(settings), constraints_of(settings),
+                                        efficiency=efficiency)
+    x = np.array([p.batch_size for p in points], dtype=float)
+    y = np.array([np.nan if p.throughput_tokens_per_s is None else p.throughput_tokens_per_s for p in points])
+    d = np.array([np.nan if p.decode_tokens_per_s is None else p.decode_tokens_per_s for p in points])
+    prediction = result.plan.prediction
+    if prediction is None or result.plan.goal == "serve":
+        return Curve(x, y, d, None, None)
+    return Curve(x, y, d, float(prediction.policy.batch_size), float(prediction.throughput_tokens_per_s))
+
+
+def accelerator_memory(hardware: HardwareSpec) -> tuple[str, float]:
+    """The accelerator tier ("gpu" or "cpu") and its memory in bytes, before any reserve."""
+    machine = machine_view(hardware)
+    return machine.acc_tier, float(machine.acc_capacity)
+
+
+def budget_chart(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings, result: PlanResult,
+                 efficiency: MachineEfficiency | None = None, steps: int = 8,
+                 should_stop=lambda: False) -> Curve | None:
+    """Predicted tokens/s (the goal's metric) as the accelerator memory budget grows; the current budget marked.
+    None when should_stop() says the caller no longer wants it (checked between searches)."""
+    tier, total = accelerator_memory(hardware)
+    budgets = np.linspace(total / steps, total, steps)
+    speeds, decodes = [], []
+    for budget in budgets:
+        if should_stop():
+            return None
+        reserve = {**settings.reserve_gb, tier: (total - budget) / GB}
+        knobs = replace(settings, override_placement=False, reserve_gb=reserve)
+        try:
+            plan = planner_policy.search(model, hardware, settings.goal, constraints_of(knobs), workload_of(knobs),
+                                         efficiency=efficiency)
+        except InputError:
+            plan = None
+        data = planner_policy.plan_to_dict(plan) if plan is not None else {}
+        speeds.append(data.get("throughput_tokens_per_s") or np.nan)
+        decodes.append(data.get("decode_tokens_per_s") or np.nan)
+    current = total - settings.reserve_gb.get(tier, 0.0) * GB
+    y_now = result.numbers.get("throughput_tokens_per_s")
+    return Curve(budgets / GB, np.array(speeds, dtype=float), np.array(decodes, dtype=float), current / GB,
+                 None if y_now is None else float(y_now))
+
+
+# ---- the model list ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelFit:
+    model_id: str
+    fit: str  # "local", "swarm" or "none"
+    words: str  # FIT_WORDS[fit]
+    reason: str
+
+
+def model_fit(model: ModelSpec, hardware: HardwareSpec, model_id: str | None = None,
+              efficiency: MachineEfficiency | None = None) -> ModelFit:
+    """Whether a model runs here (chat, default knobs), only with the swarm, or not at all, and why."""
+    plan = planner_policy.search(model, hardware, "chat", efficiency=efficiency)
+    return ModelFit(model_id or model.name, plan.fit, FIT_WORDS[plan.fit], plan.reason)

@@ -1,0 +1,1 @@
+"""Small widgets the pages reuse: `memory_bars` (a stacked bar per memory tier)."""

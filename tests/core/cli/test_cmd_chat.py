@@ -1,0 +1,171 @@
+"""`hivekeeper chat` driven as a real subprocess over stdin/stdout: turns with streamed replies and tokens/s,
+/reset, /exit, a saved history, and Ctrl-C (SIGINT) stopping a reply without ending the chat."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+STATS = re.compile(r"\[(\d+) tokens, ([\d.]+|n/a) tokens/s, first token [\d.]+ s(, stopped)?\]")
+
+
+class Chat:
+    """A chat subprocess; a thread collects its stdout so the test can wait for text to appear."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "hivekeeper.core.cli.main", "chat", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=ENV, bufsize=1)
+        self.output = ""
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            chunk = self.proc.stdout.read(1)
+            with self._changed:
+                if not chunk:
+                    self._changed.notify_all()
+                    return
+                self.output += chunk
+                self._changed.notify_all()
+
+    def wait_for(self, pattern: str, start: int = 0, timeout: float = 120.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                match = re.compile(pattern).search(self.output, start)
+                if match:
+                    return match
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"no {pattern!r} in chat output:\n{self.output}\n{self.stop_and_stderr()}")
+                self._changed.wait(min(remaining, 0.5))
+
+    def stop_and_stderr(self) -> str:
+        """Kill the chat (when it still runs) and return its stderr: a read of a live pipe would wait forever."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        return self.proc.stderr.read()
+
+    def send(self, line: str) -> int:
+        """Type a line; returns the output position before it (to wait for what follows)."""
+        with self._changed:
+            position = len(self.output)
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return position
+
+    def close(self, timeout: float = 60.0) -> int:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._reader.join(5)
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory):
+    """Tiny, but with room for long replies (8192 positions) and a vocabulary where EOS is rarely greedy."""
+    return make_demo_checkpoint(tmp_path_factory.mktemp("chat") / "long", max_position=8192, vocab=2048, seed=11)
+
+
+def test_a_conversation_with_reset_exit_and_a_saved_history(tiny_checkpoint, tmp_path):
+    history = tmp_path / "chat.json"
+    chat = Chat("--model", str(tiny_checkpoint), "--max-new-tokens", "8", "--system", "Be brief.",
+                "--history", str(history), "--seed", "3")
+    try:
+        chat.wait_for(r"Chatting with .*float32 blocks: 2 RAM.*/reset.*/exit")
+        chat.wait_for("RANDOM weights")
+        chat.wait_for("you> ")
+        mark = chat.send("Hello there")
+        reply = chat.wait_for(r"assistant> (.*?)\n" + STATS.pattern, mark)
+        assert int(reply.group(2)) >= 1
+        saved = json.loads(history.read_text())
+        assert saved["system_prompt"] == "Be brief."
+        assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+        assert saved["messages"][0]["content"] == "Hello there"
+        assert saved["messages"][1]["content"] == reply.group(1)  # the streamed text is the reply kept
+
+        mark = chat.send("/nonsense")
+        chat.wait_for(r"unknown command /nonsense", mark)
+        mark = chat.send("/reset")
+        chat.wait_for(r"conversation cleared", mark)
+        mark = chat.send("Second try")
+        chat.wait_for(STATS.pattern, mark)
+        assert [m["content"] for m in json.loads(history.read_text())["messages"]][0] == "Second try"
+        chat.send("/exit")
+        assert chat.close() == 0
+    finally:
+        chat.close()
+
+    # a new chat continues the saved conversation
+    again = Chat("--model", str(tiny_checkpoint), "--max-new-tokens", "4", "--history", str(history))
+    try:
+        mark = again.send("Third")
+        again.wait_for(STATS.pattern, mark)
+        assert again.close() == 0  # end of input quits
+    finally:
+        again.close()
+    messages = json.loads(history.read_text())["messages"]
+    assert [m["content"] for m in messages[::2]] == ["Second try", "Third"]
+
+
+def test_ctrl_c_stops_a_reply_but_not_the_chat(long_context_model):
+    chat = Chat("--model", str(long_context_model), "--max-new-tokens", "6000", "--temperature", "0")
+    try:
+        chat.wait_for("you> ")
+        mark = chat.send("Tell me a very long story")
+        chat.wait_for(r"assistant> .{5}", mark)  # the reply is streaming
+        chat.proc.send_signal(signal.SIGINT)
+        stopped = chat.wait_for(STATS.pattern, mark)
+        assert stopped.group(3) == ", stopped" and int(stopped.group(1)) < 6000
+        assert chat.proc.poll() is None  # still chatting
+        chat.wait_for("you> ", stopped.end())
+        chat.proc.send_signal(signal.SIGINT)  # at the prompt: a reminder, not an exit
+        chat.wait_for(r"Ctrl-D also quits", stopped.end())
+        for _ in range(3):  # however fast the presses come
+            chat.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert chat.proc.poll() is None
+        mark = chat.send("/reset")
+        chat.wait_for("conversation cleared", mark)
+        chat.send("/exit")
+        assert chat.close() == 0
+    finally:
+        chat.close()
+
+
+def test_missing_chat_template_fails_before_loading(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from hivekeeper.core.cli.main import main
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny_checkpoint, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(["chat", "--model", str(folder)]) == 2
+    out, err = capsys.readouterr()
+    assert "no chat template" in err and len(err.strip().splitlines()) == 1 and out == ""

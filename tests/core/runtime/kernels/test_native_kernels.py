@@ -1,0 +1,330 @@
+"""The native decode kernels (core/runtime/kernels/native/decode_kernels.c) against the torch code they stand in for, their build and
+their fallbacks. tests/core/runtime/test_model.py also runs them against transformers on every model family."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hivekeeper.core.runtime.kernels import cpu_decode
+
+from hivekeeper.core.runtime.kernels import native_kernels
+from hivekeeper.core.runtime.kernels.cpu_matmul import linear, store_tall_linears_by_column
+from hivekeeper.core.offload.engine import OffloadedModel, place_model
+from hivekeeper.core.runtime.generation import generate
+from hivekeeper.core.runtime.model import Head, KVCache, ModelConfig, Span
+from hivekeeper.planner.costmodel import Placement, Policy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOL = 1e-5  # relative to each value's size and absolute near zero (fp32 sums in another order)
+# Odd sizes on purpose: a hidden size that is not a multiple of the 32-float loop (72 = 2 x 32 + 8), an intermediate
+# size with a scalar tail (100 = 3 x 32 + 4), GQA, and in the second config Qwen2's biases and a sliding window
+# shorter than the sequence.
+CONFIGS = {
+    "llama-gqa": ModelConfig.from_hf_config(dict(
+        model_type="llama", vocab_size=50, hidden_size=72, intermediate_size=100, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)),
+    "qwen2-window": ModelConfig.from_hf_config(dict(
+        model_type="qwen2", vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, use_sliding_window=True,
+        sliding_window=5, max_window_layers=1)),
+}
+PROMPT, DECODE = 6, 12
+
+
+@pytest.fixture
+def native():
+    library = native_kernels.library()
+    if library is None:
+        pytest.skip(f"native kernels {native_kernels.status()}")
+    return library
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=TOL, atol=TOL)
+
+
+def random_span(config: ModelConfig) -> Span:
+    torch.manual_seed(0)
+    span = Span(config, 0, config.num_layers).eval()
+    with torch.no_grad():
+        for name, param in span.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.2)
+            else:  # ~1/sqrt(fan-in): activations stay near 1, as in a trained model
+                param.normal_(0.0, 0.1)
+    return span
+
+
+def decode(span: Span, x: torch.Tensor, path: str, monkeypatch) -> tuple[torch.Tensor, KVCache]:
+    """A prefill of PROMPT tokens, then DECODE one-token steps, through `path` (native, numpy or torch)."""
+    monkeypatch.setattr(native_kernels, "ENABLED", path == "native")
+    monkeypatch.setattr(cpu_decode, "ENABLED", path != "torch")
+    cache = KVCache.allocate(span.config, span.end - span.start, batch=x.shape[0], max_length=PROMPT + DECODE)
+    with torch.inference_mode():
+        outputs = [span(x[:, :PROMPT], cache)]
+        outputs += [span(x[:, i : i + 1], cache) for i in range(PROMPT, PROMPT + DECODE)]
+    return torch.cat(outputs, dim=1), cache
+
+
+def test_built_and_loaded_where_a_compiler_and_avx2_exist():
+    """On a machine that can build them (this project's CI machine can), a failed build is a failure, not a skip."""
+    if native_kernels._cpu_supported() is not None or native_kernels._compiler() is None:
+        pytest.skip(f"this machine cannot build them: {native_kernels.status()}")
+    assert native_kernels.library() is not None, native_kernels.status()
+    assert native_kernels.status().startswith("on (")
+
+
+@pytest.mark.parametrize("layout", ["row-major", "tall-by-column"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_span_decode_equals_the_torch_code(native, name, layout, monkeypatch):
+    """As loaded by the runtime (tall weights, here the fused gate/up, stored column-major) and as built."""
+    span = random_span(CONFIGS[name])
+    if layout == "tall-by-column":
+        store_tall_linears_by_column(span)
+        assert not span.blocks[0].mlp.gate_up_proj.weight.is_contiguous()
+    x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
+    calls = []
+    real = cpu_decode.decode_blocks
+    monkeypatch.setattr(cpu_decode, "decode_blocks", lambda *args: (lambda out: calls.append(out is not None) or out)(
+        real(*args)))
+    out, cache = decode(span, x, "native", monkeypatch)
+    assert calls == [True] * DECODE  # every decode step ran natively, all blocks in one call
+    ref_out, ref_cache = decode(span, x, "torch", monkeypatch)
+    assert_close(out, ref_out)
+    assert_close(cache.k, ref_cache.k)  # the kernels wrote K/V where the torch code does
+    assert_close(cache.v, ref_cache.v)
+
+
+def test_block_by_block_steps_equal_the_torch_code(native, monkeypatch):
+    """Block.forward alone (one call per block, as the engine's streamed blocks run) takes the native step too."""
+    span = random_span(CONFIGS["qwen2-window"])
+    x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
+    monkeypatch.setattr(cpu_decode, "decode_blocks", lambda *args: None)  # force the per-block path
+    steps = []
+    real = cpu_decode._native_step
+    monkeypatch.setattr(cpu_decode, "_native_step", lambda *args: steps.append(1) or real(*args))
+    out, _ = decode(span, x, "native", monkeypatch)
+    assert len(steps) == DECODE * span.config.num_layers
+    ref_out, _ = decode(span, x, "torch", monkeypatch)
+    assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("batch", [3, native_kernels.MAX_ROWS])
+def test_a_few_rows_decode_together_and_equal_the_torch_code(native, batch, monkeypatch):
+    """Each weight row is read once for all the batch's rows; rows keep their own caches."""
+    span = random_span(CONFIGS["qwen2-window"])
+    x = torch.randn(batch, PROMPT + DECODE, span.config.hidden_size)
+    calls = []
+    real = cpu_decode.decode_blocks
+    monkeypatch.setattr(cpu_decode, "decode_blocks", lambda *args: (lambda out: calls.append(out is not None) or out)(
+        real(*args)))
+    out, cache = decode(span, x, "native", monkeypatch)
+    assert calls == [True] * DECODE
+    ref_out, ref_cache = decode(span, x, "torch", monkeypatch)
+    assert_close(out, ref_out)
+    assert_close(cache.k, ref_cache.k)
+    assert_close(cache.v, ref_cache.v)
+
+
+def test_more_rows_than_the_kernels_take_stay_on_the_numpy_path(native, monkeypatch):
+    span = random_span(CONFIGS["llama-gqa"])
+    x = torch.randn(native_kernels.MAX_ROWS + 1, PROMPT + DECODE, span.config.hidden_size)
+    native_calls = []
+    monkeypatch.setattr(native, "hk_span_decode", lambda *args: native_calls.append(1) or -1)  # every layer step
+    out, _ = decode(span, x, "native", monkeypatch)
+    ref_out, _ = decode(span, x, "torch", monkeypatch)
+    assert native_calls == []
+    assert_close(out, ref_out)
+
+
+def test_head_step_equals_norm_then_lm_head(native):
+    config = CONFIGS["llama-gqa"]
+    torch.manual_seed(0)
+    head = Head(config)
+    with torch.no_grad():
+        head.weight.normal_()
+        head.norm.weight.normal_(1.0, 0.2)
+    hidden = torch.randn(1, 1, config.hidden_size)
+    with torch.inference_mode():
+        logits = cpu_decode.head_step(head, hidden)
+        by_column = Head(config, torch.nn.Parameter(head.weight.detach().t().contiguous().t()))
+        by_column.norm.weight.data.copy_(head.norm.weight)
+        assert_close(cpu_decode.head_step(by_column, hidden), logits)
+        expected = F.linear(F.rms_norm(hidden, (config.hidden_size,), head.norm.weight, head.norm.eps), head.weight)
+        rows = torch.randn(3, 1, config.hidden_size)
+        assert_close(cpu_decode.head_step(head, rows), F.linear(F.rms_norm(
+            rows, (config.hidden_size,), head.norm.weight, head.norm.eps), head.weight))
+        too_many = torch.randn(native_kernels.MAX_ROWS + 1, 1, config.hidden_size)
+        assert cpu_decode.head_step(head, too_many) is None  # torch and BLAS take those
+    assert logits.shape == (1, 1, config.vocab_size)
+    assert_close(logits, expected)
+
+
+@pytest.mark.parametrize("rows,cols,bias,batch,by_column", [
+    (701, 403, True, 1, False), (1024, 512, False, 1, False), (701, 403, True, 5, False),
+    (1031, 403, True, 1, True), (1031, 403, False, 5, True), (1024, 512, True, 8, True)])
+def test_few_row_linear_equals_f_linear(native, rows, cols, bias, batch, by_column):
+    """cpu_matmul.linear's product of a few rows (an LM head, any large linear at a small batch) runs on the
+    kernels' pool, for row- and column-major weights; odd sizes exercise the uneven split between threads and the
+    scalar tails (403 columns = 4 x 100 + 3, 1031 outputs = 8 x 128 + 7)."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(rows, cols), torch.randn(batch, 1, cols)
+    if by_column:
+        weight = weight.t().contiguous().t()
+    b = torch.randn(rows) if bias else None
+    with torch.inference_mode():
+        assert (linear(x, weight, b) - F.linear(x, weight, b)).abs().max().item() <= 1e-4
+
+
+def test_any_thread_count_gives_the_same_result(native, monkeypatch):
+    span = random_span(CONFIGS["llama-gqa"])
+    x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
+    results = []
+    try:
+        for threads in (1, 3, 2):
+            native.hk_set_threads(threads)
+            results.append(decode(span, x, "native", monkeypatch)[0])
+    finally:
+        native.hk_set_threads(native_kernels.default_threads())
+    assert all(torch.equal(results[0], other) for other in results[1:])  # each row is summed the same way
+
+
+def test_concurrent_callers_get_their_own_results(native, monkeypatch):
+    """Two threads decoding at once (a server's sessions) are serialized inside the kernels, not mixed. (Equal up to
+    rounding: their prefills share OpenBLAS, which splits a product differently when two threads call it.)"""
+    span = random_span(CONFIGS["qwen2-window"])
+    inputs = [torch.randn(1, PROMPT + DECODE, span.config.hidden_size) * scale for scale in (1.0, 3.0)]
+    expected = [decode(span, x, "native", monkeypatch)[0] for x in inputs]
+    results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    errors = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(5):
+                results[i].append(decode(span, inputs[i], "native", monkeypatch)[0])
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors
+    for i in range(2):
+        assert len(results[i]) == 5
+        for result in results[i]:
+            assert_close(result, expected[i])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_starts_its_own_workers(native, monkeypatch):
+    """The parent's pool threads do not exist in a forked child; its first call must start new ones, not wait for
+    them."""
+    span = random_span(CONFIGS["llama-gqa"])
+    x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
+    expected = decode(span, x, "native", monkeypatch)[0]  # the parent's workers are running now
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only for an equal result
+        try:
+            os._exit(0 if torch.equal(decode(span, x, "native", monkeypatch)[0], expected) else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_resident_engine_decodes_natively_and_generates_the_same_tokens(native, tiny_checkpoint, monkeypatch):
+    config = ModelConfig.from_folder(tiny_checkpoint)
+    plan = place_model(config, Policy("fp32", Placement(0, 1, 0), Placement(0, 1, 0), prefetch_depth=0),
+                       device="cpu", dtype=torch.float32, batch=1, max_length=40)
+    calls = []
+    real = cpu_decode.PreparedSpan.__call__
+    monkeypatch.setattr(cpu_decode.PreparedSpan, "__call__", lambda self, *args: (
+        lambda out: calls.append(out is not None) or out)(real(self, *args)))
+    prompt = [1, 20, 31, 42, 53]
+    with OffloadedModel(tiny_checkpoint, plan) as model:
+        tokens = {}
+        for path in ("native", "torch"):
+            monkeypatch.setattr(native_kernels, "ENABLED", path == "native")
+            monkeypatch.setattr(cpu_decode, "ENABLED", path != "torch")
+            tokens[path] = generate(model, prompt, max_new_tokens=24, ignore_eos=True).token_ids
+    assert calls == [True] * 23  # the native run took every decode step in one call; the other prepared none
+    assert tokens["native"] == tokens["torch"]
+
+
+def test_the_build_is_reused(native, tmp_path):
+    compiler = native_kernels._compiler()
+    first = native_kernels.build(compiler, tmp_path)
+    built_at = first.stat().st_mtime_ns
+    assert native_kernels.build(compiler, tmp_path) == first
+    assert first.stat().st_mtime_ns == built_at
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+
+
+FALLBACK_SCRIPT = textwrap.dedent("""
+    import torch
+    from hivekeeper.core.runtime.kernels import cpu_decode
+    from hivekeeper.core.runtime.kernels import native_kernels
+    from hivekeeper.core.runtime.model import KVCache, ModelConfig, Span
+
+    torch.set_num_threads(1)
+    config = ModelConfig.from_hf_config(dict(model_type="llama", vocab_size=50, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    torch.manual_seed(0)
+    span = Span(config, 0, 2).eval()
+    x = torch.randn(1, 8, 64)
+    outputs = []
+    for enabled in (True, False):
+        cpu_decode.ENABLED = enabled
+        cache = KVCache.allocate(config, 2, batch=1, max_length=8)
+        with torch.inference_mode():
+            outputs.append(torch.cat([span(x[:, i : i + 1], cache) for i in range(8)], dim=1))
+    print(native_kernels.status())
+    print("equal" if (outputs[0] - outputs[1]).abs().max().item() <= 1e-5 else "different")
+""")
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"CC": "/nonexistent/cc"}, "off: the C compiler '/nonexistent/cc' was not found"),
+    ({"CC": "false"}, "off: false could not build decode_kernels.c"),
+    ({"HIVEKEEPER_NATIVE": "0"}, "off (HIVEKEEPER_NATIVE=0)"),
+])
+def test_without_the_kernels_decoding_runs_the_numpy_path(tmp_path, env, expected):
+    """No compiler, a failing one, or switched off: one line says why, and decoding still works (in numpy)."""
+    if native_kernels._cpu_supported() is not None:
+        pytest.skip(native_kernels._cpu_supported())
+    result = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env})
+    assert result.returncode == 0, result.stderr
+    status, verdict = result.stdout.strip().splitlines()
+    assert status.startswith(expected)
+    assert verdict == "equal"
+    assert not any(tmp_path.rglob("*.so"))  # nothing half-built left behind
+
+
+def test_a_prepared_span_declines_other_caches(native):
+    """PreparedSpan's tables point into the caches it was prepared with; given others it must not run."""
+    span = random_span(CONFIGS["llama-gqa"])
+    prepared_with, other = (KVCache.allocate(span.config, 3, batch=1, max_length=8) for _ in range(2))
+    x = torch.randn(1, 1, span.config.hidden_size)
+    rope = span.rotary.get(0, 1, x.device, x.dtype)
+    other.k.zero_(), other.v.zero_()  # allocated uninitialized: NaNs there would never compare equal
+    untouched = (other.k.clone(), other.v.clone())
+    with torch.inference_mode():
+        prepared = cpu_decode.PreparedSpan.prepare(list(span.blocks), [prepared_with.block(i) for i in range(3)], x)
+        assert prepared is not None
+        assert prepared([other.block(i) for i in range(3)], x, 0, rope) is None
+        out = prepared([prepared_with.block(i) for i in range(3)], x, 0, rope)
+        reference = span(x, KVCache.allocate(span.config, 3, batch=1, max_length=8))
+    assert_close(out, reference)
+    assert torch.equal(other.k, untouched[0]) and torch.equal(other.v, untouched[1])  # nothing written there

@@ -1,0 +1,52 @@
+"""LocalSwarm's servers die with the process that started them, even when it is killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+PARENT = """
+import sys, time
+from hivekeeper.core.swarm.local import LocalSwarm
+swarm = LocalSwarm(sys.argv[1], extra_args=("--balance-period", "0"))
+swarm.__enter__()
+server = swarm.start("--num-blocks", "2", wait="online")
+print(server.popen.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` has exited (reaping it: this test process adopts orphans, see tests/conftest.py)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    except ChildProcessError:
+        pass
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_killed_parent_takes_its_servers_along(tiny_checkpoint):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_checkpoint)], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        p2pd = [p.pid for p in psutil.Process(server_pid).children(recursive=True) if p.name() == "p2pd"]
+        assert p2pd, "the server runs its p2pd daemon"
+    finally:
+        parent.send_signal(signal.SIGKILL)  # no chance to clean up: only the kernel's signal can stop the server
+        parent.wait()
+        parent.stdout.close()
+    deadline = time.monotonic() + 30
+    while not (gone(server_pid) and all(gone(pid) for pid in p2pd)):
+        assert time.monotonic() < deadline, "the server outlived its killed parent"
+        time.sleep(0.1)

@@ -1,0 +1,113 @@
+"""The Swarm page against real `hivekeeper serve` processes on 127.0.0.1 (a loopback swarm, the demo model).
+
+Join starts the node as a child process and the coverage chart shows it beside the other server; Leave stops it
+cleanly (exit 0, OFFLINE announced); a node that dies shows its error and restarts; closing the window stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from hivekeeper.core.swarm.local import LocalSwarm
+from hivekeeper.gui.services.coverage import CoverageService
+from hivekeeper.gui.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+START_S = 180_000  # ms: a node imports torch and hivemind, starts p2pd and measures its speed on a busy machine
+
+
+def _settings(model, peers=None) -> Settings:
+    settings = Settings()
+    settings.plan.model = str(model)
+    settings.plan.hardware = "cpu-generic"
+    settings.swarm.model = str(model)
+    settings.swarm.host = "127.0.0.1"
+    settings.swarm.num_blocks = 1
+    settings.swarm.new_swarm = peers is None
+    settings.swarm.initial_peers = list(peers or [])
+    return settings
+
+
+def test_join_and_leave_a_local_swarm(make_window, qtbot, demo_checkpoint, tmp_path):
+    with LocalSwarm(demo_checkpoint, log_dir=tmp_path) as swarm:
+        swarm.start("--block-indices", "0:1", "--throughput", "5")  # another server holds block 0
+        window = make_window(_settings(demo_checkpoint, swarm.initial_peers))
+        page = window.swarm_page
+        monitor = window.monitor_page
+        window.show_page("Swarm")
+
+        page.join_button.click()
+        qtbot.waitUntil(lambda: window.node.state in ("starting", "joining", "online"), timeout=5_000)
+        pid = window.node.pid
+        assert "serve" in psutil.Process(pid).cmdline()  # a child process of the app, not in the app
+        assert not page.join_button.isEnabled() and page.leave_button.isEnabled()
+        qtbot.waitUntil(lambda: window.node.state == "online", timeout=START_S)
+        assert window.node.last_event["blocks"] == [1, 2]  # it filled the block nobody served
+        assert "online" in window.node_status.text()
+        assert page.field_values["span"][0] == "blocks 1:2" and "blocks 1:2" in page.node_info.text()
+        assert window.node.maddrs and page.address_box.toPlainText().startswith("--initial-peers /ip4/127.0.0.1")
+
+        # the coverage chart: block 0 by the other server, block 1 by this node (highlighted)
+        qtbot.waitUntil(lambda: page.coverage_data is not None and page.coverage_data[2][1] > 0, timeout=START_S)
+        x, others, mine = page.coverage_data
+        assert list(x) == [0, 1] and others[0] == 5.0 and mine[0] == 0.0 and others[1] == 0.0
+        assert page.field_values["servers"][0] == "2"
+        qtbot.waitUntil(lambda: len(monitor.buffers["node_requests"]) >= 1, timeout=30_000)  # stats lines
+        peer_id = window.node.peer_id
+
+        page.leave_button.click()
+        qtbot.waitUntil(lambda: window.node.state == "stopped", timeout=60_000)
+        assert window.node.exit_code == 0  # a clean exit, not a kill
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        qtbot.waitUntil(lambda: not page.coverage.running, timeout=30_000)  # the watcher went with it
+        assert page.join_button.isEnabled()
+
+        # the swarm saw it go: its record says OFFLINE
+        watcher = CoverageService(period_s=1.0)
+        reports = []
+        watcher.reportReceived.connect(reports.append)
+        watcher.watch(str(demo_checkpoint), swarm.initial_peers)
+        try:
+            qtbot.waitUntil(lambda: any(s["peer_id"] == peer_id and s["state"] == "offline"
+                                        for r in reports for s in r["servers"]), timeout=START_S)
+        finally:
+            watcher.stop(wait=True)
+
+
+def test_a_dead_node_shows_its_error_restarts_and_closing_stops_it(make_window, qtbot, demo_checkpoint, tmp_path):
+    missing = tmp_path / "no-such-model"
+    window = make_window(_settings(missing))
+    page = window.swarm_page
+    page.join()
+    qtbot.waitUntil(lambda: window.node.state == "error", timeout=START_S)
+    assert str(missing) in window.node.error  # the CLI's one-line error, not a traceback
+    assert str(missing) in page.error_label.text() and not page.restart_button.isHidden()
+    assert "error" in window.node_status.text()
+
+    page.model_edit.setText(str(demo_checkpoint))
+    page.model_edit.editingFinished.emit()
+    page.join()
+    qtbot.waitUntil(lambda: window.node.state == "online", timeout=START_S)
+    pid = window.node.pid
+    os.killpg(pid, signal.SIGKILL)  # the node dies unexpectedly (with its p2pd)
+    qtbot.waitUntil(lambda: window.node.state == "error", timeout=30_000)
+    assert window.node.error and not page.restart_button.isHidden()
+
+    page.restart_button.click()  # the same node again
+    qtbot.waitUntil(lambda: window.node.state == "online", timeout=START_S)
+    assert window.node.pid != pid and window.node.launch.model == str(demo_checkpoint)
+    child = psutil.Process(window.node.pid)
+
+    asked = []
+    window.ask_on_close = lambda: asked.append(True) or "stop"
+    window.close()
+    assert asked == [True]  # closing with a node running asks first
+    assert window.node.state == "stopped" and not window.node.running
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    alive = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == []  # no node, no watcher, no p2pd
