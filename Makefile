@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install --quiet -e '.[gui,quant,test]'
+	$(BIN)/python -m hivekeeper.core.runtime.default_model install
 	touch $(STAMP)
 
 run: $(STAMP)
