@@ -61,7 +61,7 @@ class MainWindow(QMainWindow):
 
         folder = self.store.folder
         self.detect = DetectService(self, folder)
-        self.measure = MeasureService(self, folder)
+        self.measure = MeasureService(self)
         self.node = NodeService(self)
         self.coverage = CoverageService(self)
         self.chat = ChatService(self)

@@ -2,9 +2,10 @@
 
 It writes an 8-block demo checkpoint, starts a loopback swarm of two `hivekeeper serve` processes (blocks 0:4 and
 2:6), opens the app (offscreen, on a temporary config folder: your settings are not touched), detects and measures
-this machine, joins the swarm with the Join button (the node fills blocks 6:8), chats through the swarm so the
-node serves real requests, lets the monitor run, then saves hardware.png, plan.png, swarm.png, chat.png and
-monitor.png. Everything it started is stopped before it exits. Takes a few minutes on a small machine.
+this machine (the Measure button, with HIVEKEEPER_MEASURE_SIZES=quick unless set otherwise), joins the swarm with the
+Join button (the node fills blocks 6:8), chats through the swarm so the node serves real requests, lets the monitor
+run, then saves hardware.png, plan.png, swarm.png, chat.png and monitor.png. Everything it started is stopped before
+it exits. Takes a few minutes on a small machine.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from hivekeeper.gui.services.measure import SIZES_ENV
+
+    os.environ.setdefault(SIZES_ENV, "quick")  # the Measure button's `hivekeeper measure --quick` sizes
     with tempfile.TemporaryDirectory(prefix="hivekeeper-shots-") as tmp:
         os.environ["HIVEKEEPER_CONFIG_DIR"] = str(Path(tmp) / "config")
         return _run(Path(tmp), out, args.timeout)
@@ -43,7 +47,6 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
     from PySide6.QtWidgets import QApplication
 
     from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
-    from hivekeeper.core.machine.measure import BenchmarkSizes
     from hivekeeper.core.swarm.local import LocalSwarm
 
     from hivekeeper.gui.main_window import PAGES, MainWindow
@@ -92,10 +95,6 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
         settings.chat.temperature = 0.8
         window = MainWindow(SettingsStore(), settings, detect_on_start=False)
         window.ask_on_close = lambda: "stop"
-        window.measure.sizes = BenchmarkSizes(ram_bytes=128 << 20, matmul_k=1024, matmul_n=2048, prefill_rows=128,
-                                              matmul_seconds=0.2, disk_bytes=64 << 20, link_bytes=64 << 20,
-                                              repeats=2, dtypes=("fp32", "bf16"))
-        window.measure.disk_folder = tmp
         window.resize(1280, 800)
         window.show()
         try:
@@ -103,8 +102,12 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
             print("detecting and measuring this machine…", flush=True)
             window.hardware_page.start_detection()
             wait("hardware detection", lambda: not window.detect.running and window.hardware_page.spec is not None)
-            window.hardware_page.start_measure()
-            wait("the measurements", lambda: not window.measure.running and window.hardware_page.machine.measured_at)
+            window.hardware_page.measure_button.click()  # as a user does, with the app's quick sizes
+            hardware = window.hardware_page
+            wait("the measurements", lambda: not window.measure.running and (
+                hardware.machine.measured_at or "failed" in hardware.profile_label.text()))
+            if not hardware.machine.measured_at:
+                raise RuntimeError(f"screenshots: {hardware.profile_label.text()}")
 
             print("joining the swarm…", flush=True)
             window.show_page("Swarm")

@@ -4,18 +4,38 @@ The benchmarks and the machine profile they are saved in are core's (core/machin
 the same file `hivekeeper measure` writes and `hivekeeper plan --hardware auto` reads. torch is imported on the
 worker when the user asks, never at app start. The result is the hardware probe's answer for the new profile, so
 the Hardware and Plan pages take it the same way as a detection.
+
+The benchmarks' sizes are `hivekeeper measure`'s defaults (about a minute on a laptop); HIVEKEEPER_MEASURE_SIZES=quick
+runs its `--quick` sizes instead (seconds, rougher numbers: first looks, tests and screenshots). The disk benchmark
+runs in the data folder, where models are kept.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
+from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
 
 from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
+
+
+SIZES_ENV = "HIVEKEEPER_MEASURE_SIZES"
+SIZES_CHOICES = ("full", "quick")
+
+
+def sizes_from_environment():
+    """The BenchmarkSizes that HIVEKEEPER_MEASURE_SIZES names (unset or "full": the defaults; "quick": QUICK)."""
+    from hivekeeper.core.machine.measure import QUICK, BenchmarkSizes
+
+    choice = os.environ.get(SIZES_ENV, "").strip().lower() or "full"
+    if choice not in SIZES_CHOICES:
+        raise InputError(f"{SIZES_ENV}={os.environ[SIZES_ENV]!r}: use one of {', '.join(SIZES_CHOICES)}")
+    return QUICK if choice == "quick" else BenchmarkSizes()
 
 
 def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | None, report, should_stop) -> dict | None:
@@ -23,10 +43,11 @@ def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | No
     from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
     from hivekeeper.core.offload.engine import use_physical_cores
     from hivekeeper.core.machine.profiles import new_profile, save_profile
-    from hivekeeper.core.machine.measure import BenchmarkSizes, run_benchmarks
+    from hivekeeper.core.machine.measure import run_benchmarks
 
     from hivekeeper.gui.services.hardware_probe import machine_doc
 
+    sizes = sizes if sizes is not None else sizes_from_environment()
     threads = use_physical_cores()
     if detected is None:
         report((0.0, "detecting"))
@@ -34,7 +55,7 @@ def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | No
     folder = Path(disk_folder) if disk_folder is not None else default_data_dir()
     folder.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    measurements = run_benchmarks(sizes or BenchmarkSizes(), disk_folder=folder,
+    measurements = run_benchmarks(sizes, disk_folder=folder,
                                   progress=lambda fraction, label: report((fraction, label)), should_stop=should_stop)
     if should_stop():
         return None
@@ -52,9 +73,9 @@ class MeasureService(QObject):
     failed = Signal(str)
     runningChanged = Signal(bool)
 
-    def __init__(self, parent: QObject | None = None, sizes=None, disk_folder: Path | None = None):
+    def __init__(self, parent: QObject | None = None, *, sizes=None, disk_folder: Path | None = None):
         super().__init__(parent)
-        self.sizes = sizes  # a core.measure.BenchmarkSizes; None: its defaults (about a minute on a laptop)
+        self.sizes = sizes  # a core.machine.measure.BenchmarkSizes; None: as HIVEKEEPER_MEASURE_SIZES says
         self.disk_folder = disk_folder  # None: the data folder, where models are kept
         self._handle: WorkerThread | None = None
 

@@ -146,13 +146,12 @@ def test_model_list_shows_the_three_state_fit(make_window, qtbot, demo_checkpoin
     assert "tiny-llama" in plan.settings.model  # the bad choice did not replace the good one
 
 
-def test_hardware_page_detects_and_measures(make_window, qtbot, tmp_path, config_dir):
-    from hivekeeper.core.machine.measure import QUICK
+def test_hardware_page_detects_and_measures(make_window, qtbot, config_dir, monkeypatch):
+    from hivekeeper.gui.services.measure import SIZES_ENV
 
+    monkeypatch.setenv(SIZES_ENV, "quick")  # the app's own switch for `hivekeeper measure --quick` sizes
     window = make_window()
     page = window.hardware_page
-    window.measure.sizes = QUICK
-    window.measure.disk_folder = tmp_path
     with qtbot.waitSignal(window.detect.detected, timeout=120_000):
         page.start_detection()
     assert page.table.rowCount() >= 10 and page.machine.measured_at is None
