@@ -2,6 +2,9 @@
 
 Prints the multiaddrs to share (other nodes pass them as --initial-peers) and each status change; with
 --json-status every status change is one JSON line on stdout (for the GUI), logs go to stderr.
+
+A fixed --port that something already listens on is refused before any daemon starts: libp2p listens with
+SO_REUSEPORT, so a second p2pd would share the port with the first, and peers dialling either would reach either.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when present)")
     parser.add_argument("--public-name", help="a name shown to the swarm (e.g. a link or nickname)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for loopback only)")
-    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (0 = any free port)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (0 = any free port); a port in "
+                        "use is refused")
     parser.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
                         help="public multiaddrs to announce when behind a port forward")
     parser.add_argument("--json-status", action="store_true", help="one JSON line per status change on stdout")
@@ -69,6 +73,35 @@ def _parse_block_indices(text: str) -> tuple[int, int]:
 
 
 def _check_positive(name: str, value, allow_zero: bool = False) -> None:
+def check_listen_address(host: str, port: int) -> None:
+    """Refuse, before any daemon starts, a --host that is not an IPv4 address and a fixed --port that cannot be
+    listened on (in use, or not allowed). A plain bind tells: it fails where a listener holds the port, even one
+    that shares it with SO_REUSEPORT as p2pd's do. SO_REUSEADDR keeps a port whose old connections linger in
+    TIME_WAIT usable, as it is for the daemon."""
+    import errno
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise InputError(f"--host {host!r} is not an IPv4 address (0.0.0.0: every interface, 127.0.0.1: this "
+                         "machine only)") from None
+    if not 0 <= port <= 65535:
+        raise InputError(f"--port {port}: use 1 to 65535, or 0 for any free port")
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InputError(f"--port {port}: TCP port {port} on {host} is already in use (another server?); "
+                                 "choose another port, or --port 0 for any free one") from None
+            raise InputError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
     if value is not None and (value < 0 or (value == 0 and not allow_zero)):
         raise InputError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
@@ -135,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         _check_positive("--throughput", throughput, allow_zero=True)
     block_indices = _parse_block_indices(args.block_indices) if args.block_indices else None
 
+    check_listen_address(args.host, args.port)
     _setup_logging(args.json_status)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

@@ -1,0 +1,69 @@
+"""`hivekeeper serve` on a TCP port a running server already listens on: refused (exit 2, one line naming the port)
+before any daemon starts, and the first server keeps serving. p2pd listens with SO_REUSEPORT, so without the check
+both daemons would share the port."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hivekeeper.core.swarm.local import LocalSwarm, run_hivekeeper
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _port_of(maddr: str) -> int:
+    parts = maddr.split("/")  # /ip4/127.0.0.1/tcp/PORT/p2p/PEER
+    return int(parts[parts.index("tcp") + 1])
+
+
+def _local_greedy(checkpoint, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    from hivekeeper.core.runtime.checkpoint import load_config, load_embedding, load_head, load_span
+    from hivekeeper.core.runtime.model import KVCache
+
+    layers = load_config(checkpoint).num_layers
+    span, embedding, head = load_span(checkpoint, 0, layers), load_embedding(checkpoint), load_head(checkpoint)
+    cache = KVCache.allocate(span.config, layers, 1, prompt.shape[1] + new_tokens)
+    tokens, hidden = [], embedding(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            next_ids = head(span(hidden, cache))[:, -1].argmax(-1)
+            tokens.append(next_ids)
+            hidden = embedding(next_ids[:, None])
+    return torch.stack(tokens, dim=1)
+
+
+def test_serve_on_a_port_in_use_is_refused_and_the_first_server_keeps_serving(tiny_checkpoint, tmp_path):
+    from hivekeeper.core.swarm.client.inference import SwarmModel
+
+    with LocalSwarm(tiny_checkpoint, extra_args=("--torch-threads", "1"), log_dir=tmp_path) as swarm:
+        first = swarm.start("--block-indices", "0:2", "--throughput", "10")
+        port = _port_of(first.maddrs[0])
+        for host in ("127.0.0.1", "0.0.0.0"):  # the same address, and every interface (which includes it)
+            second = run_hivekeeper("serve", "--model", str(tiny_checkpoint), "--new-swarm", "--host", host,
+                                    "--port", str(port), "--json-status", env=ENV, timeout=120)
+            lines = [line for line in second.stderr.splitlines() if line.strip()]
+            assert second.returncode == 2, second.stderr
+            assert len(lines) == 1 and f"port {port}" in lines[0] and "in use" in lines[0], second.stderr
+            assert second.stdout == ""  # no status line: nothing was started
+        # a server asked to join the swarm on that port is refused the same way
+        joiner = run_hivekeeper("serve", "--model", str(tiny_checkpoint), "--initial-peers", *first.maddrs,
+                                "--host", "127.0.0.1", "--port", str(port), env=ENV, timeout=120)
+        assert joiner.returncode == 2 and str(port) in joiner.stderr
+
+        assert first.alive and len(swarm.servers) == 1
+        prompt = torch.tensor([[1, 17, 42, 99, 7]])
+        with SwarmModel(str(tiny_checkpoint), initial_peers=first.maddrs) as model:
+            assert torch.equal(model.generate(prompt, 6), _local_greedy(tiny_checkpoint, prompt, 6))
+
+
+def test_a_bad_host_or_port_is_one_line_before_anything_starts(tiny_checkpoint):
+    for flags, words in ((["--host", "localhost"], "--host 'localhost' is not an IPv4 address"),
+                         (["--host", "127.0.0.1", "--port", "70000"], "--port 70000: use 1 to 65535")):
+        out = run_hivekeeper("serve", "--model", str(tiny_checkpoint), "--new-swarm", *flags, env=ENV, timeout=120)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and len(lines) == 1 and words in lines[0], out.stderr
