@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .efficiency import MachineEfficiency, default_efficiency
+from .efficiency import Efficiency, MachineEfficiency, default_efficiency
 from .errors import InputError
 from .formats import WeightFormat, get_format
 from .hardware import ComputeDevice, HardwareSpec
@@ -164,6 +164,11 @@ class ModelNumbers:
     flops_per_token: float  # matmul FLOPs of one block for one token (active experts)
     workspace_values_per_token: int  # activations alive inside one block, per token
 
+    @property
+    def matrix_params(self) -> int:
+        """Matrix parameters of one block, every expert included."""
+        return self.shared_matrix_params + self.experts * self.expert_matrix_params
+
 
 def model_numbers(model: ModelSpec) -> ModelNumbers:
     h = model.hidden_size
@@ -191,8 +196,7 @@ def block_weight_bytes(model: ModelSpec, weight_format: str) -> float:
     statistics), norms and biases in 16 bits (32 for fp32)."""
     numbers = model_numbers(model)
     fmt = get_format(weight_format)
-    matrices = numbers.shared_matrix_params + numbers.experts * numbers.expert_matrix_params
-    return matrices * fmt.bytes_per_param + numbers.vector_params * _vector_bytes(fmt)
+    return numbers.matrix_params * fmt.bytes_per_param + numbers.vector_params * _vector_bytes(fmt)
 
 
 def weight_bytes(model: ModelSpec, weight_format: str) -> float:
@@ -370,8 +374,7 @@ def fixed_memory(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency
     stored = _per_format(traits, f, "stored_bytes")
     vbytes = _per_format(traits, f, "vector_bytes")
     kvb = _per_format(traits, f, "kv_bytes")
-    w_blk = (numbers.shared_matrix_params + numbers.experts * numbers.expert_matrix_params) * stored \
-        + numbers.vector_params * vbytes
+    w_blk = numbers.matrix_params * stored + numbers.vector_params * vbytes
     w_all = numbers.layers * w_blk
     outside = numbers.outside_params * vbytes
     b, n, d = c["b"], c["n"], c["d"]
@@ -453,156 +456,338 @@ def solve_weight_placement(mem: dict[str, np.ndarray], machine: Machine) -> tupl
 def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency, workload: Workload,
                     traits: list[FormatTraits], c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Times, bounds and memory of every candidate in `c` (which must include wa, wh, wd)."""
-    ea, eh = eff.accelerator, eff.host
-    f = c["fmt"]
-    stored = _per_format(traits, f, "stored_bytes")
-    gemv = _per_format(traits, f, "read_bytes_gemv")
-    gemm = _per_format(traits, f, "read_bytes_gemm")
-    vbytes = _per_format(traits, f, "vector_bytes")
-    kvb = _per_format(traits, f, "kv_bytes")
-    kv_factor = _per_format(traits, f, "kv_read_factor")
-    peak = _per_format(traits, f, "peak_flops")
-    wa, wd = c["wa"], c["wd"]
-    ca, cd = c["ca"], c["cd"]
-    ah = c["ah"]
-    b, n, d = c["b"], c["n"], c["d"]
-    rec, cattn = c["rec"] > 0, c["cattn"] > 0
-    batch = b * n
-    N = numbers.layers
-    h = numbers.hidden
+    grid = candidate_arrays(numbers, machine, eff, traits, c)
+    head = lm_head(grid)
+    block = decode_block(grid, workload.decode_context)
+    step = whole_pass(grid, block, head)
+    prefill = whole_pass(grid, prefill_block(grid, float(workload.prompt_len)), head)
+    out = speeds(grid, workload, step, prefill)
+    out.update(step_components(grid, workload.decode_context, block, head))
+    out.update(compute_bound_batch(grid))
+    return out
 
-    matrices_all = numbers.shared_matrix_params + numbers.experts * numbers.expert_matrix_params
-    w_blk = matrices_all * stored + numbers.vector_params * vbytes
-    kv_token = 2.0 * numbers.kv_dim * kvb  # one token of one block's K and V
-    per_token = np.where(rec, h * kvb, kv_token)  # what is stored per token and block
-    off = 1.0 - ca  # cache fraction off the accelerator
-    on_acc_attn = ca + off * (~cattn)  # cache fraction whose attention runs on the accelerator
-    link_bw = (machine.link_bandwidth or np.inf)
-    cpu_bw = machine.cpu.memory_bandwidth
-    cpu_peak = machine.cpu.peak_flops("fp32")
-    cpu_amp = 1.0 if cpu_native_half(machine.cpu) else HALF_COPY_TRAFFIC_ON_CPU
 
-    def touched_matrices(tokens):
-        return numbers.shared_matrix_params + _experts_touched(numbers.experts, numbers.experts_per_token, tokens) \
-            * numbers.expert_matrix_params
+@dataclass(frozen=True)
+class CandidateArrays:
+    """The candidates of one evaluation under readable names (one array element per candidate): their knobs, read
+    from the table's short keys, their format's traits, and the per-block sizes every phase uses."""
 
-    def weight_reads(rows):
-        """How many times a matmul of `rows` rows reads its weights: once for one row; CPU kernels read them
-        Efficiency.weight_reread_rows times for a few rows (1 on GPUs). Where many rows make a matmul
-        compute-bound the FLOP term takes over."""
-        return np.where(rows <= 1, 1.0, ea.weight_reread_rows)
+    numbers: ModelNumbers
+    machine: Machine
+    acc_eff: Efficiency  # the machine's efficiency on the accelerator
+    host_eff: Efficiency  # … on the host (CPU attention, disk)
+    weights_on_acc: np.ndarray  # wa: fraction of the block weights on the accelerator
+    weights_on_disk: np.ndarray  # wd
+    cache_on_acc: np.ndarray  # ca: fraction of the KV cache on the accelerator
+    cache_on_disk: np.ndarray  # cd
+    activations_on_host: np.ndarray  # ah
+    micro_batch: np.ndarray  # b: sequences computed together
+    micro_batches: np.ndarray  # n: micro-batches sharing one pass over the weights
+    prefetch: np.ndarray  # d: prefetch depth 0, 1 or 2
+    recompute: np.ndarray  # rec > 0: K, V recomputed from stored hidden states
+    cpu_attention: np.ndarray  # cattn > 0: attention over the off-accelerator cache on the CPU
+    batch: np.ndarray  # sequences in all: micro_batch × micro_batches
+    stored_bytes: np.ndarray  # FormatTraits, per candidate
+    gemv_bytes: np.ndarray
+    gemm_bytes: np.ndarray
+    vector_bytes: np.ndarray
+    kv_bytes: np.ndarray
+    kv_read_factor: np.ndarray
+    peak_flops: np.ndarray
+    block_bytes: np.ndarray  # one block's weights at rest
+    kv_token: np.ndarray  # one token of one block's K and V
+    cached_per_token: np.ndarray  # what is kept per token and block: K and V, or the block's input when recomputing
+    cache_off_acc: np.ndarray  # fraction of the cache off the accelerator
+    attention_on_acc: np.ndarray  # fraction of the cache whose attention runs on the accelerator
 
-    def combine(chain, link, disk):
-        return np.where(d == 0, chain + link + disk,
-                        np.where(d == 1, np.maximum(chain, link + disk), np.maximum(chain, np.maximum(link, disk))))
 
-    # ---- decode step at the mean context, per block -------------------------------------------------------------
-    L = workload.decode_context
-    touched = touched_matrices(b)
-    read_per_param = np.where(b <= 1, gemv, gemm) * weight_reads(b)
-    acc_bytes = n * (touched * read_per_param + numbers.vector_params * vbytes) \
-        + batch * L * per_token * on_acc_attn * kv_factor
-    acc_bytes_min = n * (touched * stored + numbers.vector_params * vbytes) + batch * L * per_token * on_acc_attn
-    attn_flops = 4.0 * numbers.q_dim * L * batch
-    acc_flops = batch * numbers.flops_per_token + attn_flops * on_acc_attn \
-        + np.where(rec, 4.0 * h * numbers.kv_dim * L * batch, 0.0)
-    acc_mem_t = acc_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction)
-    acc_cmp_t = acc_flops / (peak * ea.matmul_fraction)
-    overhead_t = n * ea.layer_overhead_s
-    cache_streamed = np.where(cattn, 0.0, batch * L * per_token * off)
-    if machine.has_host_tier:
-        new_kv = batch * kv_token * off
-        to_acc = (1.0 - wa) * w_blk + cache_streamed + ah * batch * h * kvb \
-            + np.where(cattn, batch * numbers.q_dim * kvb * off, 0.0)
-        to_host = new_kv + ah * batch * h * kvb + np.where(cattn, batch * numbers.q_dim * kvb * off, 0.0)
-        link_bytes = np.maximum(to_acc, to_host)
-        link_t = link_bytes / (link_bw * ea.link_fraction)
-        link_min = link_bytes / link_bw
-    else:
-        link_bytes = np.zeros_like(acc_bytes)
-        link_t = link_min = link_bytes
-    disk_read = wd * w_blk + cd * batch * L * per_token
-    disk_write = cd * batch * kv_token
-    disk_t = (disk_read / machine.disk_read + disk_write / machine.disk_write) / eh.disk_fraction
-    disk_min = disk_read / machine.disk_read + disk_write / machine.disk_write
-    cpu_cache_bytes = np.where(cattn, batch * L * kv_token * off, 0.0)
-    cpu_t = cpu_cache_bytes * cpu_amp / (cpu_bw * eh.bandwidth_fraction) \
-        + np.where(cattn, attn_flops * off, 0.0) / (cpu_peak * eh.matmul_fraction)
-    cpu_min = cpu_cache_bytes / cpu_bw
-    chain = acc_mem_t + acc_cmp_t + overhead_t + cpu_t
-    layer_t = combine(chain, link_t, disk_t)
-    layer_roof = np.maximum.reduce([acc_bytes_min / machine.acc_bandwidth, acc_flops / peak, link_min, disk_min,
-                                    cpu_min])
-    head_bytes = numbers.head_params * vbytes
-    head_flops = batch * 2.0 * numbers.head_params
-    # the LM head runs on the last position of each sequence, in decode and prefill alike: `batch` rows
-    head_t = head_bytes * weight_reads(batch) / (machine.acc_bandwidth * ea.bandwidth_fraction) \
-        + head_flops / (peak * ea.matmul_fraction)
-    head_roof = np.maximum(head_bytes / machine.acc_bandwidth, head_flops / peak)
-    step = N * layer_t + head_t + ea.step_overhead_s
-    step_roof = N * layer_roof + head_roof
-    step = np.maximum(step, step_roof)
+def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency, traits: list[FormatTraits],
+                     c: dict[str, np.ndarray]) -> CandidateArrays:
+    """The candidate table `c` under readable names, with each format's traits spread over its candidates."""
+    trait = lambda attribute: _per_format(traits, c["fmt"], attribute)  # noqa: E731
+    stored, vector, kv = trait("stored_bytes"), trait("vector_bytes"), trait("kv_bytes")
+    recompute, cpu_attention = c["rec"] > 0, c["cattn"] > 0
+    kv_token = 2.0 * numbers.kv_dim * kv
+    off = 1.0 - c["ca"]
+    return CandidateArrays(
+        numbers=numbers, machine=machine, acc_eff=eff.accelerator, host_eff=eff.host,
+        weights_on_acc=c["wa"], weights_on_disk=c["wd"], cache_on_acc=c["ca"], cache_on_disk=c["cd"],
+        activations_on_host=c["ah"], micro_batch=c["b"], micro_batches=c["n"], prefetch=c["d"],
+        recompute=recompute, cpu_attention=cpu_attention, batch=c["b"] * c["n"],
+        stored_bytes=stored, gemv_bytes=trait("read_bytes_gemv"), gemm_bytes=trait("read_bytes_gemm"),
+        vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"), peak_flops=trait("peak_flops"),
+        block_bytes=numbers.matrix_params * stored + numbers.vector_params * vector, kv_token=kv_token,
+        cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
+        attention_on_acc=c["ca"] + off * (~cpu_attention),
+    )
 
-    # ---- prefill of p tokens per sequence, per block ----------------------------------------------------------
-    p = float(workload.prompt_len)
-    rows = b * p
-    touched_p = touched_matrices(rows)
-    # every new K, V (or hidden state) is written to accelerator memory first, wherever it is kept
-    p_acc_bytes = n * (touched_p * np.where(rows <= 1, gemv, gemm) * weight_reads(rows)
-                       + numbers.vector_params * vbytes) + batch * p * per_token
-    p_acc_bytes_min = n * (touched_p * stored + numbers.vector_params * vbytes) + batch * p * per_token
-    p_attn_flops = 4.0 * numbers.q_dim * p * (p + 1.0) / 2.0 * batch  # causal: token i attends to i positions
-    p_flops = batch * p * numbers.flops_per_token + p_attn_flops
-    p_chain = p_acc_bytes / (machine.acc_bandwidth * ea.bandwidth_fraction) \
-        + p_flops / (peak * ea.matmul_fraction) + n * ea.prefill_layer_overhead_s
-    if machine.has_host_tier:
-        p_to_acc = (1.0 - wa) * w_blk + ah * batch * p * h * kvb
-        p_to_host = off * batch * p * per_token + ah * batch * p * h * kvb
-        p_link_bytes = np.maximum(p_to_acc, p_to_host)
-        p_link_t = p_link_bytes / (link_bw * ea.link_fraction)
-        p_link_min = p_link_bytes / link_bw
-    else:
-        p_link_t = p_link_min = np.zeros_like(p_chain)
-    p_disk_min = wd * w_blk / machine.disk_read + cd * batch * p * per_token / machine.disk_write
-    p_disk_t = p_disk_min / eh.disk_fraction
-    p_layer = combine(p_chain, p_link_t, p_disk_t)
-    p_roof_layer = np.maximum.reduce([p_acc_bytes_min / machine.acc_bandwidth, p_flops / peak, p_link_min,
-                                      p_disk_min])
-    prefill = N * p_layer + head_t + ea.step_overhead_s
-    prefill_roof = N * p_roof_layer + head_roof
-    prefill = np.maximum(prefill, prefill_roof)
 
-    runtime = prefill + (workload.output_len - 1) * step
-    out = {
-        "step_s": step, "step_roof_s": step_roof, "prefill_s": prefill, "prefill_roof_s": prefill_roof,
+@dataclass(frozen=True)
+class Resource:
+    """One resource's share of a block's pass, per candidate: the bytes it moves, the seconds at the machine's
+    efficiency, and the seconds at spec rates (the bound)."""
+
+    nbytes: np.ndarray
+    seconds: np.ndarray
+    bound_s: np.ndarray
+
+
+@dataclass(frozen=True)
+class AcceleratorWork:
+    """Work on the accelerator, per candidate: the least bytes it reads (each once) and its FLOPs; the seconds
+    reading memory and computing at the machine's efficiency, and the bound at spec rates."""
+
+    bytes_min: np.ndarray
+    flops: np.ndarray
+    memory_s: np.ndarray
+    compute_s: np.ndarray
+    bound_s: np.ndarray
+
+    @property
+    def seconds(self) -> np.ndarray:
+        return self.memory_s + self.compute_s
+
+
+@dataclass(frozen=True)
+class BlockPass:
+    """One block's share of a pass (a decode step or the prefill), per candidate: each resource; the chain
+    (accelerator memory and compute, overheads and CPU attention, one after another); the time once transfers
+    overlap it as far as the prefetch depth allows; and the bound."""
+
+    accelerator: AcceleratorWork
+    overhead_s: np.ndarray
+    cpu: Resource
+    link: Resource
+    disk: Resource
+    chain_s: np.ndarray
+    time_s: np.ndarray
+    bound_s: np.ndarray
+
+
+def touched_matrices(numbers: ModelNumbers, tokens):
+    """Matrix parameters of one block that `tokens` tokens touch: the shared ones and the experts routed to."""
+    return numbers.shared_matrix_params + _experts_touched(numbers.experts, numbers.experts_per_token, tokens) \
+        * numbers.expert_matrix_params
+
+
+def weight_reads(grid: CandidateArrays, rows):
+    """How many times a matmul of `rows` rows reads its weights: once for one row; CPU kernels read them
+    Efficiency.weight_reread_rows times for a few rows (1 on GPUs). Where many rows make a matmul
+    compute-bound the FLOP term takes over."""
+    return np.where(rows <= 1, 1.0, grid.acc_eff.weight_reread_rows)
+
+
+def accelerator_work(grid: CandidateArrays, nbytes, bytes_min, flops) -> AcceleratorWork:
+    """`nbytes` read from accelerator memory (`bytes_min` without re-reads and conversions) and `flops` computed."""
+    bandwidth, peak = grid.machine.acc_bandwidth, grid.peak_flops
+    memory_s = nbytes / (bandwidth * grid.acc_eff.bandwidth_fraction)
+    compute_s = flops / (peak * grid.acc_eff.matmul_fraction)
+    return AcceleratorWork(bytes_min, flops, memory_s, compute_s, np.maximum(bytes_min / bandwidth, flops / peak))
+
+
+def link_transfer(grid: CandidateArrays, nbytes) -> Resource:
+    """Bytes over the host link (the busier direction), on a machine with a host tier."""
+    bandwidth = grid.machine.link_bandwidth or np.inf
+    return Resource(nbytes, nbytes / (bandwidth * grid.acc_eff.link_fraction), nbytes / bandwidth)
+
+
+def idle(grid: CandidateArrays) -> Resource:
+    """A resource a pass does not use."""
+    zeros = np.zeros_like(grid.block_bytes)
+    return Resource(zeros, zeros, zeros)
+
+
+def block_pass(grid: CandidateArrays, accelerator: AcceleratorWork, overhead_s, cpu: Resource, link: Resource,
+               disk: Resource) -> BlockPass:
+    """A block's time: the chain, and the transfers overlapped with it as far as the prefetch depth allows (0: one
+    after another; 1: loading the next block while computing; 2: also disk → RAM beside the host link)."""
+    chain = accelerator.memory_s + accelerator.compute_s + overhead_s + cpu.seconds
+    depth, link_s, disk_s = grid.prefetch, link.seconds, disk.seconds
+    time = np.where(depth == 0, chain + link_s + disk_s,
+                    np.where(depth == 1, np.maximum(chain, link_s + disk_s),
+                             np.maximum(chain, np.maximum(link_s, disk_s))))
+    bound = np.maximum.reduce([accelerator.bound_s, link.bound_s, disk.bound_s, cpu.bound_s])
+    return BlockPass(accelerator, overhead_s, cpu, link, disk, chain, time, bound)
+
+
+# ---- decode: one step at the mean context, per block ------------------------------------------------------------
+def decode_block(grid: CandidateArrays, context: float) -> BlockPass:
+    """One block's share of a decode step at a context length (the mean over the decode steps)."""
+    attention_flops = 4.0 * grid.numbers.q_dim * context * grid.batch
+    return block_pass(grid, decode_accelerator(grid, context, attention_flops),
+                      grid.micro_batches * grid.acc_eff.layer_overhead_s,
+                      decode_cpu_attention(grid, context, attention_flops), decode_link(grid, context),
+                      decode_disk(grid, context))
+
+
+def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -> AcceleratorWork:
+    """The weights the micro-batches touch (re-read by small-row matmuls) and the cache whose attention runs
+    here; matmul and attention FLOPs, and the K, V projections again when recomputing them."""
+    numbers, rows = grid.numbers, grid.micro_batch
+    touched = touched_matrices(numbers, rows)
+    read_per_param = np.where(rows <= 1, grid.gemv_bytes, grid.gemm_bytes) * weight_reads(grid, rows)
+    vectors = numbers.vector_params * grid.vector_bytes
+    cache = grid.batch * context * grid.cached_per_token * grid.attention_on_acc
+    nbytes = grid.micro_batches * (touched * read_per_param + vectors) + cache * grid.kv_read_factor
+    bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + cache
+    flops = grid.batch * numbers.flops_per_token + attention_flops * grid.attention_on_acc \
+        + np.where(grid.recompute, 4.0 * numbers.hidden * numbers.kv_dim * context * grid.batch, 0.0)
+    return accelerator_work(grid, nbytes, bytes_min, flops)
+
+
+def decode_cpu_attention(grid: CandidateArrays, context: float, attention_flops) -> Resource:
+    """Attention over the off-accelerator cache on the CPU, for the candidates that ask for it (FlexGen): the cache
+    read from RAM (a CPU without half math copies it to fp32 first) and the attention FLOPs."""
+    cpu, host_eff = grid.machine.cpu, grid.host_eff
+    traffic = 1.0 if cpu_native_half(cpu) else HALF_COPY_TRAFFIC_ON_CPU
+    nbytes = np.where(grid.cpu_attention, grid.batch * context * grid.kv_token * grid.cache_off_acc, 0.0)
+    flops = np.where(grid.cpu_attention, attention_flops * grid.cache_off_acc, 0.0)
+    seconds = nbytes * traffic / (cpu.memory_bandwidth * host_eff.bandwidth_fraction) \
+        + flops / (cpu.peak_flops("fp32") * host_eff.matmul_fraction)
+    return Resource(nbytes, seconds, nbytes / cpu.memory_bandwidth)
+
+
+def cache_streamed(grid: CandidateArrays, context: float):
+    """Bytes of the off-accelerator cache streamed to the accelerator per decode step and block (none where its
+    attention runs on the CPU)."""
+    return np.where(grid.cpu_attention, 0.0, grid.batch * context * grid.cached_per_token * grid.cache_off_acc)
+
+
+def decode_link(grid: CandidateArrays, context: float) -> Resource:
+    """In: the streamed weights and cache, activations kept on the host, CPU attention's outputs; out: the new
+    K, V of the off-accelerator cache, activations, CPU attention's queries."""
+    if not grid.machine.has_host_tier:
+        return idle(grid)
+    activations = grid.activations_on_host * grid.batch * grid.numbers.hidden * grid.kv_bytes
+    attention = np.where(grid.cpu_attention, grid.batch * grid.numbers.q_dim * grid.kv_bytes * grid.cache_off_acc,
+                         0.0)
+    to_acc = (1.0 - grid.weights_on_acc) * grid.block_bytes + cache_streamed(grid, context) + activations \
+        + attention
+    to_host = grid.batch * grid.kv_token * grid.cache_off_acc + activations + attention
+    return link_transfer(grid, np.maximum(to_acc, to_host))
+
+
+def decode_disk(grid: CandidateArrays, context: float) -> Resource:
+    """Reads of the weights and cache kept on disk; writes of the new K, V."""
+    machine = grid.machine
+    read = grid.weights_on_disk * grid.block_bytes + grid.cache_on_disk * grid.batch * context * grid.cached_per_token
+    write = grid.cache_on_disk * grid.batch * grid.kv_token
+    bound = read / machine.disk_read + write / machine.disk_write
+    return Resource(read, bound / grid.host_eff.disk_fraction, bound)
+
+
+def lm_head(grid: CandidateArrays) -> AcceleratorWork:
+    """The LM head runs on the last position of each sequence, in decode and prefill alike: `batch` rows."""
+    nbytes = grid.numbers.head_params * grid.vector_bytes
+    flops = grid.batch * 2.0 * grid.numbers.head_params
+    return accelerator_work(grid, nbytes * weight_reads(grid, grid.batch), nbytes, flops)
+
+
+# ---- prefill of p tokens per sequence, per block ------------------------------------------------------------------
+def prefill_block(grid: CandidateArrays, prompt_len: float) -> BlockPass:
+    """One block's share of the prefill of `prompt_len` tokens per sequence (no CPU attention: the new cache is
+    computed on the accelerator)."""
+    return block_pass(grid, prefill_accelerator(grid, prompt_len),
+                      grid.micro_batches * grid.acc_eff.prefill_layer_overhead_s, idle(grid),
+                      prefill_link(grid, prompt_len), prefill_disk(grid, prompt_len))
+
+
+def prefill_accelerator(grid: CandidateArrays, prompt_len: float) -> AcceleratorWork:
+    """The weights the prompt's rows touch and every new K, V (or hidden state), written to accelerator memory
+    first wherever it is kept; matmul FLOPs and causal attention (token i attends to i positions)."""
+    numbers, p = grid.numbers, prompt_len
+    rows = grid.micro_batch * p
+    touched = touched_matrices(numbers, rows)
+    vectors = numbers.vector_params * grid.vector_bytes
+    new_cache = grid.batch * p * grid.cached_per_token
+    nbytes = grid.micro_batches * (touched * np.where(rows <= 1, grid.gemv_bytes, grid.gemm_bytes)
+                                   * weight_reads(grid, rows) + vectors) + new_cache
+    bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + new_cache
+    flops = grid.batch * p * numbers.flops_per_token + 4.0 * numbers.q_dim * p * (p + 1.0) / 2.0 * grid.batch
+    return accelerator_work(grid, nbytes, bytes_min, flops)
+
+
+def prefill_link(grid: CandidateArrays, prompt_len: float) -> Resource:
+    """In: the streamed weights and activations kept on the host; out: the new off-accelerator cache and
+    activations."""
+    if not grid.machine.has_host_tier:
+        return idle(grid)
+    p = prompt_len
+    activations = grid.activations_on_host * grid.batch * p * grid.numbers.hidden * grid.kv_bytes
+    to_acc = (1.0 - grid.weights_on_acc) * grid.block_bytes + activations
+    to_host = grid.cache_off_acc * grid.batch * p * grid.cached_per_token + activations
+    return link_transfer(grid, np.maximum(to_acc, to_host))
+
+
+def prefill_disk(grid: CandidateArrays, prompt_len: float) -> Resource:
+    """Reads of the weights kept on disk; writes of the new cache kept there."""
+    machine = grid.machine
+    read = grid.weights_on_disk * grid.block_bytes
+    write = grid.cache_on_disk * grid.batch * prompt_len * grid.cached_per_token
+    bound = read / machine.disk_read + write / machine.disk_write
+    return Resource(read, bound / grid.host_eff.disk_fraction, bound)
+
+
+# ---- the whole pass and what is reported --------------------------------------------------------------------------
+def whole_pass(grid: CandidateArrays, block: BlockPass, head: AcceleratorWork) -> tuple[np.ndarray, np.ndarray]:
+    """Every block, the LM head and the per-step overhead: (seconds, never under the bound; the bound)."""
+    layers = grid.numbers.layers
+    bound = layers * block.bound_s + head.bound_s
+    return np.maximum(layers * block.time_s + head.seconds + grid.acc_eff.step_overhead_s, bound), bound
+
+
+def speeds(grid: CandidateArrays, workload: Workload, step: tuple, prefill: tuple) -> dict[str, np.ndarray]:
+    """Seconds and tokens/s of a decode step, the prefill and the whole run, each beside its bound."""
+    (step_s, step_roof), (prefill_s, prefill_roof) = step, prefill
+    batch, p = grid.batch, float(workload.prompt_len)
+    runtime = prefill_s + (workload.output_len - 1) * step_s
+    return {
+        "step_s": step_s, "step_roof_s": step_roof, "prefill_s": prefill_s, "prefill_roof_s": prefill_roof,
         "runtime_s": runtime,
-        "decode_tps": np.minimum(batch / step, batch / step_roof),
+        "decode_tps": np.minimum(batch / step_s, batch / step_roof),
         "roof_decode_tps": batch / step_roof,
-        "prefill_tps": np.minimum(batch * p / prefill, batch * p / prefill_roof),
+        "prefill_tps": np.minimum(batch * p / prefill_s, batch * p / prefill_roof),
         "roof_prefill_tps": batch * p / prefill_roof,
         "throughput_tps": batch * workload.output_len / runtime,
-        # components of one decode step (seconds), for the bottleneck
-        "accelerator compute": N * acc_cmp_t + head_flops / (peak * ea.matmul_fraction),
-        "accelerator memory": N * acc_mem_t
-        + head_bytes * weight_reads(batch) / (machine.acc_bandwidth * ea.bandwidth_fraction),
-        "weight_reads": weight_reads(b),  # reads of each weight per decode step and micro-batch
-        "host link": N * link_t, "disk": N * disk_t, "cpu attention": N * cpu_t,
-        "overhead": N * overhead_t + ea.step_overhead_s,
-        "chain_s": N * chain,
-        "link_bytes_step": N * link_bytes, "disk_bytes_step": N * disk_read, "acc_bytes_step": N * acc_bytes_min,
-        "cpu_cache_bytes_step": N * cpu_cache_bytes, "acc_flops_step": N * acc_flops,
-        "streamed_weight_bytes_step": N * (1.0 - wa) * w_blk, "cache_streamed_step": N * cache_streamed,
     }
-    # the batch at which streaming the off-accelerator weights takes no longer than computing on them
-    effective_flops = peak * ea.matmul_fraction
-    stream_link = np.where(machine.has_host_tier, (1.0 - wa) * w_blk / (link_bw * ea.link_fraction), 0.0)
-    stream_disk = wd * w_blk / (machine.disk_read * eh.disk_fraction)
-    stream = np.where(d >= 2, np.maximum(stream_link, stream_disk), stream_link + stream_disk)
-    resident = matrices_all * stored / (machine.acc_bandwidth * ea.bandwidth_fraction)
+
+
+def step_components(grid: CandidateArrays, context: float, block: BlockPass,
+                    head: AcceleratorWork) -> dict[str, np.ndarray]:
+    """One decode step by resource (seconds, for the bottleneck), and the bytes and FLOPs behind them."""
+    layers, acc = grid.numbers.layers, block.accelerator
+    return {
+        "accelerator compute": layers * acc.compute_s + head.compute_s,
+        "accelerator memory": layers * acc.memory_s + head.memory_s,
+        "weight_reads": weight_reads(grid, grid.micro_batch),  # reads of each weight per decode step and micro-batch
+        "host link": layers * block.link.seconds, "disk": layers * block.disk.seconds,
+        "cpu attention": layers * block.cpu.seconds,
+        "overhead": layers * block.overhead_s + grid.acc_eff.step_overhead_s,
+        "chain_s": layers * block.chain_s,
+        "link_bytes_step": layers * block.link.nbytes, "disk_bytes_step": layers * block.disk.nbytes,
+        "acc_bytes_step": layers * acc.bytes_min, "cpu_cache_bytes_step": layers * block.cpu.nbytes,
+        "acc_flops_step": layers * acc.flops,
+        "streamed_weight_bytes_step": layers * (1.0 - grid.weights_on_acc) * grid.block_bytes,
+        "cache_streamed_step": layers * cache_streamed(grid, context),
+    }
+
+
+def compute_bound_batch(grid: CandidateArrays) -> dict[str, np.ndarray]:
+    """The batch at which streaming the off-accelerator weights takes no longer than computing on them, and what
+    sets that streaming time (0: accelerator memory, all weights resident; 1: the host link; 2: the disk)."""
+    machine, acc_eff = grid.machine, grid.acc_eff
+    link_bw = machine.link_bandwidth or np.inf
+    stream_link = np.where(machine.has_host_tier,
+                           (1.0 - grid.weights_on_acc) * grid.block_bytes / (link_bw * acc_eff.link_fraction), 0.0)
+    stream_disk = grid.weights_on_disk * grid.block_bytes / (machine.disk_read * grid.host_eff.disk_fraction)
+    stream = np.where(grid.prefetch >= 2, np.maximum(stream_link, stream_disk), stream_link + stream_disk)
+    resident = grid.numbers.matrix_params * grid.stored_bytes / (machine.acc_bandwidth * acc_eff.bandwidth_fraction)
     basis_time = np.where(stream > 0, stream, resident)
-    out["min_compute_bound_batch"] = np.ceil(basis_time * effective_flops / numbers.flops_per_token - 1e-9)
-    out["min_compute_bound_basis"] = np.where(stream > 0, np.where(stream_disk > stream_link, 2, 1), 0)
-    return out
+    effective_flops = grid.peak_flops * acc_eff.matmul_fraction
+    return {
+        "min_compute_bound_batch": np.ceil(basis_time * effective_flops / grid.numbers.flops_per_token - 1e-9),
+        "min_compute_bound_basis": np.where(stream > 0, np.where(stream_disk > stream_link, 2, 1), 0),
+    }
 
 
 # ---- one policy ---------------------------------------------------------------------------------------------------
