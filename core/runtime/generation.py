@@ -223,6 +223,24 @@ def generate(model, prompt_ids: Sequence[int] | Sequence[Sequence[int]], *, max_
     prompt_cache (batch 1): reuse and keep the runner's cache across calls (see PromptCache). A call that does not
     fit in it runs as without one and leaves it empty; an error mid-generation empties it too."""
     started = time.perf_counter()
+    ids, max_length = _checked_prompt(model, prompt_ids, batch, max_new_tokens, prompt_cache)
+    eos, strings = _stop_rules(model.config, tokenizer, eos_ids, stop_strings, ignore_eos)
+    rows = _Rows.open(ids.shape[0], tokenizer, eos, strings, on_text)
+    ids = ids.to(model.embedding.weight.device)
+    steps = _Steps.open(sampling, ids, max_length, stop)
+    with _cache_in_use(model.span, prompt_cache, ids, max_length) as use:
+        _decode(model, _prefill(model, ids, use, prefill_chunk), steps, rows, use)
+    rows.close()
+    return GenerationResult(
+        texts=rows.texts, token_ids=rows.generated, finish_reasons=list(rows.reasons), prompt_tokens=steps.prompt_len,
+        steps=steps.count, time_to_first_token_s=steps.first_at - started, decode_s=steps.last_at - steps.first_at,
+        total_s=time.perf_counter() - started, cached_prompt_tokens=use.reused,
+    )
+
+
+def _checked_prompt(model, prompt_ids, batch: int, max_new_tokens: int,
+                    prompt_cache: PromptCache | None) -> tuple[torch.Tensor, int]:
+    """The prompt as a [batch, tokens] tensor, and the length the generation may reach (the context caps it)."""
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     ids = _prompt_tensor(prompt_ids, batch)
@@ -231,95 +249,177 @@ def generate(model, prompt_ids: Sequence[int] | Sequence[Sequence[int]], *, max_
         raise InputError(f"a prompt cache holds one sequence; this generation has a batch of {batch}")
     config = model.config
     check_prompt_fits(prompt_len, config)
-    max_length = min(prompt_len + max_new_tokens, context_limit(config))
-    max_new_tokens = max_length - prompt_len
+    return ids, min(prompt_len + max_new_tokens, context_limit(config))
 
+
+def _stop_rules(config, tokenizer, eos_ids, stop_strings, ignore_eos: bool) -> tuple[tuple, tuple]:
+    """(EOS ids, stop strings) a sequence stops at: by default the tokenizer's and the config's EOS ids, and the
+    tokenizer's stop strings; no EOS with ignore_eos, no stop strings without a tokenizer."""
     if eos_ids is None:
         eos_ids = tuple(getattr(tokenizer, "eos_token_ids", ())) + tuple(config.eos_token_ids)
     if stop_strings is None:
         stop_strings = tuple(getattr(tokenizer, "stop_strings", ()))
-    checkers = [StopChecker(() if ignore_eos else eos_ids, stop_strings if tokenizer is not None else ())
-                for _ in range(batch)]
-    decoders = [tokenizer.stream_decoder() for _ in range(batch)] if tokenizer is not None else None
-    sampler = Sampler(sampling or SamplingParams(temperature=0.0))
-    needs_history = sampler.params.repetition_penalty != 1.0
-    device = model.embedding.weight.device
-    history = torch.empty(batch, max_length, dtype=torch.long, device=device) if needs_history else None
-    ids = ids.to(device)
-    if history is not None:
-        history[:, :prompt_len] = ids
+    return (() if ignore_eos else eos_ids), (stop_strings if tokenizer is not None else ())
 
-    texts = [""] * batch
-    generated: list[list[int]] = [[] for _ in range(batch)]
-    reasons: list[str | None] = [None] * batch
-    first_token_at = last_token_at = None
-    steps = 0
-    cache, reused = None, 0
-    if prompt_cache is not None:
-        cache, reused = prompt_cache._attach(model.span, ids[0].tolist(), max_length)
-    keep = cache is not None  # the prompt cache's: not closed here
-    if cache is None:
-        cache = model.span.allocate_cache(batch, max_length)
-    fed: list[int] = []  # sampled tokens run through the model (batch 1: what the prompt cache then holds)
+
+@dataclass
+class _Rows:
+    """The sequences of one generation: the tokens of each, the text shown and why it finished, with its stop
+    checker and (with a tokenizer) its text decoder."""
+
+    checkers: list[StopChecker]
+    decoders: list | None
+    on_text: TextCallback | None
+    texts: list[str]
+    generated: list[list[int]]
+    reasons: list[str | None]
+
+    @classmethod
+    def open(cls, batch: int, tokenizer, eos_ids, stop_strings, on_text: TextCallback | None) -> _Rows:
+        checkers = [StopChecker(eos_ids, stop_strings) for _ in range(batch)]
+        decoders = [tokenizer.stream_decoder() for _ in range(batch)] if tokenizer is not None else None
+        return cls(checkers, decoders, on_text, [""] * batch, [[] for _ in range(batch)], [None] * batch)
+
+    @property
+    def finished(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    def push(self, tokens: list[int]) -> None:
+        """One sampled token per sequence; a sequence that finished ignores the rest."""
+        for row, token in enumerate(tokens):
+            if self.reasons[row] is None:
+                self._push(row, token)
+
+    def _push(self, row: int, token: int) -> None:
+        self.generated[row].append(token)
+        piece = self.decoders[row].feed(token) if self.decoders is not None else ""
+        self._show(row, self.checkers[row].push(token, piece))
+        if self.checkers[row].stopped:
+            self.reasons[row] = self.checkers[row].reason
+
+    def _show(self, row: int, text: str) -> None:
+        if text:
+            self.texts[row] += text
+            if self.on_text is not None:
+                self.on_text(row, text)
+
+    def stop(self) -> None:
+        self.reasons = [r or "stopped" for r in self.reasons]
+
+    def close(self) -> None:
+        """Text held back (an unfinished character, a partial stop string) is released; the rest ran to length."""
+        for row in range(len(self.reasons)):
+            if self.reasons[row] in (None, "stopped") and self.decoders is not None:
+                checker = self.checkers[row]
+                self._show(row, checker.push(-1, self.decoders[row].flush()) + checker.finish())
+            self.reasons[row] = self.reasons[row] or "length"
+
+
+@dataclass
+class _Steps:
+    """The decode steps: one sampled token per sequence each (with the history a repetition penalty reads), timed,
+    up to max_new_tokens or until the stop flag is set."""
+
+    sampler: Sampler
+    history: torch.Tensor | None  # [batch, max_length]: prompt and sampled tokens, for a repetition penalty
+    prompt_len: int
+    max_new_tokens: int
+    stop: threading.Event | None
+    count: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+
+    @classmethod
+    def open(cls, sampling: SamplingParams | None, ids: torch.Tensor, max_length: int,
+             stop: threading.Event | None) -> _Steps:
+        sampler = Sampler(sampling or SamplingParams(temperature=0.0))
+        batch, prompt_len = ids.shape
+        history = None
+        if sampler.params.repetition_penalty != 1.0:
+            history = torch.empty(batch, max_length, dtype=torch.long, device=ids.device)
+            history[:, :prompt_len] = ids
+        return cls(sampler, history, prompt_len, max_length - prompt_len, stop)
+
+    @property
+    def at_limit(self) -> bool:
+        return self.count >= self.max_new_tokens
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of every sequence: [batch]."""
+        previous = self.history[:, : self.prompt_len + self.count] if self.history is not None else None
+        next_ids = self.sampler(logits, previous)
+        self.count += 1
+        self.last_at = time.perf_counter()
+        if self.first_at is None:
+            self.first_at = self.last_at
+        if self.history is not None:
+            self.history[:, self.prompt_len + self.count - 1] = next_ids
+        return next_ids
+
+
+@dataclass
+class _CacheUse:
+    """The cache one generation runs on."""
+
+    cache: object
+    reused: int  # prompt tokens whose K/V it held already
+    kept: bool  # the prompt cache's: not closed here
+    fed: list[int] = field(default_factory=list)  # sampled tokens run through the model (batch 1: kept with it)
+
+
+@contextlib.contextmanager
+def _cache_in_use(span, prompt_cache: PromptCache | None, ids: torch.Tensor, max_length: int):
+    """The prompt cache's (rewound to what it shares with the prompt, and recording what it holds after), or one
+    for this call (closed after it). An error empties the prompt cache; a call that does not fit in it, too."""
+    use = _open_cache(span, prompt_cache, ids, max_length)
     try:
-        hidden = None
-        for start in range(reused, prompt_len, prefill_chunk):
-            hidden = model.span(model.embedding(ids[:, start : start + prefill_chunk]), cache)
-        logits = model.head(hidden[:, -1:])[:, -1]
-        while True:
-            previous = history[:, : prompt_len + steps] if history is not None else None
-            next_ids = sampler(logits, previous)  # [batch]
-            steps += 1
-            last_token_at = time.perf_counter()
-            if first_token_at is None:
-                first_token_at = last_token_at
-            if history is not None:
-                history[:, prompt_len + steps - 1] = next_ids
-            for row, token in enumerate(next_ids.tolist()):
-                if reasons[row] is not None:
-                    continue
-                generated[row].append(token)
-                piece = decoders[row].feed(token) if decoders is not None else ""
-                shown = checkers[row].push(token, piece)
-                if shown:
-                    texts[row] += shown
-                    if on_text is not None:
-                        on_text(row, shown)
-                if checkers[row].stopped:
-                    reasons[row] = checkers[row].reason
-            if all(r is not None for r in reasons) or steps >= max_new_tokens:
-                break
-            if stop is not None and stop.is_set():
-                reasons = [r or "stopped" for r in reasons]
-                break
-            hidden = model.span(model.embedding(next_ids[:, None]), cache)
-            fed.append(int(next_ids[0]))
-            logits = model.head(hidden)[:, -1]
+        yield use
     except BaseException:
-        if keep:
+        if use.kept:
             with contextlib.suppress(Exception):  # the error that matters is the one being raised
                 prompt_cache.reset()  # what it holds is unknown now
         raise
     finally:
-        close = getattr(cache, "close", None)
-        if not keep and close is not None:
+        close = getattr(use.cache, "close", None)
+        if not use.kept and close is not None:
             close()
-    if keep:
-        prompt_cache._record(ids[0].tolist() + fed)
+    if use.kept:
+        prompt_cache._record(ids[0].tolist() + use.fed)
     elif prompt_cache is not None:
         prompt_cache.reset()  # it did not fit: start over next time
 
-    for row in range(batch):  # text held back (an unfinished character, a partial stop string) is released
-        if reasons[row] in (None, "stopped") and decoders is not None:
-            tail = checkers[row].push(-1, decoders[row].flush()) + checkers[row].finish()
-            if tail:
-                texts[row] += tail
-                if on_text is not None:
-                    on_text(row, tail)
-        reasons[row] = reasons[row] or "length"
-    finished = time.perf_counter()
-    return GenerationResult(
-        texts=texts, token_ids=generated, finish_reasons=list(reasons), prompt_tokens=prompt_len, steps=steps,
-        time_to_first_token_s=first_token_at - started, decode_s=last_token_at - first_token_at,
-        total_s=finished - started, cached_prompt_tokens=reused,
-    )
+
+def _open_cache(span, prompt_cache: PromptCache | None, ids: torch.Tensor, max_length: int) -> _CacheUse:
+    if prompt_cache is not None:
+        cache, reused = prompt_cache._attach(span, ids[0].tolist(), max_length)
+        if cache is not None:
+            return _CacheUse(cache, reused, kept=True)
+    return _CacheUse(span.allocate_cache(ids.shape[0], max_length), 0, kept=False)
+
+
+def _prefill(model, ids: torch.Tensor, use: _CacheUse, chunk: int) -> torch.Tensor:
+    """Run the prompt after what the cache holds, in chunks of `chunk` tokens: the logits at its last position."""
+    hidden = None
+    for start in range(use.reused, ids.shape[1], chunk):
+        hidden = model.span(model.embedding(ids[:, start : start + chunk]), use.cache)
+    return model.head(hidden[:, -1:])[:, -1]
+
+
+def _decode(model, logits: torch.Tensor, steps: _Steps, rows: _Rows, use: _CacheUse) -> None:
+    """Sample a token per sequence and run it through the model, until every sequence finished, max_new_tokens
+    or the stop flag (checked between steps)."""
+    while True:
+        next_ids = steps.sample(logits)
+        rows.push(next_ids.tolist())
+        if rows.finished or steps.at_limit:
+            return
+        if steps.stopped:
+            rows.stop()
+            return
+        hidden = model.span(model.embedding(next_ids[:, None]), use.cache)
+        use.fed.append(int(next_ids[0]))
+        logits = model.head(hidden)[:, -1]
