@@ -1,4 +1,9 @@
-"""`hivekeeper swarm status`: who serves which blocks of a model, how fast, and where the bottleneck is."""
+"""`hivekeeper swarm status`: who serves which blocks of a model, how fast, and where the bottleneck is.
+
+Every server the DHT lists as live is pinged first (rpc_info, a 2 s timeout): one that does not answer is shown as
+"unreachable" and covers no block, so a server killed a moment ago shows as gone now, not when its record expires
+minutes later. The app's coverage chart is this same report (gui/services/swarm_watch.py).
+"""
 
 from __future__ import annotations
 
@@ -17,26 +22,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def swarm_status(blocks: list[dict], dht_prefix: str, rtts: dict[str, float] | None = None) -> dict:
-    """The status report from per-block DHT records ({peer: ServerInfo} per block)."""
-    from hivekeeper.core.swarm.dht import ServerState, block_throughputs, spans_of
+def swarm_status(blocks: list[dict], dht_prefix: str, rtts: dict[str, float | None] | None = None) -> dict:
+    """The status report from per-block DHT records ({peer: ServerInfo} per block) and a probe of the servers
+    (rtts: {peer: round-trip seconds, or None when it did not answer}; a peer left out was not probed). A server
+    that did not answer is "unreachable": it counts for no block's throughput, servers or gaps."""
+    from hivekeeper.core.swarm.dht import ServerState, block_throughputs, spans_of, without_peers
 
     rtts = rtts or {}
-    throughputs = block_throughputs(blocks)
+    live = (ServerState.JOINING, ServerState.ONLINE)
+    silent = {peer for peer, rtt in rtts.items() if rtt is None}
+    answering = without_peers(blocks, silent)
+    throughputs = block_throughputs(answering)
     all_states = (ServerState.OFFLINE, ServerState.JOINING, ServerState.ONLINE)
     spans = spans_of(blocks, states=all_states)
-    live = (ServerState.JOINING, ServerState.ONLINE)
     per_block = [{
         "index": i,
         "throughput": throughputs[i],
-        "servers": sorted(p for p, info in servers.items() if info.state in live),
+        "servers": sorted(p for p, info in answering[i].items() if info.state in live),
+        "unreachable": sorted(p for p, info in servers.items() if info.state in live and p in silent),
     } for i, servers in enumerate(blocks)]
     bottleneck = min(range(len(blocks)), key=lambda i: throughputs[i]) if blocks else None
     servers = []
     for peer_id, span in sorted(spans.items(), key=lambda item: (item[1].start, item[0])):
         info = span.info
+        declared = info.state.name.lower()
         servers.append({
-            "peer_id": peer_id, "state": info.state.name.lower(), "public_name": info.public_name,
+            "peer_id": peer_id, "state": "unreachable" if peer_id in silent and info.state in live else declared,
+            "declared_state": declared, "public_name": info.public_name,
             "start": span.start, "end": span.end, "throughput": info.throughput,
             "inference_rps": info.inference_rps, "forward_rps": info.forward_rps, "network_rps": info.network_rps,
             "cache_tokens_left": info.cache_tokens_left, "torch_dtype": info.torch_dtype,
@@ -60,22 +72,25 @@ def _fmt(value, digits: int = 1) -> str:
 
 def print_tables(report: dict) -> None:
     online = sum(s["state"] == "online" for s in report["servers"])
+    unreachable = sum(s["state"] == "unreachable" for s in report["servers"])
     print(f"swarm of {report['dht_prefix']}: {report['num_blocks']} blocks, {len(report['servers'])} servers "
-          f"({online} online)")
+          f"({online} online{f', {unreachable} unreachable' if unreachable else ''})")
     print(f"{'block':>5}  {'throughput':>10}  servers")
     for block in report["blocks"]:
         names = ", ".join(p[-8:] for p in block["servers"]) or "NONE (gap)"
+        if block.get("unreachable"):
+            names += f"  (listed but unreachable: {', '.join(p[-8:] for p in block['unreachable'])})"
         print(f"{block['index']:>5}  {block['throughput']:>10.1f}  {names}")
     if report["bottleneck"]:
         print(f"bottleneck: block {report['bottleneck']['block']} ({report['bottleneck']['throughput']:.1f} rps)")
     if report["gaps"]:
         print(f"gaps: blocks {', '.join(map(str, report['gaps']))} have no server")
     print()
-    print(f"{'peer':<10} {'state':<8} {'blocks':<9} {'rps':>9} {'infer/s':>9} {'cache left':>10} {'rtt ms':>7}  name")
+    print(f"{'peer':<10} {'state':<11} {'blocks':<9} {'rps':>9} {'infer/s':>9} {'cache left':>10} {'rtt ms':>7}  name")
     for s in report["servers"]:
         rtt = "-" if s["rtt"] is None else f"{s['rtt'] * 1e3:.1f}"
         span = f"{s['start']}:{s['end']}"
-        print(f"{s['peer_id'][-8:]:<10} {s['state']:<8} {span:<9} "
+        print(f"{s['peer_id'][-8:]:<10} {s['state']:<11} {span:<9} "
               f"{_fmt(s['throughput']):>9} {_fmt(s['inference_rps']):>9} {_fmt(s['cache_tokens_left']):>10} "
               f"{rtt:>7}  {s['public_name'] or ''}")
 
@@ -85,14 +100,14 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("usage: hivekeeper swarm status --model ID|PATH --initial-peers MADDR ... [--json]")
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
-    from hivekeeper.core.swarm.dht import dht_prefix_for, read_blocks
+    from hivekeeper.core.swarm.dht import dht_prefix_for, live_peers, read_blocks
 
     config = load_config(resolve_checkpoint(args.model, blocks=(0, 0), embeddings=False))
     prefix = dht_prefix_for(args.model, args.dht_prefix)
     client = SwarmClient(ClientConfig(tuple(args.initial_peers), prefix, config.num_layers))
     try:
         blocks = client.run(read_blocks(client.dht, prefix, config.num_layers))
-        peers = sorted({p for servers in blocks for p in servers})
+        peers = live_peers(blocks)  # those that left (OFFLINE) are not asked
         rtts = client.run(client.rtts(peers)) if peers else {}
     finally:
         client.close()

@@ -3,24 +3,34 @@
 Each block has a key `"{dht_prefix}.{index}"`; every server serving it stores, under subkey = its peer id (base58),
 the value `(state, throughput, extra)` with an expiration time, and re-declares it periodically (the Petals
 schema; see docs/swarm.md). Readers ignore fields they do not know and entries they cannot parse.
+
+A record outlives a server that dies without saying goodbye (kill -9, a crash, a pulled cable) until it expires,
+two update periods later: minutes. So whoever acts on the records (a server choosing its blocks, `swarm status`,
+the app's coverage chart, a client routing) first asks the servers listed as live whether they answer (`probe`:
+an rpc_info round trip with a short timeout) and counts only those that do (`without_peers`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import re
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from hivekeeper.core.swarm.protocol import block_uid
+from hivekeeper.core.swarm.protocol import block_uid, handler_name, unpack_metadata
 from hivekeeper.planner.errors import InputError
 
 MODELS_REGISTRY_KEY = "_petals.models"  # public swarms list their models here (subkey = dht_prefix)
+PROBE_TIMEOUT_S = 2.0  # a live server answers rpc_info in milliseconds; one that has not after this is gone
 
 
 class ServerState(enum.IntEnum):
@@ -203,3 +213,36 @@ def block_throughputs(blocks: list[dict[str, ServerInfo]]) -> list[float]:
     """Per-block swarm throughput: the sum over JOINING and ONLINE servers covering the block."""
     live = (ServerState.JOINING, ServerState.ONLINE)
     return [sum(info.throughput for info in servers.values() if info.state in live) for servers in blocks]
+
+
+def live_peers(blocks: list[dict[str, ServerInfo]]) -> list[str]:
+    """Peers that declare some block JOINING or ONLINE (sorted)."""
+    live = (ServerState.JOINING, ServerState.ONLINE)
+    return sorted({peer for servers in blocks for peer, info in servers.items() if info.state in live})
+
+
+def without_peers(blocks: list[dict[str, ServerInfo]], peers) -> list[dict[str, ServerInfo]]:
+    """The records with those peers' entries left out (e.g. the servers that did not answer a probe)."""
+    gone = set(peers)
+    return [{peer: info for peer, info in servers.items() if peer not in gone} for servers in blocks]
+
+
+async def ping(p2p: P2P, peer_id: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[float, dict]:
+    """(round-trip seconds, the server's rpc_info answer) of one server; raises if it does not answer in time."""
+    started = time.perf_counter()
+    response = await asyncio.wait_for(p2p.call_protobuf_handler(
+        PeerID.from_base58(peer_id), handler_name("rpc_info"), runtime_pb2.ExpertUID(), runtime_pb2.ExpertInfo),
+        timeout)
+    return time.perf_counter() - started, unpack_metadata(response.serialized_info)
+
+
+async def probe(p2p: P2P, peers, timeout: float = PROBE_TIMEOUT_S) -> dict[str, float | None]:
+    """Ping these servers all at once: {peer: round-trip seconds, or None for one that did not answer in time}."""
+    async def one(peer: str) -> float | None:
+        try:
+            return (await ping(p2p, peer, timeout))[0]
+        except Exception:  # no route to it, a closed connection, a timeout: it does not answer
+            return None
+
+    peers = list(peers)
+    return dict(zip(peers, await asyncio.gather(*(one(peer) for peer in peers))))

@@ -29,6 +29,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from hivekeeper.core.swarm.dht import RemoteSpanInfo, ServerState, check_initial_peers, read_blocks, spans_of
+from hivekeeper.core.swarm.dht import ping as ping_server
 from hivekeeper.core.swarm.protocol import (
     DTYPES,
     STREAM_SWITCH_BYTES,
@@ -41,7 +42,6 @@ from hivekeeper.core.swarm.protocol import (
     serialize_tensor,
     stream_messages,
     combine_parts,
-    unpack_metadata,
 )
 from hivekeeper.core.swarm.client.routing import BanList, Hop, NoRoute, route_forward, route_inference
 from hivekeeper.planner.errors import InputError
@@ -531,14 +531,14 @@ class SwarmClient:
         return (await self.view(refresh)).spans
 
     async def ping(self, peer_id: str, timeout: float | None = None) -> tuple[float, dict]:
-        """(round-trip seconds, rpc_info dict) of one server."""
-        started = time.perf_counter()
-        response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
-            PeerID.from_base58(peer_id), handler_name("rpc_info"), runtime_pb2.ExpertUID(),
-            runtime_pb2.ExpertInfo), timeout or self.config.ping_timeout)
-        rtt = time.perf_counter() - started
+        """(round-trip seconds, rpc_info dict) of one server; one that does not answer is no longer 'heard'."""
+        try:
+            rtt, info = await ping_server(self.p2p, peer_id, timeout or self.config.ping_timeout)
+        except BaseException:
+            self._rtts.pop(peer_id, None)
+            raise
         self._rtts[peer_id] = (rtt, time.monotonic())
-        return rtt, unpack_metadata(response.serialized_info)
+        return rtt, info
 
     def heard_from(self, peer_id: str) -> None:
         """A server just answered: it counts as alive (its RTT stays as measured)."""
@@ -562,10 +562,12 @@ class SwarmClient:
             logger.info("server %s does not answer (%s); banned", peer_id[-8:], type(exc).__name__)
             return False
 
-    async def rtts(self, peers: list[str], max_age: float = 60.0, timeout: float | None = None) -> dict[str, float]:
-        """RTT to each peer, pinging those not heard from within max_age; peers that do not answer get banned."""
+    async def rtts(self, peers: list[str], max_age: float = 0.0,
+                   timeout: float | None = None) -> dict[str, float | None]:
+        """Each peer's round-trip seconds, or None if it does not answer (it gets banned). Peers heard from within
+        max_age seconds are not pinged again; by default all are, so that a server that died since is seen now."""
         await asyncio.gather(*(self.measure(p, timeout) for p in set(peers) if not self.heard_within(p, max_age)))
-        return {p: self._rtts[p][0] for p in peers if p in self._rtts}
+        return {p: self._rtts[p][0] if p in self._rtts else None for p in peers}
 
     # ---- forward (no cache) -----------------------------------------------------------------------------------------
     async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,9 @@
     -> every update_period: re-announce (cache left, next_pings); every balance_period: maybe move
     -> SIGINT/SIGTERM: OFFLINE, handlers off, DHT and P2P (p2pd) shut down.
 
+Choosing (and rebalancing) blocks counts only the servers that answer a probe now: a server killed without a goodbye
+stays listed in the DHT for two update periods, and its blocks must count as the gap they are.
+
 Everything runs on one asyncio loop; compute runs on the handler's worker thread and loading on another, so the
 node keeps answering the DHT while it loads. `status` callbacks get a dict per state change (the CLI prints them,
 one JSON line each with --json-status, for the GUI).
@@ -22,8 +25,7 @@ from typing import Callable
 
 import torch
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from hivekeeper.core.runtime.checkpoint import load_config, load_span, resolve_checkpoint
@@ -33,13 +35,16 @@ from hivekeeper.core.swarm.dht import (
     ServerState,
     block_throughputs,
     declare_blocks,
+    live_peers,
+    probe,
     read_blocks,
     register_model,
     spans_of,
+    without_peers,
 )
 from hivekeeper.core.swarm.server.handler import ServedSpan, ServingLimits, TransformerConnectionHandler
 from hivekeeper.core.swarm.server.memory import MemoryPool
-from hivekeeper.core.swarm.protocol import PROTOCOL_VERSION, dtype_name, handler_name
+from hivekeeper.core.swarm.protocol import PROTOCOL_VERSION, dtype_name
 from hivekeeper.core.swarm.server.throughput import BlockSpeed, get_block_speed, network_rps_for, span_throughput
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.swarm import ServerSpan, choose_start, should_move
@@ -223,12 +228,21 @@ class SwarmServer:
         cfg = self.config
         if cfg.block_indices is not None:
             return range(*cfg.block_indices)
-        blocks = await read_blocks(self.dht, cfg.dht_prefix, self.model_config.num_layers)
+        blocks = await self._answering_blocks()
         if exclude_self:
-            for servers in blocks:
-                servers.pop(self.peer_id, None)
+            blocks = without_peers(blocks, [self.peer_id])
         start = choose_start(block_throughputs(blocks), self.num_blocks)
         return range(start, start + self.num_blocks)
+
+    async def _answering_blocks(self) -> list[dict[str, ServerInfo]]:
+        """The DHT's records of the model's blocks, without the servers that do not answer a probe now."""
+        blocks = await read_blocks(self.dht, self.config.dht_prefix, self.model_config.num_layers)
+        others = [peer for peer in live_peers(blocks) if peer != self.peer_id]
+        silent = [peer for peer, rtt in (await probe(self.p2p, others)).items() if rtt is None]
+        if silent:
+            logger.info("not counting %d listed server(s) that do not answer: %s", len(silent),
+                        ", ".join(peer[-8:] for peer in silent))
+        return without_peers(blocks, silent)
 
     async def _announce(self, state: ServerState, blocks: range, timeout: float = 10.0) -> None:
         cfg = self.config
@@ -321,19 +335,7 @@ class SwarmServer:
             return
         peers = [p for p, info in blocks[self.blocks.stop].items()
                  if p != self.peer_id and info.state == ServerState.ONLINE][:5]
-
-        async def ping(peer: str) -> tuple[str, float | None]:
-            started = time.perf_counter()
-            try:
-                await asyncio.wait_for(self.p2p.call_protobuf_handler(
-                    PeerID.from_base58(peer), handler_name("rpc_info"), runtime_pb2.ExpertUID(),
-                    runtime_pb2.ExpertInfo), 2.0)
-                return peer, time.perf_counter() - started
-            except Exception:
-                return peer, None
-
-        results = await asyncio.gather(*(ping(p) for p in peers))
-        self.next_pings = {peer: rtt for peer, rtt in results if rtt is not None}
+        self.next_pings = {peer: rtt for peer, rtt in (await probe(self.p2p, peers)).items() if rtt is not None}
 
     async def _balance_loop(self) -> None:
         cfg = self.config
@@ -367,7 +369,7 @@ class SwarmServer:
                 await self._load(old)  # if even this fails, the loop ends and the server stops
 
     async def _should_move(self) -> int | None:
-        blocks = await read_blocks(self.dht, self.config.dht_prefix, self.model_config.num_layers)
+        blocks = await self._answering_blocks()
         spans = spans_of(blocks, states=(ServerState.JOINING, ServerState.ONLINE))
         placements = {peer: ServerSpan(span.start, span.end, span.info.throughput) for peer, span in spans.items()}
         if self.peer_id not in placements:  # our own record may not be visible yet: use what we know
