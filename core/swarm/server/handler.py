@@ -9,6 +9,7 @@ keeps answering the DHT and other peers meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -111,12 +112,101 @@ class _Session:
         if len(self.steps_order) > 4096:  # bounded: a step is only ever duplicated soon after it ran
             self.steps_done.discard(self.steps_order.popleft())
 
+    def first_time(self, step_id) -> bool:
+        """Whether a step is new (one without a step_id always is); a new one is remembered."""
+        if step_id is None:
+            return True
+        if step_id in self.steps_done:
+            return False
+        self.remember(step_id)
+        return True
+
 
 @dataclass
 class _Step:
     hidden: torch.Tensor  # [batch, tokens, hidden]
     prompts: torch.Tensor | None  # [n_blocks, batch, prefix, hidden] or None
     hypo_ids: torch.Tensor | None  # [batch] int64 or None
+
+
+@dataclass
+class _Opening:
+    """The checked first request of an inference session: blocks [start, end) of `served` (while the handler's
+    span generation stays `generation`), its limits, and its first step."""
+
+    served: ServedSpan
+    generation: int
+    start: int
+    end: int
+    max_length: int
+    alloc_timeout: float
+    session_id: str
+    metadata: dict
+    step: _Step
+
+    @property
+    def batch(self) -> int:
+        return self.step.hidden.shape[0]
+
+    @property
+    def cache_bytes(self) -> int:
+        served = self.served
+        return KVCache.nbytes_for(served.config, self.end - self.start, self.batch, self.max_length, served.dtype)
+
+
+@dataclass
+class _LiveSession:
+    """An inference session with its cache allocated: what it runs on, until when, and its last step's time."""
+
+    opening: _Opening
+    session: _Session
+    span: Span
+    cache: KVCache
+    deadline: float  # time.monotonic() at which the session timeout ends it
+    last_step_seconds: float = float("inf")
+
+
+# ---- inference sessions: checks of the opening request and of a step's position; the pump into the inbox -------
+def _session_max_length(metadata: dict, limits: ServingLimits) -> int:
+    max_length = metadata.get("max_length")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
+        raise ProtocolError(f"metadata.max_length must be a positive int, got {max_length!r}")
+    if max_length > limits.max_length:
+        raise ProtocolError(f"max_length {max_length} exceeds this server's limit of {limits.max_length} "
+                            "tokens per session")
+    return max_length
+
+
+def _alloc_timeout(metadata: dict, limits: ServingLimits) -> float:
+    alloc_timeout = metadata.get("alloc_timeout", limits.default_alloc_timeout)
+    if isinstance(alloc_timeout, bool) or not isinstance(alloc_timeout, (int, float)) or alloc_timeout < 0:
+        raise ProtocolError(f"metadata.alloc_timeout must be a number >= 0, got {alloc_timeout!r}")
+    return min(float(alloc_timeout), limits.max_alloc_timeout)
+
+
+def _start_position(live: _LiveSession, step: _Step, step_meta: dict) -> int | None:
+    """A step's start_from_position (None: where the cache ends), checked against the cache and the session's
+    max_length."""
+    cache, max_length = live.cache, live.opening.max_length
+    start_from = step_meta.get("start_from_position")
+    if start_from is not None and (isinstance(start_from, bool) or not isinstance(start_from, int)
+                                   or not 0 <= start_from <= cache.length):
+        raise ProtocolError(f"start_from_position {start_from!r} is outside the session's "
+                            f"{cache.length} tokens")
+    position = cache.length if start_from is None else start_from
+    if position + step.hidden.shape[1] > max_length:
+        raise ProtocolError(f"{position + step.hidden.shape[1]} tokens exceed the session's "
+                            f"max_length {max_length}")
+    return start_from
+
+
+async def _pump(requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: asyncio.Queue) -> None:
+    """A session's client requests into its inbox (pushes land there too); None once the client closes."""
+    try:
+        async for request in requests:
+            inbox.put_nowait(request)
+    finally:
+        inbox.put_nowait(None)
 
 
 # ---- compute (runs on the worker thread) ----------------------------------------------------------------------------
@@ -386,109 +476,124 @@ class TransformerConnectionHandler(ServicerBase):
     async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """One session: the first request opens it (max_length, session_id, alloc_timeout), each request is a step."""
-        limits = self.limits
         try:
-            first = await asyncio.wait_for(requests.__anext__(), limits.step_timeout)
+            first = await asyncio.wait_for(requests.__anext__(), self.limits.step_timeout)
         except (StopAsyncIteration, asyncio.TimeoutError):
             return
         try:
-            served = self._require_served()
-            generation = self.generation
-            metadata = unpack_metadata(first.metadata)
-            start, end = self._chain(first.uid, served)
-            max_length = metadata.get("max_length")
-            if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
-                raise ProtocolError(f"metadata.max_length must be a positive int, got {max_length!r}")
-            if max_length > limits.max_length:
-                raise ProtocolError(f"max_length {max_length} exceeds this server's limit of {limits.max_length} "
-                                    "tokens per session")
-            alloc_timeout = metadata.get("alloc_timeout", limits.default_alloc_timeout)
-            if isinstance(alloc_timeout, bool) or not isinstance(alloc_timeout, (int, float)) or alloc_timeout < 0:
-                raise ProtocolError(f"metadata.alloc_timeout must be a number >= 0, got {alloc_timeout!r}")
-            alloc_timeout = min(float(alloc_timeout), limits.max_alloc_timeout)
-            session_id = metadata.get("session_id")
-            if not isinstance(session_id, str) or not session_id or session_id in self.sessions:
-                session_id = str(uuid.uuid4())  # absent or clashing: pushes cannot reach this session then
-            if len(self.sessions) >= limits.max_sessions:
-                raise ProtocolError(f"server busy: {len(self.sessions)} sessions open (limit {limits.max_sessions})")
-            if not first.tensors:
-                return  # an empty first request opens nothing
-            step = self._parse_step(list(first.tensors), metadata, served, start, end)
+            opening = self._check_opening(first)
         except (ProtocolError, InputError) as exc:
             logger.info("rejected inference from %s: %s", str(context.remote_id)[-8:], exc)
             raise
+        if opening is None:
+            return  # an empty first request opens nothing
+        async with contextlib.aclosing(self._serve_session(opening, requests, context)) as responses:
+            async for response in responses:
+                yield response
 
-        batch = step.hidden.shape[0]
-        config, dtype = served.config, served.dtype
-        nbytes = KVCache.nbytes_for(config, end - start, batch, max_length, dtype)
-        session = _Session(session_id, asyncio.Queue())
-        self.sessions[session_id] = session
+    def _check_opening(self, first: runtime_pb2.ExpertRequest) -> _Opening | None:
+        """The first request's blocks, metadata and step checked; None for an empty one."""
+        served = self._require_served()
+        generation = self.generation
+        metadata = unpack_metadata(first.metadata)
+        start, end = self._chain(first.uid, served)
+        max_length = _session_max_length(metadata, self.limits)
+        alloc_timeout = _alloc_timeout(metadata, self.limits)
+        session_id = metadata.get("session_id")
+        if not isinstance(session_id, str) or not session_id or session_id in self.sessions:
+            session_id = str(uuid.uuid4())  # absent or clashing: pushes cannot reach this session then
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise ProtocolError(f"server busy: {len(self.sessions)} sessions open (limit {self.limits.max_sessions})")
+        if not first.tensors:
+            return None
+        step = self._parse_step(list(first.tensors), metadata, served, start, end)
+        return _Opening(served, generation, start, end, max_length, alloc_timeout, session_id, metadata, step)
 
-        async def pump() -> None:  # client requests into the inbox (pushes land there too)
-            try:
-                async for request in requests:
-                    session.inbox.put_nowait(request)
-            finally:
-                session.inbox.put_nowait(None)
-
-        pump_task = asyncio.create_task(pump())
-        deadline = time.monotonic() + limits.session_timeout
+    async def _serve_session(self, opening: _Opening, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                             context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Register the session, reserve and allocate its cache, answer its steps; a bad step, a timeout or a failed
+        reservation ends it (logged, raised to the client)."""
+        nbytes = opening.cache_bytes
+        session = _Session(opening.session_id, asyncio.Queue())
+        self.sessions[session.session_id] = session
+        pump_task = asyncio.create_task(_pump(requests, session.inbox))
+        deadline = time.monotonic() + self.limits.session_timeout
         try:
-            async with self.pool.reserve(nbytes, alloc_timeout):
+            async with self.pool.reserve(nbytes, opening.alloc_timeout):
                 self.on_sessions_changed()
-                cache = await self._run(_allocate, config, end - start, batch, max_length, dtype, served.device)
-                span = served.sub(start, end)
-                request, step_meta = first, metadata
-                last_step_seconds = float("inf")
-                while True:
-                    step_id = step_meta.get("step_id")
-                    if step_id is None or step_id not in session.steps_done:
-                        if step_id is not None:
-                            session.remember(step_id)
-                        if self.generation != generation:
-                            raise ProtocolError("this server moved to other blocks; re-route the session")
-                        start_from = step_meta.get("start_from_position")
-                        if start_from is not None and (isinstance(start_from, bool) or not isinstance(start_from, int)
-                                                       or not 0 <= start_from <= cache.length):
-                            raise ProtocolError(f"start_from_position {start_from!r} is outside the session's "
-                                                f"{cache.length} tokens")
-                        position = cache.length if start_from is None else start_from
-                        if position + step.hidden.shape[1] > max_length:
-                            raise ProtocolError(f"{position + step.hidden.shape[1]} tokens exceed the session's "
-                                                f"max_length {max_length}")
-                        started = time.perf_counter()
-                        if step.hidden.shape[1] <= 1 and last_step_seconds < INLINE_STEP_SECONDS:
-                            # a step known to be tiny runs right here: a thread hop would cost more than it
-                            output = _inference_step(span, cache, step, start_from)
-                        else:
-                            output = await self._run(_inference_step, span, cache, step, start_from)
-                        last_step_seconds = time.perf_counter() - started
-                        self.requests_served += 1
-                        self.pushed_steps_served += bool(step_meta.get("pushed"))
-                        yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(output)])
-                        # pipelining: hand the output straight to the next server of the client's chain. Only
-                        # plain steps: a pushed copy carries no hypo_ids, prompts or rewind
-                        if (step_meta.get("next_servers") and step.hypo_ids is None and step.prompts is None
-                                and step_meta.get("start_from_position") is None):
-                            asyncio.create_task(self._push_next(output, step_meta))
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise ProtocolError(f"session exceeded the server's session timeout of "
-                                            f"{limits.session_timeout:g}s")
-                    try:
-                        # asyncio.timeout, not wait_for: no task per step wrapped around the get
-                        async with asyncio.timeout(min(limits.step_timeout, remaining)):
-                            request = await session.inbox.get()
-                    except TimeoutError:
-                        raise ProtocolError(f"no step within the step timeout of {limits.step_timeout:g}s") from None
-                    if request is None or not request.tensors:
-                        return  # the client closed the session
-                    step_meta = unpack_metadata(request.metadata)
-                    step = self._parse_step(list(request.tensors), step_meta, served, start, end, batch)
+                live = await self._start_session(opening, session, deadline)
+                async with contextlib.aclosing(self._session_steps(live)) as responses:
+                    async for response in responses:
+                        yield response
         except (ProtocolError, InputError, AllocationFailed) as exc:
-            logger.info("inference session %s from %s ended: %s", session_id[:8], str(context.remote_id)[-8:], exc)
+            logger.info("inference session %s from %s ended: %s", session.session_id[:8],
+                        str(context.remote_id)[-8:], exc)
             raise
         finally:
             pump_task.cancel()
-            self.sessions.pop(session_id, None)
+            self.sessions.pop(session.session_id, None)
             self.on_sessions_changed()
+
+    async def _start_session(self, opening: _Opening, session: _Session, deadline: float) -> _LiveSession:
+        served, blocks = opening.served, opening.end - opening.start
+        cache = await self._run(_allocate, served.config, blocks, opening.batch, opening.max_length, served.dtype,
+                                served.device)
+        return _LiveSession(opening, session, served.sub(opening.start, opening.end), cache, deadline)
+
+    async def _session_steps(self, live: _LiveSession) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Each step not run before (by step_id): run, answered, passed on to the next server; then the next one."""
+        step, step_meta = live.opening.step, live.opening.metadata
+        while True:
+            if live.session.first_time(step_meta.get("step_id")):
+                output = await self._run_step(live, step, step_meta)
+                yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(output)])
+                self._pass_on(output, step, step_meta)
+            step, step_meta = await self._next_step(live)
+            if step is None:
+                return  # the client closed the session
+
+    async def _run_step(self, live: _LiveSession, step: _Step, step_meta: dict) -> torch.Tensor:
+        """One step on the session's cache, on the compute thread (or right here when it is known to be tiny)."""
+        if self.generation != live.opening.generation:
+            raise ProtocolError("this server moved to other blocks; re-route the session")
+        start_from = _start_position(live, step, step_meta)
+        started = time.perf_counter()
+        if step.hidden.shape[1] <= 1 and live.last_step_seconds < INLINE_STEP_SECONDS:
+            # a step known to be tiny runs right here: a thread hop would cost more than it
+            output = _inference_step(live.span, live.cache, step, start_from)
+        else:
+            output = await self._run(_inference_step, live.span, live.cache, step, start_from)
+        live.last_step_seconds = time.perf_counter() - started
+        self.requests_served += 1
+        self.pushed_steps_served += bool(step_meta.get("pushed"))
+        return output
+
+    def _pass_on(self, output: torch.Tensor, step: _Step, step_meta: dict) -> None:
+        """Pipelining: hand the output straight to the next server of the client's chain. Only plain steps: a
+        pushed copy carries no hypo_ids, prompts or rewind."""
+        if (step_meta.get("next_servers") and step.hypo_ids is None and step.prompts is None
+                and step_meta.get("start_from_position") is None):
+            asyncio.create_task(self._push_next(output, step_meta))
+
+    async def _next_step(self, live: _LiveSession) -> tuple[_Step | None, dict]:
+        """The session's next request (the client's or a pushed one), checked; (None, {}) once the client closed."""
+        request = await self._next_request(live)
+        if request is None or not request.tensors:
+            return None, {}
+        step_meta = unpack_metadata(request.metadata)
+        opening = live.opening
+        step = self._parse_step(list(request.tensors), step_meta, opening.served, opening.start, opening.end,
+                                opening.batch)
+        return step, step_meta
+
+    async def _next_request(self, live: _LiveSession) -> runtime_pb2.ExpertRequest | None:
+        remaining = live.deadline - time.monotonic()
+        if remaining <= 0:
+            raise ProtocolError(f"session exceeded the server's session timeout of "
+                                f"{self.limits.session_timeout:g}s")
+        try:
+            # asyncio.timeout, not wait_for: no task per step wrapped around the get
+            async with asyncio.timeout(min(self.limits.step_timeout, remaining)):
+                return await live.session.inbox.get()
+        except TimeoutError:
+            raise ProtocolError(f"no step within the step timeout of {self.limits.step_timeout:g}s") from None
