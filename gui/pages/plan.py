@@ -119,18 +119,47 @@ class PlanPage(QWidget):
         column = QVBoxLayout(panel)
         column.setContentsMargins(0, 0, 0, 0)
         column.setSpacing(8)
+        column.addWidget(self._build_model_box(), 1)
+        column.addWidget(self._build_knobs())
+        self._connect_knobs()
+        scroll = QScrollArea()
+        scroll.setWidget(panel)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setFixedWidth(390)
+        panel.setMaximumWidth(375)
+        return scroll
 
+    def _build_model_box(self) -> QGroupBox:
+        """The catalog (searchable, with each model's fit here), a local folder or a hub id."""
         models = QGroupBox("Model")
         box = QVBoxLayout(models)
         self.model_search = QLineEdit()
         self.model_search.setPlaceholderText("Search the catalog…")
         self.model_search.setClearButtonEnabled(True)
         self.model_search.textChanged.connect(self._filter_models)
+        box.addWidget(self.model_search)
+        box.addWidget(self._build_model_list(), 1)
+        box.addWidget(label(f"<span style='color:{GOOD}'>✓</span> fits here &nbsp; "
+                            f"<span style='color:{WARN}'>☁</span> needs the swarm &nbsp; "
+                            f"<span style='color:{BAD}'>✗</span> too large", "small"))
+        box.addLayout(self._build_model_sources())
+        self.model_error = label("", "error", wrap=True)
+        self.model_error.hide()
+        box.addWidget(self.model_error)
+        return models
+
+    def _build_model_list(self) -> QListWidget:
         self.model_list = QListWidget()
         self.model_list.setMinimumHeight(170)
         self.model_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.model_list.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         self.model_list.currentItemChanged.connect(self._model_picked)
+        return self.model_list
+
+    def _build_model_sources(self) -> QHBoxLayout:
+        """A model from outside the catalog: a checkpoint folder, or a hub id in the local cache."""
         row = QHBoxLayout()
         self.folder_button = QPushButton("Local folder…")
         self.folder_button.setToolTip("A checkpoint folder with a Hugging Face config.json")
@@ -140,21 +169,31 @@ class PlanPage(QWidget):
         self.hub_edit.returnPressed.connect(lambda: self.use_model(self.hub_edit.text().strip()))
         row.addWidget(self.folder_button)
         row.addWidget(self.hub_edit, 1)
-        box.addWidget(self.model_search)
-        box.addWidget(self.model_list, 1)
-        box.addWidget(label(f"<span style='color:{GOOD}'>✓</span> fits here &nbsp; "
-                            f"<span style='color:{WARN}'>☁</span> needs the swarm &nbsp; "
-                            f"<span style='color:{BAD}'>✗</span> too large", "small"))
-        box.addLayout(row)
-        self.model_error = label("", "error", wrap=True)
-        self.model_error.hide()
-        box.addWidget(self.model_error)
-        column.addWidget(models, 1)
+        return row
 
+    def _build_knobs(self) -> QGroupBox:
+        """Machine, goal, weight format, context, batch, memory to leave free, and the placement override."""
         knobs = QGroupBox("Knobs")
         form = QFormLayout(knobs)
         form.setLabelAlignment(Qt.AlignmentFlag.AlignRight)
         form.setVerticalSpacing(5)
+        self._build_choices()
+        self.context_spin = _spin(0, 1_000_000, 0, "auto (prompt + output)", 256)
+        self.batch_spin = _spin(0, 65536, 0, "auto", 1)
+        form.addRow("Machine", self.hardware_combo)
+        form.addRow("Goal", self.goal_combo)
+        form.addRow("Weight format", self.quant_combo)
+        form.addRow("Context length", self.context_spin)
+        form.addRow("Batch", self.batch_spin)
+        form.addRow("Leave free", self._build_reserve_row())
+        self.override_check = QCheckBox("Override the placement")
+        self.override_check.setToolTip("Place weights and KV cache yourself; the other choices stay the plan's")
+        form.addRow(self.override_check)
+        form.addRow(self._build_override_box())
+        return knobs
+
+    def _build_choices(self) -> None:
+        """The machine (this one or a catalog one), the goal and the weight format."""
         self.hardware_combo = QComboBox()
         self.hardware_combo.addItem("This machine (detecting…)", DETECTED)
         for machine_id in hardware_catalog.hardware_ids():
@@ -168,8 +207,9 @@ class PlanPage(QWidget):
         for combo in (self.hardware_combo, self.goal_combo, self.quant_combo):
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.setMinimumContentsLength(14)
-        self.context_spin = _spin(0, 1_000_000, 0, "auto (prompt + output)", 256)
-        self.batch_spin = _spin(0, 65536, 0, "auto", 1)
+
+    def _build_reserve_row(self) -> QGridLayout:
+        """Memory to leave free per tier (GB)."""
         self.reserve_spins = {tier: _dspin(0, 100_000, 0.0, " GB", 1) for tier in TIERS}
         reserve_row = QGridLayout()
         reserve_row.setHorizontalSpacing(4)
@@ -177,15 +217,10 @@ class PlanPage(QWidget):
             reserve_row.addWidget(label(name, "small"), 0, c, Qt.AlignmentFlag.AlignCenter)
             reserve_row.addWidget(self.reserve_spins[tier], 1, c)
             self.reserve_spins[tier].setMinimumWidth(70)
-        form.addRow("Machine", self.hardware_combo)
-        form.addRow("Goal", self.goal_combo)
-        form.addRow("Weight format", self.quant_combo)
-        form.addRow("Context length", self.context_spin)
-        form.addRow("Batch", self.batch_spin)
-        form.addRow("Leave free", reserve_row)
+        return reserve_row
 
-        self.override_check = QCheckBox("Override the placement")
-        self.override_check.setToolTip("Place weights and KV cache yourself; the other choices stay the plan's")
+    def _build_override_box(self) -> QWidget:
+        """Weights and KV cache placed by hand: percent per tier."""
         grid = QGridLayout()
         grid.setHorizontalSpacing(4)
         self.weight_spins = {tier: _dspin(0, 100, 0, " %", 0) for tier in TIERS}
@@ -199,25 +234,16 @@ class PlanPage(QWidget):
             grid.addWidget(self.cache_spins[tier], 2, c + 1)
         self.override_box = QWidget()
         self.override_box.setLayout(grid)
-        form.addRow(self.override_check)
-        form.addRow(self.override_box)
-        column.addWidget(knobs)
+        return self.override_box
 
+    def _connect_knobs(self) -> None:
+        """Every knob recomputes the plan (debounced); the override check also enables its box."""
         for widget in (self.hardware_combo, self.goal_combo, self.quant_combo):
             widget.currentIndexChanged.connect(self._knob_changed)
         for widget in (self.context_spin, self.batch_spin, *self.reserve_spins.values(), *self.weight_spins.values(),
                        *self.cache_spins.values()):
             widget.valueChanged.connect(self._knob_changed)
         self.override_check.toggled.connect(self._override_toggled)
-
-        scroll = QScrollArea()
-        scroll.setWidget(panel)
-        scroll.setWidgetResizable(True)
-        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        scroll.setFixedWidth(390)
-        panel.setMaximumWidth(375)
-        return scroll
 
     def _build_results(self) -> QWidget:
         panel = QWidget()
