@@ -11,7 +11,6 @@ Inference callers run under `torch.inference_mode()`; nothing here forces it, so
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.model_config import (CONFIG_DTYPE_NAMES, DEFAULT_RMS_EPS, DEFAULT_ROPE_THETA, HFConfig,
+                                             parse_hf_config, read_config_json)
 
 from hivekeeper.core.runtime.kernels import cpu_decode
 from hivekeeper.core.runtime.kernels.cpu_matmul import Linear, linear
@@ -28,10 +29,6 @@ from hivekeeper.core.runtime.kernels.cpu_matmul import Linear, linear
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-# transformers' defaults for fields a config.json may omit, per family
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
-_DEFAULT_ROPE_THETA = 10000.0
-_DEFAULT_RMS_EPS = 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -39,7 +36,8 @@ _DEFAULT_RMS_EPS = 1e-6
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    """The shape of a Llama-family model, read from a Hugging Face config.json."""
+    """The shape of a Llama-family model, read from a Hugging Face config.json (through planner/model_config.py,
+    the reader the planner's ModelSpec is built from too)."""
 
     family: str  # "llama" | "mistral" | "qwen2"
     vocab_size: int
@@ -49,8 +47,8 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float = _DEFAULT_RMS_EPS
-    rope_theta: float = _DEFAULT_ROPE_THETA
+    rms_norm_eps: float = DEFAULT_RMS_EPS
+    rope_theta: float = DEFAULT_ROPE_THETA
     rope_scaling: dict | None = None  # normalised: {"rope_type": "llama3"|"linear", ...}; None = plain RoPE
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -61,7 +59,7 @@ class ModelConfig:
     mlp_bias: bool = False  # Llama with mlp_bias=true
     sliding_window: int | None = None  # Mistral v0.1; Qwen2 with use_sliding_window
     sliding_layers: tuple[int, ...] = field(default=())  # layers that use the window (all for Mistral)
-    torch_dtype: str | None = None  # dtype the checkpoint is stored in, as written in config.json
+    torch_dtype: str | None = None  # dtype the checkpoint is stored in ("bfloat16", "float16", "float32"), if said
 
     # ---- derived ------------------------------------------------------------------------------------------------
     @property
@@ -93,70 +91,43 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
         """Parse a Hugging Face config dict; `source` names it in error messages."""
-        if not isinstance(cfg, dict):
-            raise InputError(f"{source}: expected a JSON object")
-        family = cfg.get("model_type")
-        if family is None:
-            raise InputError(f"{source}: missing field 'model_type'")
-        if family not in SUPPORTED_FAMILIES:
-            raise InputError(
-                f"{source}: model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+        check_family(cfg, source)
+        return cls.from_parsed(parse_hf_config(cfg, source))
 
-        def need_int(name: str, default: int | None = None) -> int:
-            value = cfg.get(name, default)
-            if value is None:
-                raise InputError(f"{source}: missing field {name!r}")
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InputError(f"{source}: field {name!r} must be a positive integer, got {value!r}")
-            return value
-
-        hidden = need_int("hidden_size")
-        heads = need_int("num_attention_heads")
-        kv_heads = need_int("num_key_value_heads", heads)
-        if cfg.get("head_dim") is not None:
-            head_dim = need_int("head_dim")
-        elif hidden % heads:
-            raise InputError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-        else:
-            head_dim = hidden // heads
-        if heads % kv_heads:
-            raise InputError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        if head_dim % 2:
-            raise InputError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise InputError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        num_layers = need_int("num_hidden_layers")
-        max_positions = need_int("max_position_embeddings", _DEFAULT_MAX_POSITIONS[family])
-        rope_theta, rope_scaling = _parse_rope(cfg, max_positions, source)
-
-        attention_bias = bool(cfg.get("attention_bias", False))
-        sliding_window, sliding_layers = _parse_sliding_window(cfg, family, num_layers, source)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    @classmethod
+    def from_parsed(cls, parsed: HFConfig) -> "ModelConfig":
+        """The runtime's config from the planner's config.json reader (model_config.py), refusing what the blocks
+        here cannot run (another activation, odd head sizes, RoPE variants other than SUPPORTED_ROPE_TYPES)."""
+        source = parsed.source
+        if parsed.family not in SUPPORTED_FAMILIES:
+            raise InputError(f"{source}: model_type {parsed.model_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_FAMILIES)}")
+        if parsed.head_dim % 2:
+            raise InputError(f"{source}: head_dim {parsed.head_dim} must be even for rotary embeddings")
+        if parsed.hidden_act != "silu":
+            raise InputError(f"{source}: hidden_act {parsed.hidden_act!r} is not supported (only 'silu')")
         return cls(
-            family=family,
-            vocab_size=need_int("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=need_int("intermediate_size"),
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_EPS)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            o_bias=family == "llama" and attention_bias,
-            mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
-            sliding_window=sliding_window,
-            sliding_layers=sliding_layers,
-            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            family=parsed.family,
+            vocab_size=parsed.vocab_size,
+            hidden_size=parsed.hidden_size,
+            intermediate_size=parsed.intermediate_size,
+            num_layers=parsed.num_layers,
+            num_heads=parsed.num_heads,
+            num_kv_heads=parsed.num_kv_heads,
+            head_dim=parsed.head_dim,
+            rms_norm_eps=parsed.rms_norm_eps,
+            rope_theta=parsed.rope_theta,
+            rope_scaling=rope_scaling(parsed),
+            max_position_embeddings=parsed.max_position_embeddings,
+            tie_word_embeddings=parsed.tie_word_embeddings,
+            qkv_bias=parsed.qkv_bias,
+            bos_token_id=parsed.bos_token_id,
+            eos_token_ids=parsed.eos_token_ids,
+            o_bias=parsed.o_bias,
+            mlp_bias=parsed.mlp_bias,
+            sliding_window=parsed.sliding_window,
+            sliding_layers=parsed.sliding_layers,
+            torch_dtype=CONFIG_DTYPE_NAMES.get(parsed.dtype),
         )
 
     @classmethod
@@ -165,58 +136,51 @@ class ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise InputError(f"{config_path}: not found (is {path} a Hugging Face checkpoint folder?)")
-        try:
-            cfg = json.loads(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InputError(f"{config_path}: not valid JSON ({exc})") from None
-        return cls.from_hf_config(cfg, source=str(config_path))
+        return cls.from_hf_config(read_config_json(config_path), source=str(config_path))
 
 
-def _parse_rope(cfg: dict, max_positions: int, source: str) -> tuple[float, dict | None]:
-    """Read RoPE settings in either layout: transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise InputError(f"{source}: rope_parameters / rope_scaling must be an object, got {params!r}")
+def check_family(cfg: dict, source: str) -> None:
+    """A config dict whose model_type the runtime runs (llama, mistral, qwen2), else InputError naming the file."""
+    if not isinstance(cfg, dict):
+        raise InputError(f"{source}: expected a JSON object")
+    family = cfg.get("model_type")
+    if family is None:
+        raise InputError(f"{source}: missing field 'model_type'")
+    if family not in SUPPORTED_FAMILIES:
+        raise InputError(
+            f"{source}: model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+
+
+def rope_scaling(parsed: HFConfig) -> dict | None:
+    """The RoPE scaling the blocks apply, normalised: {"rope_type": "llama3"|"linear", ...}; None = plain RoPE."""
+    source, params, rope_type = parsed.source, parsed.rope_parameters, parsed.rope_type
     if any(isinstance(value, dict) for value in params.values()):
         raise InputError(f"{source}: per-layer rope parameters are not supported")
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA)))
-    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+    if parsed.partial_rotary_factor != 1.0:
         raise InputError(f"{source}: partial_rotary_factor is not supported")
-    rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise InputError(
             f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
-        return theta, None
+        return None
     try:
         factor = float(params["factor"])
         if rope_type == "linear":
-            return theta, {"rope_type": "linear", "factor": factor}
-        return theta, {
+            return {"rope_type": "linear", "factor": factor}
+        return {
             "rope_type": "llama3",
             "factor": factor,
             "low_freq_factor": float(params["low_freq_factor"]),
             "high_freq_factor": float(params["high_freq_factor"]),
-            "original_max_position_embeddings": int(params.get("original_max_position_embeddings", max_positions)),
+            "original_max_position_embeddings": int(params.get("original_max_position_embeddings",
+                                                               parsed.max_position_embeddings)),
         }
     except KeyError as exc:
         raise InputError(f"{source}: rope scaling {rope_type!r} needs field {exc.args[0]!r}") from None
-
-
-def _parse_sliding_window(cfg: dict, family: str, num_layers: int, source: str) -> tuple[int | None, tuple[int, ...]]:
-    if family == "mistral":
-        window = cfg.get("sliding_window", 4096)  # transformers' default when the key is absent
-        return (window, tuple(range(num_layers))) if window else (None, ())
-    if family == "qwen2" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        layer_types = cfg.get("layer_types")
-        if layer_types:
-            layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
-        else:
-            first = int(cfg.get("max_window_layers", 28))
-            layers = tuple(range(first, num_layers))
-        return int(cfg["sliding_window"]), layers
-    return None, ()
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{source}: rope scaling {rope_type!r} has a field that is not a number ({exc})") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -149,6 +149,34 @@ def test_llama_biases_and_explicit_head_dim(tmp_path):
     assert spec.block_params() == attention + mlp + 2 * h
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "mixtral"])
+def test_biases_agree_with_transformers_and_the_runtime(model_type):
+    """attention_bias and mlp_bias set in every config: transformers builds the biases each family has (Llama: all
+    of them; Qwen2: q/k/v only; Mistral, Mixtral: none), and the planner's ModelSpec and the runtime's ModelConfig,
+    both built by the one config.json reader, count and name the same tensors."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from hivekeeper.core.runtime.checkpoint import block_tensor_names
+    from hivekeeper.core.runtime.model import ModelConfig
+
+    config = dict(TINY_LLAMA_CONFIG, model_type=model_type, attention_bias=True, mlp_bias=True)
+    if model_type == "mixtral":
+        config.update(num_local_experts=4, num_experts_per_tok=2)
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        layer = transformers.AutoModelForCausalLM.from_config(hf_config).model.layers[0]
+    hf_biases = sorted(name for name, _ in layer.named_parameters() if name.endswith(".bias"))
+    spec = spec_from_hf_config(config, model_type)
+    assert spec.block_params() == sum(p.numel() for p in layer.parameters())
+    assert bool(hf_biases) == (model_type in ("llama", "qwen2"))
+    if model_type != "mixtral":  # the runtime runs llama, mistral and qwen2
+        runtime = ModelConfig.from_hf_config(config)
+        names = [name.removeprefix("model.layers.0.") for name in block_tensor_names(runtime, 0)]
+        assert sorted(name for name in names if name.endswith(".bias")) == hf_biases
+        assert runtime.block_param_count() == spec.block_params()
+        assert (runtime.qkv_bias, runtime.o_bias, runtime.mlp_bias) == (spec.qkv_bias, spec.out_bias, spec.mlp_bias)
+
+
 def test_falcon_7b_old_architecture(tmp_path):
     """Falcon-7B: multi-query attention (query_key_value 4544 -> 4672), one LayerNorm per parallel block."""
     config = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,

@@ -153,7 +153,7 @@ def test_wrong_tensor_shape_is_named(tmp_path):
 
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.update(model_type="gpt2"), "'gpt2' is not supported; supported: llama, mistral, qwen2"),
-    (lambda c: c.pop("num_hidden_layers"), "missing field 'num_hidden_layers'"),
+    (lambda c: c.pop("num_hidden_layers"), "field 'num_hidden_layers' is missing"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu'"),
     (lambda c: c.update(num_attention_heads="four"), "num_attention_heads"),
 ])
