@@ -11,9 +11,19 @@ what the cache already holds, so the first token comes as fast in a long convers
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hivekeeper.core.cli.generate import add_model_arguments, add_sampling_arguments
+from hivekeeper.planner.errors import InputError
+
+from hivekeeper.core.cli.generate import (add_model_arguments, add_sampling_arguments, check_budget, open_runner,
+                                          resolve_model, sampling_params, set_threads)
+
+if TYPE_CHECKING:
+    from hivekeeper.core.runtime.chat_history import ChatHistory
 
 HELP = "/reset clears the conversation, /exit quits, Ctrl-C stops a reply"
 USER_PROMPT = "you> "
@@ -35,27 +45,39 @@ def _say(text: str, end: str = "\n") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-    from pathlib import Path
-
-    from hivekeeper.planner.errors import InputError
-
-    from hivekeeper.core.runtime.chat_history import ChatHistory
-    from hivekeeper.core.cli.generate import check_budget, open_runner, resolve_model, sampling_params, set_threads
-    from hivekeeper.core.runtime.generation import context_limit, conversation_cache, generate
-
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     ram_budget = check_budget(args)
     sampling = sampling_params(args)
-    history = ChatHistory(system_prompt=args.system)
-    if args.history and Path(args.history).exists():
-        history = ChatHistory.load(args.history)
-        if args.system:
-            history.system_prompt = args.system
-
+    history = _load_history(args)
     set_threads()
+    chat = _open_chat(args, ram_budget, sampling, history)
+    previous_handler = signal.signal(signal.SIGINT, chat.on_interrupt)
+    try:
+        return chat.converse()
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        chat.close()
+
+
+def _load_history(args: argparse.Namespace) -> ChatHistory:
+    """The conversation: continued from --history when the file exists (--system, when given, replaces its system
+    prompt)."""
+    from hivekeeper.core.runtime.chat_history import ChatHistory
+
+    if not (args.history and Path(args.history).exists()):
+        return ChatHistory(system_prompt=args.system)
+    history = ChatHistory.load(args.history)
+    if args.system:
+        history.system_prompt = args.system
+    return history
+
+
+def _open_chat(args: argparse.Namespace, ram_budget: float | None, sampling, history: ChatHistory) -> _Chat:
+    """The model loaded for a conversation as long as its context; the reply's length and the chat template are
+    checked before loading."""
+    from hivekeeper.core.runtime.generation import context_limit
+
     path, tokenizer, config = resolve_model(args)
     context = context_limit(config)
     if args.max_new_tokens >= context:
@@ -65,77 +87,118 @@ def run(args: argparse.Namespace) -> int:
     # the plan (and a RAM budget) counts a KV cache of the full context: the one the conversation keeps
     runner = open_runner(args, path, tokenizer, config, batch=1, prompt_len=context - args.max_new_tokens,
                          max_length=context, ram_budget=ram_budget)
-    prompt_cache = conversation_cache(context, swarm=args.swarm)
-    stop = threading.Event()
-    waiting_for_input = False
+    return _Chat(args, runner, tokenizer, history, sampling, context)
 
-    def on_interrupt(signum, frame) -> None:
+
+class _Chat:
+    """A conversation in the terminal: the model, the history and the KV cache kept between turns, and what Ctrl-C
+    means (at the prompt: interrupt the read; during a reply: stop it)."""
+
+    def __init__(self, args: argparse.Namespace, runner, tokenizer, history: ChatHistory, sampling, context: int):
+        from hivekeeper.core.runtime.generation import conversation_cache
+
+        self.args = args
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.history = history
+        self.sampling = sampling
+        self.prompt_tokens = context - args.max_new_tokens  # the most a prompt may hold
+        self.prompt_cache = conversation_cache(context, swarm=args.swarm)
+        self.stop = threading.Event()
+        self.waiting_for_input = False
+
+    def on_interrupt(self, signum, frame) -> None:
         # Ctrl-C: at the prompt, interrupt the read (a reminder is shown); otherwise stop the reply, if one is
         # running — never end the chat, however fast the presses come
-        stop.set()
-        if waiting_for_input:
+        self.stop.set()
+        if self.waiting_for_input:
             raise KeyboardInterrupt
 
-    previous_handler = signal.signal(signal.SIGINT, on_interrupt)
-    try:
-        _say(f"Chatting with {args.model} ({runner.description}). {HELP}.")
-        if runner.is_demo:
+    def converse(self) -> int:
+        """Turns until /exit or the end of input: the exit status."""
+        _say(f"Chatting with {self.args.model} ({self.runner.description}). {HELP}.")
+        if self.runner.is_demo:
             _say("Note: this is a demo checkpoint with RANDOM weights: its replies are gibberish.")
         while True:
-            _say(USER_PROMPT, end="")
-            try:
-                waiting_for_input = True
-                line = sys.stdin.readline()
-            except KeyboardInterrupt:
-                line = None
-            finally:
-                waiting_for_input = False
+            line = self._read_line()
             if line is None:
                 _say(f"\n({HELP}; Ctrl-D also quits)")
-                continue
-            if not line:  # end of input
+            elif not line:  # end of input
                 _say("")
                 return 0
-            text = line.rstrip("\n")
-            command = text.strip()
-            if command in ("/exit", "/quit"):
+            elif self._handle(line.rstrip("\n")):
                 return 0
-            if command == "/reset":
-                history.reset()
-                prompt_cache.reset()
-                _say("(conversation cleared)")
-                continue
-            if command.startswith("/") or not command:
-                if command:
-                    _say(f"(unknown command {command}; {HELP})")
-                continue
-            history.add_user(text)
-            try:
-                prompt_ids, dropped = history.prompt_ids(tokenizer, context - args.max_new_tokens)
-            except InputError as exc:
-                history.messages.pop()
-                _say(f"(error: {exc})")
-                continue
-            if dropped:
-                _say(f"(the {dropped} oldest messages no longer fit in the context and are left out)")
-            stop.clear()
-            _say(ASSISTANT_PROMPT, end="")
-            result = generate(runner.model, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                              tokenizer=tokenizer, on_text=lambda row, piece: _say(piece, end=""), stop=stop,
-                              prompt_cache=prompt_cache)
-            history.add_assistant(result.texts[0])
-            if args.history:
-                history.save(args.history)
-            tps = result.decode_tokens_per_s
-            stopped = ", stopped" if result.finish_reasons[0] == "stopped" else ""
-            _say(f"\n[{result.new_tokens} tokens, {'n/a' if tps is None else f'{tps:.1f}'} tokens/s, "
-                 f"first token {result.time_to_first_token_s:.2f} s{stopped}] "
-                 f"(prompt {result.prompt_tokens} tokens: {result.prefilled_tokens} prefilled, "
-                 f"{result.cached_prompt_tokens} from the cache)")
-    finally:
-        signal.signal(signal.SIGINT, previous_handler)
-        try:
-            prompt_cache.close()
-        finally:
-            runner.close()
 
+    def _read_line(self) -> str | None:
+        """The line typed ("" at the end of input), or None when Ctrl-C interrupted the read."""
+        _say(USER_PROMPT, end="")
+        try:
+            self.waiting_for_input = True
+            return sys.stdin.readline()
+        except KeyboardInterrupt:
+            return None
+        finally:
+            self.waiting_for_input = False
+
+    def _handle(self, text: str) -> bool:
+        """A command or a user turn; True to quit."""
+        command = text.strip()
+        if command in ("/exit", "/quit"):
+            return True
+        if command == "/reset":
+            self.history.reset()
+            self.prompt_cache.reset()
+            _say("(conversation cleared)")
+        elif command.startswith("/"):
+            _say(f"(unknown command {command}; {HELP})")
+        elif command:
+            self._reply(text)
+        return False
+
+    def _reply(self, text: str) -> None:
+        """The model's reply to a user turn, streamed, kept in the history (saved with --history), then its stats."""
+        from hivekeeper.core.runtime.generation import generate
+
+        prompt_ids = self._prompt(text)
+        if prompt_ids is None:
+            return
+        self.stop.clear()
+        _say(ASSISTANT_PROMPT, end="")
+        result = generate(self.runner.model, prompt_ids, max_new_tokens=self.args.max_new_tokens,
+                          sampling=self.sampling, tokenizer=self.tokenizer,
+                          on_text=lambda row, piece: _say(piece, end=""), stop=self.stop,
+                          prompt_cache=self.prompt_cache)
+        self.history.add_assistant(result.texts[0])
+        if self.args.history:
+            self.history.save(self.args.history)
+        _say(_stats(result))
+
+    def _prompt(self, text: str) -> list[int] | None:
+        """The conversation with the new user turn, as prompt ids (the oldest messages left out when they no longer
+        fit); None, with the error shown, when it cannot be (the turn is not kept)."""
+        self.history.add_user(text)
+        try:
+            prompt_ids, dropped = self.history.prompt_ids(self.tokenizer, self.prompt_tokens)
+        except InputError as exc:
+            self.history.messages.pop()
+            _say(f"(error: {exc})")
+            return None
+        if dropped:
+            _say(f"(the {dropped} oldest messages no longer fit in the context and are left out)")
+        return prompt_ids
+
+    def close(self) -> None:
+        try:
+            self.prompt_cache.close()
+        finally:
+            self.runner.close()
+
+
+def _stats(result) -> str:
+    """The line after a reply: tokens, speed, time to first token, and how much of the prompt the cache held."""
+    tps = result.decode_tokens_per_s
+    stopped = ", stopped" if result.finish_reasons[0] == "stopped" else ""
+    return (f"\n[{result.new_tokens} tokens, {'n/a' if tps is None else f'{tps:.1f}'} tokens/s, "
+            f"first token {result.time_to_first_token_s:.2f} s{stopped}] "
+            f"(prompt {result.prompt_tokens} tokens: {result.prefilled_tokens} prefilled, "
+            f"{result.cached_prompt_tokens} from the cache)")
