@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.planner.costmodel import TIERS
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.fields import Fields
 
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3.1-8B-Instruct"
 GOALS = ("chat", "batch", "serve")
 QUANTS = ("auto", "none", "int8", "nf4")
-TIERS = ("gpu", "cpu", "disk")
 
 
 def config_dir() -> Path:
@@ -84,102 +85,77 @@ class Settings:
 
 
 # ---- validation ----------------------------------------------------------------------------------------------------
-class _Checker:
-    def __init__(self, where: str):
-        self.where = where
-
-    def fail(self, name: str, problem: str) -> InputError:
-        return InputError(f"{self.where}: field {name!r} {problem}")
-
-    def integer(self, name: str, value: Any, low: int, high: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise self.fail(name, f"must be an integer from {low} to {high}, got {value!r}")
-        return value
-
-    def number(self, name: str, value: Any, low: float, high: float) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise self.fail(name, f"must be a number from {low:g} to {high:g}, got {value!r}")
-        return float(value)
-
-    def text(self, name: str, value: Any, choices: tuple[str, ...] | None = None, max_len: int = 4096) -> str:
-        if not isinstance(value, str) or len(value) > max_len:
-            raise self.fail(name, f"must be text of at most {max_len} characters, got {value!r}"[:300])
-        if choices is not None and value not in choices:
-            raise self.fail(name, f"must be one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def flag(self, name: str, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise self.fail(name, f"must be true or false, got {value!r}")
-        return value
-
-    def tiers(self, name: str, value: Any, high: float) -> dict[str, float]:
-        if not isinstance(value, dict) or set(value) - set(TIERS):
-            raise self.fail(name, f"must be an object with keys among {', '.join(TIERS)}, got {value!r}")
-        return {tier: self.number(f"{name}.{tier}", value.get(tier, 0.0), 0.0, high) for tier in TIERS}
+TEXT_LIMIT = 4096  # characters of a text setting, unless it says otherwise
+SECTIONS = {"plan": PlanSettings, "swarm": SwarmSettings, "chat": ChatSettings}
 
 
-def _section(doc: dict, name: str, cls, check: _Checker) -> dict:
-    """The known keys of one section (unknown keys are an error: they are usually typos)."""
-    section = doc.get(name, {})
-    if not isinstance(section, dict):
-        raise check.fail(name, "must be an object")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise check.fail(f"{name}.{unknown[0]}", f"is not a setting (known: {', '.join(sorted(known))})")
-    return {**asdict(cls()), **section}
+def section_fields(top: Fields, name: str, cls) -> Fields:
+    """One section's fields over its defaults (unknown keys are an error: they are usually typos)."""
+    given = top.section(name)
+    given.check_keys({f.name for f in fields(cls)}, "a setting")
+    return Fields({**asdict(cls()), **given.doc}, top.where, name)
+
+
+def tier_numbers(section: Fields, key: str, high: float) -> dict[str, float]:
+    """{"gpu": x, "cpu": y, "disk": z}, each in [0, high] (a tier left out is 0)."""
+    tiers = section.section(key)
+    tiers.check_keys(set(TIERS), "a memory tier")
+    return {tier: tiers.number(tier, 0.0, high, default=0.0) for tier in TIERS}
+
+
+def plan_settings(p: Fields) -> PlanSettings:
+    return PlanSettings(
+        model=p.text("model", max_len=TEXT_LIMIT),
+        hardware=p.text("hardware", max_len=200),
+        goal=p.text("goal", choices=GOALS),
+        quant=p.text("quant", choices=QUANTS),
+        context_len=p.integer("context_len", low=0, high=10_000_000),
+        batch_size=p.integer("batch_size", low=0, high=65536),
+        reserve_gb=tier_numbers(p, "reserve_gb", 1e6),
+        prompt_len=p.integer("prompt_len", low=1, high=10_000_000),
+        output_len=p.integer("output_len", low=1, high=10_000_000),
+        price_per_hour=p.number("price_per_hour", 0.0, 10_000.0),
+        override_placement=p.flag("override_placement"),
+        weights_percent=tier_numbers(p, "weights_percent", 100.0),
+        cache_percent=tier_numbers(p, "cache_percent", 100.0),
+    )
+
+
+def swarm_settings(s: Fields) -> SwarmSettings:
+    peers = s.doc["initial_peers"]
+    if not isinstance(peers, list) or not all(isinstance(a, str) and a.startswith("/") for a in peers):
+        raise s.error("initial_peers", "must be a list of multiaddrs such as /ip4/1.2.3.4/tcp/31337/p2p/Qm…")
+    return SwarmSettings(
+        model=s.text("model", max_len=TEXT_LIMIT),
+        new_swarm=s.flag("new_swarm"),
+        initial_peers=list(peers),
+        num_blocks=s.integer("num_blocks", low=0, high=10_000),
+        host=s.text("host", max_len=100),
+        public_name=s.text("public_name", max_len=200),
+    )
+
+
+def chat_settings(c: Fields) -> ChatSettings:
+    return ChatSettings(
+        mode=c.text("mode", choices=("local", "swarm")),
+        model=c.text("model", max_len=TEXT_LIMIT),
+        system_prompt=c.text("system_prompt", max_len=100_000),
+        temperature=c.number("temperature", 0.0, 10.0),
+        top_p=c.number("top_p", 0.01, 1.0),
+        top_k=c.integer("top_k", low=0, high=100_000),
+        max_new_tokens=c.integer("max_new_tokens", low=1, high=100_000),
+        conversation_id=c.text("conversation_id", max_len=200),
+    )
 
 
 def settings_from_dict(doc: Any, where: str = "settings") -> Settings:
-    """Validate a settings document; missing fields take their defaults."""
-    check = _Checker(where)
-    if not isinstance(doc, dict):
-        raise InputError(f"{where}: expected a JSON object")
-    unknown = sorted(set(doc) - {"plan", "swarm", "chat", "page"})
-    if unknown:
-        raise check.fail(unknown[0], "is not a settings section (plan, swarm, chat, page)")
-    p = _section(doc, "plan", PlanSettings, check)
-    plan = PlanSettings(
-        model=check.text("plan.model", p["model"]),
-        hardware=check.text("plan.hardware", p["hardware"], max_len=200),
-        goal=check.text("plan.goal", p["goal"], GOALS),
-        quant=check.text("plan.quant", p["quant"], QUANTS),
-        context_len=check.integer("plan.context_len", p["context_len"], 0, 10_000_000),
-        batch_size=check.integer("plan.batch_size", p["batch_size"], 0, 65536),
-        reserve_gb=check.tiers("plan.reserve_gb", p["reserve_gb"], 1e6),
-        prompt_len=check.integer("plan.prompt_len", p["prompt_len"], 1, 10_000_000),
-        output_len=check.integer("plan.output_len", p["output_len"], 1, 10_000_000),
-        price_per_hour=check.number("plan.price_per_hour", p["price_per_hour"], 0.0, 10_000.0),
-        override_placement=check.flag("plan.override_placement", p["override_placement"]),
-        weights_percent=check.tiers("plan.weights_percent", p["weights_percent"], 100.0),
-        cache_percent=check.tiers("plan.cache_percent", p["cache_percent"], 100.0),
-    )
-    s = _section(doc, "swarm", SwarmSettings, check)
-    peers = s["initial_peers"]
-    if not isinstance(peers, list) or not all(isinstance(a, str) and a.startswith("/") for a in peers):
-        raise check.fail("swarm.initial_peers", "must be a list of multiaddrs such as /ip4/1.2.3.4/tcp/31337/p2p/Qm…")
-    swarm = SwarmSettings(
-        model=check.text("swarm.model", s["model"]),
-        new_swarm=check.flag("swarm.new_swarm", s["new_swarm"]),
-        initial_peers=list(peers),
-        num_blocks=check.integer("swarm.num_blocks", s["num_blocks"], 0, 10_000),
-        host=check.text("swarm.host", s["host"], max_len=100),
-        public_name=check.text("swarm.public_name", s["public_name"], max_len=200),
-    )
-    c = _section(doc, "chat", ChatSettings, check)
-    chat = ChatSettings(
-        mode=check.text("chat.mode", c["mode"], ("local", "swarm")),
-        model=check.text("chat.model", c["model"]),
-        system_prompt=check.text("chat.system_prompt", c["system_prompt"], max_len=100_000),
-        temperature=check.number("chat.temperature", c["temperature"], 0.0, 10.0),
-        top_p=check.number("chat.top_p", c["top_p"], 0.01, 1.0),
-        top_k=check.integer("chat.top_k", c["top_k"], 0, 100_000),
-        max_new_tokens=check.integer("chat.max_new_tokens", c["max_new_tokens"], 1, 100_000),
-        conversation_id=check.text("chat.conversation_id", c["conversation_id"], max_len=200),
-    )
-    page = check.integer("page", doc.get("page", 0), 0, 20)
-    return Settings(plan=plan, swarm=swarm, chat=chat, page=page)
+    """Validate a settings document (planner/fields.py checks each field); missing fields take their defaults."""
+    top = Fields(doc, where)
+    top.check_keys({*SECTIONS, "page"}, "a settings section")
+    return Settings(plan=plan_settings(section_fields(top, "plan", PlanSettings)),
+                    swarm=swarm_settings(section_fields(top, "swarm", SwarmSettings)),
+                    chat=chat_settings(section_fields(top, "chat", ChatSettings)),
+                    page=top.integer("page", default=0, low=0, high=20))
 
 
 # ---- the file ------------------------------------------------------------------------------------------------------

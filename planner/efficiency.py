@@ -40,8 +40,7 @@ from dataclasses import dataclass, replace
 
 from .errors import InputError
 from .hardware import ComputeDevice, HardwareSpec
-
-GIB = 2**30
+from .hardware_catalog import GIB
 
 HARDWARE_CLASSES = ("datacenter-gpu", "inference-gpu", "consumer-gpu", "apple", "cpu")
 

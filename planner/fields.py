@@ -78,11 +78,14 @@ class Fields:
 
     def section(self, key: str) -> Fields:
         """The nested object `key` ({} when absent)."""
-        return Fields(self.doc.get(key) or {}, self.where, self.name(key))
+        value = self.doc.get(key)
+        return Fields({} if value is None else value, self.where, self.name(key))
 
-    def check_keys(self, allowed: set[str] | frozenset[str], what: str = "a known field here") -> None:
-        """Refuse unknown keys (usually typos), naming the first one and the known ones."""
-        unknown = sorted(set(self.doc) - set(allowed))
+    def check_keys(self, allowed: set[str] | frozenset[str], what: str = "a known field here",
+                   ignored: frozenset[str] = frozenset()) -> None:
+        """Refuse unknown keys (usually typos), naming the first one and the known ones; `ignored` keys are
+        allowed without being listed (comments, sources)."""
+        unknown = sorted(set(self.doc) - set(allowed) - ignored)
         if unknown:
             raise self.error(unknown[0], f"is not {what} (known: {', '.join(sorted(allowed))})")
 
@@ -93,7 +96,8 @@ class Fields:
         return default
 
     def integer(self, *keys: str, default: Any = REQUIRED, low: int = 1, high: int = LARGEST_COUNT) -> int:
-        """The first of `keys` given, as an integer in [low, high]; `default` when none is (REQUIRED: 'is missing')."""
+        """The first of `keys` given, as an integer in [low, high]; `default` when none is given (REQUIRED: the
+        'is missing' error)."""
         key = self.first(keys)
         if key is None:
             return self.missing(keys[0], default)

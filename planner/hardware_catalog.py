@@ -16,17 +16,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
+from . import fields
 from .errors import InputError
+from .fields import REQUIRED, Fields
 from .hardware import ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
 
 CATALOG_PATH = Path(__file__).parent / "data" / "hardware.json"
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4")
+# keys any section may hold besides its fields (where its numbers come from, comments)
+_META_KEYS = frozenset({"source", "sources", "_doc"})
 # Source labels that stand on their own; anything else read from the catalog is prefixed "catalog:".
 _SOURCE_LABELS = ("catalog", "measured", "detected", "derived", "user", "estimated", "default")
 
@@ -52,6 +55,8 @@ _LIMITS: dict[str, tuple[float, float]] = {
 }
 
 GIB = 2**30
+# the end of a too-large value's error: a value 1000x too large is usually in the wrong unit
+UNIT_HINT = "(check the unit)"
 
 
 # ---- canonical values ---------------------------------------------------------------------------------------------
@@ -138,69 +143,36 @@ def cpu_peak_flops_tflops(cores: int, clock_ghz: float, flags: set[str] | list[s
 
 
 # ---- field reading --------------------------------------------------------------------------------------------------
-class _Section:
-    """Checked reads of one JSON object; every error names the file and the dotted field."""
+class _Section(Fields):
+    """Checked reads of one hardware JSON object (fields.Fields) in the units and named limits of this module."""
 
-    def __init__(self, doc: Any, where: str, path: str):
-        if not isinstance(doc, dict):
-            raise InputError(f"{where}: field {path!r} must be a JSON object, got {type(doc).__name__}")
-        self.doc, self.where, self.path = doc, where, path
+    def check_keys(self, allowed: set[str], what: str = "a known field here") -> None:
+        super().check_keys(allowed, what, ignored=_META_KEYS)
 
-    def check_keys(self, allowed: set[str]) -> None:
-        unknown = sorted(set(self.doc) - allowed - {"source", "sources", "_doc"})
-        if unknown:
-            raise self.error(unknown[0], f"is not a known field here (known: {', '.join(sorted(allowed))})")
+    def limited(self, key: str, limit: str, *, required: bool = True) -> float | None:
+        """A number inside the limits named `limit` (_LIMITS); None when absent and not required."""
+        low, high = _LIMITS[limit]
+        return self.number(key, low, high, default=REQUIRED if required else None, hint=UNIT_HINT)
 
-    def field(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
+    def limited_integer(self, key: str, limit: str, *, required: bool = True) -> int | None:
+        low, high = _LIMITS[limit]
+        return self.integer(key, low=int(low), high=int(high), default=REQUIRED if required else None)
 
-    def error(self, key: str, problem: str) -> InputError:
-        return InputError(f"{self.where}: field {self.field(key)!r} {problem}")
-
-    def has(self, key: str) -> bool:
-        return self.doc.get(key) is not None
-
-    def number(self, key: str, limit: str, *, required: bool = True) -> float | None:
-        value = self.doc.get(key)
-        if value is None:
-            if required:
-                raise self.error(key, "is missing")
-            return None
-        return check_number(value, limit, where=self.where, field=self.field(key))
-
-    def integer(self, key: str, limit: str, *, required: bool = True) -> int | None:
-        value = self.number(key, limit, required=required)
-        if value is not None and value != int(value):
-            raise self.error(key, f"must be a whole number, got {value}")
-        return None if value is None else int(value)
-
-    def text(self, key: str, *, required: bool = True, default: str = "") -> str:
-        value = self.doc.get(key)
-        if value is None or (value == "" and not required):
-            if required:
-                raise self.error(key, "is missing")
-            return default
-        if not isinstance(value, str) or not value.strip():
-            raise self.error(key, f"must be a non-empty string, got {value!r}")
-        return value
-
-    def flag(self, key: str, default: bool = False) -> bool:
-        value = self.doc.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.error(key, f"must be true or false, got {value!r}")
-        return value
+    def label(self, key: str, *, required: bool = True) -> str:
+        """A non-empty string; "" when absent (or given as "") and not required."""
+        if not required and self.doc.get(key) == "":
+            return ""
+        return self.text(key, default=REQUIRED if required else "", non_empty=True, max_len=1000)
 
     def size_gb(self, stem: str, limit: str) -> int:
         """A size given as <stem>_gb (10^9 bytes) or <stem>_gib (2^30 bytes), exactly one of them."""
         given = [key for key in (f"{stem}_gb", f"{stem}_gib") if self.has(key)]
         if len(given) != 1:
-            problem = "is missing" if not given else f"and {self.field(stem + '_gib')!r} are both given; keep one"
+            problem = "is missing" if not given else f"and {self.name(stem + '_gib')!r} are both given; keep one"
             raise self.error(f"{stem}_gb", problem)
-        value = self.number(given[0], limit)
+        value = self.limited(given[0], limit)
         if given[0].endswith("_gib"):
-            check_number(value * GIB / 1e9, limit, where=self.where, field=self.field(given[0]))
+            check_number(value * GIB / 1e9, limit, where=self.where, field=self.name(given[0]))
             return _bytes(value, binary=True)
         return _bytes(value)
 
@@ -214,7 +186,7 @@ class _Section:
         for dtype, value in table.items():
             if dtype not in DTYPES:
                 raise self.error(f"{key}.{dtype}", f"is not a known dtype ({', '.join(DTYPES)})")
-            result[dtype] = _flops(check_number(value, "tflops", where=self.where, field=self.field(f"{key}.{dtype}")))
+            result[dtype] = _flops(check_number(value, "tflops", where=self.where, field=self.name(f"{key}.{dtype}")))
         return result
 
     def sources(self, default: str, keys: tuple[str, ...]) -> dict[str, str]:
@@ -230,14 +202,8 @@ class _Section:
 
 def check_number(value: Any, limit: str, *, where: str, field: str) -> float:
     """A finite number inside the limits named `limit`, else InputError naming the file (`where`) and field."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InputError(f"{where}: field {field!r} must be a number, got {value!r}")
     low, high = _LIMITS[limit]
-    if value < low:
-        raise InputError(f"{where}: field {field!r} must be at least {low:g}, got {value:g}")
-    if value > high:
-        raise InputError(f"{where}: field {field!r} must be at most {high:g}, got {value:g} (check the unit)")
-    return float(value)
+    return fields.check_number(value, low, high, where=where, name=field, hint=UNIT_HINT)
 
 
 def clamp_to_limit(value: float, limit: str) -> float:
@@ -269,16 +235,11 @@ _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0,
 def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
     if doc is None:
         return None
-    if not isinstance(doc, dict) or set(doc) != set(_STREAMING_FIELDS):
+    s = _Section(doc, where, "cpu.decode_streaming")
+    if set(doc) != set(_STREAMING_FIELDS):
         raise InputError(f"{where}: field 'cpu.decode_streaming' must be an object with exactly "
                          f"{', '.join(_STREAMING_FIELDS)}, got {doc!r}")
-    values = {}
-    for key, (low, high) in _STREAMING_FIELDS.items():
-        value = doc[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise InputError(f"{where}: field 'cpu.decode_streaming.{key}' must be a number in [{low:g}, {high:g}], "
-                             f"got {value!r}")
-        values[key] = float(value)
+    values = {key: s.number(key, low, high) for key, (low, high) in _STREAMING_FIELDS.items()}
     return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3)
 
 
@@ -286,15 +247,15 @@ def _parse_gpu(doc: Any, where: str, path: str, default_source: str) -> ComputeD
     s = _Section(doc, where, path)
     s.check_keys(_GPU_KEYS)
     sources = s.sources(default_source, _GPU_SOURCE_KEYS)
-    name = s.text("name")
+    name = s.label("name")
     memory = s.size_gb("memory", "memory_gb")
-    bandwidth = _bandwidth(s.number("memory_bandwidth_gbps", "memory_bandwidth_gbps"))
+    bandwidth = _bandwidth(s.limited("memory_bandwidth_gbps", "memory_bandwidth_gbps"))
     flops = s.flops_table("flops_tflops")
-    power = s.number("power_w", "power_w")
+    power = s.limited("power_w", "power_w")
     if s.has("host_link_gbps"):
-        host_link = _bandwidth(s.number("host_link_gbps", "host_link_gbps"))
+        host_link = _bandwidth(s.limited("host_link_gbps", "host_link_gbps"))
     elif s.has("pcie_gen") or s.has("pcie_lanes"):
-        gen, lanes = s.integer("pcie_gen", "pcie_gen"), s.integer("pcie_lanes", "pcie_lanes")
+        gen, lanes = s.limited_integer("pcie_gen", "pcie_gen"), s.limited_integer("pcie_lanes", "pcie_lanes")
         host_link = pcie_bandwidth(gen, lanes)
         if "host_link_bandwidth" not in (doc.get("sources") or {}):
             sources["host_link_bandwidth"] = (f"{default_source.split(':', 1)[0]}:PCIe {gen}.0 x{lanes}, "
@@ -302,21 +263,21 @@ def _parse_gpu(doc: Any, where: str, path: str, default_source: str) -> ComputeD
     else:
         raise s.error("host_link_gbps", "is missing (or give pcie_gen and pcie_lanes)")
     return ComputeDevice(kind="gpu", name=name, memory_bytes=memory, memory_bandwidth=bandwidth, flops=flops,
-                         power_watts=power, host_link_bandwidth=host_link, unified_memory=s.flag("unified_memory"),
+                         power_watts=power, host_link_bandwidth=host_link, unified_memory=s.flag("unified_memory", False),
                          sources=sources)
 
 
 def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
     s = _Section(doc, where, "cpu")
     s.check_keys(_CPU_KEYS)
-    cores = s.integer("cores", "cores")
+    cores = s.limited_integer("cores", "cores")
     if s.has("flops_tflops"):
         flops = s.flops_table("flops_tflops")
     elif s.has("clock_ghz") or s.has("simd"):
-        simd = s.text("simd")
+        simd = s.label("simd")
         if simd not in SIMD_FP32_FLOPS_PER_CYCLE:
             raise s.error("simd", f"must be one of {', '.join(SIMD_FP32_FLOPS_PER_CYCLE)}, got {simd!r}")
-        clock = s.number("clock_ghz", "clock_ghz")
+        clock = s.limited("clock_ghz", "clock_ghz")
         flops = {k: _flops(v) for k, v in cpu_peak_flops_tflops(cores, clock, simd).items()}
     else:
         raise s.error("flops_tflops", "is missing (or give clock_ghz and simd)")
@@ -325,11 +286,11 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         sources["flops"] = f"estimated: {cores} cores x {s.doc['clock_ghz']} GHz x {s.doc['simd']} FLOP/cycle"
     return ComputeDevice(
         kind="cpu",
-        name=s.text("name"),
+        name=s.label("name"),
         memory_bytes=s.size_gb("ram", "ram_gb"),
-        memory_bandwidth=_bandwidth(s.number("ram_bandwidth_gbps", "ram_bandwidth_gbps")),
+        memory_bandwidth=_bandwidth(s.limited("ram_bandwidth_gbps", "ram_bandwidth_gbps")),
         flops=flops,
-        power_watts=s.number("power_w", "power_w"),
+        power_watts=s.limited("power_w", "power_w"),
         host_link_bandwidth=None,
         sources=sources,
         cores=cores,
@@ -341,9 +302,9 @@ def _parse_disk(doc: Any, where: str, default_source: str) -> DiskSpec:
     s = _Section(doc, where, "disk")
     s.check_keys({"capacity_gb", "read_gbps", "write_gbps"})
     return DiskSpec(
-        capacity_bytes=_bytes(s.number("capacity_gb", "capacity_gb")),
-        read_bandwidth=_bandwidth(s.number("read_gbps", "disk_gbps")),
-        write_bandwidth=_bandwidth(s.number("write_gbps", "disk_gbps")),
+        capacity_bytes=_bytes(s.limited("capacity_gb", "capacity_gb")),
+        read_bandwidth=_bandwidth(s.limited("read_gbps", "disk_gbps")),
+        write_bandwidth=_bandwidth(s.limited("write_gbps", "disk_gbps")),
         sources=s.sources(default_source, _DISK_SOURCE_KEYS),
     )
 
@@ -352,9 +313,9 @@ def _parse_network(doc: Any, where: str, default_source: str) -> NetworkSpec:
     s = _Section(doc, where, "network")
     s.check_keys({"upload_mbps", "download_mbps", "rtt_ms"})
     return NetworkSpec(
-        upload_bps=_bits_per_s(s.number("upload_mbps", "network_mbps")),
-        download_bps=_bits_per_s(s.number("download_mbps", "network_mbps")),
-        rtt_s=_seconds(s.number("rtt_ms", "rtt_ms")),
+        upload_bps=_bits_per_s(s.limited("upload_mbps", "network_mbps")),
+        download_bps=_bits_per_s(s.limited("download_mbps", "network_mbps")),
+        rtt_s=_seconds(s.limited("rtt_ms", "rtt_ms")),
         sources=s.sources(default_source, _NETWORK_SOURCE_KEYS),
     )
 
@@ -516,7 +477,7 @@ def hardware_from_dict(doc: Any, *, where: str = "hardware JSON", default_id: st
     # GPUs: catalog ids or full objects
     gpu_entries = doc.get("gpus")
     if top.has("gpu"):
-        gpu_entries = [doc["gpu"]] * (top.integer("gpu_count", "gpu_count", required=False) or 1)
+        gpu_entries = [doc["gpu"]] * (top.limited_integer("gpu_count", "gpu_count", required=False) or 1)
     elif top.has("gpu_count"):
         raise top.error("gpu_count", "needs a 'gpu'")
     if gpu_entries is not None and not isinstance(gpu_entries, list):
@@ -534,7 +495,7 @@ def hardware_from_dict(doc: Any, *, where: str = "hardware JSON", default_id: st
             gpus.append(_parse_gpu(entry, where, path, default_source))
 
     # the base machine that sections and missing GPUs come from
-    base_id = top.text("base", required=False) or None
+    base_id = top.label("base", required=False) or None
     if base_id is None:
         first_catalog_gpu = next((e for e in (gpu_entries or []) if isinstance(e, str)), None)
         if first_catalog_gpu and not all(top.has(name) for name in ("cpu", "disk", "network")):
@@ -557,16 +518,16 @@ def hardware_from_dict(doc: Any, *, where: str = "hardware JSON", default_id: st
             (base_doc[name] if given is None else given)
 
     spec = HardwareSpec(
-        id=top.text("id", required=False) or default_id,
+        id=top.label("id", required=False) or default_id,
         gpus=tuple(gpus),
         cpu=_parse_cpu(sections["cpu"], where, default_source),
         disk=_parse_disk(sections["disk"], where, default_source),
         network=_parse_network(sections["network"], where, default_source),
-        price_per_hour=top.number("price_per_hour", "price_per_hour", required=False)
+        price_per_hour=top.limited("price_per_hour", "price_per_hour", required=False)
         if "price_per_hour" in doc else (base.price_per_hour if base else None),
-        description=top.text("description", required=False) or (base.description if base else ""),
+        description=top.label("description", required=False) or (base.description if base else ""),
     )
-    overrides = {key: top.number(key, {"ram_gb": "ram_gb", "disk_gb": "capacity_gb", "disk_read_gbps": "disk_gbps",
+    overrides = {key: top.limited(key, {"ram_gb": "ram_gb", "disk_gb": "capacity_gb", "disk_read_gbps": "disk_gbps",
                                        "network_mbps": "network_mbps", "rtt_ms": "rtt_ms"}[key], required=False)
                  for key in _OVERRIDE_KEYS}
     return apply_host_overrides(spec, where=where, **overrides)

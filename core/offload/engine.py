@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hivekeeper.planner.costmodel import Policy
+from hivekeeper.planner.costmodel import TIERS, Policy
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.runtime.kernels import cpu_decode
@@ -53,7 +53,6 @@ from hivekeeper.core.machine.cpu_features import has_half_math
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
 from hivekeeper.core.runtime.quant.bnb import check_quant, quantized_block_bytes, quantized_tensors
 
-TIERS = ("gpu", "cpu", "disk")
 FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _MAX_HEADER_BYTES = 100 << 20

@@ -13,12 +13,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hivekeeper.planner.costmodel import Placement, Policy, Workload
+from hivekeeper.planner.costmodel import TIERS, Placement, Policy, Workload
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.fields import Fields
+from hivekeeper.planner.hardware_catalog import GIB
 
 from hivekeeper.core.machine.cpu_features import has_half_math
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -28,19 +28,16 @@ class PolicyChoice:
     reason: str  # the planner's explanation, or where the policy came from
 
 
-def _placement(doc, source: str, name: str, default: Placement) -> Placement:
-    if doc is None:
+def placement(policy: Fields, name: str, default: Placement) -> Placement:
+    """The placement object `name` ({"gpu": x, "cpu": y, "disk": z}, fractions summing to 1), or `default`."""
+    if not policy.has(name):
         return default
-    if not isinstance(doc, dict):
-        raise InputError(f"{source}: field {name!r} must be an object like {{\"gpu\": 0, \"cpu\": 1, \"disk\": 0}}")
+    tiers = policy.section(name)
+    fractions = [tiers.number(tier, 0.0, 1.0, default=0.0) for tier in TIERS]
     try:
-        values = [float(doc.get(tier, 0.0)) for tier in ("gpu", "cpu", "disk")]
-    except (TypeError, ValueError):
-        raise InputError(f"{source}: field {name!r} must hold numbers") from None
-    try:
-        return Placement(*values)
+        return Placement(*fractions)
     except InputError as exc:
-        raise InputError(f"{source}: field {name!r}: {exc}") from None
+        raise policy.error(name, f"is not a placement: {exc}") from None
 
 
 def policy_from_dict(doc, source: str = "plan") -> Policy:
@@ -55,31 +52,21 @@ def policy_from_dict(doc, source: str = "plan") -> Policy:
             raise InputError(f"{source}: field 'policy' must be an object")
         if "num_blocks" in doc:
             raise InputError(f"{source}: this is a serving plan (goal 'serve'); make a chat or batch plan")
-
-    def integer(name: str, default: int) -> int:
-        value = doc.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InputError(f"{source}: field {name!r} must be an integer, got {value!r}")
-        return value
-
-    fmt = doc.get("weight_format", "fp32")
-    if not isinstance(fmt, str):
-        raise InputError(f"{source}: field 'weight_format' must be a string")
-    mode = doc.get("kv_cache_mode", "keep")
-    if mode not in ("keep", "recompute"):
-        raise InputError(f"{source}: field 'kv_cache_mode' must be 'keep' or 'recompute', got {mode!r}")
+    policy = Fields(doc, source)
+    ram = Placement(0.0, 1.0, 0.0)
+    values = dict(
+        weight_format=policy.text("weight_format", default="fp32", max_len=100),
+        weights=placement(policy, "weights", ram),
+        kv_cache=placement(policy, "kv_cache", ram),
+        activations=placement(policy, "activations", ram),
+        micro_batch_size=policy.integer("micro_batch_size", default=1, high=65536),
+        num_micro_batches=policy.integer("num_micro_batches", default=1, high=4096),
+        kv_recompute=policy.text("kv_cache_mode", default="keep", choices=("keep", "recompute")) == "recompute",
+        prefetch_depth=policy.integer("prefetch_depth", default=1, low=0, high=2),
+        attention_on_cpu=policy.flag("attention_on_cpu", default=False),
+    )
     try:
-        return Policy(
-            weight_format=fmt,
-            weights=_placement(doc.get("weights"), source, "weights", Placement(0.0, 1.0, 0.0)),
-            kv_cache=_placement(doc.get("kv_cache"), source, "kv_cache", Placement(0.0, 1.0, 0.0)),
-            activations=_placement(doc.get("activations"), source, "activations", Placement(0.0, 1.0, 0.0)),
-            micro_batch_size=integer("micro_batch_size", 1),
-            num_micro_batches=integer("num_micro_batches", 1),
-            kv_recompute=mode == "recompute",
-            prefetch_depth=integer("prefetch_depth", 1),
-            attention_on_cpu=bool(doc.get("attention_on_cpu", False)),
-        )
+        return Policy(**values)  # checks that span fields (recompute with CPU attention, disk activations)
     except InputError as exc:
         raise InputError(f"{source}: {exc}") from None
 
