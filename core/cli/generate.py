@@ -3,6 +3,11 @@
 Runs the model locally through the offloading engine (with the planner's policy, or one from a plan file, under an
 optional RAM budget) or through a swarm (--swarm). Prints the text and a summary — tokens/s, time to first token,
 peak RSS, the plan used — or all of it as one JSON object with --json.
+
+The text is printed as it is generated (one sequence). Through a swarm, a failed server is replaced and its work
+replayed (each failover is listed in the summary and under "failovers" with --json); when the swarm cannot go on
+(some blocks have no server left) the text generated so far stays on stdout (with --json: an object with "error",
+the text so far and the failovers) and the error names the blocks, exit 2.
 """
 
 from __future__ import annotations
@@ -70,9 +75,11 @@ def set_threads() -> None:
 class Runner:
     """An opened model (local engine or swarm client) with its tokenizer and a description of the plan used."""
 
-    def __init__(self, model, tokenizer, plan_info: dict, description: str, is_demo: bool):
+    def __init__(self, model, tokenizer, plan_info: dict, description: str, is_demo: bool,
+                 failovers: list[dict] | None = None):
         self.model, self.tokenizer, self.plan_info, self.description = model, tokenizer, plan_info, description
         self.is_demo = is_demo
+        self.failovers = failovers  # a swarm client's failovers so far (None for a local run)
 
     def close(self) -> None:
         self.model.close()
@@ -107,7 +114,8 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
             raise InputError("--swarm needs --initial-peers (the multiaddrs a `hivekeeper serve` printed)")
         model = SwarmModel(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix)
         info = {"source": "swarm", "initial_peers": list(args.initial_peers)}
-        return Runner(model, tokenizer, info, "blocks in the swarm, embeddings and head here", is_demo)
+        return Runner(model, tokenizer, info, "blocks in the swarm, embeddings and head here", is_demo,
+                      failovers=model.client.failovers)
     from hivekeeper.core.offload.engine import OffloadedModel
 
     choice = choose_policy(args.plan, path, batch=batch, prompt_len=prompt_len,
@@ -154,6 +162,52 @@ def warm_up_torch_runtime() -> None:
     torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).sum()
 
 
+class TextSoFar:
+    """The text generate() has made final, per sequence; with `stream` also written to stdout as it comes."""
+
+    def __init__(self, batch: int, stream: bool):
+        self.texts, self.stream = [""] * batch, stream
+
+    def add(self, row: int, text: str) -> None:
+        self.texts[row] += text
+        if self.stream:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+
+def describe_failover(failover: dict) -> str:
+    """One failover in words: which server, which blocks, what was replayed, how long it took."""
+    name = f" ({failover['public_name']})" if failover.get("public_name") else ""
+    start, end = failover["blocks"]
+    return (f"server ...{failover['peer_id'][-8:]}{name} failed on blocks {start}:{end}; replaced, "
+            f"{failover['replayed_tokens']} tokens replayed in {failover['seconds']:.2f} s")
+
+
+def swarm_gave_up(args: argparse.Namespace, error: Exception) -> bool:
+    """Whether `error` is the swarm being unable to go on (not bad input)."""
+    if not args.swarm:
+        return False
+    from hivekeeper.core.swarm.client.inference import SwarmError
+
+    return isinstance(error, SwarmError)
+
+
+def report_interrupted(args: argparse.Namespace, runner: Runner, so_far: TextSoFar, error: Exception) -> None:
+    """The swarm could not go on: keep what was generated on stdout (the error itself goes to stderr)."""
+    if args.json:
+        text = {"text": so_far.texts[0]} if args.batch == 1 else {"texts": so_far.texts}
+        print(json.dumps({"error": str(error), **text, "failovers": runner.failovers or [],
+                          "model": str(args.model), "plan": runner.plan_info}))
+    elif so_far.stream:
+        if so_far.texts[0]:
+            print()  # the text so far is on stdout already
+    else:
+        for row, text in enumerate(so_far.texts):
+            print(f"[{row}] {text}")
+    for failover in runner.failovers or []:
+        print(f"failover: {describe_failover(failover)}", file=sys.stderr)
+
+
 # ---- the command ---------------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
@@ -193,10 +247,16 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     runner = open_runner(args, path, tokenizer, config, batch=args.batch, prompt_len=len(prompt_ids),
                          max_length=max_length, ram_budget=ram_budget, drop_page_cache=args.drop_page_cache)
+    so_far = TextSoFar(args.batch, stream=not args.json and args.batch == 1)
     try:
         load_s = time.perf_counter() - started
-        result = generate(runner.model, prompt_ids, max_new_tokens=args.max_new_tokens, batch=args.batch,
-                          sampling=sampling, tokenizer=tokenizer, ignore_eos=args.ignore_eos)
+        try:
+            result = generate(runner.model, prompt_ids, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                              sampling=sampling, tokenizer=tokenizer, ignore_eos=args.ignore_eos, on_text=so_far.add)
+        except InputError as exc:
+            if swarm_gave_up(args, exc):  # what was generated stays
+                report_interrupted(args, runner, so_far, exc)
+            raise
         streamed = getattr(runner.model, "bytes_streamed", 0)
     finally:
         runner.close()
@@ -209,17 +269,24 @@ def run(args: argparse.Namespace) -> int:
         "streamed_bytes_per_s": round(streamed / result.total_s) if streamed and result.total_s > 0 else 0,
         "plan": runner.plan_info, "random_weights": runner.is_demo,
     })
+    if runner.failovers is not None:
+        report["failovers"] = runner.failovers
     if args.json:
         print(json.dumps(report))
         return 0
-    for row, text in enumerate(result.texts):
-        print(text if args.batch == 1 else f"[{row}] {text}")
+    if so_far.stream:
+        print()  # the text was printed as it came
+    else:
+        for row, text in enumerate(result.texts):
+            print(f"[{row}] {text}")
     tps = result.decode_tokens_per_s
     print("---")
     print(f"{result.new_tokens} new tokens ({', '.join(sorted(set(result.finish_reasons)))}); "
           f"{'n/a' if tps is None else f'{tps:.1f}'} tokens/s; first token after {result.time_to_first_token_s:.2f} s; "
           f"peak RSS {report['peak_rss_bytes'] / 1e6:.0f} MB (runtime before loading {baseline_rss / 1e6:.0f} MB)")
     print(f"plan ({runner.plan_info['source']}): {runner.description}")
+    for failover in runner.failovers or []:
+        print(f"failover: {describe_failover(failover)}")
     if runner.is_demo:
         print("note: this is a demo checkpoint with RANDOM weights, so the text is gibberish", file=sys.stderr)
     return 0

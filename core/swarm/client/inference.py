@@ -7,7 +7,13 @@
 
 Fault tolerance: each server session keeps every input it was sent. When a server fails (its stream breaks, it
 answers an error, or it misses the step deadline) the client bans it with backoff, routes that server's blocks
-again and replays the history to the replacement(s) in one step, so the generation continues exactly.
+again and replays the history to the replacement(s) in one step, so the generation continues exactly. Each such
+failover is recorded (`SwarmClient.failovers`: server, blocks, replayed tokens, when, how long it took).
+
+When some blocks have no server that answers and none is joining to serve them, the client says so early: after
+gap_seconds (5 s) it raises SwarmGap, which names the blocks and since when they have had no server, instead of
+waiting retry_seconds (60 s) for one. A caller that streamed the text so far still has it (`hivekeeper generate`
+prints it before the error).
 
 The network side runs on an asyncio loop in a background thread; the public API is synchronous.
 """
@@ -43,7 +49,8 @@ from hivekeeper.core.swarm.protocol import (
     stream_messages,
     combine_parts,
 )
-from hivekeeper.core.swarm.client.routing import BanList, Hop, NoRoute, route_forward, route_inference
+from hivekeeper.core.swarm.client.routing import (BanList, Hop, NoRoute, block_ranges, route_forward,
+                                                   route_inference, uncovered_blocks)
 from hivekeeper.planner.errors import InputError
 
 logger = logging.getLogger("hivekeeper.swarm.client")
@@ -54,6 +61,20 @@ class SwarmError(InputError):
 
     An InputError, so that the CLI reports it in one line: the swarm named by --initial-peers cannot run this model
     right now."""
+
+
+class SwarmGap(SwarmError):
+    """Some blocks have no server that answers, and no server is joining to serve them.
+
+    blocks: the block indices without a server; since: the wall-clock time from which they have had none (the last
+    answer of the server that held them, or when the client first looked)."""
+
+    def __init__(self, blocks: list[int], since: float, cause: str = ""):
+        self.blocks, self.since = list(blocks), since
+        when = time.strftime("%H:%M:%S", time.localtime(since))
+        ago = max(0.0, time.time() - since)
+        super().__init__(f"no server covers block {self.blocks[0]}: blocks {block_ranges(self.blocks)} have had no "
+                         f"server that answers since {when} ({ago:.1f} s ago){cause}")
 
 
 @dataclass
@@ -68,6 +89,7 @@ class ClientConfig:
     alloc_timeout: float = 5.0  # seconds a server may wait for cache room before refusing our session
     ban_seconds: float = 15.0  # first ban of a failing peer; doubles per failure
     retry_seconds: float = 60.0  # give up when no route works for this long
+    gap_seconds: float = 5.0  # ... or this soon when some blocks have no answering server and none is joining
     swarm_cache_seconds: float = 10.0  # reuse a DHT read this long
     ping_timeout: float = 2.0  # for RTT measurements when routing
     probe_interval: float = 0.5  # while a step is late, check the server is alive this often
@@ -111,6 +133,18 @@ class _LoopThread:
             self.loop.close()
 
 
+def first_line(error: BaseException, width: int) -> str:
+    """An error in one short line (daemon errors carry multi-line dial reports)."""
+    text = (str(error) or type(error).__name__).strip().splitlines()[0]
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def describe_server(hop: Hop) -> str:
+    """'...q6HGvQ34 (its public name)': how messages name a server."""
+    name = hop.span.info.public_name
+    return f"...{hop.peer_id[-8:]}" + (f" ({name})" if name else "")
+
+
 _STEP_STRUCTURE = ((b"__T0", b"__T1", b"__T2"), {})  # pack_args(hidden_states, prompts, hypo_ids)
 
 
@@ -131,6 +165,7 @@ class _ServerSession:
         self._history_buffer: torch.Tensor | None = None  # [batch, capacity, hidden], fp32
         self._length = 0
         self.expected_seconds = 0.0
+        self.answered_at: float | None = None  # wall-clock time of its last answer
         self._inbox: asyncio.Queue | None = None
         self._responses: AsyncIterator | None = None
         dtype_name = hop.span.info.torch_dtype or "float32"
@@ -200,6 +235,7 @@ class _ServerSession:
             raise ConnectionError(f"server {self.hop.peer_id[-8:]} answered shape {list(output.shape)} "
                                   f"for input {list(hidden.shape)}")
         self.client.heard_from(self.hop.peer_id)
+        self.answered_at = time.time()
         self._remember(hidden, hypo_ids, start_from)
         return output
 
@@ -275,39 +311,56 @@ class _InferenceCore:
         self.start, self.end = start, client.config.num_blocks if end is None else end
         self.sessions: list[_ServerSession] = []
         self.position = 0
-        self.recoveries: list[dict] = []  # one entry per recovered failure: peer, blocks, seconds
+        self.recoveries: list[dict] = []  # this session's failovers (as SwarmClient.failovers)
         self.closed = False
 
     def route(self) -> list[tuple[str, int, int]]:
         return [(s.hop.peer_id, s.hop.start, s.hop.end) for s in self.sessions]
 
-    async def _new_sessions(self, start: int, end: int, deadline: float, fresh: bool = False) -> list[_ServerSession]:
-        """Sessions for blocks [start, end) along the best route; waits for servers up to the deadline.
+    async def _new_sessions(self, start: int, end: int, deadline: float, fresh: bool = False,
+                            since: float | None = None, cause: str = "") -> list[_ServerSession]:
+        """Sessions for blocks [start, end) along the best route; waits for servers up to the deadline, or
+        gap_seconds from `since` (wall-clock; default: now) when no answering server covers some block and none is
+        joining to (SwarmGap, with `cause` appended to its message).
 
         fresh: (after a failure) probe every candidate not heard from in the last seconds first, so that a server
         that died earlier but is still listed in the DHT is not chosen again."""
         client, config = self.client, self.client.config
         max_age, timeout = (config.fresh_seconds, config.probe_timeout) if fresh else (60.0, config.ping_timeout)
-        refresh = False
+
+        def usable(peer: str) -> bool:
+            return not client.bans.banned(peer) and client.heard_within(peer, max_age)
+
+        since = time.time() if since is None else since
+        refresh, warned = False, False
         while True:
-            spans = await client.spans(refresh=refresh)
-            candidates = {s.peer_id for s in spans if s.start < end and s.end > start and not client.bans.banned(s.peer_id)}
+            view = await client.view(refresh=refresh)
+            candidates = {s.peer_id for s in view.spans
+                          if s.start < end and s.end > start and not client.bans.banned(s.peer_id)}
             # probe the candidates we have not heard from lately, all at once; route as soon as the ones that
             # answered cover the blocks (a dead server's probe then runs out in the background and bans it)
             pending = {asyncio.create_task(client.measure(peer, timeout))
                        for peer in candidates if not client.heard_within(peer, max_age)}
             while True:
                 try:
-                    hops = route_inference(spans, start, end, rtts=client.known_rtts(),
+                    hops = route_inference(view.spans, start, end, rtts=client.known_rtts(),
                                            cache_tokens_needed=self.batch * self.max_length,
-                                           banned=lambda peer: client.bans.banned(peer)
-                                           or not client.heard_within(peer, max_age))
+                                           banned=lambda peer: not usable(peer))
                     return [_ServerSession(client, hop, self.max_length) for hop in hops]
                 except NoRoute as exc:
                     if not pending:
                         no_route = exc
                         break
                     _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            missing = uncovered_blocks(view.spans, start, end, usable=usable) or list(range(start, end))
+            nobody_joins = set(uncovered_blocks(view.joining, start, end, usable=lambda p: not client.bans.banned(p)))
+            hopeless = [block for block in missing if block in nobody_joins]
+            if hopeless and time.time() - since >= min(config.gap_seconds, config.retry_seconds):
+                raise SwarmGap(hopeless, since, cause)  # nobody serves them and nobody is coming: say so now
+            if not warned:
+                warned = True
+                logger.warning("blocks %s have no server that answers; waiting for one%s", block_ranges(missing),
+                               "" if hopeless else " (a server is joining to serve them)")
             if time.monotonic() > deadline:
                 raise SwarmError(f"{no_route}; waited {config.retry_seconds:g}s for a server") from None
             refresh = True
@@ -353,7 +406,7 @@ class _InferenceCore:
         Returns the step output of the replacement chain and how many sessions now stand in its place.
         """
         failed = self.sessions[index]
-        started = time.monotonic()
+        started, failed_at = time.monotonic(), time.time()
         ban = self.client.bans.fail(failed.hop.peer_id)
         logger.warning("server %s failed on blocks %d:%d (%s); banned for %.0fs, re-routing",
                        failed.hop.peer_id[-8:], failed.hop.start, failed.hop.end, failure, ban)
@@ -365,8 +418,10 @@ class _InferenceCore:
             if hypo_ids is not None:
                 history = history[hypo_ids]
         replay_len = 0 if history is None else history.shape[1]
+        cause = f"; the server that held them, {describe_server(failed.hop)}, failed: {first_line(failure, 80)}"
         while True:
-            replacements = await self._new_sessions(failed.hop.start, failed.hop.end, deadline, fresh=True)
+            replacements = await self._new_sessions(failed.hop.start, failed.hop.end, deadline, fresh=True,
+                                                    since=failed.answered_at or failed_at, cause=cause)
             inputs = x if history is None else torch.cat([history.to(x.dtype), x], dim=1)
             try:
                 out = inputs
@@ -385,9 +440,12 @@ class _InferenceCore:
                     raise SwarmError(f"could not recover blocks {failed.hop.start}:{failed.hop.end}: {exc}") from exc
         self.sessions[index : index + 1] = replacements
         seconds = time.monotonic() - started
-        self.recoveries.append({"peer_id": failed.hop.peer_id, "blocks": [failed.hop.start, failed.hop.end],
-                                "replayed_tokens": replay_len, "seconds": seconds,
-                                "new_route": [(s.hop.peer_id, s.hop.start, s.hop.end) for s in replacements]})
+        failover = {"peer_id": failed.hop.peer_id, "public_name": failed.hop.span.info.public_name,
+                    "blocks": [failed.hop.start, failed.hop.end], "replayed_tokens": replay_len, "time": failed_at,
+                    "seconds": seconds, "error": first_line(failure, 200),
+                    "new_route": [(s.hop.peer_id, s.hop.start, s.hop.end) for s in replacements]}
+        self.recoveries.append(failover)
+        self.client.failovers.append(failover)
         logger.warning("recovered blocks %d:%d in %.2fs (replayed %d tokens)", failed.hop.start, failed.hop.end,
                        seconds, replay_len)
         return out[:, replay_len:], len(replacements)
@@ -462,10 +520,11 @@ class RemoteSession:
 # ---- the client ----------------------------------------------------------------------------------------------------
 @dataclass
 class SwarmView:
-    """What the DHT says now: per block {peer: ServerInfo}, and each ONLINE server's span."""
+    """What the DHT says now: per block {peer: ServerInfo}, each ONLINE server's span and each JOINING one's."""
 
     blocks: list[dict]
     spans: list[RemoteSpanInfo]
+    joining: list[RemoteSpanInfo] = field(default_factory=list)
     read_at: float = field(default_factory=time.monotonic)
 
 
@@ -478,6 +537,7 @@ class SwarmClient:
         check_initial_peers(config.initial_peers)
         self.config = config
         self.bans = BanList(config.ban_seconds)
+        self.failovers: list[dict] = []  # every failover of every session: server, blocks, replayed tokens, time
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
         self._view: SwarmView | None = None
@@ -524,7 +584,8 @@ class SwarmClient:
         if cached is not None and not refresh and time.monotonic() - cached.read_at < self.config.swarm_cache_seconds:
             return cached
         blocks = await read_blocks(self.dht, self.config.dht_prefix, self.config.num_blocks)
-        self._view = SwarmView(blocks, list(spans_of(blocks, states=(ServerState.ONLINE,)).values()))
+        self._view = SwarmView(blocks, list(spans_of(blocks, states=(ServerState.ONLINE,)).values()),
+                               list(spans_of(blocks, states=(ServerState.JOINING,)).values()))
         return self._view
 
     async def spans(self, refresh: bool = False) -> list[RemoteSpanInfo]:

@@ -113,6 +113,26 @@ def route_forward(spans: list[RemoteSpanInfo], start: int, end: int, *, banned=l
     return hops
 
 
+def uncovered_blocks(spans: list[RemoteSpanInfo], start: int, end: int, *, usable=lambda peer: True) -> list[int]:
+    """The blocks of [start, end) that no usable server's span covers."""
+    covered = set()
+    for span in spans:
+        if usable(span.peer_id):
+            covered.update(range(max(span.start, start), min(span.end, end)))
+    return [block for block in range(start, end) if block not in covered]
+
+
+def block_ranges(blocks: list[int]) -> str:
+    """[2, 3, 5] -> "2:4, 5:6": runs of consecutive blocks as half-open spans (as --block-indices takes them)."""
+    runs: list[list[int]] = []
+    for block in sorted(set(blocks)):
+        if runs and block == runs[-1][1]:
+            runs[-1][1] = block + 1
+        else:
+            runs.append([block, block + 1])
+    return ", ".join(f"{a}:{b}" for a, b in runs)
+
+
 def route_cost(hops: list[Hop], rtts: dict[str, float]) -> float:
     """Expected seconds of one 1-token step along a route (for display and tests)."""
     return sum(rtts.get(h.peer_id, UNKNOWN_RTT_S) + HOP_OVERHEAD_S + (h.end - h.start) * _block_seconds(h.span)
