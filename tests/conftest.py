@@ -77,16 +77,20 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def cpu_flags(monkeypatch):
-    """Pin the CPU flags this test (and its child processes) sees: `cpu_flags("avx2 fma avx512f avx512_bf16")`."""
+    """Pin the CPU flags this test (and its child processes) sees: `cpu_flags("avx2 fma avx512f avx512_bf16")`.
+    What was decided from the flags before (native kernels on or off, the CPU's 16-bit dtype) is decided again."""
+    from hivekeeper.core.machine import cpu_dtype
     from hivekeeper.core.runtime.kernels import native_kernels
 
     def pin(flags: str) -> None:
         monkeypatch.setenv("HIVEKEEPER_CPU_FLAGS", flags)
         native_kernels.forget()
+        cpu_dtype.forget()
 
     yield pin
     monkeypatch.setenv("HIVEKEEPER_CPU_FLAGS", SUITE_CPU_FLAGS)
     native_kernels.forget()
+    cpu_dtype.forget()
 
 
 @pytest.fixture(autouse=True)

@@ -131,9 +131,9 @@ class _Chat:
 
     def _read_line(self) -> str | None:
         """The line typed ("" at the end of input), or None when Ctrl-C interrupted the read."""
-        _say(USER_PROMPT, end="")
         try:
-            self.waiting_for_input = True
+            self.waiting_for_input = True  # before the prompt shows: a Ctrl-C right after it must interrupt the read
+            _say(USER_PROMPT, end="")
             return sys.stdin.readline()
         except KeyboardInterrupt:
             return None

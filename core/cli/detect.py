@@ -1,4 +1,8 @@
-"""`hivekeeper detect`: show this machine's detected hardware, or save it as a hardware JSON file."""
+"""`hivekeeper detect`: show this machine's detected hardware, or save it as a hardware JSON file.
+
+The text also says which CPU flags decisions use (pinned or reported), whether the native decode kernels run, and
+what 16-bit plans compute in on this CPU and why (core/machine/cpu_dtype.py).
+"""
 
 from __future__ import annotations
 
@@ -70,8 +74,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     elif not args.out:
+        from hivekeeper.core.machine import cpu_features
+        from hivekeeper.core.machine.cpu_dtype import choice_for
         from hivekeeper.core.runtime.kernels import native_kernels
 
         print(describe(spec))
+        print(f"CPU flags: {cpu_features.describe()}")
         print(f"CPU decode kernels: {native_kernels.status()}")  # built here on first use: it may take a second
+        print(choice_for(spec).line())
     return 0

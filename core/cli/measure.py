@@ -1,8 +1,10 @@
 """`hivekeeper measure`: micro-benchmark this machine and save the results as its profile for the planner.
 
-RAM read bandwidth, matmul FLOP/s per dtype at decode and prefill shapes, disk read/write past the page cache,
-host<->GPU copies (pinned and pageable) and GPU memory/matmuls when there is a GPU, and RTT/bandwidth to peers
-given with --peer. `--listen PORT` instead runs the peer side of the bandwidth test until interrupted.
+RAM read bandwidth, matmul FLOP/s per dtype at decode and prefill shapes, decode weight streaming, a bf16 decode
+step against fp32 where the CPU has native bf16 math (it decides what 16-bit plans compute in: "CPU 16-bit plans:"
+says which and why), disk read/write past the page cache, host<->GPU copies (pinned and pageable) and GPU
+memory/matmuls when there is a GPU, and RTT/bandwidth to peers given with --peer. `--listen PORT` instead runs the
+peer side of the bandwidth test until interrupted.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
     from hivekeeper.planner.hardware_catalog import hardware_to_json
 
+    from hivekeeper.core.machine.cpu_dtype import choose
+    from hivekeeper.core.machine.cpu_dtype import forget as forget_choice
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.offload.engine import use_physical_cores
     from hivekeeper.core.machine.profiles import (comparison_rows, load_machine_profile, machine_fingerprint, new_profile,
@@ -118,15 +122,19 @@ def run(args: argparse.Namespace) -> int:
     if out is not None:
         write_json_atomic(out, hardware_to_json(dataclasses.replace(hardware, id=out.stem)))
 
+    forget_choice()  # this process decides again with the new profile
+    choice = choose(measurements)
     if args.json:
         print(json.dumps({
             "profile": str(path) if path else None, "fingerprint": machine_fingerprint(detected),
             "threads": threads, "torch": torch.__version__, "seconds": round(time.time() - started, 2),
             "calibration_dropped": dropped, "measurements": [m.as_dict() for m in measurements],
+            "cpu_sixteen_bit": {"dtype": choice.dtype, "reason": choice.reason},
             "hardware": hardware_to_json(hardware),
         }))
         return 0
     print(render(comparison_rows(detected, profile), measurements))
+    print(choice.line())
     print(f"{len(measurements)} measurements in {time.time() - started:.1f} s, {threads} CPU threads, "
           f"load average {max((m.loadavg for m in measurements), default=0):.1f}")
     if path:
@@ -148,7 +156,9 @@ def _value(value: float | None, unit: str) -> str:
         return f"{value / 1e9:.3g} GFLOP/s" if value < 1e12 else f"{value / 1e12:.3g} TFLOP/s"
     if unit == "bit/s":
         return f"{value / 1e6:.4g} Mbit/s"
-    return f"{value * 1e3:.3g} ms"
+    if unit == "s":
+        return f"{value * 1e3:.3g} ms"
+    return f"{value:.3g}{unit}"
 
 
 def render(rows, measurements) -> str:

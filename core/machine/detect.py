@@ -1,8 +1,10 @@
 """Detect this machine as a HardwareSpec: RAM, CPU, the data folder's disk, and GPUs (torch.cuda + NVML).
 
 Only sizes and names are read from the system; speeds that need a benchmark (RAM and disk bandwidth) are
-conservative defaults whose source says "estimated", until `hivekeeper measure` replaces them. Detection never
-raises: without a GPU, NVML or a CUDA build of torch the result is a CPU-only spec, and the description says why.
+conservative defaults whose source says "estimated", until `hivekeeper measure` replaces them. The CPU's FLOP/s
+follow its feature flags (core/machine/cpu_features.py), and its 16-bit entries what a 16-bit plan computes in here
+(core/machine/cpu_dtype.py). Detection never raises: without a GPU, NVML or a CUDA build of torch the result is a
+CPU-only spec, and the description says why.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from hivekeeper.core.machine.cpu_dtype import choice_for, with_choice
 from hivekeeper.core.machine.cpu_features import cpu_flags, cpu_model_name, cpuinfo_fields
 from hivekeeper.planner.hardware import ComputeDevice, HardwareSpec
 from hivekeeper.planner.hardware_catalog import (
@@ -59,7 +62,7 @@ def detect_cpu_section() -> dict:
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True) or 1
 
     sources = {"cores": "detected", "memory_bytes": "detected"}
-    clock_ghz, clock_source = _cpu_clock_ghz(info)
+    clock_ghz, clock_source = cpu_clock_ghz(info)
     level = simd_level(flags) if flags else "sse"
     flops = cpu_peak_flops_tflops(cores, clock_ghz, flags or level)
     sources["flops"] = f"estimated: {cores} cores x {clock_ghz:.2f} GHz ({clock_source}) x {level} FLOP/cycle"
@@ -79,7 +82,7 @@ def detect_cpu_section() -> dict:
     }
 
 
-def _cpu_clock_ghz(info: dict[str, str]) -> tuple[float, str]:
+def cpu_clock_ghz(info: dict[str, str]) -> tuple[float, str]:
     """Max (else current) CPU clock: psutil, then the '@ 2.20GHz' of the model name, then cpuinfo's 'cpu MHz'."""
     try:
         freq = psutil.cpu_freq()
@@ -148,7 +151,7 @@ def detect_disk_section(data_dir: Path) -> dict:
 
 
 # ---- GPUs ---------------------------------------------------------------------------------------------------------
-def _nvml_devices() -> dict[str, dict]:
+def nvml_devices() -> dict[str, dict]:
     """NVML's numbers per GPU UUID (without the 'GPU-' prefix); empty when NVML is missing or fails."""
     try:
         import pynvml
@@ -199,7 +202,7 @@ def detect_cuda_gpus() -> tuple[list[ComputeDevice], str]:
             return [_apple_gpu()], ""
         cuda_build = torch.version.cuda is not None
         return [], "no CUDA device" if cuda_build else "torch has no CUDA build"
-    nvml = _nvml_devices()
+    nvml = nvml_devices()
     gpus = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
@@ -256,4 +259,6 @@ def detect_hardware(data_dir: str | Path | None = None) -> HardwareSpec:
     description = f"{socket.gethostname()}: {gpu_names}; {spec.cpu.name}, {spec.cpu.memory_bytes / GIB:.1f} GiB RAM"
     if note:
         description += f" ({note})"
-    return dataclasses.replace(spec, gpus=tuple(gpus), description=description)
+    spec = dataclasses.replace(spec, gpus=tuple(gpus), description=description)
+    # what a 16-bit plan computes in here (flags and the saved measurement), as the planner must cost it
+    return dataclasses.replace(spec, cpu=with_choice(spec.cpu, choice_for(spec)))

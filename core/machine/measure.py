@@ -1,4 +1,5 @@
-"""Micro-benchmarks of this machine: RAM and device bandwidth, matmul FLOP/s, host<->device copies, disk reads, peers.
+"""Micro-benchmarks of this machine: RAM and device bandwidth, matmul FLOP/s, decode weight streaming, bf16 against
+fp32 at decode (which 16-bit plans follow), host<->device copies, disk reads, peers.
 
 Every benchmark repeats its timing and keeps the fastest run (the least disturbed by other processes) together with
 the spread of the repeats and the 1-minute load average, so a noisy measurement shows itself. `run_benchmarks`
@@ -24,9 +25,12 @@ import torch
 
 from hivekeeper.planner.errors import InputError
 
-from hivekeeper.core.runtime.kernels.cpu_matmul import linear, physical_cores, store_tall_by_column, torch_threads
+from hivekeeper.core.machine.cpu_features import has_half_math
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
-    MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+    HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+from hivekeeper.core.runtime.kernels import native_kernels
+from hivekeeper.core.runtime.kernels.cpu_matmul import (BLAS_MIN_WEIGHT_ELEMENTS, blas_active, linear,
+                                                        physical_cores, store_tall_by_column, torch_threads)
 
 Progress = Callable[[float, str], None]
 
@@ -175,17 +179,22 @@ def _layer_chain(hidden: int, total_bytes: int) -> list[torch.Tensor]:
     return weights
 
 
-def _chain_seconds(weights: list[torch.Tensor], rows: int, repeats: int) -> list[float]:
-    """Seconds of each repeat of `rows` rows multiplied by every matrix in turn (a small op after each, as a
+def _chain(weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
+    """`rows` rows (inputs in the weights' dtype) multiplied by every matrix in turn (a small op after each, as a
     block has), through the runtime's kernel."""
-    inputs = {w.shape[1]: torch.randn(rows, 1, w.shape[1]) for w in weights}  # one new token per row, as decode
+    inputs = {w.shape[1]: torch.randn(rows, 1, w.shape[1], dtype=w.dtype) for w in weights}  # one new token per row
 
     def chain() -> None:
         with torch.inference_mode():
             for weight in weights:
                 linear(inputs[weight.shape[1]], weight).add_(1.0)
 
-    return _timings(chain, repeats, torch.device("cpu"))
+    return chain
+
+
+def _chain_seconds(weights: list[torch.Tensor], rows: int, repeats: int) -> list[float]:
+    """Seconds of each repeat of _chain(weights, rows)."""
+    return _timings(_chain(weights, rows), repeats, torch.device("cpu"))
 
 
 def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, repeats: int = 5) -> list[Measurement]:
@@ -229,6 +238,51 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
     ]
 
 
+def _alternating_seconds(runs: list[Callable[[], None]], repeats: int) -> list[list[float]]:
+    """Seconds of each run per repeat, timed in turn (a, b, a, b, ...) after one warm-up each, so that a busy spell
+    on a shared machine hits all of them."""
+    for run in runs:
+        run()  # first touch of the pages, kernel choice
+    seconds: list[list[float]] = [[] for _ in runs]
+    for _ in range(max(1, repeats)):
+        for run, times in zip(runs, seconds):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return seconds
+
+
+def fp32_decode_path(elements: int) -> str:
+    """How the runtime multiplies one row by an fp32 weight of `elements` values here (cpu_matmul.linear): the
+    native kernels, numpy's BLAS or torch."""
+    if not blas_active() or elements < BLAS_MIN_WEIGHT_ELEMENTS:
+        return "torch"
+    return "the native kernels" if native_kernels.library() is not None else "numpy's BLAS"
+
+
+def measure_half_decode(hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 5) -> Measurement:
+    """A decode-shaped step in bf16 against the same step in fp32 (HALF_DECODE_KEY: bf16 time / fp32 time; below 1
+    bf16 is faster): one-row matmuls over a chain of layer-shaped matrices, fp32 stored and multiplied as the
+    runtime does (tall ones column-major, the native kernels where they run), bf16 as nn.Linear keeps them (torch's
+    kernel), timed in turn.
+
+    Whether a CPU with native bf16 math (AVX512-BF16, AMX) should run 16-bit plans in bf16 depends on this, not on
+    the flag: core/machine/cpu_dtype.py."""
+    load = load_average()
+    fp32 = _layer_chain(hidden, total_bytes)
+    bf16 = [weight.to(torch.bfloat16).contiguous() for weight in fp32]
+    fp32_s, bf16_s = _alternating_seconds([_chain(fp32, 1), _chain(bf16, 1)], repeats)
+    ratios = [b / f for f, b in zip(fp32_s, bf16_s)]
+    ratio = min(bf16_s) / min(fp32_s)
+    megabytes = sum(w.numel() for w in fp32) * 4 / 2**20
+    detail = (f"{len(fp32)} matrices of width {hidden}, one row: fp32 ({megabytes:.0f} MiB, "
+              f"{fp32_decode_path(min(w.numel() for w in fp32))}) "
+              f"{min(fp32_s) * 1e3:.3g} ms, bf16 ({megabytes / 2:.0f} MiB, torch) {min(bf16_s) * 1e3:.3g} ms")
+    return Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x",
+                       (max(ratios) - min(ratios)) / min(ratios), len(ratios), max(load, load_average()), detail,
+                       ratios)
+
+
 def _fitting_shape(shape: MatmulShape, dtype: str, device: torch.device, seconds_budget: float) -> MatmulShape:
     """The shape, with k and n halved until one multiply takes about `seconds_budget` or less.
 
@@ -268,7 +322,7 @@ def measure_host_device(direction: str, pinned: bool, size_bytes: int = 256 << 2
 
 
 # ---- disk -----------------------------------------------------------------------------------------------------------
-def _drop_from_page_cache(fd: int) -> None:
+def drop_file_from_page_cache(fd: int) -> None:
     """Ask the kernel to forget a file's cached pages so the next read comes from the disk itself.
 
     posix_fadvise(DONTNEED) evicts clean pages of that one file (we fsync first so all are clean); it needs no
@@ -308,7 +362,7 @@ def measure_disk(folder: str | os.PathLike, size_bytes: int = 256 << 20, repeats
                 os.write(fd, block)
             os.fsync(fd)
             write_s.append(time.perf_counter() - start)
-            _drop_from_page_cache(fd)
+            drop_file_from_page_cache(fd)
             os.lseek(fd, 0, os.SEEK_SET)
             start = time.perf_counter()
             while os.read(fd, chunk):
@@ -471,6 +525,8 @@ class BenchmarkSizes:
     decode_rows: int = 1
     stream_hidden: int = 2048  # weight streaming: a chain of decoder-layer-shaped matrices of this width...
     stream_bytes: int = 384 << 20  # ...this many bytes in all (far beyond the caches)
+    half_hidden: int = 2048  # bf16 against fp32 at decode: layer-shaped matrices of this width (weights large enough
+    half_bytes: int = 256 << 20  # for the runtime's fp32 kernels), this many fp32 bytes in all (beyond the caches)
     matmul_seconds: float = 1.0  # one prefill-shape multiply takes at most about this long (slow dtypes shrink)
     disk_bytes: int = 512 << 20
     link_bytes: int = 256 << 20
@@ -480,15 +536,15 @@ class BenchmarkSizes:
 
 
 QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=256, matmul_n=512, prefill_rows=64, matmul_seconds=0.05,
-                       stream_hidden=256, stream_bytes=8 << 20,
+                       stream_hidden=256, stream_bytes=8 << 20, half_hidden=768, half_bytes=64 << 20,
                        disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"))
 
 
 def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str | os.PathLike | None = None,
                    peers: tuple[str, ...] = (), gpu: bool = True, progress: Progress = _silent,
                    should_stop: Callable[[], bool] = lambda: False) -> list[Measurement]:
-    """Every benchmark this machine allows, in turn: RAM, CPU matmuls per dtype (decode and prefill shapes), disk
-    (when a folder is given), GPU memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA
+    """Every benchmark this machine allows, in turn: RAM, CPU matmuls per dtype (decode and prefill shapes), decode
+    weight streaming, a bf16 decode step against fp32 (with native bf16 math), disk (when a folder is given), GPU memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA
     device is present (and gpu=True), and each peer. progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
@@ -498,6 +554,9 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     if "fp32" in sizes.dtypes:
         steps.append(("CPU decode weight streaming",
                       lambda: measure_weight_streaming(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats)))
+    if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
+        steps.append(("CPU bf16 vs fp32 decode step",
+                      lambda: [measure_half_decode(sizes.half_hidden, sizes.half_bytes, sizes.repeats)]))
     if disk_folder is not None:
         steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))
     if gpu and torch.cuda.is_available():

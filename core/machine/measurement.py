@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
-# keys of measure.measure_weight_streaming's results, also read by machine_profile (which must not import torch)
+# keys of measure.measure_weight_streaming's results, also read by profiles (which must not import torch)
 WEIGHT_STREAM_KEY = "cpu_weight_stream"
 MATMUL_START_KEY = "cpu_matmul_start"
 SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
+# measure.measure_half_decode's result (bf16 step time / fp32 step time), read by cpu_dtype to pick a CPU's 16-bit dtype
+HALF_DECODE_KEY = "cpu_decode_bf16_vs_fp32"
 
 
 @dataclass

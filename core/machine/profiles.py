@@ -33,8 +33,9 @@ from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, Hardware
 from hivekeeper.planner.hardware_catalog import GIB, clamp_to_limit
 
 from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.core.machine.cpu_dtype import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
-    MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+    HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
 
 PROFILE_VERSION = 1
 
@@ -231,9 +232,10 @@ def _with_flops(device: ComputeDevice, rates: dict[str, Measurement], when: floa
 
 
 def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when: float | None = None) -> HardwareSpec:
-    """The spec with measured numbers in place: RAM bandwidth, CPU FLOP/s per dtype, disk read/write, the first
-    GPU's memory bandwidth, FLOP/s and host link (and every GPU of the same name), RTT and bandwidth to peers.
-    Each replaced number's source says "measured ..." with the spread and load of its measurement."""
+    """The spec with measured numbers in place: RAM bandwidth, CPU FLOP/s per dtype (16-bit entries as this machine's
+    16-bit decision has them: core/machine/cpu_dtype.py), disk read/write, the first GPU's memory bandwidth, FLOP/s
+    and host link (and every GPU of the same name), RTT and bandwidth to peers. Each replaced number's source says
+    "measured ..." with the spread and load of its measurement."""
     by_key = {m.key: m for m in measurements}
     cpu, disk, network, gpus = spec.cpu, spec.disk, spec.network, list(spec.gpus)
 
@@ -242,7 +244,9 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
         bandwidth = float(round(clamp_to_limit(m.value / 1e9, "ram_bandwidth_gbps") * 1e9))
         cpu = dataclasses.replace(cpu, memory_bandwidth=bandwidth,
                                   sources={**cpu.sources, "memory_bandwidth": _source(m, when)})
-    cpu = _with_flops(cpu, _matmul_rates(measurements, "cpu"), when)
+    cpu_rates = _matmul_rates(measurements, "cpu")
+    if cpu_rates:  # measured rates, as the planner must see them under this machine's 16-bit decision
+        cpu = with_choice(_with_flops(cpu, cpu_rates, when), choose(measurements))
     streaming = decode_streaming(measurements)
     if streaming is not None:
         cpu = dataclasses.replace(cpu, decode_streaming=streaming)
@@ -319,6 +323,7 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
     rows.append(row("CPU", "matmul start-up", None, MATMUL_START_KEY, "s", ""))
     rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, SMALL_ROWS_READS_KEY,
                     "x", "default"))
+    rows.append(row("CPU", "bf16 decode step / fp32 one", None, HALF_DECODE_KEY, "x", ""))
     rows.append(row("disk", "read (uncached)", detected.disk.read_bandwidth, "disk_read", "B/s",
                     detected.disk.sources.get("read_bandwidth", "")))
     rows.append(row("disk", "write", detected.disk.write_bandwidth, "disk_write", "B/s",

@@ -49,7 +49,7 @@ from hivekeeper.core.runtime.kernels import cpu_decode
 from hivekeeper.core.offload.block_variants import forward_recomputing_kv, forward_with_attention_at_cache
 from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_linears_by_column, use_blas_threads
 from hivekeeper.core.runtime.checkpoint import Checkpoint, _quant_compute_dtype, block_tensor_names, load_block, load_embedding, load_head
-from hivekeeper.core.machine.cpu_features import has_half_math
+from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
 from hivekeeper.core.runtime.quant.bnb import check_quant, quantized_block_bytes, quantized_tensors
 
@@ -216,7 +216,7 @@ def micro_batch_rows(batch: int, micro_batch_size: int, num_micro_batches: int) 
 
 def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """CPU attention over a 16-bit cache runs in fp32 on a CPU without 16-bit math (FlexGen does the same)."""
-    return torch.float32 if dtype != torch.float32 and not has_half_math() else None
+    return torch.float32 if dtype != torch.float32 and not runs_natively_on_cpu(dtype) else None
 
 
 def _split_activations(fraction_in_ram: float, parts: int) -> list[str]:

@@ -18,7 +18,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.fields import Fields
 from hivekeeper.planner.hardware_catalog import GIB
 
-from hivekeeper.core.machine.cpu_features import has_half_math
+from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def compute_dtype(weight_format: str, device: str):
         return (torch.float16 if on_gpu else torch.float32), weight_format
     if weight_format not in FLOAT_FORMATS:
         raise InputError(f"weight format {weight_format!r} is not supported by the engine")
-    if not on_gpu and weight_format != "fp32" and not has_half_math():
+    if not on_gpu and weight_format != "fp32" and not runs_natively_on_cpu(weight_format):
         return torch.float32, "none"
     return FLOAT_FORMATS[weight_format], "none"
 

@@ -11,6 +11,8 @@ import time
 
 import psutil
 
+from ..child_output import ChildOutput
+
 
 def _env(tmp_path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
@@ -26,22 +28,18 @@ def test_without_a_display_it_points_to_the_cli(tmp_path):
 
 
 def test_the_app_opens_and_closes_cleanly_on_sigterm(tmp_path):
-    app = subprocess.Popen([sys.executable, "-m", "hivekeeper.core.cli.main", "app"],
-                           env=_env(tmp_path, QT_QPA_PLATFORM="offscreen"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    app = ChildOutput(subprocess.Popen([sys.executable, "-m", "hivekeeper.core.cli.main", "app"],
+                                       env=_env(tmp_path, QT_QPA_PLATFORM="offscreen"), stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True))
     try:
         cache = tmp_path / "config" / "machine.json"
         deadline = time.monotonic() + 120
-        while not cache.is_file() and app.poll() is None and time.monotonic() < deadline:
+        while not cache.is_file() and app.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)  # the window is up once it has run its hardware detection
-        assert cache.is_file(), app.stderr.read() if app.poll() is not None else "no detection"
-        app.send_signal(signal.SIGTERM)
+        assert cache.is_file(), "no hardware detection" + app.report()
+        app.proc.send_signal(signal.SIGTERM)
         assert app.wait(60) == 0
         assert (tmp_path / "config" / "settings.json").is_file()  # saved on the way out
     finally:
-        if app.poll() is None:
-            app.kill()
-            app.wait()
-        app.stdout.close()
-        app.stderr.close()
+        app.close()
     assert psutil.Process().children(recursive=True) == []

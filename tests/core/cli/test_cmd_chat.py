@@ -9,78 +9,50 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 
+from ...child_output import ChildOutput
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 STATS = re.compile(r"\[(\d+) tokens, ([\d.]+|n/a) tokens/s, first token [\d.]+ s(, stopped)?\]")
 
 
 class Chat:
-    """A chat subprocess; a thread collects its stdout so the test can wait for text to appear."""
+    """A chat subprocess whose output tests/child_output.py collects, so the test can wait for text to appear."""
 
     def __init__(self, *args: str):
         self.proc = subprocess.Popen([sys.executable, "-m", "hivekeeper.core.cli.main", "chat", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=ENV, bufsize=1)
-        self.output = ""
-        self._changed = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.child = ChildOutput(self.proc)
 
-    def _read(self) -> None:
-        while True:
-            chunk = self.proc.stdout.read(1)
-            with self._changed:
-                if not chunk:
-                    self._changed.notify_all()
-                    return
-                self.output += chunk
-                self._changed.notify_all()
+    @property
+    def output(self) -> str:
+        return self.child.stdout
 
     def wait_for(self, pattern: str, start: int = 0, timeout: float = 120.0) -> re.Match:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                match = re.compile(pattern).search(self.output, start)
-                if match:
-                    return match
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
-                    raise AssertionError(f"no {pattern!r} in chat output:\n{self.output}\n{self.stop_and_stderr()}")
-                self._changed.wait(min(remaining, 0.5))
-
-    def stop_and_stderr(self) -> str:
-        """Kill the chat (when it still runs) and return its stderr: a read of a live pipe would wait forever."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        return self.proc.stderr.read()
+        """The first match in stdout from `start`; past the deadline the chat is killed and its output shown."""
+        return self.child.wait_for(pattern, start, timeout)
 
     def send(self, line: str) -> int:
         """Type a line; returns the output position before it (to wait for what follows)."""
-        with self._changed:
-            position = len(self.output)
+        position = len(self.output)
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         return position
 
     def close(self, timeout: float = 60.0) -> int:
+        """End of input, then the exit code (killed, output shown, when it does not exit in time)."""
         if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
         try:
-            return self.proc.wait(timeout)
+            return self.child.wait(timeout)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self._reader.join(5)
-            self.proc.stdout.close()
-            self.proc.stderr.close()
+            self.child.close()
 
 
 @pytest.fixture(scope="module")

@@ -155,7 +155,7 @@ def test_peak_rss_stays_within_a_ram_budget_of_half_the_model(tmp_path):
     budget_gb = model_bytes / 2 / 1e9
     wrapper = (
         "import resource, subprocess, sys\n"
-        "proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "proc = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=240)\n"
         "sys.stderr.write(proc.stderr)\n"
         "print(proc.stdout.strip())\n"
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"

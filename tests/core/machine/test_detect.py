@@ -51,7 +51,7 @@ def test_cpu_only_machine_gives_cpu_only_spec(detected):
 
 def test_cpu_flops_follow_cores_clock_and_simd(detected):
     assert cpu_flags() == frozenset({"sse2", "avx", "avx2", "fma"})  # pinned for the suite (tests/conftest.py)
-    clock_ghz, _ = detect._cpu_clock_ghz(cpuinfo_fields())
+    clock_ghz, _ = detect.cpu_clock_ghz(cpuinfo_fields())
     # clocks move between reads: allow 20%
     assert detected.cpu.flops["fp32"] == pytest.approx(detected.cpu.cores * clock_ghz * 1e9 * 32, rel=0.2)
 
@@ -63,7 +63,7 @@ def test_missing_data_dir_uses_the_nearest_existing_parent(tmp_path):
 
 
 def test_nvml_absence_is_not_an_error():
-    devices = detect._nvml_devices()
+    devices = detect.nvml_devices()
     assert isinstance(devices, dict)
     gpus, note = detect.detect_cuda_gpus()
     if not torch.cuda.is_available():

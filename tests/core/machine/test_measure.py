@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import io
 import mmap
 import os
@@ -17,9 +18,13 @@ import pytest
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import (BandwidthServer, BenchmarkSizes, MatmulShape, TerminalProgress, measure_disk,
                                      measure_matmul, measure_memory_read, measure_peer, parse_peer, run_benchmarks)
+from hivekeeper.core.machine.measurement import HALF_DECODE_KEY
 from hivekeeper.planner.errors import InputError
 
+from ...child_output import ChildOutput
+
 TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
+                      stream_hidden=256, stream_bytes=8 << 20, half_hidden=256, half_bytes=4 << 20,
                       disk_bytes=8 << 20, peer_bytes=256 << 10, repeats=2, dtypes=("fp32", "bf16"))
 
 
@@ -68,7 +73,7 @@ def test_dropping_a_file_from_the_page_cache_really_evicts_it(tmp_path):
         pytest.skip("this filesystem keeps no page cache (nothing to evict)")
     fd = os.open(path, os.O_RDWR)
     try:
-        measure._drop_from_page_cache(fd)
+        measure.drop_file_from_page_cache(fd)
     finally:
         os.close(fd)
     after = _resident_pages(path)
@@ -150,6 +155,17 @@ def test_run_benchmarks_reports_progress_and_stops_when_asked(tmp_path):
     assert [m.key for m in stopped] == ["ram_read"]
 
 
+def test_a_bf16_decode_step_is_measured_against_fp32_where_bf16_math_is_native(cpu_flags):
+    half = measure.measure_half_decode(256, 4 << 20, repeats=3)
+    assert half.key == HALF_DECODE_KEY and half.unit == "x" and len(half.samples) == 3
+    assert min(half.samples) <= half.value <= max(half.samples) and half.value > 0  # best bf16 / best fp32
+    assert "fp32 (" in half.detail and "bf16 (" in half.detail
+    cpu_only = dataclasses.replace(TINY, dtypes=("fp32",))
+    assert HALF_DECODE_KEY not in {m.key for m in run_benchmarks(cpu_only, gpu=False)}  # the suite's CPU: no bf16 math
+    cpu_flags("sse2 avx avx2 fma avx512f avx512_bf16")
+    assert HALF_DECODE_KEY in {m.key for m in run_benchmarks(cpu_only, gpu=False)}
+
+
 def test_terminal_progress_prints_one_line_per_step_when_not_a_terminal():
     stream = io.StringIO()
     bar = TerminalProgress("measure ", stream)
@@ -163,14 +179,11 @@ def test_terminal_progress_prints_one_line_per_step_when_not_a_terminal():
 
 @pytest.mark.slow
 def test_measure_listen_command_serves_a_real_peer():
-    proc = subprocess.Popen([sys.executable, "-m", "hivekeeper.core.cli.main", "measure", "--listen", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = ChildOutput(subprocess.Popen([sys.executable, "-m", "hivekeeper.core.cli.main", "measure", "--listen",
+                                          "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("listening on 127.0.0.1:"), line + proc.stderr.read()
-        address = line.split()[2]
+        address = child.wait_for(r"listening on (127\.0\.0\.1:\d+) ", timeout=60).group(1)
         results = measure_peer(address, repeats=1, transfer_bytes=1 << 20)
         assert len(results) == 3
     finally:
-        proc.terminate()
-        proc.wait(10)
+        child.close()

@@ -27,6 +27,7 @@ import torch
 from hivekeeper.core.runtime.checkpoint import INDEX_FILE, SIDE_FILES, load_span
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 
+from ...child_output import ChildOutput
 from .hub_server import LoopbackHub
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
@@ -198,18 +199,19 @@ def run_with_terminal_stderr(command: list[str], env: dict[str, str], timeout: f
     reader = threading.Thread(target=read_terminal, daemon=True)
     reader.start()
     try:
-        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave)
+        child = ChildOutput(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                             stderr=slave))
         os.close(slave)
         try:
-            stdout, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
+            returncode = child.wait(timeout)  # past it: killed, and its stdout so far in the failure
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\n--- terminal ---\n{b''.join(chunks).decode(errors='replace')}") from None
+        finally:
+            child.close()
         reader.join(timeout=10)
     finally:
         os.close(master)
-    return proc.returncode, stdout.decode(), b"".join(chunks).decode(errors="replace")
+    return returncode, child.stdout, b"".join(chunks).decode(errors="replace")
 
 
 def test_generate_from_a_hub_id_shows_download_progress(hub, demo_repo, tmp_path):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
+
+from ...child_output import ChildOutput
 
 PARENT = """
 import sys, time
@@ -37,15 +38,15 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_a_killed_parent_takes_its_servers_along(tiny_checkpoint):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_checkpoint)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_checkpoint)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    child = ChildOutput(parent)
     try:
-        server_pid = int(parent.stdout.readline())
+        server_pid = int(child.readline(timeout=180))
         p2pd = [p.pid for p in psutil.Process(server_pid).children(recursive=True) if p.name() == "p2pd"]
         assert p2pd, "the server runs its p2pd daemon"
     finally:
-        parent.send_signal(signal.SIGKILL)  # no chance to clean up: only the kernel's signal can stop the server
-        parent.wait()
-        parent.stdout.close()
+        child.close()  # SIGKILL: no chance to clean up, only the kernel's signal can stop the server
     deadline = time.monotonic() + 30
     while not (gone(server_pid) and all(gone(pid) for pid in p2pd)):
         assert time.monotonic() < deadline, "the server outlived its killed parent"

@@ -13,6 +13,8 @@ import psutil
 from hivekeeper.gui.services.child_process import JsonLinesProcess
 from hivekeeper.gui.services.node import NodeLaunch, last_error
 
+from ...child_output import ChildOutput
+
 CHATTY = """
 import json, sys, time
 print("not json", flush=True)
@@ -68,21 +70,31 @@ time.sleep(120)
 
 
 def test_a_child_dies_with_the_app_even_when_the_app_is_killed():
-    app = subprocess.Popen([sys.executable, "-c", APP], stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    app = ChildOutput(subprocess.Popen([sys.executable, "-c", APP], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env={**os.environ, "QT_QPA_PLATFORM": "offscreen"}))
     try:
-        child = psutil.Process(int(app.stdout.readline()))
+        child = psutil.Process(int(app.readline(timeout=60)))
         assert child.is_running()
-        app.send_signal(signal.SIGKILL)  # a crash: no cleanup code runs in the app
-        app.wait(10)
+        app.proc.send_signal(signal.SIGKILL)  # a crash: no cleanup code runs in the app
+        app.proc.wait(10)
         deadline = time.monotonic() + 10
-        while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        while not gone(child.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert gone(child.pid)
     finally:
-        app.kill()
-        app.wait()
-        app.stdout.close()
+        app.close()
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` has exited, reaping it: the orphan was adopted by this test process (tests/conftest.py makes
+    it a subreaper), and a zombie left in its table would count as a child process of later tests."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:  # not (or no longer) a child of this process
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
 
 
 def test_node_launch_arguments():

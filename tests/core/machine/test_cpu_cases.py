@@ -1,0 +1,201 @@
+"""Each CPU case the code decides on, simulated on every machine with pinned flags (the `cpu_flags` fixture,
+HIVEKEEPER_CPU_FLAGS) and HIVEKEEPER_NATIVE: the planner's FLOP/s estimate per SIMD width, VNNI's int8 rate, the
+native decode kernels on or off (with the reason; the numpy path gives the same tokens), and what a 16-bit plan
+computes in on a CPU with and without native bf16 math, with no measurement, one that says bf16 is faster and one
+that says it is slower (core/machine/cpu_dtype.py) - in the planner, the engine and `hivekeeper detect` alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hivekeeper.core.cli.main import main
+from hivekeeper.core.machine import cpu_dtype
+from hivekeeper.core.machine.detect import detect_cpu_section, detect_hardware
+from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, Measurement
+from hivekeeper.core.machine.profiles import apply_measurements, new_profile, save_profile
+from hivekeeper.core.offload.engine import OffloadedModel, cpu_attention_dtype
+from hivekeeper.core.offload.local_plan import PolicyChoice, compute_dtype, engine_plan, fallback_policy
+from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+from hivekeeper.core.runtime.generation import generate
+from hivekeeper.core.runtime.kernels import native_kernels
+from hivekeeper.core.runtime.model import ModelConfig
+from hivekeeper.planner.costmodel import cpu_native_half
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+AVX2 = "sse2 avx avx2 fma"  # the suite's CPU (tests/conftest.py)
+AVX512 = f"{AVX2} avx512f"
+BF16 = f"{AVX512} avx512_bf16"  # native bf16 math: the CPU that broke the suite (AMD EPYC with AVX512-BF16)
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    """A config folder of its own: no saved profile unless the test saves one."""
+    folder = tmp_path / "config"
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(folder))
+    cpu_dtype.forget()
+    yield folder
+    cpu_dtype.forget()
+
+
+def save_half_decode_measurement(ratio: float) -> None:
+    """A saved `hivekeeper measure` profile whose bf16 decode step took `ratio` times the fp32 one."""
+    profile = new_profile(detect_hardware())
+    profile.measured_at = 1.7e9
+    profile.measurements = [Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x", 0.0, 3, 0.0,
+                                        "simulated")]
+    save_profile(profile)
+    cpu_dtype.forget()
+
+
+def detect_text(capsys) -> str:
+    assert main(["detect"]) == 0
+    return capsys.readouterr().out
+
+
+# ---- SIMD width and VNNI: the planner's FLOP/s estimate follows the flags ----------------------------------------
+@pytest.mark.parametrize("flags, level, per_cycle", [
+    ("sse2", "sse", 8), ("sse2 avx", "avx", 16), (AVX2, "avx2", 32), (AVX512, "avx512", 64),
+])
+def test_the_cpu_section_follows_the_pinned_simd_width(cpu_flags, flags, level, per_cycle):
+    cpu_flags(flags)
+    section = detect_cpu_section()
+    assert f"x {level} FLOP/cycle" in section["sources"]["flops"]
+    cpu_flags(AVX2)
+    avx2 = detect_cpu_section()["flops_tflops"]["fp32"]
+    assert section["flops_tflops"]["fp32"] == pytest.approx(avx2 * per_cycle / 32, rel=0.2)  # clocks move a little
+
+
+@pytest.mark.parametrize("vnni", ["avx512_vnni", "avx_vnni"])
+def test_vnni_gives_an_int8_rate_and_its_absence_none(cpu_flags, vnni):
+    cpu_flags(f"{AVX512} {vnni}")
+    with_vnni = detect_cpu_section()["flops_tflops"]
+    assert with_vnni["int8"] == pytest.approx(4 * with_vnni["fp32"], rel=1e-6)
+    cpu_flags(AVX512)
+    assert "int8" not in detect_cpu_section()["flops_tflops"]
+
+
+def test_detect_says_which_flags_decide_and_a_child_process_sees_the_pinned_ones(cpu_flags, capsys):
+    cpu_flags(BF16)
+    assert "CPU flags: avx2 avx512_bf16 avx512f fma (pinned by HIVEKEEPER_CPU_FLAGS)" in detect_text(capsys)
+    child = subprocess.run([sys.executable, "-m", "hivekeeper.core.cli.main", "detect"], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert "CPU flags: avx2 avx512_bf16 avx512f fma (pinned" in child.stdout
+    assert "CPU 16-bit plans: fp32 (AVX512-BF16, but no measurement" in child.stdout
+
+
+# ---- native decode kernels on and off ----------------------------------------------------------------------------
+def greedy_tokens(checkpoint) -> list[int]:
+    config = ModelConfig.from_folder(checkpoint)
+    choice = PolicyChoice(fallback_policy("fp32", 1), "test", "all in RAM")
+    model = OffloadedModel(checkpoint, engine_plan(config, choice, batch=1, max_length=32, device="cpu"))
+    try:
+        return generate(model, [1, 17, 42, 99, 7], max_new_tokens=12, ignore_eos=True).token_ids[0]
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("switch, why", [
+    ({"flags": "sse2 avx"}, "off: this CPU lacks AVX2 and FMA (flags pinned by HIVEKEEPER_CPU_FLAGS)"),
+    ({"flags": "sse2 avx avx2"}, "off: this CPU lacks FMA (flags pinned by HIVEKEEPER_CPU_FLAGS)"),
+    ({"HIVEKEEPER_NATIVE": "0"}, "off (HIVEKEEPER_NATIVE=0)"),
+])
+def test_without_the_native_kernels_the_numpy_path_gives_the_same_tokens(tiny_checkpoint, cpu_flags, monkeypatch,
+                                                                        switch, why):
+    """Where the host cannot run the kernels at all, both runs take the numpy path: the tokens still agree."""
+    before = native_kernels.status()
+    on = greedy_tokens(tiny_checkpoint)
+    if "flags" in switch:
+        cpu_flags(switch["flags"])
+    else:
+        monkeypatch.setenv("HIVEKEEPER_NATIVE", switch["HIVEKEEPER_NATIVE"])
+        native_kernels.forget()
+    assert native_kernels.library() is None and native_kernels.status() == why
+    assert greedy_tokens(tiny_checkpoint) == on, f"native kernels {before} -> {why}"  # cpu_flags forgets them after
+
+
+# ---- 16-bit plans: the one decision, followed by the engine, the planner and `detect` ------------------------------
+def assert_sixteen_bit_plans_compute_in_fp32() -> None:
+    assert compute_dtype("bf16", "cpu") == (torch.float32, "none")
+    assert compute_dtype("fp16", "cpu") == (torch.float32, "none")
+    assert cpu_attention_dtype(torch.bfloat16) == torch.float32
+    assert compute_dtype("bf16", "cuda") == (torch.bfloat16, "none")  # a GPU plan is not the CPU's decision
+    assert not cpu_native_half(detect_hardware().cpu)  # the planner costs 16-bit as converted to fp32
+
+
+def test_without_half_math_16_bit_plans_compute_in_fp32(config_dir):
+    choice = cpu_dtype.sixteen_bit_choice()
+    assert choice.dtype == "fp32" and "no native bf16 math" in choice.reason
+    assert_sixteen_bit_plans_compute_in_fp32()
+
+
+def test_a_measurement_cannot_make_a_cpu_without_half_math_use_bf16(config_dir):
+    save_half_decode_measurement(0.5)
+    assert cpu_dtype.sixteen_bit_choice().dtype == "fp32"
+    assert_sixteen_bit_plans_compute_in_fp32()
+
+
+def test_half_math_without_a_measurement_keeps_fp32(config_dir, cpu_flags, capsys):
+    cpu_flags(BF16)
+    detected = detect_hardware()
+    assert detected.cpu.flops["bf16"] < detected.cpu.flops["fp32"]  # lowered from the flags' 2x fp32
+    assert "CPU 16-bit plans: fp32" in detected.cpu.sources["flops"]
+    assert_sixteen_bit_plans_compute_in_fp32()
+    assert ("CPU 16-bit plans: fp32 (AVX512-BF16, but no measurement says a bf16 decode step beats fp32 here: run "
+            "`hivekeeper measure`)") in detect_text(capsys)
+
+
+def test_half_math_with_a_slower_measured_bf16_step_keeps_fp32(config_dir, cpu_flags, capsys):
+    cpu_flags(BF16)
+    save_half_decode_measurement(1.7)
+    assert_sixteen_bit_plans_compute_in_fp32()
+    assert "CPU 16-bit plans: fp32 (AVX512-BF16, but a bf16 decode step measured 1.70x the time of fp32" \
+        in detect_text(capsys)
+    # bf16 GEMMs measured faster than fp32 at the prefill shape do not make the planner prefer bf16
+    rates = [Measurement("cpu_matmul_fp32_prefill", "fp32", 1e11, "FLOP/s", 0.0, 1, 0.0),
+             Measurement("cpu_matmul_bf16_prefill", "bf16", 2e11, "FLOP/s", 0.0, 1, 0.0),
+             Measurement(HALF_DECODE_KEY, "bf16 / fp32", 1.7, "x", 0.0, 1, 0.0)]
+    measured = apply_measurements(detect_hardware(), rates).cpu
+    assert measured.flops["fp32"] == 1e11 and not cpu_native_half(measured)
+
+
+def test_half_math_with_a_faster_measured_bf16_step_uses_bf16(config_dir, cpu_flags, capsys):
+    cpu_flags(BF16)
+    save_half_decode_measurement(0.6)
+    assert compute_dtype("bf16", "cpu") == (torch.bfloat16, "none")
+    assert compute_dtype("fp16", "cpu") == (torch.float32, "none")  # AVX512-BF16 has no fp16 math
+    assert cpu_attention_dtype(torch.bfloat16) is None and cpu_attention_dtype(torch.float16) == torch.float32
+    assert cpu_native_half(detect_hardware().cpu)
+    assert "CPU 16-bit plans: bf16 (AVX512-BF16, and a bf16 decode step measured 0.60x the time of fp32" \
+        in detect_text(capsys)
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    return make_demo_checkpoint(tmp_path_factory.mktemp("bf16") / "tiny-bf16", dtype="bf16")
+
+
+@pytest.mark.parametrize("flags, ratio, planned, runs", [
+    (AVX2, 0.6, "fp32", "float32"),  # no half math: whatever was measured
+    (BF16, None, "fp32", "float32"),  # the case that broke the suite: a 16-bit plan by flag alone
+    (BF16, 1.7, "fp32", "float32"),
+    (BF16, 0.6, "bf16", "bfloat16"),
+])
+def test_generate_plans_and_runs_what_the_decision_says(bf16_checkpoint, config_dir, cpu_flags, capsys, monkeypatch,
+                                                        flags, ratio, planned, runs):
+    """`hivekeeper generate --plan auto` on a bf16 checkpoint: the planner picks and the engine runs one dtype."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps `generate` from changing this process's thread count
+    cpu_flags(flags)
+    if ratio is not None:
+        save_half_decode_measurement(ratio)
+    assert main(["generate", "--model", str(bf16_checkpoint), "--prompt", "hello", "--max-new-tokens", "3",
+                 "--ignore-eos", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["plan"]["policy"]["weight_format"] == planned, result["plan"]
+    assert result["plan"]["engine"]["dtype"] == runs and result["new_tokens"] == 3
