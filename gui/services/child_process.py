@@ -3,6 +3,9 @@
 The child runs in its own session (process group), so stopping it can also take down what it started (hivemind's
 p2pd daemon) even if the child itself dies badly; on Linux it also gets SIGTERM if the app itself dies. stderr is
 kept as a short tail for error messages.
+
+Stopping a child always ends with it reaped (`end_process`): a child still running, or dead but not yet waited for,
+when the app exits is adopted by init (or a subreaper, such as a test runner) and lingers there as a zombie.
 """
 
 from __future__ import annotations
@@ -12,10 +15,30 @@ import json
 import os
 import signal
 import sys
+import time
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
 from hivekeeper.core.child_argv import die_with_parent
+
+REAP_S = 30.0  # after SIGKILL, how long to wait for the kernel to end the process (seconds on a loaded machine)
+
+
+def end_process(process: QProcess, grace_ms: int = 0) -> bool:
+    """Stop a QProcess and reap it: SIGTERM and up to grace_ms to exit (0: none), then SIGKILL and wait until it
+    has ended. Qt emits `finished` on the way. True when it has ended (always, short of a process the kernel cannot
+    kill)."""
+    if process.state() == QProcess.ProcessState.NotRunning:
+        return True
+    if grace_ms > 0:
+        process.terminate()
+        if process.waitForFinished(grace_ms):
+            return True
+    process.kill()
+    deadline = time.monotonic() + REAP_S
+    while process.state() != QProcess.ProcessState.NotRunning and time.monotonic() < deadline:
+        process.waitForFinished(500)
+    return process.state() == QProcess.ProcessState.NotRunning
 
 
 class JsonLinesProcess(QObject):
@@ -83,15 +106,17 @@ class JsonLinesProcess(QObject):
         self._kill_timer.start(grace_ms)
 
     def stop_blocking(self, grace_ms: int = 20_000) -> None:
-        """terminate() and wait for the end (for closing the app); kills the group after grace_ms."""
-        if not self.running:
-            self._kill_group()
-            return
-        self._process.closeWriteChannel()
-        self._process.terminate()
-        if not self._process.waitForFinished(grace_ms):
-            self.kill()
-            self._process.waitForFinished(5_000)
+        """terminate() and wait for the end (for closing the app): the child is reaped when this returns; its group
+        is killed after grace_ms, and once it has ended (a daemon it left behind)."""
+        process = self._process
+        if process is not None and self.running:
+            self._kill_timer.stop()
+            process.closeWriteChannel()
+            if process.state() == QProcess.ProcessState.Running:
+                process.terminate()
+                if not process.waitForFinished(grace_ms):
+                    self._kill_group()
+            end_process(process)
         self._kill_group()
 
     def kill(self) -> None:

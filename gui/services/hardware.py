@@ -22,6 +22,7 @@ from hivekeeper.planner.hardware_catalog import hardware_from_dict
 from hivekeeper.core.child_argv import die_with_parent
 from hivekeeper.core.atomic_file import write_json_atomic
 
+from hivekeeper.gui.services.child_process import end_process
 from hivekeeper.gui.settings import config_dir
 
 
@@ -127,9 +128,9 @@ class DetectService(QObject):
         return self._process.waitForFinished(ms)
 
     def stop(self) -> None:
+        """Kill a running probe and reap it (closing the app: no probe outlives it, not even as a zombie)."""
         if self._process is not None:
-            self._process.kill()
-            self._process.waitForFinished(5_000)
+            end_process(self._process)
 
     def _finished(self, code: int, status) -> None:
         process, self._process = self._process, None
