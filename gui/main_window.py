@@ -240,6 +240,8 @@ class MainWindow(QMainWindow):
             return
         from hivekeeper.planner import model_catalog, policy
 
+        from hivekeeper.core.runtime.default_model import model_path_or_id
+
         machine = self.hardware_page.machine
         page = self.swarm_page
         model = page.model_to_serve()
@@ -247,7 +249,7 @@ class MainWindow(QMainWindow):
             page.set_recommendation(None, "Waiting for hardware detection…" if machine is None else "")
             return
         try:
-            plan = policy.search(model_catalog.load_model_spec(model), machine.hardware, "serve",
+            plan = policy.search(model_catalog.load_model_spec(model_path_or_id(model)), machine.hardware, "serve",
                                  efficiency=machine.efficiency)
         except InputError as exc:
             page.set_recommendation(None, f"No plan for {model}: {exc}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .gguf_metadata import find_gguf, hf_config_dict, open_reader
 from .model_config import HFConfig, parse_hf_config, read_config_json
 from .models import ModelSpec
 
@@ -74,8 +75,13 @@ def cached_config_path(model_id: str) -> Path | None:
 
 
 def load_model_spec(arg: str) -> ModelSpec:
-    """A ModelSpec from a catalog id, a config.json file, a folder holding one, or a hub id in the local HF cache."""
+    """A ModelSpec from a catalog id, a config.json file, a folder holding one, a GGUF file (or a folder holding one),
+    or a hub id in the local HF cache."""
     path = Path(arg).expanduser()
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:  # the config from the GGUF's metadata (its sizes: gguf_metadata.gguf_sizes)
+        source = str(gguf_file)
+        return spec_from_hf_config(hf_config_dict(open_reader(gguf_file), source), gguf_file.stem, source=source)
     if path.is_dir():
         config_path = path / "config.json"
         if not config_path.is_file():

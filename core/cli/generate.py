@@ -19,7 +19,11 @@ import sys
 
 # ---- arguments shared with `hivekeeper chat` -----------------------------------------------------------------------
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local checkpoint folder or hub id (org/name)")
+    from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID
+
+    parser.add_argument("--model", default=DEFAULT_MODEL_ID,
+                        help=f"checkpoint folder, GGUF file (or a folder holding one), hub id (org/name), or "
+                             f"{DEFAULT_MODEL_ID} (the default: a small real chat model, installed by `make run`)")
     parser.add_argument("--plan", default="auto", metavar="auto|FILE",
                         help="auto: the planner's best policy for this machine (default); FILE: a plan from "
                              "`hivekeeper plan --json` (its policy is used)")
@@ -88,13 +92,13 @@ class Runner:
 def resolve_model(args: argparse.Namespace):
     """(checkpoint folder, tokenizer, ModelConfig) of --model; for --swarm only the client's files are fetched."""
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
-    from hivekeeper.core.runtime.tokenizer import Tokenizer
+    from hivekeeper.core.runtime.tokenizer import load_tokenizer
 
     if args.swarm:
         path = resolve_checkpoint(args.model, blocks=(0, 0), embeddings=True)
     else:
         path = resolve_checkpoint(args.model)
-    return path, Tokenizer.from_folder(path), load_config(path)
+    return path, load_tokenizer(path), load_config(path)
 
 
 def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int, prompt_len: int,

@@ -2,6 +2,8 @@
 
 Human output is a short table and the reason (the bottleneck); `--json` prints one object (docs/plan-json.md).
 Numbers are read as text and checked here, so bad input is one line on stderr (exit 2) rather than argparse's usage.
+For a GGUF model the plan also says what the file holds (bytes per weight of each tensor type, the total, a block)
+and what the runtime holds once it has dequantized the weights to the plan's float format (docs/gguf.md).
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import argparse
 import json
 import math
 
-from hivekeeper.planner.costmodel import Workload
+from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.policy import GOALS, QUANTS, Constraints, Plan, plan_to_dict, search
+
+from hivekeeper.core.runtime.default_model import model_path_or_id
 
 HOST_OVERRIDES = {  # option -> (keyword of resolve_hardware, limit)
     "ram_gb": ("ram_gb", 65_536.0),
@@ -24,7 +29,8 @@ HOST_OVERRIDES = {  # option -> (keyword of resolve_hardware, limit)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="catalog id (e.g. meta-llama/Llama-2-7b-hf), config.json, or a folder with one")
+    parser.add_argument("--model", help="catalog id (e.g. meta-llama/Llama-2-7b-hf), config.json, a GGUF file, or a "
+                                        "folder with one of them; smollm2-135m-instruct: the installed default model")
     parser.add_argument("--hardware", default="auto",
                         help="catalog id, hardware JSON file, or auto (detect this machine)")
     parser.add_argument("--goal", default="chat", help="chat (one stream's latency), batch (throughput) or serve "
@@ -82,14 +88,27 @@ def _hardware(arg: str, overrides: dict[str, float]):
     return resolve_hardware(arg, **overrides), None
 
 
+def gguf_quant(model: str, quant: str) -> str:
+    """The runtime runs a GGUF dequantized to a float format (it keeps no GGUF type packed yet, and does not
+    re-quantize one): --quant auto means none there, int8/nf4 are refused."""
+    if not is_gguf(model):
+        return quant
+    if quant in ("int8", "nf4"):
+        raise InputError(f"--quant {quant}: {model} is a GGUF, whose weights are already quantized; the runtime runs "
+                         f"them dequantized (--quant none or auto)")
+    return "none"
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     """Read and check the options, then search. Every problem is an InputError naming the option."""
     if not args.model:
-        raise InputError("--model is required (a catalog id, a config.json, or a folder holding one)")
+        raise InputError("--model is required (a catalog id, a config.json, a GGUF file, or a folder holding one)")
     if args.goal not in GOALS:
         raise InputError(f"--goal must be one of {', '.join(GOALS)}, got {args.goal!r}")
     if args.quant not in QUANTS:
         raise InputError(f"--quant must be one of {', '.join(QUANTS)}, got {args.quant!r}")
+    model_arg = model_path_or_id(args.model)
+    quant = gguf_quant(model_arg, args.quant)
     prompt_len = _integer(args.prompt_len, "prompt-len", 1, 10_000_000)
     output_len = _integer(args.output_len, "output-len", 1, 10_000_000)
     batch = _integer(args.batch, "batch", 1, 65536)
@@ -105,11 +124,42 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
     from hivekeeper.planner.model_catalog import load_model_spec
 
-    model = load_model_spec(args.model)
+    model = load_model_spec(model_arg)
     hardware, efficiency = _hardware(args.hardware, overrides)
     reserve = {"gpu": reserve_gb * 1e9, "cpu": reserve_gb * 1e9}
-    constraints = Constraints(quant=args.quant, batch_size=batch, reserve_bytes=reserve)
+    constraints = Constraints(quant=quant, batch_size=batch, reserve_bytes=reserve)
     return search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
+
+
+def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
+    """For a GGUF model: the file's sizes (gguf_metadata.GGUFSizes.as_dict) and, when the plan runs, what the
+    runtime holds in memory: the weights dequantized to the float format that runs (on this machine, the one the
+    engine computes the plan's format in), the whole model and its largest block."""
+    model = model_path_or_id(model)
+    if not is_gguf(model):
+        return None
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    report = gguf_sizes(model).as_dict()
+    policy = data.get("policy")
+    if policy is not None:
+        spec, planned = load_model_spec(model), policy["weight_format"]
+        held = format_that_runs(planned) if this_machine else planned
+        report.update(memory_format=held, memory_bytes=round(weight_bytes(spec, held)),
+                      memory_block_bytes=round(block_weight_bytes(spec, held)))
+        if held != planned:
+            report["memory_note"] = f"the plan's {planned} weights run as {held} on this machine"
+    return report
+
+
+def format_that_runs(weight_format: str) -> str:
+    """The float format the engine holds a plan's weight format in on this machine (a 16-bit plan runs in fp32 on
+    a CPU that has no fast 16-bit path: local_plan.compute_dtype)."""
+    from hivekeeper.core.offload.engine import FLOAT_FORMATS
+    from hivekeeper.core.offload.local_plan import compute_dtype, default_device
+
+    dtype, _quant = compute_dtype(weight_format, default_device())
+    return {value: name for name, value in FLOAT_FORMATS.items()}[dtype]
 
 
 # ---- human output ---------------------------------------------------------------------------------------------------
@@ -139,6 +189,23 @@ def _where(placement: dict[str, float]) -> str:
     return " / ".join(f"{100 * v:.0f}% {names[t]}" for t, v in placement.items() if v > 0) or "-"
 
 
+def _size(x: float) -> str:
+    return f"{_num(x / 1e6)} MB" if x < 1e9 else _gb(x)
+
+
+def _gguf_rows(gguf: dict) -> list[tuple[str, str]]:
+    """What the GGUF file holds and what the runtime holds once it has dequantized it."""
+    types = ", ".join(f"{name} {t['bits_per_weight']:.3g} bits/weight" for name, t in gguf["types"].items())
+    rows = [("GGUF file", f"{_size(gguf['tensor_bytes'])} of weights ({types}); {_size(gguf['block_bytes'])} "
+                          f"per block")]
+    if "memory_format" in gguf:
+        note = f"; {gguf['memory_note']}" if "memory_note" in gguf else ""
+        rows.append(("in memory", f"{_size(gguf['memory_bytes'])} as {gguf['memory_format']} "
+                                  f"({_size(gguf['memory_block_bytes'])} per block): the runtime dequantizes GGUF "
+                                  f"weights, it does not run them packed yet{note}"))
+    return rows
+
+
 def render(plan: Plan, data: dict) -> str:
     rows: list[tuple[str, str]] = [("fit", {"local": "runs locally", "swarm": "only with the swarm",
                                             "none": "does not fit"}[plan.fit])]
@@ -166,6 +233,8 @@ def render(plan: Plan, data: dict) -> str:
             for tier, name in (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "disk")) if peaks.get(tier))))
         rows.append(("compute-bound", f"from batch {data['min_compute_bound_batch']} "
                                       f"({data['min_compute_bound_basis']})"))
+    if data.get("gguf") is not None:
+        rows += _gguf_rows(data["gguf"])
     if data.get("runtime_s") is not None:
         rows.append(("runtime", f"{_seconds(data['runtime_s'])} for {data['prompt_len']} + {data['output_len']} "
                                 f"tokens (α {_seconds(data['alpha_s'])} + β {_seconds(data['beta_s'])} per token)"))
@@ -181,6 +250,9 @@ def render(plan: Plan, data: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     data = plan_to_dict(plan)
+    gguf = gguf_report(args.model, data, this_machine=args.hardware == "auto")
+    if gguf is not None:
+        data["gguf"] = gguf
     if args.json:
         print(json.dumps(data))
     else:

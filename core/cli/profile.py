@@ -12,7 +12,8 @@ from hivekeeper.planner.errors import InputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint folder or hub id (from the local cache) to profile")
+    parser.add_argument("--model", help="checkpoint folder, GGUF file, hub id (from the local cache) or "
+                                        "smollm2-135m-instruct (the installed default model) to profile")
     parser.add_argument("--quick", action="store_true", help="a small grid, 2 repeats (for a first look and tests)")
     parser.add_argument("--prompt-lens", metavar="N,N,...", help="prompt lengths (default 16,64,256,1024)")
     parser.add_argument("--output-lens", metavar="N,N,...", help="output lengths (default 1,32)")

@@ -18,7 +18,8 @@ from hivekeeper.planner.errors import InputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="hub id (org/name) or local checkpoint folder")
+    parser.add_argument("--model", required=True, help="hub id (org/name), local checkpoint folder, GGUF file (or a "
+                        "folder holding one), or smollm2-135m-instruct (the installed default model)")
     swarm = parser.add_mutually_exclusive_group()
     swarm.add_argument("--new-swarm", action="store_true", help="start a new private swarm")
     swarm.add_argument("--initial-peers", nargs="+", metavar="MADDR", default=[],

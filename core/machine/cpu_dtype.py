@@ -2,9 +2,10 @@
 
 Native bf16 math (AVX512-BF16, AMX) alone does not make a 16-bit plan faster on a CPU. Decode reads every weight once
 per token, and fp32 goes through the native decode kernels (core/runtime/kernels/native_kernels.py) while bf16 goes
-through torch's kernels on one thread. Measured on an AMD EPYC with AVX512-BF16 (2 cores, 125M demo model): fp32
-decoded 83 tokens/s through the native kernels (63 through numpy's BLAS), bf16 33 tokens/s through torch (47 with
-torch on both cores), although bf16 reads half the bytes. So:
+through torch's kernels on one thread. Measured on an AMD EPYC with AVX512-BF16 (2 cores, 125M demo model, quiet):
+fp32 decoded 83 tokens/s through the native kernels (63 through numpy's BLAS), bf16 33 tokens/s through torch (47
+with torch on both cores), although bf16 reads half the bytes; with the two cores busy with other work, 21 against
+24. So:
 
 - a CPU without native bf16 math computes 16-bit plans in fp32 (16-bit GEMMs would be emulated, prefill ~100x slower);
 - with it, bf16 is used only where `hivekeeper measure` saved a measurement (measure.measure_half_decode: the same
@@ -12,10 +13,11 @@ torch on both cores), although bf16 reads half the bytes. So:
   bf16 step is faster; without one, fp32;
 - fp16 has no native path on these CPUs (AVX512-BF16 is bf16 only): fp16 plans compute in fp32 on a CPU.
 
-`sixteen_bit_choice()` is this machine's decision (its saved profile's measurement, read once per process and
-configuration; `forget()` reads again); `detect_hardware` applies `choice_for` the machine it detects. `local_plan.compute_dtype` and the engine's `cpu_attention_dtype` ask
-`runs_natively_on_cpu`; the planner sees the decision in the CPU's FLOP/s table (`with_choice`): 16-bit entries
-below the fp32 rate are how it models a CPU that converts 16-bit values to fp32 (costmodel.cpu_native_half).
+`sixteen_bit_choice()` is this machine's decision (its saved profile's measurement, read once per process, pinned
+flags and config folder; saving a profile makes it read again); `detect_hardware` applies `choice_for` the machine
+it detects. `local_plan.compute_dtype` and the engine's `cpu_attention_dtype` ask `runs_natively_on_cpu`; the
+planner sees the decision in the CPU's FLOP/s table (`with_choice`): 16-bit entries below the fp32 rate are how it
+models a CPU that converts 16-bit values to fp32 (costmodel.cpu_native_half).
 """
 
 from __future__ import annotations
@@ -94,11 +96,13 @@ def sixteen_bit_choice() -> SixteenBitChoice:
     bf16 math, where the measurement can change the answer)."""
     if not has_half_math():
         return choose()
-    return saved_choice(os.environ.get(FLAGS_ENV), os.environ.get("HIVEKEEPER_CONFIG_DIR"))
+    from hivekeeper.core.machine.profiles import config_dir
+
+    return saved_choice(os.environ.get(FLAGS_ENV), str(config_dir()))
 
 
 def forget() -> None:
-    """Decide again at the next call (after `hivekeeper measure` saved a new profile in this process; tests)."""
+    """Decide again at the next call (profiles.save_profile calls it; tests that pin flags)."""
     saved_choice.cache_clear()
 
 

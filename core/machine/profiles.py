@@ -34,6 +34,7 @@ from hivekeeper.planner.hardware_catalog import GIB, clamp_to_limit
 
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype import choose, with_choice
+from hivekeeper.core.machine.cpu_dtype import forget as forget_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
 
@@ -138,10 +139,12 @@ def new_profile(detected: HardwareSpec) -> MachineProfile:
 
 
 def save_profile(profile: MachineProfile, path: Path | None = None) -> Path:
-    """Write the profile atomically (temp file, fsync, rename); returns where."""
+    """Write the profile atomically (temp file, fsync, rename); returns where. This process then decides again
+    what 16-bit CPU plans compute in (the new measurements may change it: core/machine/cpu_dtype.py)."""
     path = Path(path) if path is not None else profile_path(profile.fingerprint)
     write_json_atomic(path, profile.as_dict())
     profile.path = path
+    forget_choice()
     return path
 
 

@@ -49,6 +49,8 @@ from hivekeeper.core.runtime.kernels import cpu_decode
 from hivekeeper.core.offload.block_variants import forward_recomputing_kv, forward_with_attention_at_cache
 from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_linears_by_column, use_blas_threads
 from hivekeeper.core.runtime.checkpoint import Checkpoint, _quant_compute_dtype, block_tensor_names, load_block, load_embedding, load_head
+from hivekeeper.core.runtime.checkpoint import open_checkpoint
+from hivekeeper.core.runtime.gguf import GGUFBlockReader, GGUFCheckpoint
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
 from hivekeeper.core.runtime.quant.bnb import check_quant, quantized_block_bytes, quantized_tensors
@@ -800,12 +802,13 @@ class OffloadedModel:
         self.plan = plan
         self.device = torch.device(plan.device)
         self.cache_dir = cache_dir
-        self.checkpoint = Checkpoint(self.path)
+        self.checkpoint = open_checkpoint(self.path)  # a checkpoint folder or a GGUF
         config = self.config = self.checkpoint.config
         if len(plan.weight_tiers) != config.num_layers:
             raise InputError(f"the plan places {len(plan.weight_tiers)} blocks; the model has {config.num_layers}")
         self.span = OffloadedSpan(self)
-        self.reader = BlockReader(self.checkpoint, drop_page_cache)
+        self.reader = GGUFBlockReader(self.checkpoint) if isinstance(self.checkpoint, GGUFCheckpoint) \
+            else BlockReader(self.checkpoint, drop_page_cache)
         for layer in range(config.num_layers):
             self.reader.check_layer(layer)
         self.rotary = RotaryTable(config)
@@ -819,6 +822,9 @@ class OffloadedModel:
             # int8/nf4 blocks that stream, and on a CPU the resident ones too (bitsandbytes quantizes slowly there:
             # ~6 s for a 125M model at every start), come from the quantized store, built once
             stored = tuple(range(config.num_layers)) if self.device.type == "cpu" else plan.streamed_blocks
+            if plan.quant != "none" and stored and isinstance(self.checkpoint, GGUFCheckpoint):
+                raise InputError(f"{self.path}: a GGUF's weights are already quantized; run it without --quant "
+                                 f"{plan.quant} (int8/nf4 re-quantize safetensors checkpoints)")
             if plan.quant != "none" and stored:
                 from hivekeeper.core.runtime.quant.store import QuantStore  # it imports this module
 

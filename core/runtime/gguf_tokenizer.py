@@ -10,7 +10,8 @@ supported families (`tokenizer.ggml.model`):
   scores, "▁" for spaces and byte fallback (`<0x0A>`) for characters outside the vocabulary.
 
 Control tokens become special added tokens (kept whole, dropped when decoding); user-defined ones plain added
-tokens. The result is the same `Tokenizer` a checkpoint folder gives, so the rest of the app does not care.
+tokens. `tokenizer_parts` gives the `tokenizers` backend and the options of tokenizer.Tokenizer, which
+`Tokenizer.from_gguf` builds: the same Tokenizer a checkpoint folder gives, so the rest of the app does not care.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from hivekeeper.planner.errors import InputError
-
-from hivekeeper.core.runtime.tokenizer import Tokenizer
+from hivekeeper.planner.gguf_metadata import field
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +46,14 @@ PRE_TOKENIZER_SPLITS = {
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3")
 
 
-def _field(reader, key: str, default=None):
-    entry = reader.get_field(key)
-    return entry.contents() if entry is not None and entry.types else default
-
-
-def tokenizer_from_reader(reader, source: str) -> Tokenizer:
-    """The Tokenizer described by an open GGUFReader's metadata; `source` names the file in errors."""
-    kind = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+def tokenizer_parts(reader, source: str) -> tuple[BackendTokenizer, dict]:
+    """The tokenizer described by an open GGUFReader's metadata: the backend and the keyword arguments of
+    tokenizer.Tokenizer (special tokens, stop ids, add-BOS rule, chat template); `source` names the file in errors."""
+    kind = field(reader, "tokenizer.ggml.model")
+    tokens = field(reader, "tokenizer.ggml.tokens")
     if kind is None or not tokens:
         raise InputError(f"{source}: the GGUF file has no tokenizer (no tokenizer.ggml.model / tokens metadata)")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     if kind == "gpt2":
         backend = _byte_level(reader, tokens, source)
     elif kind == "llama":
@@ -65,14 +61,14 @@ def tokenizer_from_reader(reader, source: str) -> Tokenizer:
     else:
         raise InputError(f"{source}: GGUF tokenizer {kind!r} is not supported; supported: gpt2, llama")
     _add_special_tokens(backend, tokens, types)
-    return _wrap(reader, backend, tokens, kind, source)
+    return backend, _options(reader, backend, tokens, kind, source)
 
 
 def _byte_level(reader, tokens: list[str], source: str) -> BackendTokenizer:
-    merges = _field(reader, "tokenizer.ggml.merges")
+    merges = field(reader, "tokenizer.ggml.merges")
     if not merges:
         raise InputError(f"{source}: byte-level BPE tokenizer without tokenizer.ggml.merges")
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    pre = field(reader, "tokenizer.ggml.pre", "default")
     splits = PRE_TOKENIZER_SPLITS.get(pre)
     if splits is None:
         log.warning("%s: pre-tokenizer %r is unknown here; splitting text as GPT-2 does", source, pre)
@@ -111,17 +107,17 @@ def _byte_spell(token: str) -> str:
 
 
 def _sentencepiece(reader, tokens: list[str], source: str) -> BackendTokenizer:
-    scores = _field(reader, "tokenizer.ggml.scores")
+    scores = field(reader, "tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise InputError(f"{source}: SentencePiece tokenizer without one tokenizer.ggml.scores value per token")
     vocab = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
-    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk_id = field(reader, "tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
     backend = BackendTokenizer(models.BPE(vocab, _merges_from_scores(vocab, tokens, scores), unk_token=unk,
                                           fuse_unk=True, byte_fallback=True))
-    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
                                                      split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -161,24 +157,24 @@ def _token(tokens: list[str], token_id) -> str | None:
     return None
 
 
-def _wrap(reader, backend: BackendTokenizer, tokens: list[str], kind: str, source: str) -> Tokenizer:
-    """The runtime Tokenizer: special tokens, end-of-generation ids, add-BOS rule and chat template."""
-    bos = _token(tokens, _field(reader, "tokenizer.ggml.bos_token_id"))
-    eos = _token(tokens, _field(reader, "tokenizer.ggml.eos_token_id"))
+def _options(reader, backend: BackendTokenizer, tokens: list[str], kind: str, source: str) -> dict:
+    """Tokenizer's keyword arguments: special tokens, end-of-generation ids, add-BOS rule and chat template."""
+    bos = _token(tokens, field(reader, "tokenizer.ggml.bos_token_id"))
+    eos = _token(tokens, field(reader, "tokenizer.ggml.eos_token_id"))
     # llama.cpp stops at EOS and at the end-of-turn / end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>)
-    stop_ids = [_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    stop_ids = [field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
     stop_ids = [i for i in stop_ids if _token(tokens, i) is not None]
     # SentencePiece files without the flag get a BOS (llama.cpp's and transformers' rule); byte-level ones do not
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
     bos_id = backend.token_to_id(bos) if bos else None
     if add_bos and bos_id is not None:  # so a plain backend.encode agrees with Tokenizer.encode
         backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                                special_tokens=[(bos, bos_id)])
-    template = _field(reader, "tokenizer.chat_template")
-    return Tokenizer(
-        backend, source=source, bos_token=bos, eos_token=eos,
-        unk_token=_token(tokens, _field(reader, "tokenizer.ggml.unknown_token_id")),
-        pad_token=_token(tokens, _field(reader, "tokenizer.ggml.padding_token_id")),
+    template = field(reader, "tokenizer.chat_template")
+    return dict(
+        source=source, bos_token=bos, eos_token=eos,
+        unk_token=_token(tokens, field(reader, "tokenizer.ggml.unknown_token_id")),
+        pad_token=_token(tokens, field(reader, "tokenizer.ggml.padding_token_id")),
         eos_token_ids=stop_ids, add_bos_default=add_bos,
         chat_template=template if isinstance(template, str) and template.strip() else None,
         chat_template_origin=f"{source} (tokenizer.chat_template)",

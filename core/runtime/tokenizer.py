@@ -1,9 +1,10 @@
-"""Tokenizer and chat template of a Hugging Face checkpoint folder, without transformers.
+"""Tokenizer and chat template of a Hugging Face checkpoint folder (or of a GGUF file), without transformers.
 
 The vocabulary and the encoding rules come from tokenizer.json (the `tokenizers` library); the special tokens and
 the chat template from tokenizer_config.json (or chat_template.jinja beside it), rendered with jinja2 in a sandbox
 with the helpers Hugging Face templates expect; the end-of-sequence ids from generation_config.json, config.json and
-tokenizer_config.json. `StreamDecoder` turns generated ids into text one token at a time for streaming.
+tokenizer_config.json. A GGUF carries all of that in its metadata: `load_tokenizer` takes either, the GGUF through
+`Tokenizer.from_gguf` (gguf_tokenizer.py). `StreamDecoder` turns generated ids into text one token at a time for streaming.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.gguf_metadata import find_gguf, open_reader, require_gguf
+
+from hivekeeper.core.runtime.gguf_tokenizer import tokenizer_parts
 
 # The Unicode replacement character: what byte-level decoders print for an incomplete UTF-8 sequence.
 _INCOMPLETE = "\ufffd"
@@ -190,6 +194,13 @@ class Tokenizer:
             stop_strings=[s for s in stops if isinstance(s, str) and s],
         )
 
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """The tokenizer and chat template in a GGUF file's metadata (or of the GGUF a folder holds)."""
+        file = require_gguf(path)
+        backend, options = tokenizer_parts(open_reader(file), str(file))
+        return cls(backend, **options)
+
     # ---- ids <-> text --------------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -352,5 +363,6 @@ class StreamDecoder:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Shorthand for `Tokenizer.from_folder(path)`."""
-    return Tokenizer.from_folder(path)
+    """The tokenizer of a checkpoint folder (`Tokenizer.from_folder`) or of a GGUF file or a folder holding one
+    (rebuilt from the GGUF metadata, gguf_tokenizer.py)."""
+    return Tokenizer.from_folder(path) if find_gguf(path) is None else Tokenizer.from_gguf(path)

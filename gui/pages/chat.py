@@ -13,17 +13,19 @@ from typing import Callable
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout,
                                QLineEdit, QListWidget, QListWidgetItem, QPlainTextEdit, QPushButton, QSpinBox,
                                QTextBrowser, QVBoxLayout, QWidget)
 
 from hivekeeper.core.runtime.chat_history import ChatHistory
+from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.gui.services.chat import ChatService
 from hivekeeper.gui.viewmodels.conversations import Conversation, ConversationStore, title_from
 from hivekeeper.gui.settings import ChatSettings
 from hivekeeper.gui.style import BAD, LINE, MUTED, label, page_layout
+from hivekeeper.gui.widgets.model_menu import model_menu
 
 MODES = {"local": "on this machine", "swarm": "through the swarm"}
 
@@ -66,7 +68,7 @@ class ChatPage(QWidget):
         self.settings = settings
         self.service = service
         self.store = ConversationStore(folder)
-        self.default_model = ""
+        self.default_model = ""  # the plan's model: offered in the model menu, used through the swarm
         self.peers_provider: Callable[[], tuple[str, tuple[str, ...]]] | None = None  # -> (model, peers) of a swarm
         self.conversation: Conversation | None = None
         self.reply_text = ""
@@ -157,10 +159,11 @@ class ChatPage(QWidget):
             self.mode_combo.addItem(text, mode)
         model_row = QHBoxLayout()
         self.model_edit = QLineEdit()
+        self.model_edit.setPlaceholderText(f"{DEFAULT_MODEL_ID} (built in)")
         browse = QPushButton("…")
-        browse.setToolTip("Choose a checkpoint folder")
+        browse.setToolTip("The built-in model, the plan's, a GGUF file or a checkpoint folder")
         browse.setStyleSheet("padding: 4px 6px;")
-        browse.clicked.connect(self._browse)
+        browse.setMenu(model_menu(self, "Model to chat with", self._choose_model, extra=self._plan_entry))
         model_row.addWidget(self.model_edit, 1)
         model_row.addWidget(browse)
         self.system_edit = QPlainTextEdit()
@@ -221,19 +224,21 @@ class ChatPage(QWidget):
         self._update_subtitle()
         self.settingsChanged.emit()
 
-    def _browse(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Checkpoint folder to chat with")
-        if folder:
-            self.model_edit.setText(folder)
-            self._read_widgets()
+    def _choose_model(self, model: str) -> None:
+        self.model_edit.setText(model)
+        self._read_widgets()
+
+    def _plan_entry(self) -> list[tuple[str, str]]:
+        return [(f"The plan's model: {self.default_model}", self.default_model)] if self.default_model else []
 
     def set_default_model(self, model: str) -> None:
+        """The plan's model (offered in the menu; the empty field chats with the built-in model, which needs no
+        download)."""
         self.default_model = model
-        self.model_edit.setPlaceholderText(f"the plan's model: {model}")
         self._update_subtitle()
 
     def model(self) -> str:
-        return self.settings.model or self.default_model
+        return self.settings.model or DEFAULT_MODEL_ID
 
     def _update_subtitle(self) -> None:
         self.subtitle.setText(f"{Path(self.model()).name or 'no model'} · {MODES[self.settings.mode]}")

@@ -15,7 +15,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGridLayout,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
                                QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
@@ -28,6 +28,7 @@ from hivekeeper.planner.models import ModelSpec
 
 from hivekeeper.gui.viewmodels import plan_view
 from hivekeeper.gui.widgets.memory_bars import MemoryBars
+from hivekeeper.gui.widgets.model_menu import model_menu
 from hivekeeper.gui.settings import GOALS, TIERS, PlanSettings
 from hivekeeper.gui.style import (ACCENT, BAD, GOOD, MUTED, WARN, StatCard, fmt_bytes, fmt_energy, fmt_rate, fmt_seconds, label,
                     page_layout)
@@ -132,7 +133,7 @@ class PlanPage(QWidget):
         return scroll
 
     def _build_model_box(self) -> QGroupBox:
-        """The catalog (searchable, with each model's fit here), a local folder or a hub id."""
+        """The catalog (searchable, with each model's fit here), or a model from elsewhere."""
         models = QGroupBox("Model")
         box = QVBoxLayout(models)
         self.model_search = QLineEdit()
@@ -159,11 +160,12 @@ class PlanPage(QWidget):
         return self.model_list
 
     def _build_model_sources(self) -> QHBoxLayout:
-        """A model from outside the catalog: a checkpoint folder, or a hub id in the local cache."""
+        """A model from outside the catalog: the built-in one, a GGUF file, a checkpoint folder, or a hub id in the
+        local cache."""
         row = QHBoxLayout()
-        self.folder_button = QPushButton("Local folder…")
-        self.folder_button.setToolTip("A checkpoint folder with a Hugging Face config.json")
-        self.folder_button.clicked.connect(self._pick_folder)
+        self.folder_button = QPushButton("Local model…")
+        self.folder_button.setToolTip("The built-in model, a GGUF file, or a checkpoint folder with a config.json")
+        self.folder_button.setMenu(model_menu(self, "Model to plan", self.use_model, builtin_as_path=True))
         self.hub_edit = QLineEdit()
         self.hub_edit.setPlaceholderText("or a hub id (org/name) in the local cache")
         self.hub_edit.returnPressed.connect(lambda: self.use_model(self.hub_edit.text().strip()))
@@ -417,11 +419,6 @@ class PlanPage(QWidget):
         if item is None or self._loading:
             return
         self.use_model(item.data(Qt.ItemDataRole.UserRole), from_list=True)
-
-    def _pick_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Choose a checkpoint folder (with config.json)")
-        if folder:
-            self.use_model(folder)
 
     def use_model(self, model: str, from_list: bool = False) -> None:
         """Plan for a catalog id, a checkpoint folder or a cached hub id; a bad one is reported under the list."""

@@ -6,7 +6,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
+from PySide6.QtWidgets import (QCheckBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
                                QLineEdit, QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 from hivekeeper.planner.swarm import ServerPlan
@@ -15,6 +15,7 @@ from hivekeeper.gui.services.coverage import CoverageService
 from hivekeeper.gui.services.node import STATE_WORDS, NodeLaunch, NodeService
 from hivekeeper.gui.settings import SwarmSettings
 from hivekeeper.gui.style import ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, fmt_rate, label, page_layout
+from hivekeeper.gui.widgets.model_menu import model_menu
 
 
 
@@ -108,8 +109,9 @@ class SwarmPage(QWidget):
         model_row = QHBoxLayout()
         self.model_edit = QLineEdit()
         self.model_edit.setPlaceholderText("the plan's model")
-        browse = QPushButton("Folder…")
-        browse.clicked.connect(self._browse)
+        browse = QPushButton("Model…")
+        browse.setToolTip("The built-in model, the plan's, a GGUF file or a checkpoint folder")
+        browse.setMenu(model_menu(self, "Model to serve", self._choose_model, extra=self._plan_entry))
         model_row.addWidget(self.model_edit, 1)
         model_row.addWidget(browse)
         self.recommendation_label = label("", "small", wrap=True)
@@ -227,11 +229,12 @@ class SwarmPage(QWidget):
         self.peers_edit.setEnabled(not s.new_swarm)
         self.settingsChanged.emit()
 
-    def _browse(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Checkpoint folder to serve")
-        if folder:
-            self.model_edit.setText(folder)
-            self._read_widgets()
+    def _choose_model(self, model: str) -> None:
+        self.model_edit.setText(model)
+        self._read_widgets()
+
+    def _plan_entry(self) -> list[tuple[str, str]]:
+        return [(f"The plan's model: {self.default_model}", "")] if self.default_model else []  # "": the plan's
 
     def model_to_serve(self) -> str:
         return self.settings.model or self.default_model

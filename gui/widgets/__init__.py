@@ -1,1 +1,2 @@
-"""Small widgets the pages reuse: `memory_bars` (a stacked bar per memory tier)."""
+"""Small widgets the pages reuse: `memory_bars` (a stacked bar per memory tier), `model_menu` (the model pickers'
+menu: the built-in model first, a GGUF file, a checkpoint folder)."""

@@ -5,6 +5,7 @@ llama/qwen2 tensor layouts, and bad input."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -17,10 +18,13 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (a test dependency) 
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import quantize  # noqa: E402
 
-from hivekeeper.core.runtime.gguf import (GGUFCheckpoint, find_gguf, is_gguf, load_gguf_config,  # noqa: E402
-                                          load_gguf_tokenizer)
+from hivekeeper.core.runtime.gguf import GGUFCheckpoint, load_gguf_config  # noqa: E402
+from hivekeeper.core.runtime.tokenizer import load_tokenizer  # noqa: E402
 from hivekeeper.core.runtime.model import Embedding, Head, KVCache, Span  # noqa: E402
 from hivekeeper.planner.errors import InputError  # noqa: E402
+from hivekeeper.planner.costmodel import weight_bytes  # noqa: E402
+from hivekeeper.planner.gguf_metadata import find_gguf, gguf_sizes, is_gguf  # noqa: E402
+from hivekeeper.planner.model_catalog import load_model_spec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -186,6 +190,12 @@ def smollm2() -> GGUFCheckpoint:
 
 
 @pytest.fixture(scope="module")
+def smollm2_model(smollm2):
+    """Embedding, blocks and head of the real model, dequantized to fp32 (loaded once: ~540 MB)."""
+    return load_model(smollm2)
+
+
+@pytest.fixture(scope="module")
 def reference_tokenizer():
     transformers = pytest.importorskip("transformers")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -241,14 +251,14 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a ha
 
 
 @needs_smollm2
-def test_smollm2_greedy_tokens_equal_transformers(smollm2):
+def test_smollm2_greedy_tokens_equal_transformers(smollm2, smollm2_model):
     """48 greedy tokens of our runtime on the dequantized weights are transformers' own greedy choices: its GGUF
     loader, run teacher-forced on the same sequence, picks every one of them."""
     transformers = pytest.importorskip("transformers")
     path = smollm2_path()
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                   dtype=torch.float32).eval()
-    model = load_model(smollm2)
+    model = smollm2_model
     tokenizer = smollm2.tokenizer()
     for prompt in PROMPTS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -259,6 +269,64 @@ def test_smollm2_greedy_tokens_equal_transformers(smollm2):
         if "France" in prompt:
             answer = tokenizer.decode(ours[: ours.index(2)] if 2 in ours else ours)
             assert "Paris" in answer, answer
+
+
+def held_bytes(*modules: torch.nn.Module) -> int:
+    """The bytes of the distinct storages behind the modules' weights: what the runtime holds (a packed buffer or a
+    tied matrix counted once)."""
+    storages = {}
+    for module in modules:
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+@needs_smollm2
+def test_smollm2_sizes_and_planned_memory(smollm2, smollm2_model):
+    """The planner reads the file's real sizes (5 bits per Q4_1 weight, 8.5 per Q8_0 one, the total, a block) and
+    predicts the memory of the dequantized fp32 weights the runtime holds within 2%."""
+    sizes = gguf_sizes(smollm2_path())
+    types = {t.name: t for t in sizes.types}
+    assert (types["Q4_1"].bits_per_weight, types["Q8_0"].bits_per_weight, types["F32"].bits_per_weight) == \
+        (5.0, 8.5, 32.0) and sizes.main_type == "Q4_1"
+    assert sizes.tensor_bytes == sum(smollm2.stored_bytes(name) for name in smollm2.tensors)
+    assert sizes.tensor_bytes < sizes.file_bytes < sizes.tensor_bytes + 4e6  # + metadata: the tokenizer
+    block = [name for name in smollm2.tensors if name.startswith("model.layers.7.")]
+    assert sizes.block_bytes[7] == sum(smollm2.stored_bytes(name) for name in block) == max(sizes.block_bytes)
+    spec = load_model_spec(str(smollm2_path()))
+    assert spec.total_params() == sizes.weights and spec.torch_dtype == "fp32"
+    held = held_bytes(*smollm2_model)
+    assert abs(weight_bytes(spec, "fp32") - held) <= 0.02 * held
+
+
+def test_plan_predicts_what_the_engine_holds(tmp_path, capsys):
+    """`hivekeeper plan --model FILE.gguf --json`: the file's bytes by type, and the bytes in memory of the format
+    that runs, within 2% of what the offload engine holds when it runs the plan's policy."""
+    from hivekeeper.core.cli.main import main
+    from hivekeeper.core.offload.engine import OffloadedModel
+    from hivekeeper.core.offload.local_plan import choose_policy, engine_plan
+
+    reference = reference_model("llama", seed=2)
+    path = write_gguf(tmp_path / "q4.gguf", "llama", gguf_tensors(reference, "llama", QT.Q4_0),
+                      sizes={"block_count": 2}, vocab=reference.config.vocab_size)
+    assert main(["plan", "--model", str(path), "--prompt-len", "16", "--output-len", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    report = data["gguf"]
+    assert report["types"]["Q4_0"]["bits_per_weight"] == 4.5 and report["types"]["F32"]["bits_per_weight"] == 32
+    checkpoint = GGUFCheckpoint(path)
+    assert report["tensor_bytes"] == sum(checkpoint.stored_bytes(name) for name in checkpoint.tensors)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(data))
+    choice = choose_policy(str(plan_file), path, batch=1, prompt_len=16, max_new_tokens=8)
+    model = OffloadedModel(path, engine_plan(checkpoint.config, choice, batch=1, max_length=24))
+    try:
+        assert model.plan.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                    "fp16": torch.float16}[report["memory_format"]]
+        held = held_bytes(model.embedding, model.head, *model.resident.values())
+    finally:
+        model.close()
+    assert abs(report["memory_bytes"] - held) <= 0.02 * held, (report["memory_bytes"], held)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -389,7 +457,7 @@ def test_sentencepiece_tokenizer(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    tokenizer = load_gguf_tokenizer(tmp_path / "spm.gguf")
+    tokenizer = load_tokenizer(tmp_path / "spm.gguf")
     ids = tokenizer.encode("hello world é")
     assert ids[0] == 1 and tokenizer.id_to_token(ids[1]) == "▁hello" and tokenizer.id_to_token(ids[2]) == "▁world"
     assert [tokenizer.id_to_token(i) for i in ids[-2:]] == ["<0xC3>", "<0xA9>"]
@@ -403,7 +471,7 @@ def test_sentencepiece_tokenizer(tmp_path):
 
 def test_byte_level_tokenizer_of_synthetic_file(tmp_path):
     path = write_gguf(tmp_path / "t.gguf", "qwen2", {"token_embd.weight": (np.zeros((64, 64), np.float32), None)})
-    tokenizer = load_gguf_tokenizer(path)
+    tokenizer = load_tokenizer(path)
     ids = tokenizer.encode("he<|im_end|>")
     assert tokenizer.id_to_token(ids[0]) == "he" and ids[-1] == 2 and not tokenizer.add_bos_default
     assert tokenizer.eos_token_ids == (2,)
@@ -454,6 +522,13 @@ def test_unknown_architecture(tmp_path):
     assert_one_line(error, path, "'falcon'", "not supported")
 
 
+def test_mixture_of_experts_refused(tmp_path):
+    path = small_file(tmp_path, sizes={"expert_count": 8})
+    with pytest.raises(InputError) as error:
+        load_gguf_config(path)
+    assert_one_line(error, path, "mixture-of-experts", "not supported")
+
+
 def test_unsupported_tensor_type(tmp_path):
     path = tmp_path / "q2k.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -476,7 +551,7 @@ def test_missing_tokenizer(tmp_path):
     path = small_file(tmp_path, tokenizer=None)
     assert GGUFCheckpoint(path).config.num_layers == 1  # the weights are fine
     with pytest.raises(InputError) as error:
-        load_gguf_tokenizer(path)
+        load_tokenizer(path)
     assert_one_line(error, path, "no tokenizer")
 
 
