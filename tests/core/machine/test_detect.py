@@ -96,6 +96,8 @@ def test_cli_detect_json_and_text(tmp_path, capsys):
     from hivekeeper.core.runtime.kernels import native_kernels
 
     assert f"CPU decode kernels: {native_kernels.status()}" in text  # "on (...)" or "off: <why>"
+    assert "CPU flags: avx2 fma (pinned by HIVEKEEPER_CPU_FLAGS)" in text  # the suite's CPU (tests/conftest.py)
+    assert "CPU 16-bit plans: fp32 (no native bf16 math" in text  # the other cases: test_cpu_cases.py
 
 
 def test_cli_detect_bad_out_folder_is_one_line_error(tmp_path, capsys):
