@@ -3,10 +3,6 @@
 Each server is a real subprocess (`python -m hivekeeper.core.cli.main serve ... --json-status`) in its own process
 group, so kill(SIGKILL) takes its p2pd down with it, as a machine crash would. A reader thread collects its JSON
 status lines; stderr goes to a log file.
-
-`Command` runs any other `hivekeeper` command the same way (a client of the swarm: generate, swarm status) with its
-output read as it comes; waiting on it has a deadline, at which the command is killed and its output so far
-reported. `run_hivekeeper` is the one-shot form.
 """
 
 from __future__ import annotations
@@ -159,93 +155,3 @@ class LocalSwarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-class Command:
-    """`hivekeeper ARGS` as a subprocess in its own process group; stdout and stderr are read as they come."""
-
-    def __init__(self, *args: str, env: dict | None = None):
-        self.args = args
-        self._chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        self._changed = threading.Condition()
-        self.popen = subprocess.Popen(die_with_parent(hivekeeper_command(*args)), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, env=env, start_new_session=True)
-        self._readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
-                         for name, stream in (("stdout", self.popen.stdout), ("stderr", self.popen.stderr))]
-        for reader in self._readers:
-            reader.start()
-
-    def _read(self, name: str, stream) -> None:
-        while True:
-            chunk = stream.read1(65536)
-            with self._changed:
-                if chunk:
-                    self._chunks[name].append(chunk)
-                self._changed.notify_all()
-            if not chunk:
-                return
-
-    def _text(self, name: str) -> str:
-        with self._changed:
-            return b"".join(self._chunks[name]).decode("utf-8", errors="replace")
-
-    @property
-    def stdout(self) -> str:
-        return self._text("stdout")
-
-    @property
-    def stderr(self) -> str:
-        return self._text("stderr")
-
-    def describe(self) -> str:
-        return (f"`hivekeeper {' '.join(self.args)}`\n--- stdout so far:\n{self.stdout[-3000:]}\n"
-                f"--- stderr so far:\n{self.stderr[-3000:]}")
-
-    def wait_for_output(self, condition, timeout: float) -> None:
-        """Until condition(stdout) holds; raises (killing the command) if it exits first or time runs out."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not condition(b"".join(self._chunks["stdout"]).decode("utf-8", errors="replace")):
-                if self.popen.poll() is not None and not self._readers[0].is_alive():
-                    raise RuntimeError(f"exited with {self.popen.returncode} first: {self.describe()}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.kill()
-                    raise TimeoutError(f"no such output in {timeout:g}s: {self.describe()}")
-                self._changed.wait(min(remaining, 0.5))
-
-    def wait(self, timeout: float) -> int:
-        """The exit code; at the deadline the command (and its process group) is killed and TimeoutError names
-        the output so far."""
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise TimeoutError(f"still running after {timeout:g}s, killed: {self.describe()}") from None
-        self._finish()
-        return self.popen.returncode
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait()
-        self._finish()
-
-    def _finish(self) -> None:
-        try:  # a daemon the command left behind (its p2pd) goes with it
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for reader in self._readers:
-            reader.join(timeout=5)
-        for stream in (self.popen.stdout, self.popen.stderr):
-            stream.close()
-
-
-def run_hivekeeper(*args: str, env: dict | None = None, timeout: float = 180.0) -> subprocess.CompletedProcess:
-    """Run `hivekeeper ARGS` to the end (killed at the deadline: TimeoutError with its output so far)."""
-    command = Command(*args, env=env)
-    code = command.wait(timeout)
-    return subprocess.CompletedProcess(command.popen.args, code, command.stdout, command.stderr)

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import psutil
 
-from hivekeeper.core.swarm.local import Command
+from hivekeeper.core.child_argv import hivekeeper_command
+
+from ..child_output import ChildOutput
 
 
 def _probe_of(app_pid: int) -> psutil.Process | None:
@@ -46,17 +49,18 @@ def _left_to_us(pid: int) -> bool:
 def test_sigterm_during_detection_stops_and_reaps_the_probe(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
     env.update(QT_QPA_PLATFORM="offscreen", HIVEKEEPER_CONFIG_DIR=str(tmp_path / "config"))
-    app = Command("app", env=env)
+    app = ChildOutput(subprocess.Popen(hivekeeper_command("app"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       env=env))
     try:
         deadline = time.monotonic() + 120
         probe = None
-        while probe is None and app.popen.poll() is None and time.monotonic() < deadline:
-            probe = _probe_of(app.popen.pid)
+        while probe is None and app.proc.poll() is None and time.monotonic() < deadline:
+            probe = _probe_of(app.proc.pid)
             time.sleep(0.02)
-        assert probe is not None, f"no hardware probe seen: {app.describe()}"
-        app.popen.send_signal(signal.SIGTERM)  # while the probe still works (it imports torch: seconds)
-        assert app.wait(timeout=60) == 0, app.describe()
+        assert probe is not None, f"no hardware probe seen{app.report()}"
+        app.proc.send_signal(signal.SIGTERM)  # while the probe still works (it imports torch: seconds)
+        assert app.wait(timeout=60) == 0, app.report()
     finally:
-        app.kill()
+        app.close()
     assert not _left_to_us(probe.pid), "the probe outlived the app"
     assert psutil.Process().children(recursive=True) == []

@@ -10,7 +10,10 @@ import time
 
 import pytest
 
-from hivekeeper.core.swarm.local import LocalSwarm, run_hivekeeper
+from hivekeeper.core.child_argv import hivekeeper_command
+from hivekeeper.core.swarm.local import LocalSwarm
+
+from ...child_output import run
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +29,8 @@ def checkpoint(tmp_path_factory):
 
 def _status(checkpoint, peers) -> tuple[dict, float]:
     started = time.monotonic()
-    out = run_hivekeeper("swarm", "status", "--model", str(checkpoint), "--initial-peers", *peers, "--json",
-                         env=ENV, timeout=120)
+    out = run(hivekeeper_command("swarm", "status", "--model", str(checkpoint), "--initial-peers", *peers, "--json"),
+              timeout=120, env=ENV)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout), time.monotonic() - started
 

@@ -5,15 +5,23 @@ both daemons would share the port."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
 
-from hivekeeper.core.swarm.local import LocalSwarm, run_hivekeeper
+from hivekeeper.core.child_argv import hivekeeper_command
+from hivekeeper.core.swarm.local import LocalSwarm
+
+from ...child_output import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def hivekeeper(*args: str) -> subprocess.CompletedProcess:
+    return run(hivekeeper_command(*args), timeout=120, env=ENV)
 
 
 def _port_of(maddr: str) -> int:
@@ -44,15 +52,15 @@ def test_serve_on_a_port_in_use_is_refused_and_the_first_server_keeps_serving(ti
         first = swarm.start("--block-indices", "0:2", "--throughput", "10")
         port = _port_of(first.maddrs[0])
         for host in ("127.0.0.1", "0.0.0.0"):  # the same address, and every interface (which includes it)
-            second = run_hivekeeper("serve", "--model", str(tiny_checkpoint), "--new-swarm", "--host", host,
-                                    "--port", str(port), "--json-status", env=ENV, timeout=120)
+            second = hivekeeper("serve", "--model", str(tiny_checkpoint), "--new-swarm", "--host", host,
+                                "--port", str(port), "--json-status")
             lines = [line for line in second.stderr.splitlines() if line.strip()]
             assert second.returncode == 2, second.stderr
             assert len(lines) == 1 and f"port {port}" in lines[0] and "in use" in lines[0], second.stderr
             assert second.stdout == ""  # no status line: nothing was started
         # a server asked to join the swarm on that port is refused the same way
-        joiner = run_hivekeeper("serve", "--model", str(tiny_checkpoint), "--initial-peers", *first.maddrs,
-                                "--host", "127.0.0.1", "--port", str(port), env=ENV, timeout=120)
+        joiner = hivekeeper("serve", "--model", str(tiny_checkpoint), "--initial-peers", *first.maddrs,
+                            "--host", "127.0.0.1", "--port", str(port))
         assert joiner.returncode == 2 and str(port) in joiner.stderr
 
         assert first.alive and len(swarm.servers) == 1
@@ -64,6 +72,6 @@ def test_serve_on_a_port_in_use_is_refused_and_the_first_server_keeps_serving(ti
 def test_a_bad_host_or_port_is_one_line_before_anything_starts(tiny_checkpoint):
     for flags, words in ((["--host", "localhost"], "--host 'localhost' is not an IPv4 address"),
                          (["--host", "127.0.0.1", "--port", "70000"], "--port 70000: use 1 to 65535")):
-        out = run_hivekeeper("serve", "--model", str(tiny_checkpoint), "--new-swarm", *flags, env=ENV, timeout=120)
+        out = hivekeeper("serve", "--model", str(tiny_checkpoint), "--new-swarm", *flags)
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert out.returncode == 2 and len(lines) == 1 and words in lines[0], out.stderr

@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 
 import pytest
 
-from hivekeeper.core.swarm.local import Command, LocalSwarm, run_hivekeeper
+from hivekeeper.core.child_argv import hivekeeper_command
+from hivekeeper.core.swarm.local import LocalSwarm
+
+from ...child_output import ChildOutput, run
 
 pytestmark = pytest.mark.slow
 
@@ -31,20 +35,23 @@ def checkpoint(tmp_path_factory):
     return make_demo_checkpoint(tmp_path_factory.mktemp("gap") / "gap-demo", layers=4)
 
 
-def _generate(checkpoint, peers, *extra: str) -> Command:
-    return Command("generate", "--model", str(checkpoint), "--prompt", PROMPT, "--ignore-eos", "--swarm",
-                   "--initial-peers", *peers, *extra, env=ENV)
+def _generate(checkpoint, peers, *extra: str) -> ChildOutput:
+    command = hivekeeper_command("generate", "--model", str(checkpoint), "--prompt", PROMPT, "--ignore-eos", "--swarm",
+                                 "--initial-peers", *peers, *extra)
+    return ChildOutput(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV))
 
 
-def _wait_for_session(servers, timeout: float = 120.0):
-    """The server (of `servers`) that has an inference session open, from their stats lines."""
+def _wait_for_decoding(servers, steps: int = 20, timeout: float = 120.0):
+    """The server (of `servers`) that has an inference session open and has run `steps` steps, from their stats
+    lines (a step is one request served)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for server in servers:
-            if any(event.get("state") == "stats" and event.get("sessions", 0) >= 1 for event in server.events):
+            if any(event.get("state") == "stats" and event.get("sessions", 0) >= 1
+                   and event.get("requests_served", 0) >= steps for event in server.events):
                 return server
         time.sleep(0.05)
-    raise TimeoutError("no server opened an inference session")
+    raise TimeoutError(f"no server ran {steps} steps of an inference session")
 
 
 def test_the_only_server_of_some_blocks_dies_the_text_so_far_stays(checkpoint, tmp_path):
@@ -53,7 +60,7 @@ def test_the_only_server_of_some_blocks_dies_the_text_so_far_stays(checkpoint, t
         only = swarm.start("--block-indices", "2:4")
         command = _generate(checkpoint, first.maddrs, "--max-new-tokens", "2000")
         try:
-            command.wait_for_output(lambda out: len(out) >= 60, timeout=180)  # the text streams as it comes
+            command.wait_for(r"[\s\S]{60}", timeout=180)  # the text streams as it comes
             seen = command.stdout
             only.kill()
             killed_at = time.monotonic()
@@ -61,7 +68,7 @@ def test_the_only_server_of_some_blocks_dies_the_text_so_far_stays(checkpoint, t
             code = command.wait(timeout=40)
             took = time.monotonic() - killed_at
         finally:
-            command.kill()
+            command.close()
     out, err = command.stdout, command.stderr
     assert code == 2, err
     assert out.startswith(seen) and out.endswith("\n") and "---" not in out  # the text so far; no summary
@@ -73,8 +80,8 @@ def test_the_only_server_of_some_blocks_dies_the_text_so_far_stays(checkpoint, t
     print(f"\n[swarm gap] generate gave up {took:.1f}s after the kill, keeping {len(out.strip())} characters")
 
     # what was printed is the model's text: it starts as a local run of the same model does
-    local = run_hivekeeper("generate", "--model", str(checkpoint), "--prompt", PROMPT, "--ignore-eos",
-                           "--max-new-tokens", "40", "--json", env=ENV, timeout=180)
+    local = run(hivekeeper_command("generate", "--model", str(checkpoint), "--prompt", PROMPT, "--ignore-eos",
+                                   "--max-new-tokens", "40", "--json"), timeout=180, env=ENV)
     assert local.returncode == 0, local.stderr
     assert json.loads(local.stdout)["text"][:40] == out[:40]
 
@@ -85,17 +92,17 @@ def test_a_failover_to_a_spare_server_is_in_the_json(checkpoint, tmp_path):
         pair = [swarm.start("--block-indices", "2:4", "--stats-period", "0.2", "--public-name", name)
                 for name in ("left", "right")]
         started = time.time()
-        command = _generate(checkpoint, first.maddrs, "--max-new-tokens", "1000", "--json")
+        command = _generate(checkpoint, first.maddrs, "--max-new-tokens", "600", "--json")
         try:
-            victim = _wait_for_session(pair)
+            victim = _wait_for_decoding(pair)
             victim.kill()
             code = command.wait(timeout=300)
         finally:
-            command.kill()
+            command.close()
         spare = next(server for server in pair if server is not victim)
         assert code == 0, command.stderr
         report = json.loads(command.stdout)
-        assert report["new_tokens"] == 1000 and report["plan"]["source"] == "swarm"
+        assert report["new_tokens"] == 600 and report["plan"]["source"] == "swarm"
         [failover] = report["failovers"]
         assert failover["peer_id"] == victim.peer_id and failover["blocks"] == [2, 4]
         assert failover["public_name"] in ("left", "right")
