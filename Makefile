@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The stamp is rebuilt whenever the project's dependencies change.
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test bench screenshots clean-venv
+.PHONY: run test bench screenshots mutate clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,20 @@ screenshots: $(STAMP)
 
 bench: $(STAMP)
 	for b in bench/[!_]*.py; do echo "# $$b"; $(BIN)/python $$b || exit 1; done
+
+# Mutation testing (docs/testing.md), not part of `make test`: mutmut on the modules where a silent bug hurts most,
+# one scope at a time within its time limit (pyproject.toml, [tool.mutmut.scopes]). Results are cached in
+# build/mutate/: a later run tests only the mutants of changed functions. `make mutate MUTATE_SCOPES=policy` runs one.
+MUTATE_STAMP := $(VENV)/.mutate-stamp
+MUTATE_JOBS ?= 2
+MUTATE_SCOPES ?=
+
+$(MUTATE_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[gui,quant,test,mutate]'
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	$(BIN)/python tests/mutate.py --jobs $(MUTATE_JOBS) $(MUTATE_SCOPES)
 
 clean-venv:
 	rm -rf $(VENV)

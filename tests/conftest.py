@@ -39,6 +39,20 @@ def _isolate_user_folders() -> None:
 _isolate_user_folders()
 
 
+def _hypothesis_profiles() -> None:
+    """Property tests (tests/planner/test_properties.py) run the "ci" profile unless HYPOTHESIS_PROFILE names another:
+    the same examples every run (derandomized), so a failure in CI reproduces on any machine. "wide" is a longer,
+    random search, run by hand: HYPOTHESIS_PROFILE=wide .venv/bin/python -m pytest tests/planner/test_properties.py"""
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, max_examples=40, deadline=None, database=None, print_blob=True)
+    settings.register_profile("wide", max_examples=1000, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+_hypothesis_profiles()
+
+
 def _become_subreaper() -> None:
     """Make the test process adopt its orphaned descendants (Linux), so a p2pd whose server was killed stays ours.
 

@@ -321,7 +321,15 @@ def test_plans_from_a_measured_hardware_file_use_fractions_of_one(tmp_path):
     plan, slow = search(model, measured, "chat"), search(model, estimated, "chat")
     assert plan.efficiency == "measured:cpu" and slow.efficiency == "default:cpu"
     assert plan.prediction.decode_tokens_per_s > 1.5 * slow.prediction.decode_tokens_per_s
-    assert measured_efficiency(measured) == default_efficiency(measured)
+    # what calibration starts from: the CPU defaults with the three measured numbers' fractions at 1, everything
+    # else (overheads, link, re-reads, runtime memory) as the defaults, on both sides of a CPU-only machine
+    expected = {**dataclasses.asdict(DEFAULTS["cpu"]), "name": "measured:cpu", "bandwidth_fraction": 1.0,
+                "matmul_fraction": 1.0, "disk_fraction": 1.0}
+    start = measured_efficiency(measured)
+    for side in (start.accelerator, start.host):
+        assert {k: v for k, v in dataclasses.asdict(side).items() if k != "source"} == \
+            {k: v for k, v in expected.items() if k != "source"}
+    assert measured_efficiency(estimated).accelerator == DEFAULTS["cpu"]  # nothing measured: the defaults as they are
 
 
 def test_measured_gpu_numbers_change_only_their_own_fractions(tmp_path):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -21,11 +23,38 @@ def detected(tmp_path_factory):
     return detect.detect_hardware(tmp_path_factory.mktemp("data"))
 
 
+# What the machine is, read here from the kernel's own files and calls (detection asks psutil).
+def ram_bytes() -> int:
+    """MemTotal of /proc/meminfo (Linux), else physical pages × page size."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # the kernel's "kB" are KiB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def physical_cores() -> int | None:
+    """Distinct sets of hardware threads sharing a core, from /sys (Linux); None where it is not there."""
+    pattern = "/sys/devices/system/cpu/cpu[0-9]*/topology/{}"
+    lists = glob.glob(pattern.format("core_cpus_list")) or glob.glob(pattern.format("thread_siblings_list"))
+    return len({Path(path).read_text().strip() for path in lists}) or None
+
+
+def disk_bytes(folder: Path) -> int:
+    """Size of the file system holding `folder`: its blocks × the fragment size, as statvfs reports them."""
+    stat = os.statvfs(folder)
+    return stat.f_blocks * stat.f_frsize
+
+
 def test_ram_cores_and_disk_are_the_real_ones(detected, tmp_path_factory):
-    assert detected.cpu.memory_bytes == psutil.virtual_memory().total
-    assert detected.cpu.cores == (psutil.cpu_count(logical=False) or psutil.cpu_count())
-    data_dir = tmp_path_factory.getbasetemp()
-    assert detected.disk.capacity_bytes == psutil.disk_usage(str(data_dir)).total
+    assert detected.cpu.memory_bytes == ram_bytes()
+    cores = physical_cores()
+    if cores is None:  # no /sys topology: at least no more cores than hardware threads
+        assert 1 <= detected.cpu.cores <= os.cpu_count()
+    else:
+        assert detected.cpu.cores == cores
+    assert detected.disk.capacity_bytes == disk_bytes(tmp_path_factory.getbasetemp())
     assert detected.cpu.sources["memory_bytes"] == "detected"
 
 
@@ -58,7 +87,7 @@ def test_cpu_flops_follow_cores_clock_and_simd(detected):
 
 def test_missing_data_dir_uses_the_nearest_existing_parent(tmp_path):
     spec = detect.detect_hardware(tmp_path / "not" / "yet" / "created")
-    assert spec.disk.capacity_bytes == psutil.disk_usage(str(tmp_path)).total
+    assert spec.disk.capacity_bytes == disk_bytes(tmp_path)
     assert str(tmp_path) in spec.disk.sources["capacity_bytes"]
 
 
@@ -82,7 +111,7 @@ def test_cli_detect_out_writes_a_loadable_file(tmp_path, capsys):
     assert main(["detect", "--out", str(out), "--data-dir", str(tmp_path)]) == 0
     loaded = load_hardware_json(out)
     assert hardware_to_json(loaded) == {**json.loads(out.read_text())}
-    assert loaded.cpu.memory_bytes == psutil.virtual_memory().total
+    assert loaded.cpu.memory_bytes == ram_bytes()
     assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
 
 

@@ -1,0 +1,148 @@
+"""Failover right after a rewind or a beam reorder: the replacement server must get the history the session holds
+now, not the one it was sent.
+
+Three servers of the tiny model's blocks [0, 2) run in this process (SwarmServer on a background loop, each with
+its own p2pd on 127.0.0.1); a SwarmClient session steps through one of them. After `truncate` (start_from_position)
+or `reorder` (hypo_ids) the server in use leaves, and the next step is recovered on another one by replaying the
+history: cut at the rewind point, rows in the new beam order. Every output is checked against the same blocks run
+here with a local KV cache that was rewound or reordered the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from hivekeeper.core.runtime.checkpoint import load_span
+from hivekeeper.core.runtime.model import KVCache
+from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
+from hivekeeper.core.swarm.protocol import new_event_loop
+from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+PREFIX = "recovery-test"
+MAX_LENGTH = 16
+
+
+class LocalServers:
+    """SwarmServers of blocks [0, 2) on one background loop; `leave(peer)` stops one (it announces OFFLINE and its
+    p2pd exits, which breaks the client's open stream)."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-servers", daemon=True)
+        self.thread.start()
+        self.running: dict[str, tuple[SwarmServer, object]] = {}
+
+    @property
+    def initial_peers(self) -> list[str]:
+        """The addresses of the servers still running."""
+        return [server.maddrs[0] for server, _ in self.running.values()]
+
+    def start(self) -> None:
+        online = threading.Event()
+        config = ServerConfig(checkpoint=self.checkpoint, dht_prefix=PREFIX, initial_peers=tuple(self.initial_peers),
+                              host="127.0.0.1", block_indices=(0, 2), throughput=1.0, update_period=30.0)
+        server = SwarmServer(config, status=lambda event: event["state"] == "online" and online.set())
+        future = asyncio.run_coroutine_threadsafe(server.run(), self.loop)
+        if not online.wait(60):
+            future.cancel()
+            raise AssertionError(f"server did not come online: {future.exception() if future.done() else 'hung'}")
+        self.running[server.peer_id] = (server, future)
+
+    def leave(self, peer_id: str) -> None:
+        server, future = self.running.pop(peer_id)
+        self.loop.call_soon_threadsafe(server.stop)
+        future.result(timeout=30)
+
+    def close(self) -> None:
+        for peer_id in list(self.running):
+            self.leave(peer_id)
+
+        async def cancel_the_rest() -> None:  # hivemind leaves DHT refresh tasks behind
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_the_rest(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_checkpoint):
+    local = LocalServers(tiny_checkpoint)
+    try:
+        for _ in range(3):  # each test makes one leave; the last one is spare
+            local.start()
+        yield local
+    finally:
+        local.close()
+
+
+@pytest.fixture
+def client(servers):
+    client = SwarmClient(ClientConfig(initial_peers=tuple(servers.initial_peers), dht_prefix=PREFIX, num_blocks=2,
+                                      retry_seconds=30.0))
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def span(tiny_checkpoint):
+    return load_span(tiny_checkpoint, 0, 2)
+
+
+def check_step(session, cache, span, chunk: torch.Tensor, what: str) -> None:
+    with torch.inference_mode():
+        expected = span(chunk, cache)
+    assert torch.allclose(session.step(chunk), expected, atol=1e-5), what
+    assert session.length == cache.length
+
+
+def the_server_in_use(session) -> str:
+    (peer_id, start, end), = session.route
+    assert (start, end) == (0, 2)
+    return peer_id
+
+
+def test_failover_after_a_rewind_replays_only_the_tokens_kept(servers, client, span):
+    torch.manual_seed(11)
+    chunks = [torch.randn(1, 4, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64)]
+    cache = KVCache.allocate(span.config, 2, 1, MAX_LENGTH)
+    with client.inference_session(max_length=MAX_LENGTH, batch=1) as session:
+        check_step(session, cache, span, chunks[0], "prompt")
+        check_step(session, cache, span, chunks[1], "one token")
+        cache.truncate(4)
+        session.truncate(4)  # forget the last token: the next step starts at position 4
+        failed = the_server_in_use(session)
+        servers.leave(failed)
+        check_step(session, cache, span, chunks[2], "the step after the rewind, on the replacement")
+        check_step(session, cache, span, chunks[3], "the next step, on the replacement")
+        assert [r["peer_id"] for r in session.recoveries] == [failed]
+        assert session.recoveries[0]["replayed_tokens"] == 4  # positions 0-3, not the forgotten 4th
+        assert the_server_in_use(session) != failed
+
+
+def test_failover_after_a_beam_reorder_replays_the_rows_in_their_new_order(servers, client, span):
+    torch.manual_seed(12)
+    chunks = [torch.randn(2, 3, 64), torch.randn(2, 1, 64), torch.randn(2, 1, 64), torch.randn(2, 1, 64)]
+    cache = KVCache.allocate(span.config, 2, 2, MAX_LENGTH)
+    with client.inference_session(max_length=MAX_LENGTH, batch=2) as session:
+        check_step(session, cache, span, chunks[0], "prompt")
+        check_step(session, cache, span, chunks[1], "one token")
+        cache.reorder(torch.tensor([1, 0]))
+        session.reorder(torch.tensor([1, 0]))  # the beams swap: row 0 now continues old row 1
+        failed = the_server_in_use(session)
+        servers.leave(failed)
+        check_step(session, cache, span, chunks[2], "the step after the reorder, on the replacement")
+        check_step(session, cache, span, chunks[3], "the next step, on the replacement")
+        assert [r["peer_id"] for r in session.recoveries] == [failed]
+        assert session.recoveries[0]["replayed_tokens"] == 4

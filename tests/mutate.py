@@ -1,0 +1,211 @@
+"""`make mutate`: mutation testing with mutmut, one scope (a module where a silent bug hurts most) at a time.
+
+mutmut names each mutant after its file's path (`src/` stripped) and imports the mutated copy from `mutants/src`,
+but this project's packages live in planner/ and core/ under the names hivekeeper.planner and hivekeeper.core
+(setuptools package-dir). So each scope runs in its own folder, build/mutate/<scope>/, holding a copy of the tree
+laid out as src/hivekeeper/{planner,core}, the tests, and a pyproject.toml whose [tool.mutmut] is the project's
+shared settings plus the scope's files, tests and functions (pyproject.toml, [tool.mutmut.scopes.*]).
+
+Functions a scope leaves out get mutmut's `# pragma: no mutate block` in the copy only. Results stay in the scope's
+folder: a later run tests only the mutants of functions that changed (mutmut's cache). Each scope runs under a
+deadline; at the deadline mutmut is stopped (what it finished is kept, the next run goes on from there) and its
+output so far is shown. Prints one JSON line per scope: mutant counts, the score, the surviving mutants.
+
+    python tests/mutate.py [--jobs N] [--minutes-scale X] [SCOPE ...]     (default: every scope)
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tokenize
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "build" / "mutate"
+PACKAGES = ("planner", "core")  # the scopes' code; gui is not mutated
+PRAGMA = "  # pragma: no mutate block"
+BIN = Path(sys.executable).parent
+
+
+def settings() -> tuple[dict, dict[str, dict]]:
+    """The shared [tool.mutmut] settings and the scopes, from the project's pyproject.toml."""
+    config = dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"])
+    return config, config.pop("scopes")
+
+
+def copy_tree(source: Path, target: Path) -> None:
+    """Copy a folder keeping modification times (mutmut mutates a file again only when it is newer than its
+    mutants)."""
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
+def top_level_functions(path: Path) -> list[tuple[str, int]]:
+    """(name or Class.name, line of the colon that ends its header) of each module-level function and method."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in tree.body:
+        members = node.body if isinstance(node, ast.ClassDef) else [node]
+        prefix = f"{node.name}." if isinstance(node, ast.ClassDef) else ""
+        for member in members:
+            if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((prefix + member.name, header_end(path, member.lineno)))
+    return found
+
+
+def header_end(path: Path, def_line: int) -> int:
+    """The line of the ':' closing a `def` that starts on def_line (brackets in the signature are skipped)."""
+    depth = 0
+    with path.open("rb") as source:
+        for token in tokenize.tokenize(source.readline):
+            if token.start[0] < def_line or token.type != tokenize.OP:
+                continue
+            if token.string in "([{":
+                depth += 1
+            elif token.string in ")]}":
+                depth -= 1
+            elif token.string == ":" and depth == 0:
+                return token.start[0]
+    raise ValueError(f"{path}:{def_line}: no end of the function header")
+
+
+def leave_out(path: Path, keep: list[str]) -> list[str]:
+    """Mark every function of `path` that no pattern of `keep` matches with mutmut's no-mutate pragma; returns the
+    names left out."""
+    lines = path.read_text().splitlines(keepends=True)
+    left_out = []
+    for name, line in top_level_functions(path):
+        if not any(fnmatch.fnmatch(name, pattern) for pattern in keep):
+            lines[line - 1] = lines[line - 1].rstrip("\n") + PRAGMA + "\n"
+            left_out.append(name)
+    path.write_text("".join(lines))
+    return left_out
+
+
+def date_scoped_file(path: Path, original: Path) -> None:
+    """Give a scoped file the later modification time of its original and of pyproject.toml: mutmut mutates a file
+    again when it is newer than its mutants, so a change of either (code, or the scope's settings) reaches them,
+    and an unchanged pair keeps the cache."""
+    newest = max(original.stat().st_mtime_ns, (ROOT / "pyproject.toml").stat().st_mtime_ns)
+    os.utime(path, ns=(newest, newest))
+
+
+def pyproject_for(shared: dict, scope: dict) -> str:
+    """The project's pyproject.toml without its mutmut tables, plus a flat [tool.mutmut] for this scope."""
+    kept, skipping = [], False
+    for line in (ROOT / "pyproject.toml").read_text().splitlines():
+        if line.startswith("["):
+            skipping = line.startswith("[tool.mutmut")
+        if not skipping:
+            kept.append(line)
+    values = dict(shared, source_paths=["src/hivekeeper"],
+                  only_mutate=[f"src/hivekeeper/{file}" for file in scope["files"]],
+                  pytest_add_cli_args_test_selection=scope["tests"])
+    kept += ["", "[tool.mutmut]", *(f"{key} = {json.dumps(value)}" for key, value in values.items())]
+    return "\n".join(kept) + "\n"
+
+
+def prepare(name: str, shared: dict, scope: dict) -> Path:
+    """build/mutate/<name>/ with the current code and tests, ready for `mutmut run` (its mutants/ kept)."""
+    folder = WORK / name
+    for package in PACKAGES:
+        copy_tree(ROOT / package, folder / "src" / "hivekeeper" / package)
+    copy_tree(ROOT / "tests", folder / "tests")
+    (folder / "pyproject.toml").write_text(pyproject_for(shared, scope))
+    for file in scope["files"]:
+        copy = folder / "src" / "hivekeeper" / file
+        if "functions" in scope:
+            leave_out(copy, scope["functions"])
+        date_scoped_file(copy, ROOT / file)
+    # data files are copied into mutants/ only when missing: drop the old copies so that changes reach the tests
+    mutated = folder / "mutants" / "src"
+    if mutated.is_dir():
+        for path in mutated.rglob("*"):
+            if path.is_file() and path.suffix not in (".py", ".meta", ".spans"):
+                path.unlink()
+    return folder
+
+
+def run_mutmut(folder: Path, jobs: int, seconds: float) -> tuple[int | None, str]:
+    """`mutmut run` in folder, stopped (with its process group) at the deadline; (exit code or None, output)."""
+    log = folder / "run.log"
+    with log.open("wb") as out:
+        child = subprocess.Popen([str(BIN / "mutmut"), "run", "--max-children", str(jobs)], cwd=folder,
+                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        try:
+            code = child.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+            code = None
+    return code, log.read_bytes().decode(errors="replace").replace("\r", "\n")
+
+
+def results(folder: Path) -> dict[str, list[str]]:
+    """Mutant names by status ("killed", "survived", "no tests", "timeout", "not checked", ...), from the cache."""
+    from mutmut.stats import status_by_exit_code
+
+    by_status: dict[str, list[str]] = {}
+    for meta in (folder / "mutants").rglob("*.py.meta"):
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            by_status.setdefault(status_by_exit_code[code], []).append(name)
+    return by_status
+
+
+def summary(name: str, by_status: dict[str, list[str]], code: int | None, seconds: float) -> dict:
+    """One scope's line: counts, the score (killed or timed out, over the mutants tested) and the survivors."""
+    count = {status: len(names) for status, names in by_status.items()}
+    caught = count.get("killed", 0) + count.get("timeout", 0) + count.get("caught by type check", 0)
+    tested = caught + count.get("survived", 0) + count.get("no tests", 0) + count.get("suspicious", 0) \
+        + count.get("segfault", 0)
+    return {"scope": name, "finished": code == 0, "seconds": round(seconds), "mutants": sum(count.values()),
+            **count, "score": round(caught / tested, 3) if tested else None,
+            "survived_names": sorted(by_status.get("survived", []) + by_status.get("no tests", []))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scopes", nargs="*", help="scopes of [tool.mutmut.scopes] (default: all)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
+    parser.add_argument("--minutes-scale", type=float, default=1.0, help="multiply every scope's time limit")
+    args = parser.parse_args(argv)
+    shared, scopes = settings()
+    unknown = [name for name in args.scopes if name not in scopes]
+    if unknown:
+        print(f"mutate: unknown scope {unknown[0]!r}; choose from {', '.join(scopes)}", file=sys.stderr)
+        return 2
+    failed = False
+    for name in args.scopes or list(scopes):
+        scope = scopes[name]
+        folder = prepare(name, shared, scope)
+        started = time.monotonic()
+        code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale)
+        seconds = time.monotonic() - started
+        if code not in (0, None):  # mutmut itself failed (a test failing without mutants, a setup error)
+            failed = True
+            print(f"mutate: mutmut failed in {folder} (exit {code}):\n{output[-3000:]}", file=sys.stderr)
+        elif code is None:
+            print(f"mutate: {name} stopped at its {scope['minutes'] * args.minutes_scale:g}-minute limit; the "
+                  f"next run goes on from here. Last output:\n{output[-600:]}", file=sys.stderr)
+        print(json.dumps(summary(name, results(folder), code, seconds)), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Rules of the cost model and the policy search that a mutation run found untested (docs/testing.md), each stated
+with its expectation worked out here from the machine's numbers, not read back from the planner.
+
+- prefetch depth 1 overlaps compute with the host link and the disk one after the other (link + disk), depth 2
+  overlaps all three (max);
+- under --quant auto a quantized format wins only by its margin (QUALITY_WEIGHT: int8 11%, nf4 25%);
+- the search keeps depth 2 where only the KV cache is on disk (disk reads of the cache overlap the link).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hivekeeper.planner.costmodel import (Placement, Policy, Workload, block_weight_bytes, evaluate, evaluate_arrays,
+                                          fixed_memory, format_traits, machine_view, model_numbers,
+                                          solve_weight_placement)
+from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default_efficiency
+from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
+from hivekeeper.planner.models import ModelSpec
+from hivekeeper.planner.policy import QUALITY_WEIGHT, Constraints, build_grid, candidate_formats, search
+
+LLAMA2_7B = ModelSpec(name="llama-2-7b", family="llama", num_layers=32, hidden_size=4096, intermediate_size=11008,
+                      num_heads=32, num_kv_heads=32, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
+                      max_position_embeddings=4096)
+# a 1.4B-parameter model whose KV cache (no grouped-query attention) outgrows its weights at long contexts
+SMALL = ModelSpec(name="small", family="llama", num_layers=24, hidden_size=2048, intermediate_size=5504,
+                  num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
+                  max_position_embeddings=4096)
+
+LINK_BPS, DISK_BPS = 10e9, 1e9
+NET = NetworkSpec(upload_bps=1e9, download_bps=1e9, rtt_s=0.01)
+
+
+def machine(gpu_gb: float = 40, ram_gb: float = 200, disk_bps: float = DISK_BPS) -> HardwareSpec:
+    """A made-up machine with round numbers: 100 GB/s, 100 TFLOP/s GPU; 10 GB/s link; 1 GB/s disk."""
+    gpu = ComputeDevice(kind="gpu", name="Test GPU", memory_bytes=int(gpu_gb * 1e9), memory_bandwidth=100e9,
+                        flops={"fp16": 100e12, "bf16": 100e12, "fp32": 10e12}, power_watts=300.0,
+                        host_link_bandwidth=LINK_BPS)
+    cpu = ComputeDevice(kind="cpu", name="Test CPU", memory_bytes=int(ram_gb * 1e9), memory_bandwidth=50e9,
+                        flops={"fp32": 1e12}, power_watts=100.0)
+    disk = DiskSpec(capacity_bytes=2000 * 10**9, read_bandwidth=disk_bps, write_bandwidth=disk_bps)
+    return HardwareSpec(id="test", gpus=(gpu,), cpu=cpu, disk=disk, network=NET)
+
+
+# transfers at their spec rates, so that their seconds can be written out
+EFF = MachineEfficiency(
+    Efficiency("test-gpu", matmul_fraction=0.5, bandwidth_fraction=0.8, link_fraction=1.0, disk_fraction=1.0,
+               layer_overhead_s=0.3e-3, step_overhead_s=1e-3, runtime_bytes=10**9),
+    Efficiency("test-cpu", matmul_fraction=0.5, bandwidth_fraction=0.5, link_fraction=1.0, disk_fraction=1.0,
+               layer_overhead_s=0.2e-3, step_overhead_s=1e-3, runtime_bytes=10**9),
+)
+
+
+# ---- prefetch depth: what overlaps what ---------------------------------------------------------------------------
+def test_prefetch_depth_1_adds_link_and_disk_depth_2_overlaps_them():
+    """20% of the weights on the GPU, 30% in RAM, 50% on disk: every block streams 80% of itself over the link
+    (25 ms) and reads 50% from disk (202 ms), both far longer than its compute (~4 ms). Depth 1 loads the next block
+    while computing but the disk read and the link copy follow each other; depth 2 also overlaps those two."""
+    block = block_weight_bytes(LLAMA2_7B, "fp16")
+    link_s, disk_s = 0.8 * block / LINK_BPS, 0.5 * block / DISK_BPS
+    workload = Workload(prompt_len=100, output_len=2)
+    step = {depth: evaluate(LLAMA2_7B, machine(), Policy("fp16", weights=Placement(0.2, 0.3, 0.5),
+                                                           prefetch_depth=depth), workload, EFF).decode_step_s
+            for depth in (0, 1, 2)}
+    layers = LLAMA2_7B.num_layers
+    # the same LM head and step overhead in all three: depth 1 waits for link + disk, depth 2 for the disk alone
+    assert step[1] - step[2] == pytest.approx(layers * link_s, rel=1e-6)
+    assert step[0] > step[1]  # depth 0 adds the compute on top
+    # and against the whole step: 32 blocks of link + disk, the head on the GPU, the step overhead
+    head = LLAMA2_7B.vocab_size * LLAMA2_7B.embedding_dim * 2
+    head_s = head / (100e9 * 0.8) + 2 * head / (100e12 * 0.5)
+    assert step[1] == pytest.approx(layers * (link_s + disk_s) + head_s + 1e-3, rel=1e-6)
+
+
+# ---- --quant auto: the quality margin -----------------------------------------------------------------------------
+def best_speed(hardware: HardwareSpec, quant: str, workload: Workload) -> float:
+    """1 / runtime of the best chat plan using only this quantization ("none": the 16-bit format)."""
+    return 1.0 / search(LLAMA2_7B, hardware, "chat", Constraints(quant=quant), workload).prediction.runtime_s
+
+
+def test_quant_auto_takes_int8_or_nf4_only_when_faster_by_their_margin():
+    """On the GPU int8 and nf4 read fewer bytes per decoded token but dequantize during the prefill: the longer the
+    reply, the more they gain. Over replies of 1 to 256 tokens, --quant auto must pick the format whose speed
+    times its quality weight (1, 0.9, 0.8: int8 needs 11% more speed, nf4 25%) is highest."""
+    hardware = machine(gpu_gb=40)
+    weights = {"none": 1.0, "int8": 0.9, "nf4": 0.8}
+    assert {q: QUALITY_WEIGHT[q] for q in ("int8", "nf4")} == {"int8": weights["int8"], "nf4": weights["nf4"]}
+    margin_decided = []
+    for output_len in (1, 2, 3, 4, 5, 8, 64, 256):
+        workload = Workload(prompt_len=512, output_len=output_len)
+        speed = {quant: best_speed(hardware, quant, workload) for quant in weights}
+        expected = max(speed, key=lambda quant: speed[quant] * weights[quant])
+        chosen = search(LLAMA2_7B, hardware, "chat", Constraints(quant="auto"), workload).prediction.policy
+        format_of = {"none": "bf16", "int8": "int8", "nf4": "nf4"}
+        assert chosen.weight_format == format_of[expected], (output_len, speed)
+        if max(speed, key=speed.get) != expected:
+            margin_decided.append(output_len)
+    # somewhere a quantized format is faster but not by its margin, and the 16-bit plan is kept
+    assert margin_decided, "no reply length where the margin decides: the scan does not test the rule"
+
+
+# ---- pruning keeps depth 2 when only the KV cache is on disk -------------------------------------------------------
+def exhaustive_best(model: ModelSpec, hardware: HardwareSpec, workload: Workload) -> tuple[float, dict]:
+    """The best chat candidate of the whole grid, every candidate timed (the search skips some it proves equal)."""
+    constraints = Constraints(quant="none")
+    eff = default_efficiency(hardware)
+    view = machine_view(hardware)
+    formats = candidate_formats(model, view, constraints.quant)
+    traits = [format_traits(view, f) for f in formats]
+    cols = build_grid(model, view, "chat", constraints, len(formats))
+    mem = fixed_memory(model_numbers(model), view, eff, workload, traits, cols)
+    wa, wh, wd, feasible = solve_weight_placement(mem, view)
+    cols.update(wa=wa, wh=wh, wd=wd)
+    out = evaluate_arrays(model_numbers(model), view, eff, workload, traits, cols)
+    score = np.where(feasible, 1.0 / out["runtime_s"], -np.inf)
+    i = int(np.argmax(score))
+    return float(score[i]), {key: float(values[i]) for key, values in cols.items()}
+
+
+def test_kv_cache_on_disk_with_weights_in_ram_keeps_prefetch_depth_2():
+    """A 100k-token chat of a small model on a 12 GB GPU with 4 GB of RAM: the weights fit in GPU + RAM (streamed
+    over the link), half the KV cache must sit on disk. Depth 2 reads the cache from disk while the link streams
+    weights, so it beats depth 1; the search must not skip it as "nothing on disk"."""
+    hardware, workload = machine(gpu_gb=12, ram_gb=4, disk_bps=2e9), Workload(prompt_len=100_000, output_len=64)
+    plan = search(SMALL, hardware, "chat", Constraints(quant="none"), workload)
+    policy = plan.prediction.policy
+    assert policy.weights.disk == 0 and policy.kv_cache.disk > 0 and policy.prefetch_depth == 2
+    shallower = Policy(policy.weight_format, policy.weights, policy.kv_cache, policy.activations,
+                       policy.micro_batch_size, policy.num_micro_batches, policy.kv_recompute, 1,
+                       policy.attention_on_cpu)
+    assert plan.prediction.runtime_s < evaluate(SMALL, hardware, shallower, workload).runtime_s
+    best_score, best = exhaustive_best(SMALL, hardware, workload)
+    assert 1.0 / plan.prediction.runtime_s == pytest.approx(best_score, rel=1e-9)
+    assert best["wd"] == 0 and best["cd"] > 0 and best["d"] == 2
