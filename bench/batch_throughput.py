@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from hivekeeper.core.machine.detect import detect_hardware
-from hivekeeper.core.offload.engine import OffloadedModel, place_model, use_physical_cores
+from hivekeeper.core.offload.offloaded_model import OffloadedModel, use_physical_cores
+from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.generation import generate
 from hivekeeper.core.runtime.model import ModelConfig
 from hivekeeper.planner.costmodel import Workload

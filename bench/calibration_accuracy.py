@@ -44,7 +44,7 @@ def main() -> None:
 
     from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
     from hivekeeper.core.machine.detect import detect_hardware
-    from hivekeeper.core.offload.engine import use_physical_cores
+    from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.measure import BenchmarkSizes, TerminalProgress, run_benchmarks
     from hivekeeper.core.machine.profiling import ProfileGrid, denoise, measure_grid

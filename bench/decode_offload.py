@@ -110,7 +110,7 @@ def main() -> None:
     engine = cold["plan"]["engine"]
     import torch
 
-    from hivekeeper.core.offload.engine import block_bytes
+    from hivekeeper.core.offload.placement import block_bytes
     from hivekeeper.core.runtime.model import ModelConfig
 
     disk_blocks = engine["blocks"].get("disk", 0)

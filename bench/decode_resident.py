@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from hivekeeper.core.runtime.kernels.cpu_matmul import blas_active, physical_cores, torch_threads
-from hivekeeper.core.offload.engine import OffloadedModel, place_model, use_physical_cores
+from hivekeeper.core.offload.offloaded_model import OffloadedModel, use_physical_cores
+from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.generation import generate
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.machine.measure import measure_memory_read

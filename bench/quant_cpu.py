@@ -80,7 +80,7 @@ def main() -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     else:
-        from hivekeeper.core.offload.engine import use_physical_cores
+        from hivekeeper.core.offload.offloaded_model import use_physical_cores
 
         use_physical_cores()
     config = ModelConfig(family="llama", vocab_size=32000, hidden_size=args.hidden,

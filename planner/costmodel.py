@@ -221,7 +221,7 @@ def _vector_bytes(fmt: WeightFormat) -> float:
     return 4.0 if fmt.name == "fp32" else 2.0
 
 
-def _experts_touched(experts: int, per_token: int, tokens):
+def experts_touched(experts: int, per_token: int, tokens):
     """Expected distinct experts a block touches for `tokens` tokens routed uniformly, `per_token` each."""
     if experts <= 1:
         return np.ones_like(np.asarray(tokens, dtype=float))
@@ -566,7 +566,7 @@ class BlockPass:
 
 def touched_matrices(numbers: ModelNumbers, tokens):
     """Matrix parameters of one block that `tokens` tokens touch: the shared ones and the experts routed to."""
-    return numbers.shared_matrix_params + _experts_touched(numbers.experts, numbers.experts_per_token, tokens) \
+    return numbers.shared_matrix_params + experts_touched(numbers.experts, numbers.experts_per_token, tokens) \
         * numbers.expert_matrix_params
 
 

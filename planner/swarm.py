@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .costmodel import (Machine, Workload, _experts_touched, cpu_native_half, format_traits, machine_view, model_numbers,
+from .costmodel import (Machine, Workload, cpu_native_half, experts_touched, format_traits, machine_view, model_numbers,
                         sixteen_bit_format)
 from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
@@ -56,7 +56,7 @@ def block_speed(model: ModelSpec, machine: Machine, eff: MachineEfficiency, weig
     vectors = numbers.vector_params * traits.vector_bytes
 
     def matrices(tokens: int) -> float:
-        experts = float(_experts_touched(numbers.experts, numbers.experts_per_token, tokens))
+        experts = float(experts_touched(numbers.experts, numbers.experts_per_token, tokens))
         return numbers.shared_matrix_params + experts * numbers.expert_matrix_params
 
     # one token attending to context_len cached positions

@@ -71,7 +71,7 @@ def set_threads() -> None:
     import os
 
     if "OMP_NUM_THREADS" not in os.environ:
-        from hivekeeper.core.offload.engine import use_physical_cores
+        from hivekeeper.core.offload.offloaded_model import use_physical_cores
 
         use_physical_cores()
 
@@ -120,7 +120,7 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
         info = {"source": "swarm", "initial_peers": list(args.initial_peers)}
         return Runner(model, tokenizer, info, "blocks in the swarm, embeddings and head here", is_demo,
                       failovers=model.client.failovers)
-    from hivekeeper.core.offload.engine import OffloadedModel
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
 
     choice = choose_policy(args.plan, path, batch=batch, prompt_len=prompt_len,
                            max_new_tokens=max(1, max_length - prompt_len), ram_budget_bytes=ram_budget,

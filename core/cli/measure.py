@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.machine.cpu_dtype import choose
     from hivekeeper.core.machine.cpu_dtype import forget as forget_choice
     from hivekeeper.core.machine.detect import detect_hardware
-    from hivekeeper.core.offload.engine import use_physical_cores
+    from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import (comparison_rows, load_machine_profile, machine_fingerprint, new_profile,
                                   save_profile, write_json_atomic)
     from hivekeeper.core.machine.measure import QUICK, BenchmarkSizes, TerminalProgress, parse_peer, run_benchmarks

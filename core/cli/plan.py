@@ -155,7 +155,7 @@ def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
 def format_that_runs(weight_format: str) -> str:
     """The float format the engine holds a plan's weight format in on this machine (a 16-bit plan runs in fp32 on
     a CPU that has no fast 16-bit path: local_plan.compute_dtype)."""
-    from hivekeeper.core.offload.engine import FLOAT_FORMATS
+    from hivekeeper.core.offload.placement import FLOAT_FORMATS
     from hivekeeper.core.offload.local_plan import compute_dtype, default_device
 
     dtype, _quant = compute_dtype(weight_format, default_device())

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
     from hivekeeper.core.machine.detect import detect_hardware
-    from hivekeeper.core.offload.engine import use_physical_cores
+    from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import load_machine_profile, new_profile, save_profile
     from hivekeeper.core.machine.measure import TerminalProgress
     from hivekeeper.core.machine.profiling import profile_model, render_report, report_dict, write_report_png

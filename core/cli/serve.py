@@ -73,7 +73,6 @@ def _parse_block_indices(text: str) -> tuple[int, int]:
     return start, end
 
 
-def _check_positive(name: str, value, allow_zero: bool = False) -> None:
 def check_listen_address(host: str, port: int) -> None:
     """Refuse, before any daemon starts, a --host that is not an IPv4 address and a fixed --port that cannot be
     listened on (in use, or not allowed). A plain bind tells: it fails where a listener holds the port, even one
@@ -103,6 +102,7 @@ def check_listen_address(host: str, port: int) -> None:
             raise InputError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
+def _check_positive(name: str, value, allow_zero: bool = False) -> None:
     if value is not None and (value < 0 or (value == 0 and not allow_zero)):
         raise InputError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
@@ -168,13 +168,13 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--throughput {args.throughput!r}: use auto, eval or a number") from None
         _check_positive("--throughput", throughput, allow_zero=True)
     block_indices = _parse_block_indices(args.block_indices) if args.block_indices else None
-
     check_listen_address(args.host, args.port)
+
     _setup_logging(args.json_status)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     else:
-        from hivekeeper.core.offload.engine import use_physical_cores
+        from hivekeeper.core.offload.offloaded_model import use_physical_cores
 
         use_physical_cores()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

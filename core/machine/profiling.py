@@ -151,7 +151,8 @@ def measure_grid(model_path: str | Path, grid: ProfileGrid, *, device: str = "cp
     import torch
 
     from hivekeeper.core.runtime.checkpoint import load_config
-    from hivekeeper.core.offload.engine import OffloadedModel, place_model
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
+    from hivekeeper.core.offload.placement import place_model
     from hivekeeper.core.runtime.generation import generate
     from hivekeeper.core.offload.local_plan import compute_dtype
     from hivekeeper.core.machine.measure import load_average

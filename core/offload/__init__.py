@@ -1,6 +1,11 @@
 """Running a model that does not fit in fast memory, as a planner policy says.
 
-- `engine`          placement of blocks by tier, the weight reader, the streamer, tiered KV caches, OffloadedModel.
-- `block_variants`  the other ways to run a block that the policy's knobs ask for (CPU attention, recompute).
-- `local_plan`      the policy for this machine (searched, or read from a plan file) turned into an EnginePlan.
+- `local_plan`       the policy for this machine (searched, or read from a plan file) turned into an EnginePlan.
+- `placement`        EnginePlan and place_model: a tier per block's weights and KV cache, under a RAM budget.
+- `offloaded_model`  OffloadedModel: the blocks run where the plan puts them, streaming what does not fit.
+- `weights`          the block reader: a layer's tensors from the checkpoint's files into a reused Block.
+- `streaming`        the slots that load the next streamed blocks while the current one computes.
+- `tiered_cache`     KV caches (or recompute inputs) with a tier per block.
+- `block_variants`   the other ways to run a block that the policy's knobs ask for (CPU attention, recompute).
+- `engine`           the former one-file engine's names, re-exported for code written against it.
 """

@@ -138,7 +138,7 @@ def compute_dtype(weight_format: str, device: str):
     runs in fp32 (prefill would otherwise be ~100x slower); int8/nf4 compute in fp16 on CUDA, fp32 on the CPU."""
     import torch
 
-    from hivekeeper.core.offload.engine import FLOAT_FORMATS
+    from hivekeeper.core.offload.placement import FLOAT_FORMATS
 
     on_gpu = torch.device(device).type == "cuda"
     if weight_format in ("int8", "nf4"):
@@ -159,7 +159,7 @@ def default_device() -> str:
 def engine_plan(config, choice: PolicyChoice, *, batch: int, max_length: int, ram_budget_bytes: float | None = None,
                 prefill_tokens: int = 256, device: str | None = None):
     """The EnginePlan for this run (device, dtype and every block's tier)."""
-    from hivekeeper.core.offload.engine import place_model
+    from hivekeeper.core.offload.placement import place_model
 
     device = device or default_device()
     dtype, quant = compute_dtype(choice.policy.weight_format, device)

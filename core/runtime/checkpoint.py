@@ -169,7 +169,7 @@ def load_block(checkpoint: Checkpoint, layer: int, *, dtype: torch.dtype = torch
     quant = check_quant(quant)
     dtype = parse_dtype(dtype)
     # quantized blocks hold their non-quantized parts (norms, biases) and compute in a 16-bit dtype
-    load_dtype = dtype if quant == "none" else _quant_compute_dtype(dtype, device)
+    load_dtype = dtype if quant == "none" else quant_compute_dtype(dtype, device)
     with torch.device("meta"):
         block = Block(checkpoint.config, layer, rotary)
     block.load_state_dict(checkpoint.read_block(layer, load_dtype), strict=True, assign=True)
@@ -181,7 +181,7 @@ def load_block(checkpoint: Checkpoint, layer: int, *, dtype: torch.dtype = torch
     return block
 
 
-def _quant_compute_dtype(dtype: torch.dtype, device) -> torch.dtype:
+def quant_compute_dtype(dtype: torch.dtype, device) -> torch.dtype:
     if dtype != torch.float32:
         return dtype
     # fp32 activations with 8/4-bit weights: bitsandbytes computes in 16 bits anyway; on CPU keep fp32 norms

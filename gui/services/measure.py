@@ -41,7 +41,7 @@ def sizes_from_environment():
 def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | None, report, should_stop) -> dict | None:
     """Run every benchmark, save them as this machine's profile, return the probe answer (None when cancelled)."""
     from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
-    from hivekeeper.core.offload.engine import use_physical_cores
+    from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import new_profile, save_profile
     from hivekeeper.core.machine.measure import run_benchmarks
 

@@ -3,4 +3,5 @@
 - `cpu_matmul`      fp32 products through numpy's BLAS; weights packed in the order a step reads them.
 - `cpu_decode`      one decode step of a block in numpy.
 - `native_kernels`  the C kernels in `native/`, compiled at first use and loaded with ctypes.
+- `cpu_threads`     how many threads they may use (physical cores, BLAS's setting), below both.
 """

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hivekeeper.core.runtime.kernels import native_kernels
+from hivekeeper.core.runtime.kernels.cpu_threads import blas_threads, physical_cores
 
 _DISABLED = os.environ.get("HIVEKEEPER_CPU_MATMUL", "").lower() == "torch"
 
@@ -49,12 +50,6 @@ def use_blas_threads() -> int:
     return blas_threads()
 
 
-def physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
 @contextlib.contextmanager
 def torch_threads(count: int):
     """Run a block with torch on `count` threads (e.g. a bandwidth measurement on every core), then restore."""
@@ -64,15 +59,6 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def blas_threads() -> int:
-    """Threads numpy's BLAS uses (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, or every logical CPU by default)."""
-    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return os.cpu_count() or 1
 
 
 # Below about a megabyte of fp32 weights the matrix sits in the CPU caches and torch's kernel is as fast, while the

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from hivekeeper.core.machine.cpu_features import FLAGS_ENV, native_kernel_flags_missing, pinned_flags
+from hivekeeper.core.runtime.kernels.cpu_threads import blas_threads, physical_cores
 
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c11", "-shared", "-fPIC", "-pthread")
@@ -146,8 +147,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 def default_threads() -> int:
     """The pool's size: the physical cores, or fewer when OPENBLAS_NUM_THREADS / OMP_NUM_THREADS say so."""
-    from hivekeeper.core.runtime.kernels.cpu_matmul import blas_threads, physical_cores
-
     return min(physical_cores(), blas_threads())
 
 

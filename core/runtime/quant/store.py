@@ -41,9 +41,9 @@ from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.runtime.checkpoint import INDEX_FILE, Checkpoint, load_block
-from hivekeeper.core.offload.engine import _FILE_DTYPES, SafetensorsFile
 from hivekeeper.core.runtime.model import Block, RotaryTable
 from hivekeeper.core.runtime.quant.bnb import check_quant, empty_quantized_block, quantized_layout, quantized_tensors
+from hivekeeper.core.runtime.safetensors_file import FILE_DTYPES, SafetensorsFile
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _CRC_CHUNK = 16 << 20
 class StoreFile(SafetensorsFile):
     """A block file of the store: like a checkpoint file, plus the int8/uint8 tensors of quantized weights."""
 
-    dtypes = {**_FILE_DTYPES, "I8": torch.int8, "U8": torch.uint8}
+    dtypes = {**FILE_DTYPES, "I8": torch.int8, "U8": torch.uint8}
 
 
 def store_folder(checkpoint_path: str | Path, quant: str, dtype: torch.dtype, root: str | Path | None = None) -> Path:

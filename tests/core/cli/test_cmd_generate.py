@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
-from hivekeeper.core.offload.engine import OffloadedModel, place_model
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.model import ModelConfig
 from hivekeeper.planner.costmodel import Policy
 

@@ -14,8 +14,9 @@ import torch
 
 from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
-from hivekeeper.core.offload.engine import (EnginePlan, OffloadedModel, block_bytes, cache_bytes_per_block, outside_bytes,
-                                    place_model, workspace_bytes)
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import (EnginePlan, block_bytes, cache_bytes_per_block, outside_bytes,
+                                               place_model, workspace_bytes)
 from hivekeeper.core.runtime.model import KVCache, ModelConfig
 from hivekeeper.planner.costmodel import Placement, Policy
 from hivekeeper.planner.errors import InputError

@@ -17,8 +17,9 @@ import torch
 
 from hivekeeper.core.offload.block_variants import forward_recomputing_kv, forward_with_attention_at_cache
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
-from hivekeeper.core.offload.engine import (EnginePlan, OffloadedModel, RecomputeCache, cache_bytes_per_block,
-                                    keep_between_blocks, place_model, recompute_buffer_bytes)
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import EnginePlan, cache_bytes_per_block, place_model, recompute_buffer_bytes
+from hivekeeper.core.offload.tiered_cache import RecomputeCache, keep_between_blocks
 from hivekeeper.core.runtime.generation import generate
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
 from hivekeeper.planner.costmodel import Placement, Policy

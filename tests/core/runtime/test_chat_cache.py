@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hivekeeper.core.runtime.chat_history import ChatHistory
-from hivekeeper.core.offload.engine import OffloadedModel, place_model
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.generation import PromptCache, conversation_cache, generate
 from hivekeeper.core.runtime.model import ModelConfig
 from hivekeeper.core.runtime.tokenizer import Tokenizer

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
-from hivekeeper.core.offload.engine import OffloadedModel, place_model
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.generation import GenerationResult, generate
 from hivekeeper.core.runtime.model import ModelConfig
 from hivekeeper.core.runtime.sampling import SamplingParams

@@ -304,7 +304,7 @@ def test_plan_predicts_what_the_engine_holds(tmp_path, capsys):
     """`hivekeeper plan --model FILE.gguf --json`: the file's bytes by type, and the bytes in memory of the format
     that runs, within 2% of what the offload engine holds when it runs the plan's policy."""
     from hivekeeper.core.cli.main import main
-    from hivekeeper.core.offload.engine import OffloadedModel
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
     from hivekeeper.core.offload.local_plan import choose_policy, engine_plan
 
     reference = reference_model("llama", seed=2)

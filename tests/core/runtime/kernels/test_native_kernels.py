@@ -17,7 +17,8 @@ from hivekeeper.core.runtime.kernels import cpu_decode
 
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import linear, store_tall_linears_by_column
-from hivekeeper.core.offload.engine import OffloadedModel, place_model
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.generation import generate
 from hivekeeper.core.runtime.model import Head, KVCache, ModelConfig, Span
 from hivekeeper.planner.costmodel import Placement, Policy

@@ -20,7 +20,8 @@ import torch
 
 from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
-from hivekeeper.core.offload.engine import OffloadedModel, place_model
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.model import KVCache, ModelConfig
 from hivekeeper.core.runtime.quant.bnb import quantized_block_bytes, quantized_tensors
 from hivekeeper.planner.costmodel import Placement, Policy

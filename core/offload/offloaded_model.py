@@ -1,0 +1,277 @@
+"""The offloaded model: a checkpoint's blocks run where an EnginePlan (placement.py) puts them.
+
+Each block's weights live on one tier: resident on the compute device, in CPU RAM (pinned when a GPU computes), or
+on disk, where they stay in the checkpoint's files and are read on demand into the streamer's slots (streaming.py)
+by the block reader (weights.py). The KV cache gets a tier per block too (tiered_cache.py); batch and micro-batches
+follow the policy (each block's weights are fetched once per step and every micro-batch runs through them,
+FlexGen's block schedule).
+
+    plan = place_model(config, policy, device="cpu", dtype=torch.float32, batch=1, max_length=256,
+                       ram_budget_bytes=500e6)
+    model = OffloadedModel(path, plan)          # .embedding, .span, .head: the runner shape generation.py uses
+    cache = model.span.allocate_cache(batch=1, max_length=256)
+    logits = model.head(model.span(model.embedding(ids), cache))
+
+Embeddings and LM head come from checkpoint.py's loaders. The CPU and CUDA paths share everything but the slot
+loader; CUDA adds pinned RAM blocks, a copy stream and events. The policy's other knobs: `kv_recompute` keeps block
+inputs instead of K/V (RecomputeCache), `attention_on_cpu` runs attention next to a RAM/disk cache, `activations`
+keeps micro-batches' hidden states in pinned RAM between blocks (the block forwards for the first two are in
+block_variants.py; docs/local-inference.md has what runs where).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from hivekeeper.planner.errors import InputError
+
+from hivekeeper.core.offload.block_variants import forward_with_attention_at_cache
+from hivekeeper.core.offload.placement import EnginePlan, cpu_attention_dtype, micro_batch_rows
+from hivekeeper.core.offload.streaming import BlockStreamer, Slot
+from hivekeeper.core.offload.tiered_cache import RecomputeCache, TieredKVCache, keep_between_blocks
+from hivekeeper.core.offload.weights import BlockReader, empty_block
+from hivekeeper.core.runtime.checkpoint import (load_block, load_embedding, load_head, open_checkpoint,
+                                                quant_compute_dtype)
+from hivekeeper.core.runtime.gguf import GGUFBlockReader, GGUFCheckpoint
+from hivekeeper.core.runtime.kernels import cpu_decode
+from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_linears_by_column, use_blas_threads
+from hivekeeper.core.runtime.model import Block, RotaryTable
+from hivekeeper.core.runtime.quant.bnb import quantized_tensors
+from hivekeeper.core.runtime.quant.store import QuantStore
+
+
+def use_physical_cores() -> int:
+    """Set the CPU thread layout for inference (see cpu_matmul.use_blas_threads); returns the matmul threads."""
+    return use_blas_threads()
+
+
+class OffloadedSpan:
+    """All blocks of the model, run in order with the engine's placement: span(hidden, cache) -> hidden."""
+
+    def __init__(self, model: "OffloadedModel"):
+        self._model = model
+        self.start, self.end = 0, model.config.num_layers
+
+    def allocate_cache(self, batch: int, max_length: int) -> TieredKVCache | RecomputeCache:
+        """The session's cache as the plan says: K and V (TieredKVCache) or block inputs (RecomputeCache)."""
+        m, plan = self._model, self._model.plan
+        args = (m.config, plan.cache_tiers, batch, max_length, plan.dtype, m.device, m.cache_dir)
+        if plan.kv_recompute:
+            rows = micro_batch_rows(batch, plan.micro_batch_size, plan.num_micro_batches)
+            return RecomputeCache(*args, rows=rows)
+        at_home = any(plan.attention_tier(i) != plan.compute_tier for i in range(len(plan.cache_tiers)))
+        return TieredKVCache(*args, attention_at_home=at_home)
+
+    def __call__(self, hidden: Tensor, cache: TieredKVCache) -> Tensor:
+        return self._model.forward_blocks(hidden, cache)
+
+
+class OffloadedModel:
+    """A checkpoint run by an EnginePlan: `embedding`, `span` and `head`, the runner shape generation.py uses."""
+
+    def __init__(self, path: str | Path, plan: EnginePlan, *, cache_dir: str | os.PathLike | None = None,
+                 drop_page_cache: bool = False, quant_store_dir: str | os.PathLike | None = None):
+        """quant_store_dir: where int8/nf4 blocks that stream (and, on a CPU, resident ones) are kept, quantized
+        once (default: the data dir's quantized/ folder; see runtime/quant/store.py)."""
+        self.path = Path(path)
+        self.plan = plan
+        self.device = torch.device(plan.device)
+        self.cache_dir = cache_dir
+        self.checkpoint = open_checkpoint(self.path)  # a checkpoint folder or a GGUF
+        config = self.config = self.checkpoint.config
+        if len(plan.weight_tiers) != config.num_layers:
+            raise InputError(f"the plan places {len(plan.weight_tiers)} blocks; the model has {config.num_layers}")
+        self.span = OffloadedSpan(self)
+        self.reader = GGUFBlockReader(self.checkpoint) if isinstance(self.checkpoint, GGUFCheckpoint) \
+            else BlockReader(self.checkpoint, drop_page_cache)
+        for layer in range(config.num_layers):
+            self.reader.check_layer(layer)
+        self.rotary = RotaryTable(config)
+        dtype, on_gpu = plan.dtype, self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if on_gpu and plan.streamed_blocks else None
+        self.streamer: BlockStreamer | None = None
+        self.bytes_streamed = 0  # weight bytes read from disk for streamed blocks (the reader thread adds)
+        self.quant_store = None  # int8/nf4 blocks come from their quantized copies (see below)
+        self._stream_reader = self.reader
+        try:
+            # int8/nf4 blocks that stream, and on a CPU the resident ones too (bitsandbytes quantizes slowly there:
+            # ~6 s for a 125M model at every start), come from the quantized store, built once
+            stored = tuple(range(config.num_layers)) if self.device.type == "cpu" else plan.streamed_blocks
+            if plan.quant != "none" and stored and isinstance(self.checkpoint, GGUFCheckpoint):
+                raise InputError(f"{self.path}: a GGUF's weights are already quantized; run it without --quant "
+                                 f"{plan.quant} (int8/nf4 re-quantize safetensors checkpoints)")
+            if plan.quant != "none" and stored:
+                norm_dtype = quant_compute_dtype(dtype, self.device)
+                self.quant_store = QuantStore.open(self.checkpoint, plan.quant, norm_dtype, stored,
+                                                   root=quant_store_dir, drop_page_cache=drop_page_cache)
+                if plan.streamed_blocks:
+                    self._stream_reader = self.quant_store
+            self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
+            self.head = load_head(self.path, dtype=dtype, device=self.device,
+                                  embedding=self.embedding if config.tie_word_embeddings else None,
+                                  tall_by_column=not plan.streamed_blocks)
+            self.resident: dict[int, Block] = {}  # on the compute device
+            self.pinned: dict[int, Block] = {}  # RAM blocks streamed to the GPU
+            for layer, tier in enumerate(plan.weight_tiers):
+                if tier == plan.compute_tier:
+                    self.resident[layer] = self._load_resident(layer)
+                elif tier == "cpu":
+                    self.pinned[layer] = self._stream_buffer("cpu", pin=True)
+                    self._stream_reader.fill(self.pinned[layer], layer)
+            if self.device.type == "cpu" and plan.quant == "none" and not plan.streamed_blocks:
+                # in the order a decode step reads them (not under a RAM budget: packing holds a tensor twice)
+                pack_in_order([self.resident[layer] for layer in sorted(self.resident)] + [self.head])
+            streamed = plan.streamed_blocks
+            if streamed:
+                disk = any(plan.weight_tiers[i] == "disk" for i in streamed)
+                slots = [Slot(self._stream_buffer(self.device),
+                               self._stream_buffer("cpu", pin=True) if on_gpu and disk else None)
+                         for _ in range(min(plan.prefetch_depth + 1, len(streamed)))]
+                self.streamer = BlockStreamer(streamed, slots, self._load_slot)
+        except BaseException:
+            self.close()
+            raise
+
+    def _stream_buffer(self, device: str | torch.device, pin: bool = False) -> Block:
+        """An unfilled block for streamed weights: quantized like the store's blocks, or of the plan's dtype."""
+        if self.quant_store is not None:
+            return self.quant_store.empty_block(self.rotary, device, pin=pin)
+        return empty_block(self.config, self.rotary, self.plan.dtype, device, pin=pin)
+
+    def _stream_tensors(self, block: Block) -> list[Tensor]:
+        """The tensors a streamed block's weights occupy, in the same order for every buffer of this model."""
+        if self.quant_store is not None:
+            return list(quantized_tensors(block).values())
+        return list(block.parameters())
+
+    def _load_resident(self, layer: int) -> Block:
+        if self.plan.quant != "none" and self.device.type == "cpu":
+            block = self.quant_store.empty_block(self.rotary, self.device, cpu_repack=True)  # kept: may repack
+            self.quant_store.fill(block, layer)
+            return block
+        if self.plan.quant != "none":  # quantized on the GPU as it is loaded (fast there)
+            return load_block(self.checkpoint, layer, dtype=self.plan.dtype, device=self.device,
+                              quant=self.plan.quant, rotary=self.rotary)
+        block = empty_block(self.config, self.rotary, self.plan.dtype, self.device)
+        self.reader.fill(block, layer)
+        if not self.plan.streamed_blocks:  # CPU fp32 only: faster decode matmuls; not under a RAM budget that
+            store_tall_linears_by_column(block)  # streams blocks (the re-store briefly holds a matrix twice)
+        return block
+
+    def _load_slot(self, layer: int, slot: Slot) -> None:
+        """Runs on the reader thread: bring block `layer` into `slot` (disk read and/or copy to the GPU)."""
+        if slot.loaded is None:  # the CPU computes: read from disk straight into the slot
+            self.bytes_streamed += self._stream_reader.fill(slot.block, layer)
+            return
+        if self.plan.weight_tiers[layer] == "disk":
+            slot.loaded.synchronize()  # the previous copy out of the staging buffer is finished
+            self.bytes_streamed += self._stream_reader.fill(slot.staging, layer)
+            source = slot.staging
+        else:
+            source = self.pinned[layer]
+        with torch.cuda.stream(self._copy_stream):
+            if slot.has_released:
+                self._copy_stream.wait_event(slot.released)  # compute is done with the old weights
+            for dest, src in zip(self._stream_tensors(slot.block), self._stream_tensors(source), strict=True):
+                dest.copy_(src, non_blocking=True)
+            slot.loaded.record(self._copy_stream)
+            slot.block.layer_index, slot.block.self_attn.window = layer, self.config.window_of(layer)
+
+    def _micro_batches(self, batch: int) -> list[slice]:
+        size = self.plan.micro_batch_size
+        if self.plan.num_micro_batches <= 1 or size >= batch:
+            return [slice(0, batch)]
+        return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
+
+    def _block_runner(self, layer: int, block: Block, cache: TieredKVCache | RecomputeCache, position: int,
+                      rope: tuple[Tensor, Tensor]):
+        """run(x, rows) -> block `layer`'s output for one micro-batch's hidden states x (the cache's `rows`), with
+        the cache where the plan keeps it (K/V or block inputs) and the attention where the plan runs it."""
+        if isinstance(cache, RecomputeCache):
+            return lambda x, rows: cache.run_block(layer, block, x, rows, position, rope)
+        if self.plan.attention_tier(layer) != self.plan.compute_tier:
+            k, v = cache.blocks[layer]
+            dtype = cpu_attention_dtype(self.plan.dtype)
+            return lambda x, rows: forward_with_attention_at_cache(block, x, k[rows], v[rows], position, rope, dtype)
+        k, v = cache.load(layer, position)
+
+        def run(x: Tensor, rows: slice) -> Tensor:
+            out = block(x, k[rows], v[rows], position, rope)
+            cache.store(layer, position, x.shape[1], rows)
+            return out
+
+        return run
+
+    def forward_blocks(self, hidden: Tensor, cache: TieredKVCache | RecomputeCache) -> Tensor:
+        """hidden [batch, new_tokens, hidden] through every block; new tokens at positions cache.length, ..."""
+        batch, t, width = hidden.shape
+        position = cache.length
+        if width != self.config.hidden_size or batch != cache.batch:
+            raise InputError(f"hidden states {tuple(hidden.shape)} do not match the cache (batch {cache.batch}) "
+                             f"or the model (hidden {self.config.hidden_size})")
+        if position + t > cache.max_length:
+            raise InputError(f"{position + t} tokens exceed the KV cache's max_length {cache.max_length}")
+        hidden = hidden.to(device=self.device, dtype=self.plan.dtype)
+        rope = self.rotary.get(position, t, hidden.device, hidden.dtype)
+        native = self._native_decode(hidden, cache, position, rope)
+        if native is not None:
+            cache.length = position + t
+            return native
+        rows = self._micro_batches(batch)
+        # between blocks, each micro-batch's hidden states live where the plan says: the device or pinned RAM
+        homes = [self.device if tier == "gpu" else torch.device("cpu")
+                 for tier in self.plan.activation_tiers(len(rows))]
+        parts = [keep_between_blocks(hidden[r], home) for r, home in zip(rows, homes)]
+        for layer in range(self.config.num_layers):
+            block = self.resident.get(layer)
+            streamed = block is None
+            if streamed:
+                block = self.streamer.acquire(layer)
+            try:
+                run = self._block_runner(layer, block, cache, position, rope)
+                for i, (r, home) in enumerate(zip(rows, homes)):
+                    parts[i] = keep_between_blocks(run(parts[i].to(self.device, non_blocking=True), r), home)
+            finally:
+                if streamed:
+                    self.streamer.release(layer)
+        cache.length = position + t
+        if len(parts) == 1:
+            return parts[0].to(self.device)
+        return torch.cat([part.to(self.device, non_blocking=True) for part in parts])
+
+    def _native_decode(self, hidden: Tensor, cache: TieredKVCache | RecomputeCache, position: int,
+                       rope: tuple[Tensor, Tensor]) -> Tensor | None:
+        """One token per row through every block in one call of the C kernels (cpu_decode.PreparedSpan) when all
+        blocks are resident in RAM with their K/V caches and the batch is one micro-batch of at most
+        native_kernels.MAX_ROWS rows, else None (the layer-by-layer loop runs)."""
+        if (hidden.shape[1] != 1 or self.device.type != "cpu" or not isinstance(cache, TieredKVCache)
+                or len(self.resident) != self.config.num_layers or len(self._micro_batches(hidden.shape[0])) != 1):
+            return None
+        prepared = cache.native_span
+        if prepared is None:  # first step with this cache
+            layers = range(self.config.num_layers)
+            if any(self.plan.attention_tier(i) != self.plan.compute_tier or cache.off_device(i) for i in layers):
+                prepared = False
+            else:
+                prepared = cpu_decode.PreparedSpan.prepare([self.resident[i] for i in layers], cache.blocks, hidden)
+            cache.native_span = prepared or False  # False: not this cache (None would ask again every step)
+        return prepared(cache.blocks, hidden, position, rope) if prepared else None
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        if getattr(self, "quant_store", None) is not None:
+            self.quant_store.close()
+        self.reader.close()
+        self.checkpoint.close()
+
+    def __enter__(self) -> "OffloadedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
