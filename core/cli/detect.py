@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     elif not args.out:
         from hivekeeper.core.machine import cpu_features
-        from hivekeeper.core.machine.cpu_dtype import choice_for
+        from hivekeeper.core.machine.cpu_dtype_rule import choice_for
         from hivekeeper.core.runtime.kernels import native_kernels
 
         print(describe(spec))

@@ -3,7 +3,7 @@
 Only sizes and names are read from the system; speeds that need a benchmark (RAM and disk bandwidth) are
 conservative defaults whose source says "estimated", until `hivekeeper measure` replaces them. The CPU's FLOP/s
 follow its feature flags (core/machine/cpu_features.py), and its 16-bit entries what a 16-bit plan computes in here
-(core/machine/cpu_dtype.py). Detection never raises: without a GPU, NVML or a CUDA build of torch the result is a
+(core/machine/cpu_dtype_rule.py). Detection never raises: without a GPU, NVML or a CUDA build of torch the result is a
 CPU-only spec, and the description says why.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from hivekeeper.core.machine.cpu_dtype import choice_for, with_choice
+from hivekeeper.core.machine.cpu_dtype_rule import choice_for, with_choice
 from hivekeeper.core.machine.cpu_features import cpu_flags, cpu_model_name, cpuinfo_fields
 from hivekeeper.planner.hardware import ComputeDevice, HardwareSpec
 from hivekeeper.planner.hardware_catalog import (

@@ -17,9 +17,6 @@ Measuring again replaces the measurements and drops the calibration: its factors
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -30,46 +27,15 @@ from hivekeeper.planner.efficiency import DEFAULTS as DEFAULT_EFFICIENCY
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, HardwareSpec
-from hivekeeper.planner.hardware_catalog import GIB, clamp_to_limit
+from hivekeeper.planner.hardware_catalog import clamp_to_limit
 
 from hivekeeper.core.atomic_file import write_json_atomic
-from hivekeeper.core.machine.cpu_dtype import choose, with_choice
-from hivekeeper.core.machine.cpu_dtype import forget as forget_choice
+from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
-
-PROFILE_VERSION = 1
-
-
-# ---- where ------------------------------------------------------------------------------------------------------
-def config_dir() -> Path:
-    """HIVEKEEPER_CONFIG_DIR, else the platform's user config folder (e.g. ~/.config/hivekeeper)."""
-    explicit = os.environ.get("HIVEKEEPER_CONFIG_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_config_dir("hivekeeper", appauthor=False))
-
-
-def profiles_dir() -> Path:
-    return config_dir() / "profiles"
-
-
-def fingerprint_fields(spec: HardwareSpec) -> dict:
-    """What identifies a machine's hardware: CPU name and cores, RAM in whole GiB, GPU names."""
-    return {"cpu": spec.cpu.name, "cores": spec.cpu.cores or 1, "ram_gib": round(spec.cpu.memory_bytes / GIB),
-            "gpus": [gpu.name for gpu in spec.gpus]}
-
-
-def machine_fingerprint(spec: HardwareSpec) -> str:
-    """16 hex digits of SHA-256 over the fingerprint fields."""
-    text = json.dumps(fingerprint_fields(spec), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def profile_path(fingerprint: str) -> Path:
-    return profiles_dir() / f"{fingerprint}.json"
+from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
+    PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
+    profile_path, read_profile_json)
 
 
 # ---- the profile --------------------------------------------------------------------------------------------------
@@ -113,15 +79,8 @@ class MachineProfile:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str) -> "MachineProfile":
-        if not isinstance(doc, dict):
-            raise InputError(f"{where}: a machine profile must be a JSON object")
-        if doc.get("version") != PROFILE_VERSION:
-            raise InputError(f"{where}: field 'version' is {doc.get('version')!r}, expected {PROFILE_VERSION}; "
-                             "run `hivekeeper measure` again")
-        try:
-            measurements = [Measurement.from_dict(m) for m in doc.get("measurements") or []]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"{where}: field 'measurements' is malformed ({type(exc).__name__}: {exc})") from None
+        check_profile_doc(doc, where)
+        measurements = measurements_from(doc, where)
         calibration = doc.get("calibration")
         measured_at = doc.get("measured_at")
         if not isinstance(doc.get("fingerprint"), str):
@@ -139,27 +98,17 @@ def new_profile(detected: HardwareSpec) -> MachineProfile:
 
 
 def save_profile(profile: MachineProfile, path: Path | None = None) -> Path:
-    """Write the profile atomically (temp file, fsync, rename); returns where. This process then decides again
-    what 16-bit CPU plans compute in (the new measurements may change it: core/machine/cpu_dtype.py)."""
+    """Write the profile atomically (temp file, fsync, rename); returns where."""
     path = Path(path) if path is not None else profile_path(profile.fingerprint)
     write_json_atomic(path, profile.as_dict())
     profile.path = path
-    forget_choice()
     return path
 
 
 def load_profile(path: str | Path) -> MachineProfile:
     """Read a profile file; errors name the file and the field."""
     path = Path(path).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read machine profile ({exc.strerror or exc})") from None
-    try:
-        doc = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc}); delete it or run `hivekeeper measure` again") from None
-    return MachineProfile.from_dict(doc, str(path))
+    return MachineProfile.from_dict(read_profile_json(path), str(path))
 
 
 def load_machine_profile(detected: HardwareSpec | None = None) -> MachineProfile | None:

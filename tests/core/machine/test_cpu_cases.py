@@ -49,7 +49,7 @@ def save_half_decode_measurement(ratio: float) -> None:
     profile.measured_at = 1.7e9
     profile.measurements = [Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x", 0.0, 3, 0.0,
                                         "simulated")]
-    save_profile(profile)  # this process then decides again
+    save_profile(profile)  # the engine's decision reads the changed file at its next call
 
 
 def detect_text(capsys) -> str:

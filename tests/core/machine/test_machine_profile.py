@@ -27,7 +27,7 @@ from hivekeeper.planner.hardware_catalog import (CPU_SOFTWARE_HALF_SLOWDOWN, GIB
                                                 hardware_to_json)
 
 TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
-                      stream_hidden=256, stream_bytes=8 << 20, half_hidden=256, half_bytes=4 << 20,
+                      half_hidden=256, half_bytes=4 << 20,
                       disk_bytes=8 << 20, repeats=2, dtypes=("fp32", "bf16"))
 
 

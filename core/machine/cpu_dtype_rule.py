@@ -1,0 +1,101 @@
+"""The rule for what a 16-bit (bf16/fp16) plan computes in on a CPU, from its flags and a measurement; and how the
+planner sees the answer. core/machine/cpu_dtype.py applies it to this machine for the engine.
+
+Native bf16 math (AVX512-BF16, AMX) alone does not make a 16-bit plan faster on a CPU. Decode reads every weight once
+per token, and fp32 goes through the native decode kernels (core/runtime/kernels/native_kernels.py) while bf16 goes
+through torch's kernels on one thread. Measured on an AMD EPYC with AVX512-BF16 (2 cores, 125M demo model, quiet):
+fp32 decoded 83 tokens/s through the native kernels (63 through numpy's BLAS), bf16 33 tokens/s through torch (47
+with torch on both cores), although bf16 reads half the bytes; with the two cores busy with other work, 21 against
+24. So:
+
+- a CPU without native bf16 math computes 16-bit plans in fp32 (16-bit GEMMs would be emulated, prefill ~100x slower);
+- with it, bf16 is used only where `hivekeeper measure` saved a measurement (measure.measure_half_decode: the same
+  decode-shaped chain of layer matrices in bf16 and in fp32, each through the kernel the runtime uses) that says a
+  bf16 step is faster; without one, fp32;
+- fp16 has no native path on these CPUs (AVX512-BF16 is bf16 only): fp16 plans compute in fp32 on a CPU.
+
+The planner sees the answer in the CPU's FLOP/s table (`with_choice`, applied by detect_hardware and by
+profiles.apply_measurements): 16-bit entries below the fp32 rate are how it models a CPU that converts 16-bit values
+to fp32 (costmodel.cpu_native_half).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware import ComputeDevice, HardwareSpec
+from hivekeeper.planner.hardware_catalog import CPU_SOFTWARE_HALF_SLOWDOWN
+
+from hivekeeper.core.machine.cpu_features import HALF_MATH_FLAGS, cpu_flags, has_half_math
+from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, Measurement
+from hivekeeper.core.machine.profile_files import machine_fingerprint, profile_path, saved_measurements
+
+SIXTEEN_BIT = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class SixteenBitChoice:
+    """What a 16-bit plan computes in on this CPU ("bf16" or "fp32") and why, in words for `hivekeeper detect`."""
+
+    dtype: str
+    reason: str
+
+    def line(self) -> str:
+        return f"CPU 16-bit plans: {self.dtype} ({self.reason})"
+
+
+def half_math_names() -> str:
+    """'AVX512-BF16', 'AMX-BF16 and AVX512-BF16': the native bf16 flags this CPU has (as decisions see them)."""
+    return " and ".join(sorted(flag.upper().replace("_", "-") for flag in cpu_flags() & HALF_MATH_FLAGS))
+
+
+def choose(measurements: list[Measurement] | tuple[Measurement, ...] = ()) -> SixteenBitChoice:
+    """The decision from the CPU flags and, where there is one, the measured bf16-vs-fp32 decode step."""
+    if not has_half_math():
+        return SixteenBitChoice("fp32", "no native bf16 math (AVX512-BF16 or AMX): 16-bit matmuls would be emulated")
+    measured = next((m for m in measurements if m.key == HALF_DECODE_KEY), None)
+    if measured is None:
+        return SixteenBitChoice("fp32", f"{half_math_names()}, but no measurement says a bf16 decode step beats "
+                                        "fp32 here: run `hivekeeper measure`")
+    faster = measured.value < 1.0
+    return SixteenBitChoice("bf16" if faster else "fp32",
+                            f"{half_math_names()}, {'and' if faster else 'but'} a bf16 decode step measured "
+                            f"{measured.value:.2f}x the time of fp32 ({measured.detail})")
+
+
+def choose_from_profile(path) -> SixteenBitChoice:
+    """The decision with the measurements of the profile file at `path` (none when there is no file); a profile that
+    cannot be read counts as none here (`plan --hardware auto` names its error)."""
+    if not has_half_math():
+        return choose()
+    try:
+        return choose(saved_measurements(path))
+    except InputError:
+        return choose()
+
+
+def choice_for(detected: HardwareSpec) -> SixteenBitChoice:
+    """The decision for a machine as detected here, with its saved profile's measurement."""
+    return choose_from_profile(profile_path(machine_fingerprint(detected)))
+
+
+def with_choice(cpu: ComputeDevice, choice: SixteenBitChoice) -> ComputeDevice:
+    """The CPU as the planner should see it under `choice`: 16-bit entries of its FLOP/s table below the fp32 rate
+    (as a CPU that converts them, hardware_catalog.CPU_SOFTWARE_HALF_SLOWDOWN) when 16-bit plans compute in fp32,
+    bf16 at least at the fp32 rate when bf16 is chosen; the FLOP/s source says why when the table changes."""
+    fp32 = cpu.flops.get("fp32", 0.0)
+    if fp32 <= 0:
+        return cpu
+    flops = dict(cpu.flops)
+    if choice.dtype == "fp32":
+        for name in SIXTEEN_BIT:
+            if flops.get(name, 0.0) >= fp32:
+                flops[name] = fp32 / CPU_SOFTWARE_HALF_SLOWDOWN
+    else:
+        flops["bf16"] = max(flops.get("bf16", 0.0), fp32)
+    if flops == cpu.flops:
+        return cpu
+    source = "; ".join(part for part in (cpu.sources.get("flops", ""), choice.line()) if part)
+    return dataclasses.replace(cpu, flops=flops, sources={**cpu.sources, "flops": source})

@@ -1,0 +1,90 @@
+"""Where machine profiles live and which file is a machine's: the profile folder, the hardware fingerprint, and reading
+a profile file's JSON and measurements.
+
+Kept apart from profiles.py, which detects this machine when asked, so that detection itself can read the saved
+measurement that decides what 16-bit CPU plans compute in (core/machine/cpu_dtype_rule.py) without an import cycle.
+Torch-free, as profiles.py is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware import HardwareSpec
+from hivekeeper.planner.hardware_catalog import GIB
+
+from hivekeeper.core.machine.measurement import Measurement
+
+PROFILE_VERSION = 1
+
+
+def config_dir() -> Path:
+    """HIVEKEEPER_CONFIG_DIR, else the platform's user config folder (e.g. ~/.config/hivekeeper)."""
+    explicit = os.environ.get("HIVEKEEPER_CONFIG_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("hivekeeper", appauthor=False))
+
+
+def profiles_dir() -> Path:
+    return config_dir() / "profiles"
+
+
+def fingerprint_fields(spec: HardwareSpec) -> dict:
+    """What identifies a machine's hardware: CPU name and cores, RAM in whole GiB, GPU names."""
+    return {"cpu": spec.cpu.name, "cores": spec.cpu.cores or 1, "ram_gib": round(spec.cpu.memory_bytes / GIB),
+            "gpus": [gpu.name for gpu in spec.gpus]}
+
+
+def machine_fingerprint(spec: HardwareSpec) -> str:
+    """16 hex digits of SHA-256 over the fingerprint fields."""
+    text = json.dumps(fingerprint_fields(spec), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def profile_path(fingerprint: str) -> Path:
+    return profiles_dir() / f"{fingerprint}.json"
+
+
+def read_profile_json(path: Path):
+    """A profile file's JSON; errors name the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read machine profile ({exc.strerror or exc})") from None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc}); delete it or run `hivekeeper measure` again") from None
+
+
+def check_profile_doc(doc, where: str) -> None:
+    """A profile's JSON must be an object of this PROFILE_VERSION."""
+    if not isinstance(doc, dict):
+        raise InputError(f"{where}: a machine profile must be a JSON object")
+    if doc.get("version") != PROFILE_VERSION:
+        raise InputError(f"{where}: field 'version' is {doc.get('version')!r}, expected {PROFILE_VERSION}; "
+                         "run `hivekeeper measure` again")
+
+
+def measurements_from(doc: dict, where: str) -> list[Measurement]:
+    """The 'measurements' of a profile's JSON object."""
+    try:
+        return [Measurement.from_dict(m) for m in doc.get("measurements") or []]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{where}: field 'measurements' is malformed ({type(exc).__name__}: {exc})") from None
+
+
+def saved_measurements(path: Path) -> list[Measurement]:
+    """The measurements of the profile at `path`; none when there is no file there."""
+    if not path.is_file():
+        return []
+    doc = read_profile_json(path)
+    check_profile_doc(doc, str(path))
+    return measurements_from(doc, str(path))
