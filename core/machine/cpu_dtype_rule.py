@@ -14,6 +14,10 @@ with torch on both cores), although bf16 reads half the bytes; with the two core
   bf16 step is faster; without one, fp32;
 - fp16 has no native path on these CPUs (AVX512-BF16 is bf16 only): fp16 plans compute in fp32 on a CPU.
 
+The answer is as good as the conditions of the measurement: on a machine busy with other work the native kernels'
+threads lose more than torch's single thread (the 21 against 24 above; `hivekeeper measure --quick` at load 8 found
+bf16 at 0.65x), so the reason quotes the load average the measurement saw.
+
 The planner sees the answer in the CPU's FLOP/s table (`with_choice`, applied by detect_hardware and by
 profiles.apply_measurements): 16-bit entries below the fp32 rate are how it models a CPU that converts 16-bit values
 to fp32 (costmodel.cpu_native_half).
@@ -62,7 +66,8 @@ def choose(measurements: list[Measurement] | tuple[Measurement, ...] = ()) -> Si
     faster = measured.value < 1.0
     return SixteenBitChoice("bf16" if faster else "fp32",
                             f"{half_math_names()}, {'and' if faster else 'but'} a bf16 decode step measured "
-                            f"{measured.value:.2f}x the time of fp32 ({measured.detail})")
+                            f"{measured.value:.2f}x the time of fp32 ({measured.detail}; load average "
+                            f"{measured.loadavg:.1f} while measured)")
 
 
 def choose_from_profile(path) -> SixteenBitChoice:
