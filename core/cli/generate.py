@@ -68,12 +68,9 @@ def check_budget(args: argparse.Namespace) -> float | None:
 
 
 def set_threads() -> None:
-    import os
+    from hivekeeper.core.offload.local_plan import use_runtime_threads
 
-    if "OMP_NUM_THREADS" not in os.environ:
-        from hivekeeper.core.offload.offloaded_model import use_physical_cores
-
-        use_physical_cores()
+    use_runtime_threads()
 
 
 class Runner:
@@ -104,7 +101,7 @@ def resolve_model(args: argparse.Namespace):
 def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int, prompt_len: int,
                 max_length: int, ram_budget: float | None, drop_page_cache: bool = False) -> Runner:
     """Load the model for this run: the engine with a plan, or a swarm client."""
-    from hivekeeper.core.offload.local_plan import choose_policy, engine_plan
+    from hivekeeper.core.offload.local_plan import plan_local_run
 
     is_demo = _is_demo(path)
     if args.swarm:
@@ -122,11 +119,9 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
                       failovers=model.client.failovers)
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
 
-    choice = choose_policy(args.plan, path, batch=batch, prompt_len=prompt_len,
-                           max_new_tokens=max(1, max_length - prompt_len), ram_budget_bytes=ram_budget,
-                           quant=getattr(args, "quant", "none"))
-    plan = engine_plan(config, choice, batch=batch, max_length=max_length, ram_budget_bytes=ram_budget,
-                       prefill_tokens=min(256, max(1, prompt_len)))
+    choice, plan = plan_local_run(args.plan, path, config, batch=batch, prompt_len=prompt_len,
+                                  max_new_tokens=max(1, max_length - prompt_len), max_length=max_length,
+                                  ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"))
     model = OffloadedModel(path, plan, drop_page_cache=drop_page_cache)
     info = {"source": choice.source, "reason": choice.reason, "policy": choice.policy.as_dict(),
             "engine": plan.summary()}

@@ -2,7 +2,8 @@
 
 Every server the DHT lists as live is pinged first (rpc_info, a 2 s timeout): one that does not answer is shown as
 "unreachable" and covers no block, so a server killed a moment ago shows as gone now, not when its record expires
-minutes later. The app's coverage chart is this same report (gui/services/swarm_watch.py).
+minutes later. The report is core/swarm/status.py's, which the app's coverage chart shows too
+(gui/services/swarm_watch.py).
 """
 
 from __future__ import annotations
@@ -20,48 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="peers of the swarm")
     status.add_argument("--dht-prefix", help="the model's name in the swarm (default as `hivekeeper serve`)")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-
-
-def swarm_status(blocks: list[dict], dht_prefix: str, rtts: dict[str, float | None] | None = None) -> dict:
-    """The status report from per-block DHT records ({peer: ServerInfo} per block) and a probe of the servers
-    (rtts: {peer: round-trip seconds, or None when it did not answer}; a peer left out was not probed). A server
-    that did not answer is "unreachable": it counts for no block's throughput, servers or gaps."""
-    from hivekeeper.core.swarm.dht import ServerState, block_throughputs, spans_of, without_peers
-
-    rtts = rtts or {}
-    live = (ServerState.JOINING, ServerState.ONLINE)
-    silent = {peer for peer, rtt in rtts.items() if rtt is None}
-    answering = without_peers(blocks, silent)
-    throughputs = block_throughputs(answering)
-    all_states = (ServerState.OFFLINE, ServerState.JOINING, ServerState.ONLINE)
-    spans = spans_of(blocks, states=all_states)
-    per_block = [{
-        "index": i,
-        "throughput": throughputs[i],
-        "servers": sorted(p for p, info in answering[i].items() if info.state in live),
-        "unreachable": sorted(p for p, info in servers.items() if info.state in live and p in silent),
-    } for i, servers in enumerate(blocks)]
-    bottleneck = min(range(len(blocks)), key=lambda i: throughputs[i]) if blocks else None
-    servers = []
-    for peer_id, span in sorted(spans.items(), key=lambda item: (item[1].start, item[0])):
-        info = span.info
-        declared = info.state.name.lower()
-        servers.append({
-            "peer_id": peer_id, "state": "unreachable" if peer_id in silent and info.state in live else declared,
-            "declared_state": declared, "public_name": info.public_name,
-            "start": span.start, "end": span.end, "throughput": info.throughput,
-            "inference_rps": info.inference_rps, "forward_rps": info.forward_rps, "network_rps": info.network_rps,
-            "cache_tokens_left": info.cache_tokens_left, "torch_dtype": info.torch_dtype,
-            "quant_type": info.quant_type, "version": info.version, "rtt": rtts.get(peer_id),
-        })
-    return {
-        "dht_prefix": dht_prefix,
-        "num_blocks": len(blocks),
-        "blocks": per_block,
-        "gaps": [b["index"] for b in per_block if not b["servers"]],
-        "bottleneck": None if bottleneck is None else {"block": bottleneck, "throughput": throughputs[bottleneck]},
-        "servers": servers,
-    }
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -101,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
     from hivekeeper.core.swarm.dht import dht_prefix_for, live_peers, read_blocks
+    from hivekeeper.core.swarm.status import swarm_status
 
     config = load_config(resolve_checkpoint(args.model, blocks=(0, 0), embeddings=False))
     prefix = dht_prefix_for(args.model, args.dht_prefix)

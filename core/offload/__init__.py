@@ -1,6 +1,7 @@
 """Running a model that does not fit in fast memory, as a planner policy says.
 
-- `local_plan`       the policy for this machine (searched, or read from a plan file) turned into an EnginePlan.
+- `local_plan`       the policy for this machine (searched, or read from a plan file) turned into an EnginePlan;
+                     the one choice `hivekeeper generate`/`chat` and the app's chat make.
 - `placement`        EnginePlan and place_model: a tier per block's weights and KV cache, under a RAM budget.
 - `offloaded_model`  OffloadedModel: the blocks run where the plan puts them, streaming what does not fit.
 - `weights`          the block reader: a layer's tensors from the checkpoint's files into a reused Block.

@@ -1,5 +1,6 @@
 """Choosing how to run a model locally: a planner Policy (searched for this machine, or read from a plan file) turned
-into an EnginePlan for the offloading engine, under an optional RAM budget. Shared by `generate`, `chat` and benches.
+into an EnginePlan for the offloading engine, under an optional RAM budget. `plan_local_run` is the one choice that
+`generate`, `chat` and the app's chat make (benches use its pieces).
 
 A plan file is what `hivekeeper plan --json` writes (its "policy" object is read), or a bare policy object:
 
@@ -10,6 +11,7 @@ A plan file is what `hivekeeper plan --json` writes (its "policy" object is read
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,12 +91,20 @@ def fallback_policy(weight_format: str, batch: int) -> Policy:
                   activations=Placement(0.0, 1.0, 0.0), micro_batch_size=batch, prefetch_depth=1)
 
 
-def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
-                  ram_budget_bytes: float | None = None, quant: str = "none") -> PolicyChoice:
-    """The planner's best policy for this machine (detected), this model and this run: 16-bit or fp32 weights, or
-    int8/nf4 when `quant` says so.
+class DoesNotFit(InputError):
+    """The planner found no local plan for this model on this machine (search_policy with fallback=False)."""
 
-    With a RAM budget the planner is told the machine has that much RAM on top of the runtime it reserves itself.
+
+def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
+                  ram_budget_bytes: float | None = None, quant: str = "none", hardware=None, efficiency=None,
+                  fallback: bool = True) -> PolicyChoice:
+    """The planner's best policy for this machine, this model and this run: 16-bit or fp32 weights, or int8/nf4
+    when `quant` says so.
+
+    hardware: the planner's HardwareSpec of this machine (None: detected now); efficiency: its cost-model factors
+    (None: the defaults). With a RAM budget the planner is told the machine has that much RAM on top of the runtime
+    it reserves itself. When nothing fits, `fallback` streams what RAM cannot hold (fallback_policy); without it,
+    DoesNotFit says why.
     """
     from hivekeeper.planner.efficiency import default_efficiency
     from hivekeeper.planner.hardware_catalog import apply_host_overrides
@@ -103,30 +113,33 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
 
     from hivekeeper.core.machine.detect import detect_hardware
 
-    hardware = detect_hardware()
+    hardware = hardware if hardware is not None else detect_hardware()
     spec = load_model_spec(str(model_path))
     if ram_budget_bytes is not None:
-        eff = default_efficiency(hardware)
+        eff = efficiency or default_efficiency(hardware)
         runtime = (eff.host if hardware.has_gpu else eff.accelerator).runtime_bytes
         hardware = apply_host_overrides(hardware, ram_gb=(ram_budget_bytes + runtime) / GIB)
     goal = "batch" if batch > 1 else "chat"
     plan = search(spec, hardware, goal, Constraints(quant=quant, batch_size=batch),
-                  Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens)))
-    if plan.prediction is None:
-        fmt = quant if quant != "none" else spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
-        return PolicyChoice(fallback_policy(fmt, batch), "fallback",
-                            f"the planner found no local plan ({plan.reason}); streaming what RAM cannot hold")
-    return PolicyChoice(plan.prediction.policy, "auto", plan.reason)
+                  Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens)), efficiency=efficiency)
+    if plan.prediction is not None:
+        return PolicyChoice(plan.prediction.policy, "auto", plan.reason)
+    if not fallback:
+        raise DoesNotFit(f"{spec.name} does not fit on this machine: {plan.reason}")
+    fmt = quant if quant != "none" else spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
+    return PolicyChoice(fallback_policy(fmt, batch), "fallback",
+                        f"the planner found no local plan ({plan.reason}); streaming what RAM cannot hold")
 
 
 def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
-                  ram_budget_bytes: float | None = None, quant: str = "none") -> PolicyChoice:
-    """--plan auto (the planner, with --quant's weight format) or --plan FILE (whose weight_format decides)."""
+                  ram_budget_bytes: float | None = None, quant: str = "none", **search_options) -> PolicyChoice:
+    """--plan auto (the planner, with --quant's weight format) or --plan FILE (whose weight_format decides).
+    search_options: search_policy's hardware, efficiency and fallback."""
     if quant not in ("none", "int8", "nf4"):
         raise InputError(f"--quant {quant!r}: choose none, int8 or nf4")
     if plan_arg == "auto":
         return search_policy(model_path, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                             ram_budget_bytes=ram_budget_bytes, quant=quant)
+                             ram_budget_bytes=ram_budget_bytes, quant=quant, **search_options)
     if quant != "none":
         raise InputError(f"--quant {quant} goes with --plan auto; with --plan {plan_arg} the plan file's "
                          "weight_format decides")
@@ -165,3 +178,25 @@ def engine_plan(config, choice: PolicyChoice, *, batch: int, max_length: int, ra
     dtype, quant = compute_dtype(choice.policy.weight_format, device)
     return place_model(config, choice.policy, device=device, dtype=dtype, batch=batch, max_length=max_length,
                        ram_budget_bytes=ram_budget_bytes, prefill_tokens=prefill_tokens, quant=quant)
+
+
+def plan_local_run(plan_arg: str, model_path: str | Path, config, *, batch: int, prompt_len: int,
+                   max_new_tokens: int, max_length: int, ram_budget_bytes: float | None = None, quant: str = "none",
+                   device: str | None = None, **search_options):
+    """The one choice of how to run a model here, made the same way by `hivekeeper generate`, `chat` and the app's
+    chat: the policy (choose_policy), then the EnginePlan with the dtype this machine computes it in
+    (compute_dtype). Returns (PolicyChoice, EnginePlan)."""
+    choice = choose_policy(plan_arg, model_path, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                           ram_budget_bytes=ram_budget_bytes, quant=quant, **search_options)
+    plan = engine_plan(config, choice, batch=batch, max_length=max_length, ram_budget_bytes=ram_budget_bytes,
+                       prefill_tokens=min(256, max(1, prompt_len)), device=device)
+    return choice, plan
+
+
+def use_runtime_threads() -> None:
+    """The thread layout local runs use (offloaded_model.use_physical_cores: torch on one thread, the matmuls on
+    the cores), unless OMP_NUM_THREADS already sets torch's threads. For processes that run no other torch work."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        from hivekeeper.core.offload.offloaded_model import use_physical_cores
+
+        use_physical_cores()

@@ -15,7 +15,7 @@ from hivekeeper.core.runtime.chat_history import ChatHistory
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
 
-DTYPE_OF_FORMAT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+CONTEXT_LIMIT = 4096  # the KV cache a local chat allocates, at most (the model's context when shorter)
 
 
 @dataclass(frozen=True)
@@ -105,45 +105,23 @@ class ChatBackend:
 
 def _local_runner(path, key: BackendKey, hardware: HardwareSpec | None, describe: Callable[[str], None],
                   efficiency=None):
-    """An OffloadedModel placed by the planner's chat policy for this machine (everything in memory without one),
-    its description, and the KV cache length its plan counts."""
-    import torch
-
+    """An OffloadedModel placed as `hivekeeper chat` places it (local_plan.plan_local_run: the planner's chat policy
+    for this machine, the dtype this CPU or GPU computes it in), its description, and the KV cache length its plan
+    counts. `hardware`: the machine the window shows (None: detected now)."""
+    from hivekeeper.core.offload.local_plan import DoesNotFit, plan_local_run, use_runtime_threads
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
     from hivekeeper.core.runtime.checkpoint import load_config
-    from hivekeeper.core.cli.generate import set_threads
-    from hivekeeper.core.offload.engine import OffloadedModel, place_model
-    from hivekeeper.planner import policy as planner_policy
-    from hivekeeper.planner.costmodel import Placement, Policy, Workload
-    from hivekeeper.planner.model_catalog import load_model_spec
 
-    set_threads()  # the runtime's thread layout, as `hivekeeper chat` uses (this process runs no other torch work)
+    use_runtime_threads()  # as `hivekeeper chat` does (this process runs no other torch work)
     config = load_config(path)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    context = min(config.max_position_embeddings, 4096)
-    if device == "cpu":  # without a GPU, "cpu" is the compute device's memory (the planner's convention)
-        ram = Placement(0.0, 1.0, 0.0)
-        chosen = Policy(weight_format="fp32", weights=ram, kv_cache=ram, activations=ram)
-    else:
-        chosen = Policy(weight_format="fp16")
-    if hardware is not None:
-        describe("planning the placement…")
-        spec = load_model_spec(str(path))
-        quant = key.quant if key.quant in ("int8", "nf4") else "none"
-        plan = planner_policy.search(spec, hardware, "chat", planner_policy.Constraints(quant=quant),
-                                     Workload(prompt_len=min(512, context // 2), output_len=min(512, context // 2)),
-                                     efficiency=efficiency)
-        if plan.prediction is None:
-            raise InputError(f"{spec.name} does not fit on this machine: {plan.reason} Chat through the swarm "
-                             "instead (Chat → through the swarm).")
-        chosen = plan.prediction.policy
-    fmt = chosen.weight_format
-    quant = fmt if fmt in ("int8", "nf4") else "none"
-    if fmt in DTYPE_OF_FORMAT:
-        dtype = getattr(torch, DTYPE_OF_FORMAT[fmt])
-    else:
-        dtype = torch.float16 if device == "cuda" else torch.float32
-    if device == "cpu" and dtype == torch.float16:
-        dtype = torch.float32  # CPU kernels for fp16 are slow or missing
-    engine_plan = place_model(config, chosen, device=device, dtype=dtype, batch=1, max_length=context, quant=quant)
-    describe(f"loading the model ({engine_plan.describe()})…")
-    return OffloadedModel(path, engine_plan), engine_plan.describe(), context
+    context = min(config.max_position_embeddings, CONTEXT_LIMIT)
+    describe("planning the placement…")
+    turn = min(512, context // 2)  # the prompt and reply lengths the plan is chosen for
+    try:
+        _, plan = plan_local_run("auto", path, config, batch=1, prompt_len=turn, max_new_tokens=turn,
+                                 max_length=context, quant=key.quant if key.quant in ("int8", "nf4") else "none",
+                                 hardware=hardware, efficiency=efficiency, fallback=False)
+    except DoesNotFit as exc:
+        raise InputError(f"{exc} Chat through the swarm instead (Chat → through the swarm).") from None
+    describe(f"loading the model ({plan.describe()})…")
+    return OffloadedModel(path, plan), plan.describe(), context

@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=watch_stdin, daemon=True).start()
 
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
-    from hivekeeper.core.cli.swarm import swarm_status
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
     from hivekeeper.core.swarm.dht import dht_prefix_for, read_blocks
+    from hivekeeper.core.swarm.status import swarm_status
     from hivekeeper.planner.errors import InputError
 
     try:
