@@ -11,7 +11,7 @@ folder: a later run tests only the mutants of functions that changed (mutmut's c
 deadline; at the deadline mutmut is stopped (what it finished is kept, the next run goes on from there) and its
 output so far is shown. Prints one JSON line per scope: mutant counts, the score, the surviving mutants.
 
-    python tests/mutate.py [--jobs N] [--minutes-scale X] [SCOPE ...]     (default: every scope)
+    python tests/mutate.py [--jobs N] [--minutes-scale X] [--survivors] [SCOPE ...]     (default: every scope)
 """
 
 from __future__ import annotations
@@ -137,11 +137,12 @@ def prepare(name: str, shared: dict, scope: dict) -> Path:
     return folder
 
 
-def run_mutmut(folder: Path, jobs: int, seconds: float) -> tuple[int | None, str]:
-    """`mutmut run` in folder, stopped (with its process group) at the deadline; (exit code or None, output)."""
+def run_mutmut(folder: Path, jobs: int, seconds: float, names: list[str] = ()) -> tuple[int | None, str]:
+    """`mutmut run [names]` in folder, stopped (with its process group) at the deadline; (exit code or None,
+    output). Named mutants are tested again even when the cache has a result for them."""
     log = folder / "run.log"
     with log.open("wb") as out:
-        child = subprocess.Popen([str(BIN / "mutmut"), "run", "--max-children", str(jobs)], cwd=folder,
+        child = subprocess.Popen([str(BIN / "mutmut"), "run", "--max-children", str(jobs), *names], cwd=folder,
                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
         try:
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scopes", nargs="*", help="scopes of [tool.mutmut.scopes] (default: all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
     parser.add_argument("--minutes-scale", type=float, default=1.0, help="multiply every scope's time limit")
+    parser.add_argument("--survivors", action="store_true",
+                        help="test again only the mutants that survived (after tests were added: mutmut's cache "
+                             "keeps a verdict until the function changes)")
     args = parser.parse_args(argv)
     shared, scopes = settings()
     unknown = [name for name in args.scopes if name not in scopes]
@@ -194,8 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scopes or list(scopes):
         scope = scopes[name]
         folder = prepare(name, shared, scope)
+        names = []
+        if args.survivors:
+            cached = results(folder)
+            names = cached.get("survived", []) + cached.get("no tests", [])
+            if not names:
+                continue
         started = time.monotonic()
-        code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale)
+        code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale, names)
         seconds = time.monotonic() - started
         if code not in (0, None):  # mutmut itself failed (a test failing without mutants, a setup error)
             failed = True

@@ -21,6 +21,7 @@ from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
 from hivekeeper.core.swarm.protocol import new_event_loop
 from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
+from hivekeeper.planner.errors import InputError
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -115,20 +116,29 @@ def the_server_in_use(session) -> str:
 
 def test_failover_after_a_rewind_replays_only_the_tokens_kept(servers, client, span):
     torch.manual_seed(11)
-    chunks = [torch.randn(1, 4, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64)]
+    chunks = [torch.randn(1, 4, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.randn(1, 11, 64)]
     cache = KVCache.allocate(span.config, 2, 1, MAX_LENGTH)
     with client.inference_session(max_length=MAX_LENGTH, batch=1) as session:
         check_step(session, cache, span, chunks[0], "prompt")
         check_step(session, cache, span, chunks[1], "one token")
+        with pytest.raises(InputError, match="cannot rewind the session to 6 tokens: it holds 5"):
+            session.truncate(6)
+        session.truncate(5)  # to where it is: nothing to forget
         cache.truncate(4)
         session.truncate(4)  # forget the last token: the next step starts at position 4
         failed = the_server_in_use(session)
         servers.leave(failed)
         check_step(session, cache, span, chunks[2], "the step after the rewind, on the replacement")
-        check_step(session, cache, span, chunks[3], "the next step, on the replacement")
         assert [r["peer_id"] for r in session.recoveries] == [failed]
         assert session.recoveries[0]["replayed_tokens"] == 4  # positions 0-3, not the forgotten 4th
         assert the_server_in_use(session) != failed
+        # the session counts from the rewind: 5 + 11 tokens fill max_length exactly, one more does not fit
+        check_step(session, cache, span, chunks[3], "up to max_length, on the replacement")
+        with pytest.raises(InputError, match="17 tokens exceed the session's max_length 16"):
+            session.step(torch.randn(1, 1, 64))
+        cache.truncate(0)
+        session.truncate(0)  # start over
+        check_step(session, cache, span, torch.randn(1, 3, 64), "a new prompt after rewinding to 0")
 
 
 def test_failover_after_a_beam_reorder_replays_the_rows_in_their_new_order(servers, client, span):
@@ -138,11 +148,12 @@ def test_failover_after_a_beam_reorder_replays_the_rows_in_their_new_order(serve
     with client.inference_session(max_length=MAX_LENGTH, batch=2) as session:
         check_step(session, cache, span, chunks[0], "prompt")
         check_step(session, cache, span, chunks[1], "one token")
-        cache.reorder(torch.tensor([1, 0]))
-        session.reorder(torch.tensor([1, 0]))  # the beams swap: row 0 now continues old row 1
+        for order in ([1, 0], [0, 0]):  # two reorders before the next step: they compose to [1, 1]
+            cache.reorder(torch.tensor(order))
+            session.reorder(torch.tensor(order, dtype=torch.int32))  # any integer type
         failed = the_server_in_use(session)
         servers.leave(failed)
-        check_step(session, cache, span, chunks[2], "the step after the reorder, on the replacement")
+        check_step(session, cache, span, chunks[2], "the step after the reorders, on the replacement")
         check_step(session, cache, span, chunks[3], "the next step, on the replacement")
         assert [r["peer_id"] for r in session.recoveries] == [failed]
         assert session.recoveries[0]["replayed_tokens"] == 4

@@ -1,0 +1,40 @@
+"""Routing rules a mutation run found unchecked (docs/testing.md): the forward route draws among equally long spans
+in proportion to their throughput, names the block nobody covers, and keeps each hop's span (its dtype and speed
+are read from it); a peer that answers is cleared even if it never failed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hivekeeper.core.swarm.client.routing import BanList, NoRoute, route_forward
+from hivekeeper.core.swarm.dht import RemoteSpanInfo, ServerInfo, ServerState
+
+
+def span(peer: str, start: int, end: int, throughput: float) -> RemoteSpanInfo:
+    return RemoteSpanInfo(peer, start, end, ServerInfo(ServerState.ONLINE, throughput, start_block=start,
+                                                       end_block=end))
+
+
+def test_forward_routes_share_equal_spans_by_throughput():
+    fast, slow = span("fast", 0, 4, 9.0), span("slow", 0, 4, 1.0)
+    rng = random.Random(7)
+    routes = [route_forward([fast, slow], 0, 4, rng=rng) for _ in range(2000)]
+    share = sum(route[0].peer_id == "fast" for route in routes) / len(routes)
+    assert abs(share - 0.9) < 0.03  # 9 : 1, about 4.5 standard deviations
+    assert all(route[0].span is (fast if route[0].peer_id == "fast" else slow) for route in routes)
+
+
+def test_forward_route_names_the_first_block_nobody_covers():
+    with pytest.raises(NoRoute, match=r"no server covers block 3 \(blocks 1:6 needed\)"):
+        route_forward([span("a", 0, 3, 1.0), span("b", 4, 6, 1.0)], 1, 6)
+
+
+def test_a_peer_that_answers_is_cleared_whether_or_not_it_failed_before():
+    bans = BanList(base_seconds=30.0)
+    bans.succeed("never-failed")  # nothing to clear, and no error
+    assert not bans.banned("never-failed")
+    bans.fail("p")
+    bans.succeed("p")
+    assert not bans.banned("p") and bans.fail("p") == 30.0  # the backoff starts again from the base
