@@ -1,7 +1,8 @@
 """Interoperability with a real Petals peer: Hivekeeper servers and clients against Petals 2.2 ones, on 127.0.0.1.
 
-Needs a separate virtualenv with Petals (default /work/petals-venv, or $PETALS_VENV; docs/swarm.md says how to
-build it); without one it prints a JSON line saying it was skipped and why. With it, on a 4-block demo model:
+Needs a separate virtualenv with Petals ($PETALS_VENV, by default petals-venv beside the repository's folder;
+docs/swarm.md says how to build it); without one it prints a JSON line saying it was skipped and why. With it, on
+a 4-block demo model:
 
     petals_client->hivekeeper_server   Petals' client generates through one `hivekeeper serve` (blocks 0:4), and
                                        runs a forward without a cache (rpc_forward) whose logits are compared
@@ -42,7 +43,8 @@ from hivekeeper.core.swarm.local import ServerProcess
 LAYERS, NEW_TOKENS, PREFIX = 4, 12, "petals-interop"
 CLIENT_TIMEOUT_S = 120
 PROMPT = [1, 17, 42, 99, 7, 300, 5]
-PETALS_VENV = Path(os.environ.get("PETALS_VENV", "/work/petals-venv"))
+REPOSITORY = Path(__file__).resolve().parents[1]
+PETALS_VENV = Path(os.environ.get("PETALS_VENV") or REPOSITORY.parent / "petals-venv")
 PETALS_PYTHON = PETALS_VENV / "bin" / "python"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
