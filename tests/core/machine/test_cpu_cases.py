@@ -18,7 +18,8 @@ from hivekeeper.core.machine import cpu_dtype
 from hivekeeper.core.machine.detect import detect_cpu_section, detect_hardware
 from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, Measurement
 from hivekeeper.core.machine.profiles import apply_measurements, new_profile, save_profile
-from hivekeeper.core.offload.engine import OffloadedModel, cpu_attention_dtype
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import cpu_attention_dtype
 from hivekeeper.core.offload.local_plan import PolicyChoice, compute_dtype, engine_plan, fallback_policy
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 from hivekeeper.core.runtime.generation import generate
