@@ -4,7 +4,9 @@ with its expectation worked out here from the machine's numbers, not read back f
 - prefetch depth 1 overlaps compute with the host link and the disk one after the other (link + disk), depth 2
   overlaps all three (max);
 - under --quant auto a quantized format wins only by its margin (QUALITY_WEIGHT: int8 11%, nf4 25%);
-- the search keeps depth 2 where only the KV cache is on disk (disk reads of the cache overlap the link).
+- the search keeps depth 2 where only the KV cache is on disk (disk reads of the cache overlap the link);
+- a fixed batch is split into every (micro-batch, count) pair, chat runs one stream, and the batch curve is the
+  best plan at each batch size.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from hivekeeper.planner.costmodel import (Placement, Policy, Workload, block_wei
 from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default_efficiency
 from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.models import ModelSpec
-from hivekeeper.planner.policy import QUALITY_WEIGHT, Constraints, build_grid, candidate_formats, search
+from hivekeeper.planner.policy import (QUALITY_WEIGHT, Constraints, batch_curve, build_grid, candidate_formats,
+                                      evaluate_grid, search)
 
 LLAMA2_7B = ModelSpec(name="llama-2-7b", family="llama", num_layers=32, hidden_size=4096, intermediate_size=11008,
                       num_heads=32, num_kv_heads=32, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
@@ -32,14 +35,15 @@ LINK_BPS, DISK_BPS = 10e9, 1e9
 NET = NetworkSpec(upload_bps=1e9, download_bps=1e9, rtt_s=0.01)
 
 
-def machine(gpu_gb: float = 40, ram_gb: float = 200, disk_bps: float = DISK_BPS) -> HardwareSpec:
+def machine(gpu_gb: float = 40, ram_gb: float = 200, disk_bps: float = DISK_BPS,
+            disk_gb: float = 2000) -> HardwareSpec:
     """A made-up machine with round numbers: 100 GB/s, 100 TFLOP/s GPU; 10 GB/s link; 1 GB/s disk."""
     gpu = ComputeDevice(kind="gpu", name="Test GPU", memory_bytes=int(gpu_gb * 1e9), memory_bandwidth=100e9,
                         flops={"fp16": 100e12, "bf16": 100e12, "fp32": 10e12}, power_watts=300.0,
                         host_link_bandwidth=LINK_BPS)
     cpu = ComputeDevice(kind="cpu", name="Test CPU", memory_bytes=int(ram_gb * 1e9), memory_bandwidth=50e9,
                         flops={"fp32": 1e12}, power_watts=100.0)
-    disk = DiskSpec(capacity_bytes=2000 * 10**9, read_bandwidth=disk_bps, write_bandwidth=disk_bps)
+    disk = DiskSpec(capacity_bytes=int(disk_gb * 1e9), read_bandwidth=disk_bps, write_bandwidth=disk_bps)
     return HardwareSpec(id="test", gpus=(gpu,), cpu=cpu, disk=disk, network=NET)
 
 
@@ -133,3 +137,43 @@ def test_kv_cache_on_disk_with_weights_in_ram_keeps_prefetch_depth_2():
     best_score, best = exhaustive_best(SMALL, hardware, workload)
     assert 1.0 / plan.prediction.runtime_s == pytest.approx(best_score, rel=1e-9)
     assert best["wd"] == 0 and best["cd"] > 0 and best["d"] == 2
+
+
+# ---- the grid's batch pairs, and the batch curve against the search -------------------------------------------------
+def pairs(grid) -> set[tuple[int, int]]:
+    return set(zip(grid.cols["b"].astype(int).tolist(), grid.cols["n"].astype(int).tolist()))
+
+
+def test_a_fixed_batch_is_split_into_every_divisor_pair_and_chat_runs_one_stream():
+    hardware = machine(gpu_gb=24)
+    workload = Workload(prompt_len=256, output_len=64)
+    grid = evaluate_grid(LLAMA2_7B, hardware, "batch", Constraints(quant="none", batch_size=12), workload)
+    # 12 = b x n with at most 16 micro-batches: (1, 12) (2, 6) (3, 4) (4, 3) (6, 2) (12, 1)
+    assert pairs(grid) == {(1, 12), (2, 6), (3, 4), (4, 3), (6, 2), (12, 1)}
+    grid = evaluate_grid(LLAMA2_7B, hardware, "batch", Constraints(quant="none", batch_size=34), workload)
+    assert pairs(grid) == {(34, 1), (17, 2)}  # 34 / 2 = 17 micro-batches would be too many
+    assert pairs(evaluate_grid(LLAMA2_7B, hardware, "chat", Constraints(quant="none"), workload)) == {(1, 1)}
+    assert pairs(evaluate_grid(LLAMA2_7B, hardware, "chat", Constraints(quant="none", batch_size=3),
+                               workload)) == {(3, 1)}
+
+
+def test_the_batch_curve_is_the_best_plan_at_each_batch():
+    """Each point of the chart equals the search for that batch size, with the same quantization, reserve and
+    efficiency (a slower made-up set, so that the defaults would show)."""
+    hardware = machine(gpu_gb=16, ram_gb=30, disk_gb=200)  # the largest batches' KV caches fit nowhere
+    constraints = Constraints(quant="int8", reserve_bytes={"gpu": 4e9})
+    workload = Workload(prompt_len=256, output_len=64)
+    points = batch_curve(LLAMA2_7B, hardware, workload, constraints, EFF)
+    # every batch size of the grid, fitting or not: micro-batch sizes 1..512 times 1..16 micro-batches
+    assert [p.batch_size for p in points] == sorted({b * n for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+                                                     for n in (1, 2, 4, 8, 16)})
+    checked = 0
+    for point in points:
+        if point.throughput_tokens_per_s is None or point.batch_size > 512:
+            continue
+        plan = search(LLAMA2_7B, hardware, "batch", Constraints("int8", point.batch_size, {"gpu": 4e9}), workload,
+                      EFF)
+        assert point.throughput_tokens_per_s == pytest.approx(plan.prediction.throughput_tokens_per_s, rel=1e-9)
+        assert point.decode_tokens_per_s == pytest.approx(plan.prediction.decode_tokens_per_s, rel=1e-9)
+        checked += 1
+    assert checked >= 5 and sum(p.throughput_tokens_per_s is None for p in points) >= 2
