@@ -1,6 +1,8 @@
 """Rules of the cost model and the policy search that a mutation run found untested (docs/testing.md), each stated
 with its expectation worked out here from the machine's numbers, not read back from the planner.
 
+- a machine with one memory tier refuses a policy naming the other, counts nothing in a separate RAM, and a reserve
+  comes off its tier's capacity;
 - prefetch depth 1 overlaps compute with the host link and the disk one after the other (link + disk), depth 2
   overlaps all three (max);
 - under --quant auto a quantized format wins only by its margin (QUALITY_WEIGHT: int8 11%, nf4 25%);
@@ -16,8 +18,9 @@ import pytest
 
 from hivekeeper.planner.costmodel import (Placement, Policy, Workload, block_weight_bytes, evaluate, evaluate_arrays,
                                           fixed_memory, format_traits, machine_view, model_numbers,
-                                          solve_weight_placement)
+                                          solve_weight_placement, weight_bytes)
 from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default_efficiency
+from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.models import ModelSpec
 from hivekeeper.planner.policy import (QUALITY_WEIGHT, Constraints, batch_curve, build_grid, candidate_formats,
@@ -75,6 +78,48 @@ def test_prefetch_depth_1_adds_link_and_disk_depth_2_overlaps_them():
     head = LLAMA2_7B.vocab_size * LLAMA2_7B.embedding_dim * 2
     head_s = head / (100e9 * 0.8) + 2 * head / (100e12 * 0.5)
     assert step[1] == pytest.approx(layers * (link_s + disk_s) + head_s + 1e-3, rel=1e-6)
+
+
+# ---- one memory tier: what a policy may say, and what fits -----------------------------------------------------------
+def unified_machine(memory_gb: float = 64) -> HardwareSpec:
+    """Apple-silicon-like: the GPU computes in the one memory it shares with the CPU (no host tier, no link)."""
+    gpu = ComputeDevice(kind="gpu", name="Unified GPU", memory_bytes=int(memory_gb * 1e9), memory_bandwidth=400e9,
+                        flops={"fp16": 30e12, "bf16": 30e12, "fp32": 15e12}, power_watts=60.0, unified_memory=True)
+    cpu = ComputeDevice(kind="cpu", name="Unified CPU", memory_bytes=int(memory_gb * 1e9), memory_bandwidth=400e9,
+                        flops={"fp32": 1e12}, power_watts=30.0)
+    disk = DiskSpec(capacity_bytes=1000 * 10**9, read_bandwidth=DISK_BPS, write_bandwidth=DISK_BPS)
+    return HardwareSpec(id="unified", gpus=(gpu,), cpu=cpu, disk=disk, network=NET)
+
+
+def cpu_only_machine() -> HardwareSpec:
+    return HardwareSpec(id="cpu-only", gpus=(), cpu=machine().cpu, disk=machine().disk, network=NET)
+
+
+@pytest.mark.parametrize("hardware, tier, other", [(unified_machine(), "gpu", "cpu"),
+                                                   (cpu_only_machine(), "cpu", "gpu")])
+def test_a_one_tier_machine_refuses_a_policy_naming_the_other_tier(hardware, tier, other):
+    right = Placement(**{tier: 1.0, other: 0.0})
+    for field in ("weights", "kv_cache", "activations"):
+        policy = Policy("fp16", **{"weights": right, "kv_cache": right, "activations": right,
+                                   field: Placement(**{tier: 0.5, other: 0.5})})
+        with pytest.raises(InputError, match=f"policy puts {field} on '{other}', but this machine's memory is one "
+                                             f"tier \\('{tier}'\\)"):
+            evaluate(LLAMA2_7B, hardware, policy, Workload(100, 2), EFF)
+
+
+def test_on_unified_memory_nothing_is_counted_in_a_separate_ram():
+    """Everything in the one memory: it fits, and the CPU tier (the same memory, not a second one) holds nothing."""
+    pred = evaluate(LLAMA2_7B, unified_machine(), Policy("fp16"), Workload(100, 2), EFF)
+    assert pred.fits and pred.peak_memory_bytes["cpu"] == 0 and pred.peak_memory_bytes["disk"] == 0
+    weights = weight_bytes(LLAMA2_7B, "fp16")
+    assert weights < pred.peak_memory_bytes["gpu"] < weights + 3e9  # + cache, runtime, workspace
+
+
+def test_a_reserve_is_taken_off_the_capacity_of_its_tier():
+    free = evaluate(LLAMA2_7B, machine(), Policy("fp16"), Workload(100, 2), EFF)
+    reserved = evaluate(LLAMA2_7B, machine(), Policy("fp16"), Workload(100, 2), EFF, reserve_bytes={"gpu": 30e9})
+    assert free.capacity_bytes["gpu"] - reserved.capacity_bytes["gpu"] == 30 * 10**9
+    assert free.fits and not reserved.fits  # 13.5 GB of weights in the 10 GB left
 
 
 # ---- --quant auto: the quality margin -----------------------------------------------------------------------------
