@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hivekeeper.planner.costmodel import (Placement, Policy, Workload, block_weight_bytes, evaluate, evaluate_arrays,
-                                          fixed_memory, format_traits, machine_view, model_numbers,
+                                          fixed_memory, format_traits, machine_view, model_numbers, peak_memory,
                                           solve_weight_placement, weight_bytes)
 from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default_efficiency
 from hivekeeper.planner.errors import InputError
@@ -120,6 +120,38 @@ def test_a_reserve_is_taken_off_the_capacity_of_its_tier():
     reserved = evaluate(LLAMA2_7B, machine(), Policy("fp16"), Workload(100, 2), EFF, reserve_bytes={"gpu": 30e9})
     assert free.capacity_bytes["gpu"] - reserved.capacity_bytes["gpu"] == 30 * 10**9
     assert free.fits and not reserved.fits  # 13.5 GB of weights in the 10 GB left
+
+
+# ---- where the block weights go: the most that fits, nearest first ----------------------------------------------------
+@pytest.mark.parametrize("hardware", [machine(gpu_gb=10, ram_gb=8), machine(gpu_gb=10, ram_gb=64),
+                                      machine(gpu_gb=80, ram_gb=16)], ids=["small", "big-ram", "big-gpu"])
+def test_weight_placement_puts_the_most_that_fits_on_the_accelerator_then_in_ram(hardware):
+    """For every candidate of a batch grid the closed form's fractions must fit, and moving 0.02% more of the
+    weights one tier closer (disk to RAM, RAM or disk to the GPU) must not: checked with the peak memory of those
+    placements, not with the closed form."""
+    view = machine_view(hardware)
+    constraints, workload = Constraints(quant="none"), Workload(prompt_len=512, output_len=128)
+    formats = candidate_formats(LLAMA2_7B, view, "none")
+    traits = [format_traits(view, f) for f in formats]
+    cols = build_grid(LLAMA2_7B, view, "batch", constraints, len(formats))
+    mem = fixed_memory(model_numbers(LLAMA2_7B), view, EFF, workload, traits, cols)
+    wa, wh, wd, ok = solve_weight_placement(mem, view)
+    assert ok.any() and (~ok).any()
+    capacity = {"acc": view.acc_capacity, "host": view.host_capacity, "disk": view.disk_capacity}
+
+    def fits(a, h, d):
+        peaks = peak_memory(mem, a, h, d)
+        return np.logical_and.reduce([peaks[tier] <= capacity[tier] + 1.0 for tier in capacity])
+
+    assert np.allclose(wa + wh + wd, 1.0) and fits(wa, wh, wd)[ok].all()
+    step = 2e-4
+    closer_to_acc = ok & (wa < 1.0)
+    from_host = np.minimum(wh, step)
+    more_on_acc = fits(wa + step, wh - from_host, wd - (step - from_host))
+    assert not more_on_acc[closer_to_acc & (wa + step <= 1.0)].any()
+    closer_to_host = ok & (wd > step) & view.has_host_tier
+    assert not fits(wa, wh + step, wd - step)[closer_to_host].any()
+    assert closer_to_acc.any() and (not view.has_host_tier or closer_to_host.any() or (wd[ok] == 0).all())
 
 
 # ---- --quant auto: the quality margin -----------------------------------------------------------------------------
