@@ -13,12 +13,14 @@ with its expectation worked out here from the machine's numbers, not read back f
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from hivekeeper.planner.costmodel import (Placement, Policy, Workload, block_weight_bytes, evaluate, evaluate_arrays,
                                           fixed_memory, format_traits, machine_view, model_numbers, peak_memory,
-                                          solve_weight_placement, weight_bytes)
+                                          sixteen_bit_format, solve_weight_placement, weight_bytes)
 from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default_efficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
@@ -80,6 +82,54 @@ def test_prefetch_depth_1_adds_link_and_disk_depth_2_overlaps_them():
     assert step[1] == pytest.approx(layers * (link_s + disk_s) + head_s + 1e-3, rel=1e-6)
 
 
+# ---- the prefill and the memory of a policy, by hand ------------------------------------------------------------------
+MATRICES = 4 * 4096 * 4096 + 3 * 4096 * 11008  # per block: q, k, v, o + gate, up, down
+BLOCK = MATRICES * 2 + 2 * 4096 * 2  # fp16 matrices + two norms
+OUTSIDE = (32000 * 4096 * 2 + 4096) * 2  # embedding, untied head, final norm
+KV_TOKEN = 2 * 4096 * 2  # one token of one block's K and V in fp16
+WORKSPACE = 2 * 4096 + max(2 * 4096 + 2 * 4096, 2 * 11008 + 4096)  # values alive inside a block, per token
+RUNTIME = 10**9  # EFF's runtime_bytes on each device
+
+
+def test_prefill_all_on_the_gpu_by_hand():
+    """1000 prompt tokens, one sequence: each block reads its weights once and writes the new K, V (16 KB a token),
+    computes 2 FLOPs per weight per token plus causal attention (token i attends to i positions)."""
+    pred = evaluate(LLAMA2_7B, machine(), Policy("fp16"), Workload(prompt_len=1000, output_len=2), EFF)
+    layer_bytes = BLOCK + 1000 * KV_TOKEN
+    layer_flops = 1000 * 2 * MATRICES + 4 * 4096 * 1000 * 1001 / 2
+    layer = layer_bytes / (100e9 * 0.8) + layer_flops / (100e12 * 0.5) + 0.3e-3
+    head_bytes, head_flops = 32000 * 4096 * 2, 2 * 32000 * 4096  # the LM head on the last position only
+    head = head_bytes / (100e9 * 0.8) + head_flops / (100e12 * 0.5)
+    assert pred.prefill_s == pytest.approx(32 * layer + head + 1e-3, rel=1e-9)
+
+
+def test_peak_memory_of_a_spread_policy_by_hand():
+    """Weights 80% GPU / 10% RAM / 10% disk, KV cache 50/25/25, attention over the off-GPU cache on the CPU, depth 2,
+    two sequences of 100 + 28 tokens."""
+    policy = Policy("fp16", weights=Placement(0.8, 0.1, 0.1), kv_cache=Placement(0.5, 0.25, 0.25),
+                    micro_batch_size=2, prefetch_depth=2, attention_on_cpu=True)
+    pred = evaluate(LLAMA2_7B, machine(), policy, Workload(prompt_len=100, output_len=28), EFF)
+    batch, tokens, prompt = 2, 128, 100
+    cache = batch * tokens * 32 * KV_TOKEN
+    per_sequence_block = tokens * KV_TOKEN  # one block's cache of one sequence
+    hidden = 2 * batch * prompt * 4096 * 2  # a block's inputs and outputs, kept on the GPU
+    workspace = batch * prompt * WORKSPACE * 2 + batch * 32000 * 4  # + fp32 logits
+    gpu = (OUTSIDE + 0.5 * cache + hidden + workspace + RUNTIME  # no cache buffers: CPU attention reads it in RAM
+           + 0.8 * 32 * BLOCK + 3 * 0.2 * BLOCK)  # 1 + depth buffers for the streamed fifth of a block
+    ram = (0.25 * cache + batch * per_sequence_block * 2 * 0.5  # CPU attention's fp32 copy of the off-GPU cache
+           + batch * per_sequence_block * 0.25 + RUNTIME  # staging of the cache read from disk
+           + 0.1 * 32 * BLOCK + 2 * 0.1 * BLOCK)  # depth 2: two staging buffers for weights read from disk
+    disk = 0.25 * cache + 0.1 * 32 * BLOCK
+    assert pred.peak_memory_bytes == {"gpu": round(gpu), "cpu": round(ram), "disk": round(disk)}
+    # attention on the GPU instead: the off-GPU half of a block's cache comes in, into 1 + depth buffers, and RAM
+    # holds no fp32 copy
+    on_gpu = evaluate(LLAMA2_7B, machine(), dataclasses.replace(policy, attention_on_cpu=False),
+                      Workload(prompt_len=100, output_len=28), EFF)
+    buffers = 3 * batch * per_sequence_block * 0.5
+    copies = batch * per_sequence_block * 2 * 0.5
+    assert on_gpu.peak_memory_bytes == {"gpu": round(gpu + buffers), "cpu": round(ram - copies), "disk": round(disk)}
+
+
 # ---- one memory tier: what a policy may say, and what fits -----------------------------------------------------------
 def unified_machine(memory_gb: float = 64) -> HardwareSpec:
     """Apple-silicon-like: the GPU computes in the one memory it shares with the CPU (no host tier, no link)."""
@@ -111,8 +161,11 @@ def test_on_unified_memory_nothing_is_counted_in_a_separate_ram():
     """Everything in the one memory: it fits, and the CPU tier (the same memory, not a second one) holds nothing."""
     pred = evaluate(LLAMA2_7B, unified_machine(), Policy("fp16"), Workload(100, 2), EFF)
     assert pred.fits and pred.peak_memory_bytes["cpu"] == 0 and pred.peak_memory_bytes["disk"] == 0
-    weights = weight_bytes(LLAMA2_7B, "fp16")
-    assert weights < pred.peak_memory_bytes["gpu"] < weights + 3e9  # + cache, runtime, workspace
+    assert weight_bytes(LLAMA2_7B, "fp16") == OUTSIDE + 32 * BLOCK
+    # the GPU framework's runtime memory and the process's own both sit in the one memory
+    expected = OUTSIDE + 32 * BLOCK + 102 * 32 * KV_TOKEN + 2 * 100 * 4096 * 2 + 100 * WORKSPACE * 2 + 32000 * 4 \
+        + 2 * RUNTIME
+    assert pred.peak_memory_bytes["gpu"] == round(expected)
 
 
 def test_a_reserve_is_taken_off_the_capacity_of_its_tier():
@@ -152,6 +205,20 @@ def test_weight_placement_puts_the_most_that_fits_on_the_accelerator_then_in_ram
     closer_to_host = ok & (wd > step) & view.has_host_tier
     assert not fits(wa, wh + step, wd - step)[closer_to_host].any()
     assert closer_to_acc.any() and (not view.has_host_tier or closer_to_host.any() or (wd[ok] == 0).all())
+
+
+# ---- which 16-bit format ------------------------------------------------------------------------------------------
+def test_the_16_bit_format_is_bf16_only_where_the_checkpoint_is_and_it_runs_at_full_rate():
+    bf16_model, fp16_model = LLAMA2_7B, dataclasses.replace(LLAMA2_7B, torch_dtype="fp16")
+    full_rate = machine()  # bf16 and fp16 at 100 TFLOP/s
+    half_rate_gpu = dataclasses.replace(full_rate.gpus[0], flops={"fp16": 65e12, "bf16": 8e12, "fp32": 8e12})
+    half_rate = dataclasses.replace(full_rate, gpus=(half_rate_gpu,))  # a T4-like GPU: bf16 emulated
+    cases = [(bf16_model, full_rate, "bf16"), (fp16_model, full_rate, "fp16"), (bf16_model, half_rate, "fp16"),
+             (bf16_model, cpu_only_machine(), "bf16"), (fp16_model, cpu_only_machine(), "fp16")]
+    for model, hardware, expected in cases:
+        assert sixteen_bit_format(model, machine_view(hardware)) == expected, (model.torch_dtype, hardware.id)
+        plan = search(model, hardware, "chat", Constraints(quant="none"), Workload(100, 2), EFF)
+        assert plan.prediction.policy.weight_format in (expected, "fp32")
 
 
 # ---- --quant auto: the quality margin -----------------------------------------------------------------------------
