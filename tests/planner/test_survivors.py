@@ -130,6 +130,38 @@ def test_peak_memory_of_a_spread_policy_by_hand():
     assert on_gpu.peak_memory_bytes == {"gpu": round(gpu + buffers), "cpu": round(ram - copies), "disk": round(disk)}
 
 
+def test_transfers_of_a_spread_policy_by_hand():
+    """The same spread policy with the activations kept in RAM: per block of a decode step (mean context 114) the link
+    carries the streamed fifth of the block, the activations and CPU attention's queries in, the new K, V and the
+    attention's outputs out; the disk reads its tenth of the block and its quarter of the cache and writes the new
+    K, V; the CPU reads its half of the cache (copied to fp32 first: 5 bytes of traffic per 2) and runs its share of
+    the attention. The disk is the slowest, and depth 2 overlaps the rest with it, in the prefill too."""
+    policy = Policy("fp16", weights=Placement(0.8, 0.1, 0.1), kv_cache=Placement(0.5, 0.25, 0.25),
+                    activations=Placement(0.0, 1.0, 0.0), micro_batch_size=2, prefetch_depth=2,
+                    attention_on_cpu=True)
+    # the link and the disk at half their rates here, so that their efficiency is seen
+    eff = MachineEfficiency(dataclasses.replace(EFF.accelerator, link_fraction=0.5),
+                            dataclasses.replace(EFF.host, disk_fraction=0.5))
+    pred = evaluate(LLAMA2_7B, machine(), policy, Workload(prompt_len=100, output_len=28), eff)
+    batch, context, prompt = 2, 100 + 28 / 2, 100
+    activations, queries = batch * 4096 * 2, batch * 4096 * 2 * 0.5
+    link_in = 0.2 * BLOCK + activations + queries
+    assert link_in > batch * KV_TOKEN * 0.5 + activations + queries  # more comes in than goes out
+    disk_read = 0.1 * BLOCK + 0.25 * batch * context * KV_TOKEN
+    disk_write = 0.25 * batch * KV_TOKEN
+    cpu_bytes = batch * context * KV_TOKEN * 0.5
+    cpu_flops = 4 * 4096 * context * batch * 0.5
+    expected = {"host link": link_in / (LINK_BPS * 0.5), "disk": (disk_read + disk_write) / (DISK_BPS * 0.5),
+                "cpu attention": cpu_bytes * 5 / (50e9 * 0.5) + cpu_flops / (1e12 * 0.5)}
+    for name, seconds in expected.items():
+        assert pred.step_breakdown_s[name] == pytest.approx(32 * seconds, rel=1e-9), name
+    head_bytes, head_flops = 32000 * 4096 * 2, batch * 2 * 32000 * 4096
+    head = head_bytes / (100e9 * 0.8) + head_flops / (100e12 * 0.5)
+    assert pred.decode_step_s == pytest.approx(32 * expected["disk"] + head + 1e-3, rel=1e-9)
+    prefill_disk = (0.1 * BLOCK + 0.25 * batch * prompt * KV_TOKEN) / (DISK_BPS * 0.5)  # the new cache written
+    assert pred.prefill_s == pytest.approx(32 * prefill_disk + head + 1e-3, rel=1e-9)
+
+
 # ---- one memory tier: what a policy may say, and what fits -----------------------------------------------------------
 def unified_machine(memory_gb: float = 64) -> HardwareSpec:
     """Apple-silicon-like: the GPU computes in the one memory it shares with the CPU (no host tier, no link)."""
