@@ -18,9 +18,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hivekeeper.planner.costmodel import (Placement, Policy, Workload, block_weight_bytes, evaluate, evaluate_arrays,
-                                          fixed_memory, format_traits, machine_view, model_numbers, peak_memory,
-                                          sixteen_bit_format, solve_weight_placement, weight_bytes)
+from hivekeeper.planner.costmodel import (Placement, Policy, Workload, block_weight_bytes, cpu_native_half, evaluate,
+                                          evaluate_arrays, fixed_memory, format_traits, machine_view, model_numbers,
+                                          peak_memory, sixteen_bit_format, solve_weight_placement, weight_bytes)
 from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default_efficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
@@ -80,6 +80,54 @@ def test_prefetch_depth_1_adds_link_and_disk_depth_2_overlaps_them():
     head = LLAMA2_7B.vocab_size * LLAMA2_7B.embedding_dim * 2
     head_s = head / (100e9 * 0.8) + 2 * head / (100e12 * 0.5)
     assert step[1] == pytest.approx(layers * (link_s + disk_s) + head_s + 1e-3, rel=1e-6)
+
+
+# ---- the machine as the cost model sees it ---------------------------------------------------------------------------
+def test_several_gpus_act_as_one_pipeline_paced_by_the_slowest():
+    fast = machine().gpus[0]
+    slow = dataclasses.replace(fast, name="Slow GPU", memory_bytes=24 * 10**9, memory_bandwidth=50e9,
+                               host_link_bandwidth=None)  # its spec leaves the link out
+    disk = DiskSpec(capacity_bytes=500 * 10**9, read_bandwidth=2e9, write_bandwidth=0)  # write speed unknown
+    hardware = dataclasses.replace(machine(), gpus=(fast, slow), disk=disk)
+    view = machine_view(hardware, {"gpu": 4e9, "cpu": 8e9, "disk": 100e9})
+    assert view.acc is slow and view.num_gpus == 2 and view.acc_bandwidth == 50e9
+    assert view.acc_capacity == 40e9 + 24e9 - 4e9 and view.host_capacity == 200e9 - 8e9
+    assert view.disk_capacity == 400e9 and view.disk_read == view.disk_write == 2e9
+    assert view.link_bandwidth == LINK_BPS  # the known link; a GPU without one does not count
+    assert view.power_watts == 300.0 + 300.0 + 100.0
+    alone = machine_view(dataclasses.replace(machine(), gpus=(slow,)))
+    assert alone.link_bandwidth == 12e9  # PCIe 3.0 x16's practical rate when no GPU gives one
+
+
+def test_one_memory_machines_have_no_host_tier():
+    cpu_only = machine_view(cpu_only_machine(), {"cpu": 8e9})
+    assert (cpu_only.acc_tier, cpu_only.num_gpus, cpu_only.link_bandwidth, cpu_only.host_capacity) == \
+        ("cpu", 0, None, 0.0)
+    assert cpu_only.acc_capacity == 200e9 - 8e9 and cpu_only.acc is cpu_only.cpu
+    unified = machine_view(unified_machine(64), {"cpu": 8e9})
+    assert (unified.acc_tier, unified.link_bandwidth, unified.host_capacity) == ("gpu", None, 0.0)
+    assert unified.acc_capacity == 64e9 and not unified.has_host_tier
+
+
+def test_a_cpu_multiplies_16_bit_natively_only_at_its_fp32_rate_or_better():
+    cpu = machine().cpu  # fp32 only
+    assert not cpu_native_half(cpu)
+    for dtype in ("bf16", "fp16"):
+        assert cpu_native_half(dataclasses.replace(cpu, flops={"fp32": 1e12, dtype: 1e12}))
+        assert not cpu_native_half(dataclasses.replace(cpu, flops={"fp32": 1e12, dtype: 0.5e12}))
+    assert not cpu_native_half(dataclasses.replace(cpu, flops={"bf16": 1e12}))  # no fp32 rate to compare with
+
+
+def test_recomputing_k_and_v_by_hand():
+    """Kept per token and block: the block's input (8 KB) instead of K and V (16 KB); each decode step computes K and
+    V again for the whole context: 4 × hidden × kv_dim FLOPs a position."""
+    workload = Workload(prompt_len=1000, output_len=2)
+    pred = evaluate(LLAMA2_7B, machine(), Policy("fp16", kv_recompute=True), workload, EFF)
+    layer_bytes = BLOCK + 1001 * 4096 * 2
+    layer_flops = 2 * MATRICES + 4 * 4096 * 1001 + 4 * 4096 * 4096 * 1001
+    layer = layer_bytes / (100e9 * 0.8) + layer_flops / (100e12 * 0.5) + 0.3e-3
+    head = 32000 * 4096 * 2 / (100e9 * 0.8) + 2 * 32000 * 4096 / (100e12 * 0.5)
+    assert pred.decode_step_s == pytest.approx(32 * layer + head + 1e-3, rel=1e-9)
 
 
 # ---- the prefill and the memory of a policy, by hand ------------------------------------------------------------------
