@@ -35,3 +35,13 @@ def expected_block_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
         "self_attn.o_proj.bias": (h,), "mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,),
     }
+
+
+def read_block_tensors(checkpoint, layer: int, dtype) -> dict:
+    """Every tensor of one layer from an open checkpoint of either format (its `read` and `files_for`), keyed by
+    its name inside the block, each checked against its expected shape."""
+    names = block_tensor_names(checkpoint.config, layer)
+    checkpoint.files_for(names)  # fail on a missing tensor before reading anything
+    expected = expected_block_shapes(checkpoint.config)
+    prefix = f"model.layers.{layer}."
+    return {name[len(prefix):]: checkpoint.read(name, dtype, expected[name[len(prefix):]]) for name in names}

@@ -24,7 +24,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.gguf_metadata import SUFFIX as GGUF_SUFFIX
 from hivekeeper.planner.gguf_metadata import find_gguf
 
-from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes
+from hivekeeper.core.runtime.block_tensors import block_tensor_names, read_block_tensors
 from hivekeeper.core.runtime.default_model import is_default_model_id, resolve_default_model
 from hivekeeper.core.runtime.gguf import GGUFCheckpoint
 from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_by_column, store_tall_linears_by_column
@@ -138,11 +138,7 @@ class Checkpoint:
 
     def read_block(self, layer: int, dtype: torch.dtype) -> dict[str, Tensor]:
         """Every tensor of one layer, keyed by its name inside the block (`self_attn.q_proj.weight`, ...)."""
-        names = block_tensor_names(self.config, layer)
-        self.files_for(names)  # fail on a missing tensor before reading anything
-        expected = expected_block_shapes(self.config)
-        prefix = f"model.layers.{layer}."
-        return {name[len(prefix):]: self.read(name, dtype, expected[name[len(prefix):]]) for name in names}
+        return read_block_tensors(self, layer, dtype)
 
     def close(self) -> None:
         self._handles.clear()

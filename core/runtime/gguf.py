@@ -30,7 +30,7 @@ from hivekeeper.planner.gguf_metadata import (PERMUTED_ARCHITECTURES, SUPPORTED_
                                               check_tensor_types, hf_config_dict, hf_name, open_reader, require_gguf,
                                               unsupported_type)
 
-from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes
+from hivekeeper.core.runtime.block_tensors import block_tensor_names, read_block_tensors
 from hivekeeper.core.runtime.model import Block, ModelConfig
 from hivekeeper.core.runtime.tokenizer import Tokenizer
 
@@ -128,11 +128,7 @@ class GGUFCheckpoint:
 
     def read_block(self, layer: int, dtype: torch.dtype) -> dict[str, Tensor]:
         """Every tensor of one layer, keyed by its name inside the block (`self_attn.q_proj.weight`, ...)."""
-        names = block_tensor_names(self.config, layer)
-        self.files_for(names)  # fail on a missing tensor before reading anything
-        expected = expected_block_shapes(self.config)
-        prefix = f"model.layers.{layer}."
-        return {name[len(prefix):]: self.read(name, dtype, expected[name[len(prefix):]]) for name in names}
+        return read_block_tensors(self, layer, dtype)
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer and chat template from the metadata."""
