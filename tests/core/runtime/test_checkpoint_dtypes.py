@@ -1,0 +1,42 @@
+"""Loading honours what was asked (docs/testing.md, found by a mutation run): the dtype of every weight of a span,
+the embedding and the head; weights that are not trainable; an index that does not list a tensor a range needs is
+named. The demo checkpoint is stored in fp32, so a bf16 load must convert."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hivekeeper.core.runtime.checkpoint import INDEX_FILE, load_config, load_embedding, load_head, load_span, shards_for
+from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+from hivekeeper.planner.errors import InputError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return make_demo_checkpoint(tmp_path_factory.mktemp("dtypes") / "demo", layers=3, shard_size_mb=0.2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_loaded_weight_has_the_dtype_asked_for_and_none_is_trainable(sharded, dtype):
+    parts = {"span": load_span(sharded, 1, 3, dtype=dtype), "embedding": load_embedding(sharded, dtype=dtype),
+             "head": load_head(sharded, dtype=dtype)}
+    for part, module in parts.items():
+        parameters = list(module.parameters()) + list(module.buffers())
+        weights = [p for p in parameters if p.is_floating_point() and p.dim() >= 1 and p.numel() > 1]
+        assert weights, part
+        assert {p.dtype for p in weights if p.dim() == 2} == {dtype}, part  # every matrix
+        assert not any(p.requires_grad for p in parameters), part
+
+
+def test_a_tensor_the_index_does_not_list_is_named(sharded):
+    index = json.loads((sharded / INDEX_FILE).read_text())["weight_map"]
+    del index["model.layers.2.self_attn.o_proj.weight"]
+    config = load_config(sharded)
+    with pytest.raises(InputError, match=r"the index: tensor 'model.layers.2.self_attn.o_proj.weight' is not listed"):
+        shards_for(config, index, (1, 3), embeddings=False, source="the index")
+    assert shards_for(config, index, (0, 2), embeddings=False)  # a range that does not need it still resolves
