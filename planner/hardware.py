@@ -3,11 +3,21 @@
 All sizes are bytes, bandwidths bytes/s, compute FLOP/s, power watts, network bit/s and seconds. Spec numbers are
 vendor upper bounds; the fraction of them that real kernels reach lives in the cost model's efficiency factors.
 `sources` says where each number came from: "catalog:<reference>", "measured", "detected", "derived", "user".
+
+default_headroom() is the memory a plan leaves free unless told otherwise (docs/cost-model.md, "Headroom"): on RAM
+the larger of 2 GiB and 10% of it, on a GPU the larger of 0.5 GiB and 5% of it, plus, on each, what other programs
+held when the machine was detected (`in_use_bytes`); on disk the larger of 1 GiB and 5% of its (free) capacity.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+GIB = 1024**3
+# (at least, fraction of the tier's size) kept free for the OS and the user's programs: see default_headroom
+HEADROOM_RULE = {"cpu": (2 * GIB, 0.10), "gpu": (GIB // 2, 0.05), "disk": (1 * GIB, 0.05)}
+HEADROOM_TEXT = ("default headroom: the larger of 2 GiB and 10% of RAM, of 0.5 GiB and 5% of a GPU, of 1 GiB and 5% "
+                 "of the free disk, plus what other programs held of RAM and GPU memory at detection")
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,7 @@ class ComputeDevice:
     sources: dict[str, str] = field(default_factory=dict)
     cores: int | None = None  # physical cores of a CPU (None for GPUs)
     decode_streaming: DecodeStreaming | None = None  # a CPU's measured decode weight streaming (None: not measured)
+    in_use_bytes: int = 0  # memory other programs held when this machine was detected (0 for catalog machines)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; falls back to fp32's rate (or the best known) when not listed."""
@@ -82,3 +93,25 @@ class HardwareSpec:
     @property
     def has_gpu(self) -> bool:
         return bool(self.gpus)
+
+
+def tier_headroom(tier: str, size_bytes: float, in_use_bytes: float = 0.0) -> float:
+    """Bytes of one tier kept free by default: HEADROOM_RULE's larger of a minimum and a fraction of the tier's
+    size, plus what other programs hold there now; never more than the tier's size."""
+    minimum, fraction = HEADROOM_RULE[tier]
+    return float(min(size_bytes, max(minimum, fraction * size_bytes) + max(0.0, in_use_bytes)))
+
+
+def default_headroom(hardware: HardwareSpec) -> dict[str, float]:
+    """Bytes per tier ("gpu", "cpu", "disk") a plan leaves free by default (module doc). A GPU that shares host
+    memory (unified) follows the RAM rule, counting what other programs hold of RAM."""
+    cpu = hardware.cpu
+    reserve = {"cpu": tier_headroom("cpu", cpu.memory_bytes, cpu.in_use_bytes),
+               "disk": tier_headroom("disk", hardware.disk.capacity_bytes), "gpu": 0.0}
+    if hardware.gpus:
+        gpu = hardware.gpus[0]
+        if gpu.unified_memory:
+            reserve["gpu"] = tier_headroom("cpu", gpu.memory_bytes, cpu.in_use_bytes)
+        else:
+            reserve["gpu"] = max(tier_headroom("gpu", g.memory_bytes, g.in_use_bytes) for g in hardware.gpus)
+    return reserve

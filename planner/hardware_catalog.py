@@ -23,7 +23,7 @@ from typing import Any
 from . import fields
 from .errors import InputError
 from .fields import REQUIRED, Fields
-from .hardware import ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
+from .hardware import GIB, ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
 
 CATALOG_PATH = Path(__file__).parent / "data" / "hardware.json"
 
@@ -54,7 +54,6 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "pcie_lanes": (1, 32),
 }
 
-GIB = 2**30
 # the end of a too-large value's error: a value 1000x too large is usually in the wrong unit
 UNIT_HINT = "(check the unit)"
 
@@ -225,9 +224,9 @@ _CPU_SOURCE_KEYS = ("cores", "memory_bytes", "memory_bandwidth", "flops", "power
 _DISK_SOURCE_KEYS = ("capacity_bytes", "read_bandwidth", "write_bandwidth")
 _NETWORK_SOURCE_KEYS = ("upload_bps", "download_bps", "rtt_s")
 _GPU_KEYS = {"name", "memory_gb", "memory_gib", "memory_bandwidth_gbps", "flops_tflops", "power_w", "host_link_gbps",
-             "pcie_gen", "pcie_lanes", "unified_memory"}
+             "pcie_gen", "pcie_lanes", "unified_memory", "in_use_gb"}
 _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w",
-             "decode_streaming"}
+             "decode_streaming", "in_use_gb"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
 
@@ -264,7 +263,7 @@ def _parse_gpu(doc: Any, where: str, path: str, default_source: str) -> ComputeD
         raise s.error("host_link_gbps", "is missing (or give pcie_gen and pcie_lanes)")
     return ComputeDevice(kind="gpu", name=name, memory_bytes=memory, memory_bandwidth=bandwidth, flops=flops,
                          power_watts=power, host_link_bandwidth=host_link, unified_memory=s.flag("unified_memory", False),
-                         sources=sources)
+                         sources=sources, in_use_bytes=in_use_bytes(s, memory))
 
 
 def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
@@ -295,7 +294,15 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         sources=sources,
         cores=cores,
         decode_streaming=_parse_decode_streaming(s.doc.get("decode_streaming"), where),
+        in_use_bytes=in_use_bytes(s, s.size_gb("ram", "ram_gb")),
     )
+
+
+def in_use_bytes(section, memory_bytes: int) -> int:
+    """The optional "in_use_gb" of a cpu or gpu section (what other programs held at detection): 0 to the memory."""
+    if not section.has("in_use_gb"):
+        return 0
+    return _bytes(section.number("in_use_gb", 0.0, memory_bytes / 1e9))
 
 
 def _parse_disk(doc: Any, where: str, default_source: str) -> DiskSpec:
@@ -575,6 +582,7 @@ def _gpu_to_json(gpu: ComputeDevice) -> dict:
         "power_w": gpu.power_watts,
         "host_link_gbps": _unit(gpu.host_link_bandwidth or 0.0, 1e9),
         "unified_memory": gpu.unified_memory,
+        **({"in_use_gb": _unit(gpu.in_use_bytes, 1e9)} if gpu.in_use_bytes else {}),
         "sources": dict(gpu.sources),
     }
 
@@ -598,6 +606,7 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                 "small_row_reads": round(cpu.decode_streaming.small_row_reads, 4),
                 "matmul_start_ms": round(cpu.decode_streaming.matmul_start_s * 1e3, 4)}}
                if cpu.decode_streaming is not None else {}),
+            **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
             "sources": dict(cpu.sources),
         },
         "disk": {

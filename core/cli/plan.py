@@ -15,6 +15,7 @@ import math
 from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
+from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
 from hivekeeper.planner.policy import GOALS, QUANTS, Constraints, Plan, plan_to_dict, search
 
 from hivekeeper.core.runtime.default_model import model_path_or_id
@@ -40,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="128", metavar="N", help="generated tokens (default 128)")
     parser.add_argument("--batch", metavar="N", help="sequences run together (default: 1 for chat, searched for batch)")
     parser.add_argument("--context", metavar="N", help="KV cache tokens per sequence (default prompt + output)")
-    parser.add_argument("--reserve-gb", default="0", metavar="X", help="memory to leave free on the GPU and in RAM, GB")
+    parser.add_argument("--reserve-gb", metavar="X",
+                        help="memory to leave free on the GPU and in RAM, GB (default: the headroom rule of "
+                             "docs/cost-model.md: the larger of 2 GiB and 10%% of RAM, 0.5 GiB and 5%% of a GPU, plus "
+                             "what other programs hold now)")
     parser.add_argument("--price-per-hour", metavar="USD", help="machine price for cost per query (default: catalog)")
     parser.add_argument("--ram-gb", metavar="X", help="host RAM (overrides the catalog host)")
     parser.add_argument("--disk-gb", metavar="X", help="free disk space for offloading")
@@ -88,6 +92,20 @@ def _hardware(arg: str, overrides: dict[str, float]):
     return resolve_hardware(arg, **overrides), None
 
 
+def kept_free(hardware, reserve_gb: float | None) -> dict[str, float]:
+    """Bytes per tier the plan leaves free: --reserve-gb on the GPU and in RAM, else the default headroom
+    (planner.hardware.default_headroom). A reserve that leaves no memory is an InputError naming the limit."""
+    if reserve_gb is None:
+        return default_headroom(hardware)
+    sizes = [hardware.cpu.memory_bytes, *(gpu.memory_bytes for gpu in hardware.gpus)]
+    limit = min(sizes) / 1e9
+    if reserve_gb >= limit:
+        where = "RAM" if limit * 1e9 == hardware.cpu.memory_bytes else "GPU memory"
+        raise InputError(f"--reserve-gb {reserve_gb:g} leaves nothing to plan with: it must be below the "
+                         f"{limit:.3g} GB of {where} of {hardware.id}")
+    return {"gpu": reserve_gb * 1e9, "cpu": reserve_gb * 1e9, "disk": 0.0}
+
+
 def gguf_quant(model: str, quant: str) -> str:
     """The runtime runs a GGUF dequantized to a float format (it keeps no GGUF type packed yet, and does not
     re-quantize one): --quant auto means none there, int8/nf4 are refused."""
@@ -99,8 +117,9 @@ def gguf_quant(model: str, quant: str) -> str:
     return "none"
 
 
-def build_plan(args: argparse.Namespace) -> Plan:
-    """Read and check the options, then search. Every problem is an InputError naming the option."""
+def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float]]:
+    """Read and check the options, then search: (the plan, the bytes per tier it leaves free). Every problem is an
+    InputError naming the option."""
     if not args.model:
         raise InputError("--model is required (a catalog id, a config.json, a GGUF file, or a folder holding one)")
     if args.goal not in GOALS:
@@ -126,9 +145,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
     model = load_model_spec(model_arg)
     hardware, efficiency = _hardware(args.hardware, overrides)
-    reserve = {"gpu": reserve_gb * 1e9, "cpu": reserve_gb * 1e9}
+    reserve = kept_free(hardware, reserve_gb)
     constraints = Constraints(quant=quant, batch_size=batch, reserve_bytes=reserve)
-    return search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
+    plan = search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
+    return plan, reserve
 
 
 def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
@@ -241,15 +261,27 @@ def render(plan: Plan, data: dict) -> str:
         cost = "" if data["cost_usd"] is None else f" · ${data['cost_usd']:.3g} per query, " \
                                                    f"${data['cost_usd_per_1k_tokens']:.3g} per 1k tokens"
         rows.append(("energy, cost", f"{_num(data['energy_j'])} J per query{cost}"))
+    if data.get("kept_free") is not None:
+        kept = data["kept_free"]["bytes"]
+        rows.append(("kept free", " · ".join(f"{name} {_gb(kept[tier])}" for tier, name in
+                                             (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "disk")) if kept.get(tier))
+                     + f" ({data['kept_free']['rule']})"))
     width = max(len(name) for name, _ in rows)
     header = f"{plan.model} on {plan.hardware} (goal: {plan.goal})"
     body = "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
     return f"{header}\n{body}\nwhy: {plan.reason}\nefficiency: {plan.efficiency}"
 
 
+def kept_free_report(reserve: dict[str, float], explicit: bool) -> dict:
+    """The JSON "kept_free" object: bytes per tier the plan leaves free, and the rule that chose them."""
+    rule = "--reserve-gb" if explicit else HEADROOM_TEXT
+    return {"bytes": {tier: round(value) for tier, value in reserve.items()}, "rule": rule}
+
+
 def run(args: argparse.Namespace) -> int:
-    plan = build_plan(args)
+    plan, reserve = build_plan(args)
     data = plan_to_dict(plan)
+    data["kept_free"] = kept_free_report(reserve, args.reserve_gb is not None)
     gguf = gguf_report(args.model, data, this_machine=args.hardware == "auto")
     if gguf is not None:
         data["gguf"] = gguf

@@ -1,6 +1,7 @@
 """Detect this machine as a HardwareSpec: RAM, CPU, the data folder's disk, and GPUs (torch.cuda + NVML).
 
-Only sizes and names are read from the system; speeds that need a benchmark (RAM and disk bandwidth) are
+Only sizes and names are read from the system (and what other programs hold of RAM and GPU memory now, which the
+planner's default headroom leaves free: planner/hardware.py default_headroom; the disk's capacity is its free space); speeds that need a benchmark (RAM and disk bandwidth) are
 conservative defaults whose source says "estimated", until `hivekeeper measure` replaces them. The CPU's FLOP/s
 follow its feature flags (core/machine/cpu_features.py), and its 16-bit entries what a 16-bit plan computes in here
 (core/machine/cpu_dtype_rule.py). Detection never raises: without a GPU, NVML or a CUDA build of torch the result is a
@@ -62,6 +63,7 @@ def detect_cpu_section() -> dict:
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count(logical=True) or 1
 
     sources = {"cores": "detected", "memory_bytes": "detected"}
+    memory = psutil.virtual_memory()
     clock_ghz, clock_source = cpu_clock_ghz(info)
     level = simd_level(flags) if flags else "sse"
     flops = cpu_peak_flops_tflops(cores, clock_ghz, flags or level)
@@ -74,7 +76,8 @@ def detect_cpu_section() -> dict:
     return {
         "name": " ".join(name.split()),
         "cores": cores,
-        "ram_gb": clamp_to_limit(psutil.virtual_memory().total / 1e9, "ram_gb"),
+        "ram_gb": clamp_to_limit(memory.total / 1e9, "ram_gb"),
+        "in_use_gb": max(0, memory.total - memory.available) / 1e9,
         "ram_bandwidth_gbps": ram_gbps,
         "flops_tflops": {k: clamp_to_limit(v, "tflops") for k, v in flops.items()},
         "power_w": min(max(10.0 * cores, 15.0), 300.0),
@@ -135,17 +138,20 @@ def _disk_kind(path: Path) -> str:
 
 
 def detect_disk_section(data_dir: Path) -> dict:
-    """The "disk" section: capacity of the data folder's filesystem; bandwidth defaults by disk kind."""
+    """The "disk" section: the free space of the data folder's filesystem (what offloading can use; its size would
+    count other files); bandwidth defaults by disk kind."""
     folder = _existing_parent(data_dir)
-    total = psutil.disk_usage(str(folder)).total
+    usage = psutil.disk_usage(str(folder))
+    free = max(usage.free, 1e6)  # a full disk still gives a valid spec (1 MB), on which nothing is offloaded
     kind = _disk_kind(folder)
     read, write = DISK_DEFAULTS_GBPS[kind]
     estimated = f"estimated: {kind} default; `hivekeeper measure` replaces it"
     return {
-        "capacity_gb": clamp_to_limit(total / 1e9, "capacity_gb"),
+        "capacity_gb": clamp_to_limit(free / 1e9, "capacity_gb"),
         "read_gbps": read,
         "write_gbps": write,
-        "sources": {"capacity_bytes": f"detected: filesystem of {folder}", "read_bandwidth": estimated,
+        "sources": {"capacity_bytes": f"detected: free space of the filesystem of {folder} "
+                                      f"({usage.total / 1e9:.0f} GB in all)", "read_bandwidth": estimated,
                     "write_bandwidth": estimated},
     }
 
@@ -180,6 +186,7 @@ def nvml_devices() -> dict[str, dict]:
                 "power_limit_w": ask("nvmlDeviceGetPowerManagementLimit", scale=1e-3),
                 "pcie_gen": ask("nvmlDeviceGetMaxPcieLinkGeneration"),
                 "pcie_width": ask("nvmlDeviceGetMaxPcieLinkWidth"),
+                "memory_used": nvml_memory_used(pynvml, handle),
             }
     except Exception:
         pass
@@ -189,6 +196,14 @@ def nvml_devices() -> dict[str, dict]:
         except Exception:
             pass
     return devices
+
+
+def nvml_memory_used(pynvml, handle) -> int | None:
+    """Bytes of a GPU's memory that processes hold now (NVML), None when NVML cannot say."""
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except Exception:
+        return None
 
 
 def detect_cuda_gpus() -> tuple[list[ComputeDevice], str]:
@@ -220,6 +235,9 @@ def detect_cuda_gpus() -> tuple[list[ComputeDevice], str]:
             pcie_gen=extra.get("pcie_gen"),
             pcie_width=extra.get("pcie_width"),
         ))
+        used = extra.get("memory_used")
+        if used:
+            gpus[-1] = dataclasses.replace(gpus[-1], in_use_bytes=min(int(used), gpus[-1].memory_bytes))
     return gpus, "" if nvml else "NVML unavailable: GPU clocks, power and PCIe link are defaults"
 
 

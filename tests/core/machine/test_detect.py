@@ -42,9 +42,10 @@ def physical_cores() -> int | None:
 
 
 def disk_bytes(folder: Path) -> int:
-    """Size of the file system holding `folder`: its blocks × the fragment size, as statvfs reports them."""
+    """Free space (for unprivileged users) of the file system holding `folder`: its available blocks × the fragment
+    size, as statvfs reports them."""
     stat = os.statvfs(folder)
-    return stat.f_blocks * stat.f_frsize
+    return stat.f_bavail * stat.f_frsize
 
 
 def test_ram_cores_and_disk_are_the_real_ones(detected, tmp_path_factory):
@@ -54,7 +55,8 @@ def test_ram_cores_and_disk_are_the_real_ones(detected, tmp_path_factory):
         assert 1 <= detected.cpu.cores <= os.cpu_count()
     else:
         assert detected.cpu.cores == cores
-    assert detected.disk.capacity_bytes == disk_bytes(tmp_path_factory.getbasetemp())
+    # the free space (issue 14 item 3); others write to this disk meanwhile, hence the 1 GB
+    assert detected.disk.capacity_bytes == pytest.approx(disk_bytes(tmp_path_factory.getbasetemp()), abs=1e9)
     assert detected.cpu.sources["memory_bytes"] == "detected"
 
 
