@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QProgressBar, QPushButt
 
 from hivekeeper.core.machine.profiles import ComparisonRow, MachineProfile, comparison_rows, load_machine_profile
 from hivekeeper.planner.errors import InputError
-from hivekeeper.planner.hardware import HardwareSpec
+from hivekeeper.planner.hardware import GIB, HEADROOM_RULE, HardwareSpec, default_headroom
 
 from hivekeeper.gui.services.hardware import DetectService, MachineInfo
 from hivekeeper.gui.services.measure import MeasureService
@@ -37,6 +37,10 @@ def split_source(source: str) -> tuple[str, str]:
     if kind not in SOURCE_COLORS:  # a catalog entry names its reference directly
         return "catalog", source.strip()
     return kind, detail
+
+
+HEADROOM_RULE_WORDS = {tier: f"larger of {minimum / GIB:g} GiB and {fraction:.0%}"
+                       for tier, (minimum, fraction) in HEADROOM_RULE.items()}
 
 
 def _gbps(x: float | None) -> str:
@@ -75,7 +79,18 @@ def hardware_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:
         ("Network", "download", f"{net.download_bps / 1e6:.4g} Mbit/s", net.sources.get("download_bps", "")),
         ("Network", "round trip", f"{net.rtt_s * 1e3:.3g} ms", net.sources.get("rtt_s", "")),
     ]
-    return rows
+    return rows + kept_free_rows(spec)
+
+
+def kept_free_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:
+    """What plans leave free on each tier by default (planner.hardware.default_headroom), and why."""
+    kept = default_headroom(spec)
+    parts = (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "Disk")) if spec.gpus else (("cpu", "RAM"), ("disk", "Disk"))
+    in_use = {"cpu": spec.cpu.in_use_bytes, "gpu": spec.gpus[0].in_use_bytes if spec.gpus else 0, "disk": 0}
+    return [(part, "kept free", f"{kept[tier] / 1e9:.3g} GB",
+             f"headroom: {HEADROOM_RULE_WORDS[tier]}" + (f" + {in_use[tier] / 1e9:.3g} GB other programs held"
+                                                         if in_use[tier] else ""))
+            for tier, part in parts]
 
 
 def format_quantity(value: float | None, unit: str) -> str:

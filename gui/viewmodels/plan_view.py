@@ -18,7 +18,7 @@ from hivekeeper.planner.costmodel import (Placement, Workload, block_weight_byte
                                           machine_view)
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
-from hivekeeper.planner.hardware import HardwareSpec
+from hivekeeper.planner.hardware import HardwareSpec, default_headroom
 from hivekeeper.planner.models import ModelSpec
 from hivekeeper.planner.runtime import idealized_runtime
 
@@ -41,10 +41,13 @@ def workload_of(settings: PlanSettings) -> Workload:
     return Workload(settings.prompt_len, settings.output_len, settings.context_len or None)
 
 
-def constraints_of(settings: PlanSettings) -> planner_policy.Constraints:
+def constraints_of(settings: PlanSettings, hardware: HardwareSpec | None = None) -> planner_policy.Constraints:
+    """The search's constraints for the knobs: the user's "Leave free" on top of the default headroom of
+    `hardware` (planner.hardware.default_headroom; none when hardware is None)."""
+    headroom = default_headroom(hardware) if hardware is not None else {}
     return planner_policy.Constraints(
         quant=settings.quant, batch_size=settings.batch_size or None,
-        reserve_bytes={tier: settings.reserve_gb.get(tier, 0.0) * GB for tier in TIERS})
+        reserve_bytes={tier: settings.reserve_gb.get(tier, 0.0) * GB + headroom.get(tier, 0.0) for tier in TIERS})
 
 
 def _placement(percent: dict[str, float], has_gpu: bool, what: str) -> Placement:
@@ -63,7 +66,7 @@ def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
     KV cache placement, evaluated by the cost model (the search's other choices kept). `efficiency`: the cost-model
     factors for this machine (measured or calibrated), None for the defaults."""
     workload = workload_of(settings)
-    constraints = constraints_of(settings)
+    constraints = constraints_of(settings, hardware)
     price = settings.price_per_hour or None
     plan = planner_policy.search(model, hardware, settings.goal, constraints, workload, efficiency=efficiency,
                                  price_per_hour=price)
@@ -161,7 +164,7 @@ class Curve:
 def batch_chart(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings, result: PlanResult,
                 efficiency: MachineEfficiency | None = None) -> Curve:
     """Best predicted tokens/s at each batch size the search reaches; the current plan marked."""
-    points = planner_policy.batch_curve(model, hardware, workload_of(settings), constraints_of(settings),
+    points = planner_policy.batch_curve(model, hardware, workload_of(settings), constraints_of(settings, hardware),
                                         efficiency=efficiency)
     x = np.array([p.batch_size for p in points], dtype=float)
     y = np.array([np.nan if p.throughput_tokens_per_s is None else p.throughput_tokens_per_s for p in points])
@@ -173,9 +176,10 @@ def batch_chart(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings
 
 
 def accelerator_memory(hardware: HardwareSpec) -> tuple[str, float]:
-    """The accelerator tier ("gpu" or "cpu") and its memory in bytes, before any reserve."""
+    """The accelerator tier ("gpu" or "cpu") and its memory in bytes a plan may use: less the default headroom,
+    before the user's own reserve."""
     machine = machine_view(hardware)
-    return machine.acc_tier, float(machine.acc_capacity)
+    return machine.acc_tier, max(0.0, float(machine.acc_capacity) - default_headroom(hardware)[machine.acc_tier])
 
 
 def budget_chart(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings, result: PlanResult,
@@ -192,7 +196,8 @@ def budget_chart(model: ModelSpec, hardware: HardwareSpec, settings: PlanSetting
         reserve = {**settings.reserve_gb, tier: (total - budget) / GB}
         knobs = replace(settings, override_placement=False, reserve_gb=reserve)
         try:
-            plan = planner_policy.search(model, hardware, settings.goal, constraints_of(knobs), workload_of(knobs),
+            plan = planner_policy.search(model, hardware, settings.goal, constraints_of(knobs, hardware),
+                                         workload_of(knobs),
                                          efficiency=efficiency)
         except InputError:
             plan = None
@@ -217,5 +222,6 @@ class ModelFit:
 def model_fit(model: ModelSpec, hardware: HardwareSpec, model_id: str | None = None,
               efficiency: MachineEfficiency | None = None) -> ModelFit:
     """Whether a model runs here (chat, default knobs), only with the swarm, or not at all, and why."""
-    plan = planner_policy.search(model, hardware, "chat", efficiency=efficiency)
+    constraints = planner_policy.Constraints(reserve_bytes=default_headroom(hardware))
+    plan = planner_policy.search(model, hardware, "chat", constraints, efficiency=efficiency)
     return ModelFit(model_id or model.name, plan.fit, FIT_WORDS[plan.fit], plan.reason)
