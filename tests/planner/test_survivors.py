@@ -363,6 +363,30 @@ def test_kv_cache_on_disk_with_weights_in_ram_keeps_prefetch_depth_2():
     assert best["wd"] == 0 and best["cd"] > 0 and best["d"] == 2
 
 
+# ---- what a model that fits nowhere lacks ---------------------------------------------------------------------------
+def grown(hardware: HardwareSpec, missing: dict[str, int]) -> HardwareSpec:
+    """The machine with each tier's missing bytes (and a megabyte) added."""
+    gpus = tuple(dataclasses.replace(g, memory_bytes=g.memory_bytes + missing["gpu"] + 10**6) for g in hardware.gpus)
+    cpu = dataclasses.replace(hardware.cpu, memory_bytes=hardware.cpu.memory_bytes + missing["cpu"] + 10**6)
+    disk = dataclasses.replace(hardware.disk, capacity_bytes=hardware.disk.capacity_bytes + missing["disk"] + 10**6)
+    return dataclasses.replace(hardware, gpus=gpus, cpu=cpu, disk=disk)
+
+
+@pytest.mark.parametrize("hardware, short", [
+    (machine(gpu_gb=8, ram_gb=4, disk_gb=2), "disk"),  # 13.5 GB of weights: GPU + RAM + disk hold 14 GB, less runtime
+    (machine(gpu_gb=0.5), "gpu"),  # not even the runtime and the embeddings
+    (machine(gpu_gb=8, ram_gb=0.5), "cpu"),  # no RAM to stage weights streamed from disk
+], ids=["disk", "gpu", "ram"])
+def test_the_missing_memory_is_on_the_short_tier_and_adding_it_is_enough(hardware, short):
+    for goal in ("chat", "batch"):
+        plan = search(LLAMA2_7B, hardware, goal, Constraints(quant="none"), Workload(512, 128), EFF)
+        missing = plan.missing_bytes
+        assert plan.prediction is None and missing[short] > 0
+        assert missing["total"] == missing["gpu"] + missing["cpu"] + missing["disk"] == missing[short]
+        bigger = search(LLAMA2_7B, grown(hardware, missing), goal, Constraints(quant="none"), Workload(512, 128), EFF)
+        assert bigger.prediction is not None, (goal, missing)
+
+
 # ---- the grid's batch pairs, and the batch curve against the search -------------------------------------------------
 def pairs(grid) -> set[tuple[int, int]]:
     return set(zip(grid.cols["b"].astype(int).tolist(), grid.cols["n"].astype(int).tolist()))
