@@ -938,6 +938,24 @@ def _rate(x: float) -> str:
     return f"{x / 1e9:.3g} GB/s"
 
 
+QUANT_BITS = {"int8": 8, "nf4": 4}
+
+
+def cpu_dequantizes(machine: Machine, policy: Policy) -> bool:
+    """True where the accelerator is a CPU and the weights are bitsandbytes int8/nf4, which it dequantizes on every
+    use (CPU_QUANT_SLOWDOWN): that, not reading memory, is then what the matmuls wait for."""
+    return machine.acc.kind == "cpu" and policy.weight_format in CPU_QUANT_SLOWDOWN
+
+
+def dequantization_detail(machine: Machine, policy: Policy, packed_bytes: float) -> str:
+    """The sentence for a decode step bound by bitsandbytes' CPU dequantization."""
+    fmt = policy.weight_format
+    decode_factor = CPU_QUANT_SLOWDOWN[fmt][0]
+    return (f"CPU {QUANT_BITS[fmt]}-bit dequantization (bitsandbytes): it dequantizes the {fmt} weights in unfused "
+            f"ops on every use, {decode_factor:g}× the time of reading them as fp32 at {_rate(machine.acc_bandwidth)} "
+            f"({_gb(packed_bytes)} of weights and KV cache per decode step); 16-bit weights or a GPU avoid it")
+
+
 def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out, i: int) -> tuple[str, str]:
     """The resource that sets the decode step time, and a sentence with its numbers."""
     value = lambda key: float(out[key][i])  # noqa: E731
@@ -971,6 +989,8 @@ def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out,
             parts.append(f"{100 * policy.kv_cache.disk:.0f}% of the KV cache")
         detail = (f"disk reads: {' and '.join(parts) or 'data'} ({_gb(value('disk_bytes_step'))} per decode step) "
                   f"at {_rate(machine.disk_read)}")
+    elif resource in ("accelerator memory", "accelerator compute") and cpu_dequantizes(machine, policy):
+        resource, detail = "cpu dequantization", dequantization_detail(machine, policy, value("acc_bytes_step"))
     elif resource == "accelerator memory":
         resource = "gpu memory bandwidth" if machine.acc_tier == "gpu" else "ram bandwidth"
         detail = (f"{mem_name} bandwidth: reading {_gb(value('acc_bytes_step'))} of weights and KV cache per decode "

@@ -235,6 +235,7 @@ class Plan:
     server: ServerPlan | None  # goal "serve"
     efficiency: str
     candidates_evaluated: int
+    warnings: tuple[str, ...] = ()  # what a user should know before running it (plan_warnings)
 
 
 def _placement_words(prediction: Prediction, machine: Machine) -> str:
@@ -304,7 +305,40 @@ def search(model: ModelSpec, hardware: HardwareSpec, goal: str = "chat", constra
             reason = f"cannot hold a single block for serving ({server.block_bytes / 1e9:.3g} GB each). " + reason
     return Plan(goal=goal, model=model.name, hardware=hardware.id, workload=workload, fit=fit, reason=reason,
                 prediction=prediction, runtime=runtime, missing_bytes=missing, server=server, efficiency=eff.name,
-                candidates_evaluated=int(grid.score.size))
+                candidates_evaluated=int(grid.score.size),
+                warnings=plan_warnings(prediction if goal != "serve" else None, runtime))
+
+
+SLOW_QUERY_S = 600.0  # a plan whose query takes longer than this (10 minutes) gets a warning
+MOSTLY_ON_DISK = 0.5  # a plan with more of its block weights than this on disk says it streams the model from disk
+
+
+def plan_warnings(prediction: Prediction | None, runtime) -> tuple[str, ...]:
+    """Warnings for a recommended local plan: a query slower than SLOW_QUERY_S (a batch's queries all wait for the
+    whole batch), and weights mostly streamed from disk on every decode step."""
+    if prediction is None or runtime is None:
+        return ()
+    warnings = []
+    batch = prediction.policy.batch_size
+    if runtime.runtime_s > SLOW_QUERY_S:
+        each = "" if batch == 1 else f" (the whole batch of {batch}; {_duration(runtime.runtime_s / batch)} per " \
+                                     f"query on average)"
+        warnings.append(f"very slow: the planner rates this plan at {_duration(runtime.runtime_s)} per run{each}, "
+                        f"{prediction.decode_tokens_per_s:.3g} tokens/s; a smaller model, the swarm or more memory "
+                        f"would be faster")
+    disk = prediction.policy.weights.disk
+    if disk > MOSTLY_ON_DISK:
+        warnings.append(f"streams {100 * disk:.0f}% of the weights from disk on every decode step: it runs here, "
+                        f"but at the disk's speed")
+    return tuple(warnings)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} minutes"
+    return f"{seconds / 3600:.3g} hours"
 
 
 @dataclass(frozen=True)
@@ -396,6 +430,7 @@ def plan_to_dict(plan: Plan) -> dict:
         else None,
         "missing_bytes": plan.missing_bytes,
         "candidates_evaluated": plan.candidates_evaluated,
+        "warnings": list(plan.warnings),
     })
     if plan.goal == "serve" and s is not None:
         data.update({

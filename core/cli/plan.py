@@ -269,7 +269,8 @@ def render(plan: Plan, data: dict) -> str:
     width = max(len(name) for name, _ in rows)
     header = f"{plan.model} on {plan.hardware} (goal: {plan.goal})"
     body = "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
-    return f"{header}\n{body}\nwhy: {plan.reason}\nefficiency: {plan.efficiency}"
+    warnings = "".join(f"\nwarning: {text}" for text in data.get("warnings") or ())
+    return f"{header}\n{body}\nwhy: {plan.reason}{warnings}\nefficiency: {plan.efficiency}"
 
 
 def kept_free_report(reserve: dict[str, float], explicit: bool) -> dict:

@@ -87,7 +87,8 @@ def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
     fit = "local" if prediction.fits else "none"
     reason = prediction.bottleneck_detail + ("." if prediction.fits else
                                              ". This placement does not fit in memory (see the bars).")
-    overridden = replace(plan, prediction=prediction, runtime=runtime, fit=fit, reason=reason, missing_bytes=None)
+    overridden = replace(plan, prediction=prediction, runtime=runtime, fit=fit, reason=reason, missing_bytes=None,
+                         warnings=planner_policy.plan_warnings(prediction if prediction.fits else None, runtime))
     return PlanResult(overridden, planner_policy.plan_to_dict(overridden), True)
 
 

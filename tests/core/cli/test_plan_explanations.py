@@ -1,0 +1,60 @@
+"""Issue 14 items 6 and 7 through the real `hivekeeper plan`: the bottleneck names the slowest stage as it is
+(bitsandbytes' CPU dequantization, not RAM bandwidth), a very slow plan and one that streams most of the model
+from disk come with warnings, and the batch goal's numbers say what they cover (the run, the batch, one query)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hivekeeper.planner.policy import MOSTLY_ON_DISK, SLOW_QUERY_S
+
+
+def plan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hivekeeper.core.cli.main", "plan", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def plan_json(*args: str) -> dict:
+    result = plan(*args, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_cpu_nf4_is_bound_by_dequantization_and_warned_about():
+    data = plan_json("--model", "mistralai/Mixtral-8x7B-v0.1", "--hardware", "cpu-generic", "--quant", "nf4")
+    assert data["policy"]["weight_format"] == "nf4"
+    assert data["bottleneck"] == "cpu dequantization"
+    assert data["reason"].startswith("CPU 4-bit dequantization (bitsandbytes)")
+    assert "RAM bandwidth" not in data["reason"]
+    assert data["decode_tokens_per_s"] < data["roofline_decode_tokens_per_s"] / 10  # what makes it the limit
+    assert data["runtime_s"] > SLOW_QUERY_S
+    assert len(data["warnings"]) == 1 and data["warnings"][0].startswith("very slow")
+    assert f"{data['runtime_s'] / 60:.3g} minutes" in data["warnings"][0]
+    human = plan("--model", "mistralai/Mixtral-8x7B-v0.1", "--hardware", "cpu-generic", "--quant", "nf4")
+    assert "\nwarning: very slow" in human.stdout and "why: CPU 4-bit dequantization" in human.stdout
+
+
+def test_int8_on_a_cpu_is_8_bit_dequantization_and_16_bit_stays_ram_bandwidth():
+    int8 = plan_json("--model", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--hardware", "cpu-generic", "--quant", "int8")
+    assert int8["bottleneck"] == "cpu dequantization" and "CPU 8-bit dequantization" in int8["reason"]
+    plain = plan_json("--model", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--hardware", "cpu-generic", "--quant", "none")
+    assert plain["bottleneck"] == "ram bandwidth" and "RAM bandwidth" in plain["reason"]
+    assert plain["warnings"] == []  # a fast plan warns of nothing
+
+
+def test_nf4_on_a_gpu_is_not_called_cpu_dequantization():
+    data = plan_json("--model", "meta-llama/Llama-2-13b-hf", "--hardware", "rtx-4090", "--quant", "nf4")
+    assert data["bottleneck"] != "cpu dequantization" and "dequantization (bitsandbytes)" not in data["reason"]
+
+
+@pytest.mark.parametrize("goal", ["batch"])
+def test_a_plan_streaming_most_weights_from_disk_says_so(goal, tmp_path):
+    data = plan_json("--model", "meta-llama/Meta-Llama-3.1-8B-Instruct", "--hardware", "cpu-generic", "--ram-gb",
+                     "8", "--goal", goal)
+    disk = data["policy"]["weights"]["disk"]
+    assert disk > MOSTLY_ON_DISK
+    assert any(w.startswith(f"streams {100 * disk:.0f}% of the weights from disk") for w in data["warnings"])
