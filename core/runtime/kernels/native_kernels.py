@@ -2,9 +2,14 @@
 
 The C file is built with the machine's C compiler (CC, else cc or gcc) into the user cache folder, once per source,
 compiler and flags (the file name carries their hash; the build goes to a temporary name and is renamed into place,
-so processes starting together never load a half-written library). Without a compiler, on a CPU without AVX2 and
-FMA, or with HIVEKEEPER_NATIVE=0, `library()` is None and decoding runs the numpy path (core/runtime/kernels/cpu_decode.py);
-`status()` says which and why.
+so processes starting together never load a half-written library). Two builds exist (VARIANTS): "avx2" (AVX2, FMA
+and F16C intrinsics, chosen where the CPU has them) and "portable" (plain C for any CPU, chosen elsewhere, or with
+HIVEKEEPER_NATIVE=portable: the tests run both). Without a compiler, or with HIVEKEEPER_NATIVE=0, `library()` is
+None and decoding runs the numpy path (core/runtime/kernels/cpu_decode.py); `status()` says which and why.
+
+The kernels' pool hands work out in chunks that any awake thread claims, and never waits for a worker that has not
+started (a worker the OS took off its core, on a busy machine); `hk_test_hold_worker` holds one back on purpose for
+the tests of that.
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ from hivekeeper.core.machine.cpu_features import FLAGS_ENV, native_kernel_flags_
 from hivekeeper.core.runtime.kernels.cpu_threads import blas_threads, physical_cores
 
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c11", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread")
+VARIANTS = {"avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ()}  # build name -> its instruction-set flags
+VARIANT_ENV = "HIVEKEEPER_NATIVE"  # 0/off: no kernels; portable: the portable build; unset/1/auto: the CPU's best
+OFF_VALUES = ("0", "off", "false", "no")
 
 ENABLED = True  # tests and benchmarks switch it off to run the numpy path in the same process
+DEFAULT_SPIN_SECONDS = 50e-6  # how long an idle pool worker spins before it sleeps (bench/decode_busy.py measures)
 MAX_ROWS = 8  # batch rows the kernels take (decode_kernels.c's MAX_ROWS); more are not memory-bound: BLAS's job
 
 _lock = threading.Lock()
@@ -56,10 +65,11 @@ class Token(ctypes.Structure):
 
 
 def _cpu_supported() -> str | None:
-    """None when the CPU runs the kernels (x86-64 with AVX2 and FMA), else why not.
+    """None when the CPU runs the "avx2" build (x86-64 with AVX2, FMA and F16C), else why not.
 
-    The flags pinned by HIVEKEEPER_CPU_FLAGS (core/machine/cpu_features.py) can switch the kernels off; the real CPU
-    (as numpy sees it) must also have them, since the kernels execute those instructions."""
+    The flags pinned by HIVEKEEPER_CPU_FLAGS (core/machine/cpu_features.py) can rule that build out; the real CPU
+    (as numpy sees it) must also have them, since the kernels execute those instructions (F16C, which every AVX2 CPU
+    has, is checked on the real CPU only)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the kernels are written for x86-64, this CPU is {platform.machine()}"
     missing = native_kernel_flags_missing()
@@ -70,7 +80,7 @@ def _cpu_supported() -> str | None:
         from numpy._core._multiarray_umath import __cpu_features__ as features
     except ImportError:  # numpy < 2
         from numpy.core._multiarray_umath import __cpu_features__ as features
-    missing = [flag for flag in ("AVX2", "FMA3") if not features.get(flag)]
+    missing = [flag for flag in ("AVX2", "FMA3", "F16C") if not features.get(flag)]
     return f"this CPU lacks {' and '.join(missing)}" if missing else None
 
 
@@ -91,12 +101,13 @@ def _compiler_identity(compiler: str) -> str:
         return compiler
 
 
-def build(compiler: str, out_dir: Path) -> Path:
-    """Compile the kernels with `compiler` into out_dir (reused when already built); raises RuntimeError with the
-    compiler's message when the build fails."""
+def build(compiler: str, out_dir: Path, variant: str = "avx2") -> Path:
+    """Compile the kernels' `variant` build with `compiler` into out_dir (reused when already built); raises
+    RuntimeError with the compiler's message when the build fails."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + "\0".join((*FLAGS, _compiler_identity(compiler))).encode()).hexdigest()[:16]
-    target = out_dir / f"decode_kernels-{key}.so"
+    flags = (*FLAGS, *VARIANTS[variant])
+    key = hashlib.sha256(source + "\0".join((*flags, _compiler_identity(compiler))).encode()).hexdigest()[:16]
+    target = out_dir / f"decode_kernels-{variant}-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +115,7 @@ def build(compiler: str, out_dir: Path) -> Path:
     os.close(handle)
     try:
         try:
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial, "-lm"], capture_output=True,
+            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial, "-lm"], capture_output=True,
                                     text=True, timeout=300)
         except FileNotFoundError:
             raise RuntimeError(f"the C compiler {compiler!r} was not found (set CC, or install gcc)") from None
@@ -117,37 +128,63 @@ def build(compiler: str, out_dir: Path) -> Path:
     return target
 
 
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("HIVEKEEPER_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
-        return None, "off (HIVEKEEPER_NATIVE=0)"
+def chosen_variant() -> tuple[str | None, str]:
+    """(the build to load, why): None when HIVEKEEPER_NATIVE switches the kernels off."""
+    asked = os.environ.get(VARIANT_ENV, "auto").strip().lower()
+    if asked in OFF_VALUES:
+        return None, f"{VARIANT_ENV}={asked}"
+    if asked == "portable":
+        return "portable", f"{VARIANT_ENV}=portable"
     unsupported = _cpu_supported()
-    if unsupported:
-        return None, f"off: {unsupported}"
+    return ("portable", unsupported) if unsupported else ("avx2", "")
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    variant, why = chosen_variant()
+    if variant is None:
+        return None, f"off ({why})"
     compiler = _compiler()
     if compiler is None:
         return None, "off: no C compiler found (set CC, or install gcc)"
     try:
-        path = build(compiler, _cache_dir())
+        path = build(compiler, _cache_dir(), variant)
         library = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return None, f"off: {error}"
-    library.hk_set_threads.argtypes = [ctypes.c_int]
-    library.hk_set_threads.restype = ctypes.c_int
-    library.hk_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-    library.hk_gemv.restype = ctypes.c_int
-    library.hk_span_decode.argtypes = [ctypes.POINTER(Block), ctypes.POINTER(Cache), ctypes.c_long,
-                                       ctypes.POINTER(Token), ctypes.c_void_p, ctypes.c_long]
-    library.hk_span_decode.restype = ctypes.c_int
-    library.hk_norm_gemv.argtypes = [ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                     ctypes.c_void_p] + [ctypes.c_long] * 3
-    library.hk_norm_gemv.restype = ctypes.c_int
+    _declare(library)
+    library.hk_set_spin(DEFAULT_SPIN_SECONDS)
     threads = library.hk_set_threads(default_threads())
-    return library, f"on ({threads} threads, {path.name})"
+    return library, f"on ({threads} threads, {variant}{': ' + why if why else ''}, {path.name})"
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The exported functions' argument and result types."""
+    void_p, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    signatures = {
+        "hk_set_threads": ([integer], integer), "hk_set_spin": ([ctypes.c_double], ctypes.c_double),
+        "hk_test_hold_worker": ([integer, ctypes.c_double], None), "hk_test_release_worker": ([], None),
+        "hk_test_worker_held": ([], integer), "hk_variant": ([], ctypes.c_char_p),
+        "hk_gemv": ([void_p, integer, void_p, void_p, void_p, long, long, long], integer),
+        "hk_span_decode": ([ctypes.POINTER(Block), ctypes.POINTER(Cache), long, ctypes.POINTER(Token), void_p, long],
+                           integer),
+        "hk_norm_gemv": ([void_p, ctypes.c_double, void_p, integer, void_p, void_p, long, long, long], integer),
+        "hk_quant_block_bytes": ([integer], long),
+        "hk_qgemv": ([integer, void_p, void_p, void_p, void_p, long, long, long], integer),
+    }
+    for name, (arguments, result) in signatures.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = arguments, result
 
 
 def default_threads() -> int:
     """The pool's size: the physical cores, or fewer when OPENBLAS_NUM_THREADS / OMP_NUM_THREADS say so."""
     return min(physical_cores(), blas_threads())
+
+
+def set_spin_seconds(seconds: float) -> None:
+    """How long the pool's idle workers spin before they sleep (benchmarks compare budgets); no-op when off."""
+    if (native := library()) is not None:
+        native.hk_set_spin(seconds)
 
 
 def library() -> ctypes.CDLL | None:
@@ -161,7 +198,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def forget() -> None:
-    """Decide again at the next call (after the pinned CPU flags or HIVEKEEPER_NATIVE changed: tests do)."""
+    """Decide again at the next call (after the pinned CPU flags or HIVEKEEPER_NATIVE changed: tests do). The
+    library loaded before stays loaded (ctypes cannot unload it), idle."""
     global _library, _status
     with _lock:
         _library, _status = None, None

@@ -1,5 +1,6 @@
-/* One-token decode of a decoder layer in fp32 on x86-64 CPUs with AVX2 and FMA (hivekeeper.core.runtime.kernels.native_kernels
- * compiles this file at first use and calls it through ctypes).
+/* One-token decode of a decoder layer in fp32, and matrix-vector products with block-quantized weights (GGUF's
+ * Q8_0, Q4_0, Q4_1), on the CPU (hivekeeper.core.runtime.kernels.native_kernels compiles this file at first use and
+ * calls it through ctypes; quant_kernels.py wraps the quantized products).
  *
  * Why native code: at batch 1 a layer is four matrix-vector products that stream megabytes of weights, with ~30
  * small vector ops between them. From Python each small op costs microseconds, cache-cold after every matmul, and
@@ -13,9 +14,9 @@
  * Calls are serialized by one lock: the pool and the scratch buffers are shared.
  */
 #define _GNU_SOURCE
-#include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,29 +24,57 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Two builds of this file (native_kernels.VARIANTS): "avx2" (-mavx2 -mfma -mf16c) takes the intrinsics paths below;
+   "portable" (no instruction-set flags, any CPU) takes plain C loops that the compiler vectorizes as it can. The
+   suite runs the kernel tests on both. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HK_AVX2 1
+#include <immintrin.h>
+#else
+#define HK_AVX2 0
+#endif
+
 #define MAX_THREADS 64
 
 /* Busy-wait step. Not PAUSE: in a KVM guest a PAUSE loop traps to the hypervisor (pause-loop exiting), which may
    deschedule the waiting vCPU; a 125M model decoded 10-20% slower with it. OpenBLAS spins with NOPs as well. */
 #define SPIN_STEP() __asm__ __volatile__("nop; nop; nop; nop; nop; nop; nop; nop")
 
-/* ---- thread pool ---------------------------------------------------------------------------------------------- */
-typedef void (*task_fn)(void *ctx, int index, int count);
+/* ---- thread pool ----------------------------------------------------------------------------------------------
+ * A task is split into chunks, numbered 0..chunks-1, claimed one at a time from a shared ticket by the caller and by
+ * every worker awake to see the task. The caller never waits for a worker that has not claimed anything: when the
+ * ticket runs out, the caller waits only for the chunks others are still computing (at most one each), so a worker
+ * the OS took off its core (other programs on the machine) costs the step nothing unless it was mid-chunk. What a
+ * chunk computes never depends on who runs it (each output is summed by one chunk, in a fixed order), so a step's
+ * result is the same whoever took which chunks, and with any thread count.
+ *
+ * The ticket packs the task's generation (high 32 bits) with the next unclaimed chunk (low 32 bits): a worker claims
+ * with a compare-and-swap, which fails when the task it saw is over (a late worker never touches a newer task's
+ * chunks). The task's description (fn, ctx, chunks) stays valid until its last chunk is done, and a worker reads it
+ * only after a successful claim, so it always reads its own task's. */
+typedef void (*chunk_fn)(void *ctx, long chunk);
+
+#define GENERATION(ticket) ((ticket) >> 32)
+#define CHUNK(ticket) ((long)((ticket) & 0xffffffffu))
 
 static struct {
     int count;             /* threads running tasks, the caller's included; 0 before the first task */
     int wanted;            /* hk_set_threads */
     pid_t owner;           /* the process that started the workers: a forked child starts its own */
     pthread_t workers[MAX_THREADS];
-    _Atomic uint64_t generation; /* bumped once per task: workers watch it */
-    uint64_t start_generation;
-    _Atomic int running, sleepers, stop;
-    task_fn fn;
+    _Atomic uint64_t ticket;     /* (generation << 32) | next unclaimed chunk; workers watch the generation */
+    char padding[56];            /* the ticket and the done count on lines of their own */
+    _Atomic long done;           /* chunks of the current task finished */
+    char padding2[56];
+    _Atomic long chunks;         /* the current task's chunk count */
+    uint64_t start_generation;   /* the generation when the workers were started: they wait for the next one */
+    chunk_fn fn;
     void *ctx;
+    _Atomic int sleepers, stop;
     pthread_mutex_t mutex;
     pthread_cond_t wake;
-    double spin_seconds;   /* how long an idle worker spins before it sleeps */
-} pool = {.wanted = 1, .spin_seconds = 0.001};
+    double spin_seconds;   /* how long an idle worker spins before it sleeps (hk_set_spin; the loader sets it) */
+} pool = {.wanted = 1};
 
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -59,43 +88,101 @@ static double seconds_now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* Test hook (hk_test_hold_worker): worker `index` waits there, before claiming anything, until released or until
+   the deadline, as a worker the OS took off its core would. */
+static struct {
+    _Atomic int index;     /* the worker to hold, -1 for none */
+    _Atomic int held;      /* 1 while it waits */
+    double until;
+    pthread_mutex_t mutex;
+    pthread_cond_t release;
+} hold = {.index = -1, .mutex = PTHREAD_MUTEX_INITIALIZER, .release = PTHREAD_COND_INITIALIZER};
+
+static void held_back_if_asked(int index) {
+    if (atomic_load_explicit(&hold.index, memory_order_relaxed) != index) return;
+    pthread_mutex_lock(&hold.mutex);
+    atomic_store(&hold.held, 1);
+    while (atomic_load(&hold.index) == index && seconds_now() < hold.until) {
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_nsec += 10 * 1000 * 1000; /* look again every 10 ms */
+        if (t.tv_nsec >= 1000000000L) { t.tv_sec += 1; t.tv_nsec -= 1000000000L; }
+        pthread_cond_timedwait(&hold.release, &hold.mutex, &t);
+    }
+    atomic_store(&hold.held, 0);
+    pthread_mutex_unlock(&hold.mutex);
+}
+
+/* Claim and run chunks of the task of `generation` until none is left (or that task is over). */
+static void claim_chunks(uint64_t generation) {
+    uint64_t ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    for (;;) {
+        if (GENERATION(ticket) != generation) return;
+        long chunk = CHUNK(ticket);
+        if (chunk >= atomic_load_explicit(&pool.chunks, memory_order_relaxed)) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &ticket, ticket + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue; /* ticket now holds the current value */
+        pool.fn(pool.ctx, chunk);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    }
+}
+
+/* Wait spinning, up to the spin budget, for a new generation; then sleep until one comes. Returns it. */
+static uint64_t next_generation(uint64_t seen) {
+    double deadline = 0;
+    unsigned spins = 0;
+    uint64_t current;
+    while ((current = GENERATION(atomic_load_explicit(&pool.ticket, memory_order_acquire))) == seen) {
+        SPIN_STEP();
+        if ((++spins & 255) != 0) continue;
+        double now = seconds_now();
+        if (deadline == 0) {
+            deadline = now + pool.spin_seconds;
+        } else if (now > deadline) {
+            /* sleepers is raised before the ticket is read again under the mutex, and the caller publishes the
+               ticket before it reads sleepers: one of the two sees the other (no lost wake-up) */
+            pthread_mutex_lock(&pool.mutex);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (GENERATION(atomic_load(&pool.ticket)) == seen) pthread_cond_wait(&pool.wake, &pool.mutex);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.mutex);
+            deadline = 0;
+        }
+    }
+    return current;
+}
+
 static void *worker_main(void *arg) {
     int index = (int)(intptr_t)arg;
-    uint64_t seen = pool.start_generation, current;
+    uint64_t seen = pool.start_generation; /* not the ticket now: a task, or the stop, may be out before we run */
     for (;;) {
-        double deadline = 0;
-        unsigned spins = 0;
-        while ((current = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
-            SPIN_STEP();
-            if ((++spins & 255) != 0) continue;
-            double now = seconds_now();
-            if (deadline == 0) {
-                deadline = now + pool.spin_seconds;
-            } else if (now > deadline) {
-                /* sleepers is raised before generation is read again under the mutex, and the caller bumps
-                   generation before it reads sleepers: one of the two sees the other (no lost wake-up) */
-                pthread_mutex_lock(&pool.mutex);
-                atomic_fetch_add(&pool.sleepers, 1);
-                while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.mutex);
-                atomic_fetch_sub(&pool.sleepers, 1);
-                pthread_mutex_unlock(&pool.mutex);
-                deadline = 0;
-            }
-        }
-        seen = current;
+        seen = next_generation(seen);
         if (atomic_load(&pool.stop)) return NULL;
-        pool.fn(pool.ctx, index, pool.count);
-        atomic_fetch_sub_explicit(&pool.running, 1, memory_order_release);
+        held_back_if_asked(index);
+        claim_chunks(seen);
     }
+}
+
+/* Publish a new generation with `chunks` chunks (0: none, as for stopping) and wake sleeping workers. */
+static uint64_t publish(long chunks) {
+    atomic_store_explicit(&pool.chunks, chunks, memory_order_relaxed);
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    uint64_t generation = GENERATION(atomic_load(&pool.ticket)) + 1;
+    atomic_store_explicit(&pool.ticket, generation << 32, memory_order_seq_cst);
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.mutex);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.mutex);
+    }
+    return generation;
 }
 
 static void pool_stop(void) {
     if (pool.count > 1) {
         atomic_store(&pool.stop, 1);
-        atomic_fetch_add(&pool.generation, 1);
-        pthread_mutex_lock(&pool.mutex);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.mutex);
+        publish(0);
         for (int i = 1; i < pool.count; i++) pthread_join(pool.workers[i], NULL);
     }
     pool.count = 0;
@@ -107,7 +194,7 @@ static void pool_start(void) {
     pthread_cond_init(&pool.wake, NULL);
     atomic_store(&pool.sleepers, 0);
     atomic_store(&pool.stop, 0);
-    pool.start_generation = atomic_load(&pool.generation);
+    pool.start_generation = GENERATION(atomic_load(&pool.ticket));
     pool.count = 1;
     for (int i = 1; i < pool.wanted; i++) {
         if (pthread_create(&pool.workers[i], NULL, worker_main, (void *)(intptr_t)i) != 0) break;
@@ -127,23 +214,21 @@ static int pool_ready(void) {
     return pool.count;
 }
 
-/* Run fn(ctx, index, count) on every thread of the pool (the caller is index 0) and wait for all of them. */
-static void parallel(task_fn fn, void *ctx) {
-    if (pool_ready() == 1) {
-        fn(ctx, 0, 1);
+/* Run fn(ctx, chunk) for every chunk in [0, chunks) on the pool (the caller takes chunks too) and return when all
+   are done. The caller spins briefly for chunks still running elsewhere, then yields its core (the thread it waits
+   for may be queued behind it). */
+static void parallel(chunk_fn fn, void *ctx, long chunks) {
+    if (pool_ready() == 1 || chunks <= 1) {
+        for (long c = 0; c < chunks; c++) fn(ctx, c);
         return;
     }
     pool.fn = fn;
     pool.ctx = ctx;
-    atomic_store(&pool.running, pool.count - 1);
-    atomic_fetch_add(&pool.generation, 1);
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.mutex);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.mutex);
+    claim_chunks(publish(chunks));
+    for (unsigned spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++) {
+        if (spins < 4096) SPIN_STEP();
+        else sched_yield();
     }
-    fn(ctx, 0, pool.count);
-    while (atomic_load_explicit(&pool.running, memory_order_acquire) > 0) SPIN_STEP();
 }
 
 /* Threads for the next calls (the pool restarts when it changes); returns the count in effect. */
@@ -154,7 +239,35 @@ int hk_set_threads(int count) {
     return pool.wanted;
 }
 
+/* Test hook: worker `index` (1..threads-1) stops before claiming chunks of the next tasks, as a worker the OS took
+   off its core would, until hk_test_release_worker or `seconds` from now. hk_test_worker_held says whether it is
+   waiting there now. */
+void hk_test_hold_worker(int index, double seconds) {
+    pthread_mutex_lock(&hold.mutex);
+    hold.until = seconds_now() + seconds;
+    atomic_store(&hold.index, index);
+    pthread_mutex_unlock(&hold.mutex);
+}
+
+void hk_test_release_worker(void) {
+    pthread_mutex_lock(&hold.mutex);
+    atomic_store(&hold.index, -1);
+    pthread_cond_broadcast(&hold.release);
+    pthread_mutex_unlock(&hold.mutex);
+}
+
+int hk_test_worker_held(void) { return atomic_load(&hold.held); }
+
+/* How long an idle worker spins before it sleeps (seconds); returns the budget in effect. */
+double hk_set_spin(double seconds) {
+    pthread_mutex_lock(&call_lock);
+    pool.spin_seconds = seconds < 0 ? 0 : seconds;
+    pthread_mutex_unlock(&call_lock);
+    return pool.spin_seconds;
+}
+
 /* ---- matrix-vector product ------------------------------------------------------------------------------------ */
+#if HK_AVX2
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -176,23 +289,29 @@ static float dot(const float *a, const float *b, long n) {
     for (; j < n; j++) s += a[j] * b[j];
     return s;
 }
+#else
+static float dot(const float *a, const float *b, long n) {
+    float lanes[8] = {0}; /* eight independent sums: the compiler keeps them in a vector register */
+    long j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; k++) lanes[k] += a[j + k] * b[j + k];
+    float s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+#endif
 
 /* A few rows of a batch (one new token each) go through here; more go to BLAS, where they are no longer
    memory-bound. hivekeeper.core.runtime.kernels.native_kernels.MAX_ROWS must say the same. */
 #define MAX_ROWS 8
 
-typedef struct {
-    _Atomic long next; /* the first output row not yet claimed */
-    long end;
-    char padding[48];  /* one cache line each: the threads claim from their own without sharing a line */
-} share;
+#define CHUNK_BYTES (64 * 1024) /* weight bytes per chunk of a product: ~10 us of streaming, claimed as a whole */
 
 typedef struct {
     const float *w, *x, *bias; /* w [outs, cols] row-major, x [batch, cols], bias [outs] or NULL */
     float *y;                  /* [batch, outs]: y = x w^T + bias, or y += x w^T + bias when accumulate */
-    long outs, cols, batch, chunk;
+    long outs, cols, batch, rows_per_chunk;
     int accumulate;
-    share shares[MAX_THREADS];
 } matvec_task;
 
 static inline void put(const matvec_task *t, long row, long out, float s) {
@@ -203,6 +322,7 @@ static inline void put(const matvec_task *t, long row, long out, float s) {
 
 /* One weight row times every batch row: the weights are read from memory once for all of them. */
 static void row_times_batch(const float *w, const float *x, long cols, long batch, float *sums) {
+#if HK_AVX2
     __m256 acc[MAX_ROWS];
     for (long b = 0; b < batch; b++) acc[b] = _mm256_setzero_ps();
     long j = 0;
@@ -215,10 +335,17 @@ static void row_times_batch(const float *w, const float *x, long cols, long batc
         for (long k = j; k < cols; k++) s += w[k] * x[b * cols + k];
         sums[b] = s;
     }
+#else
+    for (long b = 0; b < batch; b++) sums[b] = dot(w, x + b * cols, cols); /* the row stays in L1 after the first */
+#endif
 }
 
-static void matvec_rows(const matvec_task *t, long r0, long r1) {
+/* A chunk of output rows: each weight row read once, one forward stream through the chunk's rows, which this CPU's
+   prefetchers follow best (4- and 8-row blocks and software prefetching measured slower). */
+static void matvec_chunk(void *ctx, long chunk) {
+    const matvec_task *t = ctx;
     float sums[MAX_ROWS];
+    long r0 = chunk * t->rows_per_chunk, r1 = r0 + t->rows_per_chunk < t->outs ? r0 + t->rows_per_chunk : t->outs;
     for (long r = r0; r < r1; r++) {
         const float *w = t->w + r * t->cols;
         if (t->batch == 1) {
@@ -230,63 +357,45 @@ static void matvec_rows(const matvec_task *t, long r0, long r1) {
     }
 }
 
-/* Each thread reads its share of the matrix, one weight row after the next: one forward stream, which this CPU's
-   prefetchers follow best (4- and 8-row blocks and software prefetching measured slower). It claims the share a
-   chunk at a time and then helps with the others', so a thread the OS took off its core (other programs, BLAS
-   threads still spinning after a prefill) delays the product by a chunk, not by its whole share. */
-static void matvec_part(void *ctx, int index, int count) {
-    matvec_task *t = ctx;
-    for (int k = 0; k < count; k++) {
-        share *own = &t->shares[(index + k) % count];
-        for (;;) {
-            long r0 = atomic_fetch_add_explicit(&own->next, t->chunk, memory_order_relaxed);
-            if (r0 >= own->end) break;
-            matvec_rows(t, r0, r0 + t->chunk < own->end ? r0 + t->chunk : own->end);
-        }
-    }
-}
-
-#define CHUNK_BYTES (64 * 1024)
+static long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
 static void matvec_by_rows(const float *w, const float *x, const float *bias, float *y, long outs, long cols,
                            long batch, int accumulate) {
+    long rows = CHUNK_BYTES / (cols * (long)sizeof(float));
     matvec_task t = {.w = w, .x = x, .bias = bias, .y = y, .outs = outs, .cols = cols, .batch = batch,
-                     .accumulate = accumulate};
-    int count = pool_ready();
-    long per = (outs + count - 1) / count;
-    t.chunk = CHUNK_BYTES / (cols * (long)sizeof(float)) > 0 ? CHUNK_BYTES / (cols * (long)sizeof(float)) : 1;
-    for (int i = 0; i < count; i++) {
-        long start = per * i < outs ? per * i : outs;
-        atomic_init(&t.shares[i].next, start);
-        t.shares[i].end = start + per < outs ? start + per : outs;
-    }
-    parallel(matvec_part, &t);
+                     .rows_per_chunk = rows > 0 ? rows : 1, .accumulate = accumulate};
+    parallel(matvec_chunk, &t, ceil_div(outs, t.rows_per_chunk));
 }
 
 /* The same product for a weight stored column-major (element (o, j) at wt[j * outs + o]; the runtime stores tall
-   matrices so, because OpenBLAS's prefill products read them faster). Each thread reads a contiguous range of
-   the weight's columns into its own partial sums [batch, outs] (in its L1/L2), then the partials are added up.
-   The ranges are fixed per thread, not shared out, so the sums are added in the same order on every call. */
+   matrices so, because OpenBLAS's prefill products read them faster). The columns are cut into pieces by the
+   shape alone (about CHUNK_BYTES of weights each, a multiple of 4 columns); a piece's columns are summed into its own
+   partial sums [batch, outs] (in L1/L2), then the partials are added up piece by piece in order: the same sums in
+   the same order whoever computes which piece, and with any thread count. */
+#define MAX_PIECES 64      /* partial sums kept: pieces x batch x outs floats */
+#define SUM_CHUNK 2048     /* outputs per chunk of the final sum */
+
 typedef struct {
     const float *wt, *x, *bias;
-    float *y, *partials; /* partials [threads, batch, outs] */
-    long outs, cols, batch;
+    float *y, *partials; /* partials [pieces, batch, outs] */
+    long outs, cols, batch, piece_cols, pieces;
     int accumulate;
 } column_task;
 
-static void column_partial(void *ctx, int index, int count) {
+static void column_piece(void *ctx, long piece) {
     const column_task *t = ctx;
-    long outs = t->outs, cols = t->cols, batch = t->batch, per = (cols + count - 1) / count;
-    long j0 = per * index < cols ? per * index : cols, j1 = j0 + per < cols ? j0 + per : cols;
-    float *part = t->partials + (long)index * batch * outs;
+    long outs = t->outs, cols = t->cols, batch = t->batch;
+    long j0 = piece * t->piece_cols, j1 = j0 + t->piece_cols < cols ? j0 + t->piece_cols : cols;
+    float *part = t->partials + piece * batch * outs;
     memset(part, 0, (size_t)(batch * outs) * sizeof(float));
     long j = j0;
     for (; j + 4 <= j1; j += 4) { /* four columns at a time: each partial is loaded and stored once for four */
         const float *w0 = t->wt + j * outs, *w1 = w0 + outs, *w2 = w1 + outs, *w3 = w2 + outs;
+        long o = 0;
+#if HK_AVX2
         __m256 xs[MAX_ROWS][4];
         for (long b = 0; b < batch; b++)
             for (int k = 0; k < 4; k++) xs[b][k] = _mm256_set1_ps(t->x[b * cols + j + k]);
-        long o = 0;
         for (; o + 8 <= outs; o += 8) {
             __m256 a = _mm256_loadu_ps(w0 + o), c = _mm256_loadu_ps(w1 + o);
             __m256 e = _mm256_loadu_ps(w2 + o), g = _mm256_loadu_ps(w3 + o);
@@ -298,11 +407,12 @@ static void column_partial(void *ctx, int index, int count) {
                 _mm256_storeu_ps(p, _mm256_fmadd_ps(g, xs[b][3], acc));
             }
         }
-        for (; o < outs; o++)
-            for (long b = 0; b < batch; b++) {
-                const float *xb = t->x + b * cols + j;
-                part[b * outs + o] += w0[o] * xb[0] + w1[o] * xb[1] + w2[o] * xb[2] + w3[o] * xb[3];
-            }
+#endif
+        for (long b = 0; b < batch; b++) {
+            const float *xb = t->x + b * cols + j;
+            float *p = part + b * outs;
+            for (long k = o; k < outs; k++) p[k] += w0[k] * xb[0] + w1[k] * xb[1] + w2[k] * xb[2] + w3[k] * xb[3];
+        }
     }
     for (; j < j1; j++)
         for (long b = 0; b < batch; b++) {
@@ -311,14 +421,13 @@ static void column_partial(void *ctx, int index, int count) {
         }
 }
 
-static void column_sum(void *ctx, int index, int count) {
+static void column_sum(void *ctx, long chunk) {
     const column_task *t = ctx;
-    long outs = t->outs, per = (outs + count - 1) / count;
-    long o0 = per * index < outs ? per * index : outs, o1 = o0 + per < outs ? o0 + per : outs;
+    long outs = t->outs, o0 = chunk * SUM_CHUNK, o1 = o0 + SUM_CHUNK < outs ? o0 + SUM_CHUNK : outs;
     for (long b = 0; b < t->batch; b++)
         for (long o = o0; o < o1; o++) {
             float s = 0;
-            for (int i = 0; i < count; i++) s += t->partials[((long)i * t->batch + b) * outs + o];
+            for (long i = 0; i < t->pieces; i++) s += t->partials[(i * t->batch + b) * outs + o];
             if (t->bias) s += t->bias[o];
             float *y = t->y + b * outs + o;
             *y = t->accumulate ? *y + s : s;
@@ -336,17 +445,20 @@ static int matvec(const float *w, int column_major, const float *x, const float 
         matvec_by_rows(w, x, bias, y, outs, cols, batch, accumulate);
         return 0;
     }
-    int count = pool_ready();
-    size_t need = (size_t)count * (size_t)(batch * outs);
+    long pieces = outs * cols * (long)sizeof(float) / CHUNK_BYTES;
+    pieces = pieces < 1 ? 1 : pieces > MAX_PIECES ? MAX_PIECES : pieces;
+    long piece_cols = (ceil_div(cols, pieces) + 3) / 4 * 4;
+    pieces = ceil_div(cols, piece_cols);
+    size_t need = (size_t)pieces * (size_t)(batch * outs);
     if (need > partial_floats) {
         float *grown = realloc(partials, need * sizeof(float));
         if (!grown) return -1;
         partials = grown;
         partial_floats = need;
     }
-    column_task t = {w, x, bias, y, partials, outs, cols, batch, accumulate};
-    parallel(column_partial, &t);
-    parallel(column_sum, &t);
+    column_task t = {w, x, bias, y, partials, outs, cols, batch, piece_cols, pieces, accumulate};
+    parallel(column_piece, &t, pieces);
+    parallel(column_sum, &t, ceil_div(outs, SUM_CHUNK));
     return 0;
 }
 
@@ -408,33 +520,31 @@ typedef struct {
     float *context;              /* [batch, heads head_dim] */
 } attention_task;
 
-/* softmax(q k^T / sqrt(d)) v for this thread's share of (row, kv head) pairs, each with its group of query heads */
-static void attention_part(void *ctx, int index, int count) {
+/* softmax(q k^T / sqrt(d)) v for one (row, kv head) pair, with its group of query heads */
+static void attention_pair(void *ctx, long pair) {
     const attention_task *t = ctx;
     const hk_block *b = t->b;
     const hk_cache *c = t->c;
     long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, group = nh / nkv, keys = t->keys;
     long qkv_width = (nh + 2 * nkv) * d;
     float scale = (float)(1.0 / sqrt((double)d));
-    for (long pair = index; pair < t->batch * nkv; pair += count) {
-        long row = pair / nkv, g = pair % nkv;
-        long at = row * c->batch_stride + g * c->head_stride + t->first_key * c->position_stride;
-        const float *k = c->k + at, *v = c->v + at;
-        for (long h = g * group; h < (g + 1) * group; h++) {
-            const float *q = t->qkv + row * qkv_width + h * d;
-            float *p = t->scores + (row * nh + h) * keys, *out = t->context + (row * nh + h) * d;
-            float top = -INFINITY, total = 0;
-            for (long n = 0; n < keys; n++) {
-                p[n] = dot(q, k + n * c->position_stride, d) * scale;
-                top = p[n] > top ? p[n] : top;
-            }
-            for (long n = 0; n < keys; n++) total += (p[n] = expf(p[n] - top));
-            memset(out, 0, (size_t)d * sizeof(float));
-            for (long n = 0; n < keys; n++) {
-                const float *vn = v + n * c->position_stride;
-                float weight = p[n] / total;
-                for (long i = 0; i < d; i++) out[i] += weight * vn[i];
-            }
+    long row = pair / nkv, g = pair % nkv;
+    long at = row * c->batch_stride + g * c->head_stride + t->first_key * c->position_stride;
+    const float *k = c->k + at, *v = c->v + at;
+    for (long h = g * group; h < (g + 1) * group; h++) {
+        const float *q = t->qkv + row * qkv_width + h * d;
+        float *p = t->scores + (row * nh + h) * keys, *out = t->context + (row * nh + h) * d;
+        float top = -INFINITY, total = 0;
+        for (long n = 0; n < keys; n++) {
+            p[n] = dot(q, k + n * c->position_stride, d) * scale;
+            top = p[n] > top ? p[n] : top;
+        }
+        for (long n = 0; n < keys; n++) total += (p[n] = expf(p[n] - top));
+        memset(out, 0, (size_t)d * sizeof(float));
+        for (long n = 0; n < keys; n++) {
+            const float *vn = v + n * c->position_stride;
+            float weight = p[n] / total;
+            for (long i = 0; i < d; i++) out[i] += weight * vn[i];
         }
     }
 }
@@ -477,9 +587,9 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
     }
     attention_task attention = {b, c, batch, first_key, keys, qkv, scores, context};
     if (batch * keys * nh * d >= (1L << 16)) /* long contexts over the pool; short ones cost less than a hand-off */
-        parallel(attention_part, &attention);
+        parallel(attention_pair, &attention, batch * nkv);
     else
-        attention_part(&attention, 0, 1);
+        for (long pair = 0; pair < batch * nkv; pair++) attention_pair(&attention, pair);
     if (matvec(b->o_w, b->column_major & 2, context, b->o_b, x, width, nh * d, batch, 1)) return -1; /* x += o(context) */
 
     /* MLP: gate and up from one product */
@@ -520,3 +630,240 @@ int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, c
     pthread_mutex_unlock(&call_lock);
     return status;
 }
+
+/* ---- block-quantized weights ----------------------------------------------------------------------------------
+ * GGUF's block formats, byte for byte as llama.cpp writes them (a weight row is cols / 32 blocks in a row, rows one
+ * after another), so a GGUF file's tensors are used as they are (hivekeeper.core.runtime.quant.blocks packs them,
+ * or quantizes fp32 weights the way llama.cpp's reference code does):
+ *   Q8_0: fp16 scale d, 32 int8 q                         weight = d q                          34 bytes
+ *   Q4_0: fp16 scale d, 16 bytes of 4-bit q (low nibbles weights 0-15, high nibbles 16-31)  d (q - 8)  18 bytes
+ *   Q4_1: fp16 scale d, fp16 min m, 16 bytes of 4-bit q as Q4_0's                 d q + m       20 bytes
+ * The activations are quantized per block of 32 to int8 with an fp32 scale (as llama.cpp's Q8_0/Q8_1 activations,
+ * kept in fp32), so a block's product is an integer dot product, exact in int32, times the two scales; Q4_1's min
+ * adds m times the block's activation sum, d_x sum(q_x). The only error beyond the weights' own is the activations'
+ * rounding: at most half their block's scale per element. */
+enum { HK_Q4_0 = 2, HK_Q4_1 = 3, HK_Q8_0 = 8 }; /* GGML type ids */
+#define QK 32
+
+typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;
+typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;
+typedef struct { uint16_t d, m; uint8_t qs[QK / 2]; } block_q4_1;
+_Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20, "GGUF block sizes");
+
+/* Bytes per block of 32 weights of `format`, 0 for a format these kernels do not take. */
+long hk_quant_block_bytes(int format) {
+    switch (format) {
+    case HK_Q8_0: return (long)sizeof(block_q8_0);
+    case HK_Q4_0: return (long)sizeof(block_q4_0);
+    case HK_Q4_1: return (long)sizeof(block_q4_1);
+    default: return 0;
+    }
+}
+
+static inline float half_to_float(uint16_t h) {
+#if HK_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0) { /* zero or subnormal: mantissa x 2^-24 */
+        float f = ldexpf((float)mantissa, -24);
+        return sign ? -f : f;
+    }
+    if (exponent == 31) bits = sign | 0x7f800000u | (mantissa << 13);
+    else bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Activations [batch, cols] quantized per block of 32: q int8 [batch, cols], scale d and d x sum(q) per block.
+   The same plain C in both builds (it runs once per product), rounding half to even as AVX2's conversion does. */
+static void quantize_activations(const float *x, long count, int8_t *q, float *d, float *sum) {
+    for (long b = 0; b < count / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0;
+        for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
+        int total = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)nearbyintf(xb[j] * inverse);
+            q[b * QK + j] = (int8_t)v;
+            total += v;
+        }
+        d[b] = scale;
+        sum[b] = scale * (float)total;
+    }
+}
+
+typedef struct {
+    int format;
+    const uint8_t *w;        /* [outs, row_bytes] */
+    long row_bytes, blocks;  /* per weight row */
+    const int8_t *q;         /* activations [batch, cols] */
+    const float *d, *sum;    /* [batch, blocks] */
+    const float *bias;
+    float *y;                /* [batch, outs] */
+    long outs, cols, batch, rows_per_chunk;
+} qmatvec_task;
+
+#if HK_AVX2
+static inline __m256i nibbles(const uint8_t *qs) { /* 32 bytes 0..15: weights 0-15 (low nibbles), 16-31 (high) */
+    __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+/* 8 int32 partial sums of u[i] * s[i] over 32 bytes, u unsigned (<= 128), s signed (> -128): no saturation */
+static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+static inline __m256i dot_i8_i8(__m256i a, __m256i b) { /* |a| times b with a's sign: unsigned x signed */
+    return dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+/* Block b of a weight row of `format` times its activation block: 8 int32 partial sums of the integer products,
+   the weight's scale, and (4-bit formats) what the weight's offset adds: m d_x sum(q_x) for Q4_1 (weights d q + m),
+   -8 d d_x sum(q_x) for Q4_0 (weights d q - 8 d), so both multiply the unsigned codes directly. */
+static inline __attribute__((always_inline)) __m256i qblock(int format, const uint8_t *row, long b, __m256i x,
+                                                            float x_sum, float *scale, float *offset) {
+    if (format == HK_Q8_0) {
+        const block_q8_0 *w = (const block_q8_0 *)row + b;
+        *scale = half_to_float(w->d);
+        return dot_i8_i8(_mm256_loadu_si256((const __m256i *)w->qs), x);
+    }
+    if (format == HK_Q4_0) {
+        const block_q4_0 *w = (const block_q4_0 *)row + b;
+        *scale = half_to_float(w->d);
+        *offset += -8.0f * *scale * x_sum;
+        return dot_u8_i8(nibbles(w->qs), x);
+    }
+    const block_q4_1 *w = (const block_q4_1 *)row + b;
+    *scale = half_to_float(w->d);
+    *offset += half_to_float(w->m) * x_sum;
+    return dot_u8_i8(nibbles(w->qs), x);
+}
+
+/* One weight row of `format` times activation row r, two blocks at a time into two accumulators (a block's
+   multiply-add waits for the previous one's otherwise). Inlined with a constant format into each caller below, so
+   the loop has no format test. */
+static inline __attribute__((always_inline)) float qdot(int format, const qmatvec_task *t, const uint8_t *row,
+                                                        long r) {
+    const int8_t *q = t->q + r * t->cols;
+    const float *d = t->d + r * t->blocks, *sum = t->sum + r * t->blocks;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float offset0 = 0, offset1 = 0, scale0, scale1;
+    long b = 0;
+    for (; b + 2 <= t->blocks; b += 2) {
+        __m256i p0 = qblock(format, row, b, _mm256_loadu_si256((const __m256i *)(q + b * QK)), sum[b], &scale0,
+                            &offset0);
+        __m256i p1 = qblock(format, row, b + 1, _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK)), sum[b + 1],
+                            &scale1, &offset1);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scale0 * d[b]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(scale1 * d[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    if (b < t->blocks) {
+        __m256i p0 = qblock(format, row, b, _mm256_loadu_si256((const __m256i *)(q + b * QK)), sum[b], &scale0,
+                            &offset0);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scale0 * d[b]), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return sum8(_mm256_add_ps(acc0, acc1)) + (offset0 + offset1);
+}
+#else
+/* 32 weights' 4-bit codes times 32 activations, exact in int32 (codes minus `zero`: Q4_0 stores q + 8) */
+static inline int32_t nibble_dot(const uint8_t *qs, const int8_t *x, int zero) {
+    int32_t total = 0;
+    for (int j = 0; j < QK / 2; j++) total += ((qs[j] & 15) - zero) * x[j] + ((qs[j] >> 4) - zero) * x[j + QK / 2];
+    return total;
+}
+
+static inline __attribute__((always_inline)) float qdot(int format, const qmatvec_task *t, const uint8_t *row,
+                                                        long r) {
+    const int8_t *q = t->q + r * t->cols;
+    const float *d = t->d + r * t->blocks, *sum = t->sum + r * t->blocks;
+    float acc = 0, offset = 0;
+    for (long b = 0; b < t->blocks; b++) {
+        const int8_t *x = q + b * QK;
+        int32_t total = 0;
+        float scale;
+        if (format == HK_Q8_0) {
+            const block_q8_0 *w = (const block_q8_0 *)row + b;
+            for (int j = 0; j < QK; j++) total += (int32_t)w->qs[j] * x[j];
+            scale = half_to_float(w->d);
+        } else if (format == HK_Q4_0) {
+            const block_q4_0 *w = (const block_q4_0 *)row + b;
+            total = nibble_dot(w->qs, x, 8);
+            scale = half_to_float(w->d);
+        } else {
+            const block_q4_1 *w = (const block_q4_1 *)row + b;
+            total = nibble_dot(w->qs, x, 0);
+            scale = half_to_float(w->d);
+            offset += half_to_float(w->m) * sum[b];
+        }
+        acc += scale * d[b] * (float)total;
+    }
+    return acc + offset;
+}
+#endif
+
+static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long r0,
+                                                               long r1) {
+    for (long o = r0; o < r1; o++) {
+        const uint8_t *row = t->w + o * t->row_bytes;
+        for (long r = 0; r < t->batch; r++) {
+            float s = qdot(format, t, row, r);
+            t->y[r * t->outs + o] = t->bias ? s + t->bias[o] : s;
+        }
+    }
+}
+
+/* A chunk of output rows; each weight row (a few hundred bytes) stays in L1 for every batch row. */
+static void qmatvec_chunk(void *ctx, long chunk) {
+    const qmatvec_task *t = ctx;
+    long r0 = chunk * t->rows_per_chunk, r1 = r0 + t->rows_per_chunk < t->outs ? r0 + t->rows_per_chunk : t->outs;
+    switch (t->format) {
+    case HK_Q8_0: qmatvec_rows(HK_Q8_0, t, r0, r1); break;
+    case HK_Q4_0: qmatvec_rows(HK_Q4_0, t, r0, r1); break;
+    default: qmatvec_rows(HK_Q4_1, t, r0, r1); break;
+    }
+}
+
+static int8_t *quantized_x;
+static float *x_scales;
+static size_t quantized_x_size;
+
+static int reserve_quantized_x(long count) {
+    if ((size_t)count <= quantized_x_size) return 0;
+    int8_t *q = realloc(quantized_x, (size_t)count);
+    if (!q) return -1;
+    quantized_x = q;
+    float *scales = realloc(x_scales, 2 * (size_t)(count / QK) * sizeof(float));
+    if (!scales) return -1;
+    x_scales = scales;
+    quantized_x_size = (size_t)count;
+    return 0;
+}
+
+/* y [batch, outs] = x [batch, cols] w^T (+ bias), w [outs, cols] in block `format` (a GGML type id: Q8_0, Q4_0 or
+   Q4_1), rows contiguous; batch <= MAX_ROWS. Returns 0; -1 when memory ran out; -2 for a format these kernels do
+   not take, cols not a multiple of 32, or batch out of range (y unchanged). */
+int hk_qgemv(int format, const void *w, const float *x, const float *bias, float *y, long outs, long cols,
+             long batch) {
+    long block_bytes = hk_quant_block_bytes(format);
+    if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || batch < 1 || batch > MAX_ROWS || outs < 0) return -2;
+    pthread_mutex_lock(&call_lock);
+    int status = reserve_quantized_x(batch * cols);
+    if (status == 0) {
+        long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes;
+        quantize_activations(x, batch * cols, quantized_x, x_scales, x_scales + batch * blocks);
+        qmatvec_task t = {format, w, row_bytes, blocks, quantized_x, x_scales, x_scales + batch * blocks, bias, y,
+                          outs, cols, batch, rows > 0 ? rows : 1};
+        parallel(qmatvec_chunk, &t, ceil_div(outs, t.rows_per_chunk));
+    }
+    pthread_mutex_unlock(&call_lock);
+    return status;
+}
+
+/* Which build this is: "avx2" or "portable". */
+const char *hk_variant(void) { return HK_AVX2 ? "avx2" : "portable"; }

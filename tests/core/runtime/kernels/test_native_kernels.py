@@ -41,14 +41,6 @@ CONFIGS = {
 PROMPT, DECODE = 6, 12
 
 
-@pytest.fixture
-def native():
-    library = native_kernels.library()
-    if library is None:
-        pytest.skip(f"native kernels {native_kernels.status()}")
-    return library
-
-
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=TOL, atol=TOL)
 
@@ -65,14 +57,14 @@ def random_span(config: ModelConfig) -> Span:
     return span
 
 
-def decode(span: Span, x: torch.Tensor, path: str, monkeypatch) -> tuple[torch.Tensor, KVCache]:
-    """A prefill of PROMPT tokens, then DECODE one-token steps, through `path` (native, numpy or torch)."""
+def decode(span: Span, x: torch.Tensor, path: str, monkeypatch, prompt: int = PROMPT) -> tuple[torch.Tensor, KVCache]:
+    """A prefill of `prompt` tokens, then one-token steps to the end of x, through `path` (native, numpy or torch)."""
     monkeypatch.setattr(native_kernels, "ENABLED", path == "native")
     monkeypatch.setattr(cpu_decode, "ENABLED", path != "torch")
-    cache = KVCache.allocate(span.config, span.end - span.start, batch=x.shape[0], max_length=PROMPT + DECODE)
+    cache = KVCache.allocate(span.config, span.end - span.start, batch=x.shape[0], max_length=x.shape[1])
     with torch.inference_mode():
-        outputs = [span(x[:, :PROMPT], cache)]
-        outputs += [span(x[:, i : i + 1], cache) for i in range(PROMPT, PROMPT + DECODE)]
+        outputs = [span(x[:, :prompt], cache)]
+        outputs += [span(x[:, i : i + 1], cache) for i in range(prompt, x.shape[1])]
     return torch.cat(outputs, dim=1), cache
 
 
@@ -197,6 +189,83 @@ def test_any_thread_count_gives_the_same_result(native, monkeypatch):
     finally:
         native.hk_set_threads(native_kernels.default_threads())
     assert all(torch.equal(results[0], other) for other in results[1:])  # each row is summed the same way
+
+
+# Large enough that every product is cut into many chunks (64 KiB of weights each) and, past 128 keys, attention
+# runs on the pool too.
+POOL_CONFIG = ModelConfig.from_hf_config(dict(
+    model_type="llama", vocab_size=50, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256))
+HOLD_S = 120.0  # far longer than the test: a pool that waited for the held worker would outlast it
+
+
+def hold_worker(native, index: int) -> None:
+    """Hold pool worker `index` before it claims work, and return once it waits there (products on the pool
+    wake it)."""
+    native.hk_test_hold_worker(index, HOLD_S)
+    weight, x, y = torch.randn(4096, 512), torch.randn(1, 512), torch.empty(1, 4096)
+    for _ in range(10_000):
+        native.hk_gemv(weight.data_ptr(), 0, x.data_ptr(), None, y.data_ptr(), 4096, 512, 1)
+        if native.hk_test_worker_held():
+            return
+    raise AssertionError("the held worker never took up a task")
+
+
+@pytest.mark.parametrize("layout", ["row-major", "tall-by-column"])
+def test_a_worker_held_back_does_not_stall_the_step_or_change_its_result(native, layout, monkeypatch):
+    """A busy machine's case, made on purpose: pool worker 1 stops before claiming any work (as one whose core went
+    to another process would). The caller and worker 2 take every chunk without it, so the decode finishes while it
+    is still held (a pool that waited for it would sit out the hold), with the result one thread gives (each output
+    is summed by one chunk in a fixed order, whoever computes it)."""
+    torch.manual_seed(0)
+    span = random_span(POOL_CONFIG)
+    if layout == "tall-by-column":
+        store_tall_linears_by_column(span)
+    x = torch.randn(1, 140, POOL_CONFIG.hidden_size)
+    try:
+        native.hk_set_threads(1)
+        expected = decode(span, x, "native", monkeypatch, prompt=130)[0]
+        native.hk_set_threads(3)
+        hold_worker(native, 1)
+        held = decode(span, x, "native", monkeypatch, prompt=130)[0]
+        assert native.hk_test_worker_held() == 1  # held the whole decode: every step finished without it
+    finally:
+        native.hk_test_release_worker()
+    released = decode(span, x, "native", monkeypatch, prompt=130)[0]  # and once back, it works again
+    native.hk_set_threads(native_kernels.default_threads())
+    assert torch.equal(held, expected)
+    assert torch.equal(released, expected)
+
+
+RESTART_SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from hivekeeper.core.runtime.kernels import native_kernels
+
+    native = native_kernels.library()
+    assert native.hk_variant().decode() == sys.argv[1], native_kernels.status()
+    weight, x, y = torch.randn(2048, 256), torch.randn(1, 256), torch.empty(1, 2048)
+    expected = weight @ x[0]
+    for i in range(int(sys.argv[2])):
+        native.hk_set_threads(2 + i % 3)  # the next product stops the pool and starts another
+        native.hk_gemv(weight.data_ptr(), 0, x.data_ptr(), None, y.data_ptr(), 2048, 256, 1)
+        assert torch.allclose(y[0], expected, rtol=1e-4, atol=1e-4)
+    print("done")
+""")
+
+
+def test_the_pool_restarts_cleanly_however_its_threads_are_scheduled(native):
+    """Thread counts changed between products: each product may stop workers that have not run yet (just
+    started, on a busy machine); they must still see the stop (a child process, killed at a deadline if it hangs)."""
+    env = {**os.environ, native_kernels.VARIANT_ENV: "portable" if native.hk_variant() == b"portable" else "auto"}
+    child = subprocess.Popen([sys.executable, "-c", RESTART_SCRIPT, native.hk_variant().decode(), "400"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        output, _ = child.communicate()
+        pytest.fail(f"the pool hung restarting its threads; output so far: {output[-2000:]}")
+    assert child.returncode == 0 and output.strip().endswith("done"), output[-2000:]
 
 
 def test_concurrent_callers_get_their_own_results(native, monkeypatch):

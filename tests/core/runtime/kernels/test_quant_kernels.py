@@ -1,0 +1,136 @@
+"""The block-quantized matrix-vector products (core/runtime/kernels/quant_kernels.py, hk_qgemv in
+native/decode_kernels.c) against the dequantized-fp32 reference, in both builds of the kernels (the `native` fixture:
+avx2 where the CPU has it, portable everywhere), and against an exact emulation of what they are meant to compute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hivekeeper.core.runtime.kernels import native_kernels
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedMatrix, activation_error_bound
+from hivekeeper.core.runtime.quant.blocks import BLOCK_WEIGHTS, FORMATS
+
+# odd sizes: an output count that is no multiple of a chunk's rows, 13 blocks per row
+OUTS, COLS = 1031, 13 * BLOCK_WEIGHTS
+FP32_SLACK = 1e-5  # fp32 rounding, relative to sum |w x| (the block sums themselves are exact integers)
+
+
+def weights(outs: int = OUTS, cols: int = COLS, seed: int = 0) -> np.ndarray:
+    """Like a trained layer's: ~1/sqrt(fan-in), a few outliers per row, an all-zero block, a constant block."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0.0, cols ** -0.5, (outs, cols)).astype(np.float32)
+    w[rng.integers(0, outs, 50), rng.integers(0, cols, 50)] *= 20
+    w[3, :BLOCK_WEIGHTS] = 0
+    w[4, BLOCK_WEIGHTS:2 * BLOCK_WEIGHTS] = 0.25
+    return w
+
+
+def activations(batch: int, cols: int = COLS, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0.0, 1.0, (batch, cols)).astype(np.float32)
+    x[0, :BLOCK_WEIGHTS] = 0  # an all-zero activation block: scale 0
+    return x
+
+
+def emulated(matrix: QuantizedMatrix, x: np.ndarray) -> np.ndarray:
+    """What the kernels are meant to compute, in float64 from the same integers: activations rounded per block of
+    32 to int8 (scale max|x| / 127 in fp32, half to even), block by block d_w d_x sum(q_w q_x) (+ m d_x sum q_x)."""
+    blocks = COLS // BLOCK_WEIGHTS
+    xb = x.reshape(x.shape[0], blocks, BLOCK_WEIGHTS)
+    scale = (np.abs(xb).max(axis=2) / np.float32(127)).astype(np.float32)
+    inverse = np.where(scale != 0, np.float32(1) / np.where(scale != 0, scale, 1), 0).astype(np.float32)
+    q = np.rint(xb * inverse[..., None]).astype(np.float64)
+    x_dequantized = (q * scale[..., None].astype(np.float64)).reshape(x.shape)
+    return x_dequantized @ matrix.dequantize().astype(np.float64).T
+
+
+@pytest.mark.parametrize("batch", [1, 3, native_kernels.MAX_ROWS + 2])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_product_within_the_formats_bound_of_the_dequantized_reference(native, name, batch):
+    """Against the weights the blocks stand for (fp32), within the activations' rounding bound; against the exact
+    emulation of the integer arithmetic, within fp32 rounding. More rows than the kernels take go in groups."""
+    w, x = weights(), activations(batch)
+    bias = np.random.default_rng(2).normal(0, 1, OUTS).astype(np.float32)
+    matrix = QuantizedMatrix.quantize(w, name)
+    reference = matrix.dequantize().astype(np.float64)
+    y = matrix.matvec(x, bias).astype(np.float64)
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(reference).T + np.abs(bias)
+    exact = x.astype(np.float64) @ reference.T + bias
+    bound = activation_error_bound(reference, x) + FP32_SLACK * magnitude
+    assert y.shape == (batch, OUTS)
+    assert (np.abs(y - exact) <= bound).all(), np.max(np.abs(y - exact) - bound)
+    assert (np.abs(y - (emulated(matrix, x) + bias)) <= FP32_SLACK * magnitude).all()
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_one_vector_in_one_vector_out(native, name):
+    matrix = QuantizedMatrix.quantize(weights(64, 2 * BLOCK_WEIGHTS), name)
+    x = activations(1, 2 * BLOCK_WEIGHTS)
+    y = matrix.matvec(x[0])
+    assert y.shape == (64,)
+    np.testing.assert_array_equal(y, matrix.matvec(x)[0])
+
+
+def test_the_c_block_sizes_are_the_gguf_ones(native):
+    for fmt in FORMATS.values():
+        assert native.hk_quant_block_bytes(fmt.ggml_type) == fmt.block_bytes
+    assert native.hk_quant_block_bytes(0) == 0  # F32 is no block format
+
+
+def test_the_kernels_refuse_what_they_cannot_take(native):
+    """A format they do not know, columns that are not whole blocks, too many rows: -2, output untouched."""
+    w = np.zeros((8, 64), dtype=np.uint8)
+    x, y = np.ones((1, 64), dtype=np.float32), np.full((1, 8), 7.0, dtype=np.float32)
+    for fmt, cols, batch in ((0, 64, 1), (FORMATS["q8_0"].ggml_type, 48, 1),
+                             (FORMATS["q8_0"].ggml_type, 64, native_kernels.MAX_ROWS + 1)):
+        assert native.hk_qgemv(fmt, w.ctypes.data, x.ctypes.data, None, y.ctypes.data, 8, cols, batch) == -2
+    assert (y == 7.0).all()
+
+
+def test_any_thread_count_and_a_held_worker_give_the_same_product(native):
+    """Each output is one chunk's fixed-order sum: the same bits with 1 or 3 threads, and with a worker held back
+    (as one whose core went to another process): the product finishes without it."""
+    matrix = QuantizedMatrix.quantize(weights(4096, 8 * BLOCK_WEIGHTS), "q4_0")
+    x = activations(2, 8 * BLOCK_WEIGHTS)
+    try:
+        native.hk_set_threads(1)
+        expected = matrix.matvec(x)
+        native.hk_set_threads(3)
+        assert np.array_equal(matrix.matvec(x), expected)
+        native.hk_test_hold_worker(1, 120.0)
+        for _ in range(10_000):  # until worker 1 has woken to a task and waits before claiming any
+            held = matrix.matvec(x)
+            assert np.array_equal(held, expected)
+            if native.hk_test_worker_held():
+                break
+        assert native.hk_test_worker_held() == 1
+        assert np.array_equal(matrix.matvec(x), expected)
+        assert native.hk_test_worker_held() == 1  # still waiting: the product did not wait for it
+    finally:
+        native.hk_test_release_worker()
+        native.hk_set_threads(native_kernels.default_threads())
+
+
+def test_without_the_kernels_numpy_gives_the_product(monkeypatch):
+    """HIVEKEEPER_NATIVE=0 (or no compiler): the dequantized weights in numpy, within the same bound."""
+    monkeypatch.setenv(native_kernels.VARIANT_ENV, "0")
+    native_kernels.forget()
+    try:
+        assert native_kernels.library() is None
+        matrix = QuantizedMatrix.quantize(weights(), "q4_1")
+        x = activations(2)
+        reference = matrix.dequantize().astype(np.float64)
+        y = matrix.matvec(x)
+        assert np.allclose(y, x.astype(np.float64) @ reference.T, rtol=1e-4, atol=1e-4)
+    finally:
+        monkeypatch.undo()
+        native_kernels.forget()
+
+
+def test_shapes_are_checked():
+    matrix = QuantizedMatrix.quantize(weights(8, 64), "q8_0")
+    with pytest.raises(ValueError, match=r"takes \[batch, 64\]"):
+        matrix.matvec(np.ones((1, 32), dtype=np.float32))
+    with pytest.raises(ValueError, match="8 outputs"):
+        matrix.matvec(np.ones((1, 64), dtype=np.float32), np.ones(7, dtype=np.float32))
