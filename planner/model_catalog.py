@@ -8,6 +8,7 @@ mistral, mixtral, qwen2, falcon (old and new_decoder_architecture; RefinedWeb al
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,11 @@ from .model_config import HFConfig, parse_hf_config, read_config_json
 from .models import ModelSpec
 
 MODELS_DIR = Path(__file__).parent / "data" / "models"
+
+# Current hub ids of catalog models Meta renamed (meta-llama/Meta-Llama-3.1-* became meta-llama/Llama-3.1-*); a base
+# model maps to its Instruct twin, whose architecture (all the planner reads) is the same.
+ALIASES = {f"meta-llama/Llama-3.1-{size}{suffix}": f"meta-llama/Meta-Llama-3.1-{size}-Instruct"
+           for size in ("8B", "70B", "405B") for suffix in ("", "-Instruct")}
 
 # ---- catalog ------------------------------------------------------------------------------------------------------
 def _catalog_files() -> dict[str, Path]:
@@ -32,6 +38,7 @@ def model_ids() -> list[str]:
 def _catalog_path(model_id: str) -> Path | None:
     """Exact id first, then case-insensitive, then the bare name after the org ('Llama-2-7b-hf') when unique."""
     files = _catalog_files()
+    model_id = next((target for alias, target in ALIASES.items() if alias.lower() == model_id.lower()), model_id)
     if model_id in files:
         return files[model_id]
     wanted = model_id.lower()
@@ -45,9 +52,24 @@ def get_model(model_id: str) -> ModelSpec:
     """The ModelSpec of a catalog model, by hub id (case-insensitive; the bare name also works when unique)."""
     path = _catalog_path(model_id)
     if path is None:
-        raise InputError(f"unknown model {model_id!r}; catalog ids: {', '.join(model_ids())} "
+        close = did_you_mean(model_id)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise InputError(f"unknown model {model_id!r}; {hint}catalog ids: {', '.join(model_ids())} "
                          "(or pass a config.json file or a folder holding one)")
     return spec_from_hf_config(read_config_json(path), path.stem.replace("--", "/"), source=str(path))
+
+
+def did_you_mean(model_id: str) -> list[str]:
+    """Catalog ids close to an unknown one (difflib, case-insensitive, on the whole id and on the name after the
+    org), best first; at most three."""
+    ids = model_ids()
+    by_lower = {i.lower(): i for i in ids}
+    by_name = {i.split("/", 1)[1].lower(): i for i in ids}
+    wanted = model_id.lower()
+    close = difflib.get_close_matches(wanted, list(by_lower), n=3, cutoff=0.6)
+    close += difflib.get_close_matches(wanted.rsplit("/", 1)[-1], list(by_name), n=3, cutoff=0.6)
+    found = [by_lower.get(c) or by_name[c] for c in close]
+    return list(dict.fromkeys(found))[:3]
 
 
 def hf_cache_dir() -> Path:

@@ -25,7 +25,9 @@ from hivekeeper.core.cli.generate import (add_model_arguments, add_sampling_argu
 if TYPE_CHECKING:
     from hivekeeper.core.runtime.chat_history import ChatHistory
 
-HELP = "/reset clears the conversation, /exit quits, Ctrl-C stops a reply"
+HELP = "/help lists the commands, /reset clears the conversation, /exit quits, Ctrl-C stops a reply"
+COMMANDS = (("/help", "this list, and what the chat runs"), ("/reset", "forget the conversation so far"),
+            ("/exit, /quit", "end the chat (Ctrl-D too)"), ("Ctrl-C", "stop the reply being written"))
 USER_PROMPT = "you> "
 ASSISTANT_PROMPT = "assistant> "
 
@@ -145,7 +147,9 @@ class _Chat:
         command = text.strip()
         if command in ("/exit", "/quit"):
             return True
-        if command == "/reset":
+        if command in ("/help", "/?"):
+            _say(self._help())
+        elif command == "/reset":
             self.history.reset()
             self.prompt_cache.reset()
             _say("(conversation cleared)")
@@ -154,6 +158,15 @@ class _Chat:
         elif command:
             self._reply(text)
         return False
+
+    def _help(self) -> str:
+        """The commands, and what this chat runs (model, plan, reply length)."""
+        lines = [f"  {name:<13} {what}" for name, what in COMMANDS]
+        lines.append(f"model {self.args.model} ({self.runner.description}); up to {self.args.max_new_tokens} new "
+                     f"tokens per reply (--max-new-tokens)")
+        if self.args.history:
+            lines.append(f"the conversation is saved to {self.args.history}")
+        return "\n".join(lines)
 
     def _reply(self, text: str) -> None:
         """The model's reply to a user turn, streamed, kept in the history (saved with --history), then its stats."""

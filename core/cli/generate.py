@@ -208,6 +208,13 @@ def report_interrupted(args: argparse.Namespace, runner: Runner, so_far: TextSoF
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------
+def note_capped_tokens(asked: int, prompt_tokens: int, max_length: int, context: int) -> None:
+    """Say on stderr when the model's context leaves fewer new tokens than --max-new-tokens asked for."""
+    if prompt_tokens + asked > max_length:
+        print(f"note: --max-new-tokens {asked} capped at {max_length - prompt_tokens}: the model's context is "
+              f"{context} tokens and the prompt takes {prompt_tokens}", file=sys.stderr)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the text to continue")
@@ -230,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--batch must be an integer from 1 to 65536, got {args.batch}")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise InputError("--prompt is empty: give the text to continue (an empty prompt would generate from the "
+                         "start-of-text token alone)")
     ram_budget = check_budget(args)
     sampling = sampling_params(args)
 
@@ -240,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(args.prompt)
     check_prompt_fits(len(prompt_ids), config, what="--prompt")
     max_length = min(len(prompt_ids) + args.max_new_tokens, context_limit(config))
+    note_capped_tokens(args.max_new_tokens, len(prompt_ids), max_length, context_limit(config))
 
     warm_up_torch_runtime()
     baseline_rss = current_rss_bytes()

@@ -15,7 +15,7 @@ from hivekeeper.planner.errors import InputError
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hivekeeper.core.cli.plan", "recommend how to run a model on this machine or in the swarm"),
-    "detect": ("hivekeeper.core.cli.detect", "show the detected hardware as a spec (JSON)"),
+    "detect": ("hivekeeper.core.cli.detect", "show the detected hardware (text; --json for a hardware JSON document)"),
     "demo-model": ("hivekeeper.core.cli.demo_model", "write a random-weight Llama checkpoint for offline use"),
     "generate": ("hivekeeper.core.cli.generate", "generate text once, for scripts and benchmarks"),
     "chat": ("hivekeeper.core.cli.chat", "chat in the terminal with a local or swarm model"),

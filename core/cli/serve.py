@@ -17,6 +17,9 @@ from pathlib import Path
 from hivekeeper.planner.errors import InputError
 
 
+DEFAULT_STATS_PERIOD_S = 60.0  # a running server says what it has served this often unless told otherwise
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="hub id (org/name), local checkpoint folder, GGUF file (or a "
                         "folder holding one), or smollm2-135m-instruct (the installed default model)")
@@ -58,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between rebalancing checks (with --num-blocks; 0 = never move)")
     parser.add_argument("--balance-quality", type=float, default=0.75,
                         help="move when min throughput before / after moving is below this")
-    parser.add_argument("--stats-period", type=float, default=0.0, help="also print a stats status this often")
+    parser.add_argument("--stats-period", type=float, default=DEFAULT_STATS_PERIOD_S,
+                        help=f"print a stats line (open sessions, requests served, cache left) this often, seconds "
+                             f"(default {DEFAULT_STATS_PERIOD_S:g}; 0 = never)")
     parser.add_argument("--torch-threads", type=int,
                         help="torch's CPU threads (default: 1, with fp32 matmuls on numpy's BLAS over every core)")
 
@@ -256,17 +261,24 @@ def _json_printer(event: dict) -> None:
 
 
 def _human_printer(event: dict) -> None:
+    line = human_status_line(event)
+    if line:
+        print(line, flush=True)
+
+
+def human_status_line(event: dict) -> str:
+    """A status event in words (several lines for "started"); "online" and "stats" lines count the open sessions
+    and the requests served so far."""
     state = event["state"]
     if state == "started":
-        print(f"Peer {event['peer_id']} is up. Other nodes join this swarm with:", flush=True)
-        print("  --initial-peers " + " ".join(event["maddrs"]), flush=True)
-        return
+        return (f"Peer {event['peer_id']} is up. Other nodes join this swarm with:\n"
+                "  --initial-peers " + " ".join(event["maddrs"]))
     blocks = event.get("blocks")
     where = f" blocks {blocks[0]}:{blocks[1]} of {event['num_model_blocks']}" if blocks else ""
     line = f"[{state}] {event['dht_prefix']}{where}"
     if state in ("online", "stats"):
-        line += (f", throughput {event['throughput']:.1f} rps, {event['sessions']} sessions, "
-                 f"{event['cache_tokens_left']} cache tokens left")
+        line += (f", throughput {event['throughput']:.1f} rps, {event['sessions']} open sessions, "
+                 f"{event.get('requests_served', 0)} requests served, {event['cache_tokens_left']} cache tokens left")
     if state == "moving":
         line += f" -> {event['to_blocks'][0]}:{event['to_blocks'][1]}"
-    print(line, flush=True)
+    return line

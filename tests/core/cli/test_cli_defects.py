@@ -1,0 +1,94 @@
+"""Issue 14 item 11, each through the real command: an empty prompt is exit 2; a --max-new-tokens beyond the model's
+context is capped and says so; an unknown hub id suggests the catalog's close ids (and Meta's current Llama 3.1
+names are aliases); chat has /help; `detect --help` says what it prints; the README's Python matches pyproject."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from ...child_output import run
+
+ROOT = Path(__file__).resolve().parents[3]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def hivekeeper(*args: str, input: str | None = None, timeout: float = 300):
+    return run([sys.executable, "-m", "hivekeeper.core.cli.main", *args], timeout=timeout, input=input, env=ENV)
+
+
+def one_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n"])
+def test_an_empty_prompt_is_exit_2(tiny_checkpoint, prompt):
+    result = hivekeeper("generate", "--model", str(tiny_checkpoint), "--prompt", prompt)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "--prompt is empty" in one_line(result)
+
+
+def test_max_new_tokens_beyond_the_context_is_capped_and_said(tiny_checkpoint):
+    from hivekeeper.core.runtime.checkpoint import load_config
+
+    context = load_config(tiny_checkpoint).max_position_embeddings
+    result = hivekeeper("generate", "--model", str(tiny_checkpoint), "--prompt", "Hello there",
+                        "--max-new-tokens", str(10**12), "--ignore-eos", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    note = re.search(r"note: --max-new-tokens 1000000000000 capped at (\d+): the model's context is (\d+) tokens "
+                     r"and the prompt takes (\d+)", result.stderr)
+    assert note, result.stderr
+    capped, said_context, prompt_tokens = map(int, note.groups())
+    assert said_context == context and capped == context - prompt_tokens
+    assert report["new_tokens"] == capped  # what it said is what it did
+    small = hivekeeper("generate", "--model", str(tiny_checkpoint), "--prompt", "Hello", "--max-new-tokens", "3",
+                       "--json")
+    assert small.returncode == 0 and "capped" not in small.stderr
+
+
+def test_unknown_hub_ids_suggest_and_current_llama_names_are_aliases():
+    alias = hivekeeper("plan", "--model", "meta-llama/Llama-3.1-8B", "--hardware", "rtx-4090", "--json")
+    assert alias.returncode == 0, alias.stderr
+    assert json.loads(alias.stdout)["model"] == "meta-llama/Meta-Llama-3.1-8B-Instruct"
+    unknown = hivekeeper("plan", "--model", "meta-llama/Llama-3.2-3B", "--hardware", "rtx-4090")
+    assert unknown.returncode == 2
+    assert "did you mean meta-llama/Llama-3.2-1B" in one_line(unknown)
+    typo = hivekeeper("plan", "--model", "mistral/Mixtral-8x7b", "--hardware", "rtx-4090")
+    assert typo.returncode == 2 and "did you mean mistralai/Mixtral-8x7B-v0.1" in one_line(typo)
+
+
+def test_chat_has_help(tiny_checkpoint):
+    result = hivekeeper("chat", "--model", str(tiny_checkpoint), "--max-new-tokens", "4", input="/help\n/exit\n")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout + result.stderr
+    assert "/help lists the commands" in text  # the greeting names it
+    for command in ("/reset", "/exit, /quit", "Ctrl-C"):
+        assert re.search(rf"^\s+{re.escape(command)}\s+\S", text, re.M), text
+    assert "up to 4 new tokens per reply" in text and "unknown command" not in text
+
+
+def test_detect_help_says_text_and_json():
+    help_text = hivekeeper("detect", "--help").stdout
+    assert "(JSON)" not in help_text and "--json for a hardware JSON document" in help_text
+    text = hivekeeper("detect")
+    assert text.returncode == 0 and not text.stdout.lstrip().startswith("{")
+    as_json = hivekeeper("detect", "--json")
+    assert as_json.returncode == 0 and isinstance(json.loads(as_json.stdout), dict)
+
+
+def test_readme_python_version_is_pyproject_s():
+    required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    version = required.removeprefix(">=")
+    readme = (ROOT / "README.md").read_text()
+    assert f"Python ≥ {version}" in readme
+    assert not re.search(r"Python (≥|>=) ?3\.(?!" + re.escape(version.split(".")[1]) + r")\d+", readme)
