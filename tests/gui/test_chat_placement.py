@@ -9,6 +9,7 @@ that machine, and the chat says it does not fit instead of loading it.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -73,6 +74,7 @@ def test_local_chat_uses_the_plan_for_the_windows_machine(app_window, qtbot, dem
 
     # a machine whose RAM cannot hold the runtime and this model: the planner finds no local plan, and so must chat
     small = apply_host_overrides(machine.detected, ram_gb=1.01)
+    small = dataclasses.replace(small, cpu=dataclasses.replace(small.cpu, in_use_bytes=0))  # as if nothing else ran
     assert search(spec, small, "chat", Constraints(quant="none"), Workload(512, 512)).prediction is None
     window.detect.remember(machine_doc(small, None))
     assert window.chat.hardware.cpu.memory_bytes == small.cpu.memory_bytes
