@@ -124,7 +124,9 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
                                   ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"))
     model = OffloadedModel(path, plan, drop_page_cache=drop_page_cache)
     info = {"source": choice.source, "reason": choice.reason, "policy": choice.policy.as_dict(),
-            "engine": plan.summary()}
+            "engine": plan.summary(), "warnings": list(choice.warnings)}
+    for warning in choice.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     return Runner(model, tokenizer, info, plan.describe(), is_demo)
 
 

@@ -117,9 +117,9 @@ def gguf_quant(model: str, quant: str) -> str:
     return "none"
 
 
-def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float]]:
-    """Read and check the options, then search: (the plan, the bytes per tier it leaves free). Every problem is an
-    InputError naming the option."""
+def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object]:
+    """Read and check the options, then search: (the plan, the bytes per tier it leaves free, the HardwareSpec).
+    Every problem is an InputError naming the option."""
     if not args.model:
         raise InputError("--model is required (a catalog id, a config.json, a GGUF file, or a folder holding one)")
     if args.goal not in GOALS:
@@ -148,7 +148,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float]]:
     reserve = kept_free(hardware, reserve_gb)
     constraints = Constraints(quant=quant, batch_size=batch, reserve_bytes=reserve)
     plan = search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
-    return plan, reserve
+    return plan, reserve, hardware
 
 
 def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
@@ -280,8 +280,12 @@ def kept_free_report(reserve: dict[str, float], explicit: bool) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan, reserve = build_plan(args)
+    plan, reserve, hardware = build_plan(args)
     data = plan_to_dict(plan)
+    if args.hardware == "auto":  # a plan file made here says so: `generate --plan FILE` warns on another machine
+        from hivekeeper.core.machine.profile_files import machine_fingerprint
+
+        data["machine_fingerprint"] = machine_fingerprint(hardware)
     data["kept_free"] = kept_free_report(reserve, args.reserve_gb is not None)
     gguf = gguf_report(args.model, data, this_machine=args.hardware == "auto")
     if gguf is not None:

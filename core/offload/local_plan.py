@@ -6,6 +6,10 @@ A plan file is what `hivekeeper plan --json` writes (its "policy" object is read
 
     {"weight_format": "fp32", "weights": {"gpu": 0, "cpu": 0.5, "disk": 0.5}, "kv_cache": {"gpu": 0, "cpu": 1,
      "disk": 0}, "micro_batch_size": 1, "num_micro_batches": 1, "prefetch_depth": 1}
+
+A plan file says what it was made for (plan_file_checks): one made for another model is refused (its weight format
+and placement were sized for that model's bytes); one made for another machine (a catalog id, or `--hardware auto`
+on a machine whose fingerprint differs) runs with a warning.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class PolicyChoice:
     policy: Policy
     source: str  # "auto" (the planner), "fallback" (the planner found nothing that fits) or the plan file's path
     reason: str  # the planner's explanation, or where the policy came from
+    warnings: tuple[str, ...] = ()  # what the user should know about this choice (a plan file for another machine)
 
 
 def placement(policy: Fields, name: str, default: Placement) -> Placement:
@@ -73,16 +78,48 @@ def policy_from_dict(doc, source: str = "plan") -> Policy:
         raise InputError(f"{source}: {exc}") from None
 
 
-def load_policy_file(path: str | Path) -> Policy:
+def read_plan_file(path: str | Path):
+    """The JSON document of a plan file; errors name the file."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"{path}: no such plan file (give --plan auto or a file from `hivekeeper plan --json`)") \
             from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{path}: not a valid plan JSON file ({exc})") from None
-    return policy_from_dict(doc, source=str(path))
+
+
+def load_policy_file(path: str | Path) -> Policy:
+    return policy_from_dict(read_plan_file(path), source=str(path))
+
+
+def plan_file_checks(doc, path: str | Path, model_path: str | Path) -> tuple[str, ...]:
+    """Whether a plan file (`hivekeeper plan --json`) applies to this run: an InputError when it was made for
+    another model; warnings when it was made for another machine. A bare policy object says neither: no checks."""
+    if not isinstance(doc, dict) or "policy" not in doc:
+        return ()
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    planned_model, here = doc.get("model"), load_model_spec(str(model_path)).name
+    if isinstance(planned_model, str) and planned_model != here:
+        raise InputError(f"{path}: this plan was made for model {planned_model!r}, not {here!r} (this run's "
+                         f"--model); make one with `hivekeeper plan --model {model_path} --json`")
+    hardware = doc.get("hardware")
+    if isinstance(hardware, str) and hardware != "detected":
+        return (f"{path} was made for hardware {hardware!r}, not this machine: its weight format and placement were "
+                f"chosen for that machine (`hivekeeper plan --hardware auto --json` makes one for this one)",)
+    fingerprint = doc.get("machine_fingerprint")
+    if isinstance(fingerprint, str) and fingerprint != this_machine_fingerprint():
+        return (f"{path} was made on another machine (fingerprint {fingerprint}): its placement may not fit here",)
+    return ()
+
+
+def this_machine_fingerprint() -> str:
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.profile_files import machine_fingerprint
+
+    return machine_fingerprint(detect_hardware())
 
 
 def fallback_policy(weight_format: str, batch: int) -> Policy:
@@ -143,7 +180,10 @@ def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_l
     if quant != "none":
         raise InputError(f"--quant {quant} goes with --plan auto; with --plan {plan_arg} the plan file's "
                          "weight_format decides")
-    return PolicyChoice(load_policy_file(plan_arg), str(plan_arg), f"policy read from {plan_arg}")
+    doc = read_plan_file(plan_arg)
+    warnings = plan_file_checks(doc, plan_arg, model_path)
+    return PolicyChoice(policy_from_dict(doc, source=str(plan_arg)), str(plan_arg), f"policy read from {plan_arg}",
+                        warnings)
 
 
 def compute_dtype(weight_format: str, device: str):
