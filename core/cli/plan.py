@@ -16,7 +16,7 @@ from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_by
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
-from hivekeeper.planner.policy import GOALS, QUANTS, Constraints, Plan, plan_to_dict, search
+from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Constraints, Plan, plan_to_dict, search
 
 from hivekeeper.core.runtime.default_model import model_path_or_id
 
@@ -226,9 +226,24 @@ def _gguf_rows(gguf: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def runtime_row(data: dict) -> tuple[str, str]:
+    """The runtime, labelled with what it covers: one query, or the whole batch (whose queries all finish then)."""
+    batch = (data.get("policy") or {}).get("batch_size") or 1
+    tokens = f"{data['prompt_len']} + {data['output_len']} tokens"
+    steps = f"first token after {_seconds(data['alpha_s'])}, then {_seconds(data['beta_s'])} per token"
+    if batch == 1 or data.get("goal") == "serve":
+        return "runtime per query", f"{_seconds(data['runtime_s'])} for {tokens} ({steps})"
+    return ("runtime of the batch", f"{_seconds(data['runtime_s'])} for {batch} queries of {tokens} together, all "
+                                    f"finishing then ({_seconds(data['runtime_s'] / batch)} per query on average; "
+                                    f"{steps} of every query)")
+
+
 def render(plan: Plan, data: dict) -> str:
-    rows: list[tuple[str, str]] = [("fit", {"local": "runs locally", "swarm": "only with the swarm",
-                                            "none": "does not fit"}[plan.fit])]
+    fit = {"local": "runs locally", "swarm": "only with the swarm", "none": "does not fit"}[plan.fit]
+    disk = (plan.prediction.policy.weights.disk if plan.prediction is not None and plan.goal != "serve" else 0.0)
+    if plan.fit == "local" and disk > MOSTLY_ON_DISK:
+        fit += f", streaming {100 * disk:.0f}% of the weights from disk"
+    rows: list[tuple[str, str]] = [("fit", fit)]
     policy = data.get("policy")
     if plan.server is not None and plan.server.num_blocks:
         s = plan.server
@@ -256,11 +271,12 @@ def render(plan: Plan, data: dict) -> str:
     if data.get("gguf") is not None:
         rows += _gguf_rows(data["gguf"])
     if data.get("runtime_s") is not None:
-        rows.append(("runtime", f"{_seconds(data['runtime_s'])} for {data['prompt_len']} + {data['output_len']} "
-                                f"tokens (α {_seconds(data['alpha_s'])} + β {_seconds(data['beta_s'])} per token)"))
+        rows.append(runtime_row(data))
         cost = "" if data["cost_usd"] is None else f" · ${data['cost_usd']:.3g} per query, " \
                                                    f"${data['cost_usd_per_1k_tokens']:.3g} per 1k tokens"
-        rows.append(("energy, cost", f"{_num(data['energy_j'])} J per query{cost}"))
+        rows.append(("energy, cost", f"{_num(data['energy_j'])} J per query{cost} (one query's share of the batch's)"
+                     if ((data.get("policy") or {}).get("batch_size") or 1) > 1 and data.get("goal") != "serve"
+                     else f"{_num(data['energy_j'])} J per query{cost}"))
     if data.get("kept_free") is not None:
         kept = data["kept_free"]["bytes"]
         rows.append(("kept free", " · ".join(f"{name} {_gb(kept[tier])}" for tier, name in

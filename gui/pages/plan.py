@@ -255,12 +255,16 @@ class PlanPage(QWidget):
         self.headline = label("", "title", wrap=True)
         self.fit_label = label("", None, wrap=True)
         self.error_label = label("", "error", wrap=True)
+        self.warning_label = label("", None, wrap=True)  # the plan's warnings (very slow, streamed from disk)
+        self.warning_label.setStyleSheet(f"color: {WARN};")
+        self.warning_label.hide()
         self.error_label.hide()
         self.factors_label = label("", "small")
         column.addWidget(self.headline)
         column.addWidget(self.factors_label)
         column.addWidget(self.fit_label)
         column.addWidget(self.error_label)
+        column.addWidget(self.warning_label)
 
         # fixed heights: text changing length must not re-lay out (and repaint) the charts below
         self.fit_label.setFixedHeight(3 * self.fit_label.fontMetrics().lineSpacing() + 4)
@@ -293,8 +297,8 @@ class PlanPage(QWidget):
         column.addLayout(query)
         costs = QHBoxLayout()
         self.runtime_card = StatCard("runtime per query")
-        self.energy_card = StatCard("energy")
-        self.cost_card = StatCard("cost")
+        self.energy_card = StatCard("energy per query")
+        self.cost_card = StatCard("cost per query")
         for widget in (self.runtime_card, self.energy_card, self.cost_card):
             costs.addWidget(widget, 1)
             widget.setFixedHeight(96)
@@ -508,7 +512,9 @@ class PlanPage(QWidget):
         calibrated = is_calibrated(plan.efficiency)
         self.factors_label.setText(f"Cost-model factors: {plan.efficiency} "
                                    f"({'calibrated on this machine' if calibrated else 'not calibrated'})")
-        fit_words = plan_view.FIT_WORDS[plan.fit]
+        fit_words = plan_view.fit_words(plan)
+        self.warning_label.setText("\n".join(f"⚠ {text}" for text in plan.warnings))
+        self.warning_label.setVisible(bool(plan.warnings))
         prefix = "Your placement: " if result.overridden else ""
         self.fit_label.setText(f"<b style='color:{FIT_COLORS[plan.fit]}'>{FIT_MARKS[plan.fit]} {prefix}{fit_words}"
                                f"</b> — {plan.reason}")
@@ -531,10 +537,14 @@ class PlanPage(QWidget):
             sub = ""
         self.decode_card.detail.setText(self.decode_card.detail.text() + (f"\n{sub}" if sub else ""))
         runtime = plan.runtime
+        batch = plan.prediction.policy.batch_size if plan.prediction is not None and plan.goal != "serve" else 1
+        self.runtime_card.caption.setText("runtime per query" if batch == 1 else f"runtime of the batch of {batch}")
         if runtime is not None:
+            each = "" if batch == 1 else (f"{batch} queries together, all finish then "
+                                          f"({fmt_seconds(runtime.runtime_s / batch)} per query on average); ")
             self.runtime_card.set(fmt_seconds(runtime.runtime_s),
-                                  f"first token {fmt_seconds(runtime.alpha_s)}, then {fmt_seconds(runtime.beta_s)} "
-                                  f"per token")
+                                  f"{each}first token {fmt_seconds(runtime.alpha_s)}, then "
+                                  f"{fmt_seconds(runtime.beta_s)} per token")
             self.energy_card.set(fmt_energy(runtime.energy_j),
                                  f"{fmt_energy(runtime.energy_j_per_1k_tokens)} per 1000 generated tokens "
                                  f"(at {runtime.power_watts:.0f} W rated)")

@@ -225,4 +225,15 @@ def model_fit(model: ModelSpec, hardware: HardwareSpec, model_id: str | None = N
     """Whether a model runs here (chat, default knobs), only with the swarm, or not at all, and why."""
     constraints = planner_policy.Constraints(reserve_bytes=default_headroom(hardware))
     plan = planner_policy.search(model, hardware, "chat", constraints, efficiency=efficiency)
-    return ModelFit(model_id or model.name, plan.fit, FIT_WORDS[plan.fit], plan.reason)
+    return ModelFit(model_id or model.name, plan.fit, fit_words(plan), plan.reason)
+
+
+def fit_words(plan: planner_policy.Plan) -> str:
+    """FIT_WORDS for the plan's fit, except that a local plan streaming most of its weights from disk says so
+    rather than "fits here"."""
+    prediction = plan.prediction
+    if plan.fit == "local" and prediction is not None and plan.goal != "serve":
+        disk = prediction.policy.weights.disk
+        if disk > planner_policy.MOSTLY_ON_DISK:
+            return f"runs here, {100 * disk:.0f}% streamed from disk"
+    return FIT_WORDS[plan.fit]

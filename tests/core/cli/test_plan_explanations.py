@@ -58,3 +58,22 @@ def test_a_plan_streaming_most_weights_from_disk_says_so(goal, tmp_path):
     disk = data["policy"]["weights"]["disk"]
     assert disk > MOSTLY_ON_DISK
     assert any(w.startswith(f"streams {100 * disk:.0f}% of the weights from disk") for w in data["warnings"])
+
+
+def test_the_batch_goal_labels_what_each_number_covers():
+    args = ("--model", "meta-llama/Meta-Llama-3.1-8B-Instruct", "--hardware", "cpu-generic", "--ram-gb", "8",
+            "--goal", "batch")
+    data = plan_json(*args)
+    batch = data["policy"]["batch_size"]
+    assert batch > 1
+    text = plan(*args).stdout
+    row = next(line for line in text.splitlines() if line.strip().startswith("runtime"))
+    assert "runtime of the batch" in row and f"for {batch} queries" in row and "per query on average" in row
+    per_query = data["runtime_s"] / batch
+    assert f"({per_query:,.0f} s per query" in row or f"({per_query:.3g} s per query" in row
+    assert "runtime per query" not in text
+    assert "J per query (one query's share of the batch's)" in text
+    fit = next(line for line in text.splitlines() if line.strip().startswith("fit"))
+    assert f"streaming {100 * data['policy']['weights']['disk']:.0f}% of the weights from disk" in fit
+    chat = plan("--model", "meta-llama/Meta-Llama-3.1-8B-Instruct", "--hardware", "rtx-4090").stdout
+    assert "runtime per query" in chat and "streaming" not in chat
