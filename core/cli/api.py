@@ -1,0 +1,77 @@
+"""`hivekeeper api`: serve one model over a local OpenAI-compatible HTTP API (core/api), so tools written for
+OpenAI's API (editors, notebooks, the `openai` client) use a local or swarm model.
+
+The model is opened as `hivekeeper chat` opens it (the planner's plan for a KV cache of the whole context, or a swarm
+client with --swarm). It binds to 127.0.0.1 by default; --port 0 takes a free port. Once the model is loaded one
+line says where it listens (`serving MODEL at http://HOST:PORT/v1`); Ctrl-C stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hivekeeper.planner.errors import InputError
+
+from hivekeeper.core.cli.generate import (add_model_arguments, check_budget, open_runner, resolve_model,
+                                          set_threads)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+# the plan counts a KV cache of the whole context, less this much reply
+PLANNED_REPLY_TOKENS = 256
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"port to listen on (default {DEFAULT_PORT}; 0 = any free port, printed)")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every request (default: none)")
+    parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be 0..65535, got {args.port}")
+    ram_budget = check_budget(args)
+    set_threads()
+    server = open_server(args, ram_budget)
+    print(f"serving {server.service.model_id} at http://{args.host}:{server.port}/v1 "
+          f"({server.service.runner.description})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("hivekeeper api: stopped", file=sys.stderr)
+    finally:
+        server.server_close()
+        server.service.runner.close()
+    return 0
+
+
+def open_server(args: argparse.Namespace, ram_budget: float | None):
+    """The model loaded and the server bound (an address in use is an InputError naming it)."""
+    from hivekeeper.core.api.server import APIServer, ModelService
+    from hivekeeper.core.runtime.generation import context_limit
+
+    path, tokenizer, config = resolve_model(args)
+    context = context_limit(config)
+    reply = min(PLANNED_REPLY_TOKENS, context - 1)
+    runner = open_runner(args, path, tokenizer, config, batch=1, prompt_len=context - reply, max_length=context,
+                         ram_budget=ram_budget)
+    service = ModelService(runner, tokenizer, config, model_id=args.model, aliases=model_aliases(args.model),
+                           swarm=args.swarm, api_key=args.api_key)
+    try:
+        return APIServer(service, args.host, args.port, verbose=args.verbose)
+    except OSError as exc:
+        runner.close()
+        raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc})") from None
+
+
+def model_aliases(model: str) -> tuple[str, ...]:
+    """Other names a client may give the model: a path's file or folder name."""
+    name = Path(model).name
+    return (name,) if name and name != model else ()
