@@ -11,7 +11,9 @@ faster (bench/decode_resident.py).
 The arithmetic is Block.forward's, in the same order; tests/core/runtime/test_model.py checks both paths against
 transformers. The path is taken only when `prepare` says so: torch on one thread (cpu_matmul's layout), no autograd,
 fp32 weights of our own Linear on the CPU, one token per row, a KV cache. Everything else (prefill, GPUs, bf16,
-quantized blocks, backward) runs Block.forward's torch code.
+bitsandbytes blocks, backward) runs Block.forward's torch code. Blocks whose layers are block-quantized
+(QuantizedLinear: GGUF's Q8_0, Q4_0, Q4_1, core/runtime/kernels/quant_kernels.py) take the C kernels' step only
+(up to MAX_ROWS rows); without the kernels they run torch's code too.
 
 One row (batch 1, the chat and serving case) goes further, into the C kernels of core/runtime/kernels/native_kernels.py when they
 are built: `decode_blocks` runs a whole span's step in one call (a Span's, or an engine's through `PreparedSpan`),
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import Linear, blas_active, column_major
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
 
 ENABLED = True  # tests switch it off to run the torch path through the same checks
 
@@ -39,7 +42,9 @@ class BlockArrays:
 
     `current()` checks that they are still the block's: the same submodules holding the same parameters at the same
     addresses (weights filled in place, as the engine's streamed slots are, stay valid; replaced or moved ones do
-    not). `usable` is False for a block this path cannot run (not fp32 on the CPU, quantized layers)."""
+    not). `usable` says whether the numpy step runs the block (fp32 on the CPU, plain Linear layers); `native` is the
+    C kernels' table of the block when they run it: fp32 layers, or block-quantized ones (QuantizedLinear: Q8_0,
+    Q4_0, Q4_1), which only the kernels run."""
 
     def __init__(self, block):
         attn, mlp = block.self_attn, block.mlp
@@ -49,15 +54,14 @@ class BlockArrays:
                          (block, "input_layernorm", norms[0]), (block, "post_attention_layernorm", norms[1])]
         self._children += [(attn, "qkv_proj", linears[0]), (attn, "o_proj", linears[1]),
                           (mlp, "gate_up_proj", linears[2]), (mlp, "down_proj", linears[3])]
-        tensors = [(module, name, module._parameters.get(name))
-                   for module in (*norms, *linears) for name in ("weight", "bias")]
+        tensors = [(module, name, _tensor(module, name))
+                   for module in (*norms, *linears) for name in (_weight_name(module), "bias")]
         self._tensors = [(module, name, tensor, tensor.data_ptr() if tensor is not None else 0)
                          for module, name, tensor in tensors]
-        self.usable = all(isinstance(layer, Linear) for layer in linears) and all(
-            tensor.dtype is torch.float32 and tensor.device.type == "cpu"
-            for _, _, tensor, _ in self._tensors if tensor is not None)
+        self.usable = all(isinstance(layer, Linear) for layer in linears) and _fp32_on_cpu(self._tensors)
         self.native = None  # the C kernels' table of this block, when they can run it
-        if not self.usable:
+        if not (all(isinstance(layer, (Linear, QuantizedLinear)) for layer in linears)
+                and _fp32_on_cpu(self._tensors)):
             return
 
         def array(tensor: Tensor | None) -> np.ndarray | None:
@@ -65,20 +69,23 @@ class BlockArrays:
 
         self.norm_weights = tuple(array(norm.weight) for norm in norms)
         self.norm_eps = tuple(norm.eps for norm in norms)
-        self.weights = tuple((array(layer.weight), array(layer.bias)) for layer in linears)
+        self.weights = tuple((array(_tensor(layer, _weight_name(layer))), array(layer.bias)) for layer in linears)
+        self.formats = tuple(layer.fmt.ggml_type if isinstance(layer, QuantizedLinear) else 0 for layer in linears)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.intermediate_size = mlp.intermediate_size
         self.native = self._native_block(attn) if native_kernels.library() is not None else None
 
     def _native_block(self, attn) -> native_kernels.Block | None:
-        """The C kernels' view of this block (weights row- or column-major, the rest contiguous), or None."""
+        """The C kernels' view of this block (weights row- or column-major, block-quantized ones row by row, the
+        rest contiguous), or None."""
         vectors = [*self.norm_weights, *(bias for _, bias in self.weights if bias is not None)]
         if not all(a.flags.c_contiguous for a in vectors):
             return None
-        layout = 0
-        for bit, (weight, _) in enumerate(self.weights):
+        layout = formats = 0
+        for bit, ((weight, _), fmt) in enumerate(zip(self.weights, self.formats)):
+            formats |= fmt << (8 * bit)
             if not weight.flags.c_contiguous:
-                if not weight.flags.f_contiguous:
+                if fmt or not weight.flags.f_contiguous:
                     return None
                 layout |= 1 << bit
 
@@ -90,12 +97,28 @@ class BlockArrays:
             self.norm_weights[0].shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
             address(self.norm_weights[0]), address(self.norm_weights[1]), self.norm_eps[0], self.norm_eps[1],
             address(qkv_w), address(qkv_b), address(o_w), address(o_b), address(gate_up_w), address(gate_up_b),
-            address(down_w), address(down_b), layout)
+            address(down_w), address(down_b), layout, formats)
 
     def current(self) -> bool:
         return all(parent._modules.get(name) is child for parent, name, child in self._children) and all(
-            module._parameters.get(name) is tensor and (tensor is None or tensor.data_ptr() == address)
+            _tensor(module, name) is tensor and (tensor is None or tensor.data_ptr() == address)
             for module, name, tensor, address in self._tensors)
+
+
+def _weight_name(module) -> str:
+    """Where a layer keeps its weight: `packed` (a buffer of block bytes) for QuantizedLinear, else `weight`."""
+    return "packed" if isinstance(module, QuantizedLinear) else "weight"
+
+
+def _tensor(module, name: str) -> Tensor | None:
+    """A module's own parameter or buffer `name` (None when it has none)."""
+    return module._parameters.get(name) if name in module._parameters else module._buffers.get(name)
+
+
+def _fp32_on_cpu(tensors) -> bool:
+    """Every floating-point tensor fp32 and every tensor on the CPU (block bytes are uint8)."""
+    return all((tensor.dtype is torch.float32 or not tensor.is_floating_point()) and tensor.device.type == "cpu"
+               for _, _, tensor, _ in tensors if tensor is not None)
 
 
 def block_arrays(block) -> BlockArrays:
@@ -117,11 +140,16 @@ def _step_allowed(hidden: Tensor, k_cache: Tensor | None) -> bool:
 
 
 def prepare(block, hidden: Tensor, k_cache: Tensor | None) -> BlockArrays | None:
-    """The block's arrays when this step can run in numpy (`decode_step`), else None (Block.forward's torch code)."""
+    """The block's arrays when this step can run in numpy or the C kernels (`decode_step`), else None (Block.forward's
+    torch code). A block-quantized block runs only in the kernels: a batch they take, caches they read."""
     if not _step_allowed(hidden, k_cache):
         return None
     arrays = block_arrays(block)
-    return arrays if arrays.usable else None
+    if arrays.usable:
+        return arrays
+    native_ready = (arrays.native is not None and native_kernels.library() is not None
+                    and hidden.shape[0] <= native_kernels.MAX_ROWS and k_cache.stride(-1) == 1)
+    return arrays if native_ready else None
 
 
 def _matmul(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -162,6 +190,8 @@ def decode_step(block, w: BlockArrays, hidden: Tensor, k_cache: Tensor, v_cache:
         out = _native_step(block, w.native, hidden, k_cache, v_cache, position, rope)
         if out is not None:
             return out
+    if not w.usable:  # `prepare` checked what the kernels need; caches unlike KVCache's would end here
+        raise RuntimeError("decode: a block-quantized block's caches do not suit the native kernels")
     (qkv_w, qkv_b), (o_w, o_b), (gate_up_w, gate_up_b), (down_w, down_b) = w.weights
     nh, nkv, d = w.num_heads, w.num_kv_heads, w.head_dim
     x = hidden.detach().numpy().reshape(batch, width)  # [b, hidden]

@@ -43,12 +43,13 @@ _status: str | None = None
 
 
 class Block(ctypes.Structure):
-    """hk_block: one layer's shapes and weight addresses (the arrays must outlive it)."""
+    """hk_block: one layer's shapes and weight addresses (the arrays must outlive it); `formats` holds each weight's
+    block format (GGML type id, 0 for fp32) in bytes 0-3: qkv, o, gate_up, down."""
 
     _fields_ = [(name, ctypes.c_long) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
         ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_double), ("eps2", ctypes.c_double),
     ] + [(name, ctypes.c_void_p) for name in ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w",
-                                              "down_b")] + [("column_major", ctypes.c_long)]
+                                              "down_b")] + [("column_major", ctypes.c_long), ("formats", ctypes.c_long)]
 
 
 class Cache(ctypes.Structure):

@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.quant.blocks import (BLOCK_WEIGHTS, BlockFormat, dequantize, format_named, from_gguf,
@@ -99,3 +102,43 @@ def activation_error_bound(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
     half_step = np.abs(x.reshape(-1, blocks, BLOCK_WEIGHTS)).max(axis=2) / 254.0  # [batch, blocks]
     weight_mass = np.abs(weight.astype(np.float64)).reshape(outs, blocks, BLOCK_WEIGHTS).sum(axis=2)  # [outs, blocks]
     return half_step @ weight_mass.T
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight stays block-quantized in RAM (`packed`, a uint8 buffer [out, in / 32 x block
+    bytes]). A few rows at a time (decode) multiply on the native kernels; more rows (prefill), or a machine without
+    the kernels, multiply the dequantized weight in torch (made for that call, not kept). A decode step of a block
+    whose layers are all these or fp32 Linear runs in one native call (cpu_decode)."""
+
+    def __init__(self, matrix: QuantizedMatrix, bias: Tensor | None = None):
+        super().__init__()
+        self.fmt = matrix.fmt
+        self.in_features, self.out_features = matrix.cols, matrix.outs
+        self.register_buffer("packed", torch.from_numpy(np.ascontiguousarray(matrix.packed)))
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(bias.detach().to(torch.float32).contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str | BlockFormat) -> "QuantizedLinear":
+        """The layer's weight quantized into `fmt` (its bias kept in fp32)."""
+        weight = linear.weight.detach().to(torch.float32).contiguous().numpy()
+        return cls(QuantizedMatrix.quantize(weight, fmt), linear.bias)
+
+    @property
+    def matrix(self) -> QuantizedMatrix:
+        return QuantizedMatrix(self.fmt, self.packed.numpy(), self.out_features, self.in_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.numel() // self.in_features
+        if (rows <= native_kernels.MAX_ROWS and native_kernels.library() is not None and x.dtype is torch.float32
+                and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)):
+            bias = None if self.bias is None else self.bias.detach().numpy()
+            y = self.matrix.matvec(x.detach().reshape(rows, self.in_features).numpy(), bias)
+            return torch.from_numpy(y).view(*x.shape[:-1], self.out_features)
+        weight = torch.from_numpy(self.matrix.dequantize()).to(x.dtype)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"

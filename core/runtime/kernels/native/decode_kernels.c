@@ -477,11 +477,17 @@ typedef struct {
     long hidden, heads, kv_heads, head_dim, intermediate;
     const float *norm1, *norm2; /* input_layernorm, post_attention_layernorm weights [hidden] */
     double eps1, eps2;
-    const float *qkv_w, *qkv_b;         /* [(heads + 2 kv_heads) head_dim, hidden]: q, k, v rows */
-    const float *o_w, *o_b;             /* [hidden, heads head_dim] */
-    const float *gate_up_w, *gate_up_b; /* [2 intermediate, hidden]: gate rows, then up rows */
-    const float *down_w, *down_b;       /* [hidden, intermediate] */
+    const void *qkv_w;                  /* [(heads + 2 kv_heads) head_dim, hidden]: q, k, v rows */
+    const float *qkv_b;
+    const void *o_w;                    /* [hidden, heads head_dim] */
+    const float *o_b;
+    const void *gate_up_w;              /* [2 intermediate, hidden]: gate rows, then up rows */
+    const float *gate_up_b;
+    const void *down_w;                 /* [hidden, intermediate] */
+    const float *down_b;
     long column_major;                  /* bits: 1 qkv_w, 2 o_w, 4 gate_up_w, 8 down_w stored column-major */
+    long formats;                       /* byte i (qkv_w, o_w, gate_up_w, down_w): 0 for fp32, else the weight's
+                                           block format (a GGML type id: Q8_0, Q4_0, Q4_1), rows contiguous */
 } hk_block;
 
 typedef struct {
@@ -561,6 +567,18 @@ static int reserve_scratch(size_t floats) {
     return 0;
 }
 
+static int qmatvec(int format, const void *w, const float *x, const float *bias, float *y, long outs, long cols,
+                   long batch, int accumulate);
+
+/* The layer's product with weight `which` (0 qkv, 1 o, 2 gate_up, 3 down), fp32 or block-quantized as its table
+   says. Returns 0, or nonzero when memory ran out. */
+static int product(const hk_block *b, int which, const void *w, const float *x, const float *bias, float *y,
+                   long outs, long cols, long batch, int accumulate) {
+    int format = (int)((b->formats >> (8 * which)) & 0xff);
+    if (format) return qmatvec(format, w, x, bias, y, outs, cols, batch, accumulate);
+    return matvec(w, (int)(b->column_major >> which) & 1, x, bias, y, outs, cols, batch, accumulate);
+}
+
 /* x [batch, hidden] <- the layer's output for one new token per row at t->position; writes their K/V into the
    caches (call_lock held). */
 static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x, long batch) {
@@ -575,7 +593,7 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
 
     /* attention: q, k, v from one product; q and k rotated; the new tokens' k and v into the cache */
     for (long r = 0; r < batch; r++) rms_norm(x + r * width, b->norm1, b->eps1, normed + r * width, width);
-    if (matvec(b->qkv_w, b->column_major & 1, normed, b->qkv_b, qkv, qkv_width, width, batch, 0)) return -1;
+    if (product(b, 0, b->qkv_w, normed, b->qkv_b, qkv, qkv_width, width, batch, 0)) return -1;
     for (long r = 0; r < batch; r++) {
         float *row = qkv + r * qkv_width;
         for (long h = 0; h < nh + nkv; h++) rotate(row + h * d, t->cos, t->signed_sin, d);
@@ -590,17 +608,17 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
         parallel(attention_pair, &attention, batch * nkv);
     else
         for (long pair = 0; pair < batch * nkv; pair++) attention_pair(&attention, pair);
-    if (matvec(b->o_w, b->column_major & 2, context, b->o_b, x, width, nh * d, batch, 1)) return -1; /* x += o(context) */
+    if (product(b, 1, b->o_w, context, b->o_b, x, width, nh * d, batch, 1)) return -1; /* x += o(context) */
 
     /* MLP: gate and up from one product */
     for (long r = 0; r < batch; r++) rms_norm(x + r * width, b->norm2, b->eps2, normed + r * width, width);
-    if (matvec(b->gate_up_w, b->column_major & 4, normed, b->gate_up_b, gate_up, 2 * size, width, batch, 0)) return -1;
+    if (product(b, 2, b->gate_up_w, normed, b->gate_up_b, gate_up, 2 * size, width, batch, 0)) return -1;
     for (long r = 0; r < batch; r++)
         for (long i = 0; i < size; i++) {
             float g = gate_up[r * 2 * size + i];
             act[r * size + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * size + size + i];
         }
-    if (matvec(b->down_w, b->column_major & 8, act, b->down_b, x, width, size, batch, 1)) return -1; /* x += down(act) */
+    if (product(b, 3, b->down_w, act, b->down_b, x, width, size, batch, 1)) return -1; /* x += down(act) */
     return 0;
 }
 
@@ -703,8 +721,9 @@ typedef struct {
     const int8_t *q;         /* activations [batch, cols] */
     const float *d, *sum;    /* [batch, blocks] */
     const float *bias;
-    float *y;                /* [batch, outs] */
+    float *y;                /* [batch, outs]: y = x w^T + bias, or y += that when accumulate */
     long outs, cols, batch, rows_per_chunk;
+    int accumulate;
 } qmatvec_task;
 
 #if HK_AVX2
@@ -812,8 +831,9 @@ static inline __attribute__((always_inline)) void qmatvec_rows(int format, const
     for (long o = r0; o < r1; o++) {
         const uint8_t *row = t->w + o * t->row_bytes;
         for (long r = 0; r < t->batch; r++) {
-            float s = qdot(format, t, row, r);
-            t->y[r * t->outs + o] = t->bias ? s + t->bias[o] : s;
+            float s = qdot(format, t, row, r), *y = t->y + r * t->outs + o;
+            if (t->bias) s += t->bias[o];
+            *y = t->accumulate ? *y + s : s;
         }
     }
 }
@@ -845,22 +865,28 @@ static int reserve_quantized_x(long count) {
     return 0;
 }
 
-/* y [batch, outs] = x [batch, cols] w^T (+ bias), w [outs, cols] in block `format` (a GGML type id: Q8_0, Q4_0 or
-   Q4_1), rows contiguous; batch <= MAX_ROWS. Returns 0; -1 when memory ran out; -2 for a format these kernels do
-   not take, cols not a multiple of 32, or batch out of range (y unchanged). */
-int hk_qgemv(int format, const void *w, const float *x, const float *bias, float *y, long outs, long cols,
-             long batch) {
+/* y [batch, outs] = x [batch, cols] w^T (+ bias), or y += that when accumulate; w [outs, cols] in block `format`
+   (a GGML type id: Q8_0, Q4_0 or Q4_1), rows contiguous; batch <= MAX_ROWS; call_lock held. Returns 0; -1 when
+   memory ran out; -2 for a format these kernels do not take, cols not a multiple of 32, or batch out of range (y
+   unchanged). */
+static int qmatvec(int format, const void *w, const float *x, const float *bias, float *y, long outs, long cols,
+                   long batch, int accumulate) {
     long block_bytes = hk_quant_block_bytes(format);
     if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || batch < 1 || batch > MAX_ROWS || outs < 0) return -2;
+    if (reserve_quantized_x(batch * cols) != 0) return -1;
+    long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes;
+    quantize_activations(x, batch * cols, quantized_x, x_scales, x_scales + batch * blocks);
+    qmatvec_task t = {format, w, row_bytes, blocks, quantized_x, x_scales, x_scales + batch * blocks, bias, y,
+                      outs, cols, batch, rows > 0 ? rows : 1, accumulate};
+    parallel(qmatvec_chunk, &t, ceil_div(outs, t.rows_per_chunk));
+    return 0;
+}
+
+/* hk_qgemv: qmatvec's y = x w^T (+ bias) under the call lock; the same results. */
+int hk_qgemv(int format, const void *w, const float *x, const float *bias, float *y, long outs, long cols,
+             long batch) {
     pthread_mutex_lock(&call_lock);
-    int status = reserve_quantized_x(batch * cols);
-    if (status == 0) {
-        long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes;
-        quantize_activations(x, batch * cols, quantized_x, x_scales, x_scales + batch * blocks);
-        qmatvec_task t = {format, w, row_bytes, blocks, quantized_x, x_scales, x_scales + batch * blocks, bias, y,
-                          outs, cols, batch, rows > 0 ? rows : 1};
-        parallel(qmatvec_chunk, &t, ceil_div(outs, t.rows_per_chunk));
-    }
+    int status = qmatvec(format, w, x, bias, y, outs, cols, batch, 0);
     pthread_mutex_unlock(&call_lock);
     return status;
 }

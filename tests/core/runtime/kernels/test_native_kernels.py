@@ -3,6 +3,7 @@ their fallbacks. tests/core/runtime/test_model.py also runs them against transfo
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from hivekeeper.core.runtime.kernels import cpu_decode
 
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import linear, store_tall_linears_by_column
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
+from hivekeeper.core.runtime.quant.blocks import FORMATS
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
 from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.generation import generate
@@ -266,6 +269,43 @@ def test_the_pool_restarts_cleanly_however_its_threads_are_scheduled(native):
         output, _ = child.communicate()
         pytest.fail(f"the pool hung restarting its threads; output so far: {output[-2000:]}")
     assert child.returncode == 0 and output.strip().endswith("done"), output[-2000:]
+
+
+def quantized_copies(span: Span, fmt: str) -> tuple[Span, Span]:
+    """(the span with every block's linear layers block-quantized in `fmt`, the span with fp32 weights equal to what
+    those blocks stand for)."""
+    quantized, reference = copy.deepcopy(span), copy.deepcopy(span)
+    for q_block, r_block in zip(quantized.blocks, reference.blocks):
+        for owner, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
+                            ("mlp", "down_proj")):
+            layer = QuantizedLinear.from_linear(getattr(getattr(q_block, owner), name), fmt)
+            setattr(getattr(q_block, owner), name, layer)
+            with torch.no_grad():
+                getattr(getattr(r_block, owner), name).weight.copy_(torch.from_numpy(layer.matrix.dequantize()))
+    return quantized, reference
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_block_quantized_span_decodes_in_one_native_call(native, fmt, monkeypatch):
+    """Every step of a span whose layers are Q8_0/Q4_0/Q4_1 runs natively in one call, and stays within the
+    activations' int8 rounding (about 1% per product) of the fp32 span holding the same weights. Without the kernels
+    (and for prefills longer than MAX_ROWS) the layers multiply the dequantized weights in torch: that span's result."""
+    span = random_span(CONFIGS["qwen2-window"])  # sizes in whole blocks of 32; biases; a sliding window
+    quantized, reference = quantized_copies(span, fmt)
+    x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
+    calls = []
+    real = cpu_decode.decode_blocks
+    monkeypatch.setattr(cpu_decode, "decode_blocks", lambda *args: (lambda out: calls.append(out is not None) or out)(
+        real(*args)))
+    out, cache = decode(quantized, x, "native", monkeypatch)
+    assert calls == [True] * DECODE
+    expected, expected_cache = decode(reference, x, "torch", monkeypatch)
+    torch_path, _ = decode(quantized, x, "torch", monkeypatch)  # QuantizedLinear.forward: dequantized, in torch
+    assert_close(torch_path, expected)
+    scale = expected.abs().max()
+    assert (out - expected).abs().max() <= 0.03 * scale
+    assert (cache.k - expected_cache.k).abs().max() <= 0.03 * expected_cache.k.abs().max()
+    assert not torch.equal(out, expected)  # the kernels' arithmetic, not the reference's, ran
 
 
 def test_concurrent_callers_get_their_own_results(native, monkeypatch):
