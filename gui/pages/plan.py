@@ -37,6 +37,7 @@ from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
 DETECTED = "detected"
 FIT_COLORS = {"local": GOOD, "swarm": WARN, "none": BAD}
 FIT_MARKS = {"local": "✓", "swarm": "☁", "none": "✗"}
+CARD_HEIGHT = 112  # the top cards' least height (pixels); the bottleneck's text may need more
 QUANT_LABELS = {"auto": "auto (quantize if it pays)", "none": "16-bit (no quantization)",
                 "int8": "int8", "nf4": "nf4 (4-bit)"}
 GOAL_LABELS = {"chat": "chat (one fast stream)", "batch": "batch (most tokens/s)", "serve": "serve (swarm node)"}
@@ -183,6 +184,8 @@ class PlanPage(QWidget):
         self.context_spin = _spin(0, 1_000_000, 0, "auto (prompt + output)", 256)
         self.batch_spin = _spin(0, 65536, 0, "auto", 1)
         form.addRow("Machine", self.hardware_combo)
+        self.machine_label = label("", "small", wrap=True)  # this machine in words (the combo keeps a short name)
+        form.addRow("", self.machine_label)
         form.addRow("Goal", self.goal_combo)
         form.addRow("Weight format", self.quant_combo)
         form.addRow("Context length", self.context_spin)
@@ -197,7 +200,7 @@ class PlanPage(QWidget):
     def _build_choices(self) -> None:
         """The machine (this one or a catalog one), the goal and the weight format."""
         self.hardware_combo = QComboBox()
-        self.hardware_combo.addItem("This machine (detecting…)", DETECTED)
+        self.hardware_combo.addItem("This machine", DETECTED)
         for machine_id in hardware_catalog.hardware_ids():
             self.hardware_combo.addItem(f"Catalog: {machine_id}", machine_id)
         self.goal_combo = QComboBox()
@@ -278,7 +281,7 @@ class PlanPage(QWidget):
         cards.addWidget(self.prefill_card, 1)
         cards.addWidget(self.bottleneck_card, 2)
         for card in (self.decode_card, self.prefill_card, self.bottleneck_card):
-            card.setFixedHeight(112)
+            card.setFixedHeight(CARD_HEIGHT)
         column.addLayout(cards)
 
         query = QHBoxLayout()
@@ -323,6 +326,7 @@ class PlanPage(QWidget):
             plot.setMinimumHeight(190)
             plot.addLegend(offset=(8, 4), labelTextSize="8pt")
             plot.getAxis("left").enableAutoSIPrefix(False)
+            plot.setLimits(yMin=0)  # tokens/s: the axis never shows negative rates
             charts.addWidget(plot, 1)
         self.batch_plot.setLogMode(x=True, y=False)
         self.budget_plot.plotItem.legend.setOffset((-10, -40))  # bottom right: a rising curve leaves it empty
@@ -452,7 +456,9 @@ class PlanPage(QWidget):
         """This machine (a hardware_service.MachineInfo): its spec as the planner uses it and its factors."""
         self.detected = spec = machine.hardware
         self.detected_efficiency = machine.efficiency
-        self.hardware_combo.setItemText(0, f"This machine ({_short_description(spec)})")
+        self.hardware_combo.setItemText(0, "This machine")
+        self.hardware_combo.setItemData(0, _short_description(spec), Qt.ItemDataRole.ToolTipRole)
+        self.machine_label.setText(_short_description(spec))
         if self.settings.hardware == DETECTED:
             self.refresh()
 
@@ -527,6 +533,7 @@ class PlanPage(QWidget):
             batch_note = (f"; compute-bound from batch {n['min_compute_bound_batch']} "
                           f"({n.get('min_compute_bound_basis') or ''})")
         self.bottleneck_card.set(n.get("bottleneck") or "–", (n.get("bottleneck_detail") or "") + batch_note)
+        self.bottleneck_card.value.setWordWrap(True)
         policy = n.get("policy") or {}
         if plan.goal == "serve" and plan.server is not None:
             sub = (f"serves {plan.server.num_blocks} of {model.num_layers} blocks in {plan.server.weight_format}, "
@@ -559,6 +566,31 @@ class PlanPage(QWidget):
         if plan.missing_bytes:
             self.bottleneck_card.set("memory", f"needs {fmt_bytes(plan.missing_bytes.get('total'))} more memory")
         self.memory_bars.set_bars(plan_view.memory_bars(model, hardware, result))
+        self._show_placement(hardware, result)
+        self.fit_cards()
+
+    def fit_cards(self) -> None:
+        """The top cards as tall as the bottleneck's text needs (at least CARD_HEIGHT): never clipped."""
+        card = self.bottleneck_card
+        needed = card.heightForWidth(card.width()) if card.width() > 0 else CARD_HEIGHT
+        height = max(CARD_HEIGHT, needed)
+        for widget in (self.decode_card, self.prefill_card, self.bottleneck_card):
+            if widget.height() != height:
+                widget.setFixedHeight(height)
+
+    def _show_placement(self, hardware: HardwareSpec, result: plan_view.PlanResult) -> None:
+        """The placement fields show the plan's placement when not overridden; no GPU fields without a GPU."""
+        for spins in (self.weight_spins, self.cache_spins):
+            spins["gpu"].setEnabled(hardware.has_gpu)
+        prediction = result.plan.prediction
+        if result.overridden or prediction is None or result.plan.goal == "serve":
+            return
+        for spins, placement in ((self.weight_spins, prediction.policy.weights),
+                                 (self.cache_spins, prediction.policy.kv_cache)):
+            for tier in TIERS:
+                spins[tier].blockSignals(True)
+                spins[tier].setValue(100 * getattr(placement, tier))
+                spins[tier].blockSignals(False)
 
     # ---- charts (worker) -------------------------------------------------------------------------------------------
     def _charts_due(self) -> None:
@@ -674,6 +706,11 @@ class PlanPage(QWidget):
         for job in (self._chart_job, self._fit_job):
             if job is not None:
                 job.wait(ms)
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        super().resizeEvent(event)
+        if self.result is not None:
+            self.fit_cards()  # narrower cards wrap the bottleneck's text onto more lines
 
     def shutdown(self) -> None:
         self._shut_down = True
