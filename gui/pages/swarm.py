@@ -293,7 +293,8 @@ class SwarmPage(QWidget):
         busy = state in ("starting", "joining", "online", "moving", "leaving")
         self.join_button.setEnabled(not busy)
         self.leave_button.setEnabled(busy and state != "leaving")
-        self.restart_button.setVisible(state == "error" or (state == "stopped" and self.node.launch is not None))
+        # only a node that died is restarted from here; after Leave, Join starts it again
+        self.restart_button.setVisible(state == "error")
         self.state_card.set(STATE_WORDS.get(state, state), "", STATE_COLORS.get(state))
         if state == "error":
             self.error_label.setText(f"The node stopped: {self.node.error}")
@@ -305,6 +306,7 @@ class SwarmPage(QWidget):
         if state == "stopped":
             self.coverage.stop()
             self.state_card.detail.setText("")
+            self.clear_swarm_view()
 
     def _watch_coverage(self) -> None:
         launch = self.node.launch
@@ -333,7 +335,23 @@ class SwarmPage(QWidget):
             self.state_card.detail.setText(f"advertises {ev['throughput']:.3g} requests/s; peer "
                                            f"…{(node.peer_id or '')[-8:]}")
 
+    def clear_swarm_view(self) -> None:
+        """After Leave: no coverage, span, cache or request counts of a node that is gone (nothing stale)."""
+        self.coverage_data = None
+        empty = np.zeros(0)
+        self.others_bars.setOpts(x=empty, height=empty, y0=empty, width=0.8)
+        self.mine_bars.setOpts(x=empty, height=empty, y0=empty, width=0.8)
+        self.gap_marks.setData([], [])
+        self.coverage_note.setText("The chart fills in once the node is online.")
+        for key in FIELD_CAPTIONS:
+            self.field_values[key] = ("–", "")
+        self._render_fields()
+        self.address_label.setText("")
+        self.address_box.setPlainText("")
+
     def _on_report(self, report: dict) -> None:
+        if self.node.state not in ("online", "moving"):
+            return  # a report the watcher read before the node left: stale now
         x, others, mine = coverage_arrays(report, self.node.peer_id)
         self.coverage_data = (x, others, mine)
         self.others_bars.setOpts(x=x, height=others, y0=np.zeros_like(others), width=0.8)

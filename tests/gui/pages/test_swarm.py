@@ -66,6 +66,11 @@ def test_join_and_leave_a_local_swarm(make_window, qtbot, demo_checkpoint, tmp_p
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         qtbot.waitUntil(lambda: not page.coverage.running, timeout=30_000)  # the watcher went with it
         assert page.join_button.isEnabled()
+        # nothing stale of the node that left (issue 14 item 10), and no "Restart the node" after a Leave
+        assert page.restart_button.isHidden()
+        assert page.coverage_data is None and len(page.mine_bars.opts["x"]) == 0
+        assert all(value == "–" for value, _ in page.field_values.values())
+        assert page.address_box.toPlainText() == ""
 
         # the swarm saw it go: its record says OFFLINE
         watcher = CoverageService(period_s=1.0)
