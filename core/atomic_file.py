@@ -1,4 +1,5 @@
-"""Atomic JSON writes: settings, profiles, chat history and caches are never left half-written."""
+"""Atomic file writes (JSON and bytes): settings, profiles, chat history, caches and installed desktop files are
+never left half-written."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from hivekeeper.planner.errors import InputError
 
 
 def write_json_atomic(path: str | Path, doc: Any, *, indent: int = 1) -> None:
-    """Write `doc` as JSON to a temp file beside `path`, flush it to disk, then rename it over `path`.
+    """Write `doc` as JSON to `path` atomically (write_bytes_atomic): the old file or the new one, never half."""
+    text = json.dumps(doc, indent=indent, ensure_ascii=False) + "\n"
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, *, mode: int | None = None) -> None:
+    """Write `data` to a temp file beside `path`, flush it to disk, then rename it over `path` (with `mode`, e.g.
+    0o644, when given; mkstemp's 0o600 otherwise).
 
     A crash at any moment leaves either the old file or the new one. Folders are created as needed; a folder
     or file that cannot be written raises InputError naming the path.
@@ -24,11 +32,12 @@ def write_json_atomic(path: str | Path, doc: Any, *, indent: int = 1) -> None:
     except OSError as exc:
         raise InputError(f"{path}: cannot write ({exc.strerror or exc})") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(doc, handle, indent=indent, ensure_ascii=False)
-            handle.write("\n")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "measure": ("hivekeeper.core.cli.measure", "micro-benchmark this machine and save a hardware profile"),
     "profile": ("hivekeeper.core.cli.profile", "profile the runtime and calibrate the planner"),
     "app": ("hivekeeper.core.cli.app", "open the desktop app"),
+    "install-desktop": ("hivekeeper.core.cli.install_desktop", "add the app and the node service to your desktop"),
 }
 
 

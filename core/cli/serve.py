@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from hivekeeper.core.cli.serve_config import apply_config
 from hivekeeper.planner.errors import InputError
 
 
@@ -21,8 +22,10 @@ DEFAULT_STATS_PERIOD_S = 60.0  # a running server says what it has served this o
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="hub id (org/name), local checkpoint folder, GGUF file (or a "
-                        "folder holding one), or smollm2-135m-instruct (the installed default model)")
+    parser.add_argument("--model", help="hub id (org/name), local checkpoint folder, GGUF file (or a folder holding "
+                        "one), or smollm2-135m-instruct (the installed default model); required, here or in --config")
+    parser.add_argument("--config", metavar="FILE", help="a JSON object of these flags without the dashes (e.g. "
+                        '{"model": "...", "new-swarm": true}); flags given here win over the file')
     swarm = parser.add_mutually_exclusive_group()
     swarm.add_argument("--new-swarm", action="store_true", help="start a new private swarm")
     swarm.add_argument("--initial-peers", nargs="+", metavar="MADDR", default=[],
@@ -146,6 +149,7 @@ def default_num_blocks(checkpoint: Path, model_config, dtype, device: str, quant
 
 
 def run(args: argparse.Namespace) -> int:
+    args = apply_config(args, add_arguments)  # --config FILE: the node service's flags (core/cli/serve_config.py)
     import asyncio
 
     import torch
