@@ -5,7 +5,8 @@
   higher-ranked tokens already hold p is dropped, even when it ties with a kept one;
 - the repetition penalty at 2.0, with one previous token, with int32 ids; the one-off `sample`;
 - StopChecker before any stop, pushes without text, `finish` releasing held text once, and two stop strings found
-  at the same place.
+  at the same place;
+- a sampler without a seed (seeded from the OS), and top-k 1 called directly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from hivekeeper.core.runtime.sampling import (Sampler, SamplingParams, StopChecker, apply_repetition_penalty,
-                                              apply_top_p, sample)
+                                              apply_top_k, apply_top_p, sample)
 
 
 # ---- top-p at the cut-off -------------------------------------------------------------------------------------------
@@ -79,3 +80,17 @@ def test_two_stop_strings_at_the_same_place_report_the_first_listed():
     checker = StopChecker(stop_strings=["ab", "abc"])
     assert checker.push(1, "xabcd") == "x"
     assert checker.stopped and checker.matched == "ab"
+
+
+# ---- without a seed, and top-k 1 ----------------------------------------------------------------------------------
+def test_without_a_seed_each_sampler_draws_its_own_tokens():
+    flat = torch.zeros(16, 1000)  # 16 uniform draws from 1000 tokens: two samplers agree on all with p = 1e-48
+    first, second = Sampler(SamplingParams()), Sampler(SamplingParams())
+    drawn = first(flat)
+    assert drawn.shape == (16,) and ((drawn >= 0) & (drawn < 1000)).all()
+    assert not torch.equal(drawn, second(flat))
+
+
+def test_top_k_1_keeps_only_the_largest():
+    logits = torch.tensor([[0.5, 3.0, 2.9, -1.0]])
+    assert torch.isfinite(apply_top_k(logits, 1)).tolist() == [[False, True, False, False]]
