@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QPushButton, QVBoxLayout, QWidget
@@ -29,6 +30,20 @@ SERIES = {
     "ram": ("RAM %", KV_CACHE),
     "gpu": ("GPU %", BAD),
 }
+
+
+PER_REPLY = ("chat_tps", "chat_latency_ms")  # one sample per chat reply: points, not a line between replies
+
+
+def separate_points(t: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The samples with a NaN between each two, so that a curve drawn with connect="finite" joins none of them."""
+    if len(t) < 2:
+        return t, v
+    gap_t = np.empty(2 * len(t) - 1)
+    gap_v = np.full(2 * len(t) - 1, np.nan)
+    gap_t[0::2], gap_t[1::2] = t, t[:-1]
+    gap_v[0::2] = v
+    return gap_t, gap_v
 
 
 class MonitorPage(QWidget):
@@ -79,9 +94,10 @@ class MonitorPage(QWidget):
                 text, color = SERIES[name]
                 style = Qt.PenStyle.DashLine if name == "node_sessions" else Qt.PenStyle.SolidLine
                 # chat samples are one per reply: dots make single replies visible
+                # a NaN sample breaks the line (connect="finite"): separate chat replies are not joined
                 self.curves[name] = plot.plot([], [], pen=pg.mkPen(color, width=2, style=style), name=text,
                                               symbol="o" if name.startswith("chat") else None, symbolSize=5,
-                                              symbolBrush=color)
+                                              symbolBrush=color, connect="finite")
             self.plots[title] = plot
             grid.addWidget(plot, i // 2, i % 2)
         layout.addLayout(grid, 1)
@@ -96,6 +112,7 @@ class MonitorPage(QWidget):
 
     # ---- inputs ----------------------------------------------------------------------------------------------------
     def record_chat_reply(self, tokens_per_s: float, ms_per_token: float) -> None:
+        """One reply's speed: one point (redraw keeps replies apart: separate_points)."""
         now = time.time()
         self.buffers["chat_tps"].append(now, tokens_per_s)
         self.buffers["chat_latency_ms"].append(now, ms_per_token)
@@ -137,7 +154,10 @@ class MonitorPage(QWidget):
         for name, curve in self.curves.items():
             t, v = self.buffers[name].arrays()
             keep = t >= now - WINDOW_S
-            curve.setData(t[keep] - now, v[keep])
+            t, v = t[keep] - now, v[keep]
+            if name in PER_REPLY:
+                t, v = separate_points(t, v)
+            curve.setData(t, v)
         self.redraws += 1
         cpu, ram = self.buffers["cpu"].last(), self.buffers["ram"].last()
         parts = []
