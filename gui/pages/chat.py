@@ -241,7 +241,15 @@ class ChatPage(QWidget):
         return self.settings.model or DEFAULT_MODEL_ID
 
     def _update_subtitle(self) -> None:
-        self.subtitle.setText(f"{Path(self.model()).name or 'no model'} · {MODES[self.settings.mode]}")
+        """The open conversation's model and run mode as it used them; the settings' when they differ (what the
+        next reply uses) or when no conversation is open."""
+        now = f"{Path(self.model()).name or 'no model'} · {MODES[self.settings.mode]}"
+        conversation = self.conversation
+        if conversation is None or not conversation.mode:
+            self.subtitle.setText(now)
+            return
+        used = f"{Path(conversation.model).name or 'no model'} · {MODES[conversation.mode]}"
+        self.subtitle.setText(used if used == now else f"{used} (next reply: {now})")
 
     # ---- conversations ---------------------------------------------------------------------------------------------
     def refresh_list(self) -> None:
@@ -260,6 +268,7 @@ class ChatPage(QWidget):
         self.settings.conversation_id = ""
         self.last_error = ""
         self.title.setText("New chat")
+        self._update_subtitle()
         self.list.clearSelection()
         self.render()
         self.settingsChanged.emit()
@@ -277,6 +286,7 @@ class ChatPage(QWidget):
         self.settings.conversation_id = conversation_id
         self.title.setText(self.conversation.title)
         self.last_error = ""
+        self._update_subtitle()
         self.render()
         self.refresh_list()
         self.settingsChanged.emit()
@@ -320,7 +330,9 @@ class ChatPage(QWidget):
             self.title.setText(self.conversation.title)
         self.conversation.history.system_prompt = self.settings.system_prompt
         self.conversation.history.add_user(text)
-        self.conversation.model = self.model()
+        key = self.backend_key()
+        self.conversation.model = key.model or self.model()
+        self.conversation.mode = self.settings.mode
         self._save()  # the question survives whatever happens to the reply
         self.refresh_list()
         self.input.clear()
@@ -331,7 +343,8 @@ class ChatPage(QWidget):
         request = Request(history=ChatHistory.from_dict(self.conversation.history.to_dict()),
                           max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           conversation_id=self.conversation.id)
-        self.service.send(self.backend_key(), request)
+        self._update_subtitle()
+        self.service.send(key, request)
         self._update_buttons()
         self.render()
         self.settingsChanged.emit()

@@ -1,7 +1,8 @@
 """Saved conversations: one core.chat_history file per conversation, plus a small sidecar with the app's notes.
 
     conversations/<id>.json       the ChatHistory (system prompt and turns), written atomically by core
-    conversations/<id>.meta.json  title, model, and per assistant reply its tokens/s (written atomically too)
+    conversations/<id>.meta.json  title, model, run mode (local or swarm), and per assistant reply its tokens/s
+                                  (written atomically too)
 
 Every change is saved at once (the user's message when sent, the reply when it ends), so a crash loses at most
 the reply being generated.
@@ -29,6 +30,7 @@ class Conversation:
     model: str = ""
     created: float = field(default_factory=time.time)
     reply_stats: dict[int, dict] = field(default_factory=dict)  # message index -> {"tokens_per_s", "tokens", ...}
+    mode: str = ""  # how its last reply ran: "local" or "swarm" ("" for conversations saved before it was kept)
 
 
 class ConversationStore:
@@ -48,8 +50,8 @@ class ConversationStore:
         history_path, meta_path = self._paths(conversation.id)
         conversation.history.save(history_path)
         write_json_atomic(meta_path, {
-            "title": conversation.title, "model": conversation.model, "created": conversation.created,
-            "reply_stats": {str(k): v for k, v in conversation.reply_stats.items()},
+            "title": conversation.title, "model": conversation.model, "mode": conversation.mode,
+            "created": conversation.created, "reply_stats": {str(k): v for k, v in conversation.reply_stats.items()},
         })
 
     def load(self, conversation_id: str) -> Conversation:
@@ -66,8 +68,9 @@ class ConversationStore:
             if str(key).isdigit() and isinstance(value, dict):
                 stats[int(key)] = value
         title = meta.get("title") if isinstance(meta.get("title"), str) else _title(history)
+        mode = meta.get("mode") if meta.get("mode") in ("local", "swarm") else ""
         return Conversation(conversation_id, history, title, str(meta.get("model") or ""),
-                            float(meta.get("created") or history_path.stat().st_mtime), stats)
+                            float(meta.get("created") or history_path.stat().st_mtime), stats, mode)
 
     def delete(self, conversation_id: str) -> None:
         for path in self._paths(conversation_id):
