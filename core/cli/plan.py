@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-read-gbps", metavar="X", help="disk read speed, GB/s")
     parser.add_argument("--network-mbps", metavar="X", help="network speed, Mbit/s")
     parser.add_argument("--rtt-ms", metavar="X", help="round-trip time to a typical peer, ms")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="with --hardware auto on a machine never measured: plan with estimates instead of "
+                             "measuring it quickly first")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -78,14 +82,18 @@ def _number(text: str | None, option: str, low: float, high: float) -> float | N
     return value
 
 
-def _hardware(arg: str, overrides: dict[str, float]):
+def _hardware(arg: str, overrides: dict[str, float], measure: bool = True):
     """(spec, efficiency or None). auto: this machine, with its saved profile's measured numbers and (calibrated)
-    efficiency factors when `hivekeeper measure` / `hivekeeper profile` ran here."""
+    efficiency factors when `hivekeeper measure` / `hivekeeper profile` ran here; without a profile (the first plan
+    for this machine) it is measured quickly first (measure_quickly), unless `measure` is False."""
     if arg == "auto":
         from hivekeeper.core.machine.profiles import detect_or_load_profile
         from hivekeeper.planner.hardware_catalog import apply_host_overrides
 
         hardware, efficiency = detect_or_load_profile()
+        if efficiency is None and measure:
+            print(measure_quickly(), file=sys.stderr)
+            hardware, efficiency = detect_or_load_profile()
         return apply_host_overrides(hardware, where="command line", **overrides), efficiency
     from hivekeeper.planner.hardware_catalog import resolve_hardware
 
@@ -104,6 +112,29 @@ def kept_free(hardware, reserve_gb: float | None) -> dict[str, float]:
         raise InputError(f"--reserve-gb {reserve_gb:g} leaves nothing to plan with: it must be below the "
                          f"{limit:.3g} GB of {where} of {hardware.id}")
     return {"gpu": reserve_gb * 1e9, "cpu": reserve_gb * 1e9, "disk": 0.0}
+
+
+def measure_quickly() -> str:
+    """`hivekeeper measure --quick` without its table: this machine's RAM bandwidth, matmuls, decode weight streaming
+    and (when the data folder exists) disk, saved as its profile; returns the line that says so."""
+    import time
+
+    from hivekeeper.core.machine.cpu_dtype import forget
+    from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
+    from hivekeeper.core.machine.measure import QUICK, run_benchmarks
+    from hivekeeper.core.machine.profiles import new_profile, save_profile
+
+    detected = detect_hardware()
+    started = time.time()
+    folder = default_data_dir()
+    measurements = run_benchmarks(QUICK, disk_folder=folder if folder.is_dir() else None)
+    profile = new_profile(detected)
+    profile.measurements, profile.measured_at = measurements, started
+    path = save_profile(profile)
+    forget()  # the 16-bit decision reads the new measurements
+    return (f"note: the first plan for this machine: measured it quickly ({time.time() - started:.1f} s, like "
+            f"`hivekeeper measure --quick`), saved to {path}; `hivekeeper measure` measures it fully "
+            f"(--no-measure plans with estimates)")
 
 
 def gguf_quant(model: str, quant: str) -> str:
@@ -144,7 +175,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     from hivekeeper.planner.model_catalog import load_model_spec
 
     model = load_model_spec(model_arg)
-    hardware, efficiency = _hardware(args.hardware, overrides)
+    hardware, efficiency = _hardware(args.hardware, overrides, measure=not args.no_measure)
     reserve = kept_free(hardware, reserve_gb)
     constraints = Constraints(quant=quant, batch_size=batch, reserve_bytes=reserve)
     plan = search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)

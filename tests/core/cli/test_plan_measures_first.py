@@ -1,0 +1,42 @@
+"""Issue 14 item 12 (first half) through the real `hivekeeper plan --hardware auto`: the first plan for a machine
+that was never measured measures it quickly (as `measure --quick` does), says so and saves its profile; later plans
+use the profile without measuring again; --no-measure plans with the estimates."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ...child_output import run
+
+MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+
+
+def plan(config_dir, *args: str):
+    env = {**os.environ, "HIVEKEEPER_CONFIG_DIR": str(config_dir)}
+    return run([sys.executable, "-m", "hivekeeper.core.cli.main", "plan", "--model", MODEL, "--hardware", "auto",
+                "--json", *args], timeout=300, env=env)
+
+
+def test_the_first_plan_measures_this_machine_once(tmp_path):
+    first = plan(tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "note: the first plan for this machine: measured it quickly" in first.stderr
+    profiles = list((tmp_path / "profiles").glob("*.json"))
+    assert len(profiles) == 1 and str(profiles[0]) in first.stderr
+    saved = json.loads(profiles[0].read_text())
+    assert {m["key"] for m in saved["measurements"]} >= {"ram_read"}
+    assert json.loads(first.stdout)["efficiency"].startswith("measured")
+
+    again = plan(tmp_path)
+    assert again.returncode == 0 and "measured it quickly" not in again.stderr
+    assert json.loads(again.stdout)["efficiency"] == json.loads(first.stdout)["efficiency"]
+    assert list((tmp_path / "profiles").glob("*.json")) == profiles
+
+
+def test_no_measure_plans_with_estimates(tmp_path):
+    result = plan(tmp_path, "--no-measure")
+    assert result.returncode == 0, result.stderr
+    assert "measured" not in result.stderr and not (tmp_path / "profiles").exists()
+    assert json.loads(result.stdout)["efficiency"].startswith("default")
