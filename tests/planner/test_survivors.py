@@ -363,6 +363,22 @@ def test_kv_cache_on_disk_with_weights_in_ram_keeps_prefetch_depth_2():
     assert best["wd"] == 0 and best["cd"] > 0 and best["d"] == 2
 
 
+# ---- the plan says what the search found --------------------------------------------------------------------------
+@pytest.mark.parametrize("batch_size, output_len, knob", [(None, 32, "attention_on_cpu"), (64, 256, "kv_recompute")])
+def test_the_plans_policy_evaluated_again_gives_the_plans_prediction(batch_size, output_len, knob):
+    """A 16 GB GPU with 64 GB of RAM batching 512-token prompts: the best plan runs attention on the CPU (any batch,
+    32 new tokens) or recomputes K and V (64 sequences, 256 new tokens). The policy the plan reports, evaluated on
+    its own, must predict exactly what the plan says: every knob the search chose is in it."""
+    hardware, workload = machine(gpu_gb=16, ram_gb=64), Workload(prompt_len=512, output_len=output_len)
+    plan = search(LLAMA2_7B, hardware, "batch", Constraints(quant="none", batch_size=batch_size), workload, EFF)
+    policy = plan.prediction.policy
+    assert getattr(policy, knob)
+    again = evaluate(LLAMA2_7B, hardware, policy, workload, EFF)
+    for field in ("decode_step_s", "prefill_s", "throughput_tokens_per_s"):
+        assert getattr(again, field) == pytest.approx(getattr(plan.prediction, field), rel=1e-9), field
+    assert again.peak_memory_bytes == plan.prediction.peak_memory_bytes
+
+
 # ---- what a model that fits nowhere lacks ---------------------------------------------------------------------------
 def grown(hardware: HardwareSpec, missing: dict[str, int]) -> HardwareSpec:
     """The machine with each tier's missing bytes (and a megabyte) added."""
