@@ -74,7 +74,10 @@ static struct {
     pthread_mutex_t mutex;
     pthread_cond_t wake;
     double spin_seconds;   /* how long an idle worker spins before it sleeps (hk_set_spin; the loader sets it) */
-} pool = {.wanted = 1};
+    _Atomic int caller_sleeps;   /* the caller sleeps until the last chunk is done: its finisher wakes it */
+    pthread_mutex_t finished_mutex;
+    pthread_cond_t finished;
+} pool = {.wanted = 1, .finished_mutex = PTHREAD_MUTEX_INITIALIZER, .finished = PTHREAD_COND_INITIALIZER};
 
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -88,20 +91,24 @@ static double seconds_now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* Test hook (hk_test_hold_worker): worker `index` waits there, before claiming anything, until released or until
-   the deadline, as a worker the OS took off its core would. */
+/* Test hook (hk_test_hold_worker): worker `index` waits there, before claiming anything (or, mid_chunk, after
+   claiming a chunk), until released or until the deadline, as a worker the OS took off its core would. */
 static struct {
     _Atomic int index;     /* the worker to hold, -1 for none */
+    _Atomic int mid_chunk; /* hold it after it claimed a chunk, not before it claims */
     _Atomic int held;      /* 1 while it waits */
+    _Atomic long holds;    /* how many times it began waiting */
     double until;
     pthread_mutex_t mutex;
     pthread_cond_t release;
 } hold = {.index = -1, .mutex = PTHREAD_MUTEX_INITIALIZER, .release = PTHREAD_COND_INITIALIZER};
 
-static void held_back_if_asked(int index) {
-    if (atomic_load_explicit(&hold.index, memory_order_relaxed) != index) return;
+static void held_back_if_asked(int index, int mid_chunk) {
+    if (atomic_load_explicit(&hold.index, memory_order_relaxed) != index || atomic_load(&hold.mid_chunk) != mid_chunk)
+        return;
     pthread_mutex_lock(&hold.mutex);
     atomic_store(&hold.held, 1);
+    atomic_fetch_add(&hold.holds, 1);
     while (atomic_load(&hold.index) == index && seconds_now() < hold.until) {
         struct timespec t;
         clock_gettime(CLOCK_REALTIME, &t);
@@ -113,18 +120,30 @@ static void held_back_if_asked(int index) {
     pthread_mutex_unlock(&hold.mutex);
 }
 
-/* Claim and run chunks of the task of `generation` until none is left (or that task is over). */
-static void claim_chunks(uint64_t generation) {
+/* Count chunk done; the thread finishing the task's last chunk wakes the caller if it sleeps (it raises
+   caller_sleeps before it reads done again under the mutex: one of the two sees the other). */
+static void chunk_done(long chunks) {
+    if (atomic_fetch_add(&pool.done, 1) + 1 == chunks && atomic_load(&pool.caller_sleeps)) {
+        pthread_mutex_lock(&pool.finished_mutex);
+        pthread_cond_broadcast(&pool.finished);
+        pthread_mutex_unlock(&pool.finished_mutex);
+    }
+}
+
+/* Claim and run chunks of the task of `generation` until none is left (or that task is over); `index` is the
+   thread's (0: the caller). */
+static void claim_chunks(uint64_t generation, int index) {
     uint64_t ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     for (;;) {
         if (GENERATION(ticket) != generation) return;
-        long chunk = CHUNK(ticket);
-        if (chunk >= atomic_load_explicit(&pool.chunks, memory_order_relaxed)) return;
+        long chunk = CHUNK(ticket), chunks = atomic_load_explicit(&pool.chunks, memory_order_relaxed);
+        if (chunk >= chunks) return;
         if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &ticket, ticket + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
             continue; /* ticket now holds the current value */
+        held_back_if_asked(index, 1);
         pool.fn(pool.ctx, chunk);
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        chunk_done(chunks);
         ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     }
 }
@@ -160,8 +179,8 @@ static void *worker_main(void *arg) {
     for (;;) {
         seen = next_generation(seen);
         if (atomic_load(&pool.stop)) return NULL;
-        held_back_if_asked(index);
-        claim_chunks(seen);
+        held_back_if_asked(index, 0);
+        claim_chunks(seen, index);
     }
 }
 
@@ -215,8 +234,29 @@ static int pool_ready(void) {
 }
 
 /* Run fn(ctx, chunk) for every chunk in [0, chunks) on the pool (the caller takes chunks too) and return when all
-   are done. The caller spins briefly for chunks still running elsewhere, then yields its core (the thread it waits
-   for may be queued behind it). */
+   are done. Chunks still running elsewhere are waited for spinning, for about a chunk's time; past that their thread
+   has most likely lost its core to another process, so the caller sleeps, leaving its own core idle for that thread
+   to move to, and the thread finishing the last chunk wakes it. */
+#define STRAGGLER_SPIN_SECONDS 50e-6
+
+static void wait_for_chunks(long chunks) {
+    double deadline = 0;
+    for (unsigned spins = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++) {
+        SPIN_STEP();
+        if ((spins & 255) != 0) continue;
+        double now = seconds_now();
+        if (deadline == 0) {
+            deadline = now + STRAGGLER_SPIN_SECONDS;
+        } else if (now > deadline) {
+            pthread_mutex_lock(&pool.finished_mutex);
+            atomic_store(&pool.caller_sleeps, 1);
+            while (atomic_load(&pool.done) < chunks) pthread_cond_wait(&pool.finished, &pool.finished_mutex);
+            atomic_store(&pool.caller_sleeps, 0);
+            pthread_mutex_unlock(&pool.finished_mutex);
+        }
+    }
+}
+
 static void parallel(chunk_fn fn, void *ctx, long chunks) {
     if (pool_ready() == 1 || chunks <= 1) {
         for (long c = 0; c < chunks; c++) fn(ctx, c);
@@ -224,11 +264,8 @@ static void parallel(chunk_fn fn, void *ctx, long chunks) {
     }
     pool.fn = fn;
     pool.ctx = ctx;
-    claim_chunks(publish(chunks));
-    for (unsigned spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++) {
-        if (spins < 4096) SPIN_STEP();
-        else sched_yield();
-    }
+    claim_chunks(publish(chunks), 0);
+    wait_for_chunks(chunks);
 }
 
 /* Threads for the next calls (the pool restarts when it changes); returns the count in effect. */
@@ -239,12 +276,13 @@ int hk_set_threads(int count) {
     return pool.wanted;
 }
 
-/* Test hook: worker `index` (1..threads-1) stops before claiming chunks of the next tasks, as a worker the OS took
-   off its core would, until hk_test_release_worker or `seconds` from now. hk_test_worker_held says whether it is
-   waiting there now. */
-void hk_test_hold_worker(int index, double seconds) {
+/* Test hook: worker `index` (1..threads-1) stops before claiming chunks of the next tasks (mid_chunk: after it
+   claimed one, before computing it), as a worker the OS took off its core would, until hk_test_release_worker or
+   `seconds` from now. hk_test_worker_held says whether it is waiting there now. */
+void hk_test_hold_worker(int index, double seconds, int mid_chunk) {
     pthread_mutex_lock(&hold.mutex);
     hold.until = seconds_now() + seconds;
+    atomic_store(&hold.mid_chunk, mid_chunk);
     atomic_store(&hold.index, index);
     pthread_mutex_unlock(&hold.mutex);
 }
@@ -257,6 +295,8 @@ void hk_test_release_worker(void) {
 }
 
 int hk_test_worker_held(void) { return atomic_load(&hold.held); }
+
+long hk_test_worker_holds(void) { return atomic_load(&hold.holds); }
 
 /* How long an idle worker spins before it sleeps (seconds); returns the budget in effect. */
 double hk_set_spin(double seconds) {

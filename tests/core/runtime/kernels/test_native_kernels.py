@@ -205,7 +205,7 @@ HOLD_S = 120.0  # far longer than the test: a pool that waited for the held work
 def hold_worker(native, index: int) -> None:
     """Hold pool worker `index` before it claims work, and return once it waits there (products on the pool
     wake it)."""
-    native.hk_test_hold_worker(index, HOLD_S)
+    native.hk_test_hold_worker(index, HOLD_S, 0)
     weight, x, y = torch.randn(4096, 512), torch.randn(1, 512), torch.empty(1, 4096)
     for _ in range(10_000):
         native.hk_gemv(weight.data_ptr(), 0, x.data_ptr(), None, y.data_ptr(), 4096, 512, 1)
@@ -256,19 +256,56 @@ RESTART_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_the_pool_restarts_cleanly_however_its_threads_are_scheduled(native):
-    """Thread counts changed between products: each product may stop workers that have not run yet (just
-    started, on a busy machine); they must still see the stop (a child process, killed at a deadline if it hangs)."""
+def run_script(native, script: str, *args: str) -> None:
+    """Run `script` in a child process on the same build of the kernels; a hang (a lost wake-up in the pool) is a
+    failure: the child is killed at a deadline and its output so far reported."""
     env = {**os.environ, native_kernels.VARIANT_ENV: "portable" if native.hk_variant() == b"portable" else "auto"}
-    child = subprocess.Popen([sys.executable, "-c", RESTART_SCRIPT, native.hk_variant().decode(), "400"], env=env,
+    child = subprocess.Popen([sys.executable, "-c", script, native.hk_variant().decode(), *args], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = child.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         child.kill()
         output, _ = child.communicate()
-        pytest.fail(f"the pool hung restarting its threads; output so far: {output[-2000:]}")
+        pytest.fail(f"the pool hung; output so far: {output[-2000:]}")
     assert child.returncode == 0 and output.strip().endswith("done"), output[-2000:]
+
+
+def test_the_pool_restarts_cleanly_however_its_threads_are_scheduled(native):
+    """Thread counts changed between products: each product may stop workers that have not run yet (just
+    started, on a busy machine); they must still see the stop."""
+    run_script(native, RESTART_SCRIPT, "400")
+
+
+MID_CHUNK_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from hivekeeper.core.runtime.kernels import native_kernels
+
+    native = native_kernels.library()
+    assert native.hk_variant().decode() == sys.argv[1], native_kernels.status()
+    weight, x, y = torch.randn(8192, 256), torch.randn(1, 256), torch.empty(1, 8192)
+    native.hk_set_threads(1)
+    native.hk_gemv(weight.data_ptr(), 0, x.data_ptr(), None, y.data_ptr(), 8192, 256, 1)
+    expected = y.clone()
+    native.hk_set_threads(2)
+    native.hk_test_hold_worker(1, 0.2, 1)  # after it claims a chunk, 0.2 s
+    for _ in range(2000):
+        y.zero_()
+        native.hk_gemv(weight.data_ptr(), 0, x.data_ptr(), None, y.data_ptr(), 8192, 256, 1)
+        assert torch.equal(y, expected)
+        if native.hk_test_worker_holds() >= 3:
+            break
+    assert native.hk_test_worker_holds() >= 3, native.hk_test_worker_holds()
+    native.hk_test_release_worker()
+    print("done")
+""")
+
+
+def test_a_worker_that_stops_mid_chunk_delays_the_product_but_completes_it(native):
+    """The one case the pool must wait for: a worker that claimed a chunk and lost its core. The caller sleeps after
+    a moment (its core free for that worker), and the worker, back, finishes the chunk and wakes it: the product
+    completes, correct (several times over, so the wake-up cannot be missed by luck)."""
+    run_script(native, MID_CHUNK_SCRIPT)
 
 
 def quantized_copies(span: Span, fmt: str) -> tuple[Span, Span]:

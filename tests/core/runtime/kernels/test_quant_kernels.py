@@ -98,7 +98,7 @@ def test_any_thread_count_and_a_held_worker_give_the_same_product(native):
         expected = matrix.matvec(x)
         native.hk_set_threads(3)
         assert np.array_equal(matrix.matvec(x), expected)
-        native.hk_test_hold_worker(1, 120.0)
+        native.hk_test_hold_worker(1, 120.0, 0)
         for _ in range(10_000):  # until worker 1 has woken to a task and waits before claiming any
             held = matrix.matvec(x)
             assert np.array_equal(held, expected)
