@@ -1,0 +1,75 @@
+"""Predicted against measured decode speed on this machine, for thin, many-layer models (issue 14 item 12): the
+demo "100m" model (12 blocks of 768, ~125M parameters) and the real default model, smollm2-135m-instruct (30 blocks
+of 576). The prediction is `hivekeeper plan --hardware auto --json` (this machine's profile when it has one; pass
+--no-measure to keep a machine without one on the estimates), the measurement `hivekeeper generate --json` with
+the same prompt and output lengths, both through the real commands, one after the other.
+
+    python bench/predicted_vs_measured.py                 # both models, 64 prompt + 64 new tokens, 3 runs
+    python bench/predicted_vs_measured.py --runs 5 --no-measure
+
+Goal: predicted decode tokens/s within 15% of the measured median for both models, uncalibrated. Prints one JSON
+line per model: predicted and measured tokens/s (every run and the median), their ratio, whether the goal is met,
+the plan's efficiency set and the load average before and after (the machine may be shared: a busy machine's
+measurements are slower than the prediction means).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from _common import demo_preset  # bench/ is the script's folder, first on sys.path
+
+GOAL = 0.15
+CHILD_DEADLINE_S = 600
+
+
+def hivekeeper(*args: str) -> dict:
+    """One command's JSON; on failure or past the deadline, the output so far in the error."""
+    command = [sys.executable, "-m", "hivekeeper.core.cli.main", *args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE_S)
+    except subprocess.TimeoutExpired as exc:  # run() killed the child at the deadline
+        raise SystemExit(f"{' '.join(args[:3])}: no answer in {CHILD_DEADLINE_S} s; output so far:\n"
+                         f"{exc.stdout or ''}{exc.stderr or ''}") from None
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args[:3])} failed ({done.returncode}):\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(model: str, name: str, prompt_len: int, new_tokens: int, runs: int, no_measure: bool) -> dict:
+    load_before = os.getloadavg()[0]
+    plan = hivekeeper("plan", "--model", model, "--hardware", "auto", "--prompt-len", str(prompt_len),
+                      "--output-len", str(new_tokens), "--json", *(["--no-measure"] if no_measure else []))
+    prompt = " ".join(["the"] * prompt_len)  # about one token per word for both tokenizers
+    measured = [hivekeeper("generate", "--model", model, "--prompt", prompt, "--max-new-tokens", str(new_tokens),
+                           "--ignore-eos", "--json")["tokens_per_s"] for _ in range(runs)]
+    predicted, median = plan["decode_tokens_per_s"], statistics.median(measured)
+    return {"bench": "predicted_vs_measured", "model": name, "predicted_tokens_per_s": predicted,
+            "measured_tokens_per_s": measured, "measured_median": median,
+            "ratio": round(predicted / median, 3) if median else None,
+            "within_goal": bool(median) and abs(predicted / median - 1) <= GOAL, "goal": GOAL,
+            "efficiency": plan["efficiency"], "weight_format": plan["policy"]["weight_format"],
+            "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "loadavg_before": round(load_before, 2), "loadavg_after": round(os.getloadavg()[0], 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--no-measure", action="store_true", help="plan with estimates where there is no profile")
+    args = parser.parse_args()
+    models = [(str(demo_preset("100m")), "demo-100m"), ("smollm2-135m-instruct", "smollm2-135m-instruct")]
+    for model, name in models:
+        print(json.dumps(compare(model, name, args.prompt_len, args.new_tokens, args.runs, args.no_measure)),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
