@@ -27,7 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
-from hivekeeper.core.offload.engine import OffloadedModel, place_model, use_physical_cores
+from hivekeeper.core.offload.offloaded_model import OffloadedModel, use_physical_cores
+from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.generation import generate
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.model import ModelConfig

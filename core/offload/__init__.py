@@ -8,5 +8,4 @@
 - `streaming`        the slots that load the next streamed blocks while the current one computes.
 - `tiered_cache`     KV caches (or recompute inputs) with a tier per block.
 - `block_variants`   the other ways to run a block that the policy's knobs ask for (CPU attention, recompute).
-- `engine`           the former one-file engine's names, re-exported for code written against it.
 """

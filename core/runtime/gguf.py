@@ -139,7 +139,7 @@ class GGUFCheckpoint:
 
 
 class GGUFBlockReader:
-    """The offload engine's block reader for a GGUF (the interface of engine.BlockReader): a layer is dequantized
+    """The offload engine's block reader for a GGUF (the interface of weights.BlockReader): a layer is dequantized
     from the memory map and copied into a block's (fused, maybe pinned) weights in place. Thread-safe: the reader
     only reads the map."""
 
