@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The stamp is rebuilt whenever the project's dependencies change.
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test bench screenshots mutate clean-venv
+.PHONY: run test bench screenshots mutate clean-venv package
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ $(MUTATE_STAMP): $(STAMP)
 
 mutate: $(MUTATE_STAMP)
 	$(BIN)/python tests/mutate.py --jobs $(MUTATE_JOBS) $(MUTATE_SCOPES)
+
+# The wheel and sdist into dist/, built from the files git tracks (offline, packaging/build_dists.py); then the wheel
+# is checked: its file list against the tree, and installed into a fresh venv to run plan, demo-model and generate
+# (packaging/check_wheel.py). The frozen bundle and the .deb have recipes in packaging/ (packaging/README.md).
+package: $(STAMP)
+	rm -f dist/hivekeeper-*.whl dist/hivekeeper-*.tar.gz
+	$(BIN)/python packaging/build_dists.py --out dist
+	$(BIN)/python packaging/check_wheel.py dist/hivekeeper-*.whl --install
 
 clean-venv:
 	rm -rf $(VENV)
