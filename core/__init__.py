@@ -6,6 +6,7 @@ Map:
               `runtime/kernels/` the CPU decode kernels, `runtime/quant/` quantized weights.
 - `offload/`  running a model that does not fit: placement by tier, streaming, tiered KV caches, local plans.
 - `swarm/`    the Petals-compatible swarm: wire protocol, DHT records, local swarms; `server/` and `client/`.
+- `api/`      the local OpenAI-compatible HTTP API (`hivekeeper api`).
 - `cli/`      the `hivekeeper` command: one module per subcommand.
 - `atomic_file`, `child_argv`: writing files whole, and command lines of our own child processes.
 """

