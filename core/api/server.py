@@ -72,6 +72,13 @@ class ModelService:
                            param="max_tokens", code="context_length_exceeded")
         return request.max_tokens or room
 
+    def warm_up(self) -> None:
+        """One token generated before the server answers: what runs once per process (the native kernels' build
+        on first use, the first allocations) is not paid by the first client."""
+        from hivekeeper.core.runtime.generation import generate
+
+        generate(self.runner.model, self.tokenizer.encode("Hello") or [0], max_new_tokens=1)
+
     def generate(self, request: GenerationRequest, on_text, stop: threading.Event):
         """(prompt token count, GenerationResult) for a checked request; on_text(text) gets the reply as it comes."""
         from hivekeeper.core.runtime.generation import generate

@@ -2,8 +2,9 @@
 OpenAI's API (editors, notebooks, the `openai` client) use a local or swarm model.
 
 The model is opened as `hivekeeper chat` opens it (the planner's plan for a KV cache of the whole context, or a swarm
-client with --swarm). It binds to 127.0.0.1 by default; --port 0 takes a free port. Once the model is loaded one
-line says where it listens (`serving MODEL at http://HOST:PORT/v1`); Ctrl-C stops it.
+client with --swarm). It binds to 127.0.0.1 by default; --port 0 takes a free port. Once the model is loaded and has
+generated one token (so the first request pays no one-time costs), one line says where it listens
+(`serving MODEL at http://HOST:PORT/v1`); Ctrl-C stops it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def open_server(args: argparse.Namespace, ram_budget: float | None):
                          ram_budget=ram_budget)
     service = ModelService(runner, tokenizer, config, model_id=args.model, aliases=model_aliases(args.model),
                            swarm=args.swarm, api_key=args.api_key)
+    try:
+        service.warm_up()
+    except BaseException:
+        runner.close()
+        raise
     try:
         return APIServer(service, args.host, args.port, verbose=args.verbose)
     except OSError as exc:

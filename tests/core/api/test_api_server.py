@@ -32,7 +32,8 @@ def api():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     child = ChildOutput(proc)
     try:
-        match = child.wait_for(r"serving \S+ at (http://127\.0\.0\.1:\d+/v1)", timeout=120)
+        # loading includes the native kernels' build in the suite's fresh cache folder: slow on a busy machine
+        match = child.wait_for(r"serving \S+ at (http://127\.0\.0\.1:\d+/v1)", timeout=240)
         yield match.group(1)
     finally:
         child.close()
