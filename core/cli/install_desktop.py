@@ -8,7 +8,7 @@ XDG folders ($XDG_DATA_HOME, default ~/.local/share; $XDG_CONFIG_HOME, default ~
   systemd/user/hivekeeper-node.service                    the headless node: `hivekeeper serve --config
                                                           $XDG_CONFIG_HOME/hivekeeper/node.json`
   autostart/hivekeeper-node-autostart.desktop             with --autostart: start that service at login
-The files come from packaging/linux (shipped in the wheel as hivekeeper.desktop); the command lines in them are
+The files come from packaging/linux (shipped in the wheel as hivekeeper/desktop); the command lines in them are
 rewritten to this installation's `hivekeeper`. Each file is written atomically and only when it changed, so running
 the command again is harmless; --uninstall removes them all and is harmless to repeat.
 """
@@ -16,9 +16,7 @@ the command again is harmless; --uninstall removes them all and is harmless to r
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -38,11 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def data_dir() -> Path:
-    """packaging/linux: the wheel's hivekeeper.desktop data package, or the checkout's folder."""
-    spec = importlib.util.find_spec("hivekeeper.desktop")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(__file__).resolve().parents[2] / "packaging" / "linux"
+    """packaging/linux: hivekeeper/desktop beside hivekeeper/core in an installed wheel or a frozen bundle, else the
+    checkout's folder."""
+    package = Path(__file__).resolve().parents[2]
+    installed = package / "desktop"
+    return installed if installed.is_dir() else package / "packaging" / "linux"
 
 
 def xdg_home(variable: str, default: str) -> Path:
@@ -52,13 +50,15 @@ def xdg_home(variable: str, default: str) -> Path:
 
 
 def hivekeeper_command() -> list[str]:
-    """The words that run this installation's `hivekeeper`, as absolute paths."""
+    """The words that run this installation's `hivekeeper`, as absolute paths: the program running now when it is
+    `hivekeeper` (a console script or a frozen bundle), else the console script beside this Python, else
+    `python -m`."""
     script = Path(sys.argv[0])
     if script.name == "hivekeeper" and script.is_file():
         return [str(script.absolute())]
-    found = shutil.which("hivekeeper")
-    if found:
-        return [str(Path(found).absolute())]
+    beside = Path(sys.executable).parent / "hivekeeper"
+    if beside.is_file():
+        return [str(beside)]
     return [sys.executable, "-m", "hivekeeper.core.cli.main"]
 
 
