@@ -7,24 +7,32 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
 from hivekeeper.planner.errors import InputError
 
 
 def write_json_atomic(path: str | Path, doc: Any, *, indent: int = 1) -> None:
-    """Write `doc` as JSON to `path` atomically (write_bytes_atomic): the old file or the new one, never half."""
-    text = json.dumps(doc, indent=indent, ensure_ascii=False) + "\n"
-    write_bytes_atomic(path, text.encode("utf-8"))
-
-
-def write_bytes_atomic(path: str | Path, data: bytes, *, mode: int | None = None) -> None:
-    """Write `data` to a temp file beside `path`, flush it to disk, then rename it over `path` (with `mode`, e.g.
-    0o644, when given; mkstemp's 0o600 otherwise).
+    """Write `doc` as JSON to a temp file beside `path`, flush it to disk, then rename it over `path`.
 
     A crash at any moment leaves either the old file or the new one. Folders are created as needed; a folder
     or file that cannot be written raises InputError naming the path.
     """
+    def fill(handle) -> None:
+        json.dump(doc, handle, indent=indent, ensure_ascii=False)
+        handle.write("\n")
+
+    _replace_atomic(path, fill, "w", None)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, *, mode: int | None = None) -> None:
+    """Write `data` to `path` the same way (write_json_atomic); with `mode` (e.g. 0o644) the file gets those
+    permissions, else mkstemp's 0o600."""
+    _replace_atomic(path, lambda handle: handle.write(data), "wb", mode)
+
+
+def _replace_atomic(path: str | Path, fill: Callable[[IO], Any], open_mode: str, mode: int | None) -> None:
+    """Create `path` by `fill`ing a temp file beside it (opened with `open_mode`), fsync, chmod to `mode`, rename."""
     path = Path(path).expanduser()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -32,8 +40,8 @@ def write_bytes_atomic(path: str | Path, data: bytes, *, mode: int | None = None
     except OSError as exc:
         raise InputError(f"{path}: cannot write ({exc.strerror or exc})") from None
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+        with os.fdopen(fd, open_mode, **({} if "b" in open_mode else {"encoding": "utf-8"})) as handle:
+            fill(handle)
             handle.flush()
             os.fsync(handle.fileno())
         if mode is not None:
