@@ -4,6 +4,7 @@ token counts, OpenAI-shaped 400/404 errors naming the field, and the server stil
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -69,13 +70,13 @@ def test_models_lists_the_served_model(api):
 
 
 def test_chat_completion_answers_paris_with_usage_counts(api):
-    doc = chat(api, temperature=0, max_tokens=30)
+    doc = chat(api, temperature=0, max_tokens=16)
     choice = doc["choices"][0]
     assert choice["message"]["role"] == "assistant"
     assert "Paris" in choice["message"]["content"]
     usage = doc["usage"]
     assert usage["prompt_tokens"] > len(QUESTION.split())  # the question inside the chat template
-    assert 1 <= usage["completion_tokens"] <= 30
+    assert 1 <= usage["completion_tokens"] <= 16
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
@@ -129,4 +130,25 @@ def test_a_bad_request_gets_an_openai_error_naming_the_field_and_the_server_goes
         assert error["code"] == "invalid_json"
     else:
         assert error["param"] == field and f"'{field}'" in error["message"]
+    assert chat(api, temperature=0, max_tokens=1)["usage"]["completion_tokens"] == 1
+
+
+def test_a_stop_string_cuts_the_reply_before_it(api):
+    whole = chat(api, temperature=0, max_tokens=12)["choices"][0]["message"]["content"]
+    cut = chat(api, temperature=0, max_tokens=12, stop=["Paris"])["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["message"]["content"] == whole[:whole.index("Paris")]
+
+
+def test_a_client_leaving_mid_stream_does_not_stop_the_server(api):
+    host, port = api.split("//")[1].split("/")[0].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=HTTP_TIMEOUT_S)
+    body = {"messages": [{"role": "user", "content": "Count from 1 to 500."}], "stream": True, "max_tokens": 400,
+            "temperature": 0}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.fp.readline().startswith(b"data: ")  # the stream began
+    response.close()  # the response holds the socket too: both let go of it, the connection is closed
+    connection.close()
     assert chat(api, temperature=0, max_tokens=1)["usage"]["completion_tokens"] == 1
