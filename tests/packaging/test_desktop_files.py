@@ -149,3 +149,16 @@ def test_command_line_flags_win_over_the_config_file(tmp_path):
     assert (args.model, args.new_swarm, args.port, args.max_sessions) == ("from-file", True, 5000, 3)
     with pytest.raises(InputError, match="--model is required"):
         apply_config(build_parser().parse_args(["serve", "--new-swarm"]), add_arguments)
+
+
+def test_exec_lines_quote_what_the_specs_ask(tmp_path):
+    from hivekeeper.core.cli.install_desktop import desktop_exec, systemd_exec
+
+    assert desktop_exec(["/opt/my apps/hivekeeper", "app"]) == '"/opt/my apps/hivekeeper" app'
+    assert desktop_exec(["/home/$x/100%/hivekeeper"]) == '"/home/\\$x/100%%/hivekeeper"'
+    assert systemd_exec(["/opt/my apps/hivekeeper", "serve"]) == '"/opt/my apps/hivekeeper" serve'
+    assert systemd_exec(["/x/100%/hivekeeper"]) == "/x/100%%/hivekeeper"
+    entry = (LINUX / APP_DESKTOP).read_text().replace("Exec=hivekeeper app",
+                                                      "Exec=" + desktop_exec(["/opt/my $apps/hivekeeper", "app"]))
+    (tmp_path / APP_DESKTOP).write_text(entry)
+    check_desktop_file(tmp_path / APP_DESKTOP)
