@@ -350,8 +350,8 @@ class SwarmPage(QWidget):
         self.address_box.setPlainText("")
 
     def _on_report(self, report: dict) -> None:
-        if self.node.state not in ("online", "moving"):
-            return  # a report the watcher read before the node left: stale now
+        if self.coverage.watching is None:
+            return  # a report the watcher read before it was stopped (the node left): stale now
         x, others, mine = coverage_arrays(report, self.node.peer_id)
         self.coverage_data = (x, others, mine)
         self.others_bars.setOpts(x=x, height=others, y0=np.zeros_like(others), width=0.8)
