@@ -1,12 +1,17 @@
 """The inference session checks at their limits (docs/testing.md, found by a mutation run), against the real handler
 over P2P daemons (test_swarm_handler.py's Rig): the smallest max_length and alloc_timeout accepted, booleans and
-strings refused, start_from_position from 0 to the cache's length, a step that fills max_length exactly, and the
-position a rewind starts from."""
+strings refused, start_from_position from 0 to the cache's length, a step that fills max_length exactly, the
+position a rewind starts from, a step's batch and deep prompts' shape."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
+
+from hivekeeper.core.swarm.protocol import pack_args, pack_metadata, serialize_tensor
 
 from .test_swarm_handler import RawSession, Rig, local_steps
 
@@ -28,9 +33,10 @@ def opened(rig, **metadata) -> RawSession:
 
 
 def test_the_smallest_max_length_and_alloc_timeout_are_accepted_and_non_numbers_refused(rig):
-    for good in ({"max_length": 1}, {"max_length": 8, "alloc_timeout": 0}):
+    for good in ({"max_length": 1}, {"max_length": rig.limits.max_length}, {"max_length": 8, "alloc_timeout": 0}):
         opened(rig, **good).close()
-    for bad, message in [({"max_length": True}, "max_length must be a positive int, got True"),
+    for bad, message in [({"max_length": 0}, "max_length must be a positive int, got 0"),
+                         ({"max_length": True}, "max_length must be a positive int, got True"),
                          ({"max_length": 8, "alloc_timeout": True}, "alloc_timeout must be a number >= 0"),
                          ({"max_length": 8, "alloc_timeout": "1"}, "alloc_timeout must be a number >= 0")]:
         with pytest.raises(Exception, match=message):
@@ -71,3 +77,28 @@ def test_a_step_may_fill_max_length_exactly_counted_from_a_rewind(rig):
             session.send(torch.randn(1, 1, 64))
     finally:
         session.close()
+
+
+def test_a_step_must_keep_the_sessions_batch_and_its_prompts_the_spans_shape(rig):
+    session = RawSession(rig, max_length=16)
+    try:
+        with pytest.raises(Exception, match="hidden_states batch 0 does not match"):
+            session.send(torch.randn(0, 1, 64))
+        session = RawSession(rig, max_length=16)
+        session.send(torch.randn(1, 2, 64))
+        with pytest.raises(Exception, match="hidden_states batch 2 does not match the session's batch 1"):
+            session.send(torch.randn(2, 1, 64))
+        # deep prompts: one [batch, prefix, hidden] per block of the span (blocks 0 and 1 here)
+        session = RawSession(rig, max_length=16)
+        with pytest.raises(Exception, match=r"prompts must be \[2, batch, prefix, 64\], got \[3, 1, 1, 64\]"):
+            session.send(torch.randn(1, 1, 64), raw_request=step_with_prompts(session, torch.randn(3, 1, 1, 64)))
+    finally:
+        session.close()
+
+
+def step_with_prompts(session: RawSession, prompts: torch.Tensor):
+    """An opening request whose step carries deep prompts (Petals' prompt tuning)."""
+    flat, structure = pack_args(torch.randn(1, 1, 64), prompts, torch.empty(0, dtype=torch.int64))
+    metadata = {"args_structure": structure, "step_id": str(uuid.uuid4()), **session.open_metadata}
+    return runtime_pb2.ExpertRequest(uid=session.uid, tensors=[serialize_tensor(t) for t in flat],
+                                     metadata=pack_metadata(metadata))
