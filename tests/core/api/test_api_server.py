@@ -117,9 +117,7 @@ def test_completions_continue_a_raw_prompt(api):
     (b'{"messages": [', 400, None),
     ({"model": DEFAULT_MODEL_ID}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
 ])
 def test_a_bad_request_gets_an_openai_error_naming_the_field_and_the_server_goes_on(api, body, status, field):
     got, raw = post(f"{api}/chat/completions", body)
