@@ -1,0 +1,65 @@
+"""`hivekeeper api --swarm`: the API over a model whose blocks run in a loopback swarm (one real `hivekeeper serve`
+of a tiny checkpoint on 127.0.0.1) answers with the same greedy text as the API over the local model, streaming and
+not."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+import pytest
+
+from hivekeeper.core.cli.api import open_server
+from hivekeeper.core.cli.main import build_parser
+from hivekeeper.core.swarm.local import LocalSwarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+HTTP_TIMEOUT_S = 120
+BODY = {"prompt": "hello there", "max_tokens": 6, "temperature": 0}
+
+
+def serving(args: list[str]):
+    """An API server in this process on a free port, answering on a thread."""
+    api = open_server(build_parser().parse_args(["api", "--port", "0", *args]), None)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    return api
+
+
+def stop(api) -> None:
+    api.shutdown()
+    api.server_close()
+    api.service.runner.close()
+
+
+def completion(api, body: dict) -> tuple[int, str]:
+    """(status, text) of a completion, streamed or not."""
+    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=HTTP_TIMEOUT_S)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        raw = response.read().decode()
+    finally:
+        connection.close()
+    if not body.get("stream"):
+        return response.status, json.loads(raw)["choices"][0]["text"]
+    events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return response.status, "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+
+def test_the_api_through_a_swarm_answers_like_the_local_model(tiny_checkpoint, tmp_path):
+    local = serving(["--model", str(tiny_checkpoint)])
+    try:
+        expected = completion(local, BODY)
+    finally:
+        stop(local)
+    assert expected[0] == 200 and expected[1]
+    with LocalSwarm(tiny_checkpoint, extra_args=("--torch-threads", "1"), log_dir=tmp_path) as swarm:
+        swarm.start(timeout=120)
+        remote = serving(["--model", str(tiny_checkpoint), "--swarm", "--initial-peers", *swarm.initial_peers])
+        try:
+            assert completion(remote, BODY) == expected
+            assert completion(remote, {**BODY, "stream": True}) == expected
+        finally:
+            stop(remote)
