@@ -180,8 +180,17 @@ class APIHandler(BaseHTTPRequestHandler):
         except ClientGone:
             pass
         except Exception as exc:  # noqa: BLE001 - the server answers and goes on whatever failed
-            status, kind = (503, "service_unavailable") if self.service.swarm else (500, "server_error")
-            self.send_json(status, APIError(status, f"{type(exc).__name__}: {exc}", error_type=kind).body())
+            error = self.failure(exc)
+            self.send_json(error.status, error.body())
+
+    def failure(self, exc: Exception) -> APIError:
+        """What a failed generation answers: 400 for bad input, else 500 (503 through a swarm: its servers)."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, InputError):
+            return APIError(400, str(exc))
+        status, kind = (503, "service_unavailable") if self.service.swarm else (500, "server_error")
+        return APIError(status, f"{type(exc).__name__}: {exc}", error_type=kind)
 
     def check_key(self) -> None:
         key = self.service.api_key
@@ -226,10 +235,7 @@ class APIHandler(BaseHTTPRequestHandler):
         if request.stream:
             self.stream(reply)
             return
-        try:
-            result = self.service.generate(request, lambda text: None, threading.Event())
-        except InputError as exc:
-            raise APIError(400, str(exc)) from None
+        result = self.service.generate(request, lambda text: None, threading.Event())
         self.send_json(200, reply.whole(result))
 
     def stream(self, reply: Reply) -> None:
@@ -247,8 +253,8 @@ class APIHandler(BaseHTTPRequestHandler):
         self.event(reply.chunk(first=True), stop)
         try:
             result = service.generate(request, lambda text: self.event(reply.chunk(text), stop), stop)
-        except InputError as exc:
-            self.event(APIError(400, str(exc)).body(), stop)
+        except Exception as exc:  # noqa: BLE001 - the 200 is out: the error goes in the stream, which then ends
+            self.event(self.failure(exc).body(), stop)
             self.event("[DONE]", stop)
             return
         if stop.is_set():
