@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from hivekeeper.planner.errors import InputError
 
+FOLDERS = ("Searched: the bundled default; Hivekeeper's models folder (HIVEKEEPER_MODELS_DIR, else the data "
+           "folder's models/); the Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub); Ollama's models "
+           "(OLLAMA_MODELS, else ~/.ollama/models); LM Studio's (HIVEKEEPER_LMSTUDIO_DIRS, else ~/.lmstudio/models "
+           "and ~/.cache/lm-studio/models). Nothing is copied or downloaded.")
 COLUMNS = ("ID", "SOURCE", "FORMAT", "QUANT", "SIZE", "FITS HERE", "PATH")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
-    listing = sub.add_parser("list", help="every model on this machine, with its size, format and fit")
+    listing = sub.add_parser("list", help="every model on this machine, with its size, format and fit",
+                             description=FOLDERS)
     listing.add_argument("--json", action="store_true", help="a JSON list of objects instead of the table")
     listing.add_argument("--no-fit", action="store_true", help="skip the planner's fit (faster)")
     remove = sub.add_parser("rm", help="delete a model from Hivekeeper's folder or the Hugging Face cache")
@@ -43,7 +49,7 @@ def list_models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([m.as_dict() for m in models], indent=2))
     elif not models:
-        print("no models found (`hivekeeper models list --help` names the folders searched)")
+        print("no models found (`hivekeeper models list --help` names the folders searched)", file=sys.stderr)
     else:
         print(table([row(m) for m in models]))
     return 0

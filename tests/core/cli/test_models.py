@@ -60,6 +60,8 @@ def library(tmp_path, monkeypatch):
     hf_config_repo(hub, "org/huge", {"model_type": "llama", "hidden_size": 32768, "intermediate_size": 131072,
                                      "num_hidden_layers": 400, "num_attention_heads": 256, "vocab_size": 256000,
                                      "torch_dtype": "bfloat16"})
+    (lmstudio / "someone" / "broken-GGUF").mkdir(parents=True)
+    (lmstudio / "someone" / "broken-GGUF" / "broken.gguf").write_bytes(b"GGUF" + bytes(12))  # truncated
     files["ollama"] = ollama_model(ollama, "tiny", "latest", write_gguf(tmp_path / "ollama.gguf", Q8))
     return tmp_path, files
 
@@ -125,6 +127,8 @@ def test_list_finds_every_source_read_in_place_with_format_quantization_and_fit(
     assert huge["fit"] in ("needs the swarm", "too large"), huge
     assert [r["removable"] for r in rows.values() if r["source"] in ("ollama", "lmstudio", "bundled")] == \
         [False] * sum(r["source"] in ("ollama", "lmstudio", "bundled") for r in rows.values())
+    broken = rows["lmstudio:someone/broken-GGUF/broken.gguf"]  # listed, without what cannot be read
+    assert (broken["quantization"], broken["fit"]) == ("?", "?") and "broken.gguf" in broken["fit_reason"]
     assert (DEFAULT_MODEL_ID in rows) == (default_model_file() is not None)
 
 
