@@ -266,7 +266,7 @@ def run_script(native, script: str, *args: str) -> None:
         output, _ = child.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         child.kill()
-        output, _ = child.communicate()
+        output, _ = child.communicate(timeout=10)
         pytest.fail(f"the pool hung; output so far: {output[-2000:]}")
     assert child.returncode == 0 and output.strip().endswith("done"), output[-2000:]
 
