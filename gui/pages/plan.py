@@ -23,7 +23,7 @@ from hivekeeper.planner import hardware_catalog, model_catalog
 from hivekeeper.planner.calibration import is_calibrated
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
-from hivekeeper.planner.hardware import HardwareSpec
+from hivekeeper.planner.hardware import HardwareSpec, default_headroom
 from hivekeeper.planner.models import ModelSpec
 
 from hivekeeper.gui.viewmodels import plan_view
@@ -191,6 +191,8 @@ class PlanPage(QWidget):
         form.addRow("Context length", self.context_spin)
         form.addRow("Batch", self.batch_spin)
         form.addRow("Leave free", self._build_reserve_row())
+        self.headroom_label = label("", "small", wrap=True)  # what plans keep free anyway (the default headroom)
+        form.addRow("", self.headroom_label)
         self.override_check = QCheckBox("Override the placement")
         self.override_check.setToolTip("Place weights and KV cache yourself; the other choices stay the plan's")
         form.addRow(self.override_check)
@@ -458,7 +460,6 @@ class PlanPage(QWidget):
         self.detected_efficiency = machine.efficiency
         self.hardware_combo.setItemText(0, "This machine")
         self.hardware_combo.setItemData(0, _short_description(spec), Qt.ItemDataRole.ToolTipRole)
-        self.machine_label.setText(_short_description(spec))
         if self.settings.hardware == DETECTED:
             self.refresh()
 
@@ -488,6 +489,8 @@ class PlanPage(QWidget):
             self.headline.setText("Detecting this machine…")
             self.fit_label.setText("The plan appears as soon as detection ends (or pick a catalog machine).")
             return
+        self.machine_label.setText(_short_description(hardware))  # the machine chosen, in words
+        self.headroom_label.setText(_headroom_words(hardware))
         try:
             model = self._model_spec(self.settings.model)
             result = plan_view.plan_for(model, hardware, self.settings, self.efficiency())
@@ -725,6 +728,14 @@ class PlanPage(QWidget):
 def _short_name(model_id: str) -> str:
     """The name without its org ("meta-llama/Llama-2-7b-hf" -> "Llama-2-7b-hf"); a folder's last part."""
     return Path(model_id).name if Path(model_id).is_absolute() else model_id.split("/")[-1]
+
+
+def _headroom_words(spec: HardwareSpec) -> str:
+    """The default headroom plans keep free on this machine, beyond "Leave free" (planner.hardware)."""
+    kept = default_headroom(spec)
+    parts = [f"{name} {kept[tier] / 1e9:.3g} GB" for tier, name in (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "disk"))
+             if kept[tier] > 0]
+    return "plus, always kept free for the system and other programs: " + ", ".join(parts)
 
 
 def _short_description(spec: HardwareSpec) -> str:

@@ -59,8 +59,14 @@ def test_the_machine_box_is_not_truncated(make_window, qtbot):
     for index in range(combo.count()):
         if combo.itemData(index) == "detected":
             assert metrics.horizontalAdvance(combo.itemText(index)) < combo.width() - 20
-    assert f"{spec.cpu.memory_bytes / 1e9:.0f} GB RAM" in plan.machine_label.text()
+    catalog = get_hardware("rtx-4090")  # the label names the machine chosen, not this one
+    assert f"{catalog.cpu.memory_bytes / 1e9:.0f} GB RAM" in plan.machine_label.text()
+    assert catalog.gpus[0].name in plan.machine_label.text()
+    combo.setCurrentIndex(combo.findData("detected"))
+    qtbot.waitUntil(lambda: plan.result is not None and plan.result.plan.hardware == "detected", timeout=20_000)
+    assert plan.machine_label.text() == f"no GPU, {spec.cpu.memory_bytes / 1e9:.0f} GB RAM"
     assert plan.machine_label.wordWrap()
+    assert "RAM" in plan.headroom_label.text() and "kept free" in plan.headroom_label.text()
 
 
 def test_chart_y_axes_stay_at_or_above_zero(make_window, qtbot):
