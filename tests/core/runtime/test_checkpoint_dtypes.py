@@ -1,6 +1,7 @@
 """Loading honours what was asked (docs/testing.md, found by a mutation run): the dtype of every weight of a span,
-the embedding and the head; weights that are not trainable; an index that does not list a tensor a range needs is
-named. The demo checkpoint is stored in fp32, so a bf16 load must convert."""
+the embedding and the head; weights that are not trainable; an index that does not list a tensor a range needs, and
+an embedding of another shape than the config says, are named. The demo checkpoint is stored in fp32, so a bf16 load
+must convert."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ def test_a_tensor_the_index_does_not_list_is_named(sharded):
     with pytest.raises(InputError, match=r"the index: tensor 'model.layers.2.self_attn.o_proj.weight' is not listed"):
         shards_for(config, index, (1, 3), embeddings=False, source="the index")
     assert shards_for(config, index, (0, 2), embeddings=False)  # a range that does not need it still resolves
+
+
+def test_an_embedding_of_another_shape_than_the_config_says_is_named(tmp_path):
+    folder = make_demo_checkpoint(tmp_path / "demo", layers=1)
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] += 1  # the file's embedding has one row fewer than the config says
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="model.embed_tokens.weight.*shape"):
+        load_embedding(folder)
