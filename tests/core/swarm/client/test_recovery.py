@@ -4,8 +4,9 @@ now, not the one it was sent.
 Three servers of the tiny model's blocks [0, 2) run in this process (SwarmServer on a background loop, each with
 its own p2pd on 127.0.0.1); a SwarmClient session steps through one of them. After `truncate` (start_from_position)
 or `reorder` (hypo_ids) the server in use leaves, and the next step is recovered on another one by replaying the
-history: cut at the rewind point, rows in the new beam order. Every output is checked against the same blocks run
-here with a local KV cache that was rewound or reordered the same way.
+history: cut at the rewind point, rows in the new beam order. A second swarm of two servers, one block each, checks
+that a rewind and a reorder reach every server of a chain when nothing fails. Every output is checked against the
+same blocks run here with a local KV cache that was rewound or reordered the same way.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ MAX_LENGTH = 16
 
 
 class LocalServers:
-    """SwarmServers of blocks [0, 2) on one background loop; `leave(peer)` stops one (it announces OFFLINE and its
-    p2pd exits, which breaks the client's open stream)."""
+    """SwarmServers of the tiny model's blocks on one background loop, in a swarm of their own (`prefix`);
+    `leave(peer)` stops one (it announces OFFLINE and its p2pd exits, which breaks the client's open stream)."""
 
-    def __init__(self, checkpoint):
-        self.checkpoint = checkpoint
+    def __init__(self, checkpoint, prefix: str = PREFIX):
+        self.checkpoint, self.prefix = checkpoint, prefix
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-servers", daemon=True)
         self.thread.start()
@@ -45,10 +46,11 @@ class LocalServers:
         """The addresses of the servers still running."""
         return [server.maddrs[0] for server, _ in self.running.values()]
 
-    def start(self) -> None:
+    def start(self, blocks: tuple[int, int] = (0, 2)) -> None:
         online = threading.Event()
-        config = ServerConfig(checkpoint=self.checkpoint, dht_prefix=PREFIX, initial_peers=tuple(self.initial_peers),
-                              host="127.0.0.1", block_indices=(0, 2), throughput=1.0, update_period=30.0)
+        config = ServerConfig(checkpoint=self.checkpoint, dht_prefix=self.prefix,
+                              initial_peers=tuple(self.initial_peers), host="127.0.0.1", block_indices=blocks,
+                              throughput=1.0, update_period=30.0)
         server = SwarmServer(config, status=lambda event: event["state"] == "online" and online.set())
         future = asyncio.run_coroutine_threadsafe(server.run(), self.loop)
         if not online.wait(60):
@@ -94,6 +96,18 @@ def client(servers):
                                       retry_seconds=30.0))
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def chain(tiny_checkpoint):
+    """Two servers in a swarm of their own, one per block: every step crosses both."""
+    local = LocalServers(tiny_checkpoint, prefix="chain-test")
+    try:
+        local.start((0, 1))
+        local.start((1, 2))
+        yield local
+    finally:
+        local.close()
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +171,25 @@ def test_failover_after_a_beam_reorder_replays_the_rows_in_their_new_order(serve
         check_step(session, cache, span, chunks[3], "the next step, on the replacement")
         assert [r["peer_id"] for r in session.recoveries] == [failed]
         assert session.recoveries[0]["replayed_tokens"] == 4
+
+
+def test_a_two_server_chain_rewinds_and_reorders_like_a_local_cache(chain, span):
+    """No failure: the rewind (start_from_position) and the beam reorder (hypo_ids) reach both servers of the chain,
+    in order, over several steps."""
+    torch.manual_seed(13)
+    chunks = [torch.randn(2, 3, 64), torch.randn(2, 1, 64), torch.randn(2, 2, 64), torch.randn(2, 1, 64)]
+    cache = KVCache.allocate(span.config, 2, 2, MAX_LENGTH)
+    client = SwarmClient(ClientConfig(initial_peers=tuple(chain.initial_peers), dht_prefix="chain-test",
+                                      num_blocks=2, retry_seconds=30.0))
+    try:
+        with client.inference_session(max_length=MAX_LENGTH, batch=2) as session:
+            check_step(session, cache, span, chunks[0], "prompt")
+            assert [(start, end) for _, start, end in session.route] == [(0, 1), (1, 2)]
+            check_step(session, cache, span, chunks[1], "one token")
+            cache.truncate(3), session.truncate(3)
+            check_step(session, cache, span, chunks[2], "after the rewind")
+            cache.reorder(torch.tensor([1, 1])), session.reorder(torch.tensor([1, 1]))
+            check_step(session, cache, span, chunks[3], "after the reorder")
+            assert session.recoveries == []
+    finally:
+        client.close()
