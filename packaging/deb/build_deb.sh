@@ -5,6 +5,7 @@
 # /usr/lib/systemd/user (the node service). The autostart entry is not installed system-wide: starting a node at
 # login is each user's choice (`hivekeeper install-desktop --autostart`).
 #   packaging/deb/build_deb.sh BUNDLE_DIR [OUT_DIR]      (OUT_DIR: dist)
+# DEB_COMPRESSION=gzip (or zstd, none) trades size for speed: xz, the default, takes minutes on a GB-sized bundle.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -38,5 +39,5 @@ size_kb="$(du -sk --exclude=DEBIAN "$stage" | cut -f1)"
 sed -e "s/@VERSION@/$version/" -e "s/@ARCH@/$arch/" -e "s/@SIZE_KB@/$size_kb/" "$here/control" > "$stage/DEBIAN/control"
 mkdir -p "$out"
 deb="$out/hivekeeper_${version}_${arch}.deb"
-dpkg-deb --build --root-owner-group "$stage" "$deb" >/dev/null
+dpkg-deb --build --root-owner-group -Z"${DEB_COMPRESSION:-xz}" "$stage" "$deb" >/dev/null
 echo "$deb"
