@@ -5,8 +5,8 @@ The file list is compared with the source tree the wheel was built from: every m
 (hardware and model catalogs), the desktop files of packaging/linux, the `hivekeeper` entry point, and no tests.
 
 --install puts the wheel into a fresh virtualenv (its dependencies come from the project venv through a .pth file:
-torch cannot be downloaded here) and runs `plan --json`, `install-desktop` (into scratch XDG folders; it must use the wheel's desktop
-files), `demo-model` and `generate` from it, outside the checkout.
+torch cannot be downloaded here) and runs `plan --json`, `install-desktop` (into scratch XDG folders; it must use
+the wheel's desktop files), `demo-model` and `generate` from it, outside the checkout.
 
     python packaging/check_wheel.py dist/hivekeeper-0.1.0-py3-none-any.whl [--source .] [--install]
 Prints one line per problem and exits 1 if there is any.
