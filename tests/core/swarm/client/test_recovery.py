@@ -193,3 +193,21 @@ def test_a_two_server_chain_rewinds_and_reorders_like_a_local_cache(chain, span)
             assert session.recoveries == []
     finally:
         client.close()
+
+
+def test_a_two_server_chain_with_server_to_server_push_gives_the_same_outputs(chain, span):
+    """use_push: the first server passes each step's output straight to the second (the client still sends it a
+    copy); plain steps only, so a rewind in between goes the usual way."""
+    torch.manual_seed(14)
+    chunks = [torch.randn(1, 3, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64)]
+    cache = KVCache.allocate(span.config, 2, 1, MAX_LENGTH)
+    client = SwarmClient(ClientConfig(initial_peers=tuple(chain.initial_peers), dht_prefix="chain-test",
+                                      num_blocks=2, retry_seconds=30.0, use_push=True))
+    try:
+        with client.inference_session(max_length=MAX_LENGTH, batch=1) as session:
+            for step, chunk in enumerate(chunks[:3]):
+                check_step(session, cache, span, chunk, f"pushed step {step}")
+            cache.truncate(4), session.truncate(4)
+            check_step(session, cache, span, chunks[3], "a rewind between pushed steps")
+    finally:
+        client.close()
