@@ -1,9 +1,9 @@
 """`python -m hivekeeper.gui.screenshots [--out docs/screenshots]`: a PNG of every page at 1280×800, with real data.
 
-It writes an 8-block demo checkpoint, starts a loopback swarm of two `hivekeeper serve` processes (blocks 0:4 and
-2:6), opens the app (offscreen, on a temporary config folder: your settings are not touched), detects and measures
+It starts a loopback swarm of two `hivekeeper serve` processes serving the built-in model (smollm2-135m-instruct,
+blocks 0:12 and 8:22), opens the app (offscreen, on a temporary config folder: your settings are not touched), detects and measures
 this machine (the Measure button, with HIVEKEEPER_MEASURE_SIZES=quick unless set otherwise), joins the swarm with the
-Join button (the node fills blocks 6:8), chats through the swarm so the node serves real requests, lets the monitor
+Join button (the node fills blocks 22:30), chats through the swarm so the node serves real requests, lets the monitor
 run, then saves hardware.png, plan.png, swarm.png, chat.png and monitor.png. Everything it started is stopped before
 it exits. Takes a few minutes on a small machine.
 """
@@ -19,12 +19,12 @@ from pathlib import Path
 
 PAGE_FILES = {"Hardware": "hardware.png", "Plan": "plan.png", "Swarm": "swarm.png", "Chat": "chat.png",
               "Monitor": "monitor.png"}
-QUESTIONS = ("What do bees do in winter?", "How do they keep warm?")
+QUESTIONS = ("What is the capital of France? Answer in one sentence.", "Name one famous museum there.")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hivekeeper.gui.screenshots",
-                                     description="Save a 1280x800 PNG of each page of the app, with a demo swarm.")
+                                     description="Save a 1280x800 PNG of each page of the app, with a loopback swarm of the built-in model.")
     parser.add_argument("--out", default="docs/screenshots", help="folder for the PNGs (default docs/screenshots)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each step")
     return parser.parse_args(argv)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(tmp: Path, out: Path, timeout: float) -> int:
     from PySide6.QtWidgets import QApplication
 
-    from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+    from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID
     from hivekeeper.core.swarm.local import LocalSwarm
 
     from hivekeeper.gui.main_window import PAGES, MainWindow
@@ -71,13 +71,12 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
             app.processEvents()
             time.sleep(0.02)
 
-    print("writing an 8-block demo checkpoint…", flush=True)
-    demo = make_demo_checkpoint(tmp / "demo-llama-8", layers=8, hidden=128, heads=4, max_position=2048)
+    demo = DEFAULT_MODEL_ID
     (tmp / "logs").mkdir()
     with LocalSwarm(demo, log_dir=tmp / "logs") as swarm:
         print("starting a loopback swarm of two servers…", flush=True)
-        swarm.start("--block-indices", "0:4", "--throughput", "30", "--public-name", "server-a", timeout=timeout)
-        swarm.start("--block-indices", "2:6", "--throughput", "18", "--public-name", "server-b", timeout=timeout)
+        swarm.start("--block-indices", "0:12", "--throughput", "30", "--public-name", "server-a", timeout=timeout)
+        swarm.start("--block-indices", "8:22", "--throughput", "18", "--public-name", "server-b", timeout=timeout)
 
         settings = Settings()
         settings.plan.model = "meta-llama/Meta-Llama-3.1-8B-Instruct"
@@ -87,12 +86,12 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
         settings.swarm.new_swarm = False
         settings.swarm.initial_peers = swarm.initial_peers
         settings.swarm.host = "127.0.0.1"
-        settings.swarm.num_blocks = 3
+        settings.swarm.num_blocks = 8
         settings.swarm.public_name = "this-machine"
         settings.chat.mode = "swarm"
         settings.chat.model = str(demo)
         settings.chat.max_new_tokens = 40
-        settings.chat.temperature = 0.8
+        settings.chat.temperature = 0.3
         window = MainWindow(SettingsStore(), settings, detect_on_start=False)
         window.ask_on_close = lambda: "stop"
         window.resize(1280, 800)
