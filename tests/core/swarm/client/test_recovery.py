@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ class LocalServers:
         online = threading.Event()
         config = ServerConfig(checkpoint=self.checkpoint, dht_prefix=self.prefix,
                               initial_peers=tuple(self.initial_peers), host="127.0.0.1", block_indices=blocks,
-                              throughput=1.0, update_period=30.0)
+                              throughput=1.0, update_period=30.0, public_name=f"server-{blocks[0]}-{blocks[1]}")
         server = SwarmServer(config, status=lambda event: event["state"] == "online" and online.set())
         future = asyncio.run_coroutine_threadsafe(server.run(), self.loop)
         if not online.wait(60):
@@ -100,11 +101,12 @@ def client(servers):
 
 @pytest.fixture(scope="module")
 def chain(tiny_checkpoint):
-    """Two servers in a swarm of their own, one per block: every step crosses both."""
+    """Servers of one block each, in a swarm of their own: every step crosses two (the first block has a spare)."""
     local = LocalServers(tiny_checkpoint, prefix="chain-test")
     try:
         local.start((0, 1))
         local.start((1, 2))
+        local.start((0, 1))  # a spare for the first block (the last test makes one leave)
         yield local
     finally:
         local.close()
@@ -120,6 +122,14 @@ def check_step(session, cache, span, chunk: torch.Tensor, what: str) -> None:
         expected = span(chunk, cache)
     assert torch.allclose(session.step(chunk), expected, atol=1e-5), what
     assert session.length == cache.length
+
+
+def check_record(record: dict, peer_id: str, blocks: tuple[int, int]) -> None:
+    """What a session reports of a recovery: the server, its blocks, when, how long, why."""
+    assert record["peer_id"] == peer_id and record["blocks"] == list(blocks)
+    assert record["public_name"] == f"server-{blocks[0]}-{blocks[1]}"
+    assert abs(record["time"] - time.time()) < 120 and 0 <= record["seconds"] < 30
+    assert isinstance(record["error"], str) and record["error"]
 
 
 def the_server_in_use(session) -> str:
@@ -145,7 +155,8 @@ def test_failover_after_a_rewind_replays_only_the_tokens_kept(servers, client, s
         check_step(session, cache, span, chunks[2], "the step after the rewind, on the replacement")
         assert [r["peer_id"] for r in session.recoveries] == [failed]
         assert session.recoveries[0]["replayed_tokens"] == 4  # positions 0-3, not the forgotten 4th
-        assert the_server_in_use(session) != failed
+        assert the_server_in_use(session) != failed and client.bans.banned(failed)
+        check_record(session.recoveries[0], failed, (0, 2))
         # the session counts from the rewind: 5 + 11 tokens fill max_length exactly, one more does not fit
         check_step(session, cache, span, chunks[3], "up to max_length, on the replacement")
         with pytest.raises(InputError, match="17 tokens exceed the session's max_length 16"):
@@ -209,5 +220,26 @@ def test_a_two_server_chain_with_server_to_server_push_gives_the_same_outputs(ch
                 check_step(session, cache, span, chunk, f"pushed step {step}")
             cache.truncate(4), session.truncate(4)
             check_step(session, cache, span, chunks[3], "a rewind between pushed steps")
+    finally:
+        client.close()
+
+
+def test_failover_of_the_first_server_of_a_chain_keeps_the_second(chain, span):
+    torch.manual_seed(15)
+    chunks = [torch.randn(1, 3, 64), torch.randn(1, 1, 64), torch.randn(1, 1, 64)]
+    cache = KVCache.allocate(span.config, 2, 1, MAX_LENGTH)
+    client = SwarmClient(ClientConfig(initial_peers=tuple(chain.initial_peers), dht_prefix="chain-test",
+                                      num_blocks=2, retry_seconds=30.0))
+    try:
+        with client.inference_session(max_length=MAX_LENGTH, batch=1) as session:
+            check_step(session, cache, span, chunks[0], "prompt")
+            first, second = session.route
+            chain.leave(first[0])
+            check_step(session, cache, span, chunks[1], "the step after the first server left")
+            check_step(session, cache, span, chunks[2], "the next step")
+            assert [hop[1:] for hop in session.route] == [(0, 1), (1, 2)] and session.route[1] == second
+            assert session.route[0][0] != first[0]
+            check_record(session.recoveries[0], first[0], (0, 1))
+            assert session.recoveries[0]["replayed_tokens"] == 3
     finally:
         client.close()
