@@ -26,7 +26,7 @@ from hivekeeper.planner.gguf_metadata import find_gguf
 
 from hivekeeper.core.runtime.block_tensors import block_tensor_names, read_block_tensors
 from hivekeeper.core.runtime.default_model import is_default_model_id, resolve_default_model
-from hivekeeper.core.runtime.gguf import GGUFCheckpoint
+from hivekeeper.core.runtime.gguf import GGUFCheckpoint, load_packed_block, packed_by_default
 from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_by_column, store_tall_linears_by_column
 from hivekeeper.core.runtime.model import Block, Embedding, Head, ModelConfig, RotaryTable, Span
 from hivekeeper.core.runtime.quant.bnb import check_quant, quantize_block
@@ -147,9 +147,10 @@ class Checkpoint:
 # ---------------------------------------------------------------------------------------------------------------
 # Public loaders
 # ---------------------------------------------------------------------------------------------------------------
-def open_checkpoint(path: str | Path) -> Checkpoint | GGUFCheckpoint:
-    """The checkpoint at `path`: a GGUFCheckpoint for a GGUF file (or a folder holding one), else a Checkpoint."""
-    return Checkpoint(path) if find_gguf(path) is None else GGUFCheckpoint(path)
+def open_checkpoint(path: str | Path, packed: bool = False) -> Checkpoint | GGUFCheckpoint:
+    """The checkpoint at `path`: a GGUFCheckpoint for a GGUF file (or a folder holding one), else a Checkpoint.
+    packed: a GGUF's CPU fp32 blocks keep their Q8_0/Q4_0/Q4_1 linears packed (gguf.load_packed_block)."""
+    return Checkpoint(path) if find_gguf(path) is None else GGUFCheckpoint(path, packed=packed)
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -166,6 +167,11 @@ def load_block(checkpoint: Checkpoint, layer: int, *, dtype: torch.dtype = torch
     dtype = parse_dtype(dtype)
     # quantized blocks hold their non-quantized parts (norms, biases) and compute in a 16-bit dtype
     load_dtype = dtype if quant == "none" else quant_compute_dtype(dtype, device)
+    if (isinstance(checkpoint, GGUFCheckpoint) and checkpoint.packed and quant == "none"
+            and dtype == torch.float32 and torch.device(device).type == "cpu"):
+        block = load_packed_block(checkpoint, layer, rotary)
+        store_tall_linears_by_column(block)  # the linears not packed (other GGUF types)
+        return block
     with torch.device("meta"):
         block = Block(checkpoint.config, layer, rotary)
     block.load_state_dict(checkpoint.read_block(layer, load_dtype), strict=True, assign=True)
@@ -185,13 +191,15 @@ def quant_compute_dtype(dtype: torch.dtype, device) -> torch.dtype:
 
 
 def load_span(path: str | Path, start: int, end: int, *, dtype: str | torch.dtype = torch.float32,
-              device: str | torch.device = "cpu", quant: str = "none") -> Span:
+              device: str | torch.device = "cpu", quant: str = "none", packed: bool | None = None) -> Span:
     """Blocks [start, end) of the checkpoint at `path`, reading only the shards that hold them.
 
     dtype: fp32/bf16/fp16 (compute and storage dtype); quant: "none", "int8" or "nf4" (bitsandbytes).
+    packed: for a GGUF on the CPU in fp32, keep Q8_0/Q4_0/Q4_1 linears as their block bytes (QuantizedLinear)
+    instead of dequantizing them; None: yes unless HIVEKEEPER_GGUF_PACKED=0.
     """
     dtype, quant = parse_dtype(dtype), check_quant(quant)
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_checkpoint(path, packed=packed_by_default() if packed is None else packed)
     config = checkpoint.config
     if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= config.num_layers):
         raise InputError(f"block range [{start}, {end}) must be non-empty and inside the model's "

@@ -8,7 +8,12 @@ folder does. The file is read with the `gguf` package's GGUFReader (the llama.cp
 - the weights, under Hugging Face names (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`),
   read through the memory map and dequantized to float32 one tensor at a time (so loading a span touches only its
   blocks' bytes), with llama.cpp's Q/K row permutation undone for llama/mistral;
-- the tokenizer and chat template (gguf_tokenizer.py, built by tokenizer.Tokenizer.from_gguf).
+- the tokenizer and chat template (gguf_tokenizer.py, built by tokenizer.Tokenizer.from_gguf);
+- packed blocks (`load_packed_block`): for CPU fp32 decode, linear weights stored as Q8_0/Q4_0/Q4_1 stay as their
+  block bytes in RAM (QuantizedLinear, multiplied by the native quantized kernels) instead of 4-byte floats; the
+  Q/K permutation is undone by reordering packed rows (rows are independent). Other types are dequantized.
+  checkpoint.load_span does this by default for a GGUF on the CPU in fp32 (HIVEKEEPER_GGUF_PACKED=0 or
+  packed=False turns it off: the dequantized path is what transformers computes, token for token).
 
 The torch-free part (finding and opening files, the config dict, tensor names, types and sizes) is the planner's
 gguf_metadata.py, so there is one reader. `GGUFCheckpoint` has the interface of `checkpoint.Checkpoint` (`config`,
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -30,8 +37,23 @@ from hivekeeper.planner.gguf_metadata import (PERMUTED_ARCHITECTURES, SUPPORTED_
                                               check_tensor_types, hf_config_dict, hf_name, open_reader, require_gguf,
                                               unsupported_type)
 
-from hivekeeper.core.runtime.block_tensors import block_tensor_names, read_block_tensors
-from hivekeeper.core.runtime.model import Block, ModelConfig
+from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes, read_block_tensors
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, QuantizedMatrix
+from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
+from hivekeeper.core.runtime.quant.blocks import format_of_ggml_type
+
+PACKED_ENV = "HIVEKEEPER_GGUF_PACKED"  # "0" turns packed GGUF blocks off where they are the default
+# a block's linears as loaded: fused module path -> the HF pieces concatenated (by rows) into it
+FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "self_attn.o_proj": ("self_attn.o_proj",),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                 "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def packed_by_default() -> bool:
+    """Whether GGUF blocks load packed where that is the default (CPU fp32 spans): yes unless
+    HIVEKEEPER_GGUF_PACKED=0."""
+    return os.environ.get(PACKED_ENV, "1").strip() != "0"
 from hivekeeper.core.runtime.tokenizer import Tokenizer
 
 
@@ -78,7 +100,8 @@ class GGUFCheckpoint:
 
     The same interface as checkpoint.Checkpoint; `read` dequantizes one tensor to float32 from the memory map."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, packed: bool = False):
+        self.packed = bool(packed)  # load_block builds CPU fp32 blocks with packed Q8_0/Q4_0/Q4_1 linears
         self.path = require_gguf(path)
         self.source = str(self.path)
         self.reader = open_reader(self.path)
@@ -119,12 +142,34 @@ class GGUFCheckpoint:
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise InputError(f"{self.source}: tensor {self.tensors[name].name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(shape)}")
-        if self.architecture in PERMUTED_ARCHITECTURES:
-            if ".self_attn.q_proj." in name:
-                tensor = unpermute_qk(tensor, self.config.num_heads)
-            elif ".self_attn.k_proj." in name:
-                tensor = unpermute_qk(tensor, self.config.num_kv_heads)
+        heads = self.permuted_heads(name)
+        if heads:
+            tensor = unpermute_qk(tensor, heads)
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+    def permuted_heads(self, name: str) -> int:
+        """The head count whose rows llama.cpp's converter permuted in tensor `name` (q/k of llama-like
+        architectures), or 0 when it is stored in Hugging Face's order."""
+        if self.architecture not in PERMUTED_ARCHITECTURES:
+            return 0
+        if ".self_attn.q_proj." in name:
+            return self.config.num_heads
+        return self.config.num_kv_heads if ".self_attn.k_proj." in name else 0
+
+    def packable(self, name: str) -> bool:
+        """Whether tensor `name` is stored in a block format the quantized kernels multiply as it is."""
+        self.files_for([name])
+        return format_of_ggml_type(int(self.tensors[name].tensor_type)) is not None
+
+    def read_packed(self, name: str, shape: tuple[int, int]) -> QuantizedMatrix:
+        """A Q8_0/Q4_0/Q4_1 tensor's block bytes as they are in the file, copied into RAM (Q/K rows put back in
+        Hugging Face's order by reordering whole packed rows)."""
+        tensor = self.tensors[name]
+        fmt = format_of_ggml_type(int(tensor.tensor_type))
+        matrix = QuantizedMatrix.from_gguf(tensor.data, fmt, shape, f"{self.source}: tensor {tensor.name!r}")
+        heads = self.permuted_heads(name)
+        rows = matrix.packed[unpermute_qk(torch.arange(shape[0]), heads).numpy()] if heads else matrix.packed.copy()
+        return QuantizedMatrix(fmt, rows, matrix.outs, matrix.cols)  # a copy: the map is read-only
 
     def read_block(self, layer: int, dtype: torch.dtype) -> dict[str, Tensor]:
         """Every tensor of one layer, keyed by its name inside the block (`self_attn.q_proj.weight`, ...)."""
@@ -136,6 +181,52 @@ class GGUFCheckpoint:
 
     def close(self) -> None:
         """Nothing to release per checkpoint: the reader and its memory map are shared (gguf_metadata.cached_reader)."""
+
+
+def packed_linear(checkpoint: GGUFCheckpoint, layer: int, pieces: tuple[str, ...],
+                  shapes: dict[str, tuple[int, ...]]) -> QuantizedMatrix | None:
+    """The fused weight of `pieces` (HF names inside a block) as one packed matrix (their rows one after
+    another), or None unless every piece is stored in the same packable format."""
+    names = [f"model.layers.{layer}.{piece}.weight" for piece in pieces]
+    if not all(checkpoint.packable(name) for name in names):
+        return None
+    if len({checkpoint.tensors[name].tensor_type for name in names}) != 1:
+        return None
+    parts = [checkpoint.read_packed(name, shapes[f"{piece}.weight"]) for name, piece in zip(names, pieces)]
+    packed = parts[0].packed if len(parts) == 1 else np.concatenate([part.packed for part in parts], axis=0)
+    return QuantizedMatrix(parts[0].fmt, packed, sum(part.outs for part in parts), parts[0].cols)
+
+
+def load_packed_block(checkpoint: GGUFCheckpoint, layer: int, rotary: RotaryTable | None = None) -> Block:
+    """Decoder layer `layer` on the CPU in fp32 whose linears stored as Q8_0/Q4_0/Q4_1 are QuantizedLinear
+    holding the file's block bytes; the rest (norms, biases, linears of other types) dequantized to fp32."""
+    config = checkpoint.config
+    checkpoint.files_for(block_tensor_names(config, layer))
+    shapes = expected_block_shapes(config)
+    with torch.device("meta"):
+        block = Block(config, layer, rotary)
+    state, replaced = {}, set()
+    for fused, pieces in FUSED_LINEARS.items():
+        matrix = packed_linear(checkpoint, layer, pieces, shapes)
+        biases = [f"{piece}.bias" for piece in pieces if checkpoint.has(f"model.layers.{layer}.{piece}.bias")]
+        if matrix is None:
+            names = [f"{piece}.weight" for piece in pieces] + biases
+        else:
+            bias = (torch.cat([checkpoint.read(f"model.layers.{layer}.{name}", torch.float32, shapes[name])
+                               for name in biases]) if biases else None)
+            parent, child = fused.split(".")
+            setattr(getattr(block, parent), child, QuantizedLinear(matrix, bias))
+            replaced.update({f"{fused}.packed", f"{fused}.bias"})
+            names = []
+        state.update({name: checkpoint.read(f"model.layers.{layer}.{name}", torch.float32, shapes[name])
+                      for name in names})
+    for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        state[name] = checkpoint.read(f"model.layers.{layer}.{name}", torch.float32, shapes[name])
+    result = block.load_state_dict(state, strict=False, assign=True)
+    missing = set(result.missing_keys) - replaced
+    if missing or result.unexpected_keys:
+        raise ValueError(f"packed block {layer}: missing {sorted(missing)}, unexpected {result.unexpected_keys}")
+    return block.requires_grad_(False)
 
 
 class GGUFBlockReader:
