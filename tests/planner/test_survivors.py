@@ -14,6 +14,7 @@ with its expectation worked out here from the machine's numbers, not read back f
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -208,6 +209,16 @@ def test_transfers_of_a_spread_policy_by_hand():
     assert pred.decode_step_s == pytest.approx(32 * expected["disk"] + head + 1e-3, rel=1e-9)
     prefill_disk = (0.1 * BLOCK + 0.25 * batch * prompt * KV_TOKEN) / (DISK_BPS * 0.5)  # the new cache written
     assert pred.prefill_s == pytest.approx(32 * prefill_disk + head + 1e-3, rel=1e-9)
+    # the disk's bytes per step, in the bottleneck's words
+    assert pred.bottleneck == "disk" and f"({32 * disk_read / 1e9:.3g} GB per decode step)" in pred.bottleneck_detail
+    # compute-bound from the batch whose FLOPs take as long as streaming the block: depth 2 waits for the slower of
+    # link and disk (here the disk), depth 1 for both
+    stream_link, stream_disk = 0.2 * BLOCK / (LINK_BPS * 0.5), 0.1 * BLOCK / (DISK_BPS * 0.5)
+    for depth, stream in ((2, max(stream_link, stream_disk)), (1, stream_link + stream_disk)):
+        at_depth = evaluate(LLAMA2_7B, machine(), dataclasses.replace(policy, prefetch_depth=depth),
+                            Workload(prompt_len=100, output_len=28), eff)
+        assert at_depth.min_compute_bound_batch == math.ceil(stream * 100e12 * 0.5 / (2 * MATRICES) - 1e-9)
+        assert at_depth.min_compute_bound_basis == "disk"
 
 
 # ---- one memory tier: what a policy may say, and what fits -----------------------------------------------------------
