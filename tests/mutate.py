@@ -194,27 +194,27 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"mutate: unknown scope {unknown[0]!r}; choose from {', '.join(scopes)}", file=sys.stderr)
         return 2
-    failed = False
-    for name in args.scopes or list(scopes):
-        scope = scopes[name]
-        folder = prepare(name, shared, scope)
-        names = []
-        if args.survivors:
-            cached = results(folder)
-            names = cached.get("survived", []) + cached.get("no tests", [])
-            if not names:
-                continue
-        started = time.monotonic()
-        code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale, names)
-        seconds = time.monotonic() - started
-        if code not in (0, None):  # mutmut itself failed (a test failing without mutants, a setup error)
-            failed = True
-            print(f"mutate: mutmut failed in {folder} (exit {code}):\n{output[-3000:]}", file=sys.stderr)
-        elif code is None:
-            print(f"mutate: {name} stopped at its {scope['minutes'] * args.minutes_scale:g}-minute limit; the "
-                  f"next run goes on from here. Last output:\n{output[-600:]}", file=sys.stderr)
-        print(json.dumps(summary(name, results(folder), code, seconds)), flush=True)
-    return 1 if failed else 0
+    results_ok = [run_scope(name, shared, scopes[name], args) for name in args.scopes or list(scopes)]
+    return 0 if all(results_ok) else 1
+
+
+def run_scope(name: str, shared: dict, scope: dict, args: argparse.Namespace) -> bool:
+    """Prepare and run one scope, print its line; False when mutmut itself failed."""
+    folder = prepare(name, shared, scope)
+    names = []
+    if args.survivors:
+        cached = results(folder)
+        names = cached.get("survived", []) + cached.get("no tests", [])
+    started = time.monotonic()
+    code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale, names) \
+        if names or not args.survivors else (0, "")
+    if code not in (0, None):  # mutmut itself failed (a test failing without mutants, a setup error)
+        print(f"mutate: mutmut failed in {folder} (exit {code}):\n{output[-3000:]}", file=sys.stderr)
+    elif code is None:
+        print(f"mutate: {name} stopped at its {scope['minutes'] * args.minutes_scale:g}-minute limit; the next run "
+              f"goes on from here. Last output:\n{output[-600:]}", file=sys.stderr)
+    print(json.dumps(summary(name, results(folder), code, time.monotonic() - started)), flush=True)
+    return code in (0, None)
 
 
 if __name__ == "__main__":
