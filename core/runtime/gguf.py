@@ -24,9 +24,8 @@ architecture or tensor type, a missing tokenizer) raises InputError with one lin
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,6 +40,7 @@ from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_b
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, QuantizedMatrix
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
 from hivekeeper.core.runtime.quant.blocks import format_of_ggml_type
+from hivekeeper.core.runtime.tokenizer import Tokenizer
 
 PACKED_ENV = "HIVEKEEPER_GGUF_PACKED"  # "0" turns packed GGUF blocks off where they are the default
 # a block's linears as loaded: fused module path -> the HF pieces concatenated (by rows) into it
@@ -51,10 +51,10 @@ FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", 
 
 
 def packed_by_default() -> bool:
-    """Whether GGUF blocks load packed where that is the default (CPU fp32 spans): yes unless
-    HIVEKEEPER_GGUF_PACKED=0."""
-    return os.environ.get(PACKED_ENV, "1").strip() != "0"
-from hivekeeper.core.runtime.tokenizer import Tokenizer
+    """Whether GGUF blocks load packed where nothing says otherwise (CPU fp32 spans): only with
+    HIVEKEEPER_GGUF_PACKED=1 until the local engine and the planner run packed weights too, so that a swarm's spans
+    and a local run of the same file compute the same thing."""
+    return os.environ.get(PACKED_ENV, "0").strip() == "1"
 
 
 def load_gguf_config(path: str | Path) -> ModelConfig:

@@ -108,13 +108,12 @@ def test_packed_greedy_answers_paris_and_logits_stay_close(smollm2):
 
 
 @needs_smollm2
-def test_packed_can_be_turned_off(monkeypatch):
-    """HIVEKEEPER_GGUF_PACKED=0 makes load_span's default the dequantized fp32 span."""
+def test_packed_is_turned_on_by_the_variable(monkeypatch):
+    """load_span's default is the dequantized fp32 span (what the local engine runs); HIVEKEEPER_GGUF_PACKED=1 packs."""
     path = default_model_file()
-    monkeypatch.setenv(PACKED_ENV, "0")
-    span = load_span(path, 0, 1)
-    assert not any(isinstance(m, QuantizedLinear) for m in span.modules())
-    monkeypatch.delenv(PACKED_ENV)
+    monkeypatch.delenv(PACKED_ENV, raising=False)
+    assert not any(isinstance(m, QuantizedLinear) for m in load_span(path, 0, 1).modules())
+    monkeypatch.setenv(PACKED_ENV, "1")
     assert any(isinstance(m, QuantizedLinear) for m in load_span(path, 0, 1).modules())
 
 
