@@ -1,7 +1,7 @@
 """Loading honours what was asked (docs/testing.md, found by a mutation run): the dtype of every weight of a span,
 the embedding and the head; weights that are not trainable; an index that does not list a tensor a range needs, and
-an embedding of another shape than the config says, are named. The demo checkpoint is stored in fp32, so a bf16 load
-must convert."""
+an embedding or final norm of another shape than the config says, are named; a tied head shares the embedding. The
+demo checkpoint is stored in fp32, so a bf16 load must convert."""
 
 from __future__ import annotations
 
@@ -50,3 +50,29 @@ def test_an_embedding_of_another_shape_than_the_config_says_is_named(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="model.embed_tokens.weight.*shape"):
         load_embedding(folder)
+
+
+def test_a_tied_head_shares_the_embedding_or_reads_it(tmp_path):
+    """Tied embeddings: the head given the loaded embedding uses that very matrix (no copy); without it, it reads the
+    embedding tensor. Either way the logits are the normed hidden states times the embedding, in the dtype asked."""
+    folder = make_demo_checkpoint(tmp_path / "tied", layers=1, tie_embeddings=True)
+    embedding = load_embedding(folder)
+    shared, read = load_head(folder, embedding=embedding), load_head(folder, dtype=torch.bfloat16)
+    assert shared.weight is embedding.weight and not shared.weight.requires_grad
+    assert read.weight.dtype == torch.bfloat16 and torch.equal(read.weight.float(),
+                                                              embedding.weight.bfloat16().float())
+    assert not any(p.requires_grad for p in read.parameters())
+    hidden = torch.randn(1, 2, load_config(folder).hidden_size)
+    with torch.inference_mode():
+        logits, normed = shared(hidden), shared.norm(hidden)
+    assert logits.shape == (1, 2, load_config(folder).vocab_size)
+    assert torch.allclose(logits, normed @ embedding.weight.T, atol=1e-5)
+
+
+def test_a_final_norm_of_another_shape_is_named(tmp_path):
+    folder = make_demo_checkpoint(tmp_path / "demo", layers=1)
+    config = json.loads((folder / "config.json").read_text())
+    config["hidden_size"], config["head_dim"] = config["hidden_size"] * 2, config.get("head_dim", 16)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="model.norm.weight.*shape"):
+        load_head(folder)
