@@ -41,6 +41,23 @@ def _quit_on_signals(window) -> None:
     heartbeat.start(250)
 
 
+def open_window(app):
+    """The main window from saved settings, styled and shown: what `hivekeeper app` opens (tests build it here too)."""
+    from hivekeeper.gui.main_window import MainWindow
+    from hivekeeper.gui.settings import SettingsStore
+    from hivekeeper.gui.style import STYLESHEET, configure_pyqtgraph
+
+    app.setStyleSheet(STYLESHEET)
+    configure_pyqtgraph()
+    store = SettingsStore()
+    settings, error = store.load_or_default()
+    if error:
+        print(f"hivekeeper app: settings reset: {error}", file=sys.stderr)
+    window = MainWindow(store, settings, settings_error=error)
+    window.show()
+    return window
+
+
 def main(argv: list[str] | None = None) -> int:
     """Open the app; returns the event loop's exit code."""
     problem = broken_bindings()
@@ -49,25 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from PySide6.QtWidgets import QApplication
 
-    from hivekeeper.gui.main_window import MainWindow
-    from hivekeeper.gui.settings import SettingsStore
-    from hivekeeper.gui.style import STYLESHEET, configure_pyqtgraph
-
     app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
     app.setApplicationName("Hivekeeper")
     app.setOrganizationName("hivekeeper")
-    app.setStyleSheet(STYLESHEET)
     # with the tray icon the app keeps running while a node serves in the background
     app.setQuitOnLastWindowClosed(False)
-    configure_pyqtgraph()
-    store = SettingsStore()
-    settings, error = store.load_or_default()
-    if error:
-        print(f"hivekeeper app: settings reset: {error}", file=sys.stderr)
-    window = MainWindow(store, settings, settings_error=error)
+    window = open_window(app)
     window.closed.connect(app.quit)
     _quit_on_signals(window)
-    window.show()
     try:
         return int(app.exec())
     except InputError as exc:  # pragma: no cover - the event loop does not raise in practice

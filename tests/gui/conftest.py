@@ -49,3 +49,15 @@ def make_window(qtbot, qapp, config_dir):
     for window in windows:
         window._quitting = True  # never ask (a dialog would block the test run)
         window.shutdown()
+
+
+@pytest.fixture
+def app_window(qapp, qtbot, config_dir):
+    """The main window as `hivekeeper app` opens it (gui/app.py's open_window: saved settings, detection at start),
+    without main()'s signal handlers and event loop."""
+    from hivekeeper.gui.app import open_window
+
+    window = open_window(qapp)
+    qtbot.addWidget(window)
+    yield window
+    window.quit_everything()  # what the tray's "quit" and SIGTERM do: stop everything, save, close

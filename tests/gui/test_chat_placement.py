@@ -28,20 +28,14 @@ pytestmark = pytest.mark.slow
 def app_window(qapp, qtbot, config_dir, demo_checkpoint):
     """The main window exactly as gui/app.py's main() makes it, from settings saved beforehand (a local chat with
     the demo model, greedy, short replies)."""
-    from hivekeeper.gui.main_window import MainWindow
-    from hivekeeper.gui.style import STYLESHEET, configure_pyqtgraph
+    from hivekeeper.gui.app import open_window
 
     saved = Settings()
     saved.chat.model, saved.chat.mode = str(demo_checkpoint), "local"
     saved.chat.temperature, saved.chat.max_new_tokens = 0.0, 8
     SettingsStore().save(saved)
-    qapp.setStyleSheet(STYLESHEET)
-    configure_pyqtgraph()
-    store = SettingsStore()
-    settings, error = store.load_or_default()
-    window = MainWindow(store, settings, settings_error=error)
+    window = open_window(qapp)
     qtbot.addWidget(window)
-    window.show()
     yield window
     window.quit_everything()
 

@@ -8,24 +8,6 @@ import pytest
 from hivekeeper.planner.hardware import default_headroom
 
 
-@pytest.fixture
-def app_window(qapp, qtbot, config_dir):
-    """The main window as gui/app.py's main() makes it (saved settings, detection at start)."""
-    from hivekeeper.gui.main_window import MainWindow
-    from hivekeeper.gui.settings import SettingsStore
-    from hivekeeper.gui.style import STYLESHEET, configure_pyqtgraph
-
-    qapp.setStyleSheet(STYLESHEET)
-    configure_pyqtgraph()
-    store = SettingsStore()
-    settings, error = store.load_or_default()
-    window = MainWindow(store, settings, settings_error=error)
-    qtbot.addWidget(window)
-    window.show()
-    yield window
-    window.quit_everything()
-
-
 def test_the_hardware_page_shows_what_plans_keep_free(app_window, qtbot):
     window, page = app_window, app_window.hardware_page
     qtbot.waitUntil(lambda: not window.detect.running and page.machine is not None, timeout=180_000)

@@ -4,28 +4,9 @@ HIVEKEEPER_MEASURE_SIZES=quick is the app's own switch for `hivekeeper measure -
 
 from __future__ import annotations
 
-import pytest
 from PySide6.QtCore import Qt
 
 from hivekeeper.gui.services.measure import SIZES_ENV
-
-
-@pytest.fixture
-def app_window(qapp, qtbot, config_dir):
-    """The main window exactly as gui/app.py's main() makes it (without its signal handlers and event loop)."""
-    from hivekeeper.gui.main_window import MainWindow
-    from hivekeeper.gui.settings import SettingsStore
-    from hivekeeper.gui.style import STYLESHEET, configure_pyqtgraph
-
-    qapp.setStyleSheet(STYLESHEET)
-    configure_pyqtgraph()
-    store = SettingsStore()
-    settings, error = store.load_or_default()
-    window = MainWindow(store, settings, settings_error=error)
-    qtbot.addWidget(window)
-    window.show()
-    yield window
-    window.quit_everything()  # what the tray's "quit" and SIGTERM do: stop everything, save, close
 
 
 def _wait_for_detection(window, qtbot) -> None:
