@@ -143,7 +143,11 @@ class LocalSwarm:
         server = ServerProcess(argv, self.env, self.log_dir / f"server{len(self.servers) + 1}.log")
         self.servers.append(server)
         if wait:
-            server.wait_for(wait, timeout)
+            try:
+                server.wait_for(wait, timeout)
+            except BaseException:  # a server that missed its deadline is not left running behind the error
+                server.kill()
+                raise
         return server
 
     def stop(self) -> None:

@@ -10,6 +10,8 @@ import time
 import psutil
 import pytest
 
+from hivekeeper.core.swarm.local import LocalSwarm
+
 from ...child_output import ChildOutput
 
 PARENT = """
@@ -51,3 +53,12 @@ def test_a_killed_parent_takes_its_servers_along(tiny_checkpoint):
     while not (gone(server_pid) and all(gone(pid) for pid in p2pd)):
         assert time.monotonic() < deadline, "the server outlived its killed parent"
         time.sleep(0.1)
+
+
+def test_a_server_that_misses_its_deadline_is_killed_before_the_error(tiny_checkpoint):
+    swarm = LocalSwarm(tiny_checkpoint, extra_args=("--balance-period", "0"))  # no `with`: nothing else cleans up
+    with pytest.raises(TimeoutError, match="did not reach 'no-such-state'"):
+        swarm.start("--num-blocks", "2", wait="no-such-state", timeout=3)
+    server = swarm.servers[-1]
+    assert not server.alive, "the server was left running behind the TimeoutError"
+    assert server.popen.returncode == -9
