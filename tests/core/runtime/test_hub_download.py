@@ -1,4 +1,4 @@
-"""resolve_checkpoint with a hub id, against a loopback hub (hub_server.py) through the real huggingface_hub.
+"""resolve_checkpoint with a hub id, against a loopback hub (tests/core/hub_server.py) through the real huggingface_hub.
 
 huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE when it is imported, and this test process runs offline
 (tests/conftest.py), so every download runs in a subprocess with its own environment: the endpoint on 127.0.0.1,
@@ -28,7 +28,7 @@ from hivekeeper.core.runtime.checkpoint import INDEX_FILE, SIDE_FILES, load_span
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 
 from ...child_output import ChildOutput
-from .hub_server import LoopbackHub
+from ..hub_server import LoopbackHub
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 

@@ -16,7 +16,7 @@ import torch
 from hivekeeper.core.runtime.checkpoint import INDEX_FILE, SIDE_FILES, load_config, load_head, shards_for
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 
-from .hub_server import LoopbackHub
+from ..hub_server import LoopbackHub
 from .test_hub_download import hub_env, resolve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
