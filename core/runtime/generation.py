@@ -262,57 +262,94 @@ def _stop_rules(config, tokenizer, eos_ids, stop_strings, ignore_eos: bool) -> t
     return (() if ignore_eos else eos_ids), (stop_strings if tokenizer is not None else ())
 
 
-@dataclass
-class _Rows:
-    """The sequences of one generation: the tokens of each, the text shown and why it finished, with its stop
-    checker and (with a tokenizer) its text decoder."""
+class SequenceOutput:
+    """One sequence's output as it is generated: its tokens, the text shown so far (streamed to `on_text` once it is
+    final: a stop string is cut off, an unfinished character or a possible stop string's start is held back), and
+    why it finished. generate() keeps one per row; the API's continuous batcher keeps one per request."""
 
-    checkers: list[StopChecker]
-    decoders: list | None
-    on_text: TextCallback | None
-    texts: list[str]
-    generated: list[list[int]]
-    reasons: list[str | None]
+    def __init__(self, checker: StopChecker, decoder, on_text: Callable[[str], None] | None = None):
+        self.checker, self.decoder, self.on_text = checker, decoder, on_text
+        self.text = ""
+        self.tokens: list[int] = []
+        self.reason: str | None = None  # "eos", "stop_string", "length" or "stopped" once finished
 
     @classmethod
-    def open(cls, batch: int, tokenizer, eos_ids, stop_strings, on_text: TextCallback | None) -> _Rows:
-        checkers = [StopChecker(eos_ids, stop_strings) for _ in range(batch)]
-        decoders = [tokenizer.stream_decoder() for _ in range(batch)] if tokenizer is not None else None
-        return cls(checkers, decoders, on_text, [""] * batch, [[] for _ in range(batch)], [None] * batch)
+    def open(cls, tokenizer, eos_ids, stop_strings, on_text: Callable[[str], None] | None = None) -> SequenceOutput:
+        decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        return cls(StopChecker(eos_ids, stop_strings), decoder, on_text)
 
     @property
     def finished(self) -> bool:
-        return all(r is not None for r in self.reasons)
+        return self.reason is not None
+
+    def push(self, token: int) -> None:
+        """One sampled token; after the sequence finished, ignored."""
+        if self.reason is not None:
+            return
+        self.tokens.append(token)
+        piece = self.decoder.feed(token) if self.decoder is not None else ""
+        self._show(self.checker.push(token, piece))
+        if self.checker.stopped:
+            self.reason = self.checker.reason
+
+    def _show(self, text: str) -> None:
+        if text:
+            self.text += text
+            if self.on_text is not None:
+                self.on_text(text)
+
+    def stop(self) -> None:
+        self.reason = self.reason or "stopped"
+
+    def close(self) -> None:
+        """Text held back (an unfinished character, a partial stop string) is released; if it was still going, it ran
+        to its length."""
+        if self.reason in (None, "stopped") and self.decoder is not None:
+            self._show(self.checker.push(-1, self.decoder.flush()) + self.checker.finish())
+        self.reason = self.reason or "length"
+
+
+class _Rows:
+    """The sequences of one generation, each a SequenceOutput."""
+
+    def __init__(self, sequences: list[SequenceOutput]):
+        self.sequences = sequences
+
+    @classmethod
+    def open(cls, batch: int, tokenizer, eos_ids, stop_strings, on_text: TextCallback | None) -> _Rows:
+        def row_callback(row: int):
+            return None if on_text is None else (lambda text: on_text(row, text))
+
+        return cls([SequenceOutput.open(tokenizer, eos_ids, stop_strings, row_callback(row)) for row in range(batch)])
+
+    @property
+    def texts(self) -> list[str]:
+        return [s.text for s in self.sequences]
+
+    @property
+    def generated(self) -> list[list[int]]:
+        return [s.tokens for s in self.sequences]
+
+    @property
+    def reasons(self) -> list[str | None]:
+        return [s.reason for s in self.sequences]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)
 
     def push(self, tokens: list[int]) -> None:
         """One sampled token per sequence; a sequence that finished ignores the rest."""
-        for row, token in enumerate(tokens):
-            if self.reasons[row] is None:
-                self._push(row, token)
-
-    def _push(self, row: int, token: int) -> None:
-        self.generated[row].append(token)
-        piece = self.decoders[row].feed(token) if self.decoders is not None else ""
-        self._show(row, self.checkers[row].push(token, piece))
-        if self.checkers[row].stopped:
-            self.reasons[row] = self.checkers[row].reason
-
-    def _show(self, row: int, text: str) -> None:
-        if text:
-            self.texts[row] += text
-            if self.on_text is not None:
-                self.on_text(row, text)
+        for sequence, token in zip(self.sequences, tokens):
+            sequence.push(token)
 
     def stop(self) -> None:
-        self.reasons = [r or "stopped" for r in self.reasons]
+        for sequence in self.sequences:
+            sequence.stop()
 
     def close(self) -> None:
-        """Text held back (an unfinished character, a partial stop string) is released; the rest ran to length."""
-        for row in range(len(self.reasons)):
-            if self.reasons[row] in (None, "stopped") and self.decoders is not None:
-                checker = self.checkers[row]
-                self._show(row, checker.push(-1, self.decoders[row].flush()) + checker.finish())
-            self.reasons[row] = self.reasons[row] or "length"
+        for sequence in self.sequences:
+            sequence.close()
 
 
 @dataclass
