@@ -2,7 +2,8 @@
 
 `BlockReader.fill` reads each HF tensor of a layer with positioned reads (runtime/safetensors_file.py) straight into
 its place in a Block built once (`empty_block`), q/k/v and gate/up rows into their fused matrices
-(`block_destinations`), so a streamed block's buffer is reused from layer to layer. Thread-safe: the streamer's
+(`block_destinations`), so a streamed block's buffer is reused from layer to layer. It counts the bytes and, per
+layer, the reads it made (`bytes_read`, `reads`): with micro-batches a streamed block must be read once per step. Thread-safe: the streamer's
 reader thread fills slots while blocks compute. `drop_page_cache=True` also evicts what was read from the OS page
 cache, for benchmarks of the disk itself.
 """
@@ -10,6 +11,7 @@ cache, for benchmarks of the disk itself.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import torch
 from torch import Tensor
@@ -56,6 +58,7 @@ class BlockReader:
         self._files: dict[str, SafetensorsFile] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
+        self.reads: Counter[int] = Counter()  # layer -> times its weights were read (fills), for the zig-zag check
 
     def _file(self, file_name: str) -> SafetensorsFile:
         with self._lock:
@@ -90,7 +93,9 @@ class BlockReader:
                 handle.drop_from_page_cache(names)
         block.layer_index = layer
         block.self_attn.window = self.config.window_of(layer)
-        self.bytes_read += total
+        with self._lock:
+            self.bytes_read += total
+            self.reads[layer] += 1
         return total
 
     def close(self) -> None:

@@ -1,0 +1,73 @@
+"""The planner's throughput policy as the engine runs it: a batch split into micro-batches, every block's weights
+streamed from disk, the zig-zag block schedule (each block loaded once, every micro-batch run through it, then the
+next block, the next ones prefetched meanwhile).
+
+The greedy text of such a run must equal each prompt's own resident run (load_span, one KVCache, batch 1), and the
+real block reader must have read each block's weights once per step for the whole batch, not once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import block_bytes, place_model
+from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
+from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+from hivekeeper.core.runtime.generation import generate
+from hivekeeper.core.runtime.model import KVCache, ModelConfig
+from hivekeeper.planner.costmodel import Placement, Policy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 300, 5, 5, 81, 12], [1, 2, 3, 4, 5, 6], [1, 200, 150, 100, 50, 25]]
+NEW_TOKENS = 6
+MAX_LENGTH = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_demo_checkpoint(tmp_path_factory.mktemp("zigzag") / "m", layers=4, shard_size_mb=0.3, seed=11)
+
+
+def throughput_policy(depth: int, micro: int, count: int) -> Policy:
+    """Every block on disk, the KV cache half in RAM and half in memory-mapped files, `count` micro-batches."""
+    return Policy("fp32", Placement(0, 0, 1), Placement(0, 0.5, 0.5), Placement(0, 1, 0), micro_batch_size=micro,
+                  num_micro_batches=count, prefetch_depth=depth)
+
+
+@torch.inference_mode()
+def resident_greedy(path, prompt: list[int]) -> list[int]:
+    """One prompt alone, every block resident, argmax: the text the batched offloaded run must give for it."""
+    config = ModelConfig.from_folder(path)
+    span, embedding, head = load_span(path, 0, config.num_layers), load_embedding(path), load_head(path)
+    cache = KVCache.allocate(config, config.num_layers, 1, MAX_LENGTH)
+    logits = head(span(embedding(torch.tensor([prompt])), cache))[:, -1]
+    tokens = []
+    for _ in range(NEW_TOKENS):
+        tokens.append(int(logits.argmax(-1)))
+        logits = head(span(embedding(torch.tensor([[tokens[-1]]])), cache))[:, -1]
+    return tokens
+
+
+@pytest.mark.parametrize("depth, micro, count", [(2, 1, 4), (1, 2, 2), (0, 3, 2)])
+def test_batched_zigzag_run_gives_each_prompts_resident_text_and_reads_each_block_once_per_step(
+        checkpoint, depth, micro, count):
+    config = ModelConfig.from_folder(checkpoint)
+    plan = place_model(config, throughput_policy(depth, micro, count), device="cpu", dtype=torch.float32,
+                       batch=len(PROMPTS), max_length=MAX_LENGTH)
+    assert plan.weight_tiers == ("disk",) * 4 and set(plan.cache_tiers) == {"cpu", "disk"}
+    assert (plan.micro_batch_size, plan.num_micro_batches, plan.prefetch_depth) == (micro, count, depth)
+    with OffloadedModel(checkpoint, plan) as model:
+        result = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        reader = model.reader
+    assert result.token_ids == [resident_greedy(checkpoint, prompt) for prompt in PROMPTS]
+    # one prefill step and NEW_TOKENS - 1 decode steps; each read every block once for all micro-batches. The
+    # prefetch crosses into the next step, so the first `depth + 1` blocks may be read once more (then dropped).
+    steps = NEW_TOKENS
+    slots = min(depth + 1, config.num_layers)
+    reads = [reader.reads[layer] for layer in range(config.num_layers)]
+    assert all(steps <= n <= steps + 1 for n in reads), reads
+    assert sum(reads) <= steps * config.num_layers + slots
+    assert reader.bytes_read == sum(reads) * block_bytes(config, torch.float32)
