@@ -9,6 +9,7 @@ Map:
 - `api/`      the local OpenAI-compatible HTTP API (`hivekeeper api`).
 - `cli/`      the `hivekeeper` command: one module per subcommand.
 - `atomic_file`, `child_argv`: writing files whole, and command lines of our own child processes.
+- `version`    Hivekeeper's version (pyproject's, via the package metadata), torch's, hivemind's, Python's; APP_ID.
 """
 
 import os

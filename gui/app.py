@@ -41,6 +41,17 @@ def _quit_on_signals(window) -> None:
     heartbeat.start(250)
 
 
+def name_application(app) -> None:
+    """Names the app for the desktop: its name, version, and the id of its desktop entry (packaging/linux), by which
+    Wayland compositors and task bars match the window to the menu entry and its icon."""
+    from hivekeeper.core.version import APP_ID, hivekeeper_version
+
+    app.setApplicationName("Hivekeeper")
+    app.setOrganizationName("hivekeeper")
+    app.setApplicationVersion(hivekeeper_version())
+    app.setDesktopFileName(APP_ID)
+
+
 def open_window(app):
     """The main window from saved settings, styled and shown: what `hivekeeper app` opens (tests build it here too)."""
     from hivekeeper.gui.main_window import MainWindow
@@ -67,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
-    app.setApplicationName("Hivekeeper")
-    app.setOrganizationName("hivekeeper")
+    name_application(app)
     # with the tray icon the app keeps running while a node serves in the background
     app.setQuitOnLastWindowClosed(False)
     window = open_window(app)

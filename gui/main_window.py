@@ -1,4 +1,4 @@
-"""The main window: a navigation rail, the five pages, a status bar with the node's state, and the tray icon.
+"""The main window: a navigation rail, the five pages, a status bar with the node's state, the tray icon, a Help menu.
 
 It owns the services (detection, measurement, the node, the coverage watcher, chat) and wires pages to them.
 Only the page on screen is built before the first paint; the others (and pyqtgraph, numpy, the planner search)
@@ -100,6 +100,8 @@ class MainWindow(QMainWindow):
         if settings_error:
             self.statusBar().showMessage(f"Settings were reset: {settings_error}", 20_000)
         self.tray = self._make_tray()
+        self.about_box = None  # the About box, once opened (Help -> About Hivekeeper)
+        self._make_menus()
 
         self._save_timer = QTimer(self)
         self._save_timer.setSingleShot(True)
@@ -295,6 +297,21 @@ class MainWindow(QMainWindow):
 
     def _tray_activated(self, reason) -> None:
         self.show_from_tray()
+
+    def _make_menus(self) -> None:
+        help_menu = self.menuBar().addMenu("&Help")
+        about = QAction("&About Hivekeeper", self)
+        about.setMenuRole(QAction.MenuRole.AboutRole)  # macOS puts it in the application menu
+        about.triggered.connect(self.show_about)
+        help_menu.addAction(about)
+
+    def show_about(self) -> None:
+        """Open the About box (window-modal, not blocking)."""
+        from hivekeeper.gui.widgets.about_dialog import about_box
+
+        if self.about_box is None:
+            self.about_box = about_box(self)
+        self.about_box.open()
 
     # ---- settings --------------------------------------------------------------------------------------------------
     def save_settings_soon(self) -> None:

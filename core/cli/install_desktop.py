@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from hivekeeper.core.atomic_file import write_bytes_atomic
+from hivekeeper.core.version import APP_ID
 
-APP_ID = "io.github.hivekeeper.Hivekeeper"
 ICON_NAME = "hivekeeper"
 SERVICE = "hivekeeper-node.service"
 AUTOSTART = "hivekeeper-node-autostart.desktop"

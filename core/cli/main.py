@@ -12,6 +12,8 @@ import sys
 
 from hivekeeper.planner.errors import InputError
 
+from hivekeeper.core.version import version_line
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hivekeeper.core.cli.plan", "recommend how to run a model on this machine or in the swarm"),
@@ -32,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hivekeeper", description="Plan, run and serve large language models.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         try:

@@ -1,2 +1,3 @@
 """Small widgets the pages reuse: `memory_bars` (a stacked bar per memory tier), `model_menu` (the model pickers'
-menu: the built-in model first, a GGUF file, a checkpoint folder)."""
+menu: the built-in model first, a GGUF file, a checkpoint folder), `about_dialog` (Help → About: the versions of
+Hivekeeper, Python, torch, hivemind, PySide6 and Qt)."""
