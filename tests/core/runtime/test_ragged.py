@@ -1,0 +1,61 @@
+"""decode_rows (continuous batching's step) against Span.forward run on each sequence alone: rows at different
+positions, sliding windows included, each cache advanced by one; bad shapes refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hivekeeper.core.runtime.checkpoint import load_span
+from hivekeeper.core.runtime.model import KVCache
+from hivekeeper.core.runtime.ragged import decode_rows
+from hivekeeper.planner.errors import InputError
+
+from .test_model import build_reference
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPTS = (3, 9, 14)  # each sequence's prompt length: the rows stand at different positions
+STEPS = 6
+MAX_LENGTH = 32
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])  # mistral: a window of 7 that the rows pass
+def span(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    build_reference(request.param, path)
+    return load_span(path, 0, 4)
+
+
+def prefilled(span, hidden: torch.Tensor) -> KVCache:
+    cache = KVCache.allocate(span.config, len(span.blocks), 1, MAX_LENGTH)
+    span(hidden, cache)
+    return cache
+
+
+def test_rows_at_different_positions_equal_each_row_run_alone(span):
+    torch.manual_seed(0)
+    size = span.config.hidden_size
+    prompts = [torch.randn(1, n, size) for n in PROMPTS]
+    together = [prefilled(span, p) for p in prompts]
+    alone = [prefilled(span, p) for p in prompts]
+    for _ in range(STEPS):
+        step = torch.randn(len(PROMPTS), 1, size)
+        got = decode_rows(span, step, together)
+        for row, cache in enumerate(alone):
+            expected = span(step[row : row + 1], cache)
+            torch.testing.assert_close(got[row : row + 1], expected, rtol=1e-5, atol=1e-5)
+    assert [c.length for c in together] == [n + STEPS for n in PROMPTS]
+    for mine, reference in zip(together, alone):
+        torch.testing.assert_close(mine.k[:, :, :, : mine.length], reference.k[:, :, :, : reference.length])
+
+
+def test_a_row_whose_cache_is_full_or_a_shape_that_does_not_match_is_refused(span):
+    size = span.config.hidden_size
+    caches = [prefilled(span, torch.randn(1, 2, size)) for _ in range(2)]
+    with pytest.raises(InputError, match=r"hidden must be \[2, 1"):
+        decode_rows(span, torch.randn(3, 1, size), caches)
+    full = KVCache.allocate(span.config, len(span.blocks), 1, 2)
+    span(torch.randn(1, 2, size), full)
+    with pytest.raises(InputError, match="no room"):
+        decode_rows(span, torch.randn(1, 1, size), [full])
+    assert full.length == 2
