@@ -1,9 +1,10 @@
 """Check a frozen bundle (dist/hivekeeper/ from packaging/pyinstaller.spec) runs on its own, away from the checkout.
 
-Runs the bundle's `hivekeeper`: `plan --json`, `install-desktop` (into scratch XDG folders), `demo-model` and a short
-`generate`, then opens the app offscreen through the bundle's own Python (`-c`, packaging/pyinstaller_entry.py),
-waits for the main window's first paint, grabs it and quits. Prints the bundle's size, one line per problem, and
-exits 1 if there is any. Each step is killed past its time limit and its output so far shown.
+Runs the bundle's `hivekeeper`: `--version` (pyproject.toml's version), `plan --json`, `install-desktop` (into
+scratch XDG folders), `demo-model` and a short `generate`, then opens the app offscreen through the bundle's own
+Python (`-c`, packaging/pyinstaller_entry.py), waits for the main window's first paint, grabs it and quits. Prints
+the bundle's size, one line per problem, and exits 1 if there is any. Each step is killed past its time limit and
+its output so far shown.
 
     python3 packaging/check_bundle.py dist/hivekeeper
 """
@@ -16,7 +17,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STEP_TIMEOUT_S = 300
 FIRST_PAINT = """
@@ -33,6 +37,11 @@ QTimer.singleShot(5000, painted)
 from hivekeeper.gui.app import main
 sys.exit(main([]))
 """
+
+
+def expected_version() -> str:
+    """pyproject.toml's version, in the checkout this script is in: the one the bundle was built from."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
 def run_step(words: list[str], cwd: Path, env: dict) -> tuple[int, str, str]:
@@ -53,7 +62,8 @@ def bundle_problems(bundle: Path) -> list[str]:
                "XDG_DATA_HOME": str(work / "xdg-data"), "XDG_CONFIG_HOME": str(work / "xdg-config"),
                "HIVEKEEPER_CONFIG_DIR": str(work / "config"), "HIVEKEEPER_DATA_DIR": str(work / "data")}
         env.pop("PYTHONPATH", None)
-        steps = {"plan": [exe, "plan", "--model", "meta-llama/Llama-2-7b-hf", "--json"],
+        steps = {"--version": [exe, "--version"],
+                 "plan": [exe, "plan", "--model", "meta-llama/Llama-2-7b-hf", "--json"],
                  "install-desktop": [exe, "install-desktop"],
                  "demo-model": [exe, "demo-model", str(work / "demo")],
                  "generate": [exe, "generate", "--model", str(work / "demo"), "--prompt", "Hello",
@@ -65,6 +75,8 @@ def bundle_problems(bundle: Path) -> list[str]:
             print(f"{name}: exit {code}", file=sys.stderr)
             if code != 0:
                 problems.append(f"{name}: exit {code}: {(output + errors).strip()[-3000:]}")
+            elif name == "--version" and not output.startswith(f"hivekeeper {expected_version()} ("):
+                problems.append(f"--version says {output.strip()!r}, not pyproject.toml's {expected_version()}")
             elif name == "plan":
                 json.loads(output)  # the plan is one JSON document
             elif name == "first paint" and "PAINTED" not in output:

@@ -5,7 +5,7 @@ The file list is compared with the source tree the wheel was built from: every m
 (hardware and model catalogs), the desktop files of packaging/linux, the `hivekeeper` entry point, and no tests.
 
 --install puts the wheel into a fresh virtualenv (its dependencies come from the project venv through a .pth file:
-torch cannot be downloaded here) and runs `plan --json`, `install-desktop` (into scratch XDG folders; it must use
+torch cannot be downloaded here) and runs `--version` (the wheel's version), `plan --json`, `install-desktop` (into scratch XDG folders; it must use
 the wheel's desktop files), `demo-model` and `generate` from it, outside the checkout.
 
     python packaging/check_wheel.py dist/hivekeeper-0.1.0-py3-none-any.whl [--source .] [--install]
@@ -69,6 +69,11 @@ def run_step(words: list[str], cwd: Path, env: dict) -> subprocess.CompletedProc
                          f"{exc.stdout or ''}{exc.stderr or ''}") from None
 
 
+def wheel_version(wheel: Path) -> str:
+    """The version in a wheel's file name (name-version-python-abi-platform.whl)."""
+    return wheel.name.split("-")[1]
+
+
 def install_problems(wheel: Path) -> list[str]:
     """Install `wheel` into a fresh venv (dependencies through a .pth) and run the CLI from it."""
     with tempfile.TemporaryDirectory(prefix="hivekeeper-wheel-") as scratch:
@@ -85,6 +90,7 @@ def install_problems(wheel: Path) -> list[str]:
         steps = [[sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "--quiet",
                   "--no-deps", "--no-index", str(wheel.resolve())],
                  [str(bin_dir / "python"), "-c", "import hivekeeper.core, sys; print(hivekeeper.core.__file__)"],
+                 [str(bin_dir / "hivekeeper"), "--version"],
                  [str(bin_dir / "hivekeeper"), "plan", "--model", "meta-llama/Llama-2-7b-hf", "--json"],
                  [str(bin_dir / "hivekeeper"), "install-desktop"],  # its files from the wheel's hivekeeper.desktop
                  [str(bin_dir / "hivekeeper"), "demo-model", str(work / "demo")],
@@ -98,6 +104,8 @@ def install_problems(wheel: Path) -> list[str]:
                 break
             if words[-1].endswith("__file__)") and not done.stdout.startswith(str(venv)):
                 problems.append(f"hivekeeper was imported from {done.stdout.strip()}, not from the fresh venv")
+            if words[1] == "--version" and not done.stdout.startswith(f"hivekeeper {wheel_version(wheel)} ("):
+                problems.append(f"--version says {done.stdout.strip()!r}, the wheel is {wheel_version(wheel)}")
             if words[1] == "plan":
                 json.loads(done.stdout)  # the plan is a JSON document
             if words[1] == "install-desktop" and str(venv) not in done.stdout:

@@ -32,3 +32,12 @@ def test_no_module_repeats_the_version():
     repeating = [name for name in listed if name.endswith(".py")
                  and (f'"{version}"' in (ROOT / name).read_text() or "__version__ =" in (ROOT / name).read_text())]
     assert repeating == []
+
+
+def test_the_metainfos_newest_release_is_pyprojects_version():
+    """Software centres show the AppStream release list: a new version in pyproject.toml needs its release entry."""
+    from xml.etree import ElementTree
+
+    tree = ElementTree.parse(ROOT / "packaging" / "linux" / "io.github.hivekeeper.Hivekeeper.metainfo.xml")
+    releases = [release.get("version") for release in tree.getroot().iter("release")]
+    assert releases and releases[0] == pyproject_version()
