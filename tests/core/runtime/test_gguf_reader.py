@@ -34,12 +34,14 @@ BLOCK_TYPES = list(ggml_reference.LAYOUTS)
 
 
 def write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, QT]], layers: int = 1, **sizes) -> Path:
-    """A GGUF file without a tokenizer: `tensors` maps GGUF names to (F32 values, or block bytes of the type)."""
+    """A GGUF file without a tokenizer: `tensors` maps GGUF names to (F32 values, or block bytes of the type);
+    `sizes` overrides metadata (None leaves a key out)."""
     writer = gguf.GGUFWriter(str(path), arch)
     meta = {"block_count": layers, "embedding_length": HIDDEN, "feed_forward_length": FFN,
             "attention.head_count": HEADS, "attention.head_count_kv": KV_HEADS, "context_length": 128, **sizes}
     for key, value in meta.items():
-        writer.add_uint32(f"{arch}.{key}", value)
+        if value is not None:
+            writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_tensor("token_embd.weight", np.zeros((96, HIDDEN), np.float32))
     for name, (array, kind) in tensors.items():
@@ -218,6 +220,20 @@ def test_load_gguf_config_reads_the_sizes(tmp_path):
             config.num_kv_heads, config.vocab_size) == (1, HIDDEN, FFN, HEADS, KV_HEADS, 96)
     assert config.family == "qwen2" and config.qkv_bias
     assert GGUFCheckpoint(path).config == config
+
+
+@pytest.mark.parametrize(("arch", "sizes", "words"), [
+    ("falcon", {}, ("'falcon'", "not supported")),
+    ("llama", {"feed_forward_length": None}, ("no llama.feed_forward_length",)),
+    ("llama", {"attention.head_count": HIDDEN, "attention.head_count_kv": HIDDEN}, ("head_dim 1", "even"))],
+    ids=["architecture", "missing-size", "odd-head-dim"])
+def test_config_errors_name_the_file(tmp_path, arch, sizes, words):
+    path = write(tmp_path / "bad.gguf", arch, {}, **sizes)
+    for load in (load_gguf_config, GGUFCheckpoint):
+        with pytest.raises(InputError) as error:
+            load(path)
+        message = str(error.value)
+        assert message.startswith(f"{path}:") and "\n" not in message and all(w in message for w in words), message
 
 
 @pytest.mark.parametrize(("value", "packed"), [("0", False), ("1", True)])
