@@ -632,7 +632,20 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + cache
     flops = grid.batch * numbers.flops_per_token + attention_flops * grid.attention_on_acc \
         + np.where(grid.recompute, 4.0 * numbers.hidden * numbers.kv_dim * context * grid.batch, 0.0)
-    return accelerator_work(grid, nbytes, bytes_min, flops)
+    work = accelerator_work(grid, nbytes, bytes_min, flops)
+    if not steps_measured(grid.machine):
+        return work
+    # the measured steps ran the products too: their FLOPs count only where they outlast the reads
+    return AcceleratorWork(work.bytes_min, work.flops, work.memory_s, np.maximum(0.0, work.compute_s - work.memory_s),
+                           work.bound_s)
+
+
+def steps_measured(machine: Machine) -> bool:
+    """Whether the accelerator is a CPU whose decode rate was measured through whole decode steps (`hivekeeper
+    measure`: hardware.DecodeStreaming.block_overhead_s). Those steps multiply as they read, so a decode step's
+    time there is max(reads, FLOPs) rather than their sum (issue 23: the sum put SmolLM2 ~30% slow)."""
+    streaming = machine.acc.decode_streaming if machine.acc.kind == "cpu" else None
+    return streaming is not None and streaming.block_overhead_s is not None
 
 
 def decode_cpu_attention(grid: CandidateArrays, context: float, attention_flops) -> Resource:

@@ -24,11 +24,13 @@ HEADROOM_TEXT = ("default headroom: the larger of 2 GiB and 10% of RAM, of 0.5 G
 class DecodeStreaming:
     """How a CPU's inference kernels read weights in decode, as `hivekeeper measure` found (measure_weight_streaming):
     the fraction of the RAM read bandwidth reached over a chain of layer-shaped matrices, how many times a matmul of
-    a few rows reads its weights, and a fixed start-up time per matmul."""
+    a few rows reads its weights, and a fixed start-up time per matmul (profiles measured before issue 23), or the
+    fixed cost of a whole block in a decode step (measure_decode_blocks: the runtime's own decode path)."""
 
     bandwidth_fraction: float
     small_row_reads: float
     matmul_start_s: float
+    block_overhead_s: float | None = None  # measured per-block cost of a step; replaces the per-matmul start-up
 
 
 @dataclass(frozen=True)

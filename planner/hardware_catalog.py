@@ -229,17 +229,22 @@ _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_
              "decode_streaming", "in_use_gb"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
+_STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0)}  # issue 23: measured per-block cost of a decode step
 
 
 def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
     if doc is None:
         return None
     s = _Section(doc, where, "cpu.decode_streaming")
-    if set(doc) != set(_STREAMING_FIELDS):
+    if not isinstance(doc, dict) or not set(_STREAMING_FIELDS) <= set(doc) <= {*_STREAMING_FIELDS, *_STREAMING_OPTIONAL}:
         raise InputError(f"{where}: field 'cpu.decode_streaming' must be an object with exactly "
-                         f"{', '.join(_STREAMING_FIELDS)}, got {doc!r}")
+                         f"{', '.join(_STREAMING_FIELDS)} (and optionally {', '.join(_STREAMING_OPTIONAL)}), "
+                         f"got {doc!r}")
     values = {key: s.number(key, low, high) for key, (low, high) in _STREAMING_FIELDS.items()}
-    return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3)
+    block = s.number("block_overhead_ms", *_STREAMING_OPTIONAL["block_overhead_ms"]) if "block_overhead_ms" in doc \
+        else None
+    return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3,
+                           block / 1e3 if block is not None else None)
 
 
 def _parse_gpu(doc: Any, where: str, path: str, default_source: str) -> ComputeDevice:
@@ -604,7 +609,9 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
             **({"decode_streaming": {
                 "bandwidth_fraction": round(cpu.decode_streaming.bandwidth_fraction, 4),
                 "small_row_reads": round(cpu.decode_streaming.small_row_reads, 4),
-                "matmul_start_ms": round(cpu.decode_streaming.matmul_start_s * 1e3, 4)}}
+                "matmul_start_ms": round(cpu.decode_streaming.matmul_start_s * 1e3, 4),
+                **({"block_overhead_ms": round(cpu.decode_streaming.block_overhead_s * 1e3, 4)}
+                   if cpu.decode_streaming.block_overhead_s is not None else {})}}
                if cpu.decode_streaming is not None else {}),
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
             "sources": dict(cpu.sources),

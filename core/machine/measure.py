@@ -18,7 +18,8 @@ import struct
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, TextIO
 
 import torch
@@ -27,10 +28,11 @@ from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_features import has_half_math
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
-    HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (BLAS_MIN_WEIGHT_ELEMENTS, blas_active, linear,
-                                                        physical_cores, store_tall_by_column, torch_threads)
+                                                        physical_cores, store_tall_by_column, torch_threads,
+                                                        use_blas_threads)
 
 Progress = Callable[[float, str], None]
 
@@ -238,6 +240,151 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
     ]
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (the last level, e.g. L3) in bytes, from /sys (Linux); LLC_FALLBACK_BYTES elsewhere."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=LLC_FALLBACK_BYTES)
+
+
+LLC_FALLBACK_BYTES = 32 << 20  # where /sys does not say: a typical desktop L3
+
+
+def decode_span(hidden: int, total_bytes: int):
+    """(config, span) of random fp32 decoder blocks of width `hidden` (head 64, 4:1 grouped KV, MLP 2.75x wide)
+    repeated to about `total_bytes`, laid out as checkpoint.load_span lays out a loaded model (tall matrices
+    column-major, every weight packed in reading order), so a step through it takes the runtime's decode path."""
+    from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_linears_by_column
+    from hivekeeper.core.runtime.model import ModelConfig, Span
+
+    heads = max(1, hidden // 64)
+    inter = max(64, int(hidden * 2.75) // 64 * 64)
+    probe = ModelConfig("llama", 256, hidden, inter, 1, heads, max(1, heads // 4), hidden // heads,
+                        max_position_embeddings=DECODE_SPAN_POSITIONS)
+    blocks = max(1, round(total_bytes / (probe.block_param_count() * 4)))
+    config = replace(probe, num_layers=blocks)
+    with torch.device("meta"):
+        span = Span(config, 0, blocks)
+    span = span.to_empty(device="cpu").requires_grad_(False)
+    with torch.no_grad():
+        for name, param in span.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param.fill_(1.0)
+            else:
+                param.uniform_(-(param.shape[-1] ** -0.5), param.shape[-1] ** -0.5)
+        span.rotary = type(span.rotary)(config)
+        for block in span.blocks:
+            block.rotary = span.rotary
+            store_tall_linears_by_column(block)
+    pack_in_order(list(span.blocks))
+    return config, span
+
+
+DECODE_SPAN_POSITIONS = 64  # a short context: the step is the weights' reads, not attention
+
+
+def _decode_steps(config, span, rows: int) -> Callable[[], None]:
+    """One decode step of `rows` sequences through the span (Span.forward: the C kernels for one row where they
+    are built, numpy for several), at position 8 of a zeroed cache each time."""
+    from hivekeeper.core.runtime.model import KVCache
+
+    cache = KVCache.allocate(config, config.num_layers, rows, DECODE_SPAN_POSITIONS)
+    cache.k.zero_()
+    cache.v.zero_()
+    hidden = torch.randn(rows, 1, config.hidden_size) * 0.1
+
+    def step() -> None:
+        cache.length = 8
+        with torch.inference_mode():
+            span(hidden, cache)
+
+    return step
+
+
+def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repeats: int = 5,
+                          cache_bytes: int | None = None) -> list[Measurement]:
+    """How a decode step runs here, through the runtime's own decode path (Span.forward: the native kernels'
+    whole-span step where they are built, numpy's otherwise), on two spans of random decoder blocks, each larger
+    than twice the last-level cache (read from /sys) and than `total_bytes`: one `hidden` wide (few large blocks),
+    one 3/8 as wide (many small blocks, like SmolLM2's 30 blocks of 576). Fitting time = bytes / bandwidth +
+    blocks x fixed cost to the two one-row steps gives:
+
+    - cpu_weight_stream: the bytes/s decode reads weights from RAM at;
+    - cpu_decode_block_overhead: the fixed cost of one block in a step (its small ops, the kernels' thread pool
+      handing work out and waiting, caches cold after each matrix), which thin many-layer models pay most;
+    - cpu_small_rows_reads: the wide span's 4-row step over its one-row step (how often a few-row step reads its
+      weights: the numpy/BLAS path's GEMM kernels).
+    """
+    previous_threads = torch.get_num_threads()
+    use_blas_threads()  # the runtime's thread layout (its decode path depends on it)
+    try:
+        return _decode_block_measurements(hidden, total_bytes, repeats,
+                                          last_level_cache_bytes() if cache_bytes is None else cache_bytes)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cache_bytes: int) -> list[Measurement]:
+    load = load_average()
+    size = max(total_bytes, 2 * cache_bytes)
+    narrow_hidden = max(64, hidden * 3 // 8 // 64 * 64)
+    runs = {}
+    for name, width, rows in (("wide", hidden, 1), ("narrow", narrow_hidden, 1), ("wide4", hidden, 4)):
+        if name != "wide4":
+            config, span = decode_span(width, size)
+            spans = runs.setdefault("spans", {})
+            spans[name] = (config, span, sum(p.numel() * 4 for p in span.parameters()))
+        config, span, nbytes = runs["spans"][name.rstrip("4")]
+        step = _decode_steps(config, span, rows)
+        seconds = _timings(step, repeats, torch.device("cpu"))
+        runs[name] = (min(seconds), seconds, nbytes, config.num_layers)
+        if name == "narrow":
+            del runs["spans"]["narrow"]  # free it before the 4-row step
+    (t1, s1, b1, n1), (t2, _, b2, n2) = runs["wide"], runs["narrow"]
+    per_block, bandwidth = fit_bytes_and_blocks((t1, b1, n1), (t2, b2, n2))
+    load = max(load, load_average())
+    spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {t1 * 1e3:.3g} ms, {n2} of width "
+             f"{narrow_hidden} ({b2 / 2**20:.0f} MiB) {t2 * 1e3:.3g} ms, last-level cache {cache_bytes / 2**20:.0f} "
+             f"MiB, through {decode_path_name()}")
+    t4, s4, _, _ = runs["wide4"]
+    return [
+        Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", bandwidth, "B/s",
+                    (max(s1) - min(s1)) / min(s1), len(s1), load,
+                    f"one-row decode steps of random decoder blocks: {spans}; bandwidth and per-block cost fitted "
+                    "to both", [b1 / max(s - n1 * per_block, 1e-9) for s in s1]),
+        Measurement(BLOCK_OVERHEAD_KEY, "fixed cost of a block in a decode step", per_block, "s", 0.0, len(s1),
+                    load, f"fitted to the two spans: {spans}"),
+        Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", t4 / t1, "x",
+                    (max(s4) - min(s4)) / min(s4), len(s4), load,
+                    f"the width-{hidden} span with 4 rows takes {t4 / t1:.2f}x its one-row step"),
+    ]
+
+
+def fit_bytes_and_blocks(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[float, float]:
+    """(seconds per block, bytes/s) with seconds = bytes / bandwidth + blocks x per-block for two runs
+    (seconds, bytes, blocks). Where noise makes the split meaningless (a negative cost, or a cost that explains
+    a whole run), the per-block cost is 0 and the bandwidth is the faster run's bytes/s."""
+    (t1, b1, n1), (t2, b2, n2) = a, b
+    determinant = n2 * b1 - n1 * b2
+    per_block = (t2 * b1 - t1 * b2) / determinant if determinant else 0.0
+    if per_block <= 0 or per_block * max(n1, n2) >= min(t1, t2) * 0.9:
+        return 0.0, max(b1 / t1, b2 / t2)
+    return per_block, b1 / (t1 - n1 * per_block)
+
+
+def decode_path_name() -> str:
+    """What runs a one-row fp32 decode step here: the native kernels (which build) or numpy."""
+    return f"the native kernels ({native_kernels.status()})" if native_kernels.library() is not None else "numpy"
+
+
 def _alternating_seconds(runs: list[Callable[[], None]], repeats: int) -> list[list[float]]:
     """Seconds of each run per repeat, timed in turn (a, b, a, b, ...) after one warm-up each, so that a busy spell
     on a shared machine hits all of them."""
@@ -289,9 +436,11 @@ def _fitting_shape(shape: MatmulShape, dtype: str, device: torch.device, seconds
     Some dtypes are ~100x slower on some CPUs (bf16 without AVX512-BF16): measuring them at the full shape would
     take minutes, and the rate is the same at a smaller one.
     """
-    probe = MatmulShape(shape.m, min(shape.k, 256), min(shape.n, 256))
+    probe = MatmulShape(shape.m, min(shape.k, 512), min(shape.n, 512))
     rate = measure_matmul(probe, dtype, device, repeats=1).value
-    while shape.flops / rate > seconds_budget and min(shape.k, shape.n) > 64:
+    # not below 512 x 512 (where it was asked larger): smaller multiplies measure call overheads, not the kernel
+    floor = min(512, shape.k, shape.n)
+    while shape.flops / rate > seconds_budget and min(shape.k, shape.n) // 2 >= max(64, floor):
         shape = MatmulShape(shape.m, shape.k // 2, shape.n // 2)
     return shape
 
@@ -523,8 +672,9 @@ class BenchmarkSizes:
     matmul_n: int = 8192  # fp32: 128 MiB, far beyond any CPU cache, as a decode step's weights are
     prefill_rows: int = 512
     decode_rows: int = 1
-    stream_hidden: int = 2048  # weight streaming: a chain of decoder-layer-shaped matrices of this width...
-    stream_bytes: int = 384 << 20  # ...this many bytes in all (far beyond the caches)
+    stream_hidden: int = 2048  # decode steps: a span of random decoder blocks this wide and one 3/8 as wide...
+    stream_bytes: int = 384 << 20  # ...each of this many bytes or twice the last-level cache, the larger
+    cache_bytes: int | None = None  # the last-level cache the spans must exceed (None: read from /sys)
     half_hidden: int = 2048  # bf16 against fp32 at decode: layer-shaped matrices of this width (weights large enough
     half_bytes: int = 256 << 20  # for the runtime's fp32 kernels), this many fp32 bytes in all (beyond the caches)
     matmul_seconds: float = 1.0  # one prefill-shape multiply takes at most about this long (slow dtypes shrink)
@@ -535,8 +685,9 @@ class BenchmarkSizes:
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
-QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=256, matmul_n=512, prefill_rows=64, matmul_seconds=0.05,
-                       stream_hidden=256, stream_bytes=8 << 20, half_hidden=768, half_bytes=64 << 20,
+# QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads)
+QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill_rows=128, matmul_seconds=0.05,
+                       stream_hidden=1024, stream_bytes=64 << 20, half_hidden=768, half_bytes=64 << 20,
                        disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"))
 
 
@@ -548,12 +699,15 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     device is present (and gpu=True), and each peer. progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
-    steps.append(("RAM bandwidth", lambda: [measure_memory_read("cpu", sizes.ram_bytes, sizes.repeats)]))
+    beyond_cache = 2 * (last_level_cache_bytes() if sizes.cache_bytes is None else sizes.cache_bytes)
+    steps.append(("RAM bandwidth", lambda: [measure_memory_read("cpu", max(sizes.ram_bytes, beyond_cache),
+                                                                sizes.repeats)]))
     for dtype in sizes.dtypes:
         steps.append((f"CPU {dtype} matmul", lambda dtype=dtype: _matmul_pair(dtype, torch.device("cpu"), sizes)))
     if "fp32" in sizes.dtypes:
-        steps.append(("CPU decode weight streaming",
-                      lambda: measure_weight_streaming(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats)))
+        steps.append(("CPU decode steps",
+                      lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
+                                                    sizes.cache_bytes)))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, sizes.half_bytes, sizes.repeats)]))

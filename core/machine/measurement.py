@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
-# keys of measure.measure_weight_streaming's results, also read by profiles (which must not import torch)
+# keys of measure.measure_decode_blocks's results, also read by profiles (which must not import torch)
 WEIGHT_STREAM_KEY = "cpu_weight_stream"
-MATMUL_START_KEY = "cpu_matmul_start"
+MATMUL_START_KEY = "cpu_matmul_start"  # profiles measured before measure_decode_blocks
+BLOCK_OVERHEAD_KEY = "cpu_decode_block_overhead"  # measure.measure_decode_blocks: fixed cost of a block in a step
 SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
 # measure.measure_half_decode's result (bf16 step time / fp32 step time), read by cpu_dtype to pick a CPU's 16-bit dtype
 HALF_DECODE_KEY = "cpu_decode_bf16_vs_fp32"

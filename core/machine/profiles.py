@@ -32,7 +32,7 @@ from hivekeeper.planner.hardware_catalog import clamp_to_limit
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
-    HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -143,13 +143,14 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
     """What `hivekeeper measure` found of decode's weight streaming (measure.measure_weight_streaming), relative
     to the measured RAM read bandwidth; None unless all of it was measured."""
     by_key = {m.key: m for m in measurements}
-    stream, ram, reads, start = (by_key.get(k) for k in (WEIGHT_STREAM_KEY, "ram_read", SMALL_ROWS_READS_KEY,
-                                                         MATMUL_START_KEY))
-    if stream is None or ram is None or reads is None or start is None or ram.value <= 0:
+    stream, ram, reads, start, block = (by_key.get(k) for k in (WEIGHT_STREAM_KEY, "ram_read", SMALL_ROWS_READS_KEY,
+                                                                MATMUL_START_KEY, BLOCK_OVERHEAD_KEY))
+    if stream is None or ram is None or reads is None or (start is None and block is None) or ram.value <= 0:
         return None
     return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram.value)),
                            small_row_reads=min(16.0, max(1.0, reads.value)),
-                           matmul_start_s=min(0.1, max(0.0, start.value)))
+                           matmul_start_s=min(0.1, max(0.0, start.value)) if start is not None else 0.0,
+                           block_overhead_s=min(0.1, max(0.0, block.value)) if block is not None else None)
 
 
 # ---- measured numbers into a spec ---------------------------------------------------------------------------------
@@ -272,7 +273,8 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
     default_cpu = DEFAULT_EFFICIENCY["cpu"]
     rows.append(row("RAM", "decode weight streaming", cpu.memory_bandwidth * default_cpu.bandwidth_fraction,
                     WEIGHT_STREAM_KEY, "B/s", f"default: {default_cpu.bandwidth_fraction:g} of the RAM bandwidth"))
-    rows.append(row("CPU", "matmul start-up", None, MATMUL_START_KEY, "s", ""))
+    rows.append(row("CPU", "fixed cost of a block in a decode step", default_cpu.layer_overhead_s, BLOCK_OVERHEAD_KEY,
+                    "s", "default"))
     rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, SMALL_ROWS_READS_KEY,
                     "x", "default"))
     rows.append(row("CPU", "bf16 decode step / fp32 one", None, HALF_DECODE_KEY, "x", ""))
