@@ -78,7 +78,7 @@ def layer_tensors(kinds: dict[str, QT], arch: str = "llama", seed: int = 0, bias
         else:
             stored = ggml_reference.random_blocks(kind.name, *shape, seed=seed * 10 + index)
             values = ggml_reference.decode(kind.name, stored, shape).astype(np.float32)
-        permuted = arch == "llama" and short in ("attn_q", "attn_k")
+        permuted = arch in ("llama", "mistral") and short in ("attn_q", "attn_k")
         if permuted:  # the file holds the converter's row order; Hugging Face's is the values
             heads = HEADS if short == "attn_q" else KV_HEADS
             stored = llama_permute(stored, heads)
@@ -94,10 +94,11 @@ def layer_tensors(kinds: dict[str, QT], arch: str = "llama", seed: int = 0, bias
     return {**out, "_hf": hf}
 
 
-def layer_file(tmp_path: Path, kinds: dict[str, QT], arch: str = "llama", **kwargs) -> tuple[Path, dict]:
+def layer_file(tmp_path: Path, kinds: dict[str, QT], arch: str = "llama", sizes: dict | None = None,
+               **kwargs) -> tuple[Path, dict]:
     tensors = layer_tensors(kinds, arch, **kwargs)
     hf = tensors.pop("_hf")
-    return write(tmp_path / f"{arch}.gguf", arch, tensors), hf
+    return write(tmp_path / f"{arch}.gguf", arch, tensors, **(sizes or {})), hf
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,3 +364,25 @@ def test_the_block_reader_fills_a_block_and_counts_the_stored_bytes(tmp_path):
     reference = reference_block(checkpoint, 0)
     for (name, value), (_, expected) in zip(block.state_dict().items(), reference.state_dict().items()):
         assert torch.equal(value, expected), name
+
+
+def test_a_sliding_window_reaches_filled_and_packed_blocks(tmp_path):
+    """A Mistral file with a 16-token window (q/k permuted as for llama): the engine's reader sets the window of
+    the layer it fills, a packed block is built with it."""
+    path, hf = layer_file(tmp_path, {"attn_q": QT.Q8_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0}, "mistral",
+                          sizes={"attention.sliding_window": 16})
+    checkpoint = GGUFCheckpoint(path)
+    assert checkpoint.config.window_of(0) == 16
+    assert np.array_equal(checkpoint.read("model.layers.0.self_attn.k_proj.weight").numpy(), hf["attn_k"])
+    block = Block(checkpoint.config, 0)
+    block.self_attn.window = None
+    GGUFBlockReader(checkpoint).fill(block, 0)
+    assert block.self_attn.window == 16
+    assert load_packed_block(checkpoint, 0).self_attn.window == 16
+
+
+def test_a_file_without_a_tokenizer_says_so(tmp_path):
+    path, _ = layer_file(tmp_path, {})
+    with pytest.raises(InputError) as error:
+        GGUFCheckpoint(path).tokenizer()
+    assert str(path) in str(error.value) and "no tokenizer" in str(error.value)
