@@ -4,6 +4,16 @@ Each block has a key `"{dht_prefix}.{index}"`; every server serving it stores, u
 the value `(state, throughput, extra)` with an expiration time, and re-declares it periodically (the Petals
 schema; see docs/swarm.md). Readers ignore fields they do not know and entries they cannot parse.
 
+Records are written by anyone (the DHT does not know who owns a subkey), so a reader trusts none of them blindly
+(issue 17; docs/swarm.md "Records and verification"):
+- every read has a deadline (`DHT_READ_TIMEOUT_S`), and one hostile value drops only its own record: a malformed
+  tuple, a throughput that is not a finite number >= 0, fields of the wrong type, oversized extras, an int subkey
+  (hivemind's merge would raise TypeError on it: `tolerate_mixed_subkeys`);
+- a record expiring further ahead than `MAX_RECORD_AHEAD_S` is read as OFFLINE with `suspect` set: it says where the
+  peer is listed, nothing more; a client believes a server's own rpc_info answer over any record (`served_span`);
+- throughputs are clamped to `MAX_RPS`, and a record far above the other servers' median counts for at most
+  `THROUGHPUT_CAP_FACTOR` times it where blocks are chosen (`block_throughputs`).
+
 A record outlives a server that dies without saying goodbye (kill -9, a crash, a pulled cable) until it expires,
 two update periods later: minutes. So whoever acts on the records (a server choosing its blocks, `swarm status`,
 the app's coverage chart, a client routing) first asks the servers listed as live whether they answer (`probe`:
@@ -31,6 +41,12 @@ from hivekeeper.planner.errors import InputError
 
 MODELS_REGISTRY_KEY = "_petals.models"  # public swarms list their models here (subkey = dht_prefix)
 PROBE_TIMEOUT_S = 2.0  # a live server answers rpc_info in milliseconds; one that has not after this is gone
+DHT_READ_TIMEOUT_S = 10.0  # a DHT lookup on a live swarm takes well under a second; a hostile value can stall it
+MAX_RECORD_AHEAD_S = 600.0  # ten default update periods: no honest server announces further ahead (server clamps)
+MAX_RPS = 1e7  # requests (tokens) per second per block: above any real device; larger claims are clamped to it
+THROUGHPUT_CAP_FACTOR = 10.0  # a record counts for at most this times the other servers' median throughput
+MAX_EXTRA_BYTES = 16384  # a record's extras (about 300 bytes from a real server) larger than this drop the record
+MAX_SUBKEYS_PER_BLOCK = 1024  # servers read per block; a key flooded with more is read as its first this many
 
 
 class ServerState(enum.IntEnum):
@@ -77,6 +93,7 @@ class ServerInfo:
     cache_tokens_left: int | None = None
     next_pings: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # fields this node does not know, kept as they came
+    suspect: str | None = None  # reader's note (never stored): why this record's claims are not believed
 
     def to_tuple(self) -> tuple[int, float, dict]:
         known = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _EXTRA_TYPES}
@@ -86,21 +103,70 @@ class ServerInfo:
 
     @classmethod
     def from_tuple(cls, value: Any) -> "ServerInfo":
-        """Parse a DHT value; raises ValueError when it is not a (state, throughput, extra) triple."""
+        """Parse a DHT value; raises ValueError when it is not a (state, throughput, extra) triple, its throughput is
+        not a finite number >= 0, or its extras are oversized. A known field of the wrong type or range is dropped."""
         if not isinstance(value, (tuple, list)) or len(value) < 2:
-            raise ValueError(f"not a server info tuple: {value!r}")
+            raise ValueError(f"not a server info tuple: {value!r:.80}")
         state, throughput = value[0], value[1]
         extra = value[2] if len(value) > 2 and isinstance(value[2], dict) else {}
-        if isinstance(throughput, bool) or not isinstance(throughput, (int, float)) or not math.isfinite(throughput):
-            raise ValueError(f"bad throughput {throughput!r}")
-        info = cls(state=ServerState(state), throughput=max(0.0, float(throughput)))
-        for name, value in extra.items():
+        if _rate(throughput, allow_zero=True) is None:
+            raise ValueError(f"bad throughput {throughput!r:.40}")
+        if isinstance(state, bool) or not isinstance(state, int):
+            raise ValueError(f"bad state {state!r:.40}")
+        if _too_big(extra, MAX_EXTRA_BYTES):
+            raise ValueError(f"extras over {MAX_EXTRA_BYTES} bytes")
+        info = cls(state=ServerState(state), throughput=min(float(throughput), MAX_RPS))
+        for name, item in extra.items():
             types = _EXTRA_TYPES.get(name)
             if types is None:
-                info.extra[name] = value
-            elif isinstance(value, types) and not (isinstance(value, bool) and bool not in types):
-                setattr(info, name, tuple(value) if name == "adapters" else value)
+                info.extra[name] = item
+            elif isinstance(item, types) and not (isinstance(item, bool) and bool not in types):
+                setattr(info, name, _checked_field(name, item))
         return info
+
+
+def _rate(value: Any, allow_zero: bool = False) -> float | None:
+    """A requests/s figure as a float clamped to MAX_RPS, or None if it is not a finite number > 0 (>= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    if value < 0 or (value == 0 and not allow_zero):
+        return None
+    return min(float(value), MAX_RPS)
+
+
+def _checked_field(name: str, value: Any) -> Any:
+    """A known extra field as a reader keeps it, or None (dropped) when its value is out of range."""
+    if name in ("network_rps", "forward_rps", "inference_rps"):
+        return _rate(value)
+    if name in ("start_block", "end_block", "cache_tokens_left"):
+        return value if value >= 0 else None
+    if name == "adapters":
+        return tuple(value) if all(isinstance(a, str) for a in value) else ()
+    if name == "next_pings":
+        good = all(isinstance(k, str) and _rate(v, allow_zero=True) is not None for k, v in value.items())
+        return value if good else None
+    return value
+
+
+def _too_big(value: Any, budget: int) -> bool:
+    """Whether a decoded msgpack value takes more than `budget` bytes (counted roughly, stopping at the budget)."""
+    stack, used = [value], 0
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (str, bytes)):
+            used += len(item)
+        elif isinstance(item, dict):
+            used += 8 * len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            used += 8 * len(item)
+            stack.extend(item)
+        else:
+            used += 8
+        if used > budget:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -168,25 +234,106 @@ async def register_model(node: DHTNode, dht_prefix: str, num_blocks: int, reposi
     await node.store(MODELS_REGISTRY_KEY, value, get_dht_time() + 2 * period, subkey=dht_prefix)
 
 
-async def read_blocks(node: DHTNode, dht_prefix: str, num_blocks: int, latest: bool = True) -> list[dict[str, ServerInfo]]:
-    """For each block, {peer_id: ServerInfo} of the servers that declared it (expired and malformed ones dropped)."""
+def tolerate_mixed_subkeys() -> None:
+    """Make hivemind's expiration heaps order entries with equal expirations and keys of different types (an int
+    subkey beside string ones) instead of raising TypeError: that error killed the lookup's search task, and the
+    read never returned. Such a record is then dropped by `read_blocks` like any other malformed one."""
+    from hivemind.utils.timed_storage import HeapEntry
+
+    if getattr(HeapEntry, "_hivekeeper_tolerant", False):
+        return
+
+    def order(entry) -> tuple:
+        return entry.expiration_time, type(entry.key).__name__, repr(entry.key)
+
+    def less(a, b):
+        if a.expiration_time != b.expiration_time:
+            return a.expiration_time < b.expiration_time
+        try:
+            return a.key < b.key
+        except TypeError:
+            return order(a) < order(b)
+
+    HeapEntry.__lt__ = less
+    HeapEntry.__gt__ = lambda a, b: less(b, a)
+    HeapEntry.__le__ = lambda a, b: not less(b, a)
+    HeapEntry.__ge__ = lambda a, b: not less(a, b)
+    HeapEntry._hivekeeper_tolerant = True
+
+
+tolerate_mixed_subkeys()
+
+
+async def read_blocks(node: DHTNode, dht_prefix: str, num_blocks: int, latest: bool = True,
+                      timeout: float = DHT_READ_TIMEOUT_S) -> list[dict[str, ServerInfo]]:
+    """For each block, {peer_id: ServerInfo} of the servers that declared it (expired and malformed ones dropped).
+
+    One lookup for all blocks within `timeout`; if it fails, each block is looked up alone (a block whose lookup
+    fails too reads as empty), so that a hostile value under one key costs that block only, never the reader."""
     uids = [block_uid(dht_prefix, i) for i in range(num_blocks)]
-    found = await node.get_many(uids, sufficient_expiration_time=math.inf if latest else None)
+    sufficient = math.inf if latest else None
+    try:
+        found = await asyncio.wait_for(node.get_many(uids, sufficient_expiration_time=sufficient), timeout)
+    except (asyncio.TimeoutError, Exception) as exc:
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        found = await _read_one_by_one(node, uids, sufficient, timeout)
     now = get_dht_time()
-    blocks: list[dict[str, ServerInfo]] = []
-    for uid in uids:
-        servers: dict[str, ServerInfo] = {}
-        entry = found.get(uid)
-        if entry is not None and isinstance(entry.value, dict):
-            for peer_id, item in entry.value.items():
-                if not isinstance(peer_id, str) or item.expiration_time < now:
-                    continue
-                try:
-                    servers[peer_id] = ServerInfo.from_tuple(item.value)
-                except (ValueError, TypeError):
-                    continue  # a malformed or unknown record: ignore it
-        blocks.append(servers)
-    return blocks
+    return [_servers_of(found.get(uid), now) for uid in uids]
+
+
+async def _read_one_by_one(node: DHTNode, uids: list[str], sufficient, timeout: float) -> dict:
+    async def one(uid: str):
+        try:
+            return (await asyncio.wait_for(node.get_many([uid], sufficient_expiration_time=sufficient), timeout))[uid]
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return None
+
+    return dict(zip(uids, await asyncio.gather(*(one(uid) for uid in uids))))
+
+
+def _servers_of(entry: Any, now: float) -> dict[str, ServerInfo]:
+    """{peer_id: ServerInfo} from one block's DHT entry, each hostile subkey or value dropped on its own."""
+    servers: dict[str, ServerInfo] = {}
+    items = getattr(entry, "value", None)
+    if not isinstance(items, dict):
+        return servers
+    for count, (peer_id, item) in enumerate(items.items()):
+        if count >= MAX_SUBKEYS_PER_BLOCK:
+            break
+        expiration = getattr(item, "expiration_time", None)
+        if not isinstance(peer_id, str) or not isinstance(expiration, (int, float)) or not expiration >= now:
+            continue
+        try:
+            info = ServerInfo.from_tuple(item.value)
+        except (ValueError, TypeError):
+            continue  # a malformed or unknown record: ignore it
+        if expiration > now + MAX_RECORD_AHEAD_S:
+            info.state = ServerState.OFFLINE  # believed only once the server itself confirms it (served_span)
+            info.suspect = f"expires {expiration - now:.3g}s ahead (limit {MAX_RECORD_AHEAD_S:g}s)"
+        servers[peer_id] = info
+    return servers
+
+
+async def read_own_records(node: DHTNode, dht_prefix: str, blocks: range, peer_id: str,
+                           timeout: float = DHT_READ_TIMEOUT_S) -> dict[int, tuple[Any, float | None]]:
+    """{block: (value, expiration)} of what the DHT holds under our own subkey for these blocks (value None and
+    expiration None where it holds nothing or the lookup failed), to see whether someone overwrote our record."""
+    uids = [block_uid(dht_prefix, i) for i in blocks]
+    try:
+        found = await asyncio.wait_for(node.get_many(uids, sufficient_expiration_time=math.inf), timeout)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        found = await _read_one_by_one(node, uids, math.inf, timeout)
+    records = {}
+    for block, uid in zip(blocks, uids):
+        items = getattr(found.get(uid), "value", None)
+        item = items.get(peer_id) if isinstance(items, dict) else None
+        records[block] = (item.value, item.expiration_time) if item is not None else (None, None)
+    return records
 
 
 def spans_of(blocks: list[dict[str, ServerInfo]], states=(ServerState.ONLINE,)) -> dict[str, RemoteSpanInfo]:
@@ -210,9 +357,30 @@ def spans_of(blocks: list[dict[str, ServerInfo]], states=(ServerState.ONLINE,)) 
 
 
 def block_throughputs(blocks: list[dict[str, ServerInfo]]) -> list[float]:
-    """Per-block swarm throughput: the sum over JOINING and ONLINE servers covering the block."""
+    """Per-block swarm throughput: the sum over JOINING and ONLINE servers covering the block, each server's
+    claim capped at THROUGHPUT_CAP_FACTOR × the median of the other servers' claims (a fake throughput cannot make a
+    block look covered, nor the rest look weak, by more than that)."""
     live = (ServerState.JOINING, ServerState.ONLINE)
-    return [sum(info.throughput for info in servers.values() if info.state in live) for servers in blocks]
+    claims: dict[str, float] = {}
+    for servers in blocks:
+        for peer, info in servers.items():
+            if info.state in live:
+                claims[peer] = info.throughput
+    capped = _capped(claims)
+    return [sum(capped[peer] for peer, info in servers.items() if info.state in live) for servers in blocks]
+
+
+def _capped(claims: dict[str, float]) -> dict[str, float]:
+    """Each peer's claim, capped at THROUGHPUT_CAP_FACTOR × the median of the others' claims (if there are any)."""
+    capped = {}
+    for peer, claim in claims.items():
+        others = sorted(value for other, value in claims.items() if other != peer)
+        if others:
+            middle = len(others) // 2
+            median = others[middle] if len(others) % 2 else (others[middle - 1] + others[middle]) / 2
+            claim = min(claim, THROUGHPUT_CAP_FACTOR * median) if median > 0 else claim
+        capped[peer] = claim
+    return capped
 
 
 def live_peers(blocks: list[dict[str, ServerInfo]]) -> list[str]:
@@ -227,11 +395,12 @@ def without_peers(blocks: list[dict[str, ServerInfo]], peers) -> list[dict[str, 
     return [{peer: info for peer, info in servers.items() if peer not in gone} for servers in blocks]
 
 
-async def ping(p2p: P2P, peer_id: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[float, dict]:
-    """(round-trip seconds, the server's rpc_info answer) of one server; raises if it does not answer in time."""
+async def ping(p2p: P2P, peer_id: str, timeout: float = PROBE_TIMEOUT_S, uid: str = "") -> tuple[float, dict]:
+    """(round-trip seconds, the server's rpc_info answer) of one server; raises if it does not answer in time, or
+    (with a block `uid`) refuses because it does not serve that block now."""
     started = time.perf_counter()
     response = await asyncio.wait_for(p2p.call_protobuf_handler(
-        PeerID.from_base58(peer_id), handler_name("rpc_info"), runtime_pb2.ExpertUID(), runtime_pb2.ExpertInfo),
+        PeerID.from_base58(peer_id), handler_name("rpc_info"), runtime_pb2.ExpertUID(uid=uid), runtime_pb2.ExpertInfo),
         timeout)
     return time.perf_counter() - started, unpack_metadata(response.serialized_info)
 
@@ -246,3 +415,31 @@ async def probe(p2p: P2P, peers, timeout: float = PROBE_TIMEOUT_S) -> dict[str, 
 
     peers = list(peers)
     return dict(zip(peers, await asyncio.gather(*(one(peer) for peer in peers))))
+
+
+async def served_span(p2p: P2P, peer_id: str, dht_prefix: str, listed: list[int],
+                      timeout: float = PROBE_TIMEOUT_S) -> tuple[int, int] | None:
+    """The blocks [start, end) the server itself says it serves, among the blocks where records list it: rpc_info
+    (Petals' per-block uid) on the first and last of them; if either is refused, on each, keeping the longest run
+    it confirms. None if it confirms none: it is not serving them (or does not answer)."""
+    async def serves(block: int) -> bool:
+        try:
+            await ping(p2p, peer_id, timeout, uid=block_uid(dht_prefix, block))
+            return True
+        except Exception:
+            return False
+
+    listed = sorted(set(listed))
+    if not listed:
+        return None
+    first, last = listed[0], listed[-1]
+    if listed == list(range(first, last + 1)) and all(await asyncio.gather(serves(first), serves(last))):
+        return first, last + 1  # a server serves one contiguous span: its two ends confirm the run
+    confirmed = [block for block, ok in zip(listed, await asyncio.gather(*(serves(b) for b in listed))) if ok]
+    runs: list[list[int]] = []
+    for block in confirmed:
+        if runs and runs[-1][1] == block:
+            runs[-1][1] = block + 1
+        else:
+            runs.append([block, block + 1])
+    return tuple(max(runs, key=lambda run: run[1] - run[0])) if runs else None

@@ -21,8 +21,10 @@ The network side runs on an asyncio loop in a background thread; the public API 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -32,9 +34,11 @@ from typing import Any, AsyncIterator, Coroutine
 import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from hivekeeper.core.swarm.dht import RemoteSpanInfo, ServerState, check_initial_peers, read_blocks, spans_of
+from hivekeeper.core.swarm.dht import (MAX_RPS, RemoteSpanInfo, ServerState, check_initial_peers, read_blocks,
+                                       served_span, spans_of)
 from hivekeeper.core.swarm.dht import ping as ping_server
 from hivekeeper.core.swarm.protocol import (
     DTYPES,
@@ -83,7 +87,9 @@ class ClientConfig:
     dht_prefix: str
     num_blocks: int  # blocks in the model
     host: str = "127.0.0.1"  # a client only dials out; it listens on loopback
-    step_timeout: float = 5.0  # seconds for an inference step, plus the expected compute time × 10
+    step_timeout: float = 5.0  # seconds for an inference step, plus the expected compute time × 10 ...
+    max_step_timeout: float = 30.0  # ... but never more than this plus tokens × blocks / slowest_rps, whatever
+    slowest_rps: float = 20.0  # ... speed a server claims (a claim of 1e-9 tokens/s cannot hold a client for long)
     forward_timeout: float = 60.0  # seconds for a forward pass through one server
     connect_timeout: float = 5.0
     alloc_timeout: float = 5.0  # seconds a server may wait for cache room before refusing our session
@@ -195,14 +201,21 @@ class _ServerSession:
             runtime_pb2.ExpertResponse), self.client.config.connect_timeout)
 
     def _compute_seconds(self, tokens: int) -> float:
-        """Expected compute time of a step from the server's advertised speed."""
+        """Expected compute time of a step from the server's advertised speed (a claim that is not a finite positive
+        number counts as 1 token/s; one above MAX_RPS as MAX_RPS)."""
         info = self.hop.span.info
-        rps = info.forward_rps if tokens > 1 and info.forward_rps else info.inference_rps or info.throughput or 1.0
-        return tokens * (self.hop.end - self.hop.start) / max(rps, 1e-3)
+        claims = (info.forward_rps, info.inference_rps, info.throughput) if tokens > 1 else \
+            (info.inference_rps, info.throughput)
+        rps = next((float(c) for c in claims if isinstance(c, (int, float)) and math.isfinite(c) and c > 0), 1.0)
+        return tokens * (self.hop.end - self.hop.start) / min(rps, MAX_RPS)
 
     def _timeout(self, tokens: int) -> float:
-        self.expected_seconds = self._compute_seconds(tokens)
-        return self.client.config.step_timeout + 10.0 * self.expected_seconds
+        """step_timeout + 10 × the expected compute time, within a ceiling that no claimed speed moves:
+        max_step_timeout + tokens × blocks / slowest_rps."""
+        config = self.client.config
+        ceiling = config.max_step_timeout + tokens * (self.hop.end - self.hop.start) / config.slowest_rps
+        self.expected_seconds = min(self._compute_seconds(tokens), ceiling)
+        return min(config.step_timeout + 10.0 * self.expected_seconds, max(ceiling, config.step_timeout))
 
     @property
     def opened(self) -> bool:
@@ -407,9 +420,14 @@ class _InferenceCore:
         """
         failed = self.sessions[index]
         started, failed_at = time.monotonic(), time.time()
-        ban = self.client.bans.fail(failed.hop.peer_id)
-        logger.warning("server %s failed on blocks %d:%d (%s); banned for %.0fs, re-routing",
-                       failed.hop.peer_id[-8:], failed.hop.start, failed.hop.end, failure, ban)
+        if await self.client.record_lied(failed.hop, failure):
+            logger.warning("server %s does not serve blocks %d:%d that a DHT record gave it (%s); not banned, "
+                           "re-routing by what it confirms", failed.hop.peer_id[-8:], failed.hop.start,
+                           failed.hop.end, first_line(failure, 80))
+        else:
+            ban = self.client.bans.fail(failed.hop.peer_id)
+            logger.warning("server %s failed on blocks %d:%d (%s); banned for %.0fs, re-routing",
+                           failed.hop.peer_id[-8:], failed.hop.start, failed.hop.end, failure, ban)
         await failed.close(goodbye=False)
         history = failed.history
         if history is not None:
@@ -542,6 +560,8 @@ class SwarmClient:
         self.dht: DHTNode | None = None
         self._view: SwarmView | None = None
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
+        self.refused: set[str] = set()  # peers that answered but refused blocks their record listed
+        self._confirmed: dict[tuple, tuple] = {}  # (peer, listed blocks) -> (span it confirmed or None, when)
         self._thread = _LoopThread()
         try:
             self.run(self._connect())
@@ -584,9 +604,59 @@ class SwarmClient:
         if cached is not None and not refresh and time.monotonic() - cached.read_at < self.config.swarm_cache_seconds:
             return cached
         blocks = await read_blocks(self.dht, self.config.dht_prefix, self.config.num_blocks)
-        self._view = SwarmView(blocks, list(spans_of(blocks, states=(ServerState.ONLINE,)).values()),
-                               list(spans_of(blocks, states=(ServerState.JOINING,)).values()))
+        online = spans_of(blocks, states=(ServerState.ONLINE,))
+        doubted = self._doubted(blocks)
+        confirmed = await self._confirm(blocks, doubted)
+        spans = {**{peer: span for peer, span in online.items() if peer not in doubted}, **confirmed}
+        joining = [span for peer, span in spans_of(blocks, states=(ServerState.JOINING,)).items()
+                   if peer not in spans]
+        self._view = SwarmView(blocks, list(spans.values()), joining)
         return self._view
+
+    def _doubted(self, blocks: list[dict]) -> set[str]:
+        """Peers whose records are not believed without asking them: listed OFFLINE somewhere (forged or honest: a
+        server that answers for its blocks is serving them), listed with an expiration too far ahead, or refusing
+        blocks a record gave them (`refused`)."""
+        listed_offline = {peer for servers in blocks for peer, info in servers.items()
+                          if info.state == ServerState.OFFLINE}
+        return listed_offline | (self.refused & {peer for servers in blocks for peer in servers})
+
+    async def _confirm(self, blocks: list[dict], peers: set[str]) -> dict[str, RemoteSpanInfo]:
+        """The doubted peers that confirm serving some of the blocks they are listed on (rpc_info, a short timeout,
+        all at once; an answer is reused for fresh_seconds), as ONLINE spans of what they confirmed."""
+        async def one(peer: str) -> tuple[str, tuple[int, int] | None]:
+            listed = tuple(i for i, servers in enumerate(blocks) if peer in servers)
+            known = self._confirmed.get((peer, listed))
+            if known is not None and time.monotonic() - known[1] < self.config.fresh_seconds:
+                return peer, known[0]
+            span = await served_span(self.p2p, peer, self.config.dht_prefix, list(listed), self.config.probe_timeout)
+            self._confirmed[(peer, listed)] = (span, time.monotonic())
+            return peer, span
+
+        confirmed = {}
+        for peer, span in await asyncio.gather(*(one(peer) for peer in sorted(peers))):
+            if span is None:
+                continue
+            records = [blocks[i][peer] for i in range(*span)]
+            info = dataclasses.replace(next((r for r in records if r.suspect is None), records[0]),
+                                       state=ServerState.ONLINE, start_block=span[0], end_block=span[1])
+            confirmed[peer] = RemoteSpanInfo(peer, span[0], span[1], info)
+        return confirmed
+
+    async def record_lied(self, hop: Hop, failure: Exception) -> bool:
+        """After a server answered a step with an error: does it still answer, but not serve the blocks its record
+        gave it (a forged record)? Then it is not banned (that would leave a gap where it does serve): it goes to
+        `refused`, and routing uses only the blocks it confirms itself. Other failures (no answer, a broken stream,
+        a missed deadline) are the server's own."""
+        if not isinstance(failure, P2PHandlerError):
+            return False
+        span = await served_span(self.p2p, hop.peer_id, self.config.dht_prefix, list(range(hop.start, hop.end)),
+                                 self.config.probe_timeout)
+        if span == (hop.start, hop.end):
+            return False
+        self.refused.add(hop.peer_id)
+        self._view = None  # the next route reads the records again and confirms this peer's blocks first
+        return True
 
     async def spans(self, refresh: bool = False) -> list[RemoteSpanInfo]:
         return (await self.view(refresh)).spans

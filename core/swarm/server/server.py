@@ -7,6 +7,15 @@
 Choosing (and rebalancing) blocks counts only the servers that answer a probe now: a server killed without a goodbye
 stays listed in the DHT for two update periods, and its blocks must count as the gap they are.
 
+Anyone can write any subkey of the DHT, so after each announcement the server reads its own record back and, if
+someone overwrote it, stores its own again with an expiration just past theirs (`_guard_record`). Readers cap
+expirations and confirm a server over rpc_info (dht.py), so a forgery past that cap harms no client either.
+
+Test-only switches (environment; the loopback tests of issue 17 use them to make a real server process lie; never
+set them on a real server; read when the server is made): HIVEKEEPER_TEST_RECORD (JSON: record fields to announce instead of the true ones),
+HIVEKEEPER_TEST_SILENT=1 (steps never answer; rpc_info still does), HIVEKEEPER_TEST_LIAR=X (X is added to every
+output of the span: well-formed, wrong hidden states).
+
 Everything runs on one asyncio loop; compute runs on the handler's worker thread and loading on another, so the
 node keeps answering the DHT while it loads. `status` callbacks get a dict per state change (the CLI prints them,
 one JSON line each with --json-status, for the GUI).
@@ -15,9 +24,12 @@ one JSON line each with --json-status, for the GUI).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +43,7 @@ from hivemind.utils import get_dht_time
 from hivekeeper.core.runtime.checkpoint import load_config, load_span, resolve_checkpoint
 from hivekeeper.core.runtime.model import KVCache, ModelConfig
 from hivekeeper.core.swarm.dht import (
+    MAX_RECORD_AHEAD_S,
     ServerInfo,
     ServerState,
     block_throughputs,
@@ -38,6 +51,7 @@ from hivekeeper.core.swarm.dht import (
     live_peers,
     probe,
     read_blocks,
+    read_own_records,
     register_model,
     spans_of,
     without_peers,
@@ -99,6 +113,10 @@ class SwarmServer:
         self.error: str | None = None  # why the server stopped on its own, if it did
         self._stop = asyncio.Event()
         self._wake_announcer = asyncio.Event()
+        self._test_record = json.loads(os.environ.get("HIVEKEEPER_TEST_RECORD") or "{}")
+        self._test_silent = os.environ.get("HIVEKEEPER_TEST_SILENT") == "1"
+        self._test_offset = float(os.environ.get("HIVEKEEPER_TEST_LIAR") or 0.0)
+        self._released = threading.Event()  # lets a HIVEKEEPER_TEST_SILENT step go at shutdown
 
     def _check_config(self) -> None:
         cfg, model = self.config, self.model_config
@@ -156,6 +174,18 @@ class SwarmServer:
             next_pings=dict(self.next_pings),
             extra={"implementation": IMPLEMENTATION},
         )
+
+    def announced_info(self, state: ServerState, blocks: range) -> ServerInfo:
+        """server_info, with HIVEKEEPER_TEST_RECORD's fields in place of the true ones (tests of lying servers)."""
+        info = self.server_info(state, blocks)
+        for name, value in self._test_record.items():
+            setattr(info, name, value)
+        return info
+
+    @property
+    def update_period(self) -> float:
+        """The re-announce period: records expire after two, and readers ignore expirations past MAX_RECORD_AHEAD_S."""
+        return min(self.config.update_period, MAX_RECORD_AHEAD_S / 2)
 
     def status_event(self, state: str, **fields) -> dict:
         event = {
@@ -246,18 +276,40 @@ class SwarmServer:
 
     async def _announce(self, state: ServerState, blocks: range, timeout: float = 10.0) -> None:
         cfg = self.config
-        info = self.server_info(state, blocks)
-        expiration = get_dht_time() + 2 * cfg.update_period
+        info = self.announced_info(state, blocks)
+        expiration = get_dht_time() + 2 * self.update_period
         try:
             await asyncio.wait_for(declare_blocks(self.dht, cfg.dht_prefix, blocks, self.peer_id, info, expiration),
                                    timeout)
             if cfg.repository and state != ServerState.OFFLINE:
                 await asyncio.wait_for(register_model(self.dht, cfg.dht_prefix, self.model_config.num_layers,
-                                                      cfg.repository, cfg.update_period), timeout)
+                                                      cfg.repository, self.update_period), timeout)
+            if state != ServerState.OFFLINE:
+                await self._guard_record(info, blocks, expiration, timeout)
         except asyncio.TimeoutError:
             logger.warning("announcing %s for blocks %d:%d timed out", state.name, blocks.start, blocks.stop)
         except Exception as exc:  # no reachable DHT peer right now: the next period tries again
             logger.warning("announcing %s for blocks %d:%d failed: %s", state.name, blocks.start, blocks.stop, exc)
+
+    async def _guard_record(self, info: ServerInfo, blocks: range, expiration: float, timeout: float) -> None:
+        """Read our record back from the DHT; where another one stands under our subkey, store ours again with an
+        expiration just past it, if that stays within MAX_RECORD_AHEAD_S (beyond, readers ignore the forgery and
+        confirm us over rpc_info; we say so in a 'record_overwritten' status)."""
+        found = await read_own_records(self.dht, self.config.dht_prefix, blocks, self.peer_id, timeout)
+        ours = info.to_tuple()
+        forged = {block: exp for block, (value, exp) in found.items()
+                  if exp is not None and (_normalized(value) != _normalized(ours) or exp > expiration + 1.0)}
+        if not forged:
+            return
+        latest = max(forged.values())
+        restored = latest + 1.0 <= get_dht_time() + MAX_RECORD_AHEAD_S
+        if restored:
+            await asyncio.wait_for(declare_blocks(self.dht, self.config.dht_prefix, blocks, self.peer_id, info,
+                                                  latest + 1.0), timeout)
+        logger.warning("our record for block(s) %s was overwritten (expiring %.0fs ahead); %s", sorted(forged),
+                       latest - get_dht_time(), "stored ours again" if restored else
+                       "too far ahead to replace: readers ignore it and ask us directly")
+        self.emit(self.status_event("record_overwritten", forged_blocks=sorted(forged), restored=restored))
 
     async def _load(self, blocks: range) -> None:
         """JOINING -> load the span (on a thread) -> ONLINE."""
@@ -274,11 +326,19 @@ class SwarmServer:
                 folder = resolve_checkpoint(cfg.repository, blocks=(blocks.start, blocks.stop), embeddings=False)
             return load_span(folder, blocks.start, blocks.stop, dtype=cfg.dtype, device=cfg.device, quant=cfg.quant)
 
-        span = await loop.run_in_executor(None, fetch_and_load)
+        span = self._test_switches(await loop.run_in_executor(None, fetch_and_load))
         self.handler.set_span(ServedSpan(span, cfg.dht_prefix, torch.device(cfg.device)))
         self.state = ServerState.ONLINE
         await self._announce(ServerState.ONLINE, blocks)
         self.emit(self.status_event("online", load_seconds=round(time.monotonic() - started, 3)))
+
+    def _test_switches(self, span):
+        """HIVEKEEPER_TEST_SILENT / HIVEKEEPER_TEST_LIAR (module docstring): hooks on the loaded span; none by default."""
+        if self._test_silent:
+            span.register_forward_pre_hook(lambda module, args: self._released.wait(3600))
+        if self._test_offset:
+            span.register_forward_hook(lambda module, args, output: output + self._test_offset)
+        return span
 
     async def _serve(self) -> None:
         tasks = [asyncio.create_task(self._announce_loop())]
@@ -302,7 +362,7 @@ class SwarmServer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _announce_loop(self) -> None:
-        period = self.config.update_period
+        period = self.update_period
         next_full = time.monotonic() + min(period, 5.0)  # first RTTs to the next servers soon after joining
         while True:
             timeout = max(0.0, next_full - time.monotonic())
@@ -378,6 +438,7 @@ class SwarmServer:
         return should_move(self.model_config.num_layers, list(placements.values()), me, self.config.balance_quality)
 
     async def _shutdown(self) -> None:
+        self._released.set()
         if self.dht is not None and self.blocks is not None and self.state != ServerState.OFFLINE:
             self.state = ServerState.OFFLINE
             await self._announce(ServerState.OFFLINE, self.blocks, timeout=5.0)
@@ -393,3 +454,13 @@ class SwarmServer:
             await self.p2p.shutdown()
         if self.peer_id is not None:
             self.emit(self.status_event("offline"))
+
+
+def _normalized(value) -> object:
+    """A DHT value with lists and tuples alike (msgpack may give back either), for comparing records."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_normalized(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _normalized(item) for key, item in value.items()}
+    return value
+
