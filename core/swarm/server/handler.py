@@ -3,7 +3,9 @@
 rpc_info, rpc_inference (one streaming session with a KV cache held here), rpc_forward / rpc_backward (unary and
 `_stream`), rpc_push (a peer server hands us its step output). Every malformed request gets an error response (the
 exception text) and the server keeps serving everyone else. Compute runs on one worker thread, so the event loop
-keeps answering the DHT and other peers meanwhile.
+keeps answering the DHT and other peers meanwhile; inference steps go before forward/backward there (`compute`).
+Load is bounded per peer and in all (`quotas`, ServingLimits): a request over a quota gets a "server busy:" answer
+at once, which clients take as "try another server". docs/swarm.md "Limits" lists every limit and why.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import logging
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -23,13 +24,17 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from hivekeeper.core.runtime.model import KVCache, Span
+from hivekeeper.core.swarm.server.compute import FORWARD, INFERENCE, PriorityWorker
 from hivekeeper.core.swarm.server.memory import AllocationFailed, MemoryPool
+from hivekeeper.core.swarm.server.quotas import QuotaLimits, Quotas
 from hivekeeper.core.swarm.protocol import (
     HANDLER_CLASS,
     PROTOCOL_VERSION,
     ProtocolError,
+    ServerBusy,
     block_schemas,
     chain_uid,
+    clip,
     deserialize_tensor,
     handler_name,
     pack_metadata,
@@ -39,15 +44,18 @@ from hivekeeper.core.swarm.protocol import (
     serialize_tensor,
     stream_messages,
     unpack_args,
+    unary_response_size_ok,
     unpack_metadata,
 )
 from hivekeeper.planner.errors import InputError
 
 logger = logging.getLogger("hivekeeper.swarm.server")
 
-# 1-token steps whose previous step took less than this run on the event loop instead of the compute thread: for
-# small models the thread hop costs ~0.5 ms per step, and blocking the loop this briefly delays nothing
+# 1-token steps estimated (from the time per row of an earlier step of the session) to take less than this run on
+# the event loop instead of the compute thread: for small models the thread hop costs ~0.5 ms per step, and
+# blocking the loop this briefly delays nothing
 INLINE_STEP_SECONDS = 0.005
+MAX_ID_CHARS = 256  # session_id / step_id / upstream_peer: a uuid is 36, a peer id ~52
 
 
 @dataclass
@@ -62,6 +70,16 @@ class ServingLimits:
     session_timeout: float = 1800.0  # seconds a session may last
     max_alloc_timeout: float = 600.0  # cap on the alloc_timeout a client asks for
     default_alloc_timeout: float = 1.0  # when the client names none
+    max_sessions_per_peer: int = 4  # inference sessions one peer may hold
+    max_requests_per_peer: int = 2  # forward/backward requests one peer may have in flight
+    max_peer_bytes: int = 128 * 2**20  # request bytes of one peer's forward/backward requests in flight
+    max_inflight_bytes: int = 256 * 2**20  # request bytes of all forward/backward requests in flight
+    max_unread_steps: int = 8  # steps (the client's and pushed ones) waiting in a session's inbox
+    max_next_servers: int = 32  # servers named in a step's next_servers (its push chain)
+
+    def quotas(self) -> QuotaLimits:
+        return QuotaLimits(self.max_sessions_per_peer, self.max_requests_per_peer, self.max_peer_bytes,
+                           self.max_inflight_bytes)
 
 
 @dataclass
@@ -102,9 +120,19 @@ class ServedSpan:
 @dataclass
 class _Session:
     session_id: str
-    inbox: asyncio.Queue  # client requests and pushed steps, in arrival order; None = the client closed
+    inbox: asyncio.Queue  # client requests and pushed steps, in arrival order (bounded); None = the client closed
+    upstream: str | None = None  # the peer whose pushes are accepted: named by the client, else the first pusher
+    upstream_named: bool = False
     steps_done: set = field(default_factory=set)
     steps_order: deque = field(default_factory=deque)
+
+    def check_pusher(self, peer: str) -> None:
+        """Accept pushes from the session's upstream peer only (the first pusher's, when the client named none)."""
+        if self.upstream is None:
+            self.upstream = peer
+        elif peer != self.upstream:
+            whose = "the client named" if self.upstream_named else "that pushed first"
+            raise ProtocolError(f"push refused: this session takes pushes only from the upstream peer {whose}")
 
     def remember(self, step_id) -> None:
         self.steps_done.add(step_id)
@@ -163,7 +191,17 @@ class _LiveSession:
     span: Span
     cache: KVCache
     deadline: float  # time.monotonic() at which the session timeout ends it
-    last_step_seconds: float = float("inf")
+    seconds_per_row: float = float("inf")  # of the last step with rows (batch × tokens): unknown until then
+
+    def inline_estimate(self, step: "_Step") -> float:
+        """Seconds a step should take, from its own shape: rows × the time per row seen (0 for no rows)."""
+        rows = step.hidden.shape[0] * step.hidden.shape[1]
+        return 0.0 if rows == 0 else rows * self.seconds_per_row
+
+    def measured(self, step: "_Step", seconds: float) -> None:
+        rows = step.hidden.shape[0] * step.hidden.shape[1]
+        if rows:  # a step without rows says nothing about the next one's cost
+            self.seconds_per_row = seconds / rows
 
 
 # ---- inference sessions: checks of the opening request and of a step's position; the pump into the inbox -------
@@ -175,6 +213,30 @@ def _session_max_length(metadata: dict, limits: ServingLimits) -> int:
         raise ProtocolError(f"max_length {max_length} exceeds this server's limit of {limits.max_length} "
                             "tokens per session")
     return max_length
+
+
+def _check_id(value, name: str, required: bool = False):
+    """A session_id / step_id / upstream_peer: None (unless required) or a short str; ProtocolError otherwise (an
+    unhashable one would raise TypeError in the lookups)."""
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
+        raise ProtocolError(f"{name} must be a string of 1 to {MAX_ID_CHARS} characters, got {clip(value)}")
+    return value
+
+
+def _check_next_servers(metadata: dict, limits: ServingLimits) -> tuple:
+    """A step's next_servers: at most limits.max_next_servers entries of (peer_id, session_id, start, end)."""
+    next_servers = metadata.get("next_servers") or ()
+    if not isinstance(next_servers, (list, tuple)) or len(next_servers) > limits.max_next_servers:
+        raise ProtocolError(f"next_servers must be a list of at most {limits.max_next_servers} servers, got "
+                            f"{clip(next_servers)}")
+    for entry in next_servers:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 4 and isinstance(entry[0], str)
+                and _check_id(entry[1], "a next_servers session_id", required=True)
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in entry[2:])):
+            raise ProtocolError(f"next_servers entries must be (peer_id, session_id, start, end), got {clip(entry)}")
+    return tuple(next_servers)
 
 
 def _alloc_timeout(metadata: dict, limits: ServingLimits) -> float:
@@ -201,12 +263,13 @@ def _start_position(live: _LiveSession, step: _Step, step_meta: dict) -> int | N
 
 
 async def _pump(requests: AsyncIterator[runtime_pb2.ExpertRequest], inbox: asyncio.Queue) -> None:
-    """A session's client requests into its inbox (pushes land there too); None once the client closes."""
-    try:
+    """A session's client requests into its inbox (pushes land there too); None once the client closes. The inbox
+    is bounded: while it is full the pump waits, so hivemind (5 messages prefetched) and p2pd stop reading the
+    client's stream, and unread steps stop at the inbox's bound instead of piling up here."""
+    with contextlib.suppress(Exception):  # a broken stream ends the session like a closed one
         async for request in requests:
-            inbox.put_nowait(request)
-    finally:
-        inbox.put_nowait(None)
+            await inbox.put(request)
+    await inbox.put(None)
 
 
 # ---- compute (runs on the worker thread) ----------------------------------------------------------------------------
@@ -276,17 +339,19 @@ class TransformerConnectionHandler(ServicerBase):
         self.served: ServedSpan | None = None
         self.generation = 0  # bumped when the span changes: sessions on the old span end
         self.sessions: dict[str, _Session] = {}
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hivekeeper-compute")
+        self.compute = PriorityWorker()
+        self.quotas = Quotas(limits.quotas())
         self.on_sessions_changed = on_sessions_changed or (lambda: None)
         self.requests_served = 0
         self.pushed_steps_served = 0  # steps that came from the previous server rather than the client
+        self.inline_steps = 0  # steps run on the event loop (the inline shortcut)
 
     def set_span(self, served: ServedSpan | None) -> None:
         self.served = served
         self.generation += 1
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.compute.close()
 
     # -- helpers ------------------------------------------------------------------------------------------------------
     def _require_served(self) -> ServedSpan:
@@ -298,7 +363,7 @@ class TransformerConnectionHandler(ServicerBase):
         indices = parse_chain_uid(uid, served.dht_prefix)
         start, end = indices[0], indices[-1] + 1
         if indices != list(range(start, end)):
-            raise ProtocolError(f"uid chain {uid!r} is not a run of consecutive blocks")
+            raise ProtocolError(f"uid chain {clip(uid)} is not a run of consecutive blocks")
         if start < served.start or end > served.end:
             raise ProtocolError(
                 f"blocks {start}:{end} are not served here (this server serves {served.start}:{served.end})"
@@ -312,8 +377,8 @@ class TransformerConnectionHandler(ServicerBase):
         per_token = KVCache.nbytes_for(served.config, served.end - served.start, 1, 1, served.dtype)
         return max(0, self.pool.free_bytes // max(1, per_token))
 
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _run(self, fn, *args, priority: int = INFERENCE):
+        return await self.compute.run(priority, fn, *args)
 
     def _decode(self, tensors: list[runtime_pb2.Tensor], metadata: dict) -> tuple:
         """Wire tensors + args_structure -> positional arguments (within the request size limit)."""
@@ -366,7 +431,8 @@ class TransformerConnectionHandler(ServicerBase):
             "cache_tokens_available": self.cache_tokens_left(),
             # our own diagnostics (other readers ignore unknown keys)
             "hivekeeper_stats": {"sessions": len(self.sessions), "requests_served": self.requests_served,
-                                 "pushed_steps_served": self.pushed_steps_served},
+                                 "pushed_steps_served": self.pushed_steps_served,
+                                 "busy_refusals": self.quotas.refused},
         }
         if request.uid:
             served = self._require_served()
@@ -385,7 +451,7 @@ class TransformerConnectionHandler(ServicerBase):
         if step.hidden.shape[1] > served.config.max_position_embeddings:
             raise ProtocolError(f"{step.hidden.shape[1]} tokens exceed the model's context")
         self.requests_served += 1
-        return [await self._run(_forward, served.sub(start, end), step)]
+        return [await self._run(_forward, served.sub(start, end), step, priority=FORWARD)]
 
     async def _backward(self, uid: str, tensors, metadata: dict) -> list[torch.Tensor]:
         served = self._require_served()
@@ -402,7 +468,7 @@ class TransformerConnectionHandler(ServicerBase):
         if step.hidden.shape[0] * step.hidden.shape[1] > self.limits.max_forward_tokens:
             raise ProtocolError(f"batch × tokens exceeds the limit of {self.limits.max_forward_tokens}")
         self.requests_served += 1
-        return await self._run(_backward, served.sub(start, end), step, grad_outputs)
+        return await self._run(_backward, served.sub(start, end), step, grad_outputs, priority=FORWARD)
 
     @staticmethod
     def _response(outputs: list[torch.Tensor], metadata: dict) -> list[runtime_pb2.Tensor]:
@@ -414,28 +480,41 @@ class TransformerConnectionHandler(ServicerBase):
                 for t, c in zip(outputs, compressions)]
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        metadata = unpack_metadata(request.metadata)
-        outputs = await self._guard(self._forward(request.uid, list(request.tensors), metadata), "forward", context)
-        return runtime_pb2.ExpertResponse(tensors=self._response(outputs, metadata))
+        return await self._guard(self._unary(self._forward, request, context, "rpc_forward"), "forward", context)
 
     async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                                  context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        uid, tensors, metadata = await read_stream(requests, self.limits.max_request_bytes)
-        outputs = await self._guard(self._forward(uid, tensors, metadata), "forward_stream", context)
-        for message in stream_messages(self._response(outputs, metadata), runtime_pb2.ExpertResponse):
+        messages = await self._guard(self._streamed(self._forward, requests, context), "forward_stream", context)
+        for message in messages:
             yield message
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        metadata = unpack_metadata(request.metadata)
-        grads = await self._guard(self._backward(request.uid, list(request.tensors), metadata), "backward", context)
-        return runtime_pb2.ExpertResponse(tensors=self._response(grads, metadata))
+        return await self._guard(self._unary(self._backward, request, context, "rpc_backward"), "backward", context)
 
     async def rpc_backward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                                   context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        uid, tensors, metadata = await read_stream(requests, self.limits.max_request_bytes)
-        grads = await self._guard(self._backward(uid, tensors, metadata), "backward_stream", context)
-        for message in stream_messages(self._response(grads, metadata), runtime_pb2.ExpertResponse):
+        messages = await self._guard(self._streamed(self._backward, requests, context), "backward_stream", context)
+        for message in messages:
             yield message
+
+    async def _unary(self, run, request: runtime_pb2.ExpertRequest, context: P2PContext,
+                     method: str) -> runtime_pb2.ExpertResponse:
+        """A unary forward/backward within the peer's quotas; a response too big for a unary message is refused
+        (the client calls the _stream variant) rather than lost and leaked inside hivemind."""
+        with self.quotas.request(str(context.remote_id)) as charge:
+            charge.add(sum(len(t.buffer) for t in request.tensors))
+            metadata = unpack_metadata(request.metadata)
+            outputs = await run(request.uid, list(request.tensors), metadata)
+            response = runtime_pb2.ExpertResponse(tensors=self._response(outputs, metadata))
+        unary_response_size_ok(response, method)
+        return response
+
+    async def _streamed(self, run, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext) -> list:
+        """A streamed forward/backward within the peer's quotas (bytes charged as parts arrive): response messages."""
+        with self.quotas.request(str(context.remote_id)) as charge:
+            uid, tensors, metadata = await read_stream(requests, self.limits.max_request_bytes, charge.add)
+            outputs = await run(uid, tensors, metadata)
+            return list(stream_messages(self._response(outputs, metadata), runtime_pb2.ExpertResponse))
 
     async def _guard(self, coro, what: str, context: P2PContext):
         """Await coro; log a bad request in one line (the caller gets the exception text as its error)."""
@@ -447,21 +526,32 @@ class TransformerConnectionHandler(ServicerBase):
 
     # -- rpc_push ----------------------------------------------------------------------------------------------------
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """A previous server hands us the input of a step of one of our sessions (server-to-server pipelining)."""
+        """A previous server hands us the input of a step of one of our sessions (server-to-server pipelining).
+        Accepted only from the session's upstream peer, with a step_id (so that a step runs once per session however
+        the chain loops) and a bounded next_servers; a full inbox answers busy."""
+        return await self._guard(self._push(request, context), "push", context)
+
+    async def _push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         metadata = unpack_metadata(request.metadata)
-        session = self.sessions.get(metadata.get("session_id"))
+        session = self.sessions.get(_check_id(metadata.get("session_id"), "session_id", required=True))
         if session is None:
-            raise ProtocolError(f"push for unknown session {metadata.get('session_id')!r}")
+            raise ProtocolError(f"push for unknown session {clip(metadata.get('session_id'))}")
+        _check_id(metadata.get("step_id"), "a pushed step's step_id", required=True)
+        _check_next_servers(metadata, self.limits)
+        session.check_pusher(str(context.remote_id))
         metadata["pushed"] = True
         pushed = runtime_pb2.ExpertRequest(uid=request.uid, tensors=request.tensors, metadata=pack_metadata(metadata))
-        session.inbox.put_nowait(pushed)
+        try:
+            session.inbox.put_nowait(pushed)
+        except asyncio.QueueFull:
+            raise ServerBusy(f"the session has {session.inbox.qsize()} unread steps") from None
         return runtime_pb2.ExpertResponse()
 
     async def _push_next(self, output: torch.Tensor, metadata: dict) -> None:
         """Send our step output to the next server of the client's chain (best effort: the client sends it too)."""
         next_servers = metadata.get("next_servers")
-        if not next_servers:
-            return
+        if not next_servers or metadata.get("step_id") is None:
+            return  # a step without a step_id could run again at each turn of a looping chain: not passed on
         try:
             peer_id, session_id, start, end = next_servers[0]
             served_prefix = self.served.dht_prefix if self.served else None
@@ -487,9 +577,10 @@ class TransformerConnectionHandler(ServicerBase):
             raise
         if opening is None:
             return  # an empty first request opens nothing
-        async with contextlib.aclosing(self._serve_session(opening, requests, context)) as responses:
-            async for response in responses:
-                yield response
+        with self.quotas.session(str(context.remote_id)):
+            async with contextlib.aclosing(self._serve_session(opening, requests, context)) as responses:
+                async for response in responses:
+                    yield response
 
     def _check_opening(self, first: runtime_pb2.ExpertRequest) -> _Opening | None:
         """The first request's blocks, metadata and step checked; None for an empty one."""
@@ -500,10 +591,14 @@ class TransformerConnectionHandler(ServicerBase):
         max_length = _session_max_length(metadata, self.limits)
         alloc_timeout = _alloc_timeout(metadata, self.limits)
         session_id = metadata.get("session_id")
-        if not isinstance(session_id, str) or not session_id or session_id in self.sessions:
-            session_id = str(uuid.uuid4())  # absent or clashing: pushes cannot reach this session then
+        if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_ID_CHARS \
+                or session_id in self.sessions:
+            session_id = str(uuid.uuid4())  # absent, odd or clashing: pushes cannot reach this session then
+        _check_id(metadata.get("upstream_peer"), "upstream_peer")
+        _check_id(metadata.get("step_id"), "step_id")
+        _check_next_servers(metadata, self.limits)
         if len(self.sessions) >= self.limits.max_sessions:
-            raise ProtocolError(f"server busy: {len(self.sessions)} sessions open (limit {self.limits.max_sessions})")
+            raise ServerBusy(f"{len(self.sessions)} sessions open (limit {self.limits.max_sessions})")
         if not first.tensors:
             return None
         step = self._parse_step(list(first.tensors), metadata, served, start, end)
@@ -514,7 +609,9 @@ class TransformerConnectionHandler(ServicerBase):
         """Register the session, reserve and allocate its cache, answer its steps; a bad step, a timeout or a failed
         reservation ends it (logged, raised to the client)."""
         nbytes = opening.cache_bytes
-        session = _Session(opening.session_id, asyncio.Queue())
+        upstream = opening.metadata.get("upstream_peer")
+        session = _Session(opening.session_id, asyncio.Queue(self.limits.max_unread_steps), upstream,
+                           upstream is not None)
         self.sessions[session.session_id] = session
         pump_task = asyncio.create_task(_pump(requests, session.inbox))
         deadline = time.monotonic() + self.limits.session_timeout
@@ -558,12 +655,13 @@ class TransformerConnectionHandler(ServicerBase):
             raise ProtocolError("this server moved to other blocks; re-route the session")
         start_from = _start_position(live, step, step_meta)
         started = time.perf_counter()
-        if step.hidden.shape[1] <= 1 and live.last_step_seconds < INLINE_STEP_SECONDS:
-            # a step known to be tiny runs right here: a thread hop would cost more than it
+        if step.hidden.shape[1] <= 1 and live.inline_estimate(step) < INLINE_STEP_SECONDS:
+            # a step estimated tiny from its own shape runs right here: a thread hop would cost more than it
+            self.inline_steps += 1
             output = _inference_step(live.span, live.cache, step, start_from)
         else:
             output = await self._run(_inference_step, live.span, live.cache, step, start_from)
-        live.last_step_seconds = time.perf_counter() - started
+        live.measured(step, time.perf_counter() - started)
         self.requests_served += 1
         self.pushed_steps_served += bool(step_meta.get("pushed"))
         return output
@@ -581,19 +679,24 @@ class TransformerConnectionHandler(ServicerBase):
         if request is None or not request.tensors:
             return None, {}
         step_meta = unpack_metadata(request.metadata)
+        _check_id(step_meta.get("step_id"), "step_id")
+        _check_next_servers(step_meta, self.limits)
         opening = live.opening
         step = self._parse_step(list(request.tensors), step_meta, opening.served, opening.start, opening.end,
                                 opening.batch)
         return step, step_meta
 
     async def _next_request(self, live: _LiveSession) -> runtime_pb2.ExpertRequest | None:
+        session_timeout = ProtocolError(f"session exceeded the server's session timeout of "
+                                        f"{self.limits.session_timeout:g}s")
         remaining = live.deadline - time.monotonic()
         if remaining <= 0:
-            raise ProtocolError(f"session exceeded the server's session timeout of "
-                                f"{self.limits.session_timeout:g}s")
+            raise session_timeout
         try:
             # asyncio.timeout, not wait_for: no task per step wrapped around the get
             async with asyncio.timeout(min(self.limits.step_timeout, remaining)):
                 return await live.session.inbox.get()
         except TimeoutError:
+            if remaining <= self.limits.step_timeout:
+                raise session_timeout from None  # the session's time ran out first, not the step's
             raise ProtocolError(f"no step within the step timeout of {self.limits.step_timeout:g}s") from None

@@ -12,6 +12,8 @@ import contextlib
 import time
 from typing import AsyncIterator
 
+from hivekeeper.core.swarm.protocol import BUSY_MESSAGE
+
 
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -68,8 +70,8 @@ class MemoryPool:
         except asyncio.TimeoutError:
             if waiter.done() and not waiter.cancelled():
                 return  # granted at the very last moment: keep it
-            raise AllocationFailed(
-                f"no room for {format_bytes(nbytes)} of KV cache within alloc_timeout={timeout:g}s "
+            raise AllocationFailed(  # a busy answer: the client tries another server at once
+                f"{BUSY_MESSAGE} no room for {format_bytes(nbytes)} of KV cache within alloc_timeout={timeout:g}s "
                 f"({format_bytes(self.free_bytes)} of {format_bytes(self.limit_bytes)} free after "
                 f"{time.monotonic() - started:.1f}s); try again later or another server"
             ) from None
