@@ -200,7 +200,28 @@ def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
                       memory_block_bytes=round(block_weight_bytes(spec, held)))
         if held != planned:
             report["memory_note"] = f"the plan's {planned} weights run as {held} on this machine"
+        if this_machine:
+            report.update(packed_memory(model, spec, held))
     return report
+
+
+def packed_memory(model: str, spec, held: str) -> dict:
+    """Where the engine keeps a GGUF's Q8_0/Q4_0/Q4_1 linears packed (CPU, fp32: gguf.packed_by_default), the
+    bytes it holds then (the blocks as load_packed_block builds them) and the packed types; else nothing."""
+    from hivekeeper.core.offload.local_plan import default_device
+    from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_block_bytes, packed_by_default
+
+    if held != "fp32" or default_device() != "cpu" or not packed_by_default():
+        return {}
+    checkpoint = GGUFCheckpoint(model, packed=True)
+    blocks = [packed_block_bytes(checkpoint, layer) for layer in range(spec.num_layers)]
+    if sum(blocks) >= spec.num_layers * block_weight_bytes(spec, held):
+        return {}
+    outside = weight_bytes(spec, held) - spec.num_layers * block_weight_bytes(spec, held)
+    types = sorted({checkpoint.tensor_type(name) for name in checkpoint.tensors
+                    if name.startswith("model.layers.") and checkpoint.packable(name)})
+    return {"memory_bytes": round(outside + sum(blocks)), "memory_block_bytes": max(blocks),
+            "memory_packed": types}
 
 
 def format_that_runs(weight_format: str) -> str:
@@ -251,9 +272,10 @@ def _gguf_rows(gguf: dict) -> list[tuple[str, str]]:
                           f"per block")]
     if "memory_format" in gguf:
         note = f"; {gguf['memory_note']}" if "memory_note" in gguf else ""
+        how = (f"the blocks' {'/'.join(gguf['memory_packed'])} linears stay packed, the rest dequantized"
+               if gguf.get("memory_packed") else "the runtime dequantizes GGUF weights")
         rows.append(("in memory", f"{_size(gguf['memory_bytes'])} as {gguf['memory_format']} "
-                                  f"({_size(gguf['memory_block_bytes'])} per block): the runtime dequantizes GGUF "
-                                  f"weights, it does not run them packed yet{note}"))
+                                  f"({_size(gguf['memory_block_bytes'])} per block): {how}{note}"))
     return rows
 
 

@@ -21,6 +21,7 @@ block_variants.py; docs/local-inference.md has what runs where).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -36,10 +37,11 @@ from hivekeeper.core.offload.tiered_cache import RecomputeCache, TieredKVCache, 
 from hivekeeper.core.offload.weights import BlockReader, empty_block
 from hivekeeper.core.runtime.checkpoint import (load_block, load_embedding, load_head, open_checkpoint,
                                                 quant_compute_dtype)
-from hivekeeper.core.runtime.gguf import GGUFBlockReader, GGUFCheckpoint
+from hivekeeper.core.runtime.gguf import GGUFBlockReader, GGUFCheckpoint, packed_by_default
 from hivekeeper.core.runtime.kernels import cpu_decode
-from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_linears_by_column, use_blas_threads
-from hivekeeper.core.runtime.model import Block, RotaryTable
+from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, pack_in_order, store_tall_linears_by_column,
+                                                        use_blas_threads)
+from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
 from hivekeeper.core.runtime.quant.bnb import quantized_tensors
 from hivekeeper.core.runtime.quant.store import QuantStore
 
@@ -47,6 +49,40 @@ from hivekeeper.core.runtime.quant.store import QuantStore
 def use_physical_cores() -> int:
     """Set the CPU thread layout for inference (see cpu_matmul.use_blas_threads); returns the matmul threads."""
     return use_blas_threads()
+
+
+def warm_up_runtime() -> None:
+    """Run a small decoder block once (a prefill chunk, then a decode step of a few rows) on scratch weights, in the
+    thread layout set, so that what the engine's first step would add to the process is there now: the code pages
+    of the torch and numpy kernels it calls (~14 MB of libtorch_cpu.so measured), torch's thread pool, OpenBLAS's
+    per-thread packing buffers. They are runtime, counted in the baseline a RAM budget is measured from, not in the
+    budget; taken after the baseline, they showed as ~15 MB over it."""
+    config = ModelConfig.from_hf_config({"model_type": "llama", "vocab_size": 512, "hidden_size": 512,
+                                         "intermediate_size": 1024, "num_hidden_layers": 1,
+                                         "num_attention_heads": 8, "num_key_value_heads": 4,
+                                         "max_position_embeddings": 64})
+    rotary = RotaryTable(config)
+    block = empty_block(config, rotary, torch.float32, "cpu")
+    for param in block.parameters():
+        param.fill_(0.01)
+    shape = (4, config.num_kv_heads, 32, config.head_dim)
+    k, v = torch.zeros(shape), torch.zeros(shape)
+    with torch.inference_mode():
+        hidden = block(torch.ones(4, 16, config.hidden_size), k, v, 0, rotary.get(0, 16, torch.device("cpu"),
+                                                                                    torch.float32))
+        hidden = block(hidden[:, -1:], k, v, 16, rotary.get(16, 1, torch.device("cpu"), torch.float32))
+        torch.softmax(linear(hidden, torch.ones(config.vocab_size, config.hidden_size)), -1).argmax(-1)
+    del block, k, v, hidden
+    _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Give the scratch memory just freed back to the OS (glibc keeps freed heap memory), so that a baseline taken
+    now holds the runtime only, not space the engine would reuse."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 class OffloadedSpan:
@@ -81,7 +117,9 @@ class OffloadedModel:
         self.plan = plan
         self.device = torch.device(plan.device)
         self.cache_dir = cache_dir
-        self.checkpoint = open_checkpoint(self.path)  # a checkpoint folder or a GGUF
+        # a checkpoint folder or a GGUF (whose resident CPU fp32 blocks keep Q8_0/Q4_0/Q4_1 linears packed, as a
+        # swarm server's span does: gguf.packed_by_default)
+        self.checkpoint = open_checkpoint(self.path, packed=packed_by_default())
         config = self.config = self.checkpoint.config
         if len(plan.weight_tiers) != config.num_layers:
             raise InputError(f"the plan places {len(plan.weight_tiers)} blocks; the model has {config.num_layers}")
@@ -153,7 +191,8 @@ class OffloadedModel:
             block = self.quant_store.empty_block(self.rotary, self.device, cpu_repack=True)  # kept: may repack
             self.quant_store.fill(block, layer)
             return block
-        if self.plan.quant != "none":  # quantized on the GPU as it is loaded (fast there)
+        # quantized on the GPU as it is loaded (fast there), or a GGUF's CPU fp32 block with its linears packed
+        if self.plan.quant != "none" or self._packed():
             return load_block(self.checkpoint, layer, dtype=self.plan.dtype, device=self.device,
                               quant=self.plan.quant, rotary=self.rotary)
         block = empty_block(self.config, self.rotary, self.plan.dtype, self.device)
@@ -161,6 +200,11 @@ class OffloadedModel:
         if not self.plan.streamed_blocks:  # CPU fp32 only: faster decode matmuls; not under a RAM budget that
             store_tall_linears_by_column(block)  # streams blocks (the re-store briefly holds a matrix twice)
         return block
+
+    def _packed(self) -> bool:
+        """Whether resident blocks keep a GGUF's block-quantized linears packed (CPU, fp32, no --quant)."""
+        return (isinstance(self.checkpoint, GGUFCheckpoint) and self.checkpoint.packed and self.plan.quant == "none"
+                and self.device.type == "cpu" and self.plan.dtype == torch.float32)
 
     def _load_slot(self, layer: int, slot: Slot) -> None:
         """Runs on the reader thread: bring block `layer` into `slot` (disk read and/or copy to the GPU)."""

@@ -196,7 +196,7 @@ def load_span(path: str | Path, start: int, end: int, *, dtype: str | torch.dtyp
 
     dtype: fp32/bf16/fp16 (compute and storage dtype); quant: "none", "int8" or "nf4" (bitsandbytes).
     packed: for a GGUF on the CPU in fp32, keep Q8_0/Q4_0/Q4_1 linears as their block bytes (QuantizedLinear)
-    instead of dequantizing them; None: only with HIVEKEEPER_GGUF_PACKED=1 (gguf.packed_by_default).
+    instead of dequantizing them; None: yes unless HIVEKEEPER_GGUF_PACKED=0 (gguf.packed_by_default).
     """
     dtype, quant = parse_dtype(dtype), check_quant(quant)
     checkpoint = open_checkpoint(path, packed=packed_by_default() if packed is None else packed)

@@ -12,8 +12,9 @@ folder does. The file is read with the `gguf` package's GGUFReader (the llama.cp
 - packed blocks (`load_packed_block`): for CPU fp32 decode, linear weights stored as Q8_0/Q4_0/Q4_1 stay as their
   block bytes in RAM (QuantizedLinear, multiplied by the native quantized kernels) instead of 4-byte floats; the
   Q/K permutation is undone by reordering packed rows (rows are independent). Other types are dequantized.
-  checkpoint.load_span does this by default for a GGUF on the CPU in fp32 (HIVEKEEPER_GGUF_PACKED=0 or
-  packed=False turns it off: the dequantized path is what transformers computes, token for token).
+  checkpoint.load_span and the local engine (core/offload, resident blocks) do this by default for a GGUF on the
+  CPU in fp32 (HIVEKEEPER_GGUF_PACKED=0 or packed=False turns it off: the dequantized path is what transformers
+  computes, token for token). Blocks the engine streams from disk stay dequantized (the slots are fp32 blocks).
 
 The torch-free part (finding and opening files, the config dict, tensor names, types and sizes) is the planner's
 gguf_metadata.py, so there is one reader. `GGUFCheckpoint` has the interface of `checkpoint.Checkpoint` (`config`,
@@ -51,10 +52,10 @@ FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", 
 
 
 def packed_by_default() -> bool:
-    """Whether GGUF blocks load packed where nothing says otherwise (CPU fp32 spans): only with
-    HIVEKEEPER_GGUF_PACKED=1 until the local engine and the planner run packed weights too, so that a swarm's spans
-    and a local run of the same file compute the same thing."""
-    return os.environ.get(PACKED_ENV, "0").strip() == "1"
+    """Whether GGUF blocks load packed where nothing says otherwise (CPU fp32 spans, and the local engine's
+    resident CPU fp32 blocks): yes, unless HIVEKEEPER_GGUF_PACKED=0, so that a swarm's spans and a local run of the
+    same file compute the same thing (tests/core/swarm/test_real_model_swarm.py)."""
+    return os.environ.get(PACKED_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def load_gguf_config(path: str | Path) -> ModelConfig:
@@ -183,15 +184,31 @@ class GGUFCheckpoint:
         """Nothing to release per checkpoint: the reader and its memory map are shared (gguf_metadata.cached_reader)."""
 
 
+def packs(checkpoint: GGUFCheckpoint, layer: int, pieces: tuple[str, ...]) -> bool:
+    """Whether the fused linear of `pieces` (HF names inside a block) loads packed: every piece stored in the same
+    Q8_0/Q4_0/Q4_1 format."""
+    names = [f"model.layers.{layer}.{piece}.weight" for piece in pieces]
+    return (all(checkpoint.packable(name) for name in names)
+            and len({checkpoint.tensors[name].tensor_type for name in names}) == 1)
+
+
+def packed_block_bytes(checkpoint: GGUFCheckpoint, layer: int) -> int:
+    """The bytes load_packed_block's block `layer` holds: packed linears at their stored bytes, the rest fp32."""
+    config, prefix = checkpoint.config, f"model.layers.{layer}."
+    shapes = expected_block_shapes(config)
+    packed = {f"{prefix}{piece}.weight" for pieces in FUSED_LINEARS.values() if packs(checkpoint, layer, pieces)
+              for piece in pieces}
+    return sum(checkpoint.stored_bytes(name) if name in packed else 4 * int(np.prod(shapes[name[len(prefix):]]))
+               for name in block_tensor_names(config, layer))
+
+
 def packed_linear(checkpoint: GGUFCheckpoint, layer: int, pieces: tuple[str, ...],
                   shapes: dict[str, tuple[int, ...]]) -> QuantizedMatrix | None:
     """The fused weight of `pieces` (HF names inside a block) as one packed matrix (their rows one after
     another), or None unless every piece is stored in the same packable format."""
+    if not packs(checkpoint, layer, pieces):
+        return None
     names = [f"model.layers.{layer}.{piece}.weight" for piece in pieces]
-    if not all(checkpoint.packable(name) for name in names):
-        return None
-    if len({checkpoint.tensors[name].tensor_type for name in names}) != 1:
-        return None
     parts = [checkpoint.read_packed(name, shapes[f"{piece}.weight"]) for name, piece in zip(names, pieces)]
     packed = parts[0].packed if len(parts) == 1 else np.concatenate([part.packed for part in parts], axis=0)
     return QuantizedMatrix(parts[0].fmt, packed, sum(part.outs for part in parts), parts[0].cols)

@@ -108,13 +108,14 @@ def test_packed_greedy_answers_paris_and_logits_stay_close(smollm2):
 
 
 @needs_smollm2
-def test_packed_is_turned_on_by_the_variable(monkeypatch):
-    """load_span's default is the dequantized fp32 span (what the local engine runs); HIVEKEEPER_GGUF_PACKED=1 packs."""
+def test_packed_is_the_default_and_the_variable_turns_it_off(monkeypatch):
+    """load_span's default is the packed span (what the local engine and a swarm server run);
+    HIVEKEEPER_GGUF_PACKED=0 dequantizes."""
     path = default_model_file()
     monkeypatch.delenv(PACKED_ENV, raising=False)
-    assert not any(isinstance(m, QuantizedLinear) for m in load_span(path, 0, 1).modules())
-    monkeypatch.setenv(PACKED_ENV, "1")
     assert any(isinstance(m, QuantizedLinear) for m in load_span(path, 0, 1).modules())
+    monkeypatch.setenv(PACKED_ENV, "0")
+    assert not any(isinstance(m, QuantizedLinear) for m in load_span(path, 0, 1).modules())
 
 
 @pytest.mark.parametrize("family,kind", [("llama", QT.Q8_0), ("llama", QT.Q4_0), ("qwen2", QT.Q4_1)],

@@ -1,0 +1,143 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) run with its linears packed, as the local engine and a
+swarm server both run it by default: the engine holds packed blocks and decodes the same greedy tokens as a packed
+span; every packed layer's product on real activations is within its format's bound of the dequantized-fp32
+product; and the perplexity of a fixed English text (tests/core/runtime/data/plain_facts.txt, written here) through
+the quantized kernels is within 1% of the dequantized-fp32 perplexity."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hivekeeper.core.offload.local_plan import fallback_policy
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.placement import place_model
+from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
+from hivekeeper.core.runtime.default_model import INSTALL_HINT, default_model_file
+from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, packed_block_bytes
+from hivekeeper.core.runtime.kernels import native_kernels
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, activation_error_bound
+from hivekeeper.core.runtime.model import KVCache
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(default_model_file() is None,
+                                 reason=f"the default model is not installed ({INSTALL_HINT})")]
+
+TEXT = Path(__file__).with_name("data") / "plain_facts.txt"
+FP32_SLACK = 1e-5  # fp32 rounding, relative to sum |w x| (as in kernels/test_quant_kernels.py)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(checkpoint, embedding, head, packed span, dequantized span) of the default model."""
+    path = default_model_file()
+    checkpoint = GGUFCheckpoint(path)
+    layers = checkpoint.config.num_layers
+    embedding = load_embedding(path)
+    return (checkpoint, embedding, load_head(path, embedding=embedding), load_span(path, 0, layers, packed=True),
+            load_span(path, 0, layers, packed=False))
+
+
+def engine(path, monkeypatch, packed: str) -> OffloadedModel:
+    """The local engine on the default model, everything in RAM, with HIVEKEEPER_GGUF_PACKED=`packed`."""
+    monkeypatch.setenv(PACKED_ENV, packed)
+    config = GGUFCheckpoint(path).config
+    plan = place_model(config, fallback_policy("fp32", 1), device="cpu", dtype=torch.float32, batch=1,
+                       max_length=64)
+    return OffloadedModel(path, plan)
+
+
+@torch.inference_mode()
+def greedy(embedding, span, head, cache, prompt: list[int], new_tokens: int) -> list[int]:
+    logits = head(span(embedding(torch.tensor([prompt])), cache)[:, -1:])[0, -1]
+    tokens = []
+    for _ in range(new_tokens):
+        tokens.append(int(logits.argmax()))
+        logits = head(span(embedding(torch.tensor([[tokens[-1]]])), cache))[0, -1]
+    return tokens
+
+
+def test_local_engine_runs_packed_blocks_like_a_served_span(model, monkeypatch):
+    """The engine's resident blocks keep the file's Q4_1 linears packed (the bytes packed_block_bytes predicts, not
+    4x more) and decode the same greedy tokens as a packed span (what `hivekeeper serve` loads);
+    HIVEKEEPER_GGUF_PACKED=0 dequantizes them."""
+    checkpoint, embedding, head, packed, _ = model
+    prompt = checkpoint.tokenizer().encode("The three primary colors are")
+    with engine(checkpoint.path, monkeypatch, "1") as local:
+        linears = [m for b in local.resident.values() for m in b.modules() if isinstance(m, QuantizedLinear)]
+        assert len(linears) == 4 * checkpoint.config.num_layers
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in local.resident.values()
+                    for t in [*b.buffers(), *b.parameters()]}  # distinct storages (pack_in_order shares one)
+        held = sum(storages.values()) - local.head.weight.untyped_storage().nbytes() * (
+            local.head.weight.untyped_storage().data_ptr() in storages)
+        layers = checkpoint.config.num_layers
+        assert held <= 1.01 * sum(packed_block_bytes(checkpoint, i) for i in range(layers))
+        tokens = greedy(local.embedding, local.span, local.head, local.span.allocate_cache(1, 64), prompt, 8)
+    cache = KVCache.allocate(packed.config, layers, 1, 64)
+    assert tokens == greedy(embedding, packed, head, cache, prompt, 8)
+    with engine(checkpoint.path, monkeypatch, "0") as local:
+        assert not any(isinstance(m, QuantizedLinear) for b in local.resident.values() for m in b.modules())
+
+
+def test_every_packed_layer_within_its_formats_bound(model):
+    """Each packed linear of the 30 blocks, on the activations a real prompt gives it (a prompt of at most
+    MAX_ROWS tokens: each product runs on the int8 kernels), against its dequantized-fp32 weights: within the
+    activations' rounding bound (quant_kernels.activation_error_bound) plus fp32 rounding."""
+    checkpoint, embedding, head, packed, _ = model
+    if native_kernels.library() is None:
+        pytest.skip(f"the native kernels are off: {native_kernels.status()}")
+    seen: list[tuple[QuantizedLinear, np.ndarray, np.ndarray]] = []
+    def keep(module, args, out):  # copies: the block changes some outputs in place (rotary)
+        seen.append((module, args[0].numpy().copy(), out.numpy().copy()))
+
+    hooks = [m.register_forward_hook(keep) for m in packed.modules() if isinstance(m, QuantizedLinear)]
+    prompt = checkpoint.tokenizer().encode("Bees make honey from")
+    assert 1 < len(prompt) <= native_kernels.MAX_ROWS
+    try:
+        with torch.inference_mode():
+            packed(embedding(torch.tensor([prompt])), KVCache.allocate(packed.config, 30, 1, len(prompt)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) == 4 * checkpoint.config.num_layers
+    for module, x, y in seen:
+        weight = module.matrix.dequantize().astype(np.float64)
+        rows = x.reshape(-1, module.in_features).astype(np.float64)
+        bias = 0.0 if module.bias is None else module.bias.numpy().astype(np.float64)
+        exact = rows @ weight.T + bias
+        bound = activation_error_bound(weight, rows) + FP32_SLACK * (np.abs(rows) @ np.abs(weight).T + np.abs(bias))
+        error = np.abs(y.reshape(exact.shape) - exact)
+        assert (error <= bound).all(), (module.fmt.name, module.out_features, float((error - bound).max()))
+
+
+@torch.inference_mode()
+def perplexity(embedding, span, head, tokens: list[int], chunk: int) -> float:
+    """exp(mean negative log-likelihood) of tokens[1:] given the ones before, fed `chunk` tokens at a time."""
+    cache = KVCache.allocate(span.config, span.config.num_layers, 1, len(tokens))
+    nll, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, chunk):
+        part = tokens[start:min(start + chunk, len(tokens) - 1)]
+        logits = head(span(embedding(torch.tensor([part])), cache))[0].double()
+        targets = torch.tensor(tokens[start + 1:start + 1 + len(part)])
+        nll -= float(torch.log_softmax(logits, dim=-1)[torch.arange(len(part)), targets].sum())
+        count += len(part)
+    return math.exp(nll / count)
+
+
+def test_perplexity_of_plain_text_within_one_percent(model):
+    """A few hundred tokens of plain facts: through the packed span fed MAX_ROWS tokens at a time (every product
+    on the int8 kernels), the perplexity is within 1% of the dequantized-fp32 span's, and low (the model reads
+    English: an untrained model would score about the vocabulary size)."""
+    checkpoint, embedding, head, packed, dequantized = model
+    if native_kernels.library() is None:
+        pytest.skip(f"the native kernels are off: {native_kernels.status()}")
+    tokens = checkpoint.tokenizer().encode(TEXT.read_text())
+    assert 250 <= len(tokens) <= 400
+    quantized = perplexity(embedding, packed, head, tokens, native_kernels.MAX_ROWS)
+    reference = perplexity(embedding, dequantized, head, tokens, 64)
+    assert reference < 50, reference
+    assert abs(quantized - reference) <= 0.01 * reference, (quantized, reference)
