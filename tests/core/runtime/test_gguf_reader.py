@@ -21,7 +21,7 @@ from hivekeeper.core.runtime.gguf import (PACKED_ENV, GGUFBlockReader, GGUFCheck
                                           unpermute_qk)
 from hivekeeper.core.runtime.block_tensors import expected_block_shapes  # noqa: E402
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear  # noqa: E402
-from hivekeeper.core.runtime.model import Block  # noqa: E402
+from hivekeeper.core.runtime.model import Block, RotaryTable  # noqa: E402
 from hivekeeper.planner.errors import InputError  # noqa: E402
 from hivekeeper.planner.gguf_metadata import open_reader  # noqa: E402
 
@@ -307,7 +307,9 @@ def test_a_packed_block_computes_what_the_dequantized_block_does(tmp_path, arch)
              "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1}
     path, hf = layer_file(tmp_path, kinds, arch, biases=arch == "qwen2")
     checkpoint = GGUFCheckpoint(path)
-    block = load_packed_block(checkpoint, 0)
+    rotary = RotaryTable(checkpoint.config)
+    block = load_packed_block(checkpoint, 0, rotary)
+    assert block.rotary is rotary and block.layer_index == 0  # the span's shared table
     attn, mlp = block.self_attn, block.mlp
     assert isinstance(attn.qkv_proj, QuantizedLinear) and isinstance(attn.o_proj, QuantizedLinear)
     assert isinstance(mlp.gate_up_proj, QuantizedLinear) and not isinstance(mlp.down_proj, QuantizedLinear)
