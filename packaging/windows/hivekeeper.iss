@@ -3,8 +3,9 @@
 ; of the user who installs it. UNVERIFIED: no Windows machine was available (packaging/README.md).
 ;   iscc /DAppVersion=0.1.0 packaging\windows\hivekeeper.iss      -> dist\hivekeeper-0.1.0-setup.exe
 
+; the version is pyproject.toml's (the one definition): always passed in, never written here
 #ifndef AppVersion
-  #define AppVersion "0.1.0"
+  #error Pass the version: iscc /DAppVersion=<pyproject.toml's version> packaging\windows\hivekeeper.iss
 #endif
 
 [Setup]
