@@ -20,7 +20,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.gui.services.chat import ChatService
 from hivekeeper.gui.services.coverage import CoverageService
 from hivekeeper.gui.services.hardware import DetectService
-from hivekeeper.gui.services.measure import MeasureService
+from hivekeeper.gui.services.measure import FirstMeasure, MeasureService, first_measure_enabled
 from hivekeeper.gui.services.node import STATE_WORDS, NodeService
 from hivekeeper.gui.settings import Settings, SettingsStore
 from hivekeeper.gui.style import STATE_COLORS
@@ -62,6 +62,8 @@ class MainWindow(QMainWindow):
         folder = self.store.folder
         self.detect = DetectService(self, folder)
         self.measure = MeasureService(self)
+        self.first_measure = FirstMeasure(self.measure, self.statusBar())
+        self.detect.detected.connect(self._measure_first_time)
         self.node = NodeService(self)
         self.coverage = CoverageService(self)
         self.chat = ChatService(self)
@@ -222,6 +224,14 @@ class MainWindow(QMainWindow):
         if "Plan" in self._built:
             self.plan_page.set_machine(machine)
         self._update_recommendation()
+
+    def _measure_first_time(self, machine) -> None:
+        """A fresh detection of a machine never measured, while the Plan page plans for this machine: measure it
+        quickly, once (issue 14 item 12; FirstMeasure says so in the status bar)."""
+        from hivekeeper.gui.pages.plan import DETECTED
+
+        if self.settings.plan.hardware == DETECTED and first_measure_enabled():
+            self.first_measure.maybe_start(machine)
 
     def _plan_changed(self, result) -> None:
         model = self.settings.plan.model

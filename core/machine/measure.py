@@ -691,6 +691,12 @@ QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill
                        disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"))
 
 
+# a few megabytes, the caches ignored: for tests and screenshots, where the numbers do not matter
+TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
+                      stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_bytes=4 << 20,
+                      disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2, dtypes=("fp32", "bf16"))
+
+
 def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str | os.PathLike | None = None,
                    peers: tuple[str, ...] = (), gpu: bool = True, progress: Progress = _silent,
                    should_stop: Callable[[], bool] = lambda: False) -> list[Measurement]:

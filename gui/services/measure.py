@@ -5,9 +5,11 @@ the same file `hivekeeper measure` writes and `hivekeeper plan --hardware auto` 
 worker when the user asks, never at app start. The result is the hardware probe's answer for the new profile, so
 the Hardware and Plan pages take it the same way as a detection.
 
-The benchmarks' sizes are `hivekeeper measure`'s defaults (about a minute on a laptop); HIVEKEEPER_MEASURE_SIZES=quick
-runs its `--quick` sizes instead (seconds, rougher numbers: first looks, tests and screenshots). The disk benchmark
-runs in the data folder, where models are kept.
+The button's sizes are `hivekeeper measure`'s defaults (about a minute on a laptop). The first plan for a machine
+that was never measured needs its numbers, so the app measures it once by itself with `--quick` sizes (seconds:
+`start(quick=True)`, issue 14 item 12). HIVEKEEPER_MEASURE_SIZES overrides both: "full", "quick", or "tiny" (a few
+megabytes, ignoring the caches: tests and screenshots, where only the wiring matters). The disk benchmark runs in the
+data folder, where models are kept.
 """
 
 from __future__ import annotations
@@ -25,21 +27,24 @@ from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
 
 
 SIZES_ENV = "HIVEKEEPER_MEASURE_SIZES"
-SIZES_CHOICES = ("full", "quick")
+SIZES_CHOICES = ("full", "quick", "tiny")
 
 
-def sizes_from_environment():
-    """The BenchmarkSizes that HIVEKEEPER_MEASURE_SIZES names (unset or "full": the defaults; "quick": QUICK)."""
-    from hivekeeper.core.machine.measure import QUICK, BenchmarkSizes
+def sizes_from_environment(default: str = "full"):
+    """The BenchmarkSizes that HIVEKEEPER_MEASURE_SIZES names ("full": the defaults; "quick": QUICK; "tiny": TINY),
+    or `default`'s when it is unset."""
+    from hivekeeper.core.machine.measure import QUICK, TINY, BenchmarkSizes
 
-    choice = os.environ.get(SIZES_ENV, "").strip().lower() or "full"
+    choice = os.environ.get(SIZES_ENV, "").strip().lower() or default
     if choice not in SIZES_CHOICES:
         raise InputError(f"{SIZES_ENV}={os.environ[SIZES_ENV]!r}: use one of {', '.join(SIZES_CHOICES)}")
-    return QUICK if choice == "quick" else BenchmarkSizes()
+    return {"quick": QUICK, "tiny": TINY}.get(choice) or BenchmarkSizes()
 
 
 def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | None, report, should_stop) -> dict | None:
-    """Run every benchmark, save them as this machine's profile, return the probe answer (None when cancelled)."""
+    """Run every benchmark, save them as this machine's profile, return the probe answer (None when cancelled).
+    sizes: a BenchmarkSizes, None (as HIVEKEEPER_MEASURE_SIZES says, else full) or "quick" (as it says, else
+    QUICK)."""
     from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import new_profile, save_profile
@@ -47,7 +52,8 @@ def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | No
 
     from hivekeeper.gui.services.hardware_probe import machine_doc
 
-    sizes = sizes if sizes is not None else sizes_from_environment()
+    if sizes is None or sizes == "quick":
+        sizes = sizes_from_environment("quick" if sizes == "quick" else "full")
     threads = use_physical_cores()
     if detected is None:
         report((0.0, "detecting"))
@@ -83,10 +89,12 @@ class MeasureService(QObject):
     def running(self) -> bool:
         return self._handle is not None and self._handle.running
 
-    def start(self, detected: HardwareSpec | None = None) -> None:
+    def start(self, detected: HardwareSpec | None = None, quick: bool = False) -> None:
+        """Measure on the worker: `hivekeeper measure`'s sizes, or with quick=True its --quick ones (unless
+        HIVEKEEPER_MEASURE_SIZES names others)."""
         if self.running:
             return
-        sizes, folder = self.sizes, self.disk_folder
+        sizes, folder = ("quick" if quick and self.sizes is None else self.sizes), self.disk_folder
         self._handle = run_in_thread(lambda report, stop: measure_machine(detected, sizes, folder, report, stop),
                                      on_yield=self._on_progress, on_return=self._on_result, on_error=self._on_error,
                                      on_finish=self._on_finish)
@@ -112,3 +120,71 @@ class MeasureService(QObject):
 
     def _on_finish(self) -> None:
         self.runningChanged.emit(False)
+
+
+MEASURING_QUICK = "Measuring this machine (quick)…"
+FIRST_MEASURE_ENV = "HIVEKEEPER_FIRST_MEASURE"  # "0": the app never measures by itself (the GUI tests' default)
+
+
+def first_measure_enabled() -> bool:
+    return os.environ.get(FIRST_MEASURE_ENV, "").strip() != "0"
+
+
+class FirstMeasure(QObject):
+    """Issue 14 item 12: a machine never measured gets plans from estimates that can be several times off (RAM
+    bandwidth guessed, decode's real rate unknown). The first time a plan for it is needed, measure it once with
+    the quick sizes, on the MeasureService's worker, saying so in the status bar, then the result. The measured
+    profile reaches the pages the way the Measure button's does (the Hardware page remembers it)."""
+
+    def __init__(self, measure: MeasureService, status_bar, parent: QObject | None = None):
+        super().__init__(parent or measure)
+        self.measure, self.status_bar = measure, status_bar
+        self.started_at: float | None = None  # when it started (None: not yet, this run of the app)
+        self.message = ""  # what the status bar was last told
+        measure.measured.connect(self._on_measured)
+        measure.failed.connect(self._on_failed)
+        measure.runningChanged.connect(self._on_running)
+
+    @property
+    def active(self) -> bool:
+        return self.started_at is not None and self.measure.running
+
+    def maybe_start(self, machine) -> bool:
+        """Start the quick measurement when `machine` (a MachineInfo) was never measured and none ran or runs in
+        this app; True when it started."""
+        if machine.measured_at is not None or self.started_at is not None or self.measure.running:
+            return False
+        self.started_at = time.time()
+        self._say(MEASURING_QUICK, 0)
+        self.measure.start(machine.detected, quick=True)
+        return True
+
+    def _say(self, text: str, ms: int) -> None:
+        self.message = text
+        self.status_bar.showMessage(text, ms)
+
+    def _on_measured(self, doc: dict) -> None:
+        if self.started_at is None or self.message != MEASURING_QUICK:
+            return
+        self._say(f"Measured this machine quickly in {time.time() - self.started_at:.1f} s"
+                  f"{measured_summary(doc)}: plans for it now use the measured numbers (the Hardware page's "
+                  "Measure button measures it fully).", 30_000)
+
+    def _on_failed(self, message: str) -> None:
+        if self.started_at is not None and self.message == MEASURING_QUICK:
+            self._say(f"Quick measurement of this machine failed: {message}", 30_000)
+
+    def _on_running(self, running: bool) -> None:
+        if not running and self.message == MEASURING_QUICK:  # cancelled: neither measured nor failed
+            self._say("Quick measurement of this machine cancelled: plans use estimates.", 15_000)
+
+
+def measured_summary(doc: dict) -> str:
+    """" (RAM 34 GB/s, decode reads 30 GB/s)" from a probe answer's measured spec; "" when it says neither."""
+    cpu = (doc.get("hardware") or {}).get("cpu") or {}
+    ram = cpu.get("ram_bandwidth_gbps")
+    fraction = (cpu.get("decode_streaming") or {}).get("bandwidth_fraction")
+    if not isinstance(ram, (int, float)):
+        return ""
+    decode = f", decode reads {ram * fraction:.3g} GB/s" if isinstance(fraction, (int, float)) else ""
+    return f" (RAM {ram:.3g} GB/s{decode})"

@@ -22,6 +22,7 @@ def config_dir(tmp_path, monkeypatch) -> Path:
     """Settings, caches and conversations of the app go here, never to the user's config folder."""
     folder = tmp_path / "config"
     monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(folder))
+    monkeypatch.setenv("HIVEKEEPER_FIRST_MEASURE", "0")  # the app measures a new machine once; tests that want it say so
     return folder
 
 
