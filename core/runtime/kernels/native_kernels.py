@@ -171,6 +171,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "hk_norm_gemv": ([void_p, ctypes.c_double, void_p, integer, void_p, void_p, long, long, long], integer),
         "hk_quant_block_bytes": ([integer], long),
         "hk_qgemv": ([integer, void_p, void_p, void_p, void_p, long, long, long], integer),
+        "hk_dequantize": ([integer, void_p, void_p, long, long], integer),
     }
     for name, (arguments, result) in signatures.items():
         function = getattr(library, name)

@@ -27,6 +27,8 @@ from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.quant.blocks import (BLOCK_WEIGHTS, BlockFormat, dequantize, format_named, from_gguf,
                                                  quantize)
 
+TILE_BYTES = 512 * 1024  # fp32 weights dequantized per tile of a prefill product (stays in L2 while BLAS reads it)
+
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
@@ -56,9 +58,19 @@ class QuantizedMatrix:
     def nbytes(self) -> int:
         return int(self.packed.nbytes)
 
-    def dequantize(self) -> np.ndarray:
-        """The fp32 weights [outs, cols] the blocks stand for."""
-        return dequantize(self.packed, self.fmt)
+    def dequantize(self, start: int = 0, stop: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """The fp32 weights of rows [start, stop) (default: all [outs, cols]) the blocks stand for, bit for bit as
+        gguf's reference computes them: in C on the native kernels (into `out` when given, a C-contiguous fp32
+        array of that shape), else in numpy."""
+        stop = self.outs if stop is None else stop
+        native = native_kernels.library()
+        if native is None:
+            return dequantize(self.packed[start:stop], self.fmt)
+        out = np.empty((stop - start, self.cols), dtype=np.float32) if out is None else out
+        packed = np.ascontiguousarray(self.packed[start:stop])
+        if native.hk_dequantize(self.fmt.ggml_type, packed.ctypes.data, out.ctypes.data, stop - start, self.cols):
+            raise ValueError(f"the native kernels refused to dequantize a {self.fmt.name} [{self.outs}, {self.cols}]")
+        return out
 
     def matvec(self, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         """x [batch, cols] (or [cols]) times the weight's transpose, plus bias: [batch, outs] (or [outs]) in fp32."""
@@ -106,8 +118,9 @@ def activation_error_bound(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 class QuantizedLinear(nn.Module):
     """A linear layer whose weight stays block-quantized in RAM (`packed`, a uint8 buffer [out, in / 32 x block
-    bytes]). A few rows at a time (decode) multiply on the native kernels; more rows (prefill), or a machine without
-    the kernels, multiply the dequantized weight in torch (made for that call, not kept). A decode step of a block
+    bytes]). A few rows at a time (decode) multiply on the native kernels; more rows (prefill) multiply tiles of the
+    weight dequantized in C with BLAS (`_by_tiles`); a machine without the kernels multiplies the whole weight
+    dequantized in numpy (made for that call, not kept). A decode step of a block
     whose layers are all these or fp32 Linear runs in one native call (cpu_decode)."""
 
     def __init__(self, matrix: QuantizedMatrix, bias: Tensor | None = None):
@@ -132,13 +145,30 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
-        if (rows <= native_kernels.MAX_ROWS and native_kernels.library() is not None and x.dtype is torch.float32
-                and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)):
+        native = (native_kernels.library() is not None and x.dtype is torch.float32 and x.device.type == "cpu"
+                  and not (torch.is_grad_enabled() and x.requires_grad))
+        if native and rows <= native_kernels.MAX_ROWS:
             bias = None if self.bias is None else self.bias.detach().numpy()
             y = self.matrix.matvec(x.detach().reshape(rows, self.in_features).numpy(), bias)
             return torch.from_numpy(y).view(*x.shape[:-1], self.out_features)
+        if native:
+            return self._by_tiles(x.detach().reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         weight = torch.from_numpy(self.matrix.dequantize()).to(x.dtype)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def _by_tiles(self, x: Tensor) -> Tensor:
+        """x [rows, in] times the weight's transpose, plus bias, for many rows (prefill, compute-bound): the weight
+        dequantized TILE_BYTES of fp32 at a time in C, each tile multiplied by BLAS (torch.mm) while it is in cache.
+        Reads the packed bytes once, never the whole fp32 weight."""
+        tile_rows = max(1, TILE_BYTES // (4 * self.in_features))
+        tile = torch.empty(min(tile_rows, self.out_features), self.in_features)
+        y_t, x_t, matrix = torch.empty(self.out_features, x.shape[0]), x.t(), self.matrix
+        for start in range(0, self.out_features, tile_rows):
+            stop = min(start + tile_rows, self.out_features)
+            part = tile[:stop - start]
+            matrix.dequantize(start, stop, out=part.numpy())
+            torch.mm(part, x_t, out=y_t[start:stop])
+        return y_t.t().contiguous() if self.bias is None else y_t.t() + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"

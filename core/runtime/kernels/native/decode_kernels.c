@@ -931,5 +931,62 @@ int hk_qgemv(int format, const void *w, const float *x, const float *bias, float
     return status;
 }
 
+/* ---- Dequantizing (prefill) ----------------------------------------------------------------------------------
+ * Prefill multiplies many rows at once, so it is compute-bound: BLAS's fp32 GEMM is the fastest product there. The
+ * weights are dequantized a tile of rows at a time (a tile stays in cache while GEMM reads it), here in C: each
+ * weight exactly as gguf's reference computes it in fp32 (d q, d (q - 8), d q + m: one rounding each, no fused
+ * multiply-add), so the tile equals blocks.dequantize bit for bit. */
+typedef struct {
+    int format;
+    const uint8_t *w;
+    float *y;
+    long row_bytes, blocks, rows, rows_per_chunk;
+} dequantize_task;
+
+static void dequantize_row(int format, const uint8_t *row, long blocks, float *out) {
+    for (long b = 0; b < blocks; b++, out += QK) {
+        if (format == HK_Q8_0) {
+            const block_q8_0 *w = (const block_q8_0 *)row + b;
+            float d = half_to_float(w->d);
+            for (int j = 0; j < QK; j++) out[j] = d * (float)w->qs[j];
+        } else if (format == HK_Q4_0) {
+            const block_q4_0 *w = (const block_q4_0 *)row + b;
+            float d = half_to_float(w->d);
+            for (int j = 0; j < QK / 2; j++) {
+                out[j] = d * (float)((w->qs[j] & 15) - 8);
+                out[j + QK / 2] = d * (float)((w->qs[j] >> 4) - 8);
+            }
+        } else {
+            const block_q4_1 *w = (const block_q4_1 *)row + b;
+            float d = half_to_float(w->d), m = half_to_float(w->m);
+            for (int j = 0; j < QK / 2; j++) {
+                float low = d * (float)(w->qs[j] & 15), high = d * (float)(w->qs[j] >> 4);
+                out[j] = low + m;
+                out[j + QK / 2] = high + m;
+            }
+        }
+    }
+}
+
+static void dequantize_chunk(void *ctx, long chunk) {
+    const dequantize_task *t = ctx;
+    long r0 = chunk * t->rows_per_chunk, r1 = r0 + t->rows_per_chunk < t->rows ? r0 + t->rows_per_chunk : t->rows;
+    for (long r = r0; r < r1; r++)
+        dequantize_row(t->format, t->w + r * t->row_bytes, t->blocks, t->y + r * t->blocks * QK);
+}
+
+/* y [rows, cols] fp32 = the weights that `rows` packed rows of `format` stand for. Returns 0, or -2 for a format
+   these kernels do not take or cols not a multiple of 32 (y unchanged). */
+int hk_dequantize(int format, const void *w, float *y, long rows, long cols) {
+    long block_bytes = hk_quant_block_bytes(format);
+    if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || rows < 0) return -2;
+    long blocks = cols / QK, row_bytes = blocks * block_bytes, per_chunk = CHUNK_BYTES / row_bytes;
+    dequantize_task t = {format, w, y, row_bytes, blocks, rows, per_chunk > 0 ? per_chunk : 1};
+    pthread_mutex_lock(&call_lock);
+    parallel(dequantize_chunk, &t, ceil_div(rows, t.rows_per_chunk));
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
 /* Which build this is: "avx2" or "portable". */
 const char *hk_variant(void) { return HK_AVX2 ? "avx2" : "portable"; }

@@ -134,3 +134,34 @@ def test_shapes_are_checked():
         matrix.matvec(np.ones((1, 32), dtype=np.float32))
     with pytest.raises(ValueError, match="8 outputs"):
         matrix.matvec(np.ones((1, 64), dtype=np.float32), np.ones(7, dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_dequantized_in_c_bit_for_bit_as_the_reference(native, name):
+    """hk_dequantize (prefill's tiles) gives exactly the weights gguf's numpy reference gives, for every row range."""
+    from hivekeeper.core.runtime.quant.blocks import dequantize
+
+    matrix = QuantizedMatrix.quantize(weights(), name)
+    reference = dequantize(matrix.packed, matrix.fmt)
+    assert np.array_equal(matrix.dequantize(), reference)
+    assert np.array_equal(matrix.dequantize(5, 700), reference[5:700])
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_prefill_by_tiles_is_the_dequantized_product(native, name, monkeypatch):
+    """More rows than the int8 kernels take: QuantizedLinear multiplies tiles of the dequantized weight (tiles far
+    smaller than the weight here, and a last partial one) and gets fp32's product of the dequantized weight."""
+    import torch
+
+    from hivekeeper.core.runtime.kernels import quant_kernels
+
+    monkeypatch.setattr(quant_kernels, "TILE_BYTES", 100 * COLS * 4)  # 100 rows a tile: 11 tiles of 1031 rows
+    bias = torch.from_numpy(np.random.default_rng(3).normal(0, 1, OUTS).astype(np.float32))
+    matrix = QuantizedMatrix.quantize(weights(), name)
+    layer = quant_kernels.QuantizedLinear(matrix, bias)
+    x = torch.from_numpy(activations(2 * native_kernels.MAX_ROWS + 3)).view(1, -1, COLS)
+    with torch.inference_mode():
+        y = layer(x)
+    expected = torch.nn.functional.linear(x, torch.from_numpy(matrix.dequantize()), bias)
+    assert y.shape == (1, 2 * native_kernels.MAX_ROWS + 3, OUTS)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
