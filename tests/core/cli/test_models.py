@@ -18,15 +18,16 @@ from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, default_mode
 HIDDEN, FFN, VOCAB = 64, 128, 96
 
 
-def write_gguf(path, kind: gguf.GGMLQuantizationType) -> os.PathLike:
-    """A one-block llama GGUF whose matrices are stored as `kind` (F16 or Q8_0), with no tokenizer."""
+def write_gguf(path, kind: gguf.GGMLQuantizationType, vocab: int = VOCAB) -> os.PathLike:
+    """A one-block llama GGUF whose matrices are stored as `kind` (F16 or Q8_0), with no tokenizer (`vocab` rows
+    of embedding: 96000 make a 12 MB F16 file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in {"block_count": 1, "embedding_length": HIDDEN, "feed_forward_length": FFN,
                        "attention.head_count": 4, "attention.head_count_kv": 2, "context_length": 256}.items():
         writer.add_uint32(f"llama.{key}", value)
     rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (VOCAB, HIDDEN), "blk.0.attn_q.weight": (HIDDEN, HIDDEN),
+    shapes = {"token_embd.weight": (vocab, HIDDEN), "blk.0.attn_q.weight": (HIDDEN, HIDDEN),
               "blk.0.attn_k.weight": (HIDDEN // 2, HIDDEN), "blk.0.attn_v.weight": (HIDDEN // 2, HIDDEN),
               "blk.0.attn_output.weight": (HIDDEN, HIDDEN), "blk.0.ffn_gate.weight": (FFN, HIDDEN),
               "blk.0.ffn_up.weight": (FFN, HIDDEN), "blk.0.ffn_down.weight": (HIDDEN, FFN)}
