@@ -4,6 +4,10 @@ Runs the model locally through the offloading engine (with the planner's policy,
 optional RAM budget) or through a swarm (--swarm). Prints the text and a summary — tokens/s, time to first token,
 peak RSS, the plan used — or all of it as one JSON object with --json.
 
+With --prompts-file the file's prompts (one a line, the same number of tokens each) are generated together as one
+batch, run as the plan's micro-batches; the plan's predicted tokens/s (the planner's, or those a plan file carries)
+are printed beside the measured ones ("predicted_vs_measured" with --json).
+
 The text is printed as it is generated (one sequence). Through a swarm, a failed server is replaced and its work
 replayed (each failover is listed in the summary and under "failovers" with --json); when the swarm cannot go on
 (some blocks have no server left) the text generated so far stays on stdout (with --json: an object with "error",
@@ -124,7 +128,7 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
                                   ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"))
     model = OffloadedModel(path, plan, drop_page_cache=drop_page_cache)
     info = {"source": choice.source, "reason": choice.reason, "policy": choice.policy.as_dict(),
-            "engine": plan.summary(), "warnings": list(choice.warnings)}
+            "engine": plan.summary(), "warnings": list(choice.warnings), "predicted": choice.predicted}
     for warning in choice.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return Runner(model, tokenizer, info, plan.describe(), is_demo)
@@ -154,13 +158,15 @@ def current_rss_bytes() -> int:
 
 
 def warm_up_torch_runtime() -> None:
-    """Run a few tiny ops so torch's thread pool and matmul/attention libraries allocate their own memory now:
-    that is runtime, counted in the baseline, not in the engine's RAM budget."""
+    """Run the engine's matmul and attention paths once so torch's thread pool and the matmul/attention libraries
+    allocate their own memory now: that is runtime, counted in the baseline, not in the engine's RAM budget."""
     import torch
+
+    from hivekeeper.core.offload.offloaded_model import warm_up_runtime
 
     x = torch.ones(1, 4, 8, 64)
     torch.nn.functional.linear(x, torch.ones(64, 64)).sum()
-    torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).sum()
+    warm_up_runtime()
 
 
 class TextSoFar:
@@ -209,6 +215,71 @@ def report_interrupted(args: argparse.Namespace, runner: Runner, so_far: TextSoF
         print(f"failover: {describe_failover(failover)}", file=sys.stderr)
 
 
+# ---- prompts, and predicted against measured -----------------------------------------------------------------------
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt, or the non-empty lines of --prompts-file (one prompt each); errors name the file."""
+    from pathlib import Path
+
+    from hivekeeper.planner.errors import InputError
+
+    if not args.prompts_file:
+        if not args.prompt.strip():
+            raise InputError("--prompt is empty: give the text to continue (an empty prompt would generate from the "
+                             "start-of-text token alone)")
+        return [args.prompt]
+    if args.batch != 1:
+        raise InputError("--batch goes with --prompt; with --prompts-file the batch is the file's prompts")
+    try:
+        lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{args.prompts_file}: cannot read the prompts file ({exc})") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts or len(prompts) > 65536:
+        raise InputError(f"{args.prompts_file}: needs 1 to 65536 prompts, one per line (found {len(prompts)})")
+    return prompts
+
+
+def tokenize_prompts(args: argparse.Namespace, tokenizer, prompts: list[str]):
+    """The token ids of --prompt, or a list of equally long lists for --prompts-file (one batch, no padding)."""
+    from hivekeeper.planner.errors import InputError
+
+    if not args.prompts_file:
+        return tokenizer.encode(prompts[0])
+    ids = [tokenizer.encode(prompt) for prompt in prompts]
+    lengths = sorted({len(row) for row in ids})
+    if len(lengths) > 1:
+        rows = {length: next(i + 1 for i, row in enumerate(ids) if len(row) == length) for length in lengths}
+        raise InputError(f"{args.prompts_file}: the prompts of one batch must have the same number of tokens; they "
+                         f"have {', '.join(f'{n} (line {line})' for n, line in rows.items())} (padding is not "
+                         "supported yet)")
+    return ids
+
+
+def predicted_vs_measured(predicted: dict | None, result) -> dict | None:
+    """The plan's predicted tokens/s beside this run's: throughput (generated tokens / wall time, prefill
+    included: FlexGen's metric) and decode; None when the policy came without a prediction."""
+    if not predicted:
+        return None
+    measured_throughput = result.new_tokens / result.total_s if result.total_s > 0 else None
+    decode = result.decode_tokens_per_s
+    return {
+        "throughput_tokens_per_s": {"predicted": predicted["throughput_tokens_per_s"],
+                                    "measured": None if measured_throughput is None else round(measured_throughput, 4)},
+        "decode_tokens_per_s": {"predicted": predicted.get("decode_tokens_per_s"),
+                                "measured": None if decode is None else round(decode, 4)},
+        "predicted_bottleneck": predicted.get("bottleneck"),
+    }
+
+
+def describe_predicted_vs_measured(side: dict) -> str:
+    def pair(key: str) -> str:
+        p, m = side[key]["predicted"], side[key]["measured"]
+        return f"{'n/a' if p is None else f'{p:.3g}'} vs {'n/a' if m is None else f'{m:.3g}'}"
+
+    return (f"predicted vs measured tokens/s: throughput {pair('throughput_tokens_per_s')}, decode "
+            f"{pair('decode_tokens_per_s')} (predicted bottleneck: {side['predicted_bottleneck']})")
+
+
 # ---- the command ---------------------------------------------------------------------------------------------------
 def note_capped_tokens(asked: int, prompt_tokens: int, max_length: int, context: int) -> None:
     """Say on stderr when the model's context leaves fewer new tokens than --max-new-tokens asked for."""
@@ -219,8 +290,12 @@ def note_capped_tokens(asked: int, prompt_tokens: int, max_length: int, context:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--batch", type=int, default=1, help="sequences generated together from the prompt")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument("--prompts-file", metavar="FILE",
+                        help="one prompt per line, generated together as one batch (the planner's batch and "
+                             "micro-batches); the prompts must have the same number of tokens")
+    parser.add_argument("--batch", type=int, default=1, help="sequences generated together from --prompt")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sequence (default 64)")
     add_sampling_arguments(parser, temperature=0.0, top_p=1.0)
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence (benchmarks)")
@@ -239,9 +314,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--batch must be an integer from 1 to 65536, got {args.batch}")
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if not args.prompt.strip():
-        raise InputError("--prompt is empty: give the text to continue (an empty prompt would generate from the "
-                         "start-of-text token alone)")
+    prompts = read_prompts(args)
+    args.batch = len(prompts) if args.prompts_file else args.batch
     ram_budget = check_budget(args)
     sampling = sampling_params(args)
 
@@ -249,15 +323,16 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads()
     path, tokenizer, config = resolve_model(args)
-    prompt_ids = tokenizer.encode(args.prompt)
-    check_prompt_fits(len(prompt_ids), config, what="--prompt")
-    max_length = min(len(prompt_ids) + args.max_new_tokens, context_limit(config))
-    note_capped_tokens(args.max_new_tokens, len(prompt_ids), max_length, context_limit(config))
+    prompt_ids = tokenize_prompts(args, tokenizer, prompts)
+    prompt_len = len(prompt_ids[0]) if args.prompts_file else len(prompt_ids)
+    check_prompt_fits(prompt_len, config, what=args.prompts_file or "--prompt")
+    max_length = min(prompt_len + args.max_new_tokens, context_limit(config))
+    note_capped_tokens(args.max_new_tokens, prompt_len, max_length, context_limit(config))
 
     warm_up_torch_runtime()
     baseline_rss = current_rss_bytes()
     started = time.perf_counter()
-    runner = open_runner(args, path, tokenizer, config, batch=args.batch, prompt_len=len(prompt_ids),
+    runner = open_runner(args, path, tokenizer, config, batch=args.batch, prompt_len=prompt_len,
                          max_length=max_length, ram_budget=ram_budget, drop_page_cache=args.drop_page_cache)
     so_far = TextSoFar(args.batch, stream=not args.json and args.batch == 1)
     try:
@@ -280,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         "baseline_rss_bytes": baseline_rss, "bytes_streamed": streamed,
         "streamed_bytes_per_s": round(streamed / result.total_s) if streamed and result.total_s > 0 else 0,
         "plan": runner.plan_info, "random_weights": runner.is_demo,
+        "predicted_vs_measured": predicted_vs_measured(runner.plan_info.get("predicted"), result),
     })
     if runner.failovers is not None:
         report["failovers"] = runner.failovers
@@ -297,6 +373,8 @@ def run(args: argparse.Namespace) -> int:
           f"{'n/a' if tps is None else f'{tps:.1f}'} tokens/s; first token after {result.time_to_first_token_s:.2f} s; "
           f"peak RSS {report['peak_rss_bytes'] / 1e6:.0f} MB (runtime before loading {baseline_rss / 1e6:.0f} MB)")
     print(f"plan ({runner.plan_info['source']}): {runner.description}")
+    if report["predicted_vs_measured"] is not None:
+        print(describe_predicted_vs_measured(report["predicted_vs_measured"]))
     for failover in runner.failovers or []:
         print(f"failover: {describe_failover(failover)}")
     if runner.is_demo:

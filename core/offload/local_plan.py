@@ -33,6 +33,22 @@ class PolicyChoice:
     source: str  # "auto" (the planner), "fallback" (the planner found nothing that fits) or the plan file's path
     reason: str  # the planner's explanation, or where the policy came from
     warnings: tuple[str, ...] = ()  # what the user should know about this choice (a plan file for another machine)
+    predicted: dict | None = None  # the cost model's figures for this policy (PREDICTED_KEYS), when there are any
+
+
+# what a run prints as predicted beside its measured figures: the planner's Prediction fields / plan JSON keys
+PREDICTED_KEYS = ("throughput_tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s", "bottleneck")
+
+
+def predicted_figures(source) -> dict | None:
+    """PREDICTED_KEYS of a planner Prediction or of a plan JSON document (`hivekeeper plan --json`), or None."""
+    if isinstance(source, dict):
+        found = {key: source.get(key) for key in PREDICTED_KEYS}
+    else:
+        found = {key: getattr(source, key, None) for key in PREDICTED_KEYS}
+    if not isinstance(found["throughput_tokens_per_s"], (int, float)):
+        return None
+    return {key: (round(value, 4) if isinstance(value, float) else value) for key, value in found.items()}
 
 
 def placement(policy: Fields, name: str, default: Placement) -> Placement:
@@ -160,7 +176,8 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
     plan = search(spec, hardware, goal, Constraints(quant=quant, batch_size=batch),
                   Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens)), efficiency=efficiency)
     if plan.prediction is not None:
-        return PolicyChoice(plan.prediction.policy, "auto", plan.reason)
+        return PolicyChoice(plan.prediction.policy, "auto", plan.reason,
+                            predicted=predicted_figures(plan.prediction))
     if not fallback:
         raise DoesNotFit(f"{spec.name} does not fit on this machine: {plan.reason}")
     fmt = quant if quant != "none" else spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
@@ -183,7 +200,7 @@ def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_l
     doc = read_plan_file(plan_arg)
     warnings = plan_file_checks(doc, plan_arg, model_path)
     return PolicyChoice(policy_from_dict(doc, source=str(plan_arg)), str(plan_arg), f"policy read from {plan_arg}",
-                        warnings)
+                        warnings, predicted=predicted_figures(doc))
 
 
 def compute_dtype(weight_format: str, device: str):
