@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from hivekeeper.core.runtime import gguf as reader  # noqa: E402
 from hivekeeper.core.runtime.gguf import (PACKED_ENV, GGUFBlockReader, GGUFCheckpoint, dequantize,  # noqa: E402
-                                          load_gguf_config, load_packed_block, packed_by_default, packed_linear,
-                                          unpermute_qk)
+                                          load_gguf_config, load_packed_block, packed_block_bytes,
+                                          packed_by_default, packed_linear, unpermute_qk)
 from hivekeeper.core.runtime.block_tensors import expected_block_shapes  # noqa: E402
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear  # noqa: E402
 from hivekeeper.core.runtime.model import Block, RotaryTable  # noqa: E402
@@ -237,8 +237,14 @@ def test_config_errors_name_the_file(tmp_path, arch, sizes, words):
         assert message.startswith(f"{path}:") and "\n" not in message and all(w in message for w in words), message
 
 
-@pytest.mark.parametrize(("value", "packed"), [("0", False), ("1", True)])
+@pytest.mark.parametrize(("value", "packed"), [("0", False), ("1", True), ("off", False), ("False", False),
+                                              ("NO", False), ("yes", True), (None, True)])
 def test_the_variable_turns_packed_blocks_on_and_off(monkeypatch, value, packed):
+    """Packed unless the variable says 0, off, false or no (any case, spaces around)."""
+    if value is None:
+        monkeypatch.delenv(PACKED_ENV, raising=False)
+        assert packed_by_default() is packed
+        return
     monkeypatch.setenv(PACKED_ENV, value)
     assert packed_by_default() is packed
     monkeypatch.setenv(PACKED_ENV, f" {value} ")
@@ -388,3 +394,25 @@ def test_a_file_without_a_tokenizer_says_so(tmp_path):
     with pytest.raises(InputError) as error:
         GGUFCheckpoint(path).tokenizer()
     assert str(path) in str(error.value) and "no tokenizer" in str(error.value)
+
+
+def held_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind a module's parameters and buffers."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(module.parameters()) + list(module.buffers())}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_block_bytes_are_what_a_packed_block_holds(tmp_path, arch):
+    """What the planner is told a packed block takes: the packed linears' stored bytes, fp32 for the rest
+    (a linear of another type, two pieces of different packed types, norms, biases)."""
+    kinds = {"attn_q": QT.Q8_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0, "attn_output": QT.Q5_0,
+             "ffn_gate": QT.Q4_0, "ffn_up": QT.Q4_1, "ffn_down": QT.Q4_0}
+    path, _ = layer_file(tmp_path, kinds, arch, biases=arch == "qwen2")
+    checkpoint = GGUFCheckpoint(path)
+    expected = (HIDDEN * 2 * HIDDEN // 32 * 34 + HIDDEN * FFN // 32 * 18  # q/k/v Q8_0, down Q4_0
+                + 4 * (HIDDEN * HIDDEN + 2 * FFN * HIDDEN + 2 * HIDDEN)  # o, gate, up (dequantized), two norms
+                + (4 * 2 * HIDDEN if arch == "qwen2" else 0))  # q/k/v biases
+    assert packed_block_bytes(checkpoint, 0) == expected
+    assert held_bytes(load_packed_block(checkpoint, 0)) == expected
