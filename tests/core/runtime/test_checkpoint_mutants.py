@@ -1,0 +1,105 @@
+"""Checkpoint loading (core/runtime/checkpoint.py) where mutation runs found it untested: when a GGUF block loads
+packed (CPU, fp32, no bitsandbytes quantization) and when it does not, the span's packed switch, the config of either
+format, the block range and device checks at their limits, and the dtype quantized blocks compute in. Tiny GGUF
+files are written here (test_gguf_reader.py's writer); fast enough to run per mutant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="the gguf package (a test dependency) is not installed")
+
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from hivekeeper.core.runtime.checkpoint import (check_device, load_block, load_config, load_span,  # noqa: E402
+                                                open_checkpoint, parse_dtype, quant_compute_dtype)
+from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint  # noqa: E402
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear  # noqa: E402
+from hivekeeper.planner.errors import InputError  # noqa: E402
+
+from .test_gguf_reader import FFN, HIDDEN, layer_file  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PACKABLE = {"attn_q": QT.Q8_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0, "attn_output": QT.Q4_0, "ffn_gate": QT.Q4_1,
+            "ffn_up": QT.Q4_1, "ffn_down": QT.Q8_0}
+
+
+def packed_layers(module: torch.nn.Module) -> int:
+    return sum(isinstance(m, QuantizedLinear) for m in module.modules())
+
+
+@pytest.fixture
+def gguf_file(tmp_path):
+    return layer_file(tmp_path, PACKABLE)[0]
+
+
+def test_a_gguf_block_loads_packed_only_on_the_cpu_in_fp32_without_quant(gguf_file):
+    packed = open_checkpoint(gguf_file, packed=True)
+    assert isinstance(packed, GGUFCheckpoint) and packed.packed
+    block = load_block(packed, 0)
+    assert packed_layers(block) == 4  # qkv, o, gate_up, down
+    assert not any(p.requires_grad for p in block.parameters())
+    assert packed_layers(load_block(packed, 0, dtype=torch.bfloat16)) == 0
+    assert load_block(packed, 0, dtype="bf16").input_layernorm.weight.dtype == torch.bfloat16
+    assert packed_layers(load_block(open_checkpoint(gguf_file), 0)) == 0  # packed=False: dequantized
+    assert not open_checkpoint(gguf_file).packed
+
+
+@pytest.mark.parametrize(("packed", "env", "expected"), [(True, "0", 4), (False, "1", 0), (None, "0", 0),
+                                                         (None, "1", 4)])
+def test_the_span_packs_as_asked_or_as_the_variable_says(gguf_file, monkeypatch, packed, env, expected):
+    monkeypatch.setenv(PACKED_ENV, env)
+    span = load_span(gguf_file, 0, 1, packed=packed)
+    assert packed_layers(span) == expected and (span.start, span.end) == (0, 1)
+
+
+def test_a_bf16_span_of_a_gguf_is_dequantized(gguf_file, monkeypatch):
+    monkeypatch.setenv(PACKED_ENV, "1")
+    span = load_span(gguf_file, 0, 1, dtype="bf16")
+    assert packed_layers(span) == 0 and next(span.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("start", "end"), [(-1, 1), (0, 2), (1, 1), (1, 0), (0.0, 1), (0, True + 0.5)])
+def test_a_block_range_outside_the_model_is_named(gguf_file, start, end):
+    with pytest.raises(InputError) as error:
+        load_span(gguf_file, start, end)
+    assert f"[{start}, {end})" in str(error.value) and "1 blocks" in str(error.value)
+
+
+def test_load_config_of_either_format(gguf_file, tmp_path):
+    config = load_config(gguf_file)
+    assert (config.num_layers, config.hidden_size, config.intermediate_size) == (1, HIDDEN, FFN)
+    assert config == load_config(gguf_file.parent)  # the folder holding it
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50, "max_position_embeddings": 32}')
+    hf = load_config(folder)
+    assert (hf.num_layers, hf.intermediate_size, hf.vocab_size) == (3, 96, 50)
+
+
+def test_devices_are_checked():
+    assert check_device("cpu") == torch.device("cpu") and check_device(torch.device("cpu")).type == "cpu"
+    assert check_device("cpu:0") == torch.device("cpu:0")
+    with pytest.raises(InputError, match="unknown device 'gpu'"):
+        check_device("gpu")
+    if not torch.cuda.is_available():
+        for name in ("cuda", "cuda:1"):
+            with pytest.raises(InputError, match=f"device {name} requested but CUDA is not available"):
+                check_device(name)
+
+
+def test_dtypes_by_name_and_the_dtype_quantized_blocks_compute_in():
+    for names, dtype in ((("fp32", "float32", "FP32"), torch.float32), (("bf16", "bfloat16"), torch.bfloat16),
+                         (("fp16", "Float16"), torch.float16)):
+        assert all(parse_dtype(name) is dtype for name in names)
+    assert parse_dtype(torch.float16) is torch.float16
+    with pytest.raises(InputError, match="unknown dtype 'int8'; choose fp32, bf16 or fp16"):
+        parse_dtype("int8")
+    assert quant_compute_dtype(torch.float32, "cpu") is torch.float32  # fp32 norms on a CPU
+    assert quant_compute_dtype(torch.float32, "cuda") is torch.float16  # bitsandbytes' 16-bit math on a GPU
+    assert quant_compute_dtype(torch.bfloat16, "cuda") is torch.bfloat16
+    assert quant_compute_dtype(torch.float16, torch.device("cpu")) is torch.float16
