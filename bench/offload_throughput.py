@@ -1,0 +1,201 @@
+"""Offloaded batch throughput with a RAM budget smaller than the model: our engine at the planner's policy (its
+batch, micro-batches, placement and prefetch depth; zig-zag block order) against transformers + accelerate disk
+offload (device_map from max_memory, offload_folder) at its best batch, in one run with the same budget.
+
+    python bench/offload_throughput.py                    # a ~350 MB demo model (12 layers, hidden 768), budget 0.5
+    python bench/offload_throughput.py --max-batch 32 --hf-batches 1 4 16 --new-tokens 8
+
+Each run is its own subprocess (peak RSS from RUSAGE_CHILDREN of a wrapper, as in bench/decode_offload.py).
+Throughput is generated tokens / wall time of the generation, prefill included (FlexGen's metric). Per generated
+token we report the weight bytes each system reads from the offloaded tier and the bound the disk puts on it:
+
+- ours: the block reader's counters (`bytes_streamed`), in a run that evicts what it reads from the page cache
+  (`--drop-page-cache`), so those bytes come from the disk; the throughput comparison uses a run with the page cache,
+  as accelerate's memory-mapped offload files get it;
+- accelerate: the bytes of the modules its device_map puts on "disk" (reloaded from the offload folder at every
+  forward) and, measured, `read_bytes` of /proc/self/io over the generation (reads that reached the block device:
+  near 0 when the offload files are in the page cache, which this bench does not drop: that would need root and
+  slows every other process).
+
+disk bound (tokens/s) = batch x disk read bandwidth / offloaded bytes read per step; `fraction_of_disk_bound` says
+how close each system came. Prints one JSON line, with os.getloadavg() before and after.
+"""
+
+from __future__ import annotations
+
+import hivekeeper.core  # noqa: F401 - first, before numpy and torch: sets OpenBLAS's idle-thread timeout
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import demo_checkpoint, fixed_prompt  # bench/ is the script's folder, first on sys.path
+from decode_offload import run_child
+
+MODEL_350MB = dict(layers=12, hidden=768, intermediate=2048, heads=12, kv_heads=4, vocab=8192, max_position=2048)
+
+
+def read_bytes() -> int:
+    """Bytes this process has read from block devices so far (/proc/self/io), 0 where there is no such file."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_tokens: int) -> None:
+    """In a subprocess: transformers + accelerate, max_memory {"cpu": budget}, the rest offloaded to disk."""
+    import psutil
+    import torch
+    import transformers
+    from accelerate import infer_auto_device_map, init_empty_weights
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(psutil.cpu_count(logical=False) or 1)
+    baseline = psutil.Process().memory_info().rss
+    config = transformers.AutoConfig.from_pretrained(model)
+    with init_empty_weights():
+        skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    device_map = infer_auto_device_map(skeleton, max_memory={"cpu": budget_bytes, "disk": 1 << 40},
+                                       no_split_module_classes=["LlamaDecoderLayer"], dtype=torch.float32)
+    sizes = {name: p.numel() * 4 for name, p in skeleton.named_parameters()}
+    on_disk = [name for name, where in device_map.items() if where == "disk"]
+    disk_bytes = sum(n for name, n in sizes.items() if any(name == m or name.startswith(m + ".") for m in on_disk))
+    with tempfile.TemporaryDirectory(prefix="hivekeeper-accelerate-") as offload:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32, device_map=device_map, offload_folder=offload).eval()
+        ids = torch.tensor([fixed_prompt(config.vocab_size, prompt_tokens)] * batch)
+        with torch.inference_mode():
+            hf_model.generate(ids[:, :4], attention_mask=torch.ones_like(ids[:, :4]), max_new_tokens=1,
+                              do_sample=False, pad_token_id=0)  # warm-up
+            io_before, start = read_bytes(), time.perf_counter()
+            hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            seconds, io = time.perf_counter() - start, read_bytes() - io_before
+    print(json.dumps({"batch": batch, "throughput_tokens_per_s": round(batch * new_tokens / seconds, 4),
+                      "seconds": round(seconds, 3), "disk_module_bytes_per_step": disk_bytes,
+                      "device_read_bytes": io, "modules_on_disk": f"{len(on_disk)}/{len(device_map)}",
+                      "baseline_rss_bytes": baseline}))
+
+
+def planner_batch(path: Path, budget: int, prompt_tokens: int, new_tokens: int, max_batch: int) -> tuple[int, int]:
+    """(the planner's batch for goal "batch" with this RAM budget, the batch used: the best one under max_batch)."""
+    from hivekeeper.planner.costmodel import Workload
+    from hivekeeper.planner.efficiency import default_efficiency
+    from hivekeeper.planner.hardware_catalog import GIB, apply_host_overrides
+    from hivekeeper.planner.model_catalog import load_model_spec
+    from hivekeeper.planner.policy import Constraints, batch_curve, search
+
+    from hivekeeper.core.machine.detect import detect_hardware
+
+    hardware = detect_hardware()
+    runtime = default_efficiency(hardware).accelerator.runtime_bytes  # as local_plan.search_policy does
+    hardware = apply_host_overrides(hardware, ram_gb=(budget + runtime) / GIB)
+    spec, workload = load_model_spec(str(path)), Workload(prompt_len=prompt_tokens, output_len=new_tokens)
+    plan = search(spec, hardware, "batch", Constraints(quant="none"), workload)
+    if plan.prediction is None:
+        return 1, 1
+    chosen = plan.prediction.policy.batch_size
+    if chosen <= max_batch:
+        return chosen, chosen
+    points = [p for p in batch_curve(spec, hardware, workload, Constraints(quant="none"))
+              if p.batch_size <= max_batch and p.throughput_tokens_per_s]
+    return chosen, max(points, key=lambda p: p.throughput_tokens_per_s).batch_size if points else max_batch
+
+
+def ours(path: Path, budget: int, batch: int, prompt_tokens: int, new_tokens: int, *extra: str) -> tuple[dict, int]:
+    prompt = " ".join(["bread"] * max(1, prompt_tokens - 1))
+    return run_child([sys.executable, "-m", "hivekeeper.core.cli.main", "generate", "--model", str(path), "--prompt",
+                      prompt, "--batch", str(batch), "--max-new-tokens", str(new_tokens), "--ignore-eos", "--json",
+                      "--ram-budget-gb", f"{budget / 1e9:.9f}", *extra])
+
+
+def our_figures(warm: dict, cold: dict, peak: int, disk_bps: float) -> dict:
+    engine = warm["plan"]["engine"]
+    per_token = cold["bytes_streamed"] / cold["new_tokens"]
+    per_step = per_token * cold["batch"]
+    bound = cold["batch"] * disk_bps / per_step if per_step else None
+    throughput = warm["new_tokens"] / warm["total_s"]
+    cold_throughput = cold["new_tokens"] / cold["total_s"]
+    return {
+        "batch": warm["batch"], "micro_batch_size": engine["micro_batch_size"],
+        "num_micro_batches": engine["num_micro_batches"], "prefetch_depth": engine["prefetch_depth"],
+        "blocks": engine["blocks"], "kv_cache_blocks": engine["kv_cache_blocks"],
+        "throughput_tokens_per_s": round(throughput, 4), "cold_throughput_tokens_per_s": round(cold_throughput, 4),
+        "predicted_vs_measured": warm["predicted_vs_measured"],
+        "disk_bytes_per_token": int(per_token), "disk_bytes_per_step": int(per_step),
+        "disk_read_bps_reached": int(cold["bytes_streamed"] / cold["total_s"]),
+        "disk_bound_tokens_per_s": None if bound is None else round(bound, 4),
+        "fraction_of_disk_bound": None if bound is None else round(cold_throughput / bound, 3),
+        "peak_over_baseline_bytes": peak - warm["baseline_rss_bytes"], "ram_bytes_planned": engine["ram_bytes"],
+    }
+
+
+def accelerate_figures(runs: list[dict], disk_bps: float) -> dict:
+    for run in runs:
+        per_step = run["disk_module_bytes_per_step"]
+        run["disk_bound_tokens_per_s"] = round(run["batch"] * disk_bps / per_step, 4) if per_step else None
+        run["fraction_of_disk_bound"] = (round(run["throughput_tokens_per_s"] / run["disk_bound_tokens_per_s"], 3)
+                                         if per_step else None)
+        run["disk_bytes_per_token"] = int(per_step / run["batch"])
+    best = max(runs, key=lambda r: r["throughput_tokens_per_s"])
+    return {"best": best, "by_batch": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder (default: the ~350 MB demo model, written once)")
+    parser.add_argument("--budget-fraction", type=float, default=0.5, help="RAM budget as a fraction of the weights")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=32, help="cap on the planner's batch (run time)")
+    parser.add_argument("--hf-batches", type=int, nargs="+", default=[1, 4, 16], help="accelerate's batches")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--hf-child", nargs=5, metavar=("MODEL", "BUDGET", "BATCH", "PROMPT", "NEW"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.hf_child:
+        model, budget, batch, prompt, new = args.hf_child
+        hf_child(model, int(budget), int(batch), int(prompt), int(new))
+        return
+
+    from hivekeeper.core.machine.measure import disk_bandwidth
+
+    load_before = os.getloadavg()
+    path = Path(args.model) if args.model else demo_checkpoint("offload-350mb", MODEL_350MB)
+    model_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    budget = int(args.budget_fraction * model_bytes)
+    _, disk_read, cache_bypassed = disk_bandwidth(path)
+    chosen, batch = planner_batch(path, budget, args.prompt_tokens, args.new_tokens, args.max_batch)
+    warm, warm_peak = ours(path, budget, batch, args.prompt_tokens, args.new_tokens)
+    cold, cold_peak = ours(path, budget, batch, args.prompt_tokens, args.new_tokens, "--drop-page-cache")
+    result = {
+        "bench": "offload_throughput", "model": args.model or "demo-350mb", "weight_bytes": model_bytes,
+        "ram_budget_bytes": budget, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "disk_read_bps": int(disk_read), "disk_cache_bypassed": cache_bypassed,
+        "planner_batch": chosen, "max_batch": args.max_batch,
+        "ours": our_figures(warm, cold, max(warm_peak, cold_peak), disk_read),
+    }
+    if not args.skip_transformers:
+        runs = [run_child([sys.executable, __file__, "--hf-child", str(path), str(budget), str(b),
+                           str(args.prompt_tokens), str(args.new_tokens)]) for b in args.hf_batches]
+        for report, peak in runs:
+            report["peak_over_baseline_bytes"] = peak - report.pop("baseline_rss_bytes")
+        hf = accelerate_figures([report for report, _ in runs], disk_read)
+        result["transformers_accelerate"] = hf
+        result["speedup_vs_accelerate_best"] = round(
+            result["ours"]["throughput_tokens_per_s"] / hf["best"]["throughput_tokens_per_s"], 3)
+    result.update({"loadavg_before": [round(x, 2) for x in load_before],
+                   "loadavg_after": [round(x, 2) for x in os.getloadavg()]})
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
