@@ -27,7 +27,7 @@ from hivekeeper.planner.hardware_catalog import (CPU_SOFTWARE_HALF_SLOWDOWN, GIB
                                                 hardware_to_json)
 
 TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
-                      half_hidden=256, half_bytes=4 << 20,
+                      stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_bytes=4 << 20,
                       disk_bytes=8 << 20, repeats=2, dtypes=("fp32", "bf16"))
 
 
@@ -84,7 +84,9 @@ def test_measured_numbers_replace_estimates_with_their_sources(measured):
     # the CPU's fraction of the measured bandwidth is what the decode chain reached, not an assumed 1
     assert efficiency.accelerator.bandwidth_fraction == pytest.approx(max(0.05, streaming.bandwidth_fraction))
     assert efficiency.accelerator.weight_reread_rows == pytest.approx(streaming.small_row_reads)
-    assert efficiency.accelerator.layer_overhead_s >= 0.2e-3 + 4 * streaming.matmul_start_s - 1e-12
+    # the per-block cost is the measured one of whole decode steps (issue 23), not a default plus start-ups
+    assert streaming.block_overhead_s == pytest.approx(by_key["cpu_decode_block_overhead"].value)
+    assert efficiency.accelerator.layer_overhead_s == pytest.approx(streaming.block_overhead_s)
     # the Hardware page shows the measured streaming beside the cost model's default assumption
     rows = {r.quantity: r for r in comparison_rows(spec, MachineProfile("x", {}, 1.7e9, measured))}
     stream = rows["decode weight streaming"]

@@ -24,7 +24,7 @@ from hivekeeper.planner.errors import InputError
 from ...child_output import ChildOutput
 
 TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
-                      stream_hidden=256, stream_bytes=8 << 20, half_hidden=256, half_bytes=4 << 20,
+                      stream_hidden=256, stream_bytes=8 << 20, cache_bytes=0, half_hidden=256, half_bytes=4 << 20,
                       disk_bytes=8 << 20, peer_bytes=256 << 10, repeats=2, dtypes=("fp32", "bf16"))
 
 
