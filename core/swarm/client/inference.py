@@ -55,6 +55,7 @@ from hivekeeper.core.swarm.protocol import (
 )
 from hivekeeper.core.swarm.client.routing import (BanList, Hop, NoRoute, block_ranges, route_forward,
                                                    route_inference, uncovered_blocks)
+from hivekeeper.core.swarm.client.spot_check import LocalReferee, SpotCheckConfig, first_mismatch, tolerance
 from hivekeeper.planner.errors import InputError
 
 logger = logging.getLogger("hivekeeper.swarm.client")
@@ -104,6 +105,8 @@ class ClientConfig:
     # ask servers to pass each step's output straight to the next server: saves a client round trip per hop on
     # real networks, but costs CPU; on a loaded 2-core loopback box it made steps slower (18 vs 15 ms), so opt-in
     use_push: bool = False
+    spot_check_rate: float = 0.125  # the fraction of steps whose outputs are recomputed elsewhere (spot_check.py)
+    spot_check_local_blocks: int = 4  # recompute locally spans up to this long, when the client has the weights
 
 
 class _LoopThread:
@@ -159,6 +162,25 @@ def _empty_wire(dtype: torch.dtype) -> runtime_pb2.Tensor:
     return serialize_tensor(torch.empty(0, dtype=dtype))
 
 
+def _kept(buffer: torch.Tensor | None, hidden: torch.Tensor, length: int,
+          hypo_ids: torch.Tensor | None) -> torch.Tensor:
+    """The buffer with `hidden` written at positions [length, length + tokens): a buffer that doubles when full (a
+    concatenation per step would copy the whole history every token), rows reordered first for a beam search."""
+    batch, tokens, width = hidden.shape
+    if buffer is not None and hypo_ids is not None:
+        buffer = buffer[hypo_ids]  # beam search: row i continues the old row hypo_ids[i]
+    if buffer is not None and (buffer.shape[0], buffer.shape[2]) != (batch, width):
+        raise InputError(f"hidden states {list(hidden.shape)} do not continue this session's batch of "
+                         f"{buffer.shape[0]} rows of width {buffer.shape[2]}")
+    if buffer is None or buffer.shape[1] < length + tokens:
+        grown = torch.empty(batch, max(16, 2 * (length + tokens)), width, dtype=torch.float32)
+        if buffer is not None:
+            grown[:, :length] = buffer[:, :length]
+        buffer = grown
+    buffer.narrow(1, length, tokens).copy_(hidden.detach())  # kept in full precision for replays
+    return buffer
+
+
 # ---- one server's part of a session ----------------------------------------------------------------------------------
 class _ServerSession:
     """A stream to one server running blocks [start, end) for one session; keeps the inputs it was sent."""
@@ -170,6 +192,8 @@ class _ServerSession:
         # concatenation per step would copy the whole history every token)
         self._history_buffer: torch.Tensor | None = None  # [batch, capacity, hidden], fp32
         self._length = 0
+        self._output_buffer: torch.Tensor | None = None  # its answers, kept like the inputs
+        self.checked = 0  # positions whose outputs a spot check confirmed
         self.expected_seconds = 0.0
         self.answered_at: float | None = None  # wall-clock time of its last answer
         self._inbox: asyncio.Queue | None = None
@@ -249,7 +273,7 @@ class _ServerSession:
                                   f"for input {list(hidden.shape)}")
         self.client.heard_from(self.hop.peer_id)
         self.answered_at = time.time()
-        self._remember(hidden, hypo_ids, start_from)
+        self._remember(hidden, hypo_ids, start_from, output)
         return output
 
     async def _await_response(self, timeout: float) -> runtime_pb2.ExpertResponse:
@@ -278,22 +302,19 @@ class _ServerSession:
             if not pending.done():
                 pending.cancel()
 
-    def _remember(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None, start_from: int | None) -> None:
+    def _remember(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None, start_from: int | None,
+                  output: torch.Tensor | None = None) -> None:
         length = self._length if start_from is None else min(start_from, self._length)
-        buffer = self._history_buffer
-        batch, tokens, width = hidden.shape
-        if buffer is not None and hypo_ids is not None:
-            buffer = buffer[hypo_ids]  # beam search: row i continues the old row hypo_ids[i]
-        if buffer is not None and (buffer.shape[0], buffer.shape[2]) != (batch, width):
-            raise InputError(f"hidden states {list(hidden.shape)} do not continue this session's batch of "
-                             f"{buffer.shape[0]} rows of width {buffer.shape[2]}")
-        if buffer is None or buffer.shape[1] < length + tokens:
-            grown = torch.empty(batch, max(16, 2 * (length + tokens)), width, dtype=torch.float32)
-            if buffer is not None:
-                grown[:, :length] = buffer[:, :length]
-            buffer = grown
-        buffer.narrow(1, length, tokens).copy_(hidden.detach())  # kept in full precision for replays
-        self._history_buffer, self._length = buffer, length + tokens
+        self._history_buffer = _kept(self._history_buffer, hidden, length, hypo_ids)
+        if output is not None:
+            self._output_buffer = _kept(self._output_buffer, output, length, hypo_ids)
+        self._length = length + hidden.shape[1]
+        self.checked = min(self.checked, length)  # outputs past a rewind are new: checked again
+
+    @property
+    def outputs(self) -> torch.Tensor | None:
+        """[batch, length, hidden]: what this server answered for each position (for spot checks)."""
+        return None if self._output_buffer is None else self._output_buffer[:, : self._length]
 
     async def close(self, goodbye: bool = True) -> None:
         """End the stream. goodbye: send the protocol's empty request first and let the server end its side (Petals
@@ -325,13 +346,16 @@ class _InferenceCore:
         self.sessions: list[_ServerSession] = []
         self.position = 0
         self.recoveries: list[dict] = []  # this session's failovers (as SwarmClient.failovers)
+        self.mismatches: list[int] = []  # first wrong positions found by spot checks, not yet taken by the caller
+        self.steps = 0
         self.closed = False
 
     def route(self) -> list[tuple[str, int, int]]:
         return [(s.hop.peer_id, s.hop.start, s.hop.end) for s in self.sessions]
 
     async def _new_sessions(self, start: int, end: int, deadline: float, fresh: bool = False,
-                            since: float | None = None, cause: str = "") -> list[_ServerSession]:
+                            since: float | None = None, cause: str = "",
+                            exclude: frozenset = frozenset()) -> list[_ServerSession]:
         """Sessions for blocks [start, end) along the best route; waits for servers up to the deadline, or
         gap_seconds from `since` (wall-clock; default: now) when no answering server covers some block and none is
         joining to (SwarmGap, with `cause` appended to its message).
@@ -342,14 +366,14 @@ class _InferenceCore:
         max_age, timeout = (config.fresh_seconds, config.probe_timeout) if fresh else (60.0, config.ping_timeout)
 
         def usable(peer: str) -> bool:
-            return not client.bans.banned(peer) and client.heard_within(peer, max_age)
+            return not client.bans.banned(peer) and client.heard_within(peer, max_age) and peer not in exclude
 
         since = time.time() if since is None else since
         refresh, warned = False, False
         while True:
             view = await client.view(refresh=refresh)
-            candidates = {s.peer_id for s in view.spans
-                          if s.start < end and s.end > start and not client.bans.banned(s.peer_id)}
+            candidates = {s.peer_id for s in view.spans if s.start < end and s.end > start
+                          and not client.bans.banned(s.peer_id) and s.peer_id not in exclude}
             # probe the candidates we have not heard from lately, all at once; route as soon as the ones that
             # answered cover the blocks (a dead server's probe then runs out in the background and bans it)
             pending = {asyncio.create_task(client.measure(peer, timeout))
@@ -410,7 +434,130 @@ class _InferenceCore:
             x, replaced = await self._recover(index, x, hypo_ids, start_from, failure, deadline)
             index += replaced
         self.position = position + hidden.shape[1]
+        if self.client.spot_checks.due(self.steps) and hypo_ids is None:
+            x = await self._spot_check(x, deadline)
+        self.steps += 1
         return x
+
+    # ---- spot checks (spot_check.py) --------------------------------------------------------------------------------
+    async def _spot_check(self, output: torch.Tensor, deadline: float) -> torch.Tensor:
+        """Check each server's outputs since its last check; after a mismatch, the step's output as honest servers
+        give it (the liar replaced, the servers after it recomputed from the first wrong position)."""
+        index = 0
+        while index < len(self.sessions):
+            session = self.sessions[index]
+            if session.checked < session.length:
+                verdict = await self._referee(session)
+                if verdict is not None:
+                    position, record = verdict
+                    if position is None:
+                        session.checked = session.length
+                    else:
+                        output, replaced = await self._replace_liar(index, position, record, output, deadline)
+                        index += replaced
+                        continue
+            index += 1
+        return output
+
+    async def _referee(self, session: _ServerSession) -> tuple[int | None, dict] | None:
+        """(first wrong position or None, the check's record), or None when nobody can check this server now.
+
+        Locally when the client has the weights; else another server recomputes, and when it disagrees a third
+        decides: the one the other two outvote is banned for good (a liar may be the referee). With no third, the
+        dispute is recorded and nobody is banned."""
+        start, end = session.hop.start, session.hop.end
+        inputs, outputs, checked = session.history, session.outputs, session.checked
+        own_dtype = session.hop.span.info.torch_dtype
+        local = self.client.local_referee
+        if local is not None and local.covers(start, end):
+            reference = await asyncio.get_running_loop().run_in_executor(None, local, start, end, inputs)
+            position, record = self._compare(session, outputs, reference, "local", (own_dtype,))
+            return position, record
+        first = await self._remote_reference(start, end, inputs, {session.hop.peer_id})
+        if first is None:
+            return None
+        reference, referees, dtypes = first
+        position, record = self._compare(session, outputs, reference, ",".join(referees), (own_dtype, *dtypes))
+        if position is None:
+            return None, record
+        second = await self._remote_reference(start, end, inputs, {session.hop.peer_id, *referees})
+        if second is None:
+            record.update(ok=None, unresolved=True)  # one against one: nobody is banned
+            return None, record
+        atol, rtol = tolerance(own_dtype, *dtypes, *second[2])
+        sides_with_referee = first_mismatch(second[0][:, checked:], reference[:, checked:], atol, rtol)[0] is None
+        record["second_referee"] = ",".join(second[1])
+        if sides_with_referee:
+            return position, record
+        for peer in referees:  # the first referee was outvoted: it is the liar, the checked server is right
+            self.client.bans.forever(peer)
+            logger.warning("server %s gave wrong outputs as a referee for blocks %d:%d; banned", peer[-8:], start, end)
+        record.update(ok=True, outvoted_referee=referees)
+        return None, record
+
+    def _compare(self, session: _ServerSession, outputs: torch.Tensor, reference: torch.Tensor, referee: str,
+                 dtypes: tuple) -> tuple[int | None, dict]:
+        atol, rtol = tolerance(*dtypes)
+        checked = session.checked
+        position, largest = first_mismatch(outputs[:, checked:], reference[:, checked:], atol, rtol)
+        record = {"peer_id": session.hop.peer_id, "blocks": [session.hop.start, session.hop.end],
+                  "referee": referee, "time": time.time(), "checked_positions": [checked, session.length],
+                  "max_diff": largest, "atol": atol, "rtol": rtol, "ok": position is None}
+        self.client.spot_check_log.append(record)
+        return (None if position is None else checked + position), record
+
+    async def _remote_reference(self, start: int, end: int, inputs: torch.Tensor,
+                                exclude: set[str]) -> tuple[torch.Tensor, list[str], list] | None:
+        """Blocks [start, end) over `inputs` on other servers (fresh sessions, closed after): (outputs, their peer
+        ids, their dtypes), or None if no other server covers them now or one fails."""
+        try:
+            others = await self._new_sessions(start, end, time.monotonic(), exclude=frozenset(exclude))
+        except SwarmError:
+            return None
+        try:
+            reference = inputs
+            for other in others:
+                reference = await other.step(reference)
+        except InputError:
+            raise
+        except Exception:
+            return None
+        finally:
+            for other in others:
+                await other.close()
+        return reference, [o.hop.peer_id for o in others], [o.hop.span.info.torch_dtype for o in others]
+
+    async def _replace_liar(self, index: int, position: int, check: dict, output: torch.Tensor,
+                            deadline: float) -> tuple[torch.Tensor, int]:
+        """Ban the server for good, replay its inputs on a replacement, recompute the servers after it from
+        `position`; returns the step's output and how many sessions stand in the liar's place."""
+        liar, tokens = self.sessions[index], output.shape[1]
+        started, found_at = time.monotonic(), time.time()
+        self.client.bans.forever(liar.hop.peer_id)
+        logger.warning("server %s gave wrong outputs for blocks %d:%d from position %d (max diff %.3g, checked by "
+                       "%s); banned, replaying on another server", liar.hop.peer_id[-8:], liar.hop.start,
+                       liar.hop.end, position, check["max_diff"], check["referee"])
+        await liar.close(goodbye=False)
+        replacements = await self._new_sessions(liar.hop.start, liar.hop.end, deadline, fresh=True)
+        x = liar.history
+        for session in replacements:
+            x = await session.step(x)
+        self.sessions[index : index + 1] = replacements
+        x = x[:, position:]
+        for session in self.sessions[index + len(replacements):]:
+            x = await session.step(x, None, position)
+        for session in replacements:
+            session.checked = session.length  # what a referee computed is what they answered: no need to re-check
+        self.mismatches.append(position)
+        failover = {"peer_id": liar.hop.peer_id, "public_name": liar.hop.span.info.public_name,
+                    "blocks": [liar.hop.start, liar.hop.end], "replayed_tokens": liar.length, "time": found_at,
+                    "seconds": time.monotonic() - started,
+                    "error": f"spot check: wrong outputs from position {position} (max diff {check['max_diff']:.3g})",
+                    "new_route": [(s.hop.peer_id, s.hop.start, s.hop.end) for s in replacements],
+                    "spot_check": {**check, "first_wrong_position": position}}
+        self.recoveries.append(failover)
+        self.client.failovers.append(failover)
+        return x[:, -tokens:], len(replacements)
 
     async def _recover(self, index: int, x: torch.Tensor, hypo_ids, start_from, failure: Exception,
                        deadline: float) -> tuple[torch.Tensor, int]:
@@ -502,6 +649,12 @@ class RemoteSession:
         """(peer_id, start, end) of each server the session currently uses."""
         return self._core.route()
 
+    def take_mismatch(self) -> int | None:
+        """The first position whose outputs a spot check found wrong since the last call (None if none): outputs
+        from there on, and whatever the caller chose from them, came from a liar (now replaced)."""
+        found, self._core.mismatches = self._core.mismatches, []
+        return min(found) if found else None
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise InputError(f"cannot rewind the session to {length} tokens: it holds {self._length}")
@@ -561,6 +714,9 @@ class SwarmClient:
         self._view: SwarmView | None = None
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
         self.refused: set[str] = set()  # peers that answered but refused blocks their record listed
+        self.spot_checks = SpotCheckConfig(config.spot_check_rate, config.spot_check_local_blocks)
+        self.spot_check_log: list[dict] = []  # every spot check: server, blocks, referee, positions, max diff, ok
+        self.local_referee: LocalReferee | None = None  # set by SwarmModel, which has the weights
         self._confirmed: dict[tuple, tuple] = {}  # (peer, listed blocks) -> (span it confirmed or None, when)
         self._thread = _LoopThread()
         try:
@@ -810,6 +966,7 @@ class SwarmModel:
         client_config = ClientConfig(tuple(initial_peers), dht_prefix_for(model, dht_prefix), self.config.num_layers,
                                      **client_options)
         self.client = SwarmClient(client_config)
+        self.client.local_referee = LocalReferee(path, client_config.spot_check_local_blocks)
         self.span = RemoteSpan(self.client, self.config.num_layers)
 
     def inference_session(self, max_length: int, batch: int = 1) -> RemoteSession:
@@ -819,23 +976,29 @@ class SwarmModel:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, sampler=None,
                  session: RemoteSession | None = None, on_token=None) -> torch.Tensor:
         """Generate after input_ids [batch, t]: greedy (argmax) or with a core.sampling.Sampler; returns the new ids
-        [batch, max_new_tokens]. on_token(step, ids) is called after each token (for streaming)."""
+        [batch, max_new_tokens]. on_token(step, ids) is called after each token (for streaming).
+
+        When a spot check finds that a server's outputs were wrong from some position on, the tokens chosen from them
+        are dropped and generated again (on_token is called again from the first step redone)."""
         batch, prompt_len = input_ids.shape
         own = session is None
         session = session or self.inference_session(prompt_len + max_new_tokens, batch)
         try:
-            generated = []
-            hidden = self.embedding(input_ids)
-            all_ids = input_ids
-            for step in range(max_new_tokens):
+            all_ids, hidden = input_ids, self.embedding(input_ids)
+            while all_ids.shape[1] < prompt_len + max_new_tokens:
                 logits = self.head(session.step(hidden))[:, -1]
+                wrong = session.take_mismatch()
+                if wrong is not None and wrong < all_ids.shape[1] - hidden.shape[1]:
+                    all_ids = all_ids[:, : max(wrong + 1, prompt_len)]  # the input at `wrong` came from good outputs
+                    session.truncate(wrong)
+                    hidden = self.embedding(all_ids[:, wrong:])
+                    continue
                 next_ids = sampler(logits, all_ids) if sampler is not None else logits.argmax(dim=-1)
-                generated.append(next_ids)
                 all_ids = torch.cat([all_ids, next_ids[:, None]], dim=1)
                 if on_token is not None:
-                    on_token(step, next_ids)
+                    on_token(all_ids.shape[1] - prompt_len - 1, next_ids)
                 hidden = self.embedding(next_ids[:, None])
-            return torch.stack(generated, dim=1) if generated else input_ids[:, :0]
+            return all_ids[:, prompt_len:]
         finally:
             if own:
                 session.close()

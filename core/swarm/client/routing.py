@@ -49,6 +49,11 @@ class BanList:
         self._until[peer_id] = time.monotonic() + seconds
         return seconds
 
+    def forever(self, peer_id: str) -> None:
+        """Ban for the client's lifetime (a server caught returning wrong outputs)."""
+        self._failures[peer_id] = self._failures.get(peer_id, 0) + 1
+        self._until[peer_id] = math.inf
+
     def succeed(self, peer_id: str) -> None:
         self._failures.pop(peer_id, None)
         self._until.pop(peer_id, None)

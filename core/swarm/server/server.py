@@ -14,7 +14,7 @@ expirations and confirm a server over rpc_info (dht.py), so a forgery past that 
 Test-only switches (environment; the loopback tests of issue 17 use them to make a real server process lie; never
 set them on a real server; read when the server is made): HIVEKEEPER_TEST_RECORD (JSON: record fields to announce instead of the true ones),
 HIVEKEEPER_TEST_SILENT=1 (steps never answer; rpc_info still does), HIVEKEEPER_TEST_LIAR=X (X is added to every
-output of the span: well-formed, wrong hidden states).
+output of the span: well-formed, wrong hidden states; with HIVEKEEPER_TEST_LIAR_AFTER=N, from its N+1-th run on).
 
 Everything runs on one asyncio loop; compute runs on the handler's worker thread and loading on another, so the
 node keeps answering the DHT while it loads. `status` callbacks get a dict per state change (the CLI prints them,
@@ -110,12 +110,14 @@ class SwarmServer:
         self.peer_id: str | None = None
         self.maddrs: list[str] = []
         self.next_pings: dict[str, float] = {}
+        self.last_announced: tuple | None = None  # (info, blocks, expiration) of the latest announcement
         self.error: str | None = None  # why the server stopped on its own, if it did
         self._stop = asyncio.Event()
         self._wake_announcer = asyncio.Event()
         self._test_record = json.loads(os.environ.get("HIVEKEEPER_TEST_RECORD") or "{}")
         self._test_silent = os.environ.get("HIVEKEEPER_TEST_SILENT") == "1"
         self._test_offset = float(os.environ.get("HIVEKEEPER_TEST_LIAR") or 0.0)
+        self._test_honest_runs = int(os.environ.get("HIVEKEEPER_TEST_LIAR_AFTER") or 0)
         self._released = threading.Event()  # lets a HIVEKEEPER_TEST_SILENT step go at shutdown
 
     def _check_config(self) -> None:
@@ -278,24 +280,27 @@ class SwarmServer:
         cfg = self.config
         info = self.announced_info(state, blocks)
         expiration = get_dht_time() + 2 * self.update_period
+        self.last_announced = (info, blocks, expiration)
         try:
             await asyncio.wait_for(declare_blocks(self.dht, cfg.dht_prefix, blocks, self.peer_id, info, expiration),
                                    timeout)
             if cfg.repository and state != ServerState.OFFLINE:
                 await asyncio.wait_for(register_model(self.dht, cfg.dht_prefix, self.model_config.num_layers,
                                                       cfg.repository, self.update_period), timeout)
-            if state != ServerState.OFFLINE:
-                await self._guard_record(info, blocks, expiration, timeout)
         except asyncio.TimeoutError:
             logger.warning("announcing %s for blocks %d:%d timed out", state.name, blocks.start, blocks.stop)
         except Exception as exc:  # no reachable DHT peer right now: the next period tries again
             logger.warning("announcing %s for blocks %d:%d failed: %s", state.name, blocks.start, blocks.stop, exc)
 
-    async def _guard_record(self, info: ServerInfo, blocks: range, expiration: float, timeout: float) -> None:
+    async def _guard_record(self, info: ServerInfo, blocks: range, expiration: float, timeout: float = 10.0) -> None:
         """Read our record back from the DHT; where another one stands under our subkey, store ours again with an
         expiration just past it, if that stays within MAX_RECORD_AHEAD_S (beyond, readers ignore the forgery and
         confirm us over rpc_info; we say so in a 'record_overwritten' status)."""
-        found = await read_own_records(self.dht, self.config.dht_prefix, blocks, self.peer_id, timeout)
+        try:
+            found = await read_own_records(self.dht, self.config.dht_prefix, blocks, self.peer_id, timeout)
+        except Exception as exc:  # no reachable DHT peer right now: the next period checks again
+            logger.warning("reading our own record back failed: %s", exc)
+            return
         ours = info.to_tuple()
         forged = {block: exp for block, (value, exp) in found.items()
                   if exp is not None and (_normalized(value) != _normalized(ours) or exp > expiration + 1.0)}
@@ -304,8 +309,12 @@ class SwarmServer:
         latest = max(forged.values())
         restored = latest + 1.0 <= get_dht_time() + MAX_RECORD_AHEAD_S
         if restored:
-            await asyncio.wait_for(declare_blocks(self.dht, self.config.dht_prefix, blocks, self.peer_id, info,
-                                                  latest + 1.0), timeout)
+            try:
+                await asyncio.wait_for(declare_blocks(self.dht, self.config.dht_prefix, blocks, self.peer_id, info,
+                                                      latest + 1.0), timeout)
+            except Exception as exc:
+                logger.warning("storing our record again failed: %s", exc)
+                restored = False
         logger.warning("our record for block(s) %s was overwritten (expiring %.0fs ahead); %s", sorted(forged),
                        latest - get_dht_time(), "stored ours again" if restored else
                        "too far ahead to replace: readers ignore it and ask us directly")
@@ -337,7 +346,13 @@ class SwarmServer:
         if self._test_silent:
             span.register_forward_pre_hook(lambda module, args: self._released.wait(3600))
         if self._test_offset:
-            span.register_forward_hook(lambda module, args, output: output + self._test_offset)
+            runs = [0]
+
+            def lie(module, args, output):
+                runs[0] += 1
+                return output + self._test_offset if runs[0] > self._test_honest_runs else output
+
+            span.register_forward_hook(lie)
         return span
 
     async def _serve(self) -> None:
@@ -378,6 +393,7 @@ class SwarmServer:
                 next_full = time.monotonic() + period
             if self.state == ServerState.ONLINE and self.blocks is not None:
                 await self._announce(ServerState.ONLINE, self.blocks)
+                await self._guard_record(*self.last_announced)
 
     async def _stats_loop(self) -> None:
         while True:

@@ -1,0 +1,91 @@
+"""Spot checks (issue 17 item 9): a server that returns well-formed but wrong hidden states is caught, banned and
+replaced, and the tokens equal an honest run.
+
+Real servers of the tiny model in this process: h and h2 (honest) and l, a liar (HIVEKEEPER_TEST_LIAR: 0.5 is added
+to its outputs from its 6th run on; it claims to be fast and the others slow, so routes prefer it). All serve 0:2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hivekeeper.core.runtime.checkpoint import load_span
+from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient, SwarmModel
+from hivekeeper.core.swarm.client.spot_check import SpotCheckConfig, first_mismatch, tolerance
+
+from .servers import InProcessServers
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+PREFIX = "spot-check-test"
+HONEST_RUNS = 5  # the liar's prefill and 4 decode steps are right
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_checkpoint):
+    servers = InProcessServers(tiny_checkpoint, PREFIX)
+    try:
+        servers.names = {"h": servers.start((0, 2), "h", record={"inference_rps": 1.0}),
+                         "l": servers.start((0, 2), "l", liar=0.5, liar_after=HONEST_RUNS,
+                                            record={"inference_rps": 1e6, "throughput": 1e6})}
+        servers.names["h2"] = servers.start((0, 2), "h2", record={"inference_rps": 1.0})  # after the liar's test
+        yield servers
+    finally:
+        servers.close()
+
+
+def test_tolerance_and_first_mismatch():
+    assert tolerance("float32") == (1e-4, 1e-3) and tolerance("float32", "bfloat16") == (1e-2, 4e-2)
+    assert tolerance("mystery") == tolerance("bfloat16")
+    reference = torch.ones(1, 6, 8)
+    outputs = reference.clone()
+    outputs[0, 4, 3] += 0.01  # within bfloat16's tolerance, not within float32's
+    outputs[0, 5, 0] = float("nan")
+    assert first_mismatch(outputs, reference, *tolerance("float32"))[0] == 4
+    assert first_mismatch(outputs, reference, *tolerance("bfloat16"))[0] == 5
+    assert first_mismatch(reference, reference, *tolerance("float32")) == (None, 0.0)
+    assert [step for step in range(10) if SpotCheckConfig(rate=0.25).due(step)] == [0, 4, 8]
+    assert not any(SpotCheckConfig(rate=0.0).due(step) for step in range(10))
+
+
+def test_a_liar_is_caught_within_four_steps_and_the_tokens_equal_an_honest_run(swarm, tiny_checkpoint):
+    h, liar = swarm.names["h"], swarm.names["l"]
+    prompt = torch.tensor([[1, 5, 9, 13, 17]])
+    with SwarmModel(str(tiny_checkpoint), initial_peers=swarm.initial_peers, dht_prefix=PREFIX,
+                    spot_check_rate=0.25, retry_seconds=20.0) as model:
+        tokens = model.generate(prompt, 12)
+        (failover,) = model.client.failovers
+        assert failover["peer_id"] == liar and model.client.bans.banned(liar)
+        check = failover["spot_check"]
+        length = prompt.shape[1]
+        # its first wrong output is the 5th decode step's (position length + 4); the check after step 8 finds it
+        assert check["first_wrong_position"] == length + HONEST_RUNS - 1
+        assert check["checked_positions"] == [length + 4, length + 8] and check["referee"] == "local"
+        assert check["max_diff"] > 0.1 and check["ok"] is False
+        assert [c["ok"] for c in model.client.spot_check_log] == [True, True, False, True]
+        honest = model.generate(prompt, 12)  # the liar is banned for good: all on h
+    assert torch.equal(tokens, honest)
+
+
+def test_remote_referees_outvote_the_liar_when_the_client_has_no_weights(swarm, tiny_checkpoint):
+    """Without local weights other servers recompute the blocks: one, and a second when the first disagrees. The
+    liar (past its honest runs) is banned whether it was checked or was the referee; the honest servers are not, and
+    the step's output is right."""
+    liar, honest = swarm.names["l"], (swarm.names["h"], swarm.names["h2"])
+    span = load_span(tiny_checkpoint, 0, 2)
+    client = SwarmClient(ClientConfig(initial_peers=tuple(swarm.initial_peers), dht_prefix=PREFIX, num_blocks=2,
+                                      retry_seconds=20.0))
+    try:
+        torch.manual_seed(0)
+        prompt = torch.randn(1, 4, 64)
+        with client.inference_session(16) as session:
+            output = session.step(prompt)
+            assert liar not in {peer for peer, _, _ in session.route}
+        with torch.inference_mode():
+            assert torch.allclose(output, span(prompt, None), atol=1e-4)
+        assert client.bans.banned(liar) and not any(client.bans.banned(peer) for peer in honest)
+        disputed = [c for c in client.spot_check_log if c.get("second_referee")]
+        assert len(disputed) == 1 and liar in (disputed[0]["peer_id"], disputed[0]["referee"])
+    finally:
+        client.close()
