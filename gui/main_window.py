@@ -1,4 +1,4 @@
-"""The main window: a navigation rail, the five pages, a status bar with the node's state, the tray icon, a Help menu.
+"""The main window: a navigation rail, the six pages, a status bar with the node's state, the tray icon, a Help menu.
 
 It owns the services (detection, measurement, the node, the coverage watcher, chat) and wires pages to them.
 Only the page on screen is built before the first paint; the others (and pyqtgraph, numpy, the planner search)
@@ -26,7 +26,7 @@ from hivekeeper.gui.settings import Settings, SettingsStore
 from hivekeeper.gui.style import STATE_COLORS
 from hivekeeper.gui.services.workers import WorkerThread
 
-PAGES = ("Hardware", "Plan", "Swarm", "Chat", "Monitor")
+PAGES = ("Hardware", "Plan", "Swarm", "Chat", "Monitor", "Models")
 
 
 def dot_icon(color: str, size: int = 14) -> QIcon:
@@ -163,6 +163,10 @@ class MainWindow(QMainWindow):
     def monitor_page(self):
         return self.page("Monitor")
 
+    @property
+    def models_page(self):
+        return self.page("Models")
+
     def _build_hardware(self) -> QWidget:
         from hivekeeper.gui.pages.hardware import HardwarePage
 
@@ -201,6 +205,12 @@ class MainWindow(QMainWindow):
         page.set_default_model(self.settings.plan.model)
         page.replyMeasured.connect(lambda tps, ms: self.monitor_page.record_chat_reply(tps, ms))
         return page
+
+    def _build_models(self) -> QWidget:
+        from hivekeeper.gui.pages.models import ModelsPage
+        from hivekeeper.gui.services.models import ModelsService
+
+        return ModelsPage(ModelsService(self))
 
     def _build_monitor(self) -> QWidget:
         from hivekeeper.gui.pages.monitor import MonitorPage
@@ -402,6 +412,8 @@ class MainWindow(QMainWindow):
             self.plan_page.shutdown()
         if "Monitor" in self._built:
             self.monitor_page.shutdown()
+        if "Models" in self._built:
+            self.models_page.shutdown()
         WorkerThread.stop_all()
         if self.tray is not None:
             self.tray.hide()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 PAGE_FILES = {"Hardware": "hardware.png", "Plan": "plan.png", "Swarm": "swarm.png", "Chat": "chat.png",
-              "Monitor": "monitor.png"}
+              "Monitor": "monitor.png", "Models": "models.png"}
 QUESTIONS = ("What is the capital of France? Answer in one sentence.", "Name one famous museum there.")
 
 
@@ -128,6 +128,9 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
             window.show_page("Plan")
             plan = window.plan_page
             wait("the plan's charts", lambda: plan.result is not None and plan.charts is not None)
+
+            models = window.models_page
+            wait("the model list", lambda: "model(s)" in models.status.text())
 
             for name in PAGES:
                 window.show_page(name)

@@ -19,6 +19,8 @@ import sys
 
 from hivekeeper.planner.errors import InputError
 
+from hivekeeper.core.runtime.library import human_bytes
+
 FOLDERS = ("Searched: the bundled default; Hivekeeper's models folder (HIVEKEEPER_MODELS_DIR, else the data "
            "folder's models/); the Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub); Ollama's models "
            "(OLLAMA_MODELS, else ~/.ollama/models); LM Studio's (HIVEKEEPER_LMSTUDIO_DIRS, else ~/.lmstudio/models "
@@ -49,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                       "checked before the first byte; an interrupted pull resumes when run again.")
     pull.add_argument("id", metavar="ID", help="the hub repo id, ORG/NAME")
     pull.add_argument("--file", metavar="NAME.gguf", help="the GGUF file to fetch, when the repo holds several")
+    pull.add_argument("--json", action="store_true",
+                      help="JSON lines on stdout for a program (the app): {\"event\": \"plan\"|\"progress\"|\"done\", "
+                           "\"done_bytes\", \"total_bytes\", \"path\"}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "search":
         return search(args)
     if args.action == "pull":
-        return pull(args.id, args.file)
+        return pull_json(args.id, args.file) if args.json else pull(args.id, args.file)
     raise InputError("say what to do: `hivekeeper models list|search TEXT|pull ID|rm ID`")
 
 
@@ -119,6 +124,42 @@ def pull(repo_id: str, gguf_file: str | None) -> int:
     return 0
 
 
+PROGRESS_EVERY_S = 0.25
+
+
+def pull_json(repo_id: str, gguf_file: str | None) -> int:
+    """`pull --json`: the plan, then the bytes here every PROGRESS_EVERY_S (polled on a thread: the download
+    itself reports to its progress bar on stderr), then the path."""
+    import threading
+
+    from hivekeeper.core.runtime import hub_library
+
+    plan = hub_library.plan_pull(repo_id, gguf_file)
+    hub_library.check_disk(plan)
+    total = sum(plan.files.values())
+
+    def emit(event: str, **fields) -> None:
+        print(json.dumps({"event": event, "done_bytes": hub_library.downloaded_bytes(plan), "total_bytes": total,
+                          **fields}), flush=True)
+
+    emit("plan", folder=str(hub_library.pull_folder(repo_id)))
+    finished = threading.Event()
+
+    def report() -> None:
+        while not finished.wait(PROGRESS_EVERY_S):
+            emit("progress")
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        path = hub_library.pull(plan)
+    finally:
+        finished.set()
+        reporter.join()
+    emit("done", path=str(path))
+    return 0
+
+
 def row(model) -> tuple[str, ...]:
     return (model.id, model.source, model.format, model.quantization, human_bytes(model.size_bytes),
             model.fit or "-", model.path)
@@ -130,13 +171,6 @@ def table(rows: list[tuple[str, ...]], columns: tuple[str, ...] = COLUMNS) -> st
     for r in [columns, *rows]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1])
     return "\n".join(line.rstrip() for line in lines)
-
-
-def human_bytes(size: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:.1f} {unit}"
-    return f"{size} B"
 
 
 def remove(model_id: str) -> int:

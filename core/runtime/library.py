@@ -68,6 +68,14 @@ class LibraryModel:
         return {**asdict(self), "removable": self.removable}
 
 
+def human_bytes(size: int) -> str:
+    """'12.4 MB': sizes as `models list` and the app's Models page show them."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
 # ---- folders -------------------------------------------------------------------------------------------------------
 def our_models_dir() -> Path:
     from hivekeeper.core.machine.detect import default_data_dir

@@ -1,1 +1,1 @@
-"""The app's pages, one module each: hardware, plan, swarm, chat, monitor."""
+"""The app's pages, one module each: hardware, plan, swarm, chat, monitor, models."""

@@ -6,4 +6,5 @@
 - `chat`, `chat_backends`  chat generation on a worker, locally or through a swarm.
 - `node`           the serving node as a child process; `coverage`, `swarm_watch` the swarm's coverage.
 - `system_usage`   CPU, RAM and GPU use, sampled.
+- `models`         the model library: listing and removing on a worker, pulling as a child process.
 """

@@ -1,5 +1,6 @@
 """The model picker's menu, shared by the Chat, Swarm and Plan pages: the built-in model first, then other choices a
-page offers (the plan's model), a GGUF file, or a Hugging Face checkpoint folder.
+page offers (the plan's model), the models on this machine (the Models page's list: gui/services/models.py), a GGUF
+file, or a Hugging Face checkpoint folder.
 
 A new user has no model on disk but the built-in one (core/runtime/default_model.py, installed by `make run`), so it
 comes first; people who already hold GGUF files (llama.cpp, Ollama, LM Studio) pick one with a file dialog, since a
@@ -36,6 +37,11 @@ def model_menu(parent: QWidget, title: str, choose: Callable[[str], None], *,
         menu.addAction(builtin_label(), lambda: choose(builtin_model(builtin_as_path)))
         for text, model in extra():
             menu.addAction(text, lambda m=model: choose(m))
+        on_machine = library_entries()
+        if on_machine:
+            menu.addSection("On this machine")
+            for text, model in on_machine:
+                menu.addAction(text, lambda m=model: choose(m))
         menu.addSeparator()
         menu.addAction("GGUF file…", lambda: _pick(choose, QFileDialog.getOpenFileName(parent, title, "",
                                                                                       GGUF_FILTER)[0]))
@@ -44,6 +50,14 @@ def model_menu(parent: QWidget, title: str, choose: Callable[[str], None], *,
     menu.aboutToShow.connect(fill)
     fill()
     return menu
+
+
+def library_entries() -> list[tuple[str, str]]:
+    """(text, path) of the models on this machine but the built-in one, as the Models page lists them."""
+    from hivekeeper.gui.services.models import known_models
+    from hivekeeper.gui.viewmodels.models_view import picker_entries
+
+    return picker_entries(known_models())
 
 
 def builtin_model(as_path: bool = False) -> str:
