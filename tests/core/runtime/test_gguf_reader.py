@@ -416,3 +416,28 @@ def test_packed_block_bytes_are_what_a_packed_block_holds(tmp_path, arch):
                 + (4 * 2 * HIDDEN if arch == "qwen2" else 0))  # q/k/v biases
     assert packed_block_bytes(checkpoint, 0) == expected
     assert held_bytes(load_packed_block(checkpoint, 0)) == expected
+
+
+@pytest.mark.parametrize(("tensor", "kind"), [("blk.0.ffn_norm.weight", QT.F32), ("blk.0.attn_output.weight", QT.F32),
+                                              ("blk.0.attn_output.weight", QT.Q8_0), ("blk.0.attn_k.bias", QT.F32)])
+def test_a_packed_block_names_a_tensor_of_the_wrong_shape(tmp_path, tensor, kind):
+    """A norm, a plain linear, a packed linear or a bias of another shape than the config says: InputError naming
+    the file and the tensor, before the block is built."""
+    tensors = layer_tensors({"attn_q": QT.Q8_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0,
+                             "attn_output": kind}, "qwen2", biases=True)
+    tensors.pop("_hf")
+    array, _ = tensors[tensor]
+    tensors[tensor] = (array[: array.shape[0] // 2], kind)  # half the rows
+    path = write(tmp_path / "m.gguf", "qwen2", tensors)
+    with pytest.raises(InputError) as error:
+        load_packed_block(GGUFCheckpoint(path), 0)
+    message = str(error.value)
+    assert str(path) in message and f"'{tensor}'" in message and "\n" not in message, message
+
+
+def test_read_block_reads_in_the_dtype_asked(tmp_path):
+    path, hf = layer_file(tmp_path, {"ffn_up": QT.Q4_0}, "qwen2", biases=True)
+    tensors = GGUFCheckpoint(path).read_block(0, torch.bfloat16)
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert torch.equal(tensors["mlp.up_proj.weight"], torch.from_numpy(hf["ffn_up"]).to(torch.bfloat16))
+    assert torch.equal(tensors["self_attn.k_proj.bias"], torch.from_numpy(hf["attn_k.bias"]).to(torch.bfloat16))
