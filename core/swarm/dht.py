@@ -357,21 +357,18 @@ def spans_of(blocks: list[dict[str, ServerInfo]], states=(ServerState.ONLINE,)) 
 
 
 def block_throughputs(blocks: list[dict[str, ServerInfo]]) -> list[float]:
-    """Per-block swarm throughput: the sum over JOINING and ONLINE servers covering the block, each server's
-    claim capped at THROUGHPUT_CAP_FACTOR × the median of the other servers' claims (a fake throughput cannot make a
-    block look covered, nor the rest look weak, by more than that)."""
+    """Per-block swarm throughput: the sum over JOINING and ONLINE servers covering the block, each server's claim
+    capped as `capped_claims` does (a fake throughput cannot make a block look covered, nor the rest look weak)."""
     live = (ServerState.JOINING, ServerState.ONLINE)
-    claims: dict[str, float] = {}
-    for servers in blocks:
-        for peer, info in servers.items():
-            if info.state in live:
-                claims[peer] = info.throughput
-    capped = _capped(claims)
+    capped = capped_claims(blocks)
     return [sum(capped[peer] for peer, info in servers.items() if info.state in live) for servers in blocks]
 
 
-def _capped(claims: dict[str, float]) -> dict[str, float]:
-    """Each peer's claim, capped at THROUGHPUT_CAP_FACTOR × the median of the others' claims (if there are any)."""
+def capped_claims(blocks: list[dict[str, ServerInfo]]) -> dict[str, float]:
+    """Each JOINING or ONLINE server's throughput, capped at THROUGHPUT_CAP_FACTOR × the median of the other servers'
+    claims (when there are others): what block choice and rebalancing count."""
+    live = (ServerState.JOINING, ServerState.ONLINE)
+    claims = {peer: info.throughput for servers in blocks for peer, info in servers.items() if info.state in live}
     capped = {}
     for peer, claim in claims.items():
         others = sorted(value for other, value in claims.items() if other != peer)

@@ -47,6 +47,7 @@ from hivekeeper.core.swarm.dht import (
     ServerInfo,
     ServerState,
     block_throughputs,
+    capped_claims,
     declare_blocks,
     live_peers,
     probe,
@@ -447,7 +448,9 @@ class SwarmServer:
     async def _should_move(self) -> int | None:
         blocks = await self._answering_blocks()
         spans = spans_of(blocks, states=(ServerState.JOINING, ServerState.ONLINE))
-        placements = {peer: ServerSpan(span.start, span.end, span.info.throughput) for peer, span in spans.items()}
+        claims = capped_claims(blocks)  # a fake throughput weighs at most 10x the others' median
+        placements = {peer: ServerSpan(span.start, span.end, claims.get(peer, span.info.throughput))
+                      for peer, span in spans.items()}
         if self.peer_id not in placements:  # our own record may not be visible yet: use what we know
             placements[self.peer_id] = ServerSpan(self.blocks.start, self.blocks.stop, self.throughput())
         me = list(placements).index(self.peer_id)
