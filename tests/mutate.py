@@ -7,7 +7,10 @@ laid out as src/hivekeeper/{planner,core}, the tests, and a pyproject.toml whose
 shared settings plus the scope's files, tests and functions (pyproject.toml, [tool.mutmut.scopes.*]).
 
 Functions a scope leaves out get mutmut's `# pragma: no mutate block` in the copy only. Results stay in the scope's
-folder: a later run tests only the mutants of functions that changed (mutmut's cache). Each scope runs under a
+folder: a later run tests only the mutants of functions that changed (mutmut's cache). build/ does not survive a
+fresh clone, so each run also keeps its verdicts (each mutant's exit code, with the hash of its function's source) in
+tests/mutation_verdicts/<scope>.json, and a scope folder without mutmut's files starts from them: only the mutants of
+functions changed since, or never tested, run again. Each scope runs under a
 deadline; at the deadline mutmut is stopped (what it finished is kept, the next run goes on from there) and its
 output so far is shown. Prints one JSON line per scope: mutant counts, the score, the surviving mutants.
 
@@ -31,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "mutate"
+VERDICTS = ROOT / "tests" / "mutation_verdicts"  # tracked: the cache's verdicts, for a fresh clone
 PACKAGES = ("planner", "core")  # the scopes' code; gui is not mutated
 PRAGMA = "  # pragma: no mutate block"
 BIN = Path(sys.executable).parent
@@ -137,6 +141,53 @@ def prepare(name: str, shared: dict, scope: dict) -> Path:
     return folder
 
 
+def save_verdicts(name: str, folder: Path) -> None:
+    """The scope's decided verdicts, by mutmut's meta file: the function hashes, and per mutated function its
+    mutants' numbers and exit codes (one line per function)."""
+    saved = {}
+    for meta_path in sorted((folder / "mutants").rglob("*.py.meta")):
+        meta = json.loads(meta_path.read_text())
+        verdicts: dict[str, dict[str, int]] = {}
+        for key, code in meta["exit_code_by_key"].items():
+            if code is not None:
+                function, number = key.rsplit("__mutmut_", 1)
+                verdicts.setdefault(function, {})[number] = code
+        saved[str(meta_path.relative_to(folder / "mutants"))] = {"hashes": meta["hash_by_function_name"],
+                                                                  "verdicts": verdicts}
+    VERDICTS.mkdir(exist_ok=True)
+    lines = [json.dumps({path: {"hashes": data["hashes"]}}, sort_keys=True) for path, data in saved.items()]
+    lines += [json.dumps({path: {function: codes}}, sort_keys=True)
+              for path, data in saved.items() for function, codes in sorted(data["verdicts"].items())]
+    (VERDICTS / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def restore_verdicts(name: str, folder: Path) -> int:
+    """Write mutmut's meta files from tests/mutation_verdicts/<name>.jsonl where the folder has none (a fresh
+    clone); mutmut keeps a verdict while its function's hash is unchanged. Returns the verdicts restored."""
+    source = VERDICTS / f"{name}.jsonl"
+    if not source.is_file():
+        return 0
+    metas: dict[str, dict] = {}
+    for line in source.read_text().splitlines():
+        (path, value), = json.loads(line).items()
+        meta = metas.setdefault(path, {"exit_code_by_key": {}, "hash_by_function_name": {},
+                                       "type_check_error_by_key": {}, "durations_by_key": {},
+                                       "estimated_durations_by_key": {}})
+        if set(value) == {"hashes"}:
+            meta["hash_by_function_name"] = value["hashes"]
+        else:
+            (function, codes), = value.items()
+            meta["exit_code_by_key"].update({f"{function}__mutmut_{n}": code for n, code in codes.items()})
+    restored = 0
+    for path, meta in metas.items():
+        target = folder / "mutants" / path
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(meta, indent=4))
+            restored += len(meta["exit_code_by_key"])
+    return restored
+
+
 def run_mutmut(folder: Path, jobs: int, seconds: float, names: list[str] = ()) -> tuple[int | None, str]:
     """`mutmut run [names]` in folder, stopped (with its process group) at the deadline; (exit code or None,
     output). Named mutants are tested again even when the cache has a result for them."""
@@ -201,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_scope(name: str, shared: dict, scope: dict, args: argparse.Namespace) -> bool:
     """Prepare and run one scope, print its line; False when mutmut itself failed."""
     folder = prepare(name, shared, scope)
+    restored = restore_verdicts(name, folder)
+    if restored:
+        print(f"mutate: {name}: {restored} verdicts from {VERDICTS.relative_to(ROOT)}/{name}.jsonl", file=sys.stderr)
     names = []
     if args.survivors:
         cached = results(folder)
@@ -214,6 +268,8 @@ def run_scope(name: str, shared: dict, scope: dict, args: argparse.Namespace) ->
         print(f"mutate: {name} stopped at its {scope['minutes'] * args.minutes_scale:g}-minute limit; the next run "
               f"goes on from here. Last output:\n{output[-600:]}", file=sys.stderr)
     print(json.dumps(summary(name, results(folder), code, time.monotonic() - started)), flush=True)
+    if code in (0, None):
+        save_verdicts(name, folder)
     return code in (0, None)
 
 
