@@ -289,6 +289,9 @@ def decode_span(hidden: int, total_bytes: int):
 
 
 DECODE_SPAN_POSITIONS = 64  # a short context: the step is the weights' reads, not attention
+# a step takes milliseconds: at least this many timings of each, so that on a shared machine the fastest (the one
+# least disturbed) is found even with --quick's 2 repeats
+STEP_REPEATS = 7
 
 
 def _decode_steps(config, span, rows: int) -> Callable[[], None]:
@@ -326,7 +329,7 @@ def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repe
     previous_threads = torch.get_num_threads()
     use_blas_threads()  # the runtime's thread layout (its decode path depends on it)
     try:
-        return _decode_block_measurements(hidden, total_bytes, repeats,
+        return _decode_block_measurements(hidden, total_bytes, max(repeats, STEP_REPEATS),
                                           last_level_cache_bytes() if cache_bytes is None else cache_bytes)
     finally:
         torch.set_num_threads(previous_threads)
