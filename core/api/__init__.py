@@ -4,6 +4,8 @@ for OpenAI's API talk to a local or swarm model unchanged.
 Map:
 - `schema`  the requests it accepts (/v1/chat/completions, /v1/completions), checked field by field, and the
             OpenAI-shaped error (status, message naming the field) a bad one gets.
-- `server`  the HTTP server (stdlib, one request at a time; others wait in the listen queue), the endpoints, and the
-            responses: JSON, or server-sent events with `stream: true`.
+- `service` the model behind it: the checks that need the model, the engine that generates (continuous batching
+            when the blocks are in memory, runtime/continuous.py), the OpenAI response objects.
+- `server`  the ASGI app (Starlette, served by uvicorn): endpoints, API key, body limit, concurrent requests handed
+            to the engine; JSON replies, or server-sent events with `stream: true`.
 """

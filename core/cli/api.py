@@ -2,7 +2,9 @@
 OpenAI's API (editors, notebooks, the `openai` client) use a local or swarm model.
 
 The model is opened as `hivekeeper chat` opens it (the planner's plan for a KV cache of the whole context, or a swarm
-client with --swarm). It binds to 127.0.0.1 by default; --port 0 takes a free port. Once the model is loaded and has
+client with --swarm). Concurrent requests are decoded together, up to --max-batch at once, when the plan keeps every
+block in memory (core/runtime/continuous.py); otherwise they are served one after another. It binds to 127.0.0.1 by
+default; --port 0 takes a free port. Once the model is loaded and has
 generated one token (so the first request pays no one-time costs), one line says where it listens
 (`serving MODEL at http://HOST:PORT/v1`); Ctrl-C stops it.
 """
@@ -22,6 +24,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # the plan counts a KV cache of the whole context, less this much reply
 PLANNED_REPLY_TOKENS = 256
+DEFAULT_MAX_BATCH = 8  # requests decoded together; more wait for a row to free
+MAX_BATCH_LIMIT = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,30 +36,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"port to listen on (default {DEFAULT_PORT}; 0 = any free port, printed)")
     parser.add_argument("--api-key", metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every request (default: none)")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
+                        help=f"requests decoded together at most (default {DEFAULT_MAX_BATCH}; 1 = one after another)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be 0..65535, got {args.port}")
+    if not 1 <= args.max_batch <= MAX_BATCH_LIMIT:
+        raise InputError(f"--max-batch must be 1..{MAX_BATCH_LIMIT}, got {args.max_batch}")
     ram_budget = check_budget(args)
     set_threads()
     server = open_server(args, ram_budget)
     print(f"serving {server.service.model_id} at http://{args.host}:{server.port}/v1 "
           f"({server.service.runner.description})", flush=True)
     try:
-        server.serve_forever()
+        server.serve_forever()  # Ctrl-C (SIGINT) or SIGTERM: uvicorn finishes what it serves, then returns
     except KeyboardInterrupt:
-        print("hivekeeper api: stopped", file=sys.stderr)
+        pass
     finally:
+        print("hivekeeper api: stopped", file=sys.stderr)
         server.server_close()
-        server.service.runner.close()
+        server.service.close()
     return 0
 
 
 def open_server(args: argparse.Namespace, ram_budget: float | None):
     """The model loaded and the server bound (an address in use is an InputError naming it)."""
-    from hivekeeper.core.api.server import APIServer, ModelService
+    from hivekeeper.core.api.server import APIServer
+    from hivekeeper.core.api.service import ModelService, engine_for
     from hivekeeper.core.runtime.generation import context_limit
 
     path, tokenizer, config = resolve_model(args)
@@ -63,18 +73,22 @@ def open_server(args: argparse.Namespace, ram_budget: float | None):
     reply = min(PLANNED_REPLY_TOKENS, context - 1)
     runner = open_runner(args, path, tokenizer, config, batch=1, prompt_len=context - reply, max_length=context,
                          ram_budget=ram_budget)
-    service = ModelService(runner, tokenizer, config, model_id=args.model, aliases=model_aliases(args.model),
-                           swarm=args.swarm, api_key=args.api_key)
     try:
-        service.warm_up()
+        engine = engine_for(runner.model, tokenizer, args.max_batch)
     except BaseException:
         runner.close()
         raise
+    service = ModelService(runner, tokenizer, config, engine, model_id=args.model, aliases=model_aliases(args.model),
+                           swarm=args.swarm, api_key=args.api_key)
     try:
+        service.warm_up()
         return APIServer(service, args.host, args.port, verbose=args.verbose)
     except OSError as exc:
-        runner.close()
+        service.close()
         raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc})") from None
+    except BaseException:
+        service.close()
+        raise
 
 
 def model_aliases(model: str) -> tuple[str, ...]:

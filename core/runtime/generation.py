@@ -224,7 +224,7 @@ def generate(model, prompt_ids: Sequence[int] | Sequence[Sequence[int]], *, max_
     fit in it runs as without one and leaves it empty; an error mid-generation empties it too."""
     started = time.perf_counter()
     ids, max_length = _checked_prompt(model, prompt_ids, batch, max_new_tokens, prompt_cache)
-    eos, strings = _stop_rules(model.config, tokenizer, eos_ids, stop_strings, ignore_eos)
+    eos, strings = stop_rules(model.config, tokenizer, eos_ids, stop_strings, ignore_eos)
     rows = _Rows.open(ids.shape[0], tokenizer, eos, strings, on_text)
     ids = ids.to(model.embedding.weight.device)
     steps = _Steps.open(sampling, ids, max_length, stop)
@@ -252,7 +252,7 @@ def _checked_prompt(model, prompt_ids, batch: int, max_new_tokens: int,
     return ids, min(prompt_len + max_new_tokens, context_limit(config))
 
 
-def _stop_rules(config, tokenizer, eos_ids, stop_strings, ignore_eos: bool) -> tuple[tuple, tuple]:
+def stop_rules(config, tokenizer, eos_ids, stop_strings, ignore_eos: bool) -> tuple[tuple, tuple]:
     """(EOS ids, stop strings) a sequence stops at: by default the tokenizer's and the config's EOS ids, and the
     tokenizer's stop strings; no EOS with ignore_eos, no stop strings without a tokenizer."""
     if eos_ids is None:

@@ -30,7 +30,7 @@ def server(tiny_checkpoint):
     finally:
         api.shutdown()
         api.server_close()
-        api.service.runner.close()
+        api.service.close()
         thread.join(HTTP_TIMEOUT_S)
 
 

@@ -146,7 +146,7 @@ def test_a_client_leaving_mid_stream_does_not_stop_the_server(api):
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
     assert response.status == 200
-    assert response.fp.readline().startswith(b"data: ")  # the stream began
+    assert response.readline().startswith(b"data: ")  # the stream began
     response.close()  # the response holds the socket too: both let go of it, the connection is closed
     connection.close()
     assert chat(api, temperature=0, max_tokens=1)["usage"]["completion_tokens"] == 1

@@ -4,8 +4,6 @@ not."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
 
 import pytest
@@ -13,6 +11,8 @@ import pytest
 from hivekeeper.core.cli.api import open_server
 from hivekeeper.core.cli.main import build_parser
 from hivekeeper.core.swarm.local import LocalSwarm
+
+openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 HTTP_TIMEOUT_S = 120
@@ -29,23 +29,18 @@ def serving(args: list[str]):
 def stop(api) -> None:
     api.shutdown()
     api.server_close()
-    api.service.runner.close()
+    api.service.close()
 
 
 def completion(api, body: dict) -> tuple[int, str]:
-    """(status, text) of a completion, streamed or not."""
-    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=HTTP_TIMEOUT_S)
-    try:
-        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        raw = response.read().decode()
-    finally:
-        connection.close()
+    """(200, text) of a completion through the official `openai` client, streamed or not."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key="unused", timeout=HTTP_TIMEOUT_S,
+                           max_retries=0)
+    model = client.models.list().data[0].id
+    reply = client.completions.create(model=model, **body)
     if not body.get("stream"):
-        return response.status, json.loads(raw)["choices"][0]["text"]
-    events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return response.status, "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        return 200, reply.choices[0].text
+    return 200, "".join(chunk.choices[0].text for chunk in reply if chunk.choices)
 
 
 def test_the_api_through_a_swarm_answers_like_the_local_model(tiny_checkpoint, tmp_path):

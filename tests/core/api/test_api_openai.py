@@ -1,0 +1,148 @@
+"""`hivekeeper api` driven by the official `openai` client, as its users drive it, on a tiny checkpoint served in
+this process (a real uvicorn server on 127.0.0.1): greedy text equal to `hivekeeper generate`, streaming equal to
+not streaming, concurrent streams decoded in one batch with each one's own text, a client that leaves freeing its
+row, and the client's own error types for a bad key, a bad field and a prompt past the context."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from hivekeeper.core.cli.api import open_server
+from hivekeeper.core.cli.main import build_parser, main
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+KEY = "sesame"
+PROMPTS = ["hello there", "the cat sat on the mat and", "one two", "a b c d e f g h i j"]
+NEW_TOKENS = 10
+DEADLINE_S = 120
+
+
+@pytest.fixture(scope="module")
+def api(tiny_checkpoint):
+    server = open_server(build_parser().parse_args(
+        ["api", "--model", str(tiny_checkpoint), "--port", "0", "--api-key", KEY]), None)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.service.close()
+        thread.join(DEADLINE_S)
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key=KEY, timeout=DEADLINE_S, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def generated(tiny_checkpoint):
+    """`hivekeeper generate --json`'s greedy text of each prompt (the command, run in this process)."""
+    import contextlib
+    import io
+
+    texts = []
+    for prompt in PROMPTS:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["generate", "--model", str(tiny_checkpoint), "--prompt", prompt, "--json",
+                         "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0"])
+        assert code == 0
+        texts.append(json.loads(out.getvalue())["text"])
+    return texts
+
+
+def complete(client, prompt: str, **fields):
+    return client.completions.create(model=client_model(client), prompt=prompt, max_tokens=NEW_TOKENS,
+                                     temperature=0, **fields)
+
+
+def client_model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def streamed_text(stream) -> str:
+    return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+
+def test_greedy_completions_equal_hivekeeper_generate_streamed_or_not(client, generated):
+    for prompt, expected in zip(PROMPTS, generated):
+        whole = complete(client, prompt)
+        assert whole.choices[0].text == expected
+        assert streamed_text(complete(client, prompt, stream=True)) == expected
+
+
+def test_chat_streams_the_same_reply_with_usage(client):
+    messages = [{"role": "user", "content": "hello"}]
+    model = client_model(client)
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=6, seed=3, temperature=0.8)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=6, seed=3, temperature=0.8,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting: {what}"
+        time.sleep(0.02)
+
+
+def test_concurrent_streams_are_decoded_together_each_with_its_own_text(api, client, generated):
+    engine = api.service.engine
+    texts, errors = {}, []
+
+    def ask(i: int) -> None:
+        try:
+            texts[i] = streamed_text(complete(client, PROMPTS[i], stream=True))
+        except Exception as exc:  # noqa: BLE001 - reported by the assert below
+            errors.append(exc)
+
+    model = client_model(client)  # (before holding: it needs no engine)
+    assert model
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    with engine.hold():
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: engine.waiting == len(PROMPTS), "every request queued")
+    for thread in threads:
+        thread.join(DEADLINE_S)
+    assert not errors
+    assert [texts[i] for i in range(len(PROMPTS))] == generated
+    assert engine.stats.largest_batch == len(PROMPTS)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(api, client):
+    engine = api.service.engine
+    stream = client.completions.create(model=client_model(client), prompt="count", max_tokens=100, temperature=0,
+                                       stream=True)
+    next(iter(stream))  # the stream began
+    stream.close()
+    wait_until(lambda: engine.active == 0 and engine.waiting == 0, "the left request's row freed")
+    assert complete(client, PROMPTS[0]).usage.completion_tokens == NEW_TOKENS
+
+
+def test_errors_arrive_as_the_clients_own_error_types(api, client):
+    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    model = client_model(client)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], top_p=0)
+    context = api.service.config.max_position_embeddings
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi " * (2 * context), max_tokens=1)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)

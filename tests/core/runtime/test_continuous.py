@@ -1,0 +1,168 @@
+"""The API's engines on a tiny checkpoint opened as `hivekeeper api` opens it: requests held back and released
+together are decoded in one batch, each giving the greedy text it gives alone (generation.generate); a cancelled
+request leaves the batch and frees its cache; a failing request does not stop the others; a cache that fills grows;
+the serial engine gives the same texts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hivekeeper.core.api.service import engine_for
+from hivekeeper.core.cli.generate import open_runner, resolve_model
+from hivekeeper.core.cli.main import build_parser
+from hivekeeper.core.runtime import continuous
+from hivekeeper.core.runtime.continuous import ContinuousBatcher, Request, SerialEngine
+from hivekeeper.core.runtime.generation import generate
+from hivekeeper.core.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPTS = ["hello there", "the cat sat on the mat and", "one two", "a b c d e f g h i j"]
+NEW_TOKENS = 12
+DEADLINE_S = 120
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_checkpoint):
+    args = build_parser().parse_args(["api", "--model", str(tiny_checkpoint)])
+    path, tokenizer, config = resolve_model(args)
+    opened = open_runner(args, path, tokenizer, config, batch=1, prompt_len=64, max_length=128, ram_budget=None)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture(scope="module")
+def alone(runner):
+    """Each prompt's greedy text from generation.generate, one at a time."""
+    return [generate(runner.model, runner.tokenizer.encode(p), max_new_tokens=NEW_TOKENS, tokenizer=runner.tokenizer,
+                     ignore_eos=True).texts[0] for p in PROMPTS]
+
+
+class Outcomes:
+    """Requests whose on_done records what they ended with."""
+
+    def __init__(self, runner):
+        self.runner, self.done, self.finished = runner, {}, threading.Event()
+        self.expected = 0
+
+    def request(self, key, prompt: str, max_new: int = NEW_TOKENS, ids: list[int] | None = None) -> Request:
+        self.expected += 1
+
+        def on_done(outcome):
+            self.done[key] = outcome
+            if len(self.done) == self.expected:
+                self.finished.set()
+
+        ids = ids if ids is not None else self.runner.tokenizer.encode(prompt)
+        return Request(ids, max_new, GREEDY, on_done=on_done)
+
+    def wait(self) -> dict:
+        assert self.finished.wait(DEADLINE_S), f"only {sorted(self.done)} finished"
+        return self.done
+
+
+def no_eos(engine, runner):
+    """The tiny model's EOS would end rows at random points: these tests compare fixed-length texts."""
+    runner.model.config.eos_token_ids = ()
+    runner.tokenizer.eos_token_ids = ()
+    return engine
+
+
+@pytest.fixture
+def batcher(runner):
+    saved = runner.model.config.eos_token_ids, getattr(runner.tokenizer, "eos_token_ids", ())
+    engine = no_eos(engine_for(runner.model, runner.tokenizer, 8), runner)
+    yield engine
+    engine.close()
+    runner.model.config.eos_token_ids, runner.tokenizer.eos_token_ids = saved
+
+
+def test_the_api_engine_of_a_model_held_in_ram_is_the_batcher(batcher, runner):
+    assert isinstance(batcher, ContinuousBatcher)
+    single = engine_for(runner.model, runner.tokenizer, 1)  # --max-batch 1
+    try:
+        assert isinstance(single, SerialEngine)
+    finally:
+        single.close()
+
+
+def test_requests_released_together_are_decoded_together_with_their_own_text(batcher, runner, alone):
+    outcomes = Outcomes(runner)
+    with batcher.hold():
+        for i, prompt in enumerate(PROMPTS):
+            batcher.submit(outcomes.request(i, prompt))
+        assert batcher.waiting == len(PROMPTS)
+    done = outcomes.wait()
+    assert batcher.stats.largest_batch == len(PROMPTS)
+    assert [done[i].text for i in range(len(PROMPTS))] == alone
+    assert all(done[i].finish_reason == "length" and len(done[i].token_ids) == NEW_TOKENS for i in done)
+    assert batcher.active == 0
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_go_on(batcher, runner, alone):
+    outcomes = Outcomes(runner)
+    long = outcomes.request("long", PROMPTS[1], max_new=60)
+    pieces = []
+
+    def leave_after_three(text: str) -> None:  # the client leaves while the batch runs
+        pieces.append(text)
+        if len(pieces) == 3:
+            long.cancelled.set()
+
+    long.on_text = leave_after_three
+    with batcher.hold():
+        batcher.submit(long)
+        batcher.submit(outcomes.request("short", PROMPTS[0]))
+    done = outcomes.wait()
+    assert done["long"].finish_reason == "stopped" and len(done["long"].token_ids) == 3
+    assert done["short"].text == alone[0]
+    assert batcher.active == 0
+
+
+def test_a_request_cancelled_before_it_starts_ends_with_its_first_token(batcher, runner):
+    outcomes = Outcomes(runner)
+    with batcher.hold():
+        request = outcomes.request("gone", PROMPTS[0])
+        batcher.submit(request)
+        request.cancelled.set()
+    done = outcomes.wait()
+    assert done["gone"].finish_reason == "stopped" and len(done["gone"].token_ids) == 1
+    assert batcher.active == 0
+
+
+def test_a_failing_request_fails_alone(batcher, runner, alone):
+    outcomes = Outcomes(runner)
+    vocab = runner.model.config.vocab_size
+    with batcher.hold():
+        batcher.submit(outcomes.request("bad", "", ids=[vocab + 5]))  # no such token: the embedding raises
+        batcher.submit(outcomes.request("good", PROMPTS[2]))
+    done = outcomes.wait()
+    assert isinstance(done["bad"], Exception)
+    assert done["good"].text == alone[2]
+
+
+def test_a_cache_that_fills_grows_and_keeps_what_it_holds(batcher, runner, alone, monkeypatch):
+    monkeypatch.setattr(continuous, "FIRST_CACHE_TOKENS", 2)
+    outcomes = Outcomes(runner)
+    with batcher.hold():
+        for i in (0, 3):
+            batcher.submit(outcomes.request(i, PROMPTS[i]))
+    done = outcomes.wait()
+    assert done[0].text == alone[0] and done[3].text == alone[3]
+
+
+def test_the_serial_engine_gives_the_same_texts(runner, alone):
+    saved = runner.model.config.eos_token_ids, getattr(runner.tokenizer, "eos_token_ids", ())
+    engine = no_eos(SerialEngine(runner.model, runner.tokenizer), runner)
+    try:
+        outcomes = Outcomes(runner)
+        for i, prompt in enumerate(PROMPTS):
+            engine.submit(outcomes.request(i, prompt))
+        done = outcomes.wait()
+        assert [done[i].text for i in range(len(PROMPTS))] == alone
+        assert engine.stats.largest_batch == 1
+    finally:
+        engine.close()
+        runner.model.config.eos_token_ids, runner.tokenizer.eos_token_ids = saved
