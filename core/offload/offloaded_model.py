@@ -30,6 +30,7 @@ from torch import Tensor
 
 from hivekeeper.planner.errors import InputError
 
+from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 from hivekeeper.core.offload.block_variants import forward_with_attention_at_cache
 from hivekeeper.core.offload.placement import EnginePlan, cpu_attention_dtype, micro_batch_rows
 from hivekeeper.core.offload.streaming import BlockStreamer, Slot
@@ -53,32 +54,57 @@ def use_physical_cores() -> int:
 
 def warm_up_runtime() -> None:
     """Run a small decoder block once (a prefill chunk, then a decode step of a few rows) on scratch weights, in the
-    thread layout set, so that what the engine's first step would add to the process is there now: the code pages
-    of the torch and numpy kernels it calls (~14 MB of libtorch_cpu.so measured), torch's thread pool, OpenBLAS's
-    per-thread packing buffers. They are runtime, counted in the baseline a RAM budget is measured from, not in the
-    budget; taken after the baseline, they showed as ~15 MB over it."""
+    thread layout set, in fp32 and in each 16-bit dtype this CPU computes natively, so that what the engine's first
+    step would add to the process is there now: the code pages of the torch and numpy kernels it calls (~14 MB of
+    libtorch_cpu.so measured for fp32, more for the bf16 kernels), torch's thread pool, OpenBLAS's per-thread buffers.
+    They are runtime, counted in the baseline a RAM budget is measured from, not in the budget; taken after the
+    baseline, they showed as ~15 MB over it. Also sets how freed memory is returned (keep_heap_small)."""
+    keep_heap_small()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if runs_natively_on_cpu(dtype):
+            _run_small_block(dtype)
+    _return_freed_memory()
+
+
+def _run_small_block(dtype: torch.dtype) -> None:
     config = ModelConfig.from_hf_config({"model_type": "llama", "vocab_size": 512, "hidden_size": 512,
                                          "intermediate_size": 1024, "num_hidden_layers": 1,
                                          "num_attention_heads": 8, "num_key_value_heads": 4,
                                          "max_position_embeddings": 64})
-    rotary = RotaryTable(config)
-    block = empty_block(config, rotary, torch.float32, "cpu")
+    rotary, cpu = RotaryTable(config), torch.device("cpu")
+    block = empty_block(config, rotary, dtype, cpu)
     for param in block.parameters():
         param.fill_(0.01)
     shape = (4, config.num_kv_heads, 32, config.head_dim)
-    k, v = torch.zeros(shape), torch.zeros(shape)
+    k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
     with torch.inference_mode():
-        hidden = block(torch.ones(4, 16, config.hidden_size), k, v, 0, rotary.get(0, 16, torch.device("cpu"),
-                                                                                    torch.float32))
-        hidden = block(hidden[:, -1:], k, v, 16, rotary.get(16, 1, torch.device("cpu"), torch.float32))
-        torch.softmax(linear(hidden, torch.ones(config.vocab_size, config.hidden_size)), -1).argmax(-1)
-    del block, k, v, hidden
-    _return_freed_memory()
+        hidden = block(torch.ones(4, 16, config.hidden_size, dtype=dtype), k, v, 0, rotary.get(0, 16, cpu, dtype))
+        hidden = block(hidden[:, -1:], k, v, 16, rotary.get(16, 1, cpu, dtype))
+        torch.softmax(linear(hidden, torch.ones(config.vocab_size, config.hidden_size, dtype=dtype)), -1).argmax(-1)
+
+
+# glibc's mallopt parameter: allocations from this size up get their own memory map, unmapped when freed
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def keep_heap_small() -> None:
+    """Have every allocation of 1 MiB or more returned to the OS when freed (glibc: a fixed mmap threshold).
+
+    By default glibc raises its threshold to the largest block freed so far (up to 32 MB), and from then on keeps
+    freed blocks of that size in its heaps. A 16-bit plan over an fp32 checkpoint converts every tensor it reads
+    through a temporary of the file's dtype (tens of MB for an embedding), so the heaps kept ~25 MB of freed
+    temporaries, part of what put a bf16 run 17% over its RAM budget (with the bf16 kernels' code, see
+    warm_up_runtime). No-op where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass
 
 
 def _return_freed_memory() -> None:
-    """Give the scratch memory just freed back to the OS (glibc keeps freed heap memory), so that a baseline taken
-    now holds the runtime only, not space the engine would reuse."""
+    """Give memory just freed back to the OS (glibc keeps freed heap memory): after the warm-up, so that a baseline
+    taken then holds the runtime only, and after loading, for the conversion temporaries."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
@@ -113,6 +139,7 @@ class OffloadedModel:
                  drop_page_cache: bool = False, quant_store_dir: str | os.PathLike | None = None):
         """quant_store_dir: where int8/nf4 blocks that stream (and, on a CPU, resident ones) are kept, quantized
         once (default: the data dir's quantized/ folder; see runtime/quant/store.py)."""
+        keep_heap_small()
         self.path = Path(path)
         self.plan = plan
         self.device = torch.device(plan.device)
@@ -173,6 +200,7 @@ class OffloadedModel:
         except BaseException:
             self.close()
             raise
+        _return_freed_memory()  # the temporaries of converting reads (a 16-bit plan over an fp32 file)
 
     def _stream_buffer(self, device: str | torch.device, pin: bool = False) -> Block:
         """An unfilled block for streamed weights: quantized like the store's blocks, or of the plan's dtype."""
