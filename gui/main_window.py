@@ -210,7 +210,9 @@ class MainWindow(QMainWindow):
         from hivekeeper.gui.pages.models import ModelsPage
         from hivekeeper.gui.services.models import ModelsService
 
-        return ModelsPage(ModelsService(self))
+        service = ModelsService(self)
+        service.hardware = lambda: getattr(self.hardware_page.machine, "hardware", None)
+        return ModelsPage(service)
 
     def _build_monitor(self) -> QWidget:
         from hivekeeper.gui.pages.monitor import MonitorPage

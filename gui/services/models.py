@@ -27,12 +27,18 @@ def known_models() -> list:
     return list(LAST_LISTING)
 
 
-def list_with_fits(report, should_stop) -> list:
-    from hivekeeper.core.runtime.library import add_fits, scan_library
+def list_with_fits(hardware, should_stop) -> list:
+    """The library with each model's fit on `hardware` (detected here when None), stopping between models."""
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.runtime.library import model_fit, scan_library
 
     models = scan_library()
-    if not should_stop():
-        add_fits(models)
+    if not should_stop() and hardware is None:
+        hardware = detect_hardware()
+    for model in models:
+        if should_stop():
+            break
+        model.fit, model.fit_reason = model_fit(model.path, hardware)
     return models
 
 
@@ -49,6 +55,7 @@ class ModelsService(QObject):
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
+        self.hardware = lambda: None  # the machine the app detected (a HardwareSpec), or None: detected per listing
         self.listing: WorkerThread | None = None
         self.removing: WorkerThread | None = None
         self.pull_process = JsonLinesProcess(self)
@@ -61,7 +68,8 @@ class ModelsService(QObject):
     def refresh(self) -> None:
         if self.listing is not None and not self.listing.worker.done:
             return
-        self.listing = WorkerThread(list_with_fits)
+        hardware = self.hardware()
+        self.listing = WorkerThread(lambda report, should_stop: list_with_fits(hardware, should_stop))
         self.listing.worker.returned.connect(self._listed)
         self.listing.worker.errored.connect(self.failed)
         self.listing.start()

@@ -122,12 +122,12 @@ def test_search_keeps_the_formats_and_architectures_we_run_with_size_and_fit(hub
     queries = [r.file for r in hub.requests if r.origin == "api"]
     assert len(queries) == 2
 
-    table = models(env, "search", "llama")
+    table = models(env, "search", "llama", "--no-fit")
     assert table.returncode == 0, table.stderr
     header, row = table.stdout.splitlines()
     assert header.split()[:3] == ["ID", "FORMAT", "ARCH"] and row.split()[:3] == ["org/tiny-llama", "safetensors",
                                                                                  "llama"]
-    nothing = models(env, "search", "no-such-words")
+    nothing = models(env, "search", "no-such-words", "--no-fit")
     assert nothing.returncode == 0 and nothing.stdout == "" and "no hub model matching" in nothing.stderr
 
 
