@@ -966,7 +966,7 @@ class SwarmModel:
         client_config = ClientConfig(tuple(initial_peers), dht_prefix_for(model, dht_prefix), self.config.num_layers,
                                      **client_options)
         self.client = SwarmClient(client_config)
-        self.client.local_referee = LocalReferee(path, client_config.spot_check_local_blocks)
+        self.client.local_referee = LocalReferee(path, self.config, client_config.spot_check_local_blocks)
         self.span = RemoteSpan(self.client, self.config.num_layers)
 
     def inference_session(self, max_length: int, batch: int = 1) -> RemoteSession:

@@ -4,7 +4,8 @@ re-runs a sampled fraction of its inference steps elsewhere and compares:
 
 - every `1 / rate`-th step of a session (the first one always), each server's outputs since its last check are
   recomputed from the inputs it was sent (kept for replays anyway): locally when the client has the weights and the
-  span is small (`LocalReferee`), else on another server covering the same blocks;
+  span is small (`LocalReferee`: up to 4 blocks and 256 MiB of fp32 weights), else on another server covering the
+  same blocks;
 - outputs agree when, at every position, the largest difference is within atol + rtol × the largest reference value,
   the tolerance of the less precise dtype of the two sides (`tolerance`);
 - a mismatch bans the server for good, replays its inputs on a replacement, recomputes the servers after it from the
@@ -24,6 +25,7 @@ import torch
 
 # (atol, rtol) of hidden states computed in a dtype, against a reference computed in fp32 (or the same dtype)
 TOLERANCES = {"float32": (1e-4, 1e-3), "float16": (2e-3, 1e-2), "bfloat16": (1e-2, 4e-2)}
+LOCAL_REFEREE_MAX_BYTES = 256 * 2**20  # fp32 weights a client loads to check a span itself (SmolLM2: 4 blocks, 56 MB)
 
 
 @dataclass(frozen=True)
@@ -54,14 +56,16 @@ def first_mismatch(outputs: torch.Tensor, reference: torch.Tensor, atol: float,
 
 
 class LocalReferee:
-    """Recomputes blocks [start, end) here from a checkpoint's weights (loaded once per span, fp32)."""
+    """Recomputes blocks [start, end) here from a checkpoint's weights (loaded once per span, fp32): spans of up to
+    max_blocks blocks whose fp32 weights fit in LOCAL_REFEREE_MAX_BYTES (larger ones go to a remote referee)."""
 
-    def __init__(self, checkpoint: Path, max_blocks: int):
+    def __init__(self, checkpoint: Path, config, max_blocks: int):
         self.checkpoint, self.max_blocks = checkpoint, max_blocks
+        self.block_bytes = 4 * config.block_param_count()
         self._spans: dict[tuple[int, int], object] = {}
 
     def covers(self, start: int, end: int) -> bool:
-        return end - start <= self.max_blocks
+        return end - start <= self.max_blocks and (end - start) * self.block_bytes <= LOCAL_REFEREE_MAX_BYTES
 
     @torch.inference_mode()
     def __call__(self, start: int, end: int, inputs: torch.Tensor) -> torch.Tensor:
