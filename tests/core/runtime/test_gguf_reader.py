@@ -441,3 +441,9 @@ def test_read_block_reads_in_the_dtype_asked(tmp_path):
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert torch.equal(tensors["mlp.up_proj.weight"], torch.from_numpy(hf["ffn_up"]).to(torch.bfloat16))
     assert torch.equal(tensors["self_attn.k_proj.bias"], torch.from_numpy(hf["attn_k.bias"]).to(torch.bfloat16))
+
+
+def test_a_checkpoint_is_packed_only_when_asked(tmp_path):
+    path, _ = layer_file(tmp_path, {})
+    assert GGUFCheckpoint(path).packed is False
+    assert GGUFCheckpoint(path, packed=True).packed is True and GGUFCheckpoint(path, packed=1).packed is True
