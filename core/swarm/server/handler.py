@@ -56,6 +56,9 @@ logger = logging.getLogger("hivekeeper.swarm.server")
 # blocking the loop this briefly delays nothing
 INLINE_STEP_SECONDS = 0.005
 MAX_ID_CHARS = 256  # session_id / step_id / upstream_peer: a uuid is 36, a peer id ~52
+# a forward runs as compute tasks of one block and at most this many rows (batch × tokens, whole sequences): 20
+# peers' 16384-row forwards delayed a session's first token by the whole forward each; now by one such task
+FORWARD_TASK_ROWS = 2048
 
 
 @dataclass
@@ -304,8 +307,9 @@ def _inference_step(span: Span, cache: KVCache, step: _Step, start_from: int | N
 
 
 def _forward(span: Span, step: _Step) -> torch.Tensor:
+    """One block's forward (the result stays on the span's device until the last block)."""
     with torch.inference_mode():
-        return run_blocks(span, step.hidden, None, step.prompts).cpu()
+        return run_blocks(span, step.hidden, None, step.prompts)
 
 
 def _backward(span: Span, step: _Step, grad_outputs: torch.Tensor) -> list[torch.Tensor]:
@@ -451,7 +455,22 @@ class TransformerConnectionHandler(ServicerBase):
         if step.hidden.shape[1] > served.config.max_position_embeddings:
             raise ProtocolError(f"{step.hidden.shape[1]} tokens exceed the model's context")
         self.requests_served += 1
-        return [await self._run(_forward, served.sub(start, end), step, priority=FORWARD)]
+        return [await self._forward_in_tasks(served, start, end, step)]
+
+    async def _forward_in_tasks(self, served: ServedSpan, start: int, end: int, step: _Step) -> torch.Tensor:
+        """A forward as compute tasks of one block and at most FORWARD_TASK_ROWS rows (whole sequences) each: an
+        inference step queued behind it waits for one such task, not for the whole forward."""
+        hidden = step.hidden
+        per_task = max(1, FORWARD_TASK_ROWS // max(1, hidden.shape[1]))  # sequences per task
+        for i in range(start, end):
+            parts = []
+            for first in range(0, hidden.shape[0], per_task):
+                rows = slice(first, first + per_task)
+                prompts = step.prompts[i - start : i - start + 1, rows] if step.prompts is not None else None
+                parts.append(await self._run(_forward, served.sub(i, i + 1), _Step(hidden[rows], prompts, None),
+                                             priority=FORWARD))
+            hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return hidden.cpu()
 
     async def _backward(self, uid: str, tensors, metadata: dict) -> list[torch.Tensor]:
         served = self._require_served()

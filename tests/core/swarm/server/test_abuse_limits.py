@@ -31,6 +31,7 @@ from hivekeeper.core.swarm.protocol import (
     serialize_tensor,
 )
 from hivekeeper.core.swarm.server.compute import FORWARD
+from hivekeeper.core.swarm.server.handler import FORWARD_TASK_ROWS, run_blocks
 from hivekeeper.core.swarm.server.quotas import Quotas
 
 from .test_swarm_handler import PREFIX, RawSession, Rig, local_steps, wait_until
@@ -299,3 +300,14 @@ def test_blockwise_8bit_in_and_out_through_the_handler(rig):
     with torch.inference_mode():
         reference = rig.span(deserialize_tensor(request.tensors[0]))
     assert torch.allclose(deserialize_tensor(out), reference, atol=0.05 * reference.abs().max().item())
+
+
+def test_a_forward_split_into_block_and_row_tasks_matches_the_whole_span(rig):
+    """Forwards run as tasks of one block and at most FORWARD_TASK_ROWS rows, so an inference step waits for one
+    task; the pieces, deep prompts included, add up to the span run in one go."""
+    torch.manual_seed(7)
+    hidden, prompts = torch.randn(3, 1000, 64), torch.randn(2, 3, 5, 64) * 0.1  # 2 sequences per task
+    assert FORWARD_TASK_ROWS // 1000 < hidden.shape[0]
+    (out,) = rig.forward(UID, hidden, prompts)
+    with torch.inference_mode():
+        assert torch.allclose(out, run_blocks(rig.span, hidden, None, prompts), atol=1e-4)
