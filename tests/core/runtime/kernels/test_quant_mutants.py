@@ -77,8 +77,8 @@ def test_shapes_the_formats_cannot_hold_are_named(shape):
     with pytest.raises(InputError) as error:
         quantize(np.zeros(shape, np.float32), FORMATS["q8_0"], "layer 3")
     assert "layer 3" in str(error.value) and str(tuple(shape)) in str(error.value)
-    with pytest.raises(InputError):
-        from_gguf(np.zeros(64, np.uint8), FORMATS["q8_0"], shape, "t")
+    with pytest.raises(InputError, match="^tensor 'q': shape"):
+        from_gguf(np.zeros(64, np.uint8), FORMATS["q8_0"], shape, "tensor 'q'")
 
 
 def test_the_smallest_shape_is_held():
