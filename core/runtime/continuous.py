@@ -1,9 +1,9 @@
 """Engines that take generation requests as they come, for a server (the OpenAI-compatible API).
 
 ContinuousBatcher decodes concurrent requests together: between two decode steps, waiting requests join the running
-batch (each prefilled alone into its own KV cache) and finished or cancelled ones leave it; each step then runs one
-token of every running sequence through the model at once (runtime/ragged.decode_rows), so the weights are read
-once per step for all of them. On a CPU, where decode is bound by memory bandwidth, that is nearly free throughput.
+batch (each prefilled alone into its row of a shared K/V pool) and finished or cancelled ones leave it; each step
+then runs one token of every running sequence through the model at once (runtime/ragged.decode_rows), so the
+weights are read once per step for all of them. On a CPU, where decode is bound by memory bandwidth, that is nearly free throughput.
 A step with a single sequence takes the ordinary path (Span.forward, the native decode kernels), so one client alone
 decodes as fast as `hivekeeper generate`. It needs the model's blocks in memory (a Span); a model that streams its
 blocks from disk, or runs them in a swarm, gets SerialEngine: the same interface, one request after another through
@@ -11,7 +11,7 @@ generation.generate.
 
 Both run on their own thread; `submit` returns at once, text comes through the request's `on_text`, and `on_done`
 gets the Completion (or the exception). Setting the request's `cancelled` event (a client that left) frees its
-row and cache at the next step.
+row of the pool at the next step; an idle batcher holds no K/V memory.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from hivekeeper.core.runtime.generation import (SequenceOutput, context_limit, generate, stop_rules)
 from hivekeeper.core.runtime.model import KVCache, Span
-from hivekeeper.core.runtime.ragged import decode_rows
+from hivekeeper.core.runtime.ragged import decode_rows, row_view
 from hivekeeper.core.runtime.sampling import Sampler, SamplingParams
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill call (as generation.generate)
@@ -68,11 +68,13 @@ class BatchStats:
 
 
 class _Row:
-    """A running request: its cache, sampler, output and the token to feed next."""
+    """A running request: its row of the pool, sampler, output, the tokens its row holds and the token to feed
+    next."""
 
-    def __init__(self, request: Request, cache: KVCache, output: SequenceOutput, limit: int):
-        self.request, self.cache, self.output, self.limit = request, cache, output, limit
+    def __init__(self, request: Request, output: SequenceOutput, limit: int):
+        self.request, self.output, self.limit = request, output, limit
         self.sampler = Sampler(request.sampling)
+        self.length = 0  # tokens its row of the pool holds
         self.next_token = 0
 
     def take(self, logits: torch.Tensor) -> None:
@@ -133,7 +135,12 @@ class _EngineThread:
 
 
 class ContinuousBatcher(_EngineThread):
-    """Continuous batching over a model held in memory: embedding, a Span of all blocks, head."""
+    """Continuous batching over a model held in memory: embedding, a Span of all blocks, head.
+
+    The running sequences' K/V live in one pool (a KVCache whose batch rows are the sequences, runtime/ragged.py),
+    in rows 0..n-1 in the order of `rows`: a sequence that leaves hands its row to the last one (moved once), so
+    each step attends over a contiguous block of rows. The pool's length grows (doubling, up to the context) as the
+    longest sequence needs, and it is dropped when no sequence runs."""
 
     def __init__(self, embedding, span: Span, head, tokenizer, *, max_rows: int):
         """max_rows: sequences decoded together at most; more requests wait for a row to free."""
@@ -141,6 +148,7 @@ class ContinuousBatcher(_EngineThread):
         self.config = span.config
         self.max_rows = max_rows
         self.rows: list[_Row] = []
+        self.pool: KVCache | None = None
         self._first: Request | None = None  # taken off the queue while waiting for work, admitted next
         super().__init__("continuous-batcher")
 
@@ -152,14 +160,14 @@ class ContinuousBatcher(_EngineThread):
                         break
                     if self.rows:
                         self._step()
-        for row in self.rows:
+        for row in list(self.rows):
             row.output.stop()
-            row.request.on_done(row.completion())
+            self._finish(row)
         self._drain()
 
     @property
     def active(self) -> int:
-        """Sequences in the running batch (each holding a KV cache)."""
+        """Sequences in the running batch (each holding a row of the KV pool)."""
         return len(self.rows)
 
     def _wait_for_work(self) -> bool:
@@ -167,6 +175,7 @@ class ContinuousBatcher(_EngineThread):
         if self._hold_wanted:
             time.sleep(HOLD_YIELD_S)
         if not self.rows and self._first is None:
+            self.pool = None  # idle: no K/V memory held
             self._first = self.queue.get()
             if self._first is None:  # closed
                 return False
@@ -192,38 +201,50 @@ class ContinuousBatcher(_EngineThread):
         return not self._closed
 
     def _start(self, request: Request) -> None:
-        """Prefill a request alone into its own cache and sample its first token; it joins the batch unless done."""
+        """Prefill a request alone into the next free row and sample its first token; it joins the batch unless
+        that already finished it."""
         self.stats.requests += 1
         try:
             row = self._prefilled(request)
         except Exception as exc:  # noqa: BLE001 - this request fails; the engine and the others go on
             request.on_done(exc)
             return
+        self.rows.append(row)
         if request.cancelled.is_set():
             row.output.stop()
         if row.done:
             self._finish(row)
-        else:
-            self.rows.append(row)
 
     def _prefilled(self, request: Request) -> _Row:
         ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.embedding.weight.device)
         limit = min(len(request.prompt_ids) + request.max_new_tokens, context_limit(self.config))
-        cache = self._cache(min(limit, len(request.prompt_ids) + FIRST_CACHE_TOKENS))
         eos, strings = stop_rules(self.config, self.tokenizer, None, self._stop_strings(request), False)
-        row = _Row(request, cache, SequenceOutput.open(self.tokenizer, eos, strings, request.on_text), limit)
+        row = _Row(request, SequenceOutput.open(self.tokenizer, eos, strings, request.on_text), limit)
+        self._make_room(len(request.prompt_ids) + 1)
+        cache = row_view(self.pool, len(self.rows), 0)
         hidden = None
         for start in range(0, ids.shape[1], PREFILL_CHUNK):
             hidden = self.span(self.embedding(ids[:, start : start + PREFILL_CHUNK]), cache)
+        row.length = cache.length
         row.take(self.head(hidden[:, -1:])[:, -1])
         return row
 
     def _stop_strings(self, request: Request) -> tuple[str, ...]:
         return tuple(getattr(self.tokenizer, "stop_strings", ())) + request.stop_strings
 
-    def _cache(self, length: int) -> KVCache:
-        return KVCache.allocate(self.config, len(self.span.blocks), 1, length, self.span.dtype,
-                                self.embedding.weight.device)
+    def _make_room(self, length: int) -> None:
+        """A pool with room for `length` tokens per row: grown (doubling, up to the context), keeping what the
+        running rows hold."""
+        old = self.pool
+        if old is not None and old.max_length >= length:
+            return
+        context = context_limit(self.config)
+        size = max(length, FIRST_CACHE_TOKENS, 2 * old.max_length if old is not None else 0)
+        self.pool = KVCache.allocate(self.config, len(self.span.blocks), self.max_rows, min(size, context),
+                                     self.span.dtype, self.embedding.weight.device)
+        if old is not None:
+            self.pool.k[:, :, :, : old.max_length].copy_(old.k)
+            self.pool.v[:, :, :, : old.max_length].copy_(old.v)
 
     def _step(self) -> None:
         """One token of every running sequence, together; rows that finished or were cancelled leave."""
@@ -232,36 +253,31 @@ class ContinuousBatcher(_EngineThread):
             self._finish(row)
         if not self.rows:
             return
-        for row in self.rows:
-            self._make_room(row)
+        self._make_room(max(row.length for row in self.rows) + 1)
         tokens = torch.tensor([[row.next_token] for row in self.rows], device=self.embedding.weight.device)
         hidden = self.embedding(tokens)
-        if len(self.rows) == 1:
-            hidden = self.span(hidden, self.rows[0].cache)  # alone: the ordinary (native) decode path
+        if len(self.rows) == 1:  # alone: the ordinary decode path (the native kernels' one call per step)
+            hidden = self.span(hidden, row_view(self.pool, 0, self.rows[0].length))
         else:
-            hidden = decode_rows(self.span, hidden, [row.cache for row in self.rows])
+            hidden = decode_rows(self.span, hidden, self.pool, [row.length for row in self.rows])
         logits = self.head(hidden)[:, -1]
         self.stats.steps += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(self.rows))
         for i, row in enumerate(list(self.rows)):
+            row.length += 1
             row.take(logits[i : i + 1])
-            if row.done:
-                self._finish(row)
-
-    def _make_room(self, row: _Row) -> None:
-        """Grow a full cache (double, up to the request's limit), keeping what it holds."""
-        cache = row.cache
-        if cache.length < cache.max_length:
-            return
-        bigger = self._cache(min(row.limit, 2 * cache.max_length))
-        bigger.k[:, :, :, : cache.length].copy_(cache.k[:, :, :, : cache.length])
-        bigger.v[:, :, :, : cache.length].copy_(cache.v[:, :, :, : cache.length])
-        bigger.length = cache.length
-        row.cache = bigger
+        for row in [r for r in self.rows if r.done]:
+            self._finish(row)
 
     def _finish(self, row: _Row) -> None:
-        if row in self.rows:
-            self.rows.remove(row)
+        """The row leaves: the last running row moves into its place in the pool, and its request is answered."""
+        index, last = self.rows.index(row), len(self.rows) - 1
+        if index != last:
+            moving = self.rows[last]
+            for pool in (self.pool.k, self.pool.v):
+                pool[:, index, :, : moving.length].copy_(pool[:, last, :, : moving.length])
+            self.rows[index] = moving
+        self.rows.pop()
         row.request.on_done(row.completion())
 
     def _drain(self) -> None:

@@ -1,5 +1,6 @@
-"""decode_rows (continuous batching's step) against Span.forward run on each sequence alone: rows at different
-positions, sliding windows included, each cache advanced by one; bad shapes refused."""
+"""decode_rows (continuous batching's step) against Span.forward run on each sequence alone: rows of one pool at
+different positions, sliding windows included, K/V written where each row stands; bad shapes and a full pool
+refused."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from hivekeeper.core.runtime.checkpoint import load_span
 from hivekeeper.core.runtime.model import KVCache
-from hivekeeper.core.runtime.ragged import decode_rows
+from hivekeeper.core.runtime.ragged import decode_rows, row_view
 from hivekeeper.planner.errors import InputError
 
 from .test_model import build_reference
@@ -36,26 +37,32 @@ def test_rows_at_different_positions_equal_each_row_run_alone(span):
     torch.manual_seed(0)
     size = span.config.hidden_size
     prompts = [torch.randn(1, n, size) for n in PROMPTS]
-    together = [prefilled(span, p) for p in prompts]
+    pool = KVCache.allocate(span.config, len(span.blocks), len(PROMPTS) + 1, MAX_LENGTH)  # a spare row
+    for row, prompt in enumerate(prompts):
+        span(prompt, row_view(pool, row, 0))  # prefilled alone, into its row of the pool
+    lengths = list(PROMPTS)
     alone = [prefilled(span, p) for p in prompts]
     for _ in range(STEPS):
         step = torch.randn(len(PROMPTS), 1, size)
-        got = decode_rows(span, step, together)
+        got = decode_rows(span, step, pool, lengths)
+        lengths = [n + 1 for n in lengths]
         for row, cache in enumerate(alone):
             expected = span(step[row : row + 1], cache)
             torch.testing.assert_close(got[row : row + 1], expected, rtol=1e-5, atol=1e-5)
-    assert [c.length for c in together] == [n + STEPS for n in PROMPTS]
-    for mine, reference in zip(together, alone):
-        torch.testing.assert_close(mine.k[:, :, :, : mine.length], reference.k[:, :, :, : reference.length])
+    for row, reference in enumerate(alone):
+        assert reference.length == lengths[row]
+        torch.testing.assert_close(pool.k[:, row : row + 1, :, : lengths[row]], reference.k[:, :, :, : lengths[row]])
 
 
 def test_a_row_whose_cache_is_full_or_a_shape_that_does_not_match_is_refused(span):
     size = span.config.hidden_size
-    caches = [prefilled(span, torch.randn(1, 2, size)) for _ in range(2)]
+    pool = KVCache.allocate(span.config, len(span.blocks), 2, 3)
+    for row in range(2):
+        span(torch.randn(1, 2, size), row_view(pool, row, 0))
     with pytest.raises(InputError, match=r"hidden must be \[2, 1"):
-        decode_rows(span, torch.randn(3, 1, size), caches)
-    full = KVCache.allocate(span.config, len(span.blocks), 1, 2)
-    span(torch.randn(1, 2, size), full)
+        decode_rows(span, torch.randn(3, 1, size), pool, [2, 2])
+    with pytest.raises(InputError, match="3 rows"):
+        decode_rows(span, torch.randn(3, 1, size), pool, [2, 2, 2])
+    decode_rows(span, torch.randn(2, 1, size), pool, [2, 2])  # the last free position
     with pytest.raises(InputError, match="no room"):
-        decode_rows(span, torch.randn(1, 1, size), [full])
-    assert full.length == 2
+        decode_rows(span, torch.randn(2, 1, size), pool, [3, 3])
