@@ -46,7 +46,6 @@ MAX_RECORD_AHEAD_S = 600.0  # ten default update periods: no honest server annou
 MAX_RPS = 1e7  # requests (tokens) per second per block: above any real device; larger claims are clamped to it
 THROUGHPUT_CAP_FACTOR = 10.0  # a record counts for at most this times the other servers' median throughput
 MAX_EXTRA_BYTES = 16384  # a record's extras (about 300 bytes from a real server) larger than this drop the record
-MAX_SUBKEYS_PER_BLOCK = 1024  # servers read per block; a key flooded with more is read as its first this many
 
 
 class ServerState(enum.IntEnum):
@@ -300,16 +299,14 @@ def _servers_of(entry: Any, now: float) -> dict[str, ServerInfo]:
     items = getattr(entry, "value", None)
     if not isinstance(items, dict):
         return servers
-    for count, (peer_id, item) in enumerate(items.items()):
-        if count >= MAX_SUBKEYS_PER_BLOCK:
-            break
+    for peer_id, item in items.items():  # every one: a flood of junk ahead of them cannot hide the real ones
         expiration = getattr(item, "expiration_time", None)
         if not isinstance(peer_id, str) or not isinstance(expiration, (int, float)) or not expiration >= now:
             continue
         try:
             info = ServerInfo.from_tuple(item.value)
-        except (ValueError, TypeError):
-            continue  # a malformed or unknown record: ignore it
+        except Exception:  # noqa: BLE001 - whatever a hostile value raises, it drops that record only
+            continue
         if expiration > now + MAX_RECORD_AHEAD_S:
             info.state = ServerState.OFFLINE  # believed only once the server itself confirms it (served_span)
             info.suspect = f"expires {expiration - now:.3g}s ahead (limit {MAX_RECORD_AHEAD_S:g}s)"
