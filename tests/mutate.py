@@ -221,11 +221,12 @@ def results(folder: Path) -> dict[str, list[str]]:
 
 
 def summary(name: str, by_status: dict[str, list[str]], code: int | None, seconds: float) -> dict:
-    """One scope's line: counts, the score (killed or timed out, over the mutants tested) and the survivors."""
+    """One scope's line: counts, the score (killed, timed out or crashed, over the mutants tested) and the
+    survivors. A segfault is caught: the test run that met the mutant failed."""
     count = {status: len(names) for status, names in by_status.items()}
-    caught = count.get("killed", 0) + count.get("timeout", 0) + count.get("caught by type check", 0)
-    tested = caught + count.get("survived", 0) + count.get("no tests", 0) + count.get("suspicious", 0) \
+    caught = count.get("killed", 0) + count.get("timeout", 0) + count.get("caught by type check", 0) \
         + count.get("segfault", 0)
+    tested = caught + count.get("survived", 0) + count.get("no tests", 0) + count.get("suspicious", 0)
     return {"scope": name, "finished": code == 0, "seconds": round(seconds), "mutants": sum(count.values()),
             **count, "score": round(caught / tested, 3) if tested else None,
             "survived_names": sorted(by_status.get("survived", []) + by_status.get("no tests", []))}
