@@ -149,10 +149,12 @@ def test_search_and_pull_offline_or_unreachable_say_so_in_one_line(env, tmp_path
 
 # ---- pull ----------------------------------------------------------------------------------------------------------
 def test_pull_a_gguf_file_and_a_checkpoint_into_our_models_folder(hub, env, repos, monkeypatch, capsys):
-    result = models(env, "pull", "org/tiny-GGUF")
+    # huggingface_hub draws its bar on a terminal only; TQDM_POSITION=-1 is its switch to draw it anyway
+    result = models({**env, "TQDM_POSITION": "-1"}, "pull", "org/tiny-GGUF")
     assert result.returncode == 0, result.stderr
     path = Path(result.stdout.split(": ", 1)[1].strip())
     assert path == Path(env["HIVEKEEPER_MODELS_DIR"]) / "org--tiny-GGUF" / "tiny-Q8_0.gguf"
+    assert "tiny-Q8_0.gguf: 100%" in result.stderr  # huggingface_hub's progress bar, named after the file
     assert sha256(path) == sha256(repos["org/tiny-GGUF"] / "tiny-Q8_0.gguf")
 
     result = models(env, "pull", "org/tiny-two-GGUF", "--file", "tiny-F16.gguf")
