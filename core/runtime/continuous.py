@@ -133,6 +133,16 @@ class _EngineThread:
     def _run(self) -> None:
         raise NotImplementedError
 
+    def _drain(self) -> None:
+        """Requests that never started end as "stopped" with no text."""
+        while True:
+            try:
+                request = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if request is not None:
+                request.on_done(Completion("", [], "stopped", len(request.prompt_ids)))
+
 
 class ContinuousBatcher(_EngineThread):
     """Continuous batching over a model held in memory: embedding, a Span of all blocks, head.
@@ -280,16 +290,6 @@ class ContinuousBatcher(_EngineThread):
         self.rows.pop()
         row.request.on_done(row.completion())
 
-    def _drain(self) -> None:
-        """Requests that never started end as "stopped" with no text."""
-        while True:
-            try:
-                request = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            if request is not None:
-                request.on_done(Completion("", [], "stopped", len(request.prompt_ids)))
-
 
 class SerialEngine(_EngineThread):
     """One request after another through generation.generate: for runners that do not hold every block in memory
@@ -310,13 +310,7 @@ class SerialEngine(_EngineThread):
                     request.on_done(self._generate(request))
                 except Exception as exc:  # noqa: BLE001 - this request fails; the engine goes on
                     request.on_done(exc)
-        while True:  # what was still waiting when closed
-            try:
-                request = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            if request is not None:
-                request.on_done(Completion("", [], "stopped", len(request.prompt_ids)))
+        self._drain()
 
     def _generate(self, request: Request) -> Completion:
         stops = tuple(getattr(self.tokenizer, "stop_strings", ())) + tuple(request.stop_strings)
