@@ -103,3 +103,38 @@ def test_dtypes_by_name_and_the_dtype_quantized_blocks_compute_in():
     assert quant_compute_dtype(torch.float32, "cuda") is torch.float16  # bitsandbytes' 16-bit math on a GPU
     assert quant_compute_dtype(torch.bfloat16, "cuda") is torch.bfloat16
     assert quant_compute_dtype(torch.float16, torch.device("cpu")) is torch.float16
+
+
+def head_file(tmp_path, rows: int = 160):
+    """A GGUF file with an untied F32 LM head of `rows` rows (the vocabulary is the embedding's 160: a tall matrix)."""
+    from .test_gguf_reader import layer_tensors, write
+
+    tensors = layer_tensors({})
+    tensors.pop("_hf")
+    tensors["output_norm.weight"] = (torch.linspace(0.5, 1.5, HIDDEN).numpy(), QT.F32)
+    tensors["output.weight"] = (torch.randn(rows, HIDDEN).numpy(), QT.F32)
+    tensors["token_embd.weight"] = (torch.zeros(160, HIDDEN).numpy(), QT.F32)
+    return write(tmp_path / "head.gguf", "llama", tensors)
+
+
+def test_an_untied_head_in_the_dtype_asked_and_stored_by_column(tmp_path):
+    """fp32: the tall matrix column-major for the CPU's decode matmul (unless asked not to); bf16: norm and matrix
+    in bf16."""
+    from hivekeeper.core.runtime.checkpoint import load_head
+
+    path = head_file(tmp_path)
+    head = load_head(path)
+    assert head.weight.t().is_contiguous() and not head.weight.is_contiguous()
+    assert head.weight.shape == (160, HIDDEN)
+    assert load_head(path, tall_by_column=False).weight.is_contiguous()
+    half = load_head(path, dtype="bf16")
+    assert half.norm.weight.dtype == torch.bfloat16 and half.weight.dtype == torch.bfloat16
+
+
+def test_an_untied_head_of_another_shape_is_named(tmp_path):
+    from hivekeeper.core.runtime.checkpoint import load_head
+
+    path = head_file(tmp_path, rows=80)
+    with pytest.raises(InputError) as error:
+        load_head(path)
+    assert str(path) in str(error.value) and "'output.weight'" in str(error.value) and "(160, 64)" in str(error.value)

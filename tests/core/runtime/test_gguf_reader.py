@@ -43,7 +43,8 @@ def write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, QT]], laye
         if value is not None:
             writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_tensor("token_embd.weight", np.zeros((96, HIDDEN), np.float32))
+    if "token_embd.weight" not in tensors:
+        writer.add_tensor("token_embd.weight", np.zeros((96, HIDDEN), np.float32))
     for name, (array, kind) in tensors.items():
         if kind == QT.F32:
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
