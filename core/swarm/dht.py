@@ -141,9 +141,9 @@ def _checked_field(name: str, value: Any) -> Any:
         return value if value >= 0 else None
     if name == "adapters":
         return tuple(value) if all(isinstance(a, str) for a in value) else ()
-    if name == "next_pings":
-        good = all(isinstance(k, str) and _rate(v, allow_zero=True) is not None for k, v in value.items())
-        return value if good else None
+    if name == "next_pings":  # the entries that are (peer, finite RTT >= 0); Petals may list unreachable ones as inf
+        good = {k: float(v) for k, v in value.items() if isinstance(k, str) and _rate(v, allow_zero=True) is not None}
+        return good or None
     return value
 
 

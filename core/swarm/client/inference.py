@@ -394,12 +394,12 @@ class _InferenceCore:
             hopeless = [block for block in missing if block in nobody_joins]
             if hopeless and time.time() - since >= min(config.gap_seconds, config.retry_seconds):
                 raise SwarmGap(hopeless, since, cause)  # nobody serves them and nobody is coming: say so now
+            if time.monotonic() > deadline:  # (at once for a spot check's referee: no warning then)
+                raise SwarmError(f"{no_route}; waited {config.retry_seconds:g}s for a server") from None
             if not warned:
                 warned = True
                 logger.warning("blocks %s have no server that answers; waiting for one%s", block_ranges(missing),
                                "" if hopeless else " (a server is joining to serve them)")
-            if time.monotonic() > deadline:
-                raise SwarmError(f"{no_route}; waited {config.retry_seconds:g}s for a server") from None
             refresh = True
             await asyncio.sleep(1.0)
 
