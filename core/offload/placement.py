@@ -172,6 +172,16 @@ def micro_batch_rows(batch: int, micro_batch_size: int, num_micro_batches: int) 
     return batch if num_micro_batches <= 1 or micro_batch_size >= batch else micro_batch_size
 
 
+def sixteen_bit_cpu_transients(config: ModelConfig, dtype: torch.dtype) -> int:
+    """What a 16-bit plan computed on the CPU holds beyond its tensors, for the largest matrix of a block: the block
+    reader's scratch buffer in an fp32 file's dtype (weights.BlockReader converts through it) and the matmul
+    library's reordered copy of a weight during a bf16 matmul (oneDNN). Measured: a bf16 plan over the fp32 file of a
+    190 MB model (hidden 512, intermediate 2048) went ~9 MB past what the other terms count."""
+    fused_qkv = (config.q_dim + 2 * config.kv_dim) * config.hidden_size
+    largest = max(config.intermediate_size * config.hidden_size, fused_qkv)
+    return largest * (4 + itemsize(dtype))
+
+
 def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """CPU attention over a 16-bit cache runs in fp32 on a CPU without 16-bit math (FlexGen does the same)."""
     return torch.float32 if dtype != torch.float32 and not runs_natively_on_cpu(dtype) else None
@@ -248,6 +258,8 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
     if not on_gpu:
         fixed["embedding_and_head"] = outside_bytes(config, dtype)
         fixed["activations"] = workspace_bytes(config, batch, min(prefill_tokens, max_length), dtype)
+        if quant == "none" and dtype != torch.float32:
+            fixed["conversion_buffers"] = sixteen_bit_cpu_transients(config, dtype)
         if recompute:
             fixed["recompute_buffers"] = recompute_buffer_bytes(config, rows, max_length, dtype)
     else:

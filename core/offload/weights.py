@@ -2,10 +2,11 @@
 
 `BlockReader.fill` reads each HF tensor of a layer with positioned reads (runtime/safetensors_file.py) straight into
 its place in a Block built once (`empty_block`), q/k/v and gate/up rows into their fused matrices
-(`block_destinations`), so a streamed block's buffer is reused from layer to layer. It counts the bytes and, per
-layer, the reads it made (`bytes_read`, `reads`): with micro-batches a streamed block must be read once per step. Thread-safe: the streamer's
-reader thread fills slots while blocks compute. `drop_page_cache=True` also evicts what was read from the OS page
-cache, for benchmarks of the disk itself.
+(`block_destinations`), so a streamed block's buffer is reused from layer to layer; a tensor of another dtype than
+the file's goes through one scratch buffer kept for the reader's life. It counts the bytes and, per layer, the reads
+it made (`bytes_read`, `reads`): with micro-batches a streamed block must be read once per step. Thread-safe: the
+streamer's reader thread fills slots while blocks compute. `drop_page_cache=True` also evicts what was read from the
+OS page cache, for benchmarks of the disk itself.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class BlockReader:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads: Counter[int] = Counter()  # layer -> times its weights were read (fills), for the zig-zag check
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # a tensor of the file's dtype, read before converting
+        self._scratch_lock = threading.Lock()
 
     def _file(self, file_name: str) -> SafetensorsFile:
         with self._lock:
@@ -86,7 +89,7 @@ class BlockReader:
             name = prefix + suffix
             (file_name,) = self.checkpoint.files_for([name])
             handle = self._file(file_name)
-            total += handle.read_into(name, dest)
+            total += self._read(handle, name, dest)
             read.setdefault(handle, []).append(name)
         if self.drop_page_cache:
             for handle, names in read.items():
@@ -98,7 +101,25 @@ class BlockReader:
             self.reads[layer] += 1
         return total
 
+    def _read(self, handle: SafetensorsFile, name: str, dest: Tensor) -> int:
+        """Read tensor `name` into `dest`; when its dtype differs from the file's (a 16-bit plan over an fp32 file),
+        through one scratch buffer kept for the reader's life rather than a temporary per tensor: freed temporaries
+        of every size stayed in the C library's heaps and put a bf16 run over its RAM budget
+        (placement.sixteen_bit_cpu_transients counts the scratch)."""
+        file_dtype = handle.entries.get(name, (None,))[0]
+        if file_dtype is None or file_dtype == dest.dtype or dest.device.type != "cpu":
+            return handle.read_into(name, dest)
+        with self._scratch_lock:
+            nbytes = dest.numel() * file_dtype.itemsize
+            if self._scratch.numel() < nbytes:
+                self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+            staged = self._scratch[:nbytes].view(file_dtype).view(dest.shape)
+            count = handle.read_into(name, staged)
+            dest.copy_(staged)
+        return count
+
     def close(self) -> None:
+        self._scratch = torch.empty(0, dtype=torch.uint8)
         with self._lock:
             for handle in self._files.values():
                 handle.close()
