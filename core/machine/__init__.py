@@ -5,8 +5,8 @@
 - `cpu_dtype_rule`  what a 16-bit plan computes in on a CPU (flags, then a measured bf16-vs-fp32 decode step), and how
                     the planner sees it.
 - `cpu_dtype`       that decision for this machine, as the engine asks it (runs_natively_on_cpu).
-- `measure`         micro-benchmarks: RAM and device bandwidth, matmul FLOP/s, bf16 vs fp32 at decode, copies, disk
-                    reads, peers.
+- `measure`         micro-benchmarks: RAM and device bandwidth, matmul FLOP/s, whole decode steps (the runtime's
+                    path, beyond the last-level cache), bf16 vs fp32 at decode, copies, disk reads, peers.
 - `measurement`     one benchmark's result as saved (no torch, so reading a profile stays light).
 - `profile_files`   where machine profiles live, the hardware fingerprint, reading a profile file.
 - `profiles`        saved machine profiles (measurements + calibration) and applying them to a spec.

@@ -2,7 +2,8 @@
 
 - `workers`        a function on a QThread with an abort flag.
 - `child_process`  a child process that reports one JSON object per line (QProcess).
-- `hardware`, `hardware_probe`  this machine, detected in a child process; `measure` the Measure button.
+- `hardware`, `hardware_probe`  this machine, detected in a child process; `measure` the Measure button and the
+  automatic quick measurement of a machine never measured (FirstMeasure).
 - `chat`, `chat_backends`  chat generation on a worker, locally or through a swarm.
 - `node`           the serving node as a child process; `coverage`, `swarm_watch` the swarm's coverage.
 - `system_usage`   CPU, RAM and GPU use, sampled.
