@@ -194,6 +194,7 @@ class _ServerSession:
         self._length = 0
         self._output_buffer: torch.Tensor | None = None  # its answers, kept like the inputs
         self.checked = 0  # positions whose outputs a spot check confirmed
+        self.referee: dict | None = None  # its spot checks' referee: a local KV cache or remote sessions, and length
         self.expected_seconds = 0.0
         self.answered_at: float | None = None  # wall-clock time of its last answer
         self._inbox: asyncio.Queue | None = None
@@ -309,12 +310,19 @@ class _ServerSession:
         if output is not None:
             self._output_buffer = _kept(self._output_buffer, output, length, hypo_ids)
         self._length = length + hidden.shape[1]
-        self.checked = min(self.checked, length)  # outputs past a rewind are new: checked again
+        # outputs past a rewind are new: checked again; rows reordered (beam search): everything is
+        self.checked = 0 if hypo_ids is not None else min(self.checked, length)
 
     @property
     def outputs(self) -> torch.Tensor | None:
         """[batch, length, hidden]: what this server answered for each position (for spot checks)."""
         return None if self._output_buffer is None else self._output_buffer[:, : self._length]
+
+    async def drop_referee(self) -> None:
+        """Forget the spot checks' referee (closing its sessions, if remote): the next check starts a new one."""
+        state, self.referee = self.referee, None
+        if state is not None and state["kind"] == "remote":
+            await asyncio.gather(*(s.close() for s in state["sessions"]), return_exceptions=True)
 
     async def close(self, goodbye: bool = True) -> None:
         """End the stream. goodbye: send the protocol's empty request first and let the server end its side (Petals
@@ -462,22 +470,27 @@ class _InferenceCore:
     async def _referee(self, session: _ServerSession) -> tuple[int | None, dict] | None:
         """(first wrong position or None, the check's record), or None when nobody can check this server now.
 
-        Locally when the client has the weights; else another server recomputes, and when it disagrees a third
-        decides: the one the other two outvote is banned for good (a liar may be the referee). With no third, the
-        dispute is recorded and nobody is banned."""
+        Locally when the client has the weights; else on another server, and when it disagrees a third decides: the
+        one the other two outvote is banned for good (a liar may be the referee). With no third, the dispute is
+        recorded and nobody is banned. The first referee (local cache or remote sessions) stays with the session,
+        so that each check recomputes only the positions since the last one."""
         start, end = session.hop.start, session.hop.end
         inputs, outputs, checked = session.history, session.outputs, session.checked
         own_dtype = session.hop.span.info.torch_dtype
         local = self.client.local_referee
         if local is not None and local.covers(start, end):
-            reference = await asyncio.get_running_loop().run_in_executor(None, local, start, end, inputs)
-            position, record = self._compare(session, outputs, reference, "local", (own_dtype,))
-            return position, record
-        first = await self._remote_reference(start, end, inputs, {session.hop.peer_id})
+            state = session.referee if session.referee and session.referee["kind"] == "local" else None
+            cache = state["cache"] if state else local.allocate(start, end, inputs.shape[0], session.max_length)
+            offset = min(state["length"], checked) if state else 0
+            tail = await asyncio.get_running_loop().run_in_executor(None, local.extend, start, end, cache, offset,
+                                                                    inputs[:, offset:])
+            session.referee = {"kind": "local", "cache": cache, "length": session.length}
+            return self._compare(session, outputs, tail, offset, "local", (own_dtype,))
+        first = await self._remote_referee(session, inputs, checked)
         if first is None:
             return None
-        reference, referees, dtypes = first
-        position, record = self._compare(session, outputs, reference, ",".join(referees), (own_dtype, *dtypes))
+        tail, offset, referees, dtypes = first
+        position, record = self._compare(session, outputs, tail, offset, ",".join(referees), (own_dtype, *dtypes))
         if position is None:
             return None, record
         second = await self._remote_reference(start, end, inputs, {session.hop.peer_id, *referees})
@@ -485,31 +498,59 @@ class _InferenceCore:
             record.update(ok=None, unresolved=True)  # one against one: nobody is banned
             return None, record
         atol, rtol = tolerance(own_dtype, *dtypes, *second[2])
-        sides_with_referee = first_mismatch(second[0][:, checked:], reference[:, checked:], atol, rtol)[0] is None
+        sides_with_referee = first_mismatch(second[0][:, checked:], tail[:, checked - offset:], atol, rtol)[0] is None
         record["second_referee"] = ",".join(second[1])
         if sides_with_referee:
             return position, record
         for peer in referees:  # the first referee was outvoted: it is the liar, the checked server is right
             self.client.bans.forever(peer)
             logger.warning("server %s gave wrong outputs as a referee for blocks %d:%d; banned", peer[-8:], start, end)
+        await session.drop_referee()
         record.update(ok=True, outvoted_referee=referees)
         return None, record
 
-    def _compare(self, session: _ServerSession, outputs: torch.Tensor, reference: torch.Tensor, referee: str,
-                 dtypes: tuple) -> tuple[int | None, dict]:
+    def _compare(self, session: _ServerSession, outputs: torch.Tensor, tail: torch.Tensor, offset: int,
+                 referee: str, dtypes: tuple) -> tuple[int | None, dict]:
+        """Compare the outputs since the last check with a referee's outputs for positions [offset, length)."""
         atol, rtol = tolerance(*dtypes)
         checked = session.checked
-        position, largest = first_mismatch(outputs[:, checked:], reference[:, checked:], atol, rtol)
+        position, largest = first_mismatch(outputs[:, checked:], tail[:, checked - offset:], atol, rtol)
         record = {"peer_id": session.hop.peer_id, "blocks": [session.hop.start, session.hop.end],
                   "referee": referee, "time": time.time(), "checked_positions": [checked, session.length],
                   "max_diff": largest, "atol": atol, "rtol": rtol, "ok": position is None}
         self.client.spot_check_log.append(record)
         return (None if position is None else checked + position), record
 
+    async def _remote_referee(self, session: _ServerSession, inputs: torch.Tensor,
+                              checked: int) -> tuple[torch.Tensor, int, list[str], list] | None:
+        """The session's referee servers (opened on first use, kept after) over the inputs since `checked` (or
+        since what they last saw): (their outputs, the position those start at, their peer ids, their dtypes)."""
+        state = session.referee if session.referee and session.referee["kind"] == "remote" else None
+        if state is None:
+            try:
+                others = await self._new_sessions(session.hop.start, session.hop.end, time.monotonic(),
+                                                  exclude=frozenset({session.hop.peer_id}))
+            except SwarmError:
+                return None  # no other server covers these blocks now
+            state = session.referee = {"kind": "remote", "sessions": others, "length": 0}
+        offset = min(state["length"], checked)
+        try:
+            x = inputs[:, offset:]
+            for other in state["sessions"]:
+                x = await other.step(x, None, offset if offset < other.length else None)
+        except InputError:
+            raise
+        except Exception:  # the referee failed: no verdict this time, another referee next time
+            await session.drop_referee()
+            return None
+        state["length"] = session.length
+        others = state["sessions"]
+        return x, offset, [o.hop.peer_id for o in others], [o.hop.span.info.torch_dtype for o in others]
+
     async def _remote_reference(self, start: int, end: int, inputs: torch.Tensor,
                                 exclude: set[str]) -> tuple[torch.Tensor, list[str], list] | None:
-        """Blocks [start, end) over `inputs` on other servers (fresh sessions, closed after): (outputs, their peer
-        ids, their dtypes), or None if no other server covers them now or one fails."""
+        """Blocks [start, end) over all of `inputs` on other servers (fresh sessions, closed after; for a dispute):
+        (outputs, their peer ids, their dtypes), or None if no other server covers them now or one fails."""
         try:
             others = await self._new_sessions(start, end, time.monotonic(), exclude=frozenset(exclude))
         except SwarmError:
@@ -537,6 +578,7 @@ class _InferenceCore:
         logger.warning("server %s gave wrong outputs for blocks %d:%d from position %d (max diff %.3g, checked by "
                        "%s); banned, replaying on another server", liar.hop.peer_id[-8:], liar.hop.start,
                        liar.hop.end, position, check["max_diff"], check["referee"])
+        await liar.drop_referee()
         await liar.close(goodbye=False)
         replacements = await self._new_sessions(liar.hop.start, liar.hop.end, deadline, fresh=True)
         x = liar.history
@@ -575,6 +617,7 @@ class _InferenceCore:
             ban = self.client.bans.fail(failed.hop.peer_id)
             logger.warning("server %s failed on blocks %d:%d (%s); banned for %.0fs, re-routing",
                            failed.hop.peer_id[-8:], failed.hop.start, failed.hop.end, failure, ban)
+        await failed.drop_referee()
         await failed.close(goodbye=False)
         history = failed.history
         if history is not None:
@@ -617,6 +660,7 @@ class _InferenceCore:
 
     async def close(self) -> None:
         self.closed = True
+        await asyncio.gather(*(s.drop_referee() for s in self.sessions), return_exceptions=True)
         await asyncio.gather(*(s.close() for s in self.sessions), return_exceptions=True)
 
 

@@ -3,7 +3,8 @@ neither Petals nor its peers would notice; volunteer computing (BOINC) validates
 re-runs a sampled fraction of its inference steps elsewhere and compares:
 
 - every `1 / rate`-th step of a session (the first one always), each server's outputs since its last check are
-  recomputed from the inputs it was sent (kept for replays anyway): locally when the client has the weights and the
+  recomputed from the inputs it was sent (kept for replays anyway), by a referee that keeps its own cache between
+  checks (so a check costs the positions since the last one, not the whole history): locally when the client has the weights and the
   span is small (`LocalReferee`: up to 4 blocks and 256 MiB of fp32 weights), else on another server covering the
   same blocks;
 - outputs agree when, at every position, the largest difference is within atol + rtol × the largest reference value,
@@ -56,21 +57,30 @@ def first_mismatch(outputs: torch.Tensor, reference: torch.Tensor, atol: float,
 
 
 class LocalReferee:
-    """Recomputes blocks [start, end) here from a checkpoint's weights (loaded once per span, fp32): spans of up to
-    max_blocks blocks whose fp32 weights fit in LOCAL_REFEREE_MAX_BYTES (larger ones go to a remote referee)."""
+    """Recomputes blocks [start, end) here from a checkpoint's weights (loaded once per span, fp32), incrementally:
+    a KV cache per checked server holds what was recomputed, so a check runs only the positions since the last one.
+    Spans of up to max_blocks blocks whose fp32 weights fit in LOCAL_REFEREE_MAX_BYTES (larger ones go remote)."""
 
     def __init__(self, checkpoint: Path, config, max_blocks: int):
-        self.checkpoint, self.max_blocks = checkpoint, max_blocks
+        self.checkpoint, self.config, self.max_blocks = checkpoint, config, max_blocks
         self.block_bytes = 4 * config.block_param_count()
         self._spans: dict[tuple[int, int], object] = {}
 
     def covers(self, start: int, end: int) -> bool:
         return end - start <= self.max_blocks and (end - start) * self.block_bytes <= LOCAL_REFEREE_MAX_BYTES
 
+    def allocate(self, start: int, end: int, batch: int, max_length: int):
+        from hivekeeper.core.runtime.model import KVCache
+
+        return KVCache.allocate(self.config, end - start, batch, max_length, torch.float32, "cpu")
+
     @torch.inference_mode()
-    def __call__(self, start: int, end: int, inputs: torch.Tensor) -> torch.Tensor:
+    def extend(self, start: int, end: int, cache, position: int, inputs: torch.Tensor) -> torch.Tensor:
+        """The outputs of blocks [start, end) for `inputs` at positions position, position + 1, ... (the cache is
+        rewound to `position` first)."""
         from hivekeeper.core.runtime.checkpoint import load_span
 
         if (start, end) not in self._spans:
             self._spans[(start, end)] = load_span(self.checkpoint, start, end, dtype=torch.float32, device="cpu")
-        return self._spans[(start, end)](inputs.float(), None)
+        cache.truncate(position)
+        return self._spans[(start, end)](inputs.float(), cache)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hivekeeper.core.runtime.checkpoint import load_span
+from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient, SwarmModel
 from hivekeeper.core.swarm.client.spot_check import SpotCheckConfig, first_mismatch, tolerance
 
@@ -87,5 +88,16 @@ def test_remote_referees_outvote_the_liar_when_the_client_has_no_weights(swarm, 
         assert client.bans.banned(liar) and not any(client.bans.banned(peer) for peer in honest)
         disputed = [c for c in client.spot_check_log if c.get("second_referee")]
         assert len(disputed) == 1 and liar in (disputed[0]["peer_id"], disputed[0]["referee"])
+
+        # honest servers from here on: the referee keeps its session, and each check sends only the new positions
+        client.spot_check_log.clear()
+        cache = KVCache.allocate(span.config, 2, 1, 16)
+        with client.inference_session(16) as session:
+            for chunk in (prompt, *torch.randn(8, 1, 1, 64)):
+                output = session.step(chunk)
+                with torch.inference_mode():
+                    assert torch.allclose(output, span(chunk, cache), atol=1e-4)
+        assert [(c["checked_positions"], c["ok"]) for c in client.spot_check_log] == [([0, 4], True), ([4, 12], True)]
+        assert {c["referee"] for c in client.spot_check_log} <= set(honest)
     finally:
         client.close()
