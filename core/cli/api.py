@@ -6,12 +6,16 @@ client with --swarm). Concurrent requests are decoded together, up to --max-batc
 block in memory (core/runtime/continuous.py); otherwise they are served one after another. It binds to 127.0.0.1 by
 default; --port 0 takes a free port. Once the model is loaded and has
 generated one token (so the first request pays no one-time costs), one line says where it listens
-(`serving MODEL at http://HOST:PORT/v1`); Ctrl-C stops it.
+(`serving MODEL at http://HOST:PORT/v1`); Ctrl-C stops it. With --json-status (for the app) that line is instead
+one JSON object per state change on stdout: {"state": "loading", "model": M}, {"state": "serving", "model": M,
+"url": U, "runner": R}, then {"state": "stopped"}; errors still go to stderr as one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import signal
 import sys
 from pathlib import Path
 
@@ -39,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
                         help=f"requests decoded together at most (default {DEFAULT_MAX_BATCH}; 1 = one after another)")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
+    parser.add_argument("--json-status", action="store_true",
+                        help="one JSON line per state change on stdout (loading, serving, stopped), for the app")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,9 +54,16 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--max-batch must be 1..{MAX_BATCH_LIMIT}, got {args.max_batch}")
     ram_budget = check_budget(args)
     set_threads()
+    if args.json_status:
+        print_status({"state": "loading", "model": args.model})
     server = open_server(args, ram_budget)
-    print(f"serving {server.service.model_id} at http://{args.host}:{server.port}/v1 "
-          f"({server.service.runner.description})", flush=True)
+    url = f"http://{args.host}:{server.port}/v1"
+    if args.json_status:
+        print_status({"state": "serving", "model": server.service.model_id, "url": url,
+                      "runner": server.service.runner.description})
+    else:
+        print(f"serving {server.service.model_id} at {url} ({server.service.runner.description})", flush=True)
+    signal.signal(signal.SIGTERM, interrupt)  # uvicorn re-raises the SIGTERM it caught once it has finished
     try:
         server.serve_forever()  # Ctrl-C (SIGINT) or SIGTERM: uvicorn finishes what it serves, then returns
     except KeyboardInterrupt:
@@ -59,7 +72,19 @@ def run(args: argparse.Namespace) -> int:
         print("hivekeeper api: stopped", file=sys.stderr)
         server.server_close()
         server.service.close()
+        if args.json_status:
+            print_status({"state": "stopped"})
     return 0
+
+
+def interrupt(signum, frame) -> None:
+    """SIGTERM handled as Ctrl-C, so the server's closing steps (and the "stopped" line) run."""
+    raise KeyboardInterrupt
+
+
+def print_status(event: dict) -> None:
+    """One state change as a JSON line on stdout (the shape gui/services/child_process.py reads)."""
+    print(json.dumps(event), flush=True)
 
 
 def open_server(args: argparse.Namespace, ram_budget: float | None):
