@@ -26,7 +26,7 @@ from hivekeeper.planner.gguf_metadata import find_gguf
 
 from hivekeeper.core.runtime.block_tensors import block_tensor_names, read_block_tensors
 from hivekeeper.core.runtime.default_model import is_default_model_id, resolve_default_model
-from hivekeeper.core.runtime.gguf import GGUFCheckpoint, load_packed_block, packed_by_default
+from hivekeeper.core.runtime.gguf import GGUFCheckpoint, load_packed_block, load_packed_head, packed_by_default
 from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_by_column, store_tall_linears_by_column
 from hivekeeper.core.runtime.model import Block, Embedding, Head, ModelConfig, RotaryTable, Span
 from hivekeeper.core.runtime.quant.bnb import check_quant, quantize_block
@@ -236,16 +236,25 @@ def load_embedding(path: str | Path, *, dtype: str | torch.dtype = torch.float32
 
 
 def load_head(path: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              embedding: Embedding | None = None, tall_by_column: bool = True) -> Head:
+              embedding: Embedding | None = None, tall_by_column: bool = True, packed: bool | None = None) -> Head:
     """The final norm and LM head. For tied models pass the loaded `embedding` to share its matrix.
     tall_by_column: store an untied CPU fp32 matrix column-major (cpu_matmul.store_tall_by_column; the re-store
-    briefly holds a second copy of it)."""
+    briefly holds a second copy of it). packed: a GGUF's Q8_0/Q4_0/Q4_1 head matrix stays packed on the CPU in fp32
+    (gguf.load_packed_head); None: as load_span decides (gguf.packed_by_default)."""
     check_device(device)
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
     dtype = parse_dtype(dtype)
     shape = (config.vocab_size, config.hidden_size)
     norm = checkpoint.read(FINAL_NORM_TENSOR, dtype, (config.hidden_size,))
+    packed = packed_by_default() if packed is None else packed
+    if (packed and isinstance(checkpoint, GGUFCheckpoint) and dtype == torch.float32
+            and torch.device(device).type == "cpu"):
+        untied = checkpoint.has(LM_HEAD_TENSOR) and not config.tie_word_embeddings
+        head = load_packed_head(checkpoint, LM_HEAD_TENSOR if untied else EMBEDDING_TENSOR, norm,
+                                None if untied or embedding is None else embedding.weight)
+        if head is not None:
+            return head
     if checkpoint.has(LM_HEAD_TENSOR) and not config.tie_word_embeddings:
         weight = checkpoint.read(LM_HEAD_TENSOR, dtype, shape)
     elif config.tie_word_embeddings and embedding is not None:

@@ -11,7 +11,8 @@ folder does. The file is read with the `gguf` package's GGUFReader (the llama.cp
 - the tokenizer and chat template (gguf_tokenizer.py, built by tokenizer.Tokenizer.from_gguf);
 - packed blocks (`load_packed_block`): for CPU fp32 decode, linear weights stored as Q8_0/Q4_0/Q4_1 stay as their
   block bytes in RAM (QuantizedLinear, multiplied by the native quantized kernels) instead of 4-byte floats; the
-  Q/K permutation is undone by reordering packed rows (rows are independent). Other types are dequantized.
+  Q/K permutation is undone by reordering packed rows (rows are independent). Other types are dequantized. The LM
+  head (or the tied embedding used as one) stays packed too (`load_packed_head`).
   checkpoint.load_span and the local engine (core/offload, resident blocks) do this by default for a GGUF on the
   CPU in fp32 (HIVEKEEPER_GGUF_PACKED=0 or packed=False turns it off: the dequantized path is what transformers
   computes, token for token). Blocks the engine streams from disk stay dequantized (the slots are fp32 blocks).
@@ -39,7 +40,7 @@ from hivekeeper.planner.gguf_metadata import (PERMUTED_ARCHITECTURES, SUPPORTED_
 
 from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes, read_block_tensors
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, QuantizedMatrix
-from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
+from hivekeeper.core.runtime.model import Block, Head, ModelConfig, RotaryTable
 from hivekeeper.core.runtime.quant.blocks import format_of_ggml_type
 from hivekeeper.core.runtime.tokenizer import Tokenizer
 
@@ -244,6 +245,29 @@ def load_packed_block(checkpoint: GGUFCheckpoint, layer: int, rotary: RotaryTabl
     if missing or result.unexpected_keys:
         raise ValueError(f"packed block {layer}: missing {sorted(missing)}, unexpected {result.unexpected_keys}")
     return block.requires_grad_(False)
+
+
+class PackedHead(Head):
+    """The final norm and an LM head whose matrix stays packed (`lm_head`, a QuantizedLinear of the file's Q8_0/Q4_0/
+    Q4_1 bytes): at batch 1 the head streams vocab x hidden weights per token, as many as SmolLM2's 30 blocks in
+    fp32. `weight` is the tied embedding (shared, for lookups) or None."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def load_packed_head(checkpoint: GGUFCheckpoint, name: str, norm: Tensor, tied: Tensor | None) -> Head | None:
+    """A PackedHead from tensor `name` (the LM head, or the tied embedding) and the final norm's weight, or None
+    when that tensor is not stored in a packable format. `tied`: the loaded embedding's weight to keep as `weight`."""
+    if not checkpoint.packable(name):
+        return None
+    config = checkpoint.config
+    with torch.device("meta"):
+        head = PackedHead(config)
+    head.load_state_dict({"norm.weight": norm}, strict=False, assign=True)
+    head.weight = tied
+    head.lm_head = QuantizedLinear(checkpoint.read_packed(name, (config.vocab_size, config.hidden_size)))
+    return head.requires_grad_(False)
 
 
 class GGUFBlockReader:

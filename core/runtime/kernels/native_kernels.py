@@ -9,7 +9,8 @@ None and decoding runs the numpy path (core/runtime/kernels/cpu_decode.py); `sta
 
 The kernels' pool hands work out in chunks that any awake thread claims, and never waits for a worker that has not
 started (a worker the OS took off its core, on a busy machine); `hk_test_hold_worker` holds one back on purpose for
-the tests of that.
+the tests of that. A product that had to wait for a worker that lost its core mid-chunk makes the next products run
+on the caller alone for a while (`hk_pool_stalls` counts those stalls): one core's speed instead of a stall each.
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "hk_quant_block_bytes": ([integer], long),
         "hk_qgemv": ([integer, void_p, void_p, void_p, void_p, long, long, long], integer),
         "hk_dequantize": ([integer, void_p, void_p, long, long], integer),
+        "hk_pool_stalls": ([], long), "hk_pool_solo_left": ([], long),
     }
     for name, (arguments, result) in signatures.items():
         function = getattr(library, name)

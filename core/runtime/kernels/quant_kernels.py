@@ -158,17 +158,18 @@ class QuantizedLinear(nn.Module):
 
     def _by_tiles(self, x: Tensor) -> Tensor:
         """x [rows, in] times the weight's transpose, plus bias, for many rows (prefill, compute-bound): the weight
-        dequantized TILE_BYTES of fp32 at a time in C, each tile multiplied by BLAS (torch.mm) while it is in cache.
+        dequantized TILE_BYTES of fp32 at a time in C, each tile multiplied by numpy's BLAS while it is in cache.
         Reads the packed bytes once, never the whole fp32 weight."""
         tile_rows = max(1, TILE_BYTES // (4 * self.in_features))
-        tile = torch.empty(min(tile_rows, self.out_features), self.in_features)
-        y_t, x_t, matrix = torch.empty(self.out_features, x.shape[0]), x.t(), self.matrix
+        tile = np.empty((min(tile_rows, self.out_features), self.in_features), dtype=np.float32)
+        y_t, x_t, matrix = np.empty((self.out_features, x.shape[0]), dtype=np.float32), x.numpy().T, self.matrix
         for start in range(0, self.out_features, tile_rows):
             stop = min(start + tile_rows, self.out_features)
             part = tile[:stop - start]
-            matrix.dequantize(start, stop, out=part.numpy())
-            torch.mm(part, x_t, out=y_t[start:stop])
-        return y_t.t().contiguous() if self.bias is None else y_t.t() + self.bias
+            matrix.dequantize(start, stop, out=part)
+            np.matmul(part, x_t, out=y_t[start:stop])  # numpy's BLAS on every core, as cpu_matmul's fp32 products
+        y = torch.from_numpy(y_t).t()
+        return y.contiguous() if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"

@@ -18,7 +18,7 @@ from hivekeeper.core.offload.offloaded_model import OffloadedModel
 from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.runtime.default_model import INSTALL_HINT, default_model_file
-from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, packed_block_bytes
+from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, PackedHead, packed_block_bytes
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, activation_error_bound
 from hivekeeper.core.runtime.model import KVCache
@@ -33,13 +33,14 @@ FP32_SLACK = 1e-5  # fp32 rounding, relative to sum |w x| (as in kernels/test_qu
 
 @pytest.fixture(scope="module")
 def model():
-    """(checkpoint, embedding, head, packed span, dequantized span) of the default model."""
+    """(checkpoint, embedding, packed head, packed span, dequantized span, dequantized head) of the default model."""
     path = default_model_file()
     checkpoint = GGUFCheckpoint(path)
     layers = checkpoint.config.num_layers
     embedding = load_embedding(path)
-    return (checkpoint, embedding, load_head(path, embedding=embedding), load_span(path, 0, layers, packed=True),
-            load_span(path, 0, layers, packed=False))
+    return (checkpoint, embedding, load_head(path, embedding=embedding, packed=True),
+            load_span(path, 0, layers, packed=True), load_span(path, 0, layers, packed=False),
+            load_head(path, embedding=embedding, packed=False))
 
 
 def engine(path, monkeypatch, packed: str) -> OffloadedModel:
@@ -65,7 +66,7 @@ def test_local_engine_runs_packed_blocks_like_a_served_span(model, monkeypatch):
     """The engine's resident blocks keep the file's Q4_1 linears packed (the bytes packed_block_bytes predicts, not
     4x more) and decode the same greedy tokens as a packed span (what `hivekeeper serve` loads);
     HIVEKEEPER_GGUF_PACKED=0 dequantizes them."""
-    checkpoint, embedding, head, packed, _ = model
+    checkpoint, embedding, head, packed, *_ = model
     prompt = checkpoint.tokenizer().encode("The three primary colors are")
     with engine(checkpoint.path, monkeypatch, "1") as local:
         linears = [m for b in local.resident.values() for m in b.modules() if isinstance(m, QuantizedLinear)]
@@ -87,7 +88,7 @@ def test_every_packed_layer_within_its_formats_bound(model):
     """Each packed linear of the 30 blocks, on the activations a real prompt gives it (a prompt of at most
     MAX_ROWS tokens: each product runs on the int8 kernels), against its dequantized-fp32 weights: within the
     activations' rounding bound (quant_kernels.activation_error_bound) plus fp32 rounding."""
-    checkpoint, embedding, head, packed, _ = model
+    checkpoint, embedding, head, packed, *_ = model
     if native_kernels.library() is None:
         pytest.skip(f"the native kernels are off: {native_kernels.status()}")
     seen: list[tuple[QuantizedLinear, np.ndarray, np.ndarray]] = []
@@ -129,15 +130,18 @@ def perplexity(embedding, span, head, tokens: list[int], chunk: int) -> float:
 
 
 def test_perplexity_of_plain_text_within_one_percent(model):
-    """A few hundred tokens of plain facts: through the packed span fed MAX_ROWS tokens at a time (every product
-    on the int8 kernels), the perplexity is within 1% of the dequantized-fp32 span's, and low (the model reads
+    """A few hundred tokens of plain facts: through the packed span and the packed LM head (the file's Q8_0 tied
+    embedding) fed MAX_ROWS tokens at a time (every product on the int8 kernels), the perplexity is within 1% of
+    the dequantized-fp32 span's and head's, and low (the model reads
     English: an untrained model would score about the vocabulary size)."""
-    checkpoint, embedding, head, packed, dequantized = model
+    checkpoint, embedding, head, packed, dequantized, head_fp32 = model
     if native_kernels.library() is None:
         pytest.skip(f"the native kernels are off: {native_kernels.status()}")
     tokens = checkpoint.tokenizer().encode(TEXT.read_text())
     assert 250 <= len(tokens) <= 400
+    assert isinstance(head, PackedHead) and not isinstance(head_fp32, PackedHead)
     quantized = perplexity(embedding, packed, head, tokens, native_kernels.MAX_ROWS)
-    reference = perplexity(embedding, dequantized, head, tokens, 64)
+    reference = perplexity(embedding, dequantized, head_fp32, tokens, 64)
     assert reference < 50, reference
+    print(f"perplexity: packed {quantized:.4f}, dequantized fp32 {reference:.4f}")
     assert abs(quantized - reference) <= 0.01 * reference, (quantized, reference)

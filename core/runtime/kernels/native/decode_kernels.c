@@ -239,8 +239,10 @@ static int pool_ready(void) {
    to move to, and the thread finishing the last chunk wakes it. */
 #define STRAGGLER_SPIN_SECONDS 50e-6
 
-static void wait_for_chunks(long chunks) {
+/* Returns 1 when the caller had to sleep for a straggler (a worker that lost its core mid-chunk), else 0. */
+static int wait_for_chunks(long chunks) {
     double deadline = 0;
+    int slept = 0;
     for (unsigned spins = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++) {
         SPIN_STEP();
         if ((spins & 255) != 0) continue;
@@ -253,20 +255,44 @@ static void wait_for_chunks(long chunks) {
             while (atomic_load(&pool.done) < chunks) pthread_cond_wait(&pool.finished, &pool.finished_mutex);
             atomic_store(&pool.caller_sleeps, 0);
             pthread_mutex_unlock(&pool.finished_mutex);
+            slept = 1;
         }
     }
+    return slept;
 }
 
+/* Solo runs. A straggler costs its product the rest of the OS's time slice (milliseconds), and a decode step is
+ * hundreds of products: on a machine with more runnable threads than cores, stalls on every step made a 2-thread
+ * decode ~10x slower than a 1-thread one (SmolLM2 Q4_1 at load ~17 on 2 cores: 2.4 s vs 0.27 s a step). So after
+ * a product stalled, the next `solo.after_stall` products run on the caller alone (the speed of one core, not
+ * worse), then the pool is tried again; each stall in a row doubles that count (up to SOLO_MAX), and a product
+ * that finishes without a stall resets it. On a quiet machine stalls are rare and the pool stays in use. */
+#define SOLO_MIN 64
+#define SOLO_MAX 8192
+static struct { long left, after_stall, stalls; } solo = {0, SOLO_MIN, 0};
+
 static void parallel(chunk_fn fn, void *ctx, long chunks) {
-    if (pool_ready() == 1 || chunks <= 1) {
+    if (pool_ready() == 1 || chunks <= 1 || solo.left > 0) {
+        if (chunks > 1 && solo.left > 0) solo.left--;
         for (long c = 0; c < chunks; c++) fn(ctx, c);
         return;
     }
     pool.fn = fn;
     pool.ctx = ctx;
     claim_chunks(publish(chunks), 0);
-    wait_for_chunks(chunks);
+    if (wait_for_chunks(chunks)) {
+        solo.left = solo.after_stall;
+        solo.after_stall = solo.after_stall * 2 < SOLO_MAX ? solo.after_stall * 2 : SOLO_MAX;
+        solo.stalls++;
+    } else {
+        solo.after_stall = SOLO_MIN;
+    }
 }
+
+/* Test and benchmark hook: products that stalled on a straggler so far (each starts a run of solo products), and
+   how many solo products are left now. */
+long hk_pool_stalls(void) { return solo.stalls; }
+long hk_pool_solo_left(void) { return solo.left; }
 
 /* Threads for the next calls (the pool restarts when it changes); returns the count in effect. */
 int hk_set_threads(int count) {

@@ -296,6 +296,7 @@ MID_CHUNK_SCRIPT = textwrap.dedent("""
         if native.hk_test_worker_holds() >= 3:
             break
     assert native.hk_test_worker_holds() >= 3, native.hk_test_worker_holds()
+    assert native.hk_pool_stalls() >= 1, native.hk_pool_stalls()  # the stall started products on the caller alone
     native.hk_test_release_worker()
     print("done")
 """)
@@ -304,7 +305,8 @@ MID_CHUNK_SCRIPT = textwrap.dedent("""
 def test_a_worker_that_stops_mid_chunk_delays_the_product_but_completes_it(native):
     """The one case the pool must wait for: a worker that claimed a chunk and lost its core. The caller sleeps after
     a moment (its core free for that worker), and the worker, back, finishes the chunk and wakes it: the product
-    completes, correct (several times over, so the wake-up cannot be missed by luck)."""
+    completes, correct (several times over, so the wake-up cannot be missed by luck), and the pool counts the stall
+    (the products after it run on the caller alone for a while, then the pool is tried again)."""
     run_script(native, MID_CHUNK_SCRIPT)
 
 
