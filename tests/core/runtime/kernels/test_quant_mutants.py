@@ -136,6 +136,7 @@ def test_matvec_adds_the_bias_and_keeps_a_single_vector_single():
     one = matrix.matvec(x[1], bias)
     assert one.shape == (40,) and np.array_equal(one, matrix.matvec(x[1:2], bias)[0])
     assert np.array_equal(matrix.matvec(x.astype(np.float64)), matrix.matvec(x))  # any float input: fp32
+    assert np.array_equal(matrix.matvec(x, bias.astype(np.float64)), y)  # and any float bias
     with pytest.raises(ValueError):
         matrix.matvec(np.ones((2, 2, 64), np.float32))
 
