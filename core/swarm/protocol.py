@@ -322,7 +322,18 @@ def _header_counts(buffer: bytes, count: int) -> tuple[int, ...]:
 def unary_response_size_ok(message, method: str) -> None:
     """Refuse (ProtocolError) a unary response that would not fit p2pd's unary cap: hivemind cannot send it, and its
     handler task (with the response) is never released, so it would neither arrive nor be freed."""
-    size = message.ByteSize()
+    _unary_fits(message.ByteSize(), method)
+
+
+def unary_output_fits(numel: int, dtype: torch.dtype, compression: int, method: str) -> None:
+    """The same refusal before computing, from an output's size: bytes per element as `serialize_tensor` sends them
+    (bfloat16 goes as float32 uncompressed; 16-bit compressions 2 bytes, 8-bit ones 1)."""
+    per_element = {runtime_pb2.CompressionType.FLOAT16: 2, runtime_pb2.CompressionType.MEANSTD_16BIT: 2}.get(
+        compression, 1 if compression in _EIGHT_BIT else (4 if dtype == torch.bfloat16 else dtype.itemsize))
+    _unary_fits(numel * per_element, method)
+
+
+def _unary_fits(size: int, method: str) -> None:
     if size + UNARY_ENVELOPE_BYTES > MAX_UNARY_BYTES:
         raise ProtocolError(f"response of {size} bytes exceeds the unary limit of {MAX_UNARY_BYTES} bytes; call "
                             f"{method}_stream for it (as Petals clients do above {STREAM_SWITCH_BYTES} bytes)")

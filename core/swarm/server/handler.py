@@ -44,6 +44,7 @@ from hivekeeper.core.swarm.protocol import (
     serialize_tensor,
     stream_messages,
     unpack_args,
+    unary_output_fits,
     unary_response_size_ok,
     unpack_metadata,
 )
@@ -445,7 +446,8 @@ class TransformerConnectionHandler(ServicerBase):
         return runtime_pb2.ExpertInfo(serialized_info=pack_metadata(info))
 
     # -- rpc_forward / rpc_backward ----------------------------------------------------------------------------------
-    async def _forward(self, uid: str, tensors, metadata: dict) -> list[torch.Tensor]:
+    async def _forward(self, uid: str, tensors, metadata: dict, unary: str | None = None) -> list[torch.Tensor]:
+        """A forward's output; for a unary call (`unary` names its method) one too big to answer is refused first."""
         served = self._require_served()
         start, end = self._chain(uid, served)
         step = self._parse_step(tensors, metadata, served, start, end)
@@ -454,6 +456,8 @@ class TransformerConnectionHandler(ServicerBase):
                                 f"of {self.limits.max_forward_tokens}")
         if step.hidden.shape[1] > served.config.max_position_embeddings:
             raise ProtocolError(f"{step.hidden.shape[1]} tokens exceed the model's context")
+        if unary:
+            unary_output_fits(step.hidden.numel(), served.dtype, self._compressions(metadata, 1)[0], unary)
         self.requests_served += 1
         return [await self._forward_in_tasks(served, start, end, step)]
 
@@ -472,7 +476,7 @@ class TransformerConnectionHandler(ServicerBase):
             hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
         return hidden.cpu()
 
-    async def _backward(self, uid: str, tensors, metadata: dict) -> list[torch.Tensor]:
+    async def _backward(self, uid: str, tensors, metadata: dict, unary: str | None = None) -> list[torch.Tensor]:
         served = self._require_served()
         start, end = self._chain(uid, served)
         args = self._decode(tensors, metadata)
@@ -490,13 +494,16 @@ class TransformerConnectionHandler(ServicerBase):
         return await self._run(_backward, served.sub(start, end), step, grad_outputs, priority=FORWARD)
 
     @staticmethod
-    def _response(outputs: list[torch.Tensor], metadata: dict) -> list[runtime_pb2.Tensor]:
+    def _compressions(metadata: dict, count: int) -> list[int]:
+        """The output_compression asked for each of `count` outputs (NONE where absent or unknown)."""
         compressions = metadata.get("output_compression")
-        if not isinstance(compressions, (tuple, list)) or len(compressions) != len(outputs):
-            compressions = [runtime_pb2.CompressionType.NONE] * len(outputs)
+        if not isinstance(compressions, (tuple, list)) or len(compressions) != count:
+            compressions = [runtime_pb2.CompressionType.NONE] * count
         valid = set(runtime_pb2.CompressionType.values())
-        return [serialize_tensor(t, c if c in valid else runtime_pb2.CompressionType.NONE)
-                for t, c in zip(outputs, compressions)]
+        return [c if isinstance(c, int) and c in valid else runtime_pb2.CompressionType.NONE for c in compressions]
+
+    def _response(self, outputs: list[torch.Tensor], metadata: dict) -> list[runtime_pb2.Tensor]:
+        return [serialize_tensor(t, c) for t, c in zip(outputs, self._compressions(metadata, len(outputs)))]
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return await self._guard(self._unary(self._forward, request, context, "rpc_forward"), "forward", context)
@@ -523,7 +530,7 @@ class TransformerConnectionHandler(ServicerBase):
         with self.quotas.request(str(context.remote_id)) as charge:
             charge.add(sum(len(t.buffer) for t in request.tensors))
             metadata = unpack_metadata(request.metadata)
-            outputs = await run(request.uid, list(request.tensors), metadata)
+            outputs = await run(request.uid, list(request.tensors), metadata, unary=method)
             response = runtime_pb2.ExpertResponse(tensors=self._response(outputs, metadata))
         unary_response_size_ok(response, method)
         return response
