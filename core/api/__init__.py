@@ -9,3 +9,7 @@ Map:
 - `server`  the ASGI app (Starlette, served by uvicorn): endpoints, API key, body limit, concurrent requests handed
             to the engine; JSON replies, or server-sent events with `stream: true`.
 """
+
+# where `hivekeeper api` and the app's API switch listen unless told otherwise (loopback: this machine only)
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000

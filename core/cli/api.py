@@ -21,11 +21,10 @@ from pathlib import Path
 
 from hivekeeper.planner.errors import InputError
 
+from hivekeeper.core.api import DEFAULT_HOST, DEFAULT_PORT
 from hivekeeper.core.cli.generate import (add_model_arguments, check_budget, open_runner, resolve_model,
                                           set_threads)
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
 # the plan counts a KV cache of the whole context, less this much reply
 PLANNED_REPLY_TOKENS = 256
 DEFAULT_MAX_BATCH = 8  # requests decoded together; more wait for a row to free

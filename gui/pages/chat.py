@@ -2,7 +2,8 @@
 
 Replies stream token by token from the chat worker; Stop ends one after the current token. Every conversation is
 saved as it changes (the user's message at once, the reply when it ends, stopped or not), with each reply's
-tokens/s, and comes back when the app starts again.
+tokens/s, and comes back when the app starts again. Under the settings, a switch serves the page's model over the
+OpenAI-compatible API (widgets/api_switch.py) for other programs on this machine.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hivekeeper.gui.services.chat import ChatService
 from hivekeeper.gui.viewmodels.conversations import Conversation, ConversationStore, title_from
 from hivekeeper.gui.settings import ChatSettings
 from hivekeeper.gui.style import BAD, LINE, MUTED, label, page_layout
+from hivekeeper.gui.widgets.api_switch import ApiSwitch
 from hivekeeper.gui.widgets.model_menu import model_menu
 
 MODES = {"local": "on this machine", "swarm": "through the swarm"}
@@ -189,6 +191,8 @@ class ChatPage(QWidget):
         form.addRow("Max new tokens", self.max_tokens_spin)
         self.placement_label = label("", "small", wrap=True)
         form.addRow(self.placement_label)
+        self.api_switch = ApiSwitch(self.model)
+        form.addRow(self.api_switch)
         self.mode_combo.currentIndexChanged.connect(self._read_widgets)
         self.model_edit.editingFinished.connect(self._read_widgets)
         self.system_edit.textChanged.connect(self._read_widgets)
@@ -429,4 +433,5 @@ class ChatPage(QWidget):
         return self.transcript.toPlainText()
 
     def shutdown(self) -> None:
+        self.api_switch.shutdown()
         self.service.shutdown()

@@ -7,5 +7,6 @@
 - `chat`, `chat_backends`  chat generation on a worker, locally or through a swarm.
 - `node`           the serving node as a child process; `coverage`, `swarm_watch` the swarm's coverage.
 - `system_usage`   CPU, RAM and GPU use, sampled.
+- `api_server`     the OpenAI-compatible API (`hivekeeper api --json-status`) as a child process.
 - `models`         the model library: listing and removing on a worker, pulling as a child process.
 """

@@ -1,4 +1,5 @@
 """Small widgets the pages reuse: `memory_bars` (a stacked bar per memory tier), `model_menu` (the model pickers'
 menu: the built-in model first, the models on this machine, a GGUF file, a checkpoint folder), `about_dialog`
 (Help → About: the versions of Hivekeeper, Python, torch, hivemind, PySide6 and Qt), `confirm_dialog` (a
-non-blocking "Remove …?" question)."""
+non-blocking "Remove …?" question), `api_switch` (the Chat page's "OpenAI-compatible API on port N" switch, its URL
+and status)."""
