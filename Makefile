@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The stamp is rebuilt whenever the project's dependencies change.
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test bench screenshots mutate clean-venv package
+.PHONY: run test bench screenshots mutate clean-venv package dists bundle deb
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,13 +41,45 @@ $(MUTATE_STAMP): $(STAMP)
 mutate: $(MUTATE_STAMP)
 	$(BIN)/python tests/mutate.py --jobs $(MUTATE_JOBS) $(MUTATE_SCOPES)
 
-# The wheel and sdist into dist/, built from the files git tracks (offline, packaging/build_dists.py); then the wheel
-# is checked: its file list against the tree, and installed into a fresh venv to run plan, demo-model and generate
-# (packaging/check_wheel.py). The frozen bundle and the .deb have recipes in packaging/ (packaging/README.md).
-package: $(STAMP)
+# `make package`: everything a release ships, built and checked (packaging/README.md), into dist/:
+# 1. the wheel and sdist, built from the files git tracks (offline, packaging/build_dists.py); the wheel's file list is
+#    checked against the tree, and it is installed into a fresh venv to run --version, plan, demo-model and generate;
+# 2. the frozen bundle dist/hivekeeper/ of that wheel (PyInstaller, the `package` extra; minutes: torch and Qt are
+#    analysed);
+# 3. its .deb (without dpkg-deb: skipped, saying so), installed into a scratch root with dpkg --root and compared with
+#    the bundle; then the installed copy (or, without dpkg, the bundle) runs --version, plan, demo-model, generate and
+#    the app to its first paint (packaging/check_deb.py, check_bundle.py).
+# DEB_COMPRESSION: xz (smallest, slowest: minutes on a GB), gzip, zstd or none (.ci/run: none, a check, not a release)
+PACKAGE_STAMP := $(VENV)/.package-stamp
+DEB_COMPRESSION ?= xz
+
+$(PACKAGE_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[gui,quant,test,package]'
+	touch $(PACKAGE_STAMP)
+
+package: dists bundle deb
+
+dists: $(STAMP)
 	rm -f dist/hivekeeper-*.whl dist/hivekeeper-*.tar.gz
 	$(BIN)/python packaging/build_dists.py --out dist
 	$(BIN)/python packaging/check_wheel.py dist/hivekeeper-*.whl --install
+
+# the bundle freezes the wheel's Hivekeeper, unpacked into build/bundle-src (packaging/pyinstaller.spec says why)
+bundle: dists $(PACKAGE_STAMP)
+	rm -rf dist/hivekeeper build/bundle-src
+	$(BIN)/python -m pip install --quiet --no-deps --no-index --target build/bundle-src dist/hivekeeper-*.whl
+	HIVEKEEPER_BUNDLE_SOURCE=$(CURDIR)/build/bundle-src $(BIN)/pyinstaller --noconfirm --log-level WARN \
+		--distpath dist --workpath build/pyinstaller packaging/pyinstaller.spec
+
+deb: bundle
+	rm -f dist/hivekeeper_*.deb
+	@if command -v dpkg-deb >/dev/null && command -v dpkg >/dev/null; then \
+		DEB_COMPRESSION=$(DEB_COMPRESSION) packaging/deb/build_deb.sh dist/hivekeeper dist && \
+		$(BIN)/python packaging/check_deb.py dist/hivekeeper_*.deb dist/hivekeeper --run; \
+	else \
+		echo "make deb: no .deb: dpkg-deb or dpkg is not installed (a Debian-family tool); checking the bundle alone"; \
+		$(BIN)/python packaging/check_bundle.py dist/hivekeeper; \
+	fi
 
 clean-venv:
 	rm -rf $(VENV)
