@@ -12,8 +12,11 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from ...child_output import ChildOutput
 
+pytestmark = pytest.mark.slow
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 DEADLINE_S = 120
 
