@@ -138,3 +138,43 @@ def test_an_untied_head_of_another_shape_is_named(tmp_path):
     with pytest.raises(InputError) as error:
         load_head(path)
     assert str(path) in str(error.value) and "'output.weight'" in str(error.value) and "(160, 64)" in str(error.value)
+
+
+def packed_head_file(tmp_path, tied: bool):
+    """Q8_0 head bytes: an untied `output.weight`, or (tied) the embedding itself; vocabulary 160."""
+    from .test_gguf_reader import layer_tensors, write
+    from .ggml_reference import random_blocks
+
+    tensors = layer_tensors({})
+    tensors.pop("_hf")
+    tensors["output_norm.weight"] = (torch.linspace(0.5, 1.5, HIDDEN).numpy(), QT.F32)
+    matrix = random_blocks("Q8_0", 160, HIDDEN, seed=4)
+    tensors["token_embd.weight"] = (matrix, QT.Q8_0) if tied else (torch.zeros(160, HIDDEN).numpy(), QT.F32)
+    if not tied:
+        tensors["output.weight"] = (matrix, QT.Q8_0)
+    return write(tmp_path / "packed-head.gguf", "llama", tensors)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_packed_head_computes_what_the_dequantized_head_does(tmp_path, tied):
+    """packed=True on the CPU in fp32: the head's matrix stays as the file's Q8_0 bytes (of the LM head, or of the
+    tied embedding, whose loaded weight it keeps for lookups) and gives the dequantized head's logits within the
+    kernels' activation rounding; packed=False, bf16, or an F32 head: a plain head."""
+    from hivekeeper.core.runtime.checkpoint import load_embedding, load_head
+    from hivekeeper.core.runtime.gguf import PackedHead
+
+    path = packed_head_file(tmp_path, tied)
+    embedding = load_embedding(path) if tied else None
+    packed = load_head(path, packed=True, embedding=embedding)
+    plain = load_head(path, packed=False, embedding=embedding)
+    assert isinstance(packed, PackedHead) and isinstance(packed.lm_head, QuantizedLinear)
+    assert not isinstance(plain, PackedHead) and packed.lm_head.matrix.fmt.name == "q8_0"
+    assert (packed.weight is embedding.weight) if tied else packed.weight is None
+    assert torch.equal(packed.norm.weight, plain.norm.weight)
+    hidden = torch.randn(1, 2, HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got, expected = packed(hidden), plain(hidden)
+    assert got.shape == expected.shape == (1, 2, 160)
+    assert (got - expected).abs().max() <= 0.01 * expected.abs().max()
+    assert not isinstance(load_head(path, packed=True, dtype="bf16", embedding=embedding), PackedHead)
+    assert not isinstance(load_head(head_file(tmp_path), packed=True), PackedHead)  # an F32 head

@@ -5,6 +5,7 @@ block reader. The real model's end-to-end checks are in test_gguf.py and test_gg
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -448,3 +449,27 @@ def test_a_checkpoint_is_packed_only_when_asked(tmp_path):
     path, _ = layer_file(tmp_path, {})
     assert GGUFCheckpoint(path).packed is False
     assert GGUFCheckpoint(path, packed=True).packed is True and GGUFCheckpoint(path, packed=1).packed is True
+
+
+def test_load_packed_head_takes_a_packable_matrix_only(tmp_path):
+    """The LM head's Q8_0 bytes as a QuantizedLinear after the final norm (tied: the given weight kept for
+    lookups); None for a matrix stored in another type."""
+    from hivekeeper.core.runtime.gguf import PackedHead, load_packed_head
+
+    path, hf = layer_file(tmp_path, {"ffn_up": QT.Q8_0, "ffn_down": QT.Q5_0})
+    checkpoint = GGUFCheckpoint(path)
+    norm = torch.linspace(0.5, 1.5, HIDDEN)
+    tied = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    assert load_packed_head(checkpoint, "model.layers.0.mlp.down_proj.weight", norm, None) is None
+    # a [FFN, HIDDEN] matrix read as if it were the head: vocabulary FFN is what the config's head would need
+    checkpoint.config = dataclasses.replace(checkpoint.config, vocab_size=FFN)
+    head = load_packed_head(checkpoint, "model.layers.0.mlp.up_proj.weight", norm, tied)
+    assert isinstance(head, PackedHead) and head.weight is tied and torch.equal(head.norm.weight, norm)
+    assert np.array_equal(head.lm_head.matrix.dequantize(), hf["ffn_up"])
+    assert not any(p.requires_grad for p in head.parameters())
+    hidden = torch.randn(1, 2, HIDDEN, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got = head(hidden)
+        normed = head.norm(hidden)
+    expected = normed.double() @ torch.from_numpy(hf["ffn_up"]).double().T
+    assert got.shape == (1, 2, FFN) and (got.double() - expected).abs().max() <= 0.01 * expected.abs().max()
