@@ -303,8 +303,9 @@ class SwarmServer:
             logger.warning("reading our own record back failed: %s", exc)
             return
         ours = info.to_tuple()
-        forged = {block: exp for block, (value, exp) in found.items()
-                  if exp is not None and (_normalized(value) != _normalized(ours) or exp > expiration + 1.0)}
+        # another value as new as ours, or anything newer (an older value of ours is only a node not yet updated)
+        forged = {block: exp for block, (value, exp) in found.items() if exp is not None and (
+            exp > expiration + 1.0 or (exp >= expiration - 1.0 and _normalized(value) != _normalized(ours)))}
         if not forged:
             return
         latest = max(forged.values())
