@@ -201,14 +201,14 @@ def event(payload) -> str:
 
 
 class APIServer:
-    """The app served by uvicorn on a socket bound here (so a port in use is an error before the model's users
-    connect, and --port 0 gets a free port). serve_forever() blocks; shutdown() from another thread ends it."""
+    """The app served by uvicorn on a socket bound by the caller (bind(): so a port in use is an error before the
+    model loads, and --port 0 gets a free port). serve_forever() blocks; shutdown() from another thread ends it."""
 
-    def __init__(self, service: ModelService, host: str, port: int, verbose: bool = False):
+    def __init__(self, service: ModelService, sock: socket.socket, verbose: bool = False):
         import uvicorn
 
         self.service = service
-        self.socket = bind(host, port)
+        self.socket = sock
         config = uvicorn.Config(build_app(service), log_level="info" if verbose else "warning",
                                 access_log=verbose, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
         self.server = uvicorn.Server(config)

@@ -87,8 +87,29 @@ def print_status(event: dict) -> None:
 
 
 def open_server(args: argparse.Namespace, ram_budget: float | None):
-    """The model loaded and the server bound (an address in use is an InputError naming it)."""
-    from hivekeeper.core.api.server import APIServer
+    """The address bound first (one in use is an InputError naming it, before minutes of loading), then the model
+    loaded and warmed up, and the server made."""
+    from hivekeeper.core.api.server import APIServer, bind
+
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc})") from None
+    try:
+        service = open_service(args, ram_budget)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        return APIServer(service, sock, verbose=args.verbose)
+    except BaseException:
+        service.close()
+        sock.close()
+        raise
+
+
+def open_service(args: argparse.Namespace, ram_budget: float | None):
+    """The model as the API serves it: planned and loaded as `chat` does, its engine, one token generated."""
     from hivekeeper.core.api.service import ModelService, engine_for
     from hivekeeper.core.runtime.generation import context_limit
 
@@ -106,13 +127,10 @@ def open_server(args: argparse.Namespace, ram_budget: float | None):
                            swarm=args.swarm, api_key=args.api_key)
     try:
         service.warm_up()
-        return APIServer(service, args.host, args.port, verbose=args.verbose)
-    except OSError as exc:
-        service.close()
-        raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc})") from None
     except BaseException:
         service.close()
         raise
+    return service
 
 
 def model_aliases(model: str) -> tuple[str, ...]:
