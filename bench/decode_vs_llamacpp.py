@@ -1,15 +1,19 @@
-"""Our CPU decode and prefill against llama.cpp's on the same GGUF file: the real default model (SmolLM2-135M-Instruct,
-Q4_1), batch 1, the same thread count, greedy tokens.
+"""Our CPU decode and prefill against llama.cpp's on the same GGUF files, side by side in one run: the real default
+model (SmolLM2-135M-Instruct, Q4_1) and a ~1B demo model written as Q8_0 and Q4_0 GGUFs (bench/_demo_gguf.py),
+batch 1, the same thread count, greedy tokens; each alone and beside one CPU-bound process (quiet vs busy).
 
-    python bench/decode_vs_llamacpp.py                  # 2 threads, 64 tokens, a 64-token prompt
-    python bench/decode_vs_llamacpp.py --threads 2 --tokens 64 --prompt-tokens 64 --runs 3
+    python bench/decode_vs_llamacpp.py                  # 2 threads, 64 tokens, a 64-token prompt, 3 runs
+    python bench/decode_vs_llamacpp.py --files smollm2 --tokens 32 --runs 2 --no-busy
 
-Why: issue 16's goal is decode at least as fast as llama.cpp on its own files. Ours runs two ways: `packed` (the
-file's Q8_0/Q4_0/Q4_1 linears kept as block bytes, multiplied by the native quantized kernels: checkpoint.load_span's
-default for a GGUF on the CPU) and `dequantized` (every weight fp32, packed=False). llama-cpp-python is not a project
-dependency: it is used when `import llama_cpp` works, else reported as skipped with how to build it. Prints one JSON
-line: tokens/s per side (median of the runs, and every run), and the load average before and after (the machine may be
-shared: the numbers are only as quiet as it was).
+Why: issue 16's goal is decode at least as fast as llama.cpp on its own files, and keeping at least the fraction of
+its speed llama.cpp keeps when another process takes a core. Ours runs `packed` (the files' Q8_0/Q4_0/Q4_1
+linears and LM head kept as block bytes on the native quantized kernels: the default for a GGUF on the CPU) and,
+for SmolLM2, `dequantized` (every weight fp32, HIVEKEEPER_GGUF_PACKED=0's path). llama-cpp-python is not a project
+dependency: the bench runs it in a child process with the Python of the venv it was built into (--llama-python,
+default ~/.cache/hivekeeper-bench/llama_cpp_venv/bin/python: `python -m venv` there, then `pip install
+llama-cpp-python`, ~5 min on 2 quiet cores), or reports it as skipped with the reason. Prints one JSON line: tokens/s
+per file, side and load (median of the runs, and every run), the ratios, and the load average before and after
+(the machine may be shared: the numbers are only as quiet as it was).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 THREADS_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -33,28 +38,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded per run")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (prefill)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--files", default=",".join(FILES), help=f"comma-separated, of {', '.join(FILES)}")
+    parser.add_argument("--no-busy", dest="busy", action="store_false", help="skip the runs beside a CPU hog")
+    parser.add_argument("--llama-python", default=str(LLAMA_PYTHON), help="the Python llama-cpp-python is in")
     return parser.parse_args(argv)
 
 
+FILES = ("smollm2-q4_1", "demo-1b-q8_0", "demo-1b-q4_0")
+CACHE = Path.home() / ".cache" / "hivekeeper-bench"
+LLAMA_PYTHON = CACHE / "llama_cpp_venv" / "bin" / "python"
 args = parse_args()
 set_threads(args.threads)
 
 import json  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 
 import hivekeeper.core  # noqa: E402,F401 - before numpy and torch: sets OpenBLAS's idle-thread timeout
 
 import torch  # noqa: E402
 
 from hivekeeper.core.runtime.checkpoint import load_config, load_embedding, load_head, load_span  # noqa: E402
-from hivekeeper.core.runtime.default_model import FILE_NAME, resolve_default_model  # noqa: E402
+from hivekeeper.core.runtime.default_model import resolve_default_model  # noqa: E402
+from hivekeeper.core.runtime.demo_model import PRESETS  # noqa: E402
 from hivekeeper.core.runtime.kernels import native_kernels  # noqa: E402
+from hivekeeper.core.runtime.kernels.cpu_matmul import use_blas_threads  # noqa: E402
 from hivekeeper.core.runtime.model import KVCache  # noqa: E402
 
 from _common import fixed_prompt  # noqa: E402  (bench/ is the script's folder, first on sys.path)
+from _demo_gguf import write_demo_gguf  # noqa: E402
 
-LLAMA_CPP_MISSING = "skipped: llama-cpp-python is not installed (build it with pip install llama-cpp-python, ~5 min on 2 cores)"
+CHILD = Path(__file__).with_name("_llamacpp_child.py")
+CHILD_DEADLINE_S = 900
+HOG_DEADLINE_S = 1800  # the hog kills itself after this, should this process die without killing it
+
+
+def gguf_file(name: str) -> Path:
+    """The file of a FILES entry: the installed default model, or the demo written once into the cache."""
+    if name == "smollm2-q4_1":
+        return resolve_default_model()
+    return write_demo_gguf(CACHE / "gguf" / f"{name}.gguf", name.rsplit("-", 1)[1], PRESETS["1b"],
+                           resolve_default_model())
+
+
+@contextmanager
+def busy_core(busy: bool):
+    """One CPU-bound child process for the block when `busy` (killed and reaped after it)."""
+    if not busy:
+        yield
+        return
+    child = subprocess.Popen([sys.executable, "-c", f"import signal; signal.alarm({HOG_DEADLINE_S})\nwhile 1: pass"])
+    try:
+        time.sleep(0.2)  # let it start spinning
+        yield
+    finally:
+        child.kill()
+        child.wait(timeout=30)
 
 
 @torch.inference_mode()
@@ -72,14 +113,17 @@ def ours_once(model, prompt: list[int], tokens: int) -> tuple[float, float]:
     return len(prompt) / (prefilled - start), tokens / (done - prefilled)
 
 
-def ours(path, packed: bool, prompt: list[int], tokens: int, runs: int) -> dict:
-    """Our runtime on the file: packed block-quantized linears, or every weight dequantized to fp32."""
+def load_ours(path: Path, packed: bool):
     embedding = load_embedding(path)
-    head = load_head(path, embedding=embedding)
-    span = load_span(path, 0, load_config(path).num_layers, packed=packed)
-    model = (embedding, span, head)
+    head = load_head(path, embedding=embedding, packed=packed)
+    return embedding, load_span(path, 0, load_config(path).num_layers, packed=packed), head
+
+
+def ours(model, prompt: list[int], tokens: int, runs: int, busy: bool) -> dict:
+    """Our runtime on a loaded model (embedding, span, head)."""
     ours_once(model, prompt, 4)  # warm-up: the kernels' build and first-touch
-    return summary([ours_once(model, prompt, tokens) for _ in range(runs)])
+    with busy_core(busy):
+        return summary([ours_once(model, prompt, tokens) for _ in range(runs)])
 
 
 def summary(results: list[tuple[float, float]]) -> dict:
@@ -88,43 +132,69 @@ def summary(results: list[tuple[float, float]]) -> dict:
             "decode_runs": [round(r, 1) for r in decode], "prefill_runs": [round(r, 1) for r in prefill]}
 
 
-def llama_cpp(path, threads: int, prompt: list[int], tokens: int, runs: int) -> dict | str:
-    """llama-cpp-python on the same file and threads, or why it was skipped."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return LLAMA_CPP_MISSING
-    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_batch=len(prompt),
-                          n_ctx=len(prompt) + tokens + 8, verbose=False)
-    results = []
-    for run in range(runs + 1):
-        llm.reset()
-        start = time.perf_counter()
-        llm.eval(prompt)
-        prefilled = time.perf_counter()
-        for _ in range(tokens):
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])  # greedy, as ours
-        done = time.perf_counter()
-        if run:  # the first is a warm-up
-            results.append((len(prompt) / (prefilled - start), tokens / (done - prefilled)))
-    return {"version": getattr(llama_cpp, "__version__", "?"), **summary(results)}
+def llama_cpp(python: Path, path: Path, prompt: list[int], tokens: int, runs: int, busy: bool) -> dict | str:
+    """llama-cpp-python on the same file, prompt and threads in a child process, or why it was skipped."""
+    if not python.is_file():
+        return f"skipped: {python} does not exist (python -m venv {python.parent.parent}; then its pip install " \
+               f"llama-cpp-python, ~5 min on 2 cores)"
+    library = next(python.parent.parent.glob("lib/python3*/site-packages/llama_cpp/lib"), None)
+    env = {**os.environ, "LD_LIBRARY_PATH": str(library or "")}
+    command = [str(python), str(CHILD), str(path), str(args.threads), str(tokens), str(runs), json.dumps(prompt)]
+    with busy_core(busy):
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE_S, env=env)
+        except subprocess.TimeoutExpired as exc:  # run() has killed the child
+            return f"skipped: llama-cpp-python did not finish in {CHILD_DEADLINE_S} s: {(exc.stderr or '')[-300:]}"
+    if done.returncode != 0:
+        return f"skipped: llama-cpp-python failed ({done.returncode}): {done.stderr.strip()[-300:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"version": result["version"], **summary([tuple(run) for run in result["runs"]])}
+
+
+def ratio(a: dict | str, b: dict | str, key: str) -> float | None:
+    return round(a[key] / b[key], 2) if isinstance(a, dict) and isinstance(b, dict) else None
+
+
+def bench_file(name: str, prompt_tokens: int, tokens: int, runs: int, busy: bool) -> dict:
+    """Every side on one file, quiet then (with busy) beside a CPU hog."""
+    path = gguf_file(name)
+    prompt = fixed_prompt(load_config(path).vocab_size, prompt_tokens)
+    loads = ["quiet", "busy"] if busy else ["quiet"]
+    out = {"file": path.name, "file_bytes": path.stat().st_size}
+    packed = load_ours(path, True)
+    for load in loads:
+        out[f"ours_packed_{load}"] = ours(packed, prompt, tokens, runs, load == "busy")
+    del packed
+    if name.startswith("smollm2"):  # the 1B files' fp32 copy (4.3 GB) is left out: it would only be slower
+        dequantized = load_ours(path, False)
+        out["ours_dequantized_fp32_quiet"] = ours(dequantized, prompt, tokens, runs, False)
+        del dequantized
+    for load in loads:
+        out[f"llama_cpp_{load}"] = llama_cpp(Path(args.llama_python), path, prompt, tokens, runs, load == "busy")
+    for load in loads:
+        out[f"decode_ours_vs_llama_cpp_{load}"] = ratio(out[f"ours_packed_{load}"], out[f"llama_cpp_{load}"],
+                                                        "decode_tok_s")
+        out[f"prefill_ours_vs_llama_cpp_{load}"] = ratio(out[f"ours_packed_{load}"], out[f"llama_cpp_{load}"],
+                                                         "prefill_tok_s")
+    if busy:
+        out["busy_kept_ours"] = ratio(out["ours_packed_busy"], out["ours_packed_quiet"], "decode_tok_s")
+        out["busy_kept_llama_cpp"] = ratio(out["llama_cpp_busy"], out["llama_cpp_quiet"], "decode_tok_s")
+    return out
 
 
 def main() -> int:
-    path = resolve_default_model()
-    prompt = fixed_prompt(load_config(path).vocab_size, args.prompt_tokens)
+    use_blas_threads()  # torch on one thread, as `hivekeeper generate` runs (its OpenMP threads would spin)
     load_before = os.getloadavg()
-    packed = ours(path, True, prompt, args.tokens, args.runs)
-    dequantized = ours(path, False, prompt, args.tokens, args.runs)
-    other = llama_cpp(path, args.threads, prompt, args.tokens, args.runs)
-    line = {"bench": "decode_vs_llamacpp", "file": FILE_NAME, "threads": args.threads, "batch": 1,
-            "new_tokens": args.tokens, "prompt_tokens": args.prompt_tokens, "runs": args.runs,
-            "native_kernels": native_kernels.status(), "ours_packed": packed, "ours_dequantized_fp32": dequantized,
-            "llama_cpp": other,
-            "load_average_before": [round(x, 2) for x in load_before],
+    files = [name for name in args.files.split(",") if name]
+    unknown = [name for name in files if name not in FILES]
+    if unknown:
+        print(f"unknown file {unknown[0]!r}: choose from {', '.join(FILES)}", file=sys.stderr)
+        return 2
+    results = {name: bench_file(name, args.prompt_tokens, args.tokens, args.runs, args.busy) for name in files}
+    line = {"bench": "decode_vs_llamacpp", "threads": args.threads, "batch": 1, "new_tokens": args.tokens,
+            "prompt_tokens": args.prompt_tokens, "runs": args.runs, "native_kernels": native_kernels.status(),
+            "files": results, "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()]}
-    if isinstance(other, dict):
-        line["packed_vs_llama_cpp_decode"] = round(packed["decode_tok_s"] / other["decode_tok_s"], 2)
     print(json.dumps(line))
     return 0
 
