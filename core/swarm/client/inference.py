@@ -46,6 +46,7 @@ from hivekeeper.core.swarm.protocol import (
     chain_uid,
     deserialize_tensor,
     handler_name,
+    is_busy,
     new_event_loop,
     pack_args,
     pack_metadata,
@@ -613,6 +614,10 @@ class _InferenceCore:
             logger.warning("server %s does not serve blocks %d:%d that a DHT record gave it (%s); not banned, "
                            "re-routing by what it confirms", failed.hop.peer_id[-8:], failed.hop.start,
                            failed.hop.end, first_line(failure, 80))
+        elif is_busy(failure):  # an honest "busy": route around it now, without counting a failure
+            ban = self.client.bans.busy(failed.hop.peer_id)
+            logger.info("server %s is busy on blocks %d:%d (%s); skipped for %.0fs, re-routing",
+                        failed.hop.peer_id[-8:], failed.hop.start, failed.hop.end, first_line(failure, 80), ban)
         else:
             ban = self.client.bans.fail(failed.hop.peer_id)
             logger.warning("server %s failed on blocks %d:%d (%s); banned for %.0fs, re-routing",

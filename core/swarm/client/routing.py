@@ -49,6 +49,12 @@ class BanList:
         self._until[peer_id] = time.monotonic() + seconds
         return seconds
 
+    def busy(self, peer_id: str, seconds: float = 2.0) -> float:
+        """A server that answered "server busy" (protocol.is_busy): skipped for a few seconds so that the next route
+        avoids it at once, but not counted as a failure (its next ban does not grow)."""
+        self._until[peer_id] = max(self._until.get(peer_id, 0.0), time.monotonic() + seconds)
+        return seconds
+
     def forever(self, peer_id: str) -> None:
         """Ban for the client's lifetime (a server caught returning wrong outputs)."""
         self._failures[peer_id] = self._failures.get(peer_id, 0) + 1
