@@ -194,6 +194,7 @@ class _ServerSession:
         self._history_buffer: torch.Tensor | None = None  # [batch, capacity, hidden], fp32
         self._length = 0
         self._output_buffer: torch.Tensor | None = None  # its answers, kept like the inputs
+        self.upstream: str | None = None  # the peer before it in the chain (set before it opens): its only pusher
         self.checked = 0  # positions whose outputs a spot check confirmed
         self.referee: dict | None = None  # its spot checks' referee: a local KV cache or remote sessions, and length
         self.expected_seconds = 0.0
@@ -258,6 +259,8 @@ class _ServerSession:
         if self._responses is None:
             await self._open()
             metadata.update(max_length=self.max_length, alloc_timeout=self.client.config.alloc_timeout)
+            if self.upstream is not None:  # the server then takes pushes from that peer only (docs/swarm.md)
+                metadata["upstream_peer"] = self.upstream
         if start_from is not None:
             metadata["start_from_position"] = start_from
         # (hidden_states, prompts, hypo_ids); the empty ones are the same bytes every step
@@ -432,6 +435,8 @@ class _InferenceCore:
             session = self.sessions[index]
             next_servers = [(s.hop.peer_id, s.session_id, s.hop.start, s.hop.end)
                             for s in self.sessions[index + 1:]] if push else None
+            if not session.opened:
+                session.upstream = self.sessions[index - 1].hop.peer_id if index else None
             try:
                 x = await session.step(x, hypo_ids, start_from, step_id, next_servers)
                 index += 1
