@@ -282,7 +282,8 @@ def _check_rebalancing(swarm, model, local_greedy, e):
     c = swarm.named["c"]
     events_before = len(e.events)
     assert c.stop() == 0  # SIGTERM: announces OFFLINE, exits cleanly (no p2pd left: checked by the fixture)
-    assert [event["state"] for event in c.events][-2:] == ["online", "offline"]
+    # (a busy machine may slip a periodic "stats" event in between)
+    assert [event["state"] for event in c.events if event["state"] != "stats"][-2:] == ["online", "offline"]
     moved = e.wait_for("online", timeout=60, after=events_before)
     assert moved["blocks"] == [4, 6]
 
