@@ -1001,16 +1001,17 @@ static void dequantize_chunk(void *ctx, long chunk) {
         dequantize_row(t->format, t->w + r * t->row_bytes, t->blocks, t->y + r * t->blocks * QK);
 }
 
-/* y [rows, cols] fp32 = the weights that `rows` packed rows of `format` stand for. Returns 0, or -2 for a format
+/* y [rows, cols] fp32 = the weights that `rows` packed rows of `format` stand for (thread-safe: no pool, no
+   shared scratch). Returns 0, or -2 for a format
    these kernels do not take or cols not a multiple of 32 (y unchanged). */
 int hk_dequantize(int format, const void *w, float *y, long rows, long cols) {
     long block_bytes = hk_quant_block_bytes(format);
     if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || rows < 0) return -2;
     long blocks = cols / QK, row_bytes = blocks * block_bytes, per_chunk = CHUNK_BYTES / row_bytes;
     dequantize_task t = {format, w, y, row_bytes, blocks, rows, per_chunk > 0 ? per_chunk : 1};
-    pthread_mutex_lock(&call_lock);
-    parallel(dequantize_chunk, &t, ceil_div(rows, t.rows_per_chunk));
-    pthread_mutex_unlock(&call_lock);
+    /* on the calling thread alone: BLAS multiplies the tile next, on every core, and its threads would otherwise
+       contend with the pool's for the cores (a tile is ~1/rows of the product's work) */
+    for (long c = 0; c < ceil_div(rows, t.rows_per_chunk); c++) dequantize_chunk(&t, c);
     return 0;
 }
 
