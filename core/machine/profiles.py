@@ -139,6 +139,19 @@ def detect_or_load_profile(data_dir: str | Path | None = None) -> tuple[Hardware
     return hardware, profile.efficiency(hardware)
 
 
+def ram_bandwidth(measurements: list[Measurement]) -> float:
+    """The RAM read bandwidth a profile stands for: the `sum()` rate, or the rate whole decode steps read weights
+    from RAM at (beyond twice the last-level cache) where that was higher. On a shared machine either can catch a
+    busy moment; the RAM delivered at least what the steps read, and a fraction of the RAM rate cannot exceed 1
+    (issue 23: a `sum()` at load 15 read 0.76 GB/s beside steps at 7.3 GB/s, and decode was planned at 0.76)."""
+    by_key = {m.key: m for m in measurements}
+    ram, stream = by_key.get("ram_read"), by_key.get(WEIGHT_STREAM_KEY)
+    value = ram.value if ram is not None else 0.0
+    if stream is not None and BLOCK_OVERHEAD_KEY in by_key:  # measured by whole steps beyond the caches
+        value = max(value, stream.value)
+    return value
+
+
 def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
     """What `hivekeeper measure` found of decode's weight streaming (measure.measure_weight_streaming), relative
     to the measured RAM read bandwidth; None unless all of it was measured."""
@@ -147,7 +160,7 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                                                                 MATMUL_START_KEY, BLOCK_OVERHEAD_KEY))
     if stream is None or ram is None or reads is None or (start is None and block is None) or ram.value <= 0:
         return None
-    return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram.value)),
+    return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram_bandwidth(measurements))),
                            small_row_reads=min(16.0, max(1.0, reads.value)),
                            matmul_start_s=min(0.1, max(0.0, start.value)) if start is not None else 0.0,
                            block_overhead_s=min(0.1, max(0.0, block.value)) if block is not None else None)
@@ -194,9 +207,12 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
 
     if "ram_read" in by_key:
         m = by_key["ram_read"]
-        bandwidth = float(round(clamp_to_limit(m.value / 1e9, "ram_bandwidth_gbps") * 1e9))
+        bandwidth = float(round(clamp_to_limit(ram_bandwidth(measurements) / 1e9, "ram_bandwidth_gbps") * 1e9))
+        source = _source(m, when)
+        if bandwidth > m.value * 1.0001:
+            source += f"; raised to the {bandwidth / 1e9:.3g} GB/s that decode steps read RAM at (measured beside it)"
         cpu = dataclasses.replace(cpu, memory_bandwidth=bandwidth,
-                                  sources={**cpu.sources, "memory_bandwidth": _source(m, when)})
+                                  sources={**cpu.sources, "memory_bandwidth": source})
     cpu_rates = _matmul_rates(measurements, "cpu")
     if cpu_rates:  # measured rates, as the planner must see them under this machine's 16-bit decision
         cpu = with_choice(_with_flops(cpu, cpu_rates, when), choose(measurements))

@@ -123,3 +123,17 @@ def test_the_spans_exceed_twice_the_last_level_cache(monkeypatch):
     block = config.block_param_count() * 4  # whole blocks: the nearest count to the size asked
     assert abs(sum(p.numel() * 4 for p in span.parameters()) - (6 << 20)) <= block / 2 + 4096
     assert config.num_layers == len(span.blocks) == 2
+
+
+def test_decode_steps_faster_than_the_ram_sum_raise_the_ram_bandwidth():
+    """A shared machine: the sum() caught a busy moment (0.76 GB/s) and the decode steps did not (7.3 GB/s). The
+    RAM delivered what the steps read, so decode is planned at the steps' rate, and the source says why."""
+    busy = records(7.3e9, 0.1e-3, 2.0)
+    busy[0] = Measurement("ram_read", "RAM read", 0.76e9, "B/s", 0.0, 3, 15.0)
+    hardware = apply_measurements(get_hardware("cpu-generic"), busy, when=1.7e9)
+    assert hardware.cpu.memory_bandwidth == pytest.approx(7.3e9, rel=1e-6)
+    assert "raised to the 7.3 GB/s" in hardware.cpu.sources["memory_bandwidth"]
+    assert measured_efficiency(hardware).accelerator.bandwidth_fraction == pytest.approx(1.0)
+    # a sum() faster than the steps stays as it is
+    calm = apply_measurements(get_hardware("cpu-generic"), KINDS["numpy"], when=1.7e9)
+    assert calm.cpu.memory_bandwidth == pytest.approx(RAM) and "raised" not in calm.cpu.sources["memory_bandwidth"]
