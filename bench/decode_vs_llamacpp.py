@@ -11,7 +11,9 @@ linears and LM head kept as block bytes on the native quantized kernels: the def
 for SmolLM2, `dequantized` (every weight fp32, HIVEKEEPER_GGUF_PACKED=0's path). llama-cpp-python is not a project
 dependency: the bench runs it in a child process with the Python of the venv it was built into (--llama-python,
 default ~/.cache/hivekeeper-bench/llama_cpp_venv/bin/python: `python -m venv` there, then `pip install
-llama-cpp-python`, ~5 min on 2 quiet cores), or reports it as skipped with the reason. Prints one JSON line: tokens/s
+llama-cpp-python`, ~5 min on 2 quiet cores, far longer on a busy machine; on a CPU that reports AMX, build with
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON": the native build crashed in
+its AMX product in this project's VM), or reports it as skipped with the reason. Prints one JSON line: tokens/s
 per file, side and load (median of the runs, and every run), the ratios, and the load average before and after
 (the machine may be shared: the numbers are only as quiet as it was).
 """
