@@ -1,11 +1,15 @@
 """Spot checks (issue 17 item 9): a server that returns well-formed but wrong hidden states is caught, banned and
 replaced, and the tokens equal an honest run.
 
-Real servers of the tiny model in this process: h and h2 (honest) and l, a liar (HIVEKEEPER_TEST_LIAR: 0.5 is added
-to its outputs from its 6th run on; it claims to be fast and the others slow, so routes prefer it). All serve 0:2.
+Real servers of the tiny model in this process: h and h2 (honest), and per test a liar of its own
+(HIVEKEEPER_TEST_LIAR: 0.5 is added to its outputs after its first `liar_after` runs; it claims to be fast and the
+others slow, so routes prefer it). All serve 0:2. Each test waits until its client's view of the swarm holds the
+liar: a DHT read under load can miss a record, and a route that never meets the liar proves nothing.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -27,13 +31,35 @@ HONEST_RUNS = 5  # the liar's prefill and 4 decode steps are right
 def swarm(tiny_checkpoint):
     servers = InProcessServers(tiny_checkpoint, PREFIX)
     try:
-        servers.names = {"h": servers.start((0, 2), "h", record={"inference_rps": 1.0}),
-                         "l": servers.start((0, 2), "l", liar=0.5, liar_after=HONEST_RUNS,
-                                            record={"inference_rps": 1e6, "throughput": 1e6})}
-        servers.names["h2"] = servers.start((0, 2), "h2", record={"inference_rps": 1.0})  # after the liar's test
+        servers.names = {name: servers.start((0, 2), name, record={"inference_rps": 1.0}) for name in ("h", "h2")}
         yield servers
     finally:
         servers.close()
+
+
+@pytest.fixture
+def start_liar(swarm):
+    """start_liar(name, honest_runs) -> its peer id; it leaves the swarm at the end of the test."""
+    started = []
+
+    def start(name: str, honest_runs: int) -> str:
+        started.append(swarm.start((0, 2), name, liar=0.5, liar_after=honest_runs,
+                                   record={"inference_rps": 1e6, "throughput": 1e6}))
+        return started[-1]
+
+    yield start
+    for peer_id in started:
+        swarm.leave(peer_id)
+
+
+def wait_until_seen(client: SwarmClient, peers: set[str], seconds: float = 30.0) -> None:
+    """Until the client's view of the swarm (read afresh) lists all these servers."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if peers <= {span.peer_id for span in client.run(client.spans(refresh=True))}:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the client did not see {sorted(peers)} within {seconds:g}s")
 
 
 def test_tolerance_and_first_mismatch():
@@ -50,11 +76,12 @@ def test_tolerance_and_first_mismatch():
     assert not any(SpotCheckConfig(rate=0.0).due(step) for step in range(10))
 
 
-def test_a_liar_is_caught_within_four_steps_and_the_tokens_equal_an_honest_run(swarm, tiny_checkpoint):
-    h, liar = swarm.names["h"], swarm.names["l"]
+def test_a_liar_is_caught_within_four_steps_and_the_tokens_equal_an_honest_run(swarm, start_liar, tiny_checkpoint):
+    liar = start_liar("l", HONEST_RUNS)
     prompt = torch.tensor([[1, 5, 9, 13, 17]])
     with SwarmModel(str(tiny_checkpoint), initial_peers=swarm.initial_peers, dht_prefix=PREFIX,
                     spot_check_rate=0.25, retry_seconds=20.0) as model:
+        wait_until_seen(model.client, {liar, *swarm.names.values()})
         tokens = model.generate(prompt, 12)
         (failover,) = model.client.failovers
         assert failover["peer_id"] == liar and model.client.bans.banned(liar)
@@ -65,19 +92,20 @@ def test_a_liar_is_caught_within_four_steps_and_the_tokens_equal_an_honest_run(s
         assert check["checked_positions"] == [length + 4, length + 8] and check["referee"] == "local"
         assert check["max_diff"] > 0.1 and check["ok"] is False
         assert [c["ok"] for c in model.client.spot_check_log] == [True, True, False, True]
-        honest = model.generate(prompt, 12)  # the liar is banned for good: all on h
+        honest = model.generate(prompt, 12)  # the liar is banned for good: all on honest servers
     assert torch.equal(tokens, honest)
 
 
-def test_remote_referees_outvote_the_liar_when_the_client_has_no_weights(swarm, tiny_checkpoint):
+def test_remote_referees_outvote_the_liar_when_the_client_has_no_weights(swarm, start_liar, tiny_checkpoint):
     """Without local weights other servers recompute the blocks: one, and a second when the first disagrees. The
-    liar (past its honest runs) is banned whether it was checked or was the referee; the honest servers are not, and
-    the step's output is right."""
-    liar, honest = swarm.names["l"], (swarm.names["h"], swarm.names["h2"])
+    liar (lying from its first run) is banned whether it was checked or was the referee; the honest servers are not,
+    and the step's output is right."""
+    liar, honest = start_liar("l0", 0), (swarm.names["h"], swarm.names["h2"])
     span = load_span(tiny_checkpoint, 0, 2)
     client = SwarmClient(ClientConfig(initial_peers=tuple(swarm.initial_peers), dht_prefix=PREFIX, num_blocks=2,
                                       retry_seconds=20.0))
     try:
+        wait_until_seen(client, {liar, *honest})
         torch.manual_seed(0)
         prompt = torch.randn(1, 4, 64)
         with client.inference_session(16) as session:
