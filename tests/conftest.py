@@ -38,6 +38,11 @@ def _isolate_user_folders() -> None:
 
 _isolate_user_folders()
 
+# Nothing run by the suite may dial the public Petals swarm: its built-in bootstrap peers are replaced by a loopback
+# address where nothing listens (core/swarm/bootstrap.py; tests that need a swarm start their own on loopback).
+NOWHERE_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGhXeWpUMGj8kXKSH7HkQhxCrRvaSxqCQ6ifHYckDBkok"
+os.environ["HIVEKEEPER_BOOTSTRAP_PEERS"] = NOWHERE_PEER
+
 
 def _hypothesis_profiles() -> None:
     """Property tests (tests/planner/test_properties.py) run the "ci" profile unless HYPOTHESIS_PROFILE names another:

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     swarm = parser.add_mutually_exclusive_group()
     swarm.add_argument("--new-swarm", action="store_true", help="start a new private swarm")
     swarm.add_argument("--initial-peers", nargs="+", metavar="MADDR", default=[],
-                       help="multiaddrs of peers of the swarm to join")
+                       help="multiaddrs of peers of the swarm to join (default: the public Petals swarm's bootstrap "
+                            "peers, or HIVEKEEPER_BOOTSTRAP_PEERS when set)")
     span = parser.add_mutually_exclusive_group()
     span.add_argument("--num-blocks", type=int, help="serve this many blocks, chosen where the swarm is weakest "
                       "(the server also rebalances later)")
@@ -155,13 +156,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from hivekeeper.core.runtime.checkpoint import load_config, parse_dtype, resolve_checkpoint
+    from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_unreachable_error, unreachable_message
     from hivekeeper.core.swarm.dht import check_initial_peers, dht_prefix_for
     from hivekeeper.core.swarm.server.handler import ServingLimits
     from hivekeeper.core.swarm.protocol import new_event_loop
     from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
 
     if not args.new_swarm and not args.initial_peers:
-        raise InputError("choose --new-swarm (start a private swarm) or --initial-peers MADDR ... (join one)")
+        args.initial_peers = list(bootstrap_peers())  # the public swarm (core/swarm/bootstrap.py)
     for name in ("num_blocks", "max_sessions", "step_timeout", "session_timeout", "update_period",
                  "max_request_mib", "cache_tokens", "max_length", "torch_threads"):
         _check_positive("--" + name.replace("_", "-"), getattr(args, name))
@@ -238,11 +240,16 @@ def run(args: argparse.Namespace) -> int:
         server.install_signals()
         await server.run()
 
-    if hasattr(asyncio, "Runner"):  # Python 3.11+: serve on the swarm's (uvloop) event loop
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(main())
-    else:
-        asyncio.run(main())
+    try:
+        if hasattr(asyncio, "Runner"):  # Python 3.11+: serve on the swarm's (uvloop) event loop
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                runner.run(main())
+        else:
+            asyncio.run(main())
+    except InputError as exc:  # nobody at the initial peers answered: one line that says so, not the daemon's log
+        if is_unreachable_error(str(exc)):
+            raise InputError(unreachable_message(config.initial_peers)) from None
+        raise
     return 1 if server.error else 0
 
 

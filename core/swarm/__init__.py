@@ -4,6 +4,7 @@
 - `dht`       the swarm's state in the DHT: who serves which blocks, in what state, how fast.
 - `status`    the status report built from it (`hivekeeper swarm status`, the app's coverage chart).
 - `local`     `hivekeeper serve` child processes on this machine: a loopback swarm.
+- `bootstrap` the default swarm's peers: the public Petals swarm's, or HIVEKEEPER_BOOTSTRAP_PEERS (tests, CI).
 - `server/`   serving a span: lifecycle, RPC handlers, KV memory pool, throughput.
 - `client/`   using a swarm: routing and inference sessions that survive server failures.
 """
