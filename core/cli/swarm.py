@@ -1,8 +1,9 @@
 """`hivekeeper swarm status`: who serves which blocks of a model, how fast, and where the bottleneck is.
 
-Every server the DHT lists as live is pinged first (rpc_info, a 2 s timeout): one that does not answer is shown as
-"unreachable" and covers no block, so a server killed a moment ago shows as gone now, not when its record expires
-minutes later. The report is core/swarm/status.py's, which the app's coverage chart shows too
+A server listed OFFLINE is asked (rpc_info) whether it serves its blocks, as the client does before routing: anyone
+can write an OFFLINE record under a server's key. Every server the DHT lists as live is pinged first (rpc_info, a 2 s
+timeout): one that does not answer is shown as "unreachable" and covers no block, so a server killed a moment ago
+shows as gone now, not when its record expires minutes later. The report is core/swarm/status.py's, which the app's coverage chart shows too
 (gui/services/swarm_watch.py).
 """
 
@@ -59,15 +60,16 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("usage: hivekeeper swarm status --model ID|PATH --initial-peers MADDR ... [--json]")
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
-    from hivekeeper.core.swarm.dht import dht_prefix_for, live_peers, read_blocks
+    from hivekeeper.core.swarm.dht import dht_prefix_for, live_peers, with_confirmed
     from hivekeeper.core.swarm.status import swarm_status
 
     config = load_config(resolve_checkpoint(args.model, blocks=(0, 0), embeddings=False))
     prefix = dht_prefix_for(args.model, args.dht_prefix)
     client = SwarmClient(ClientConfig(tuple(args.initial_peers), prefix, config.num_layers))
     try:
-        blocks = client.run(read_blocks(client.dht, prefix, config.num_layers))
-        peers = live_peers(blocks)  # those that left (OFFLINE) are not asked
+        view = client.run(client.view(refresh=True))  # servers listed OFFLINE are asked whether they serve
+        blocks = with_confirmed(view.blocks, view.spans)
+        peers = live_peers(blocks)  # those that left (OFFLINE, and not answering for their blocks) are not asked
         rtts = client.run(client.rtts(peers)) if peers else {}
     finally:
         client.close()

@@ -389,6 +389,19 @@ def without_peers(blocks: list[dict[str, ServerInfo]], peers) -> list[dict[str, 
     return [{peer: info for peer, info in servers.items() if peer not in gone} for servers in blocks]
 
 
+def with_confirmed(blocks: list[dict[str, ServerInfo]], spans: list[RemoteSpanInfo]) -> list[dict[str, ServerInfo]]:
+    """The records, with each confirmed span's ONLINE info in place of an OFFLINE record (or none) of its peer on the
+    blocks it confirmed: anyone can write OFFLINE under a server's subkey, and a server that answers for its blocks
+    is serving them (the client's view asks such servers; `swarm status` shows what the client believes)."""
+    believed = [dict(servers) for servers in blocks]
+    for span in spans:
+        for i in range(span.start, min(span.end, len(believed))):
+            record = believed[i].get(span.peer_id)
+            if record is None or record.state == ServerState.OFFLINE:
+                believed[i][span.peer_id] = span.info
+    return believed
+
+
 async def ping(p2p: P2P, peer_id: str, timeout: float = PROBE_TIMEOUT_S, uid: str = "") -> tuple[float, dict]:
     """(round-trip seconds, the server's rpc_info answer) of one server; raises if it does not answer in time, or
     (with a block `uid`) refuses because it does not serve that block now."""

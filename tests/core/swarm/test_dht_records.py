@@ -8,6 +8,7 @@ that is a plain hivemind DHT node of its own. Outputs are checked against the sa
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from hivekeeper.core.cli.main import main
 from hivekeeper.core.runtime.checkpoint import load_span
 from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
@@ -154,7 +156,8 @@ def test_a_forgery_within_the_cap_is_outbid_by_the_server_within_seconds(swarm):
     assert any(e["state"] == "record_overwritten" and e["restored"] for e in swarm.events[c][seen:])
 
 
-def test_servers_listed_offline_for_ten_years_are_still_routed_and_a_nearer_forgery_is_replaced(swarm, span):
+def test_servers_listed_offline_for_ten_years_are_still_routed_and_a_nearer_forgery_is_replaced(swarm, span, capsys,
+                                                                                                  tiny_checkpoint):
     a, c, d = (swarm.names[n] for n in "acd")
     for peer, (start, end) in ((a, (0, 2)), (c, (0, 1)), (d, (1, 2))):
         forge(swarm, peer, range(start, end), offline_record(start, end), get_dht_time() + TEN_YEARS)
@@ -172,3 +175,9 @@ def test_servers_listed_offline_for_ten_years_are_still_routed_and_a_nearer_forg
     event = wait_until(lambda: next((e for e in swarm.events[a] if e["state"] == "record_overwritten"), None), 10,
                        "a notices its overwritten record")
     assert event["restored"] is False and event["forged_blocks"] == [0, 1]
+    # `swarm status` (the real command, in this process) believes what the servers answer, not the forgery
+    assert main(["swarm", "status", "--model", str(tiny_checkpoint), "--initial-peers", *swarm.initial_peers,
+                 "--dht-prefix", PREFIX, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {s["peer_id"]: s["state"] for s in report["servers"]} == {a: "online", c: "online", d: "online"}
+    assert report["gaps"] == [] and [b["servers"] for b in report["blocks"]] == [sorted([a, c]), sorted([a, d])]
