@@ -200,7 +200,6 @@ def test_declare_and_read_blocks_between_two_dht_nodes():
 
 # ---- CLI input errors (no network) -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
-    (["serve", "--model", "{ckpt}"], "choose --new-swarm"),
     (["serve", "--model", "{ckpt}", "--new-swarm", "--block-indices", "1:9"], "outside the model's 2 blocks"),
     (["serve", "--model", "{ckpt}", "--new-swarm", "--block-indices", "two"], "expected A:B"),
     (["serve", "--model", "{ckpt}", "--new-swarm", "--num-blocks", "0"], "--num-blocks must be > 0"),
