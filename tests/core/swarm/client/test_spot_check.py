@@ -4,7 +4,8 @@ replaced, and the tokens equal an honest run.
 Real servers of the tiny model in this process: h and h2 (honest), and per test a liar of its own
 (HIVEKEEPER_TEST_LIAR: 0.5 is added to its outputs after its first `liar_after` runs; it claims to be fast and the
 others slow, so routes prefer it). All serve 0:2. Each test waits until its client's view of the swarm holds the
-liar: a DHT read under load can miss a record, and a route that never meets the liar proves nothing.
+liar and has heard from it: a route is taken as soon as the servers that answered cover the blocks, so under load
+a slow first answer from the liar left it out, and a route that never meets the liar proves nothing.
 """
 
 from __future__ import annotations
@@ -53,13 +54,15 @@ def start_liar(swarm):
 
 
 def wait_until_seen(client: SwarmClient, peers: set[str], seconds: float = 30.0) -> None:
-    """Until the client's view of the swarm (read afresh) lists all these servers."""
+    """Until the client's view of the swarm (read afresh) lists all these servers, and each has answered a ping: a
+    route is taken as soon as the servers that answered cover the blocks, so one still unheard would be left out."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if peers <= {span.peer_id for span in client.run(client.spans(refresh=True))}:
-            return
+    while not peers <= {span.peer_id for span in client.run(client.spans(refresh=True))}:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the client did not see {sorted(peers)} within {seconds:g}s")
         time.sleep(0.2)
-    raise AssertionError(f"the client did not see {sorted(peers)} within {seconds:g}s")
+    rtts = client.run(client.rtts(sorted(peers)))
+    assert all(rtt is not None for rtt in rtts.values()), f"servers did not answer a ping: {rtts}"
 
 
 def test_tolerance_and_first_mismatch():
