@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("hivekeeper.core.cli.models", "models on this machine and the hub: list, search, pull, rm"),
     "serve": ("hivekeeper.core.cli.serve", "serve a span of a model's blocks to a swarm"),
     "swarm": ("hivekeeper.core.cli.swarm", "inspect a swarm (swarm status)"),
+    "node": ("hivekeeper.core.cli.node", "this machine's node: what it has served (node stats)"),
     "measure": ("hivekeeper.core.cli.measure", "micro-benchmark this machine and save a hardware profile"),
     "profile": ("hivekeeper.core.cli.profile", "profile the runtime and calibrate the planner"),
     "app": ("hivekeeper.core.cli.app", "open the desktop app"),

@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
 
     from hivekeeper.core.runtime.checkpoint import load_config, parse_dtype, resolve_checkpoint
     from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_unreachable_error, unreachable_message
+    from hivekeeper.core.swarm.contribution import (ContributionLedger, contribution_path, counting_status,
+                                                    serving_power)
     from hivekeeper.core.swarm.dht import check_initial_peers, dht_prefix_for
     from hivekeeper.core.swarm.server.handler import ServingLimits
     from hivekeeper.core.swarm.protocol import new_event_loop
@@ -234,7 +236,9 @@ def run(args: argparse.Namespace) -> int:
         stats_period=args.stats_period,
     )
     printer = _json_printer if args.json_status else _human_printer
-    server = SwarmServer(config, status=printer)
+    # what this node serves adds up across restarts in the data folder (`hivekeeper node stats`)
+    ledger = ContributionLedger(contribution_path(), serving_power(device))
+    server = SwarmServer(config, status=counting_status(ledger, lambda: server.handler, printer))
 
     async def main() -> None:
         server.install_signals()
@@ -289,7 +293,8 @@ def human_status_line(event: dict) -> str:
     line = f"[{state}] {event['dht_prefix']}{where}"
     if state in ("online", "stats"):
         line += (f", throughput {event['throughput']:.1f} rps, {event['sessions']} open sessions, "
-                 f"{event.get('requests_served', 0)} requests served, {event['cache_tokens_left']} cache tokens left")
+                 f"{event.get('requests_served', 0)} requests served ({event.get('tokens_served', 0)} tokens), "
+                 f"{event['cache_tokens_left']} cache tokens left")
     if state == "moving":
         line += f" -> {event['to_blocks'][0]}:{event['to_blocks'][1]}"
     return line

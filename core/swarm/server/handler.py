@@ -348,6 +348,7 @@ class TransformerConnectionHandler(ServicerBase):
         self.quotas = Quotas(limits.quotas())
         self.on_sessions_changed = on_sessions_changed or (lambda: None)
         self.requests_served = 0
+        self.tokens_served = 0  # rows × tokens of every request served (core/swarm/contribution.py)
         self.pushed_steps_served = 0  # steps that came from the previous server rather than the client
         self.inline_steps = 0  # steps run on the event loop (the inline shortcut)
 
@@ -436,6 +437,7 @@ class TransformerConnectionHandler(ServicerBase):
             "cache_tokens_available": self.cache_tokens_left(),
             # our own diagnostics (other readers ignore unknown keys)
             "hivekeeper_stats": {"sessions": len(self.sessions), "requests_served": self.requests_served,
+                                 "tokens_served": self.tokens_served,
                                  "pushed_steps_served": self.pushed_steps_served,
                                  "busy_refusals": self.quotas.refused},
         }
@@ -459,6 +461,7 @@ class TransformerConnectionHandler(ServicerBase):
         if unary:
             unary_output_fits(step.hidden.numel(), served.dtype, self._compressions(metadata, 1)[0], unary)
         self.requests_served += 1
+        self.tokens_served += step.hidden.shape[0] * step.hidden.shape[1]
         return [await self._forward_in_tasks(served, start, end, step)]
 
     async def _forward_in_tasks(self, served: ServedSpan, start: int, end: int, step: _Step) -> torch.Tensor:
@@ -491,6 +494,7 @@ class TransformerConnectionHandler(ServicerBase):
         if step.hidden.shape[0] * step.hidden.shape[1] > self.limits.max_forward_tokens:
             raise ProtocolError(f"batch × tokens exceeds the limit of {self.limits.max_forward_tokens}")
         self.requests_served += 1
+        self.tokens_served += step.hidden.shape[0] * step.hidden.shape[1]
         return await self._run(_backward, served.sub(start, end), step, grad_outputs, priority=FORWARD)
 
     @staticmethod
@@ -689,6 +693,7 @@ class TransformerConnectionHandler(ServicerBase):
             output = await self._run(_inference_step, live.span, live.cache, step, start_from)
         live.measured(step, time.perf_counter() - started)
         self.requests_served += 1
+        self.tokens_served += step.hidden.shape[0] * step.hidden.shape[1]
         self.pushed_steps_served += bool(step_meta.get("pushed"))
         return output
 

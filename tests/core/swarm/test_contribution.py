@@ -1,0 +1,101 @@
+"""Issue 20 item 4: a node counts the requests and tokens it serves, and the totals add up across restarts in one
+atomic file that `hivekeeper node stats` reads. A real server on loopback (in this process) serves a real client,
+stops, starts again with a fresh handler, serves again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import torch
+
+from hivekeeper.core.cli.main import main
+from hivekeeper.core.swarm.contribution import (ContributionLedger, PowerSource, counting_status, read_contribution)
+from hivekeeper.core.swarm.protocol import new_event_loop
+from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
+from hivekeeper.planner.errors import InputError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WATTS = 36.0  # 36 W: 0.01 Wh a second
+
+
+def _serve_once(checkpoint, ledger_path, prompt, new_tokens) -> tuple[int, int, list[dict]]:
+    """Start a server (a fresh handler), let a client generate, stop it: (requests, tokens) it counted, its events."""
+    from hivekeeper.core.swarm.client.inference import SwarmModel
+
+    loop = new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    events: list[dict] = []
+    online = threading.Event()
+
+    def seen(event: dict) -> None:
+        events.append(event)
+        if event["state"] == "online":
+            online.set()
+
+    ledger = ContributionLedger(ledger_path, PowerSource(WATTS), save_period_s=3600)  # saves on stop only
+    config = ServerConfig(checkpoint=checkpoint, dht_prefix="contrib", host="127.0.0.1", block_indices=(0, 2),
+                          throughput=1.0)
+    server = SwarmServer(config, status=counting_status(ledger, lambda: server.handler, seen))
+    future = asyncio.run_coroutine_threadsafe(server.run(), loop)
+    try:
+        assert online.wait(60), future.exception() if future.done() else "server not online"
+        with SwarmModel(str(checkpoint), initial_peers=server.maddrs, dht_prefix="contrib") as model:
+            model.generate(prompt, new_tokens)
+        counted = (server.handler.requests_served, server.handler.tokens_served)
+    finally:
+        loop.call_soon_threadsafe(server.stop)
+        future.result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    return (*counted, events)
+
+
+def _node_stats(path, capsys) -> dict:
+    assert main(["node", "stats", "--json", "--file", str(path)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_totals_add_up_across_a_restart_and_node_stats_shows_them(tiny_checkpoint, tmp_path, capsys):
+    path = tmp_path / "contribution.json"
+    prompt = torch.tensor([[1, 17, 42]])
+    first = _serve_once(tiny_checkpoint, path, prompt, 4)
+    after_one = _node_stats(path, capsys)
+    second = _serve_once(tiny_checkpoint, path, prompt, 6)
+    after_two = _node_stats(path, capsys)
+
+    # a prompt of 3 then one token a step: each server step is a request; tokens are rows × positions
+    assert first[:2] == (4, 3 + 3) and second[:2] == (6, 3 + 5), (first[:2], second[:2])
+    assert after_one["total"]["requests"] == 4 and after_one["total"]["tokens"] == 6
+    total, today = after_two["total"], after_two["today"]
+    assert (total["requests"], total["tokens"]) == (4 + 6, 6 + 8)
+    assert today["requests"] == total["requests"]  # all of it served today
+    assert total["uptime_s"] > after_one["total"]["uptime_s"] > 0
+    assert total["energy_wh"] == pytest.approx(total["uptime_s"] * WATTS / 3600)
+    final = second[2][-1]  # the offline event carries the contribution after it
+    assert final["state"] == "offline" and final["contribution"]["total"]["tokens"] == 14
+
+
+def test_a_broken_file_is_one_error_naming_it_and_the_ledger_never_half_writes(tmp_path, capsys):
+    path = tmp_path / "contribution.json"
+    path.write_text('{"total": {"requests": -3}, "days": {}}')
+    assert main(["node", "stats", "--file", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(path) in err and "'requests'" in err and len(err.splitlines()) == 1
+    ledger = ContributionLedger(path, PowerSource(None))
+    with pytest.raises(InputError):  # it adds to the file it reads: a broken one is left for the user to see
+        ledger.save()
+    assert json.loads(path.read_text())["total"]["requests"] == -3
+    path.unlink()
+    clock = iter([100.0, 160.0, 190.0])
+    ledger = ContributionLedger(path, PowerSource(None), clock=lambda: next(clock))
+    ledger.record({"state": "online", "requests_served": 0, "tokens_served": 0})
+    ledger.record({"state": "stats", "requests_served": 5, "tokens_served": 40})
+    summary = ledger.record({"state": "offline", "requests_served": 7, "tokens_served": 41})
+    assert summary["total"] == {"requests": 7, "tokens": 41, "uptime_s": 90.0, "energy_wh": 0.0}  # serving 100-190
+    assert read_contribution(path)["total"] == summary["total"]
