@@ -151,12 +151,18 @@ def default_num_blocks(checkpoint: Path, model_config, dtype, device: str, quant
 
 def run(args: argparse.Namespace) -> int:
     args = apply_config(args, add_arguments)  # --config FILE: the node service's flags (core/cli/serve_config.py)
+    from hivekeeper.core.swarm.bootstrap import any_reachable, bootstrap_peers, is_unreachable_error, \
+        unreachable_message
+
+    if not args.new_swarm and not args.initial_peers:
+        args.initial_peers = list(bootstrap_peers())  # the public swarm (core/swarm/bootstrap.py)
+    if not args.new_swarm and not any_reachable(args.initial_peers):  # in a second, before torch loads
+        raise InputError(unreachable_message(args.initial_peers))
     import asyncio
 
     import torch
 
     from hivekeeper.core.runtime.checkpoint import load_config, parse_dtype, resolve_checkpoint
-    from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_unreachable_error, unreachable_message
     from hivekeeper.core.swarm.contribution import (ContributionLedger, contribution_path, counting_status,
                                                     serving_power)
     from hivekeeper.core.swarm.dht import check_initial_peers, dht_prefix_for
@@ -164,8 +170,6 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.swarm.protocol import new_event_loop
     from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
 
-    if not args.new_swarm and not args.initial_peers:
-        args.initial_peers = list(bootstrap_peers())  # the public swarm (core/swarm/bootstrap.py)
     for name in ("num_blocks", "max_sessions", "step_timeout", "session_timeout", "update_period",
                  "max_request_mib", "cache_tokens", "max_length", "torch_threads"):
         _check_positive("--" + name.replace("_", "-"), getattr(args, name))

@@ -9,13 +9,17 @@ used. The test suite and CI set it to loopback addresses, so that nothing run he
 second guard, asking for the built-in list while pytest runs (PYTEST_CURRENT_TEST is set, which child processes
 inherit) raises instead of returning it.
 
-A node that cannot reach any bootstrap peer says so in one line (`unreachable_message`) instead of a daemon's log.
+A node that cannot reach any bootstrap peer says so in one line (`unreachable_message`) instead of a daemon's log;
+`any_reachable` tells within a second or two, with plain TCP connects and without starting a daemon (the app's
+Swarm page asks it first, before its watcher loads hivemind and torch).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
+from concurrent.futures import ThreadPoolExecutor
 
 from hivekeeper.planner.errors import InputError
 
@@ -64,3 +68,27 @@ def unreachable_message(peers) -> str:
     peers = list(peers)
     named = ", ".join(peers[:2]) + (f" and {len(peers) - 2} more" if len(peers) > 2 else "")
     return f"bootstrap peers unreachable: {named} (check the network, or edit the initial peers)"
+
+
+def tcp_address(maddr: str) -> tuple[str, int] | None:
+    """(host, port) of an /ip4, /ip6, /dns, /dns4 or /dns6 .../tcp/PORT multiaddr; None for any other kind."""
+    match = re.match(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/|$)", maddr)
+    return (match.group(2), int(match.group(3))) if match else None
+
+
+def any_reachable(peers, timeout: float = 3.0) -> bool:
+    """Whether some peer accepts a TCP connection within `timeout` (all tried at once). Peers whose address is not
+    plain TCP count as reachable: the daemon decides about them."""
+    addresses = [tcp_address(peer) for peer in peers]
+    if not addresses or any(address is None for address in addresses):
+        return True
+
+    def connects(address: tuple[str, int]) -> bool:
+        try:
+            with socket.create_connection(address, timeout=timeout):
+                return True
+        except OSError:
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(8, len(addresses))) as pool:
+        return any(pool.map(connects, addresses))

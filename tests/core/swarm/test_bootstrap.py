@@ -44,4 +44,22 @@ def test_serve_without_peers_joins_the_default_swarm_and_says_in_one_line_that_n
     assert out.returncode == 2, out.stderr
     assert lines[-1].endswith("check the network, or edit the initial peers)") and len(lines) <= 2, out.stderr
     assert "bootstrap peers unreachable: " + os.environ[BOOTSTRAP_ENV] in lines[-1]
-    assert took < 60, took  # the daemon gives up within a second; the rest is starting Python and torch
+    assert took < 30, took  # a TCP connect tells at once, before torch loads (busy machine: Python starts slowly)
+
+
+def test_reachability_is_told_by_plain_tcp_within_a_second():
+    import socket
+
+    from hivekeeper.core.swarm.bootstrap import any_reachable, tcp_address
+
+    assert tcp_address("/dns/bootstrap1.petals.dev/tcp/31337/p2p/Qm") == ("bootstrap1.petals.dev", 31337)
+    assert tcp_address("/ip4/127.0.0.1/udp/5/quic") is None
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        assert any_reachable([os.environ[BOOTSTRAP_ENV], f"/ip4/127.0.0.1/tcp/{port}/p2p/X"])
+    assert not any_reachable([os.environ[BOOTSTRAP_ENV]])
+    assert any_reachable(["/ip4/127.0.0.1/udp/1/quic/p2p/X"])  # not plain TCP: left to the daemon
+    assert time.monotonic() - started < 5
