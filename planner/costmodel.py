@@ -28,7 +28,7 @@ import numpy as np
 
 from .efficiency import Efficiency, MachineEfficiency, default_efficiency
 from .errors import InputError
-from .formats import WeightFormat, get_format
+from .formats import WeightFormat, bits_of, get_format
 from .hardware import ComputeDevice, HardwareSpec
 from .models import ModelSpec
 
@@ -43,6 +43,14 @@ HALF_AS_FP32_ON_CPU = 3.0
 # runs it) for a TinyLlama-sized block. They dequantize in unfused ops, so the time follows the weight count, not
 # the packed size: modelled as that many fp32 reads per weight, and the fp32 FLOP/s divided by the prefill factor.
 CPU_QUANT_SLOWDOWN = {"int8": (16.9, 3.2), "nf4": (16.7, 3.5)}
+# The packed formats' native kernels (GGUF Q8_0/Q4_0/Q4_1, one row) unpack each block and take integer dot products:
+# weights per second per physical core where `hivekeeper measure` has not timed them (ComputeDevice.packed_kernels).
+# Measured on the development machines (2-core AVX2 EPYC, 2-core AVX512 Xeon): SmolLM2-135M Q4_1 decoded at 52-74
+# tokens/s quiet, ~134M weights a step beside 30 blocks of fixed costs, about 4-6e9 weights/s per core; the
+# micro-benchmark at load 6 gave 1-4.6e9 per core. The default takes the low end of the quiet figures.
+DEFAULT_PACKED_WEIGHTS_PER_CORE_S = {"q8_0": 4.0e9, "q4_0": 4.0e9, "q4_1": 4.0e9}
+# the LM head and embedding of a GGUF: llama.cpp's files keep them at 8 bits or more; the runtime packs a Q8_0 head
+PACKED_HEAD_FORMAT = "q8_0"
 # FlexGen's CPU attention copies the fp16 cache to fp32 first: read 2 B + write 4 B + read 4 B per 2-byte value.
 HALF_COPY_TRAFFIC_ON_CPU = 5.0
 _MAX_TOKENS = 10_000_000  # longer prompts or contexts are typos, not workloads
@@ -218,7 +226,17 @@ def decode_flops_per_token(model: ModelSpec, context_len: int) -> float:
 
 
 def _vector_bytes(fmt: WeightFormat) -> float:
-    return 4.0 if fmt.name == "fp32" else 2.0
+    """Norms, biases, embeddings: fp32 beside fp32 or packed block weights (the runtime computes those in fp32)."""
+    return 4.0 if fmt.name == "fp32" or fmt.packed else 2.0
+
+
+def packed_kernel_rate(cpu: ComputeDevice, weight_format: str) -> tuple[float, bool]:
+    """(weights/s of the packed format's one-row kernel on this CPU, whether measured): `hivekeeper measure`'s
+    figure (ComputeDevice.packed_kernels), else DEFAULT_PACKED_WEIGHTS_PER_CORE_S times the physical cores."""
+    measured = cpu.packed_kernels.get(weight_format)
+    if measured:
+        return float(measured), True
+    return DEFAULT_PACKED_WEIGHTS_PER_CORE_S[weight_format] * (cpu.cores or 4), False
 
 
 def experts_touched(experts: int, per_token: int, tokens):
@@ -311,12 +329,20 @@ class FormatTraits:
     kv_bytes: float  # per cached value
     kv_read_factor: float  # accelerator traffic per byte of cache read (conversion on a CPU without half math)
     peak_flops: float  # accelerator peak for the format's compute dtype
+    # decode of a few rows (packed formats: their native kernels, 2 FLOPs per weight at packed_kernel_rate), and
+    # whether a step's reads and those FLOPs overlap (max) rather than add up
+    gemv_flops: float = 0.0
+    overlapped: bool = False
+    head_bytes: float = 0.0  # bytes per LM head parameter a step reads
+    head_flops: float = 0.0  # the LM head's FLOP/s
 
 
 def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
     fmt = get_format(weight_format)
     stored = fmt.bytes_per_param
     kv_bytes = 4.0 if fmt.name == "fp32" else 2.0
+    if fmt.packed:
+        return packed_traits(machine, fmt)
     if machine.acc.kind == "cpu":
         native = cpu_native_half(machine.acc)
         fp32_rate = machine.acc.peak_flops("fp32")
@@ -338,7 +364,25 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
         gemm = stored + 4.0 if fmt.quantized else stored
         peak = machine.acc.peak_flops(fmt.compute_dtype)
         kv_factor = 1.0
-    return FormatTraits(fmt, stored, gemv, gemm, _vector_bytes(fmt), kv_bytes, kv_factor, float(peak))
+    vector = _vector_bytes(fmt)
+    return FormatTraits(fmt, stored, gemv, gemm, vector, kv_bytes, kv_factor, float(peak), float(peak), False,
+                        vector, float(peak))
+
+
+def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
+    """A GGUF block format on a CPU: a decode step reads the packed bytes once and the native kernels unpack and
+    multiply them at packed_kernel_rate, the two overlapped; a prefill dequantizes tiles in cache and multiplies
+    them with BLAS at the fp32 rate; the KV cache, norms and embeddings stay fp32; the head is packed Q8_0."""
+    if machine.acc.kind != "cpu":
+        raise InputError(f"{fmt.name} is a CPU format (hivekeeper's native kernels); a GPU runs GGUF weights "
+                         f"dequantized to 16 bits (--quant none) or bitsandbytes int8/nf4")
+    cpu, stored = machine.acc, fmt.bytes_per_param
+    fp32_rate = cpu.peak_flops("fp32")
+    head_rate, _ = packed_kernel_rate(cpu, PACKED_HEAD_FORMAT)
+    return FormatTraits(fmt, stored, read_bytes_gemv=stored, read_bytes_gemm=stored + 4.0, vector_bytes=4.0,
+                        kv_bytes=4.0, kv_read_factor=1.0, peak_flops=float(fp32_rate),
+                        gemv_flops=2.0 * packed_kernel_rate(cpu, fmt.name)[0], overlapped=True,
+                        head_bytes=get_format(PACKED_HEAD_FORMAT).bytes_per_param, head_flops=2.0 * head_rate)
 
 
 def sixteen_bit_format(model: ModelSpec, machine: Machine) -> str:
@@ -494,6 +538,10 @@ class CandidateArrays:
     kv_bytes: np.ndarray
     kv_read_factor: np.ndarray
     peak_flops: np.ndarray
+    gemv_flops: np.ndarray  # FLOP/s of a decode of a few rows (packed formats: their kernels)
+    overlapped: np.ndarray  # packed formats: a decode step takes max(reads, kernel compute), not their sum
+    head_bytes: np.ndarray  # bytes per LM head parameter read
+    head_flops: np.ndarray
     block_bytes: np.ndarray  # one block's weights at rest
     kv_token: np.ndarray  # one token of one block's K and V
     cached_per_token: np.ndarray  # what is kept per token and block: K and V, or the block's input when recomputing
@@ -516,6 +564,8 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         recompute=recompute, cpu_attention=cpu_attention, batch=c["b"] * c["n"],
         stored_bytes=stored, gemv_bytes=trait("read_bytes_gemv"), gemm_bytes=trait("read_bytes_gemm"),
         vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"), peak_flops=trait("peak_flops"),
+        gemv_flops=trait("gemv_flops"), overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
+        head_flops=trait("head_flops"),
         block_bytes=numbers.matrix_params * stored + numbers.vector_params * vector, kv_token=kv_token,
         cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
         attention_on_acc=c["ca"] + off * (~cpu_attention),
@@ -577,9 +627,11 @@ def weight_reads(grid: CandidateArrays, rows):
     return np.where(rows <= 1, 1.0, grid.acc_eff.weight_reread_rows)
 
 
-def accelerator_work(grid: CandidateArrays, nbytes, bytes_min, flops) -> AcceleratorWork:
-    """`nbytes` read from accelerator memory (`bytes_min` without re-reads and conversions) and `flops` computed."""
-    bandwidth, peak = grid.machine.acc_bandwidth, grid.peak_flops
+def accelerator_work(grid: CandidateArrays, nbytes, bytes_min, flops, peak=None) -> AcceleratorWork:
+    """`nbytes` read from accelerator memory (`bytes_min` without re-reads and conversions) and `flops` computed
+    (at `peak` FLOP/s, default the format's)."""
+    bandwidth = grid.machine.acc_bandwidth
+    peak = grid.peak_flops if peak is None else peak
     memory_s = nbytes / (bandwidth * grid.acc_eff.bandwidth_fraction)
     compute_s = flops / (peak * grid.acc_eff.matmul_fraction)
     return AcceleratorWork(bytes_min, flops, memory_s, compute_s, np.maximum(bytes_min / bandwidth, flops / peak))
@@ -632,12 +684,34 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + cache
     flops = grid.batch * numbers.flops_per_token + attention_flops * grid.attention_on_acc \
         + np.where(grid.recompute, 4.0 * numbers.hidden * numbers.kv_dim * context * grid.batch, 0.0)
-    work = accelerator_work(grid, nbytes, bytes_min, flops)
+    kernel_rows = grid.overlapped & (rows <= PACKED_KERNEL_ROWS)
+    work = accelerator_work(grid, nbytes, bytes_min, flops, np.where(kernel_rows, kernel_peak(grid, grid.gemv_flops),
+                                                                     grid.peak_flops))
+    if kernel_rows.any():
+        work = overlap(work, kernel_rows)
     if not steps_measured(grid.machine):
         return work
     # the measured steps ran the products too: their FLOPs count only where they outlast the reads
     return AcceleratorWork(work.bytes_min, work.flops, work.memory_s, np.maximum(0.0, work.compute_s - work.memory_s),
                            work.bound_s)
+
+
+PACKED_KERNEL_ROWS = 8  # rows the packed kernels take at once (native_kernels.MAX_ROWS); more go through BLAS
+
+
+def kernel_peak(grid: CandidateArrays, flops):
+    """A packed kernel's FLOP/s as accelerator_work takes it: the rate is the kernels' own (measured or the default
+    of what they reach), so the matmul efficiency, which discounts spec peaks, must not discount it again."""
+    return flops / grid.acc_eff.matmul_fraction
+
+
+def overlap(work: AcceleratorWork, where) -> AcceleratorWork:
+    """Where `where` holds, reads and compute overlap: the slower of the two is the whole time, and is reported
+    under its own name (the other 0), so the bottleneck names what a step waits for."""
+    compute_bound = where & (work.compute_s > work.memory_s)
+    memory_s = np.where(compute_bound, 0.0, work.memory_s)
+    compute_s = np.where(where & ~compute_bound, 0.0, work.compute_s)
+    return AcceleratorWork(work.bytes_min, work.flops, memory_s, compute_s, work.bound_s)
 
 
 def steps_measured(machine: Machine) -> bool:
@@ -690,10 +764,14 @@ def decode_disk(grid: CandidateArrays, context: float) -> Resource:
 
 
 def lm_head(grid: CandidateArrays) -> AcceleratorWork:
-    """The LM head runs on the last position of each sequence, in decode and prefill alike: `batch` rows."""
-    nbytes = grid.numbers.head_params * grid.vector_bytes
+    """The LM head runs on the last position of each sequence, in decode and prefill alike: `batch` rows (a packed
+    head on its kernels, reads and compute overlapped, up to PACKED_KERNEL_ROWS rows)."""
+    nbytes = grid.numbers.head_params * grid.head_bytes
     flops = grid.batch * 2.0 * grid.numbers.head_params
-    return accelerator_work(grid, nbytes * weight_reads(grid, grid.batch), nbytes, flops)
+    kernel_rows = grid.overlapped & (grid.batch <= PACKED_KERNEL_ROWS)
+    work = accelerator_work(grid, nbytes * weight_reads(grid, grid.batch), nbytes, flops,
+                            np.where(kernel_rows, kernel_peak(grid, grid.head_flops), grid.peak_flops))
+    return overlap(work, kernel_rows) if kernel_rows.any() else work
 
 
 # ---- prefill of p tokens per sequence, per block ------------------------------------------------------------------
@@ -969,6 +1047,19 @@ def dequantization_detail(machine: Machine, policy: Policy, packed_bytes: float)
             f"({_gb(packed_bytes)} of weights and KV cache per decode step); 16-bit weights or a GPU avoid it")
 
 
+def packed_kernel_detail(machine: Machine, policy: Policy, out, i: int) -> str:
+    """The sentence for a decode step bound by the packed formats' CPU kernels rather than by reading RAM."""
+    fmt = policy.weight_format
+    rate, measured = packed_kernel_rate(machine.acc, fmt)
+    products = float(out["acc_flops_step"][i]) / 2.0
+    reads_s = float(out["acc_bytes_step"][i]) / machine.acc_bandwidth
+    source = "measured by `hivekeeper measure`" if measured else "default estimate; `hivekeeper measure` times it"
+    return (f"CPU {bits_of(fmt)}-bit kernel compute: the {fmt} kernels unpack and multiply {products / 1e6:.3g} M "
+            f"weights per decode step at {rate / 1e9:.3g} G weights/s ({source}); reading their "
+            f"{_gb(float(out['acc_bytes_step'][i]))} from RAM at {_rate(machine.acc_bandwidth)} would take only "
+            f"{reads_s * 1e3:.3g} ms")
+
+
 def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out, i: int) -> tuple[str, str]:
     """The resource that sets the decode step time, and a sentence with its numbers."""
     value = lambda key: float(out[key][i])  # noqa: E731
@@ -1010,6 +1101,9 @@ def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out,
                   f"step at {_rate(machine.acc_bandwidth)}")
         if value("weight_reads") > 1.0:
             detail += f" (the weights {value('weight_reads'):.3g} times: small-row CPU matmuls re-read them per row)"
+    elif resource == "accelerator compute" and get_format(policy.weight_format).packed \
+            and policy.micro_batch_size <= PACKED_KERNEL_ROWS:
+        resource, detail = "packed kernel compute", packed_kernel_detail(machine, policy, out, i)
     elif resource == "accelerator compute":
         resource = "gpu compute" if machine.acc_tier == "gpu" else "cpu compute"
         flops = value("acc_flops_step")

@@ -49,6 +49,10 @@ class ComputeDevice:
     cores: int | None = None  # physical cores of a CPU (None for GPUs)
     decode_streaming: DecodeStreaming | None = None  # a CPU's measured decode weight streaming (None: not measured)
     in_use_bytes: int = 0  # memory other programs held when this machine was detected (0 for catalog machines)
+    # a CPU's packed-format kernels (GGUF Q8_0/Q4_0/Q4_1), as `hivekeeper measure` timed them: format -> weights
+    # multiplied per second by a one-row product whose weights sit in cache (their compute, not RAM's, rate);
+    # empty where not measured (the cost model then uses costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S)
+    packed_kernels: dict[str, float] = field(default_factory=dict)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; falls back to fp32's rate (or the best known) when not listed."""

@@ -23,6 +23,7 @@ from typing import Any
 from . import fields
 from .errors import InputError
 from .fields import REQUIRED, Fields
+from .formats import PACKED_FORMATS
 from .hardware import GIB, ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
 
 CATALOG_PATH = Path(__file__).parent / "data" / "hardware.json"
@@ -52,6 +53,7 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "gpu_count": (1, 64),
     "pcie_gen": (1, 7),
     "pcie_lanes": (1, 32),
+    "gweights_per_s": (0.001, 100_000.0),  # a CPU's packed-format kernels, billions of weights per second
 }
 
 # the end of a too-large value's error: a value 1000x too large is usually in the wrong unit
@@ -226,7 +228,7 @@ _NETWORK_SOURCE_KEYS = ("upload_bps", "download_bps", "rtt_s")
 _GPU_KEYS = {"name", "memory_gb", "memory_gib", "memory_bandwidth_gbps", "flops_tflops", "power_w", "host_link_gbps",
              "pcie_gen", "pcie_lanes", "unified_memory", "in_use_gb"}
 _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w",
-             "decode_streaming", "in_use_gb"}
+             "decode_streaming", "in_use_gb", "packed_kernels_gweights_per_s"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0)}  # issue 23: measured per-block cost of a decode step
@@ -245,6 +247,23 @@ def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
         else None
     return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3,
                            block / 1e3 if block is not None else None)
+
+
+def _parse_packed_kernels(s: _Section) -> dict[str, float]:
+    """The cpu section's optional "packed_kernels_gweights_per_s": {"q4_0": 6.1, ...} (measured rates of the packed
+    formats' kernels, hardware.ComputeDevice.packed_kernels) in weights/s."""
+    key = "packed_kernels_gweights_per_s"
+    table = s.doc.get(key)
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise s.error(key, f"must be an object of format ({', '.join(PACKED_FORMATS)}) -> billions of weights/s")
+    rates = {}
+    for name, value in table.items():
+        if name not in PACKED_FORMATS:
+            raise s.error(f"{key}.{name}", f"is not a packed format ({', '.join(PACKED_FORMATS)})")
+        rates[name] = 1e9 * check_number(value, "gweights_per_s", where=s.where, field=s.name(f"{key}.{name}"))
+    return rates
 
 
 def _parse_gpu(doc: Any, where: str, path: str, default_source: str) -> ComputeDevice:
@@ -300,6 +319,7 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         cores=cores,
         decode_streaming=_parse_decode_streaming(s.doc.get("decode_streaming"), where),
         in_use_bytes=in_use_bytes(s, s.size_gb("ram", "ram_gb")),
+        packed_kernels=_parse_packed_kernels(s),
     )
 
 
@@ -614,6 +634,8 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                    if cpu.decode_streaming.block_overhead_s is not None else {})}}
                if cpu.decode_streaming is not None else {}),
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
+            **({"packed_kernels_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_kernels.items()}}
+               if cpu.packed_kernels else {}),
             "sources": dict(cpu.sources),
         },
         "disk": {

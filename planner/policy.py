@@ -8,13 +8,17 @@ much as fits on the accelerator, then in RAM, the rest on disk, which is optimal
 
 Goals: chat minimizes the runtime of the request (α + β(o − 1)) at the given batch (1 stream by default);
 batch maximizes generated tokens/s over prefill plus decode (FlexGen's metric); serve sizes a swarm server.
-With --quant auto a quantized format must win by a margin (QUALITY_WEIGHT): int8 by 11%, nf4 by 25%.
+With --quant auto a quantized format must win by a margin (QUALITY_WEIGHT): int8 by 11%, nf4 by 25%, q8_0 by 2%,
+q4_1 by 18%, q4_0 by 20%; a GGUF's own format has no margin (its weights are those values whatever runs them).
+Which formats auto tries depends on the accelerator: bitsandbytes int8/nf4 only on a GPU (on a CPU they are ~17x
+slower than fp32), the packed block formats only on a CPU and only those the runtime holds packed for this model
+(Constraints.packed_formats: a GGUF's own Q8_0/Q4_0/Q4_1 type).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -23,14 +27,16 @@ from .costmodel import (TIERS, Machine, Placement, Policy, Prediction, Workload,
                         sixteen_bit_format, solve_weight_placement)
 from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
+from .formats import BITSANDBYTES_FORMATS, PACKED_FORMATS
 from .hardware import HardwareSpec
 from .models import ModelSpec
 from .runtime import RuntimeEstimate, idealized_runtime
 from .swarm import ServerPlan, client_fits, plan_server
 
 GOALS = ("chat", "batch", "serve")
-QUANTS = ("auto", "none", "int8", "nf4")
-QUALITY_WEIGHT = {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0, "int8": 0.9, "nf4": 0.8}
+QUANTS = ("auto", "none", "int8", "nf4", *PACKED_FORMATS)
+QUALITY_WEIGHT = {"fp32": 1.0, "bf16": 1.0, "fp16": 1.0, "int8": 0.9, "nf4": 0.8, "q8_0": 0.98, "q4_1": 0.85,
+                  "q4_0": 0.83}
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MICRO_BATCH_COUNTS = (1, 2, 4, 8, 16)
@@ -41,11 +47,15 @@ PREFETCH_DEPTHS = (0, 1, 2)
 
 @dataclass(frozen=True)
 class Constraints:
-    """What the user fixes: the quantization choice, the batch (sequences together), memory to leave free."""
+    """What the user fixes: the quantization choice, the batch (sequences together), memory to leave free; and what
+    the runtime can hold packed for this model (`packed_formats`, the packed formats auto may choose on a CPU) and
+    the format its file already stores (`file_format`: no quality margin, the weights are those values anyway)."""
 
     quant: str = "auto"
     batch_size: int | None = None
     reserve_bytes: dict[str, float] = field(default_factory=dict)  # tier ("gpu", "cpu", "disk") -> bytes
+    packed_formats: tuple[str, ...] = ()
+    file_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.quant not in QUANTS:
@@ -55,18 +65,32 @@ class Constraints:
         for tier, value in self.reserve_bytes.items():
             if tier not in TIERS or not 0 <= value <= 1e15:
                 raise InputError(f"reserve for {tier!r} must be a tier (gpu, cpu, disk) and 0..1e15 bytes")
+        for name in self.packed_formats:
+            if name not in PACKED_FORMATS:
+                raise InputError(f"packed format {name!r} is not one of {', '.join(PACKED_FORMATS)}")
 
 
-def candidate_formats(model: ModelSpec, machine: Machine, quant: str) -> list[str]:
-    """Weight formats the search tries: the 16-bit format (and fp32 on a CPU), plus int8/nf4 when allowed."""
-    if quant in ("int8", "nf4"):
+def candidate_formats(model: ModelSpec, machine: Machine, quant: str, packed: tuple[str, ...] = ()) -> list[str]:
+    """Weight formats the search tries: the 16-bit format (and fp32 on a CPU); with auto, int8/nf4 on a GPU and the
+    `packed` formats (what the runtime holds packed for this model) on a CPU. A named format alone."""
+    if quant in PACKED_FORMATS and machine.acc.kind != "cpu":
+        raise InputError(f"--quant {quant} is a CPU format (hivekeeper's native kernels); on a GPU use none, int8 "
+                         f"or nf4")
+    if quant in BITSANDBYTES_FORMATS or quant in PACKED_FORMATS:
         return [quant]
     formats = [sixteen_bit_format(model, machine)]
     if machine.acc.kind == "cpu":
         formats.append("fp32")  # a CPU without 16-bit math converts every 16-bit value it reads
-    if quant == "auto":
-        formats += ["int8", "nf4"]
+        if quant == "auto":
+            formats += [name for name in packed if name not in formats]
+    elif quant == "auto":
+        formats += list(BITSANDBYTES_FORMATS)
     return formats
+
+
+def quality_weight(name: str, constraints: "Constraints") -> float:
+    """How much a format's predicted speed counts (QUALITY_WEIGHT); 1 for the format the model's file stores."""
+    return 1.0 if name == constraints.file_format else QUALITY_WEIGHT[name]
 
 
 def _batch_pairs(goal: str, batch_size: int | None) -> list[tuple[int, int]]:
@@ -165,7 +189,7 @@ def evaluate_grid(model: ModelSpec, hardware: HardwareSpec, goal: str, constrain
     eff = efficiency or default_efficiency(hardware)
     machine = machine_view(hardware, constraints.reserve_bytes)
     numbers = model_numbers(model)
-    formats = candidate_formats(model, machine, constraints.quant)
+    formats = candidate_formats(model, machine, constraints.quant, constraints.packed_formats)
     traits = [format_traits(machine, f) for f in formats]
     cols = build_grid(model, machine, goal, constraints, len(formats))
     mem = fixed_memory(numbers, machine, eff, workload, traits, cols)
@@ -186,7 +210,7 @@ def evaluate_grid(model: ModelSpec, hardware: HardwareSpec, goal: str, constrain
     peaks = peak_memory(mem, cols["wa"], cols["wh"], cols["wd"])
     out = evaluate_arrays(numbers, machine, eff, workload, traits, cols)
     speed = 1.0 / out["runtime_s"] if goal == "chat" else out["throughput_tps"]
-    quality = np.array([QUALITY_WEIGHT[f] for f in formats])[cols["fmt"]]
+    quality = np.array([quality_weight(f, constraints) for f in formats])[cols["fmt"]]
     score = np.where(feasible, speed * quality, -np.inf)
     return GridResult(machine, eff, formats, cols, peaks, out, feasible, speed, score, mem, batch_sizes)
 
@@ -353,8 +377,8 @@ def batch_curve(model: ModelSpec, hardware: HardwareSpec, workload: Workload | N
                 efficiency: MachineEfficiency | None = None) -> list[BatchPoint]:
     """Best predicted tokens/s at each batch size the grid reaches (for a chart), from one grid pass."""
     constraints = constraints or Constraints()
-    grid = evaluate_grid(model, hardware, "batch", Constraints(constraints.quant, None, constraints.reserve_bytes),
-                         workload or Workload(), efficiency)
+    grid = evaluate_grid(model, hardware, "batch", replace(constraints, batch_size=None), workload or Workload(),
+                         efficiency)
     batch = (grid.cols["b"] * grid.cols["n"]).astype(int)
     points = []
     for size in grid.batch_sizes:

@@ -158,6 +158,8 @@ def _value(value: float | None, unit: str) -> str:
         return f"{value / 1e6:.4g} Mbit/s"
     if unit == "s":
         return f"{value * 1e3:.3g} ms"
+    if unit == "weights/s":
+        return f"{value / 1e9:.3g} G weights/s"
     return f"{value:.3g}{unit}"
 
 

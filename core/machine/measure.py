@@ -22,13 +22,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, TextIO
 
+import numpy as np
 import torch
 
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_features import has_half_math
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
+    WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (BLAS_MIN_WEIGHT_ELEMENTS, blas_active, linear,
                                                         physical_cores, store_tall_by_column, torch_threads,
@@ -59,6 +61,19 @@ def _timings(fn: Callable[[], None], repeats: int, device: torch.device) -> list
         _synchronize(device)
         seconds.append(time.perf_counter() - start)
     return seconds
+
+
+def _counted_timings(fn: Callable[[], None], repeats: int, target_s: float = 0.02) -> tuple[int, list[float]]:
+    """(calls per timing, seconds per call of each of `repeats` timings): fn repeated inside each timing so that one
+    timing lasts about target_s."""
+    device = torch.device("cpu")
+    count = _inner_count(fn, device, target_s)
+
+    def many() -> None:
+        for _ in range(count):
+            fn()
+
+    return count, [s / count for s in _timings(many, repeats, device)]
 
 
 def _inner_count(fn: Callable[[], None], device: torch.device, target_s: float = 0.02, most: int = 1000) -> int:
@@ -410,6 +425,45 @@ def fp32_decode_path(elements: int) -> str:
     return "the native kernels" if native_kernels.library() is not None else "numpy's BLAS"
 
 
+# ---- the packed formats' kernels -----------------------------------------------------------------------------------
+PACKED_KERNEL_SHAPE = (1024, 4096)  # [outs, cols]: 4M weights, 2-4 MiB packed: in cache, so it times the kernels
+
+
+def random_packed_matrix(fmt: str, outs: int, cols: int, seed: int = 0):
+    """A QuantizedMatrix of random codes with small fp16 scales (and mins): made in milliseconds, where quantizing
+    fp32 weights of this size takes a second; the kernels' speed does not depend on the values."""
+    from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedMatrix
+    from hivekeeper.core.runtime.quant.blocks import BLOCK_WEIGHTS, format_named
+
+    block = format_named(fmt)
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(outs, cols // BLOCK_WEIGHTS, block.block_bytes), dtype=np.uint8)
+    scales = 2 if fmt == "q8_0" or fmt == "q4_0" else 4  # fp16 d (and Q4_1's fp16 min m) lead each block
+    blocks[:, :, :scales] = np.frombuffer(np.full(scales // 2, 0.01, dtype=np.float16).tobytes(), dtype=np.uint8)
+    return QuantizedMatrix(block, blocks.reshape(outs, -1), outs, cols)
+
+
+def measure_packed_kernels(repeats: int = 5, shape: tuple[int, int] = PACKED_KERNEL_SHAPE) -> list[Measurement]:
+    """Weights/s of each packed format's one-row product (GGUF Q8_0/Q4_0/Q4_1 on the runtime's native kernels, or
+    numpy's dequantized product where they are missing) over a matrix that stays in cache: the kernels' compute
+    rate, which the planner sets beside RAM bandwidth (a decode step takes the slower of the two)."""
+    from hivekeeper.core.runtime.quant.blocks import FORMATS
+
+    outs, cols = shape
+    path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
+    results = []
+    for name in FORMATS:
+        load = load_average()
+        matrix = random_packed_matrix(name, outs, cols)
+        x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+        count, seconds = _counted_timings(lambda: matrix.matvec(x), repeats)
+        results.append(_rate_measurement(
+            f"{PACKED_KERNEL_KEY}{name}", f"CPU {name} kernel (one row)", WEIGHTS_PER_S, float(outs * cols), seconds,
+            load, f"[1, {cols}] x {name} [{outs}, {cols}] ({matrix.nbytes / 2**20:.2f} MiB, in cache), {path}, "
+                  f"{count} products per timing"))
+    return results
+
+
 def measure_half_decode(hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 5) -> Measurement:
     """A decode-shaped step in bf16 against the same step in fp32 (HALF_DECODE_KEY: bf16 time / fp32 time; below 1
     bf16 is faster): one-row matmuls over a chain of layer-shaped matrices, fp32 stored and multiplied as the
@@ -717,6 +771,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU decode steps",
                       lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
                                                     sizes.cache_bytes)))
+    steps.append(("CPU packed-format kernels", lambda: measure_packed_kernels(sizes.repeats)))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, sizes.half_bytes, sizes.repeats)]))
@@ -793,5 +848,7 @@ def format_value(measurement: Measurement) -> str:
         return f"{v / 1e6:.4g} Mbit/s"
     if measurement.unit == "s":
         return f"{v * 1e3:.3g} ms"
+    if measurement.unit == WEIGHTS_PER_S:
+        return f"{v / 1e9:.3g} G weights/s"
     return f"{v:.4g} {measurement.unit}"
 

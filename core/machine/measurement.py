@@ -14,6 +14,9 @@ WEIGHT_STREAM_KEY = "cpu_weight_stream"
 MATMUL_START_KEY = "cpu_matmul_start"  # profiles measured before measure_decode_blocks
 BLOCK_OVERHEAD_KEY = "cpu_decode_block_overhead"  # measure.measure_decode_blocks: fixed cost of a block in a step
 SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
+# measure.measure_packed_kernels: one result per packed format, key PACKED_KERNEL_KEY + format ("q4_0"), weights/s
+PACKED_KERNEL_KEY = "cpu_packed_kernel_"
+WEIGHTS_PER_S = "weights/s"  # its unit
 # measure.measure_half_decode's result (bf16 step time / fp32 step time), read by cpu_dtype to pick a CPU's 16-bit dtype
 HALF_DECODE_KEY = "cpu_decode_bf16_vs_fp32"
 

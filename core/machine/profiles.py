@@ -23,16 +23,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hivekeeper.planner.calibration import Calibration, measured_efficiency
+from hivekeeper.planner.costmodel import packed_kernel_rate
 from hivekeeper.planner.efficiency import DEFAULTS as DEFAULT_EFFICIENCY
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.formats import PACKED_FORMATS
 from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, HardwareSpec
 from hivekeeper.planner.hardware_catalog import clamp_to_limit
 
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
+    WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -166,6 +169,14 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                            block_overhead_s=min(0.1, max(0.0, block.value)) if block is not None else None)
 
 
+def packed_kernel_rates(measurements: list[Measurement]) -> dict[str, float]:
+    """format -> weights/s of the packed formats' kernels (measure.measure_packed_kernels), as the planner takes them
+    (hardware.ComputeDevice.packed_kernels); empty where not measured (profiles saved before they were)."""
+    return {m.key[len(PACKED_KERNEL_KEY):]: clamp_to_limit(m.value / 1e9, "gweights_per_s") * 1e9
+            for m in measurements if m.key.startswith(PACKED_KERNEL_KEY) and m.key[len(PACKED_KERNEL_KEY):]
+            in PACKED_FORMATS and m.value > 0}
+
+
 # ---- measured numbers into a spec ---------------------------------------------------------------------------------
 def _measured_on(when: float | None) -> str:
     return f"measured {time.strftime('%Y-%m-%d %H.%M', time.localtime(when))}" if when else "measured"
@@ -219,6 +230,9 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
     streaming = decode_streaming(measurements)
     if streaming is not None:
         cpu = dataclasses.replace(cpu, decode_streaming=streaming)
+    kernels = packed_kernel_rates(measurements)
+    if kernels:
+        cpu = dataclasses.replace(cpu, packed_kernels=kernels)
 
     disk_changes, disk_sources = {}, dict(disk.sources)
     for key, attr in (("disk_read", "read_bandwidth"), ("disk_write", "write_bandwidth")):
@@ -294,6 +308,10 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
     rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, SMALL_ROWS_READS_KEY,
                     "x", "default"))
     rows.append(row("CPU", "bf16 decode step / fp32 one", None, HALF_DECODE_KEY, "x", ""))
+    for name in PACKED_FORMATS:  # the cost model's default beside the measured rate
+        default, _ = packed_kernel_rate(dataclasses.replace(cpu, packed_kernels={}), name)
+        rows.append(row("CPU", f"{name} kernel, one row", default, f"{PACKED_KERNEL_KEY}{name}", WEIGHTS_PER_S,
+                        "default: costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S x cores"))
     rows.append(row("disk", "read (uncached)", detected.disk.read_bandwidth, "disk_read", "B/s",
                     detected.disk.sources.get("read_bandwidth", "")))
     rows.append(row("disk", "write", detected.disk.write_bandwidth, "disk_write", "B/s",
