@@ -7,6 +7,7 @@ Map:
 - `offload/`  running a model that does not fit: placement by tier, streaming, tiered KV caches, local plans.
 - `swarm/`    the Petals-compatible swarm: wire protocol, DHT records, local swarms; `server/` and `client/`.
 - `api/`      the local OpenAI-compatible HTTP API (`hivekeeper api`).
+- `finetune/` training soft and deep prompts for a frozen model, locally or through the swarm; using them.
 - `cli/`      the `hivekeeper` command: one module per subcommand.
 - `atomic_file`, `child_argv`: writing files whole, and command lines of our own child processes.
 - `version`    Hivekeeper's version (pyproject's, via the package metadata), torch's, hivemind's, Python's; APP_ID.

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hivekeeper.core.cli.generate", "generate text once, for scripts and benchmarks"),
     "chat": ("hivekeeper.core.cli.chat", "chat in the terminal with a local or swarm model"),
     "api": ("hivekeeper.core.cli.api", "serve a model over a local OpenAI-compatible HTTP API"),
+    "finetune": ("hivekeeper.core.cli.finetune", "train soft or deep prompts for a model, locally or in a swarm"),
     "models": ("hivekeeper.core.cli.models", "models on this machine and the hub: list, search, pull, rm"),
     "serve": ("hivekeeper.core.cli.serve", "serve a span of a model's blocks to a swarm"),
     "swarm": ("hivekeeper.core.cli.swarm", "inspect a swarm (swarm status)"),

@@ -52,6 +52,7 @@ class SafetensorsFile:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InputError(f"{self.path}: corrupt safetensors header ({exc})") from None
         data_start = 8 + length
+        self.metadata = header.get("__metadata__") or {}  # the file's string-to-string metadata
         entries = {}
         for name, info in header.items():
             if name == "__metadata__":

@@ -912,8 +912,40 @@ class SwarmClient:
 
     # ---- forward (no cache) -----------------------------------------------------------------------------------------
     async def _forward_hop(self, hop: Hop, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = DTYPES.get(hop.span.info.torch_dtype or "float32", torch.float32)
-        tensors, structure = pack_args(hidden.to(dtype), torch.empty(0, dtype=dtype))
+        return await self.forward_hop(hop, hidden)
+
+    async def forward_hop(self, hop: Hop, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """One server's blocks over hidden [batch, tokens, hidden], no cache; prompts: deep prompts
+        [hop blocks, batch, prefix, hidden] added to each block's first positions (fine-tuning), or None."""
+        dtype = self._hop_dtype(hop)
+        empty = torch.empty(0, dtype=dtype)
+        outputs = await self._call_hop(hop, "rpc_forward", hidden.to(dtype),
+                                       prompts.to(dtype) if prompts is not None else empty)
+        if len(outputs) != 1 or outputs[0].shape != hidden.shape:
+            raise ConnectionError(f"server {hop.peer_id[-8:]} answered {[list(t.shape) for t in outputs]} "
+                                  f"for input {list(hidden.shape)}")
+        return outputs[0]
+
+    async def backward_hop(self, hop: Hop, hidden: torch.Tensor, grad_outputs: torch.Tensor,
+                           prompts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(gradient of the hop's input, of its deep prompts or None), given the gradient of its output: Petals'
+        rpc_backward with (inputs, grad_outputs[, prompts])."""
+        dtype = self._hop_dtype(hop)
+        args = (hidden.to(dtype), grad_outputs.to(dtype)) + ((prompts.to(dtype),) if prompts is not None else ())
+        grads = await self._call_hop(hop, "rpc_backward", *args)
+        if len(grads) != 1 + (prompts is not None) or grads[0].shape != hidden.shape or \
+                (prompts is not None and grads[1].shape != prompts.shape):
+            raise ConnectionError(f"server {hop.peer_id[-8:]} answered gradients {[list(g.shape) for g in grads]}")
+        return grads[0].float(), grads[1].float() if prompts is not None else None
+
+    @staticmethod
+    def _hop_dtype(hop: Hop) -> torch.dtype:
+        return DTYPES.get(hop.span.info.torch_dtype or "float32", torch.float32)
+
+    async def _call_hop(self, hop: Hop, method: str, *args: torch.Tensor) -> list[torch.Tensor]:
+        """rpc_forward / rpc_backward (`method`) of one server with these tensors: unary when small, else its
+        _stream variant; the answer's tensors."""
+        tensors, structure = pack_args(*args)
         serialized = [serialize_tensor(t) for t in tensors]
         metadata = pack_metadata({"args_structure": structure})
         uid = chain_uid(self.config.dht_prefix, hop.start, hop.end)
@@ -921,8 +953,8 @@ class SwarmClient:
         timeout = self.config.forward_timeout
         if sum(len(t.buffer) for t in serialized) <= STREAM_SWITCH_BYTES:
             response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
-                peer, handler_name("rpc_forward"), runtime_pb2.ExpertRequest(uid=uid, tensors=serialized,
-                                                                             metadata=metadata),
+                peer, handler_name(method), runtime_pb2.ExpertRequest(uid=uid, tensors=serialized,
+                                                                      metadata=metadata),
                 runtime_pb2.ExpertResponse), timeout)
             parts = list(response.tensors)
         else:
@@ -935,17 +967,11 @@ class SwarmClient:
 
             async def collect():
                 responses = await self.p2p.iterate_protobuf_handler(
-                    peer, handler_name("rpc_forward_stream"), requests(), runtime_pb2.ExpertResponse)
+                    peer, handler_name(f"{method}_stream"), requests(), runtime_pb2.ExpertResponse)
                 return [part async for response in responses for part in response.tensors]
 
             parts = await asyncio.wait_for(collect(), timeout)
-        outputs = combine_parts(parts)
-        if len(outputs) != 1:
-            raise ConnectionError(f"server {hop.peer_id[-8:]} answered {len(outputs)} tensors")
-        output = deserialize_tensor(outputs[0])
-        if output.shape != hidden.shape:
-            raise ConnectionError(f"server {hop.peer_id[-8:]} answered shape {list(output.shape)}")
-        return output
+        return [deserialize_tensor(t) for t in combine_parts(parts)]
 
     async def forward(self, hidden: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Blocks [start, end) over hidden [batch, tokens, hidden], no cache; failed servers are routed around."""

@@ -1,0 +1,142 @@
+"""Generating with trained prompts (`chat`, `generate`, `api` with `--prompts FILE`).
+
+A runner (generation.py's shape: config, embedding, span, head) whose every new cache starts with the trained
+prompts: allocate_cache runs them through the blocks first, as positions 0..tokens-1 (with each block's deep prompt
+added there, for deep_ptune), exactly where training put them. The cache it hands out counts only what follows
+(length, truncate), so the generation loop, the chat's kept cache and the API's engine see an ordinary cache; the
+context is the model's less the prompt tokens.
+
+Locally the blocks are loaded whole into RAM (the offload engine's placement is not used with prompts). Through a
+swarm ptune prompts run as the first step of the session; deep_ptune prompts need the servers to add them inside
+each block, which our inference sessions do not send yet, so they are refused there with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from hivekeeper.planner.errors import InputError
+
+from hivekeeper.core.finetune.prompts import TrainablePrompts, check_fits, load_prompts
+
+
+class _PromptedCache:
+    """A cache whose first `offset` positions hold the prompts: it shows only what follows them."""
+
+    def __init__(self, inner, offset: int):
+        self.inner, self.offset = inner, offset
+
+    @property
+    def length(self) -> int:
+        return self.inner.length - self.offset
+
+    def truncate(self, length: int) -> None:
+        self.inner.truncate(length + self.offset)
+
+    def reorder(self, hypo_ids: Tensor) -> None:
+        self.inner.reorder(hypo_ids)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+class _PromptedSpan:
+    """span(hidden, cache) of the model, with caches that start with the prompts (see the module docstring)."""
+
+    def __init__(self, inner, prompts: TrainablePrompts, run_prefix):
+        self.inner, self.prompts, self.run_prefix = inner, prompts, run_prefix
+        self.start, self.end = inner.start, inner.end
+
+    def allocate_cache(self, batch: int, max_length: int) -> _PromptedCache:
+        cache = self.inner.allocate_cache(batch, max_length + self.prompts.tokens)
+        with torch.inference_mode():
+            first, deep = self.prompts.for_batch(batch)
+            self.run_prefix(first, deep, cache)
+        return _PromptedCache(cache, self.prompts.tokens)
+
+    def __call__(self, hidden: Tensor, cache: _PromptedCache | None = None) -> Tensor:
+        if cache is None:
+            raise InputError("a model with trained prompts runs with a cache (the prompts live in it)")
+        return self.inner(hidden, cache.inner)
+
+
+class _LocalSpan:
+    """A Span held whole in RAM with plain KV caches: the local runner for prompts."""
+
+    def __init__(self, span):
+        self.span, self.start, self.end = span, span.start, span.end
+
+    def allocate_cache(self, batch: int, max_length: int):
+        from hivekeeper.core.runtime.model import KVCache
+
+        return KVCache.allocate(self.span.config, len(self.span.blocks), batch, max_length, self.span.dtype,
+                                self.span.blocks[0].input_layernorm.weight.device)
+
+    def __call__(self, hidden: Tensor, cache) -> Tensor:
+        return self.span(hidden, cache)
+
+
+class PromptedModel:
+    """A runner that generates after trained prompts; closes the model it wraps (if it has close)."""
+
+    def __init__(self, config, embedding, head, span: _PromptedSpan, closes=None):
+        self.config = dataclasses.replace(config, max_position_embeddings=config.max_position_embeddings
+                                          - span.prompts.tokens)
+        self.embedding, self.head, self.span, self._closes = embedding, head, span, closes
+
+    def close(self) -> None:
+        if self._closes is not None:
+            self._closes.close()
+
+
+def read_prompts_for(prompts_file, config) -> tuple[TrainablePrompts, object]:
+    """(prompts, info) of a file, checked to fit this model."""
+    prompts, info, _ = load_prompts(prompts_file)
+    check_fits(prompts_file, info, config)
+    return prompts.requires_grad_(False), info
+
+
+def local_prompted_model(path, prompts_file, config) -> tuple[PromptedModel, str]:
+    """(runner, description): the checkpoint's blocks in RAM, caches starting with the prompts."""
+    from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
+    from hivekeeper.core.swarm.server.handler import run_blocks
+
+    prompts, info = read_prompts_for(prompts_file, config)
+    span = load_span(path, 0, config.num_layers)
+    embedding = load_embedding(path)
+    head = load_head(path, embedding=embedding if config.tie_word_embeddings else None)
+
+    def run_prefix(first: Tensor, deep: Tensor | None, cache) -> None:
+        run_blocks(span, first.to(span.dtype), cache, deep)
+
+    prompted = _PromptedSpan(_LocalSpan(span), prompts, run_prefix)
+    return PromptedModel(config, embedding, head, prompted), _describe(prompts_file, info) + "; all blocks in RAM"
+
+
+def swarm_prompted_model(swarm_model, prompts_file) -> tuple[PromptedModel, str]:
+    """(runner, description): a SwarmModel whose sessions start with ptune prompts."""
+    try:
+        prompts, info = read_prompts_for(prompts_file, swarm_model.config)
+    except BaseException:
+        swarm_model.close()
+        raise
+    if prompts.deep is not None:
+        swarm_model.close()
+        raise InputError(f"{prompts_file}: deep_ptune prompts run locally for now (swarm inference sessions do not "
+                         f"carry per-block prompts yet); use them without --swarm, or train --method ptune")
+
+    def run_prefix(first: Tensor, deep: Tensor | None, cache) -> None:
+        swarm_model.span(first.to(swarm_model.dtype), cache)
+
+    prompted = _PromptedSpan(swarm_model.span, prompts, run_prefix)
+    model = PromptedModel(swarm_model.config, swarm_model.embedding, swarm_model.head, prompted, closes=swarm_model)
+    return model, _describe(prompts_file, info) + "; blocks in the swarm"
+
+
+def _describe(prompts_file, info) -> str:
+    return f"trained prompts {prompts_file} ({info.method}, {info.tokens} tokens, {info.step} steps)"
