@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from hivekeeper.core.cli.serve_config import apply_config
+from hivekeeper.core.swarm.server.pause import add_pause_arguments
 from hivekeeper.planner.errors import InputError
 
 
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_STATS_PERIOD_S:g}; 0 = never)")
     parser.add_argument("--torch-threads", type=int,
                         help="torch's CPU threads (default: 1, with fp32 matmuls on numpy's BLAS over every core)")
+    add_pause_arguments(parser)  # pause conditions and resource limits (issue 20)
 
 
 def _parse_block_indices(text: str) -> tuple[int, int]:
@@ -116,18 +118,21 @@ def _check_positive(name: str, value, allow_zero: bool = False) -> None:
         raise InputError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def default_num_blocks(checkpoint: Path, model_config, dtype, device: str, quant: str, cache_tokens: int) -> int:
+def default_num_blocks(checkpoint: Path, model_config, dtype, device: str, quant: str, cache_tokens: int,
+                       limit_gib: float | None = None) -> int:
     """How many blocks to serve: the planner's swarm sizing for this machine, capped by what fits in 80% of the
     device's free memory right now (each block with its share of the KV cache, in the dtype actually used)."""
     import psutil
     import torch
 
     from hivekeeper.core.runtime.model import KVCache
+    from hivekeeper.core.swarm.server.pause import memory_budget
 
     if device.startswith("cuda"):
         free, _total = torch.cuda.mem_get_info(torch.device(device))
     else:
         free = psutil.virtual_memory().available
+    free = memory_budget(free, limit_gib)  # --max-ram-gib / --max-gpu-gib
     bits = {"none": torch.empty((), dtype=dtype).element_size() * 8, "int8": 8.02, "nf4": 4.13}[quant]
     per_block = model_config.block_param_count() * bits / 8
     per_block += KVCache.nbytes_for(model_config, 1, 1, cache_tokens, dtype)
@@ -168,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.swarm.dht import check_initial_peers, dht_prefix_for
     from hivekeeper.core.swarm.server.handler import ServingLimits
     from hivekeeper.core.swarm.protocol import new_event_loop
+    from hivekeeper.core.swarm.server.pause import apply_limits, owner_watch, read_commands, resource_limits
     from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
 
     for name in ("num_blocks", "max_sessions", "step_timeout", "session_timeout", "update_period",
@@ -197,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available on this machine")
+    limits = resource_limits(args)
+    apply_limits(limits, device)
 
     # a hub id: the config and index now, a span's shards when the server has chosen the span (SwarmServer._load)
     checkpoint = resolve_checkpoint(args.model, blocks=block_indices or (0, 0), embeddings=False)
@@ -212,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     max_length = min(args.max_length or (8192 if grouped else 2048), model_config.max_position_embeddings)
     num_blocks = args.num_blocks
     if num_blocks is None and block_indices is None:
-        num_blocks = default_num_blocks(checkpoint, model_config, dtype, device, args.quant, cache_tokens)
+        num_blocks = default_num_blocks(checkpoint, model_config, dtype, device, args.quant, cache_tokens,
+                                        limits.gpu_gib if device.startswith("cuda") else limits.ram_gib)
     is_local = Path(args.model).expanduser().is_dir()
     config = ServerConfig(
         checkpoint=checkpoint,
@@ -242,10 +251,14 @@ def run(args: argparse.Namespace) -> int:
     printer = _json_printer if args.json_status else _human_printer
     # what this node serves adds up across restarts in the data folder (`hivekeeper node stats`)
     ledger = ContributionLedger(contribution_path(), serving_power(device))
-    server = SwarmServer(config, status=counting_status(ledger, lambda: server.handler, printer))
+    server = SwarmServer(config, status=counting_status(ledger, lambda: server.handler, printer),
+                         pause_watch=owner_watch(args))
 
     async def main() -> None:
         server.install_signals()
+        if args.control_stdin:  # the app's Pause 1 h / Resume
+            loop = asyncio.get_running_loop()
+            read_commands(sys.stdin, lambda command: loop.call_soon_threadsafe(server.command, command))
         await server.run()
 
     try:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject
 
 from hivekeeper.core.child_argv import hivekeeper_command
 
-from hivekeeper.gui.services.child_process import JsonLinesProcess
-from hivekeeper.gui.services.node import last_error
+from hivekeeper.gui.services.child_process import ChildService, last_error
 
 STOP_GRACE_MS = 10_000  # uvicorn finishes the requests it serves, then the model is closed
 
@@ -33,29 +32,13 @@ class ApiLaunch:
         return hivekeeper_command("api", "--model", self.model, "--port", str(self.port), "--json-status")
 
 
-class ApiServerService(QObject):
+class ApiServerService(ChildService):
     """Start, watch and stop one `hivekeeper api` child."""
 
-    stateChanged = Signal(str)
-
     def __init__(self, parent: QObject | None = None, env: dict[str, str] | None = None):
-        super().__init__(parent)
-        self.env = env or {}
-        self.state = "stopped"
+        super().__init__(parent, env)
         self.launch: ApiLaunch | None = None
         self.url = ""
-        self.error = ""
-        self._process = JsonLinesProcess(self)
-        self._process.event.connect(self._on_event)
-        self._process.exited.connect(self._on_exit)
-
-    @property
-    def running(self) -> bool:
-        return self._process.running
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process.running else None
 
     def start(self, launch: ApiLaunch) -> None:
         if self.running:
@@ -84,10 +67,5 @@ class ApiServerService(QObject):
         if self.state == "stopping":
             self._set_state("stopped")
         else:
-            self.error = last_error(stderr_tail, code) if stderr_tail.strip() else f"the API exited with code {code}"
+            self.error = last_error(stderr_tail, code, "the API")
             self._set_state("error")
-
-    def _set_state(self, state: str) -> None:
-        if state != self.state:
-            self.state = state
-            self.stateChanged.emit(state)

@@ -4,6 +4,10 @@ The child runs in its own session (process group), so stopping it can also take 
 p2pd daemon) even if the child itself dies badly; on Linux it also gets SIGTERM if the app itself dies. stderr is
 kept as a short tail for error messages.
 
+`ChildService` is the part the app's child-process services share (the node, the API): one JsonLinesProcess, a
+state with a stateChanged signal, running and pid; `last_error` picks the line of a dead child's stderr that says
+what went wrong.
+
 Stopping a child always ends with it reaped (`end_process`): a child still running, or dead but not yet waited for,
 when the app exits is adopted by init (or a subreaper, such as a test runner) and lingers there as a zombie.
 """
@@ -179,3 +183,51 @@ class JsonLinesProcess(QObject):
             process, self._process = self._process, None
             process.deleteLater()
             self.exited.emit(-1, self.stderr_tail())
+
+
+def last_error(stderr_tail: str, code: int, who: str = "the node") -> str:
+    """The line of a dead child's stderr that says what went wrong (the CLI's one-line error, else the exception)."""
+    lines = [line.strip() for line in stderr_tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("hivekeeper ") and ": error: " in line:
+            return line.split(": error: ", 1)[1]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line or "Exception" in line:
+            return line
+    if lines:
+        return lines[-1]
+    return f"{who} exited with code {code}"
+
+
+class ChildService(QObject):
+    """One JSON-lines child with a named state: subclasses connect `_on_event` and `_on_exit` and set states."""
+
+    stateChanged = Signal(str)
+
+    def __init__(self, parent: QObject | None = None, env: dict[str, str] | None = None):
+        super().__init__(parent)
+        self.env = env or {}
+        self.state = "stopped"
+        self.error = ""
+        self._process = JsonLinesProcess(self)
+        self._process.event.connect(self._on_event)
+        self._process.exited.connect(self._on_exit)
+
+    @property
+    def running(self) -> bool:
+        return self._process.running
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process.running else None
+
+    def _on_event(self, event: dict) -> None:
+        raise NotImplementedError
+
+    def _on_exit(self, code: int, stderr_tail: str) -> None:
+        raise NotImplementedError
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self.stateChanged.emit(state)

@@ -130,6 +130,12 @@ def block_arrays(block) -> BlockArrays:
     return arrays
 
 
+def forget_arrays(module) -> None:
+    """Drop the cached BlockArrays of every block under `module` (their views would keep freed weights alive)."""
+    for child in module.modules():
+        child.__dict__.pop("_numpy_arrays", None)
+
+
 def _step_allowed(hidden: Tensor, k_cache: Tensor | None) -> bool:
     """Whether a decode step of these hidden states and cache can leave torch (see the module docstring)."""
     if not ENABLED or k_cache is None or hidden.dim() != 3 or hidden.shape[1] != 1:

@@ -6,4 +6,5 @@
 - `quotas`      per-peer and server-wide quotas (sessions, requests, bytes in flight); over one: "server busy".
 - `memory`      the KV-cache memory pool shared by all sessions.
 - `throughput`  how fast this node serves a block, measured once and cached.
+- `pause`       stepping aside for the owner: pause conditions, their platform providers, resource limits (flags).
 """

@@ -359,10 +359,18 @@ class TransformerConnectionHandler(ServicerBase):
     def close(self) -> None:
         self.compute.close()
 
+    def end_sessions(self) -> None:
+        """End every open session at its next read, as if its client had closed it (a pausing server)."""
+        for session in list(self.sessions.values()):
+            try:
+                session.inbox.put_nowait(None)
+            except asyncio.QueueFull:
+                pass  # unread steps: the next one finds the span gone and ends the session
+
     # -- helpers ------------------------------------------------------------------------------------------------------
     def _require_served(self) -> ServedSpan:
         if self.served is None:
-            raise ProtocolError("this server is not serving blocks right now (loading or moving); try another")
+            raise ProtocolError("this server is not serving blocks right now (loading, moving or paused); try another")
         return self.served
 
     def _chain(self, uid: str, served: ServedSpan) -> tuple[int, int]:

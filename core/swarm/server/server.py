@@ -3,6 +3,9 @@
     start P2P + DHT -> measure block speed (cached) -> choose blocks -> JOINING -> load span -> ONLINE
     -> every update_period: re-announce (cache left, next_pings); every balance_period: maybe move
     -> SIGINT/SIGTERM: OFFLINE, handlers off, DHT and P2P (p2pd) shut down.
+    -> with a PauseWatch (pause.py), while a pause condition holds: OFFLINE announced (leaving), no new sessions, open
+       sessions end after their current step (clients fail over, replaying their history), span and caches freed;
+       when it clears: choose blocks again, JOINING, load, ONLINE.
 
 Choosing (and rebalancing) blocks counts only the servers that answer a probe now: a server killed without a goodbye
 stays listed in the DHT for two update periods, and its blocks must count as the gap they are.
@@ -24,6 +27,7 @@ one JSON line each with --json-status, for the GUI).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -41,6 +45,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from hivekeeper.core.runtime.checkpoint import load_config, load_span, resolve_checkpoint
+from hivekeeper.core.runtime.kernels.cpu_decode import forget_arrays
 from hivekeeper.core.runtime.model import KVCache, ModelConfig
 from hivekeeper.core.swarm.dht import (
     MAX_RECORD_AHEAD_S,
@@ -59,6 +64,7 @@ from hivekeeper.core.swarm.dht import (
 )
 from hivekeeper.core.swarm.server.handler import ServedSpan, ServingLimits, TransformerConnectionHandler
 from hivekeeper.core.swarm.server.memory import MemoryPool
+from hivekeeper.core.swarm.server.pause import PauseWatch
 from hivekeeper.core.swarm.protocol import PROTOCOL_VERSION, dtype_name
 from hivekeeper.core.swarm.server.throughput import BlockSpeed, get_block_speed, network_rps_for, span_throughput
 from hivekeeper.planner.errors import InputError
@@ -67,6 +73,7 @@ from hivekeeper.planner.swarm import ServerSpan, choose_start, should_move
 logger = logging.getLogger("hivekeeper.swarm.server")
 
 IMPLEMENTATION = "hivekeeper 0.1.0"
+PAUSE_DRAIN_S = 30.0  # a pausing server waits this long for its sessions to end after their current step
 
 
 @dataclass
@@ -97,8 +104,13 @@ class ServerConfig:
 class SwarmServer:
     """One serving node. `await run()` serves until `stop()` (or SIGINT/SIGTERM with install_signals)."""
 
-    def __init__(self, config: ServerConfig, status: Callable[[dict], None] = lambda event: None):
+    def __init__(self, config: ServerConfig, status: Callable[[dict], None] = lambda event: None,
+                 pause_watch: PauseWatch | None = None):
         self.config = config
+        self.pause_watch = pause_watch  # None: never pauses
+        self.paused: str | None = None  # why the server is paused now
+        self._pause_wake = asyncio.Event()
+        self._span_lock = asyncio.Lock()  # pausing, resuming and moving change the span one at a time
         self.emit = status
         self.model_config: ModelConfig = load_config(config.checkpoint)
         self._check_config()
@@ -363,6 +375,8 @@ class SwarmServer:
             tasks.append(asyncio.create_task(self._balance_loop()))
         if self.config.stats_period > 0:
             tasks.append(asyncio.create_task(self._stats_loop()))
+        if self.pause_watch is not None:
+            tasks.append(asyncio.create_task(self._pause_loop()))
         stopped = asyncio.create_task(self._stop.wait())
         try:
             # serve until asked to stop, or until a background loop dies (then shut down cleanly and say why)
@@ -427,24 +441,101 @@ class SwarmServer:
             except Exception as exc:
                 logger.warning("balance check failed: %s", exc)
                 continue
-            if new_start is None:
+            if new_start is None or self._span_lock.locked():
                 continue
-            old = self.blocks
-            new = range(new_start, new_start + self.num_blocks)
-            logger.info("moving from blocks %d:%d to %d:%d to strengthen the swarm", old.start, old.stop,
-                        new.start, new.stop)
-            self.emit(self.status_event("moving", to_blocks=[new.start, new.stop]))
-            self.handler.set_span(None)  # sessions on the old span end at their next step; clients re-route
-            await self._announce(ServerState.OFFLINE, old)
-            self.blocks = new
+            async with self._span_lock:
+                await self._move(new_start)
+
+    async def _move(self, new_start: int) -> None:
+        """Move the span to start at new_start (sessions on the old one re-route); back to the old one if that fails."""
+        if self.state != ServerState.ONLINE:
+            return  # paused while the check ran
+        old = self.blocks
+        new = range(new_start, new_start + self.num_blocks)
+        logger.info("moving from blocks %d:%d to %d:%d to strengthen the swarm", old.start, old.stop,
+                    new.start, new.stop)
+        self.emit(self.status_event("moving", to_blocks=[new.start, new.stop]))
+        self.handler.set_span(None)  # sessions on the old span end at their next step; clients re-route
+        await self._announce(ServerState.OFFLINE, old)
+        self.blocks = new
+        try:
+            await self._load(new)
+        except Exception as exc:
+            logger.error("loading blocks %d:%d failed (%s); going back to %d:%d", new.start, new.stop, exc,
+                         old.start, old.stop)
+            await self._announce(ServerState.OFFLINE, new)
+            self.blocks = old
+            await self._load(old)  # if even this fails, the loop ends and the server stops
+
+    # ---- stepping aside for the owner (pause.py) ------------------------------------------------------------------
+    def command(self, command: dict) -> None:
+        """A control command from the owner (serve --control-stdin), on the server's loop: {"command": "pause",
+        "seconds": S} or {"command": "resume"} (a pause by hand; the conditions still hold the node paused)."""
+        if self.pause_watch is None:
+            logger.warning("ignoring %r: this server has no pause watch", command)
+            return
+        if command.get("command") == "pause":
+            self.pause_watch.pause_for(float(command.get("seconds", 3600)))
+        elif command.get("command") == "resume":
+            self.pause_watch.resume()
+        else:
+            logger.warning("unknown control command %r", command)
+            return
+        self._pause_wake.set()
+
+    async def _pause_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
             try:
-                await self._load(new)
-            except Exception as exc:
-                logger.error("loading blocks %d:%d failed (%s); going back to %d:%d", new.start, new.stop, exc,
-                             old.start, old.stop)
-                await self._announce(ServerState.OFFLINE, new)
-                self.blocks = old
-                await self._load(old)  # if even this fails, the loop ends and the server stops
+                await asyncio.wait_for(self._pause_wake.wait(), self.pause_watch.settings.check_period)
+            except asyncio.TimeoutError:
+                pass
+            self._pause_wake.clear()
+            reason = await loop.run_in_executor(None, self.pause_watch.reason)  # may run loginctl
+            if reason and self.paused is None and self.state == ServerState.ONLINE:
+                await self.pause(reason)
+            elif reason is None and self.paused is not None:
+                await self.resume()
+
+    async def pause(self, reason: str) -> None:
+        """Leave gracefully: OFFLINE in the DHT, no new sessions, open ones end after their current step (their
+        clients fail over), then the span and the caches are freed."""
+        async with self._span_lock:
+            self.paused, self.state = reason, ServerState.OFFLINE
+            self.emit(self.status_event("pausing", reason=reason))
+            await self._announce(ServerState.OFFLINE, self.blocks)
+            served, _ = self.handler.served, self.handler.set_span(None)
+            await self._drain(PAUSE_DRAIN_S)
+            self._free(served)
+            self.emit(self.status_event("paused", reason=reason))
+
+    def _free(self, served) -> None:
+        """Give the span's memory back: its weights go to the meta device (a stray reference to the module, such as
+        a logged exception's frames, then holds no memory), the allocator's caches are emptied."""
+        if served is not None and not self.handler.sessions:
+            served.span.to("meta")
+            forget_arrays(served.span)  # the numpy/C kernels' views of the old weights
+        gc.collect()
+        if self.config.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    async def _drain(self, seconds: float) -> None:
+        """Until the open sessions have ended (each at its next step), at most `seconds`; then end the idle ones."""
+        deadline = time.monotonic() + seconds
+        while self.handler.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.handler.end_sessions()
+        while self.handler.sessions and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.05)
+
+    async def resume(self) -> None:
+        """Rejoin after a pause: blocks chosen again (unless fixed), loaded, ONLINE."""
+        async with self._span_lock:
+            self.paused = None
+            self.emit(self.status_event("resuming"))
+            if self.config.block_indices is None:
+                self.blocks = await self._choose_blocks(exclude_self=True)
+            await self._load(self.blocks)
 
     async def _should_move(self) -> int | None:
         blocks = await self._answering_blocks()

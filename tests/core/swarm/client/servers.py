@@ -36,7 +36,7 @@ class InProcessServers:
         return [server.maddrs[0] for server, _ in self.running.values()]
 
     def start(self, blocks: tuple[int, int], name: str, *, record: dict | None = None, silent: bool = False,
-              liar: float = 0.0, liar_after: int = 0, throughput: float = 1.0) -> str:
+              liar: float = 0.0, liar_after: int = 0, throughput: float = 1.0, pause_watch=None) -> str:
         """Start a server of `blocks` and wait until it is online; returns its peer id."""
         online = threading.Event()
         events: list[dict] = []
@@ -52,7 +52,7 @@ class InProcessServers:
         switches = {"HIVEKEEPER_TEST_RECORD": json.dumps(record or {}), "HIVEKEEPER_TEST_SILENT": "1" if silent else "",
                     "HIVEKEEPER_TEST_LIAR": str(liar) if liar else "", "HIVEKEEPER_TEST_LIAR_AFTER": str(liar_after)}
         with mock.patch.dict(os.environ, switches):
-            server = SwarmServer(config, status=status)
+            server = SwarmServer(config, status=status, pause_watch=pause_watch)
         future = asyncio.run_coroutine_threadsafe(server.run(), self.loop)
         if not online.wait(60):
             future.cancel()
