@@ -36,6 +36,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ram-budget-gb", type=float, metavar="X",
                         help="RAM the model may hold (weights, KV cache, buffers; the Python+torch runtime not "
                              "counted); the blocks that do not fit are streamed from disk")
+    parser.add_argument("--prompts", metavar="FILE", help="trained prompts from `hivekeeper finetune --out FILE`, "
+                                                          "run before every conversation")
     swarm = parser.add_argument_group("swarm")
     swarm.add_argument("--swarm", action="store_true", help="run the blocks in a swarm; embeddings and head run here")
     swarm.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs to join the swarm")
@@ -119,10 +121,21 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
             raise InputError("--swarm needs --initial-peers (the multiaddrs a `hivekeeper serve` printed)")
         model = SwarmModel(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix)
         info = {"source": "swarm", "initial_peers": list(args.initial_peers)}
+        if getattr(args, "prompts", None):  # trained prompts first in every session (core/finetune/prompted.py)
+            from hivekeeper.core.finetune.prompted import swarm_prompted_model
+
+            prompted, description = swarm_prompted_model(model, args.prompts)
+            return Runner(prompted, tokenizer, {**info, "prompts": args.prompts}, description, is_demo,
+                          failovers=model.client.failovers)
         return Runner(model, tokenizer, info, "blocks in the swarm, embeddings and head here", is_demo,
                       failovers=model.client.failovers)
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
 
+    if getattr(args, "prompts", None):  # trained prompts: the blocks held whole in RAM (core/finetune/prompted.py)
+        from hivekeeper.core.finetune.prompted import local_prompted_model
+
+        prompted, description = local_prompted_model(path, args.prompts, config)
+        return Runner(prompted, tokenizer, {"source": "prompts", "prompts": args.prompts}, description, is_demo)
     choice, plan = plan_local_run(args.plan, path, config, batch=batch, prompt_len=prompt_len,
                                   max_new_tokens=max(1, max_length - prompt_len), max_length=max_length,
                                   ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"))
@@ -218,8 +231,6 @@ def report_interrupted(args: argparse.Namespace, runner: Runner, so_far: TextSoF
 # ---- prompts, and predicted against measured -----------------------------------------------------------------------
 def read_prompts(args: argparse.Namespace) -> list[str]:
     """--prompt, or the non-empty lines of --prompts-file (one prompt each); errors name the file."""
-    from pathlib import Path
-
     from hivekeeper.planner.errors import InputError
 
     if not args.prompts_file:
@@ -229,30 +240,18 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         return [args.prompt]
     if args.batch != 1:
         raise InputError("--batch goes with --prompt; with --prompts-file the batch is the file's prompts")
-    try:
-        lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{args.prompts_file}: cannot read the prompts file ({exc})") from None
-    prompts = [line for line in lines if line.strip()]
-    if not prompts or len(prompts) > 65536:
-        raise InputError(f"{args.prompts_file}: needs 1 to 65536 prompts, one per line (found {len(prompts)})")
-    return prompts
+    from hivekeeper.core.offload.batch_run import read_prompts_file
+
+    return read_prompts_file(args.prompts_file)  # the one reader of prompts files (the app's batch runs use it)
 
 
 def tokenize_prompts(args: argparse.Namespace, tokenizer, prompts: list[str]):
     """The token ids of --prompt, or a list of equally long lists for --prompts-file (one batch, no padding)."""
-    from hivekeeper.planner.errors import InputError
-
     if not args.prompts_file:
         return tokenizer.encode(prompts[0])
-    ids = [tokenizer.encode(prompt) for prompt in prompts]
-    lengths = sorted({len(row) for row in ids})
-    if len(lengths) > 1:
-        rows = {length: next(i + 1 for i, row in enumerate(ids) if len(row) == length) for length in lengths}
-        raise InputError(f"{args.prompts_file}: the prompts of one batch must have the same number of tokens; they "
-                         f"have {', '.join(f'{n} (line {line})' for n, line in rows.items())} (padding is not "
-                         "supported yet)")
-    return ids
+    from hivekeeper.core.offload.batch_run import tokenize_batch
+
+    return tokenize_batch(tokenizer, prompts, args.prompts_file)
 
 
 def predicted_vs_measured(predicted: dict | None, result) -> dict | None:

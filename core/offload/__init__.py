@@ -7,5 +7,7 @@
 - `weights`          the block reader: a layer's tensors from the checkpoint's files into a reused Block.
 - `streaming`        the slots that load the next streamed blocks while the current one computes.
 - `tiered_cache`     KV caches (or recompute inputs) with a tier per block.
+- `batch_run`        a batch over a prompts file with a given policy, reporting each step (the app's "Run this plan";
+                     `generate --prompts-file` reads and tokenizes its prompts file here).
 - `block_variants`   the other ways to run a block that the policy's knobs ask for (CPU attention, recompute).
 """

@@ -29,6 +29,7 @@ from hivekeeper.planner.models import ModelSpec
 from hivekeeper.gui.viewmodels import plan_view
 from hivekeeper.gui.widgets.memory_bars import MemoryBars
 from hivekeeper.gui.widgets.model_menu import model_menu
+from hivekeeper.gui.widgets.plan_run import RunPlanBox
 from hivekeeper.gui.settings import GOALS, TIERS, PlanSettings
 from hivekeeper.gui.style import (ACCENT, BAD, GOOD, MUTED, WARN, StatCard, fmt_bytes, fmt_energy, fmt_rate, fmt_seconds, label,
                     page_layout)
@@ -343,6 +344,8 @@ class PlanPage(QWidget):
         self.budget_mark = self.budget_plot.plot([], [], pen=None, symbol="star", symbolSize=16, symbolBrush=BAD,
                                                  name="this plan")
         column.addLayout(charts, 1)
+        self.run_box = RunPlanBox(self._batch_run)  # "Run this plan": a batch over a prompts file, drawn as it runs
+        column.addWidget(self.run_box, 1)
         return panel
 
     # ---- settings <-> widgets ----------------------------------------------------------------------------------------
@@ -595,6 +598,24 @@ class PlanPage(QWidget):
                 spins[tier].setValue(100 * getattr(placement, tier))
                 spins[tier].blockSignals(False)
 
+    # ---- "Run this plan" ------------------------------------------------------------------------------------------
+    def _batch_run(self, prompts_file: str, max_new_tokens: int):
+        """The plan shown as a core.offload.batch_run.BatchRun over `prompts_file`; InputError when it runs nothing
+        here (no prompts file, a serving plan, no local policy)."""
+        from hivekeeper.core.offload.batch_run import BatchRun
+        from hivekeeper.core.offload.local_plan import predicted_figures
+
+        if not prompts_file:
+            raise InputError("choose a prompts file (one prompt a line, the same number of tokens each)")
+        plan = self.result.plan if self.result is not None else None
+        if plan is None or plan.goal == "serve" or plan.prediction is None:
+            raise InputError("this plan runs nothing locally (a serving plan, or it does not fit): choose the chat "
+                             "or batch goal with a plan that fits")
+        where = "" if self.settings.hardware == DETECTED else f", made for {self.settings.hardware}"
+        return BatchRun(model=self.settings.model, prompts_file=prompts_file, policy=plan.prediction.policy,
+                        predicted=predicted_figures(plan.prediction), max_new_tokens=max_new_tokens,
+                        source=f"the Plan page's plan{where}")
+
     # ---- charts (worker) -------------------------------------------------------------------------------------------
     def _charts_due(self) -> None:
         hardware = self.hardware()
@@ -717,6 +738,7 @@ class PlanPage(QWidget):
 
     def shutdown(self) -> None:
         self._shut_down = True
+        self.run_box.shutdown()
         self._debounce.stop()
         self._chart_timer.stop()
         for job in (self._chart_job, self._fit_job):

@@ -8,5 +8,6 @@
 - `node`           the serving node as a child process; `coverage`, `swarm_watch` the swarm's coverage.
 - `system_usage`   CPU, RAM and GPU use, sampled.
 - `api_server`     the OpenAI-compatible API (`hivekeeper api --json-status`) as a child process.
+- `batch_run`      the Plan page's "Run this plan": a batch generation of the plan shown on a worker, with Stop.
 - `models`         the model library: listing and removing on a worker, pulling as a child process.
 """

@@ -1,0 +1,170 @@
+"""The Plan page's "Run this plan" box: a batch generation over a prompts file with the plan shown, and its measured
+throughput drawn against the predicted one as it runs.
+
+The page hands in `make_run(prompts_file, max_new_tokens) -> core.offload.batch_run.BatchRun` (its model, policy and
+predicted figures; an InputError says why this plan cannot run here). The run goes on a worker
+(services.batch_run.BatchRunService); each step adds a point (seconds since the start, tokens/s so far, prefill
+included: the throughput the planner predicts) to the measured curve, beside the predicted line. Stop ends it after
+the step in progress.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox,
+                               QVBoxLayout, QWidget)
+
+from hivekeeper.planner.errors import InputError
+
+from hivekeeper.gui.services.batch_run import BatchRunService
+from hivekeeper.gui.style import ACCENT, BAD, GOOD, MUTED, fmt_rate, label
+
+
+REDRAW_MS = 100  # steps of a small model come every few ms: the chart is redrawn at most this often
+
+
+class RunPlanBox(QGroupBox):
+    """Prompts file, tokens per prompt, Run / Stop, a status line and the predicted-vs-measured chart."""
+
+    def __init__(self, make_run: Callable[[str, int], object], parent: QWidget | None = None):
+        super().__init__("Run this plan", parent)
+        self._make_run = make_run
+        self.service = BatchRunService(self)
+        self.predicted: float | None = None
+        self.points: list[tuple[float, float]] = []  # (seconds, measured tokens/s) per step
+        self.report: dict | None = None  # the last finished run's report
+        self.last_run = None  # the BatchRun last started
+        self.error = ""
+        self._last_step = None
+        self._redraw = QTimer(self)
+        self._redraw.setSingleShot(True)
+        self._redraw.setInterval(REDRAW_MS)
+        self._redraw.timeout.connect(self._draw)
+        self._build()
+        self.service.step.connect(self._stepped)
+        self.service.finished.connect(self._finished)
+        self.service.errored.connect(self._failed)
+        self.service.ended.connect(self._ended)
+
+    def _build(self) -> None:
+        column = QVBoxLayout(self)
+        row = QHBoxLayout()
+        self.prompts_edit = QLineEdit()
+        self.prompts_edit.setPlaceholderText("prompts file: one prompt a line, the same number of tokens each")
+        self.browse_button = QPushButton("Prompts…")
+        self.browse_button.clicked.connect(self._browse)
+        self.tokens_spin = QSpinBox()
+        self.tokens_spin.setRange(1, 100_000)
+        self.tokens_spin.setValue(32)
+        self.tokens_spin.setSuffix(" tokens each")
+        self.run_button = QPushButton("Run this plan")
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setEnabled(False)
+        self.run_button.clicked.connect(self.run)
+        self.stop_button.clicked.connect(self.stop)
+        for widget in (self.prompts_edit, self.browse_button, self.tokens_spin, self.run_button, self.stop_button):
+            row.addWidget(widget, 1 if widget is self.prompts_edit else 0)
+        column.addLayout(row)
+        self.status = label("Runs the plan shown on a batch of prompts, here, and draws what it measures.", "small",
+                            wrap=True)
+        column.addWidget(self.status)
+        self.plot = pg.PlotWidget()
+        self.plot.setTitle("predicted against measured throughput", color=MUTED, size="10pt")
+        self.plot.setLabel("bottom", "seconds since the start")
+        self.plot.setLabel("left", "tokens/s")
+        self.plot.showGrid(x=True, y=True, alpha=0.2)
+        self.plot.setMenuEnabled(False)
+        self.plot.setMinimumHeight(150)
+        self.plot.setLimits(yMin=0)
+        self.plot.getAxis("left").enableAutoSIPrefix(False)
+        self.plot.addLegend(offset=(8, 4), labelTextSize="8pt")
+        self.predicted_curve = self.plot.plot([], [], pen=pg.mkPen(BAD, width=1, style=Qt.PenStyle.DashLine),
+                                              name="predicted")
+        self.measured_curve = self.plot.plot([], [], pen=pg.mkPen(ACCENT, width=2), name="measured",
+                                             symbol="o", symbolSize=4, symbolBrush=ACCENT)
+        column.addWidget(self.plot, 1)
+
+    # ---- actions -----------------------------------------------------------------------------------------------------
+    def _browse(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Prompts file", "", "Text files (*.txt);;All files (*)")
+        if path:
+            self.prompts_edit.setText(path)
+
+    def run(self) -> bool:
+        """Start a run of the plan shown; False (with the reason on the status line) when it cannot start."""
+        if self.service.busy:
+            return False
+        try:
+            run = self._make_run(self.prompts_edit.text().strip(), self.tokens_spin.value())
+        except InputError as exc:
+            self._say(str(exc), BAD)
+            return False
+        self.report, self.error, self.points, self._last_step = None, "", [], None
+        self.predicted = (run.predicted or {}).get("throughput_tokens_per_s")
+        self.measured_curve.setData([], [])
+        self.predicted_curve.setData([], [])
+        self.last_run = run
+        self.service.start(run)
+        self.run_button.setEnabled(False)
+        self.stop_button.setEnabled(True)
+        self._say("loading the model…", MUTED)
+        return True
+
+    def stop(self) -> None:
+        if self.service.busy:
+            self.service.stop()
+            self._say("stopping after this step…", MUTED)
+
+    # ---- the run's signals -------------------------------------------------------------------------------------------
+    def _stepped(self, report) -> None:
+        self.points.append((report.elapsed_s, report.throughput_tokens_per_s))
+        self._last_step = report
+        if not self._redraw.isActive():
+            self._redraw.start()
+
+    def _draw(self) -> None:
+        """The chart and the status line as of the last step."""
+        report = self._last_step
+        if report is None or not self.points:
+            return
+        xs, ys = zip(*self.points)
+        self.measured_curve.setData(list(xs), list(ys))
+        if self.predicted is not None:
+            self.predicted_curve.setData([0.0, max(xs)], [self.predicted, self.predicted])
+        self._say(f"step {report.step}: {report.tokens} tokens, measured {fmt_rate(ys[-1])} tokens/s"
+                  f"{self._against()}", MUTED)
+
+    def _against(self) -> str:
+        if self.predicted is None:
+            return " (the plan has no prediction)"
+        return f" against {fmt_rate(self.predicted)} predicted"
+
+    def _finished(self, report: dict) -> None:
+        self._redraw.stop()
+        self._draw()
+        self.report = report
+        measured = report.get("throughput_tokens_per_s")
+        ratio = (f" ({measured / self.predicted:.2f}× the prediction)"
+                 if measured and self.predicted else "")
+        how = "stopped" if report.get("stopped") else "done"
+        self._say(f"{how}: {report['new_tokens']} tokens for {report['batch']} prompts in {report['total_s']:.2f} s, "
+                  f"{fmt_rate(measured)} tokens/s measured{self._against()}{ratio}; {report['plan']}", GOOD)
+
+    def _failed(self, message: str) -> None:
+        self.error = message
+        self._say(message, BAD)
+
+    def _ended(self) -> None:
+        self.run_button.setEnabled(True)
+        self.stop_button.setEnabled(False)
+
+    def _say(self, text: str, color: str) -> None:
+        self.status.setText(text)
+        self.status.setStyleSheet(f"color: {color};")
+
+    def shutdown(self) -> None:
+        self._redraw.stop()
+        self.service.shutdown()
