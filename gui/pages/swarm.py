@@ -1,4 +1,6 @@
-"""Page 3, Swarm: one button to serve a span of the model from this machine, its live state, and the coverage chart."""
+"""Page 3, Swarm: one button to serve a span of the model from this machine, its live state, and the coverage chart;
+and the models the swarm serves (its registry) with their coverage and where this machine would help, joined with one
+click (`SwarmPage.join_best`). Without peers given, the swarm is the public Petals one (core/swarm/bootstrap.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,11 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QCheckBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
-                               QLineEdit, QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFormLayout, QGroupBox, QHBoxLayout, QHeaderView,
+                               QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox, QTableWidget,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
 
+from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_public
 from hivekeeper.planner.swarm import ServerPlan
 
 from hivekeeper.gui.services.coverage import CoverageService
@@ -18,6 +22,9 @@ from hivekeeper.gui.style import ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatC
 from hivekeeper.gui.widgets.model_menu import model_menu
 
 
+
+BUSY_STATES = ("starting", "joining", "online", "moving", "leaving")  # a node in these cannot be started again
+MODEL_COLUMNS = ("model", "servers", "blocks covered", "weakest span", "this machine could serve")
 
 FIELD_CAPTIONS = {"span": "span", "servers": "servers online", "cache": "cache left (tokens)",
                   "served": "requests served"}
@@ -30,6 +37,24 @@ def quant_and_dtype(weight_format: str) -> tuple[str, str]:
     if weight_format in ("fp32", "bf16", "fp16"):
         return "none", weight_format
     return "none", "auto"
+
+
+def model_cells(row: dict) -> list[str]:
+    """A swarm model's row (core/swarm/directory.py) in words, one string per MODEL_COLUMNS."""
+    weakest = row.get("weakest") or {}
+    if weakest:
+        span = f"{weakest['start']}:{weakest['end']}"
+        weak = f"blocks {span}: no server" if not weakest["throughput"] else \
+            f"blocks {span}: {weakest['throughput']:.3g} req/s"
+    else:
+        weak = "–"
+    helps = row.get("help") or {}
+    if helps.get("blocks"):
+        start, end = helps["blocks"]
+        can = f"blocks {start}:{end} ({end - start}), about {fmt_rate(helps['rps'])} req/s"
+    else:
+        can = helps.get("reason") or "no block fits here"
+    return [row["dht_prefix"], str(row["servers"]), f"{row['covered_blocks']} of {row['num_blocks']}", weak, can]
 
 
 def coverage_arrays(report: dict, my_peer_id: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -57,6 +82,7 @@ class SwarmPage(QWidget):
         self.node = node
         self.coverage = coverage
         self.default_model = ""  # the plan's model, used when the model field is empty
+        self.joined_prefix: str | None = None  # the swarm model joined from the models list
         self.recommendation: ServerPlan | None = None
         self.coverage_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._loading = False
@@ -70,6 +96,7 @@ class SwarmPage(QWidget):
         top.addWidget(self.setup_box, 1)
         top.addWidget(self.status_box, 1)
         layout.addLayout(top, 0)
+        layout.addWidget(self._build_models(), 0)
 
         chart_box = QGroupBox("Coverage: throughput of the servers covering each block")
         chart_layout = QVBoxLayout(chart_box)
@@ -99,6 +126,8 @@ class SwarmPage(QWidget):
         node.statusReceived.connect(self._on_status)
         coverage.reportReceived.connect(self._on_report)
         coverage.errorReceived.connect(self._on_coverage_error)
+        coverage.directoryReceived.connect(self._on_directory)
+        coverage.directoryError.connect(self._on_directory_error)
         self._load_settings()
         self._on_state(node.state)
 
@@ -120,7 +149,7 @@ class SwarmPage(QWidget):
         self.blocks_spin.setSpecialValueText("the plan's recommendation")
         self.new_swarm_check = QCheckBox("Start a new private swarm")
         self.peers_edit = QPlainTextEdit()
-        self.peers_edit.setPlaceholderText("Initial peers: multiaddrs of the swarm to join, one per line\n"
+        self.peers_edit.setPlaceholderText("Initial peers, one per line (empty: the public Petals swarm)\n"
                                            "/ip4/203.0.113.5/tcp/31337/p2p/Qm…")
         self.peers_edit.setFixedHeight(58)
         self.name_edit = QLineEdit()
@@ -151,6 +180,35 @@ class SwarmPage(QWidget):
         self.new_swarm_check.toggled.connect(self._read_widgets)
         self.blocks_spin.valueChanged.connect(self._read_widgets)
         self.peers_edit.textChanged.connect(self._read_widgets)
+        return box
+
+    def _build_models(self) -> QWidget:
+        box = QGroupBox("Models in the swarm")
+        column = QVBoxLayout(box)
+        row = QHBoxLayout()
+        self.find_button = QPushButton("Find models")
+        self.find_button.setToolTip("Read the swarm's model registry and each model's coverage")
+        self.find_button.clicked.connect(self.find_models)
+        self.directory_note = label("Find the models the swarm serves, and where this machine would help.", "small")
+        self.join_best_button = QPushButton("Join where this machine helps most")
+        self.join_best_button.setObjectName("primary")
+        self.join_best_button.setEnabled(False)
+        self.join_best_button.clicked.connect(self.join_best)
+        row.addWidget(self.find_button)
+        row.addWidget(self.directory_note, 1)
+        row.addWidget(self.join_best_button)
+        column.addLayout(row)
+        self.models_table = QTableWidget(0, len(MODEL_COLUMNS))
+        self.models_table.setHorizontalHeaderLabels(list(MODEL_COLUMNS))
+        self.models_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.models_table.horizontalHeader().setStretchLastSection(True)
+        self.models_table.verticalHeader().setVisible(False)
+        self.models_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.models_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.models_table.setMaximumHeight(130)
+        column.addWidget(self.models_table)
+        self.directory_rows: list[dict] = []
+        self.best_prefix: str | None = None
         return box
 
     def _build_status(self) -> QWidget:
@@ -256,16 +314,51 @@ class SwarmPage(QWidget):
         model = self.model_to_serve()
         if not model:
             raise ValueError("choose a model to serve (a checkpoint folder or a hub id)")
-        if not s.new_swarm and not s.initial_peers:
-            raise ValueError("give the initial peers of the swarm to join, or tick 'Start a new private swarm'")
-        bad = [a for a in s.initial_peers if not a.startswith("/")]
-        if bad and not s.new_swarm:
-            raise ValueError(f"not a multiaddr: {bad[0]!r} (expected /ip4/…/tcp/…/p2p/…)")
+        peers = () if s.new_swarm else self.swarm_peers()
         rec = self.recommendation
         num_blocks = s.num_blocks or (rec.num_blocks if rec is not None and rec.num_blocks else None)
         quant, dtype = quant_and_dtype(rec.weight_format) if rec is not None else ("none", "auto")
-        return NodeLaunch(model=model, new_swarm=s.new_swarm, initial_peers=tuple(s.initial_peers),
+        return NodeLaunch(model=model, new_swarm=s.new_swarm, initial_peers=peers,
                           num_blocks=num_blocks, quant=quant, dtype=dtype, host=s.host, public_name=s.public_name)
+
+    def swarm_peers(self) -> tuple[str, ...]:
+        """The peers of the swarm to join: the field's, else the default swarm's (the public one; tests replace it
+        with HIVEKEEPER_BOOTSTRAP_PEERS). Raises ValueError for a line that is not a multiaddr."""
+        self._read_widgets()
+        peers = tuple(self.settings.initial_peers)
+        bad = [a for a in peers if not a.startswith("/")]
+        if bad:
+            raise ValueError(f"not a multiaddr: {bad[0]!r} (expected /ip4/…/tcp/…/p2p/…)")
+        try:
+            return peers or bootstrap_peers()
+        except Exception as exc:  # noqa: BLE001 - an empty HIVEKEEPER_BOOTSTRAP_PEERS, or the public list in a test
+            raise ValueError(str(exc)) from None
+
+    def find_models(self) -> None:
+        """Start listing the swarm's models (its registry), their coverage and where this machine would help."""
+        try:
+            peers = self.swarm_peers()
+        except ValueError as exc:
+            self.directory_note.setText(str(exc))
+            return
+        where = "the public Petals swarm" if is_public(peers) else f"the swarm at {peers[0]}"
+        self.directory_note.setText(f"Reading {where}…")
+        self.coverage.watch_directory(peers)
+
+    def join_best(self) -> None:
+        """One click: serve the span of the model where this machine adds the most, fetching that span only."""
+        row = next((r for r in self.directory_rows if r["dht_prefix"] == self.best_prefix), None)
+        if row is None or self.node.state in BUSY_STATES:
+            return
+        start, end = row["help"]["blocks"]
+        s = self.settings
+        self.joined_prefix = row["dht_prefix"]
+        launch = NodeLaunch(model=row["repository"], new_swarm=False, initial_peers=tuple(self.coverage.directory_peers
+                                                                                           or self.swarm_peers()),
+                            host=s.host, public_name=s.public_name,
+                            extra_args=("--block-indices", f"{start}:{end}", "--dht-prefix", row["dht_prefix"]))
+        self.form_error.hide()
+        self.node.start(launch)
 
     def join(self) -> None:
         try:
@@ -290,8 +383,9 @@ class SwarmPage(QWidget):
 
     # ---- node and swarm updates --------------------------------------------------------------------------------------
     def _on_state(self, state: str) -> None:
-        busy = state in ("starting", "joining", "online", "moving", "leaving")
+        busy = state in BUSY_STATES
         self.join_button.setEnabled(not busy)
+        self.join_best_button.setEnabled(not busy and self.best_prefix is not None)
         self.leave_button.setEnabled(busy and state != "leaving")
         # only a node that died is restarted from here; after Leave, Join starts it again
         self.restart_button.setVisible(state == "error")
@@ -313,8 +407,9 @@ class SwarmPage(QWidget):
         if launch is None:
             return
         peers = list(launch.initial_peers) if not launch.new_swarm else self.node.maddrs
+        prefix = self.joined_prefix if "--dht-prefix" in launch.extra_args else None
         if peers:
-            self.coverage.watch(launch.model, peers)
+            self.coverage.watch(launch.model, peers, prefix)
 
     def _on_status(self, event: dict) -> None:
         node = self.node
@@ -374,6 +469,31 @@ class SwarmPage(QWidget):
         if gaps:
             note += f"; no server for blocks {', '.join(map(str, gaps))}"
         self.coverage_note.setText(note)
+
+    def _on_directory(self, event: dict) -> None:
+        rows = event.get("models") or []
+        self.directory_rows, self.best_prefix = rows, event.get("best")
+        table = self.models_table
+        table.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            for c, text in enumerate(model_cells(row)):
+                item = QTableWidgetItem(text)
+                item.setToolTip(row["repository"] if c == 0 else text)
+                table.setItem(r, c, item)
+        servers = sum(row["servers"] for row in rows)
+        self.directory_note.setText(f"{len(rows)} models served by {servers} servers" if rows
+                                    else "No model is listed in this swarm's registry yet.")
+        best = next((row for row in rows if row["dht_prefix"] == self.best_prefix), None)
+        self.join_best_button.setEnabled(best is not None and self.node.state not in BUSY_STATES)
+        if best is not None:
+            start, end = best["help"]["blocks"]
+            self.join_best_button.setText(f"Join {best['dht_prefix']}, blocks {start}:{end}")
+        else:
+            self.join_best_button.setText("Join where this machine helps most")
+
+    def _on_directory_error(self, message: str) -> None:
+        self.directory_note.setText(message.splitlines()[0] if message else "reading the swarm failed")
+        self.join_best_button.setEnabled(False)
 
     def _on_coverage_error(self, message: str) -> None:
         self.coverage_note.setText(f"Reading the swarm failed: {message}")

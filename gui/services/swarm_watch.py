@@ -2,8 +2,12 @@
 
     python -m hivekeeper.gui.services.swarm_watch --model PATH|ID --initial-peers MADDR... [--period 3]
 
-One JSON line per report (the same object as `hivekeeper swarm status --json`, plus "time"); an error is one line
-{"event": "error", "message": ...}. It exits when its stdin closes (the app quit or died) or on SIGTERM, so it
+    python -m hivekeeper.gui.services.swarm_watch --directory --initial-peers MADDR... [--period 10]
+
+One JSON line per report (the same object as `hivekeeper swarm status --json`, plus "time"); with --directory, one
+{"event": "directory", "models": [...], "best": prefix} line per period instead: the models in the swarm's registry
+with their coverage and where this machine would help (core/swarm/directory.py). An error is one line
+{"event": "error", "message": ...}; bootstrap peers nobody answers from are "bootstrap peers unreachable: ...". It exits when its stdin closes (the app quit or died) or on SIGTERM, so it
 never outlives the app, and shuts its p2pd down on the way out. hivemind stays out of the GUI process this way.
 """
 
@@ -19,7 +23,8 @@ import time
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="swarm_watch")
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model")
+    parser.add_argument("--directory", action="store_true", help="list the swarm's models instead of one's coverage")
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--dht-prefix")
     parser.add_argument("--period", type=float, default=3.0)
@@ -42,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
 
     threading.Thread(target=watch_stdin, daemon=True).start()
+    from hivekeeper.core.swarm.bootstrap import any_reachable, unreachable_message
+
+    if not any_reachable(args.initial_peers):  # say so in a second or two, before hivemind and torch load
+        _print({"event": "error", "message": unreachable_message(args.initial_peers)})
+        return 2
+    if args.directory:
+        return watch_directory(args, stop)
+    if not args.model:
+        _print({"event": "error", "message": "--model is required (or --directory)"})
+        return 2
 
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
@@ -54,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = dht_prefix_for(args.model, args.dht_prefix)
         client = SwarmClient(ClientConfig(tuple(args.initial_peers), prefix, config.num_layers))
     except (InputError, OSError) as exc:
-        _print({"event": "error", "message": str(exc)})
+        _print({"event": "error", "message": _in_words(str(exc), args.initial_peers)})
         return 2
     try:
         while not stop.is_set():
@@ -63,6 +78,83 @@ def main(argv: list[str] | None = None) -> int:
                 peers = sorted({p for servers in blocks for p in servers})
                 rtts = client.run(client.rtts(peers), timeout=30) if peers else {}
                 _print({"event": "report", "time": time.time(), **swarm_status(blocks, prefix, rtts)})
+            except Exception as exc:  # one failed read is reported; the next period tries again
+                _print({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+            stop.wait(args.period)
+    finally:
+        client.close()
+    return 0
+
+
+def _in_words(message: str, peers) -> str:
+    from hivekeeper.core.swarm.bootstrap import is_unreachable_error, unreachable_message
+
+    return unreachable_message(peers) if is_unreachable_error(message) else message
+
+
+class HelpPlanner:
+    """What this machine could do for each model (the planner's server sizing), worked out once per repository."""
+
+    def __init__(self):
+        self.hardware = None
+        self.sizes: dict[str, tuple[int, float] | str] = {}
+
+    def size(self, repository: str) -> tuple[int, float] | str:
+        """(blocks this machine could hold, requests/s it would advertise), or why it cannot tell."""
+        if repository not in self.sizes:
+            try:
+                self.sizes[repository] = self._plan(repository)
+            except Exception as exc:  # noqa: BLE001 - an unknown or unreadable model: the row says so
+                self.sizes[repository] = f"cannot size this model here ({exc})"
+        return self.sizes[repository]
+
+    def _plan(self, repository: str) -> tuple[int, float]:
+        from hivekeeper.core.machine.profiles import detect_or_load_profile
+        from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
+        from hivekeeper.planner.errors import InputError
+        from hivekeeper.planner.model_catalog import load_model_spec
+        from hivekeeper.planner.swarm import plan_server
+
+        if self.hardware is None:
+            self.hardware = detect_or_load_profile()
+        try:
+            spec = load_model_spec(repository)
+        except InputError:  # a hub id not cached here: its config only (no weights)
+            spec = load_model_spec(str(resolve_checkpoint(repository, blocks=(0, 0), embeddings=False)))
+        hardware, efficiency = self.hardware
+        plan = plan_server(spec, hardware, efficiency=efficiency)
+        return plan.num_blocks, plan.throughput
+
+    def help(self, row: dict) -> dict:
+        from hivekeeper.core.swarm.directory import where_to_help
+
+        size = self.size(row["repository"])
+        if isinstance(size, str):
+            return {"blocks": None, "rps": None, "gain": 0.0, "reason": size}
+        return where_to_help(row, *size)
+
+
+def watch_directory(args: argparse.Namespace, stop: threading.Event) -> int:
+    """Print the swarm's models, their coverage and where this machine would help, every period."""
+    from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
+    from hivekeeper.core.swarm.directory import best_row, read_directory
+    from hivekeeper.planner.errors import InputError
+
+    try:
+        client = SwarmClient(ClientConfig(tuple(args.initial_peers), "_directory", 1))
+    except (InputError, OSError) as exc:
+        _print({"event": "error", "message": _in_words(str(exc), args.initial_peers)})
+        return 2
+    planner = HelpPlanner()
+    try:
+        while not stop.is_set():
+            try:
+                rows = client.run(read_directory(client.dht), timeout=60)
+                for row in rows:
+                    row["help"] = planner.help(row)
+                best = best_row(rows)
+                _print({"event": "directory", "time": time.time(), "models": rows,
+                        "best": best["dht_prefix"] if best else None})
             except Exception as exc:  # one failed read is reported; the next period tries again
                 _print({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
             stop.wait(args.period)

@@ -1,0 +1,116 @@
+"""The models a swarm serves, and where this machine would help most: what the app's Swarm page lists.
+
+Servers list each public model in the swarm's registry (`_petals.models`, subkey = the model's DHT prefix, value
+{"num_blocks": N, "repository": hub id}; core/swarm/dht.py `register_model`, as Petals' servers do). For each
+model, `read_directory` reads its blocks' records and sums them up as a row: servers, blocks covered, the weakest
+span (the run of blocks around the bottleneck with the same, lowest throughput).
+
+`where_to_help` adds what this machine could do for a model (the planner's server sizing: how many blocks it could
+hold and the requests/s it would advertise), the span where it adds the most (the window whose weakest blocks are
+weakest: planner.swarm.choose_start, as a server picks its blocks), and `best_row` picks the model to join with
+one click: the one whose gaps it fills, else the one whose bottleneck it raises the most, relatively.
+
+Registry values are written by anyone: a value that is not such an object, a block count out of 1..MAX_BLOCKS, or
+a repository that is not a short string drops that entry only; at most MAX_MODELS models are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+
+from hivemind.dht.node import DHTNode
+
+from hivekeeper.core.swarm.dht import (DHT_READ_TIMEOUT_S, MODELS_REGISTRY_KEY, ServerState, block_throughputs,
+                                       read_blocks, spans_of)
+
+MAX_MODELS = 64  # rows read from the registry (a hostile flood of entries costs no more than this)
+MAX_BLOCKS = 1024  # no transformer we know has more blocks
+MAX_REPOSITORY_CHARS = 200
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    dht_prefix: str
+    repository: str
+    num_blocks: int
+
+
+def parse_registry(value) -> list[RegistryEntry]:
+    """The entries of a `_petals.models` DHT value ({subkey: ValueWithExpiration}), each bad one dropped."""
+    items = getattr(value, "value", None)
+    if not isinstance(items, dict):
+        return []
+    entries = []
+    for prefix, item in items.items():
+        doc = getattr(item, "value", None)
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}", prefix) \
+                or not isinstance(doc, dict):
+            continue
+        blocks, repository = doc.get("num_blocks"), doc.get("repository")
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= MAX_BLOCKS:
+            continue
+        if not isinstance(repository, str) or not 0 < len(repository) <= MAX_REPOSITORY_CHARS:
+            continue
+        entries.append(RegistryEntry(prefix, repository, blocks))
+    return sorted(entries, key=lambda e: e.dht_prefix)[:MAX_MODELS]
+
+
+def weakest_span(throughputs: list[float]) -> dict | None:
+    """{"start", "end", "throughput"}: the run of blocks around the first bottleneck with its throughput."""
+    if not throughputs:
+        return None
+    low = min(throughputs)
+    start = throughputs.index(low)
+    end = start
+    while end < len(throughputs) and throughputs[end] == low:
+        end += 1
+    return {"start": start, "end": end, "throughput": low}
+
+
+def model_row(entry: RegistryEntry, blocks: list[dict]) -> dict:
+    """One model's row from its blocks' records."""
+    throughputs = block_throughputs(blocks)
+    live = (ServerState.JOINING, ServerState.ONLINE)
+    covered = sum(any(info.state in live for info in servers.values()) for servers in blocks)
+    return {
+        "dht_prefix": entry.dht_prefix, "repository": entry.repository, "num_blocks": entry.num_blocks,
+        "servers": len(spans_of(blocks, states=live)), "covered_blocks": covered,
+        "gaps": [i for i, servers in enumerate(blocks) if not any(info.state in live for info in servers.values())],
+        "throughputs": throughputs, "weakest": weakest_span(throughputs),
+    }
+
+
+async def read_directory(node: DHTNode, timeout: float = DHT_READ_TIMEOUT_S) -> list[dict]:
+    """A row per model in the registry (`model_row`), read at once."""
+    found = await asyncio.wait_for(node.get(MODELS_REGISTRY_KEY, latest=True), timeout)
+    entries = parse_registry(found)
+    all_blocks = await asyncio.gather(*(read_blocks(node, e.dht_prefix, e.num_blocks, timeout=timeout)
+                                        for e in entries))
+    return [model_row(entry, blocks) for entry, blocks in zip(entries, all_blocks)]
+
+
+def where_to_help(row: dict, can_hold: int, rps: float) -> dict:
+    """Where a server holding up to `can_hold` blocks at `rps` requests/s adds the most to this model:
+    {"blocks": [start, end], "rps": rps, "gain": ...}. gain is the gaps it fills, then the bottleneck's relative
+    rise (its throughput after / before, capped), so that a model with a gap beats one merely slow."""
+    from hivekeeper.planner.swarm import choose_start
+
+    n = min(can_hold, row["num_blocks"])
+    if n < 1:
+        return {"blocks": None, "rps": rps, "gain": 0.0}
+    throughputs = row["throughputs"]
+    start = choose_start(throughputs, n)
+    window = throughputs[start:start + n]
+    filled = sum(1 for t in window if t <= 0)
+    before = min(throughputs)
+    after = min(t + rps if start <= i < start + n else t for i, t in enumerate(throughputs))
+    rise = min(after / before, 100.0) if before > 0 else (100.0 if after > 0 else 0.0)
+    return {"blocks": [start, start + n], "rps": rps, "gain": filled * 1000.0 + rise}
+
+
+def best_row(rows: list[dict]) -> dict | None:
+    """The model to join with one click: the row whose `help` gains the most (rows without one are skipped)."""
+    helpful = [row for row in rows if (row.get("help") or {}).get("blocks")]
+    return max(helpful, key=lambda row: row["help"]["gain"], default=None)

@@ -1,0 +1,93 @@
+"""Issue 20 item 1, through the real window: the Swarm page lists the swarm's models from its registry with their
+coverage and where this machine would help, and one click joins that span. A loopback swarm (a real server in this
+process, registering its model) stands in for the public one through HIVEKEEPER_BOOTSTRAP_PEERS; the default,
+where nothing listens, is "bootstrap peers unreachable" in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+from hivekeeper.core.swarm.bootstrap import BOOTSTRAP_ENV
+from hivekeeper.core.swarm.protocol import new_event_loop
+from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
+
+START_MS = 180_000  # a node imports torch and hivemind and starts p2pd: slow on a busy machine
+
+
+@pytest.fixture
+def loopback_swarm(demo_checkpoint, monkeypatch):
+    """A server of block 0 of the 2-block demo model, listed in the registry as the public servers list theirs;
+    the default swarm's peers point at it."""
+    loop = new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    online = threading.Event()
+    config = ServerConfig(checkpoint=demo_checkpoint, dht_prefix="tiny-llama", repository=str(demo_checkpoint),
+                          host="127.0.0.1", block_indices=(0, 1), throughput=1.0, update_period=10.0)
+    server = SwarmServer(config, status=lambda event: event["state"] == "online" and online.set())
+    future = asyncio.run_coroutine_threadsafe(server.run(), loop)
+    try:
+        assert online.wait(60), future.exception() if future.done() else "server not online"
+        monkeypatch.setenv(BOOTSTRAP_ENV, server.maddrs[0])
+        yield server
+    finally:
+        loop.call_soon_threadsafe(server.stop)
+        future.result(30)
+
+        async def cancel_the_rest() -> None:  # hivemind leaves DHT refresh tasks behind
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_the_rest(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _open_swarm_page(window):
+    window.settings.swarm.new_swarm = False
+    window.settings.swarm.initial_peers = []
+    window.settings.swarm.host = "127.0.0.1"
+    page = window.swarm_page
+    page._load_settings()
+    return page
+
+
+def test_unreachable_bootstrap_peers_are_one_line_within_seconds(app_window, qtbot):
+    page = _open_swarm_page(app_window)
+    page.find_button.click()
+    qtbot.waitUntil(lambda: "unreachable" in page.directory_note.text(), timeout=15_000)
+    text = page.directory_note.text()
+    assert text.startswith("bootstrap peers unreachable: " + os.environ[BOOTSTRAP_ENV]) and "\n" not in text
+    assert page.models_table.rowCount() == 0 and not page.join_best_button.isEnabled()
+
+
+def test_the_swarm_models_are_listed_and_one_click_joins_where_this_machine_helps(app_window, qtbot,
+                                                                                   loopback_swarm, demo_checkpoint):
+    page = _open_swarm_page(app_window)
+    app_window.coverage.directory_period_s = 2.0
+    page.find_button.click()
+    qtbot.waitUntil(lambda: page.models_table.rowCount() == 1, timeout=START_MS)
+    cells = [page.models_table.item(0, c).text() for c in range(page.models_table.columnCount())]
+    assert cells[:4] == ["tiny-llama", "1", "1 of 2", "blocks 1:2: no server"], cells
+    assert cells[4].startswith("blocks 0:2 (2)"), cells  # the planner says both blocks fit here
+    assert page.join_best_button.isEnabled() and "tiny-llama, blocks 0:2" in page.join_best_button.text()
+
+    page.join_best_button.click()
+    node = app_window.node
+    assert node.launch.model == str(demo_checkpoint) and node.launch.initial_peers == (loopback_swarm.maddrs[0],)
+    assert node.launch.extra_args == ("--block-indices", "0:2", "--dht-prefix", "tiny-llama")
+    assert not page.join_best_button.isEnabled()
+    qtbot.waitUntil(lambda: node.state == "online", timeout=START_MS)
+    assert node.last_event["blocks"] == [0, 2] and node.last_event["dht_prefix"] == "tiny-llama"
+    # the list sees the new server: every block covered now
+    qtbot.waitUntil(lambda: page.models_table.item(0, 2).text() == "2 of 2", timeout=30_000)
+    assert page.models_table.item(0, 1).text() == "2"
+    page.leave()
+    qtbot.waitUntil(lambda: node.state == "stopped", timeout=60_000)
