@@ -20,22 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stats.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def fmt_duration(seconds: float) -> str:
-    """3 h 05 min, 12 min 30 s, 45 s."""
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours} h {minutes:02d} min"
-    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
-
-
-def fmt_energy(wh: float) -> str:
-    return f"{wh / 1000:.2f} kWh" if wh >= 1000 else f"{wh:.1f} Wh"
-
-
 def stats_lines(summary: dict) -> list[str]:
     """The summary as a small table: one row per period."""
+    from hivekeeper.core.swarm.contribution import fmt_duration, fmt_energy
+
     lines = [f"{'':<7} {'requests':>10} {'tokens':>12} {'uptime':>14} {'energy':>10}"]
     for period in ("today", "total"):
         row = summary[period]

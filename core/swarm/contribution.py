@@ -66,6 +66,21 @@ def contribution_summary(doc: dict, today: date | None = None) -> dict:
     return {"today": {**_zero(), **doc["days"].get(key, {})}, "total": {**_zero(), **doc["total"]}}
 
 
+def fmt_duration(seconds: float) -> str:
+    """3 h 05 min, 12 min 30 s, 45 s."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+def fmt_energy(wh: float) -> str:
+    """12.3 Wh, 4.56 kWh."""
+    return f"{wh / 1000:.2f} kWh" if wh >= 1000 else f"{wh:.1f} Wh"
+
+
 def nvml_energy_mj() -> float | None:
     """The NVIDIA GPUs' total energy counters in millijoules (NVML, Volta or newer), or None without them."""
     try:

@@ -1,4 +1,5 @@
-"""Page 5, Monitor: live plots of chat and node speed, step latency, requests served, CPU / GPU / RAM use.
+"""Page 5, Monitor: live plots of chat and node speed, step latency, requests served, CPU / GPU / RAM use; and what
+this machine has given the swarm, today and in total (gui/widgets/contribution_panel.py).
 
 Samples go into ring buffers as they arrive (chat replies, node status lines, a 2 Hz system sampler); the plots
 are redrawn from the buffers at 5 Hz, and not at all while paused (the buffers keep filling).
@@ -17,6 +18,7 @@ from hivekeeper.gui.services.node import NodeService
 from hivekeeper.gui.viewmodels.ring_buffer import RingBuffer
 from hivekeeper.gui.style import ACCENT, BAD, GOOD, KV_CACHE, WARN, label, page_layout
 from hivekeeper.gui.services.system_usage import SystemUsage
+from hivekeeper.gui.widgets.contribution_panel import ContributionPanel
 
 WINDOW_S = 120.0  # seconds shown
 SERIES = {
@@ -101,8 +103,11 @@ class MonitorPage(QWidget):
             self.plots[title] = plot
             grid.addWidget(plot, i // 2, i % 2)
         layout.addLayout(grid, 1)
+        self.contribution = ContributionPanel()  # today's and total requests, tokens, uptime, energy (issue 20)
+        layout.addWidget(self.contribution)
 
         node.statusReceived.connect(self.record_node_status)
+        node.statusReceived.connect(self.contribution.record_node_status)
         self._sampler = QTimer(self)
         self._sampler.timeout.connect(self.sample_system)
         self._sampler.start(sample_ms)

@@ -3,4 +3,5 @@ menu: the built-in model first, the models on this machine, a GGUF file, a check
 (Help → About: the versions of Hivekeeper, Python, torch, hivemind, PySide6 and Qt), `confirm_dialog` (a
 non-blocking "Remove …?" question), `api_switch` (the Chat page's "OpenAI-compatible API on port N" switch, its URL
 and status), `plan_run` (the Plan page's "Run this plan" box: prompts file, Run/Stop, predicted against measured
-throughput as it runs)."""
+throughput as it runs), `contribution_panel` (the Monitor page's requests, tokens, uptime and energy served,
+today and in total)."""
