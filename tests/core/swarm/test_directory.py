@@ -1,0 +1,49 @@
+"""Issue 20 item 1: the swarm's model list (core/swarm/directory.py): registry entries written by anyone are checked
+one by one, each model's row says its coverage and weakest span, and the one-click choice prefers filling a gap."""
+
+from __future__ import annotations
+
+from hivemind.utils import ValueWithExpiration
+
+from hivekeeper.core.swarm.dht import ServerInfo, ServerState
+from hivekeeper.core.swarm.directory import (MAX_MODELS, RegistryEntry, best_row, model_row, parse_registry,
+                                             weakest_span, where_to_help)
+
+
+def _registry(items: dict) -> ValueWithExpiration:
+    return ValueWithExpiration({key: ValueWithExpiration(value, 1e12) for key, value in items.items()}, 1e12)
+
+
+def test_hostile_registry_entries_drop_only_themselves():
+    good = {"num_blocks": 32, "repository": "org/model"}
+    entries = parse_registry(_registry({
+        "model-hf": good, "bad-count": {"num_blocks": 0, "repository": "x"}, "bool": {"num_blocks": True,
+                                                                                  "repository": "x"},
+        "huge": {"num_blocks": 10**9, "repository": "x"}, "no-repo": {"num_blocks": 4}, "long": {
+            "num_blocks": 4, "repository": "r" * 1000}, "not-a-dict": [1, 2], "bad/prefix": good, 7: good}))
+    assert entries == [RegistryEntry("model-hf", "org/model", 32)]
+    assert parse_registry(None) == [] and parse_registry(ValueWithExpiration("junk", 1e12)) == []
+    flood = parse_registry(_registry({f"m{i:04d}": good for i in range(5 * MAX_MODELS)}))
+    assert len(flood) == MAX_MODELS
+
+
+def test_a_row_names_coverage_and_the_weakest_span_and_help_goes_where_it_adds_most():
+    online = ServerInfo(ServerState.ONLINE, 4.0)
+    offline = ServerInfo(ServerState.OFFLINE, 100.0)
+    blocks = [{"a": online}, {"a": online, "b": ServerInfo(ServerState.ONLINE, 2.0)}, {"c": offline}, {}]
+    row = model_row(RegistryEntry("m", "org/m", 4), blocks)
+    assert (row["servers"], row["covered_blocks"], row["gaps"]) == (2, 2, [2, 3])
+    assert row["weakest"] == {"start": 2, "end": 4, "throughput": 0}
+    assert weakest_span([3.0, 1.0, 1.0, 2.0, 1.0]) == {"start": 1, "end": 3, "throughput": 1.0}
+
+    help_gap = where_to_help(row, can_hold=2, rps=1.0)
+    assert help_gap["blocks"] == [2, 4]  # the two blocks nobody serves
+    covered = model_row(RegistryEntry("n", "org/n", 4), [{"a": online}] * 4)
+    help_slow = where_to_help(covered, can_hold=8, rps=4.0)  # more than the model: all of it, throughput doubled
+    assert help_slow["blocks"] == [0, 4] and help_slow["gain"] == 2.0
+    assert where_to_help(covered, can_hold=0, rps=4.0)["blocks"] is None
+
+    row["help"], covered["help"] = help_gap, help_slow
+    unknown = {**covered, "dht_prefix": "u", "help": {"blocks": None, "reason": "cannot size"}}
+    assert best_row([covered, unknown, row])["dht_prefix"] == "m"  # a gap filled beats a bottleneck doubled
+    assert best_row([unknown]) is None
