@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="swarm_command", metavar="SUBCOMMAND")
     status = sub.add_parser("status", help="per block: the servers covering it; per server: state, span, speed")
     status.add_argument("--model", required=True, help="hub id or local checkpoint folder (for its block count)")
-    status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="peers of the swarm")
+    status.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers of the swarm (default: the "
+                        "public Petals swarm's bootstrap peers, or HIVEKEEPER_BOOTSTRAP_PEERS when set)")
     status.add_argument("--dht-prefix", help="the model's name in the swarm (default as `hivekeeper serve`)")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -55,9 +56,19 @@ def print_tables(report: dict) -> None:
               f"{rtt:>7}  {s['public_name'] or ''}")
 
 
+def _peers(given) -> tuple[str, ...]:
+    """The peers given, else the default swarm's; peers nobody answers from are one line (core/swarm/bootstrap.py)."""
+    from hivekeeper.core.swarm.bootstrap import any_reachable, bootstrap_peers, unreachable_message
+
+    peers = tuple(given or bootstrap_peers())
+    if not any_reachable(peers):
+        raise InputError(unreachable_message(peers))
+    return peers
+
+
 def run(args: argparse.Namespace) -> int:
     if args.swarm_command != "status":
-        raise InputError("usage: hivekeeper swarm status --model ID|PATH --initial-peers MADDR ... [--json]")
+        raise InputError("usage: hivekeeper swarm status --model ID|PATH [--initial-peers MADDR ...] [--json]")
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
     from hivekeeper.core.swarm.dht import dht_prefix_for, live_peers, with_confirmed
@@ -65,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config(resolve_checkpoint(args.model, blocks=(0, 0), embeddings=False))
     prefix = dht_prefix_for(args.model, args.dht_prefix)
-    client = SwarmClient(ClientConfig(tuple(args.initial_peers), prefix, config.num_layers))
+    client = SwarmClient(ClientConfig(_peers(args.initial_peers), prefix, config.num_layers))
     try:
         view = client.run(client.view(refresh=True))  # servers listed OFFLINE are asked whether they serve
         blocks = with_confirmed(view.blocks, view.spans)

@@ -63,3 +63,11 @@ def test_reachability_is_told_by_plain_tcp_within_a_second():
     assert not any_reachable([os.environ[BOOTSTRAP_ENV]])
     assert any_reachable(["/ip4/127.0.0.1/udp/1/quic/p2p/X"])  # not plain TCP: left to the daemon
     assert time.monotonic() - started < 5
+
+
+def test_swarm_status_without_peers_reads_the_default_swarm(tiny_checkpoint, capsys):
+    from hivekeeper.core.cli.main import main
+
+    assert main(["swarm", "status", "--model", str(tiny_checkpoint)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "bootstrap peers unreachable: " + os.environ[BOOTSTRAP_ENV] in err and len(err.splitlines()) == 1
