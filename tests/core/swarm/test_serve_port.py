@@ -1,27 +1,31 @@
 """`hivekeeper serve` on a TCP port a running server already listens on: refused (exit 2, one line naming the port)
 before any daemon starts, and the first server keeps serving. p2pd listens with SO_REUSEPORT, so without the check
-both daemons would share the port."""
+both daemons would share the port.
+
+The refused commands run through the CLI's main() in this process (what they print is read at the file
+descriptors, so a daemon's output would show too): they must stop before torch loads, and a process of its own for
+each only added its interpreter's start. The first server is a real SwarmServer with its own p2pd in this process.
+"""
 
 from __future__ import annotations
-
-import os
-import subprocess
 
 import pytest
 import torch
 
-from hivekeeper.core.child_argv import hivekeeper_command
-from hivekeeper.core.swarm.local import LocalSwarm
+from hivekeeper.core.cli.main import main
+from hivekeeper.core.swarm.dht import dht_prefix_for
 
-from ...child_output import run
+from .client.servers import InProcessServers
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
-
-def hivekeeper(*args: str) -> subprocess.CompletedProcess:
-    return run(hivekeeper_command(*args), timeout=120, env=ENV)
+def hivekeeper(capfd, *args: str) -> tuple[int, str, str]:
+    """`hivekeeper ARGS` through the CLI's main(): its exit code, and what it wrote to stdout and stderr."""
+    capfd.readouterr()
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return code, out, err
 
 
 def _port_of(maddr: str) -> int:
@@ -45,33 +49,36 @@ def _local_greedy(checkpoint, prompt: torch.Tensor, new_tokens: int) -> torch.Te
     return torch.stack(tokens, dim=1)
 
 
-def test_serve_on_a_port_in_use_is_refused_and_the_first_server_keeps_serving(tiny_checkpoint, tmp_path):
+def test_serve_on_a_port_in_use_is_refused_and_the_first_server_keeps_serving(tiny_checkpoint, capfd):
     from hivekeeper.core.swarm.client.inference import SwarmModel
 
-    with LocalSwarm(tiny_checkpoint, extra_args=("--torch-threads", "1"), log_dir=tmp_path) as swarm:
-        first = swarm.start("--block-indices", "0:2", "--throughput", "10")
+    servers = InProcessServers(tiny_checkpoint, dht_prefix_for(str(tiny_checkpoint)))
+    try:
+        first = servers.running[servers.start((0, 2), "first", throughput=10.0)][0]
         port = _port_of(first.maddrs[0])
         for host in ("127.0.0.1", "0.0.0.0"):  # the same address, and every interface (which includes it)
-            second = hivekeeper("serve", "--model", str(tiny_checkpoint), "--new-swarm", "--host", host,
-                                "--port", str(port), "--json-status")
-            lines = [line for line in second.stderr.splitlines() if line.strip()]
-            assert second.returncode == 2, second.stderr
-            assert len(lines) == 1 and f"port {port}" in lines[0] and "in use" in lines[0], second.stderr
-            assert second.stdout == ""  # no status line: nothing was started
+            code, out, err = hivekeeper(capfd, "serve", "--model", str(tiny_checkpoint), "--new-swarm", "--host",
+                                        host, "--port", str(port), "--json-status")
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert code == 2, err
+            assert len(lines) == 1 and f"port {port}" in lines[0] and "in use" in lines[0], err
+            assert out == ""  # no status line: nothing was started
         # a server asked to join the swarm on that port is refused the same way
-        joiner = hivekeeper("serve", "--model", str(tiny_checkpoint), "--initial-peers", *first.maddrs,
-                            "--host", "127.0.0.1", "--port", str(port))
-        assert joiner.returncode == 2 and str(port) in joiner.stderr
+        code, _, err = hivekeeper(capfd, "serve", "--model", str(tiny_checkpoint), "--initial-peers", *first.maddrs,
+                                  "--host", "127.0.0.1", "--port", str(port))
+        assert code == 2 and str(port) in err
 
-        assert first.alive and len(swarm.servers) == 1
+        assert not servers.running[first.peer_id][1].done() and len(servers.running) == 1  # still serving
         prompt = torch.tensor([[1, 17, 42, 99, 7]])
         with SwarmModel(str(tiny_checkpoint), initial_peers=first.maddrs) as model:
             assert torch.equal(model.generate(prompt, 6), _local_greedy(tiny_checkpoint, prompt, 6))
+    finally:
+        servers.close()
 
 
-def test_a_bad_host_or_port_is_one_line_before_anything_starts(tiny_checkpoint):
+def test_a_bad_host_or_port_is_one_line_before_anything_starts(tiny_checkpoint, capfd):
     for flags, words in ((["--host", "localhost"], "--host 'localhost' is not an IPv4 address"),
                          (["--host", "127.0.0.1", "--port", "70000"], "--port 70000: use 1 to 65535")):
-        out = hivekeeper("serve", "--model", str(tiny_checkpoint), "--new-swarm", *flags)
-        lines = [line for line in out.stderr.splitlines() if line.strip()]
-        assert out.returncode == 2 and len(lines) == 1 and words in lines[0], out.stderr
+        code, _, err = hivekeeper(capfd, "serve", "--model", str(tiny_checkpoint), "--new-swarm", *flags)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and words in lines[0], err
