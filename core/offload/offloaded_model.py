@@ -32,6 +32,7 @@ from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 from hivekeeper.core.offload.block_variants import forward_with_attention_at_cache
+from hivekeeper.core.offload.packed_stream import PackedBlockReader
 from hivekeeper.core.offload.placement import EnginePlan, cpu_attention_dtype, micro_batch_rows
 from hivekeeper.core.offload.streaming import BlockStreamer, Slot
 from hivekeeper.core.offload.tiered_cache import RecomputeCache, TieredKVCache, keep_between_blocks
@@ -155,13 +156,16 @@ class OffloadedModel:
             else BlockReader(self.checkpoint, drop_page_cache)
         for layer in range(config.num_layers):
             self.reader.check_layer(layer)
-        self.rotary = RotaryTable(config)
         dtype, on_gpu = plan.dtype, self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu and plan.streamed_blocks else None
         self.streamer: BlockStreamer | None = None
         self.bytes_streamed = 0  # weight bytes read from disk for streamed blocks (the reader thread adds)
         self.quant_store = None  # int8/nf4 blocks come from their quantized copies (see below)
         self._stream_reader = self.reader
+        self.rotary = RotaryTable(config)
+        # a GGUF's streamed blocks stay packed too (CPU fp32): packed bytes from the map into packed slots
+        self.packed_reader = PackedBlockReader(self.checkpoint, self.rotary) \
+            if self._packed() and plan.streamed_blocks else None
         try:
             # int8/nf4 blocks that stream, and on a CPU the resident ones too (bitsandbytes quantizes slowly there:
             # ~6 s for a 125M model at every start), come from the quantized store, built once
@@ -193,7 +197,7 @@ class OffloadedModel:
             streamed = plan.streamed_blocks
             if streamed:
                 disk = any(plan.weight_tiers[i] == "disk" for i in streamed)
-                slots = [Slot(self._stream_buffer(self.device),
+                slots = [Slot(self._stream_buffer(self.device, layer=streamed[0]),
                                self._stream_buffer("cpu", pin=True) if on_gpu and disk else None)
                          for _ in range(min(plan.prefetch_depth + 1, len(streamed)))]
                 self.streamer = BlockStreamer(streamed, slots, self._load_slot)
@@ -202,8 +206,11 @@ class OffloadedModel:
             raise
         _return_freed_memory()  # the temporaries of converting reads (a 16-bit plan over an fp32 file)
 
-    def _stream_buffer(self, device: str | torch.device, pin: bool = False) -> Block:
-        """An unfilled block for streamed weights: quantized like the store's blocks, or of the plan's dtype."""
+    def _stream_buffer(self, device: str | torch.device, pin: bool = False, layer: int = 0) -> Block:
+        """An unfilled block for streamed weights: quantized like the store's blocks, packed like a GGUF's layer
+        `layer` (packed_stream), or of the plan's dtype."""
+        if self.packed_reader is not None:
+            return self.packed_reader.empty_block(layer)
         if self.quant_store is not None:
             return self.quant_store.empty_block(self.rotary, device, pin=pin)
         return empty_block(self.config, self.rotary, self.plan.dtype, device, pin=pin)
@@ -236,6 +243,10 @@ class OffloadedModel:
 
     def _load_slot(self, layer: int, slot: Slot) -> None:
         """Runs on the reader thread: bring block `layer` into `slot` (disk read and/or copy to the GPU)."""
+        if self.packed_reader is not None:  # packed bytes into the packed slot (or a block built for the layer)
+            slot.block, read = self.packed_reader.fill(slot.block, layer)
+            self.bytes_streamed += read
+            return
         if slot.loaded is None:  # the CPU computes: read from disk straight into the slot
             self.bytes_streamed += self._stream_reader.fill(slot.block, layer)
             return

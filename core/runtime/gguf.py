@@ -15,7 +15,7 @@ folder does. The file is read with the `gguf` package's GGUFReader (the llama.cp
   head (or the tied embedding used as one) stays packed too (`load_packed_head`).
   checkpoint.load_span and the local engine (core/offload, resident blocks) do this by default for a GGUF on the
   CPU in fp32 (HIVEKEEPER_GGUF_PACKED=0 or packed=False turns it off: the dequantized path is what transformers
-  computes, token for token). Blocks the engine streams from disk stay dequantized (the slots are fp32 blocks).
+  computes, token for token). Blocks the engine streams from disk stay packed too (core/offload/packed_stream.py).
 
 The torch-free part (finding and opening files, the config dict, tensor names, types and sizes) is the planner's
 gguf_metadata.py, so there is one reader. `GGUFCheckpoint` has the interface of `checkpoint.Checkpoint` (`config`,
