@@ -23,7 +23,7 @@ from hivekeeper.gui.widgets.model_menu import model_menu
 
 
 
-BUSY_STATES = ("starting", "joining", "online", "moving", "leaving")  # a node in these cannot be started again
+BUSY_STATES = ("starting", "joining", "online", "moving", "paused", "leaving")  # a node in these is running
 MODEL_COLUMNS = ("model", "servers", "blocks covered", "weakest span", "this machine could serve")
 
 FIELD_CAPTIONS = {"span": "span", "servers": "servers online", "cache": "cache left (tokens)",

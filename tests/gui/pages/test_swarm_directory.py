@@ -68,6 +68,7 @@ def test_unreachable_bootstrap_peers_are_one_line_within_seconds(app_window, qtb
     assert page.models_table.rowCount() == 0 and not page.join_best_button.isEnabled()
 
 
+@pytest.mark.slow
 def test_the_swarm_models_are_listed_and_one_click_joins_where_this_machine_helps(app_window, qtbot,
                                                                                    loopback_swarm, demo_checkpoint):
     page = _open_swarm_page(app_window)
