@@ -48,12 +48,15 @@ class _PromptedCache:
 class _PromptedSpan:
     """span(hidden, cache) of the model, with caches that start with the prompts (see the module docstring)."""
 
-    def __init__(self, inner, prompts: TrainablePrompts, run_prefix):
-        self.inner, self.prompts, self.run_prefix = inner, prompts, run_prefix
+    def __init__(self, inner, prompts: TrainablePrompts, run_prefix, context: int):
+        self.inner, self.prompts, self.run_prefix, self.context = inner, prompts, run_prefix, context
         self.start, self.end = inner.start, inner.end
 
     def allocate_cache(self, batch: int, max_length: int) -> _PromptedCache:
-        cache = self.inner.allocate_cache(batch, max_length + self.prompts.tokens)
+        # a caller sizing its cache by the model's whole context (a chat) gets it: generation stops at the
+        # context less the prompts (PromptedModel.config)
+        tokens = min(max_length + self.prompts.tokens, self.context)
+        cache = self.inner.allocate_cache(batch, tokens)
         with torch.inference_mode():
             first, deep = self.prompts.for_batch(batch)
             self.run_prefix(first, deep, cache)
@@ -114,7 +117,7 @@ def local_prompted_model(path, prompts_file, config) -> tuple[PromptedModel, str
     def run_prefix(first: Tensor, deep: Tensor | None, cache) -> None:
         run_blocks(span, first.to(span.dtype), cache, deep)
 
-    prompted = _PromptedSpan(_LocalSpan(span), prompts, run_prefix)
+    prompted = _PromptedSpan(_LocalSpan(span), prompts, run_prefix, config.max_position_embeddings)
     return PromptedModel(config, embedding, head, prompted), _describe(prompts_file, info) + "; all blocks in RAM"
 
 
@@ -133,7 +136,8 @@ def swarm_prompted_model(swarm_model, prompts_file) -> tuple[PromptedModel, str]
     def run_prefix(first: Tensor, deep: Tensor | None, cache) -> None:
         swarm_model.span(first.to(swarm_model.dtype), cache)
 
-    prompted = _PromptedSpan(swarm_model.span, prompts, run_prefix)
+    prompted = _PromptedSpan(swarm_model.span, prompts, run_prefix,
+                             swarm_model.config.max_position_embeddings)
     model = PromptedModel(swarm_model.config, swarm_model.embedding, swarm_model.head, prompted, closes=swarm_model)
     return model, _describe(prompts_file, info) + "; blocks in the swarm"
 

@@ -1,0 +1,99 @@
+"""`hivekeeper finetune` on the tiny demo model, run in this process through the command's own entry point.
+
+- Bad data (a line that is not JSON, an empty file, an example longer than the context, a chat that does not end
+  with the assistant's reply) is one error line naming the file and line, exit 2, and no prompts file is written.
+- A run saves its prompts with the model id, method and step in the file's metadata; a second run with more
+  --steps resumes from that file and ends where one uninterrupted run ends.
+- `generate --prompts FILE` runs the trained prompts first: its text differs from the plain model's, and a prompts
+  file for another model's shape is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hivekeeper.core.cli.main import main
+from hivekeeper.core.finetune.prompts import load_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PAIRS = [{"prompt": "The sky is", "completion": " blue."}, {"prompt": "Grass is", "completion": " green."},
+         {"messages": [{"role": "user", "content": "Snow?"}, {"role": "assistant", "content": "White."}]}]
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    return path
+
+
+def finetune(checkpoint, data, out, *extra: str) -> int:
+    return main(["finetune", "--model", str(checkpoint), "--data", str(data), "--out", str(out), "--prompt-tokens",
+                 "2", "--batch", "2", "--lr", "0.05", *extra])
+
+
+@pytest.mark.parametrize("text, line, says", [
+    ('{"prompt": "a", "completion": " b"}\n{"prompt": "a", "completion"\n', 2, "not a JSON line"),
+    ("\n\n", None, "the data file is empty"),
+    ('{"prompt": "' + "word " * 2500 + '", "completion": " b"}\n', 1, "the model's context leaves 2046"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', 1, "the last message must be the assistant's"),
+    ('{"text": "hi"}\n', 1, "needs 'messages' or both 'prompt' and 'completion'"),
+])
+def test_bad_data_is_one_line_naming_file_and_line(tiny_checkpoint, tmp_path, capsys, text, line, says):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(text)
+    out = tmp_path / "p.prompts"
+    assert finetune(tiny_checkpoint, data, out, "--steps", "1") == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert f"{data}:{line}:" in error if line else f"{data}:" in error
+    assert says in error
+    assert not out.exists()
+
+
+def test_a_run_saves_its_prompts_and_a_second_run_resumes(tiny_checkpoint, data, tmp_path, capsys):
+    whole, halves = tmp_path / "whole.prompts", tmp_path / "halves.prompts"
+    assert finetune(tiny_checkpoint, data, whole, "--steps", "4") == 0
+    assert finetune(tiny_checkpoint, data, halves, "--steps", "2") == 0
+    _, info, moments = load_prompts(halves)
+    assert (info.model, info.method, info.step, info.tokens) == (str(tiny_checkpoint), "deep_ptune", 2, 2)
+    assert set(moments) == {f"adam.{n}.{k}" for n in ("input", "deep") for k in ("exp_avg", "exp_avg_sq")}
+    assert finetune(tiny_checkpoint, data, halves, "--steps", "4") == 0
+    assert "resuming" in capsys.readouterr().err
+    resumed, info, _ = load_prompts(halves)
+    straight, _, _ = load_prompts(whole)
+    assert info.step == 4
+    for (name, a), (_, b) in zip(resumed.named_parameters(), straight.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+    # another method into the same file is refused rather than mixed
+    assert finetune(tiny_checkpoint, data, halves, "--steps", "5", "--method", "ptune") == 2
+    assert "use another --out" in capsys.readouterr().err
+
+
+def generated(checkpoint, *extra: str, capsys) -> str:
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "The sky is", "--max-new-tokens", "6",
+                 "--temperature", "0", "--ignore-eos", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)["text"]
+
+
+def test_generate_runs_the_trained_prompts_first(tiny_checkpoint, data, tmp_path, capsys):
+    out = tmp_path / "p.prompts"
+    assert finetune(tiny_checkpoint, data, out, "--steps", "3", "--lr", "0.5") == 0
+    capsys.readouterr()
+    plain = generated(tiny_checkpoint, capsys=capsys)
+    prompted = generated(tiny_checkpoint, "--prompts", str(out), capsys=capsys)
+    assert prompted != plain
+
+
+def test_prompts_of_another_model_are_refused(tiny_checkpoint, data, tmp_path, capsys):
+    from hivekeeper.core.finetune.prompts import PromptsInfo, TrainablePrompts, save_prompts
+
+    out = tmp_path / "other.prompts"
+    save_prompts(out, TrainablePrompts("ptune", 2, 32, 2), PromptsInfo("other", "ptune", 2, 32, 2))
+    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "--prompts", str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and f"{out}:" in error and "hidden size 32" in error
