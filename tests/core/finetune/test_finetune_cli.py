@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import threading
 
 import pytest
 import torch
@@ -80,13 +82,49 @@ def generated(checkpoint, *extra: str, capsys) -> str:
     return json.loads(capsys.readouterr().out)["text"]
 
 
-def test_generate_runs_the_trained_prompts_first(tiny_checkpoint, data, tmp_path, capsys):
-    out = tmp_path / "p.prompts"
-    assert finetune(tiny_checkpoint, data, out, "--steps", "3", "--lr", "0.5") == 0
+@pytest.fixture(scope="module")
+def trained(tiny_checkpoint, tmp_path_factory):
+    """Prompts trained hard enough (3 steps at lr 0.5) to change the tiny model's greedy text."""
+    folder = tmp_path_factory.mktemp("trained")
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    assert finetune(tiny_checkpoint, data, folder / "p.prompts", "--steps", "3", "--lr", "0.5") == 0
+    return folder / "p.prompts"
+
+
+def test_generate_runs_the_trained_prompts_first(tiny_checkpoint, trained, capsys):
     capsys.readouterr()
     plain = generated(tiny_checkpoint, capsys=capsys)
-    prompted = generated(tiny_checkpoint, "--prompts", str(out), capsys=capsys)
+    prompted = generated(tiny_checkpoint, "--prompts", str(trained), capsys=capsys)
     assert prompted != plain
+
+
+def test_the_api_serves_with_the_trained_prompts(tiny_checkpoint, trained, capsys):
+    from hivekeeper.core.cli.api import open_server
+    from hivekeeper.core.cli.main import build_parser
+
+    capsys.readouterr()
+    expected = generated(tiny_checkpoint, "--prompts", str(trained), capsys=capsys)
+    args = build_parser().parse_args(["api", "--model", str(tiny_checkpoint), "--port", "0", "--prompts",
+                                      str(trained)])
+    api = open_server(args, None)
+    thread = threading.Thread(target=api.serve_forever, daemon=True)
+    thread.start()
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps(
+            {"model": str(tiny_checkpoint), "prompt": "The sky is", "max_tokens": 6, "temperature": 0}).encode(),
+            {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        doc = json.loads(response.read())
+        connection.close()
+    finally:
+        api.shutdown()
+        api.server_close()
+        api.service.close()
+        thread.join(60)
+    assert response.status == 200, doc
+    assert doc["choices"][0]["text"] == expected
 
 
 def test_prompts_of_another_model_are_refused(tiny_checkpoint, data, tmp_path, capsys):
