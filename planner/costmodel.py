@@ -1053,7 +1053,7 @@ def packed_kernel_detail(machine: Machine, policy: Policy, out, i: int) -> str:
     rate, measured = packed_kernel_rate(machine.acc, fmt)
     products = float(out["acc_flops_step"][i]) / 2.0
     reads_s = float(out["acc_bytes_step"][i]) / machine.acc_bandwidth
-    source = "measured by `hivekeeper measure`" if measured else "default estimate; `hivekeeper measure` times it"
+    source = "measured" if measured else "default estimate; `hivekeeper measure` times it"
     return (f"CPU {bits_of(fmt)}-bit kernel compute: the {fmt} kernels unpack and multiply {products / 1e6:.3g} M "
             f"weights per decode step at {rate / 1e9:.3g} G weights/s ({source}); reading their "
             f"{_gb(float(out['acc_bytes_step'][i]))} from RAM at {_rate(machine.acc_bandwidth)} would take only "

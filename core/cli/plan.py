@@ -3,7 +3,9 @@
 Human output is a short table and the reason (the bottleneck); `--json` prints one object (docs/plan-json.md).
 Numbers are read as text and checked here, so bad input is one line on stderr (exit 2) rather than argparse's usage.
 For a GGUF model the plan also says what the file holds (bytes per weight of each tensor type, the total, a block)
-and what the runtime holds once it has dequantized the weights to the plan's float format (docs/gguf.md).
+and what the runtime holds (docs/gguf.md). On a CPU the runtime keeps a GGUF's Q8_0/Q4_0/Q4_1 linears packed, so the
+plan of such a file is in that format (its kernels' speed and bytes), as `generate` runs it; the "format" row (JSON
+"format_choice") names the format and why.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import json
 import math
 import sys
 
+from dataclasses import dataclass
+
 from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.formats import PACKED_FORMATS
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
 from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Constraints, Plan, plan_to_dict, search
@@ -37,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="catalog id, hardware JSON file, or auto (detect this machine)")
     parser.add_argument("--goal", default="chat", help="chat (one stream's latency), batch (throughput) or serve "
                                                         "(a swarm server's span)")
-    parser.add_argument("--quant", default="auto", help="weight format: auto, none (16-bit), int8 or nf4")
+    parser.add_argument("--quant", default="auto",
+                        help="weight format: auto (the fastest the model runs in here: a GGUF's own Q8_0/Q4_0/Q4_1 "
+                             "on a CPU, int8/nf4 only on a GPU), none (16-bit or fp32), int8 or nf4 (bitsandbytes, "
+                             "for GPUs), q8_0, q4_0 or q4_1 (a GGUF of that type, on a CPU)")
     parser.add_argument("--prompt-len", default="512", metavar="N", help="prompt tokens (default 512)")
     parser.add_argument("--output-len", default="128", metavar="N", help="generated tokens (default 128)")
     parser.add_argument("--batch", metavar="N", help="sequences run together (default: 1 for chat, searched for batch)")
@@ -137,20 +145,72 @@ def measure_quickly() -> str:
             f"(--no-measure plans with estimates)")
 
 
-def gguf_quant(model: str, quant: str) -> str:
-    """The runtime runs a GGUF dequantized to a float format (it keeps no GGUF type packed yet, and does not
-    re-quantize one): --quant auto means none there, int8/nf4 are refused."""
+@dataclass(frozen=True)
+class FormatChoice:
+    """What --quant becomes for this model on this machine: the search's quant and packed formats, the format the
+    model's file stores, and why (the plan's "format" row)."""
+
+    quant: str
+    packed_formats: tuple[str, ...] = ()
+    file_format: str | None = None
+    why: str = ""
+
+
+def gguf_packed_type(model: str) -> str | None:
+    """The GGUF's main tensor type when it is one the runtime keeps packed (q8_0, q4_0, q4_1), else None."""
+    main = (gguf_sizes(model).main_type or "").lower()
+    return main if main in PACKED_FORMATS else None
+
+
+def runtime_packs_gguf() -> bool:
+    """Whether the runtime keeps GGUF blocks packed (gguf.packed_by_default: HIVEKEEPER_GGUF_PACKED=0 turns it off)."""
+    from hivekeeper.core.runtime.gguf import packed_by_default
+
+    return packed_by_default()
+
+
+def format_choice(model: str, quant: str, hardware) -> FormatChoice:
+    """--quant for this model on this machine. A GGUF runs as its file says: on a CPU its own Q8_0/Q4_0/Q4_1 type
+    packed (unless the runtime's packing is off), else dequantized to a float format; int8/nf4 and another packed
+    type are refused (the runtime does not re-quantize a GGUF). Other models run unpacked: a packed --quant is
+    refused, and auto picks among 16-bit and fp32 (and int8/nf4 on a GPU) by predicted speed."""
+    on_cpu = not hardware.gpus
     if not is_gguf(model):
-        return quant
+        if quant in PACKED_FORMATS:
+            raise InputError(f"--quant {quant}: the runtime keeps only a GGUF file's own Q8_0/Q4_0/Q4_1 tensors "
+                             f"packed; {model} is not a GGUF (use auto, none, or int8/nf4 on a GPU)")
+        why = ("auto: the fastest predicted of the 16-bit format and fp32 (bitsandbytes int8/nf4 are for GPUs; the "
+               "runtime packs only GGUF files)" if on_cpu else
+               "auto: the fastest predicted of 16 bits, int8 and nf4 (those two must win by 11% and 25%)")
+        return FormatChoice(quant, why=why if quant == "auto" else f"--quant {quant}")
     if quant in ("int8", "nf4"):
         raise InputError(f"--quant {quant}: {model} is a GGUF, whose weights are already quantized; the runtime runs "
-                         f"them dequantized (--quant none or auto)")
-    return "none"
+                         f"them as the file stores them (--quant auto)")
+    own = gguf_packed_type(model)
+    if quant in PACKED_FORMATS and not on_cpu:
+        raise InputError(f"--quant {quant} is a CPU format (hivekeeper's native kernels); a GPU runs {model} "
+                         f"dequantized (--quant auto)")
+    if quant in PACKED_FORMATS and quant != own:
+        raise InputError(f"--quant {quant}: {model} stores {own or 'no Q8_0/Q4_0/Q4_1'} weights, and the runtime "
+                         f"does not re-quantize a GGUF (--quant auto)")
+    if own is None or not on_cpu or quant == "none" or not runtime_packs_gguf():
+        if own is None:
+            why = "the GGUF's tensor types are not ones the CPU kernels keep packed: the runtime dequantizes them"
+        elif not on_cpu:
+            why = f"a GPU runs the GGUF's {own} weights dequantized to 16 bits (the packed kernels are the CPU's)"
+        elif quant == "none":
+            why = (f"--quant none: the GGUF's {own} weights planned dequantized (the runtime keeps them packed unless "
+                   f"HIVEKEEPER_GGUF_PACKED=0)")
+        else:
+            why = f"HIVEKEEPER_GGUF_PACKED=0: the runtime dequantizes the GGUF's {own} weights"
+        return FormatChoice("none", why=why)
+    return FormatChoice(own, (own,), own, why=f"the GGUF's own {own} weights, kept packed in RAM and multiplied by the "
+                                              f"CPU's {own} kernels, as `generate` runs them")
 
 
-def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object]:
-    """Read and check the options, then search: (the plan, the bytes per tier it leaves free, the HardwareSpec).
-    Every problem is an InputError naming the option."""
+def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object, FormatChoice]:
+    """Read and check the options, then search: (the plan, the bytes per tier it leaves free, the HardwareSpec, the
+    format choice). Every problem is an InputError naming the option."""
     if not args.model:
         raise InputError("--model is required (a catalog id, a config.json, a GGUF file, or a folder holding one)")
     if args.goal not in GOALS:
@@ -158,7 +218,6 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     if args.quant not in QUANTS:
         raise InputError(f"--quant must be one of {', '.join(QUANTS)}, got {args.quant!r}")
     model_arg = model_path_or_id(args.model)
-    quant = gguf_quant(model_arg, args.quant)
     prompt_len = _integer(args.prompt_len, "prompt-len", 1, 10_000_000)
     output_len = _integer(args.output_len, "output-len", 1, 10_000_000)
     batch = _integer(args.batch, "batch", 1, 65536)
@@ -177,9 +236,12 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     model = load_model_spec(model_arg)
     hardware, efficiency = _hardware(args.hardware, overrides, measure=not args.no_measure)
     reserve = kept_free(hardware, reserve_gb)
-    constraints = Constraints(quant=quant, batch_size=batch, reserve_bytes=reserve)
+    choice = format_choice(model_arg, args.quant, hardware)
+    quant = "none" if args.goal == "serve" and choice.quant in PACKED_FORMATS else choice.quant
+    constraints = Constraints(quant=quant, batch_size=batch, reserve_bytes=reserve,
+                              packed_formats=choice.packed_formats, file_format=choice.file_format)
     plan = search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
-    return plan, reserve, hardware
+    return plan, reserve, hardware, choice
 
 
 def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
@@ -195,23 +257,24 @@ def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
     policy = data.get("policy")
     if policy is not None:
         spec, planned = load_model_spec(model), policy["weight_format"]
-        held = format_that_runs(planned) if this_machine else planned
+        held = format_that_runs(planned) if this_machine or planned in PACKED_FORMATS else planned
         report.update(memory_format=held, memory_bytes=round(weight_bytes(spec, held)),
                       memory_block_bytes=round(block_weight_bytes(spec, held)))
-        if held != planned:
+        if held != planned and planned not in PACKED_FORMATS:
             report["memory_note"] = f"the plan's {planned} weights run as {held} on this machine"
-        if this_machine:
-            report.update(packed_memory(model, spec, held))
+        if this_machine or planned in PACKED_FORMATS:
+            report.update(packed_memory(model, spec, held, planned in PACKED_FORMATS))
     return report
 
 
-def packed_memory(model: str, spec, held: str) -> dict:
-    """Where the engine keeps a GGUF's Q8_0/Q4_0/Q4_1 linears packed (CPU, fp32: gguf.packed_by_default), the
-    bytes it holds then (the blocks as load_packed_block builds them) and the packed types; else nothing."""
+def packed_memory(model: str, spec, held: str, packed_plan: bool = False) -> dict:
+    """Where the engine keeps a GGUF's Q8_0/Q4_0/Q4_1 linears packed (CPU, fp32: gguf.packed_by_default; a packed
+    plan is one for a CPU), the bytes it holds then (the blocks as load_packed_block builds them) and the packed
+    types; else nothing."""
     from hivekeeper.core.offload.local_plan import default_device
     from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_block_bytes, packed_by_default
 
-    if held != "fp32" or default_device() != "cpu" or not packed_by_default():
+    if held != "fp32" or not (packed_plan or default_device() == "cpu") or not packed_by_default():
         return {}
     checkpoint = GGUFCheckpoint(model, packed=True)
     blocks = [packed_block_bytes(checkpoint, layer) for layer in range(spec.num_layers)]
@@ -320,7 +383,9 @@ def render(plan: Plan, data: dict) -> str:
     elif policy is not None:
         split = f" ({policy['micro_batch_size']} × {policy['num_micro_batches']})" \
             if policy["num_micro_batches"] > 1 else ""
-        rows += [("weights", f"{policy['weight_format']}: {_where(policy['weights'])}"),
+        why = (data.get("format_choice") or {}).get("why")
+        rows += [*([("format", f"{policy['weight_format']}: {why}")] if why else []),
+                 ("weights", f"{policy['weight_format']}: {_where(policy['weights'])}"),
                  ("KV cache", f"{_where(policy['kv_cache'])} ({policy['kv_cache_mode']}"
                               f"{', attention on CPU' if policy['attention_on_cpu'] else ''})"),
                  ("batch", f"{policy['batch_size']}{split}, prefetch depth {policy['prefetch_depth']}")]
@@ -362,8 +427,10 @@ def kept_free_report(reserve: dict[str, float], explicit: bool) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan, reserve, hardware = build_plan(args)
+    plan, reserve, hardware, choice = build_plan(args)
     data = plan_to_dict(plan)
+    if data.get("policy") is not None:
+        data["format_choice"] = {"format": data["policy"]["weight_format"], "quant": args.quant, "why": choice.why}
     if args.hardware == "auto":  # a plan file made here says so: `generate --plan FILE` warns on another machine
         from hivekeeper.core.machine.profile_files import machine_fingerprint
 

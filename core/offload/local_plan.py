@@ -205,14 +205,19 @@ def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_l
 
 def compute_dtype(weight_format: str, device: str):
     """(torch dtype, quant) to run a weight format with on a device. On a CPU without 16-bit math a 16-bit plan
-    runs in fp32 (prefill would otherwise be ~100x slower); int8/nf4 compute in fp16 on CUDA, fp32 on the CPU."""
+    runs in fp32 (prefill would otherwise be ~100x slower); int8/nf4 compute in fp16 on CUDA, fp32 on the CPU; a
+    packed format (q8_0/q4_0/q4_1) is a GGUF run in fp32 on a CPU, packed by the GGUF loader (fp16 on CUDA)."""
     import torch
+
+    from hivekeeper.planner.formats import PACKED_FORMATS
 
     from hivekeeper.core.offload.placement import FLOAT_FORMATS
 
     on_gpu = torch.device(device).type == "cuda"
     if weight_format in ("int8", "nf4"):
         return (torch.float16 if on_gpu else torch.float32), weight_format
+    if weight_format in PACKED_FORMATS:  # a GGUF's own Q8_0/Q4_0/Q4_1: its loader keeps fp32 blocks' linears packed
+        return (torch.float16 if on_gpu else torch.float32), "none"
     if weight_format not in FLOAT_FORMATS:
         raise InputError(f"weight format {weight_format!r} is not supported by the engine")
     if not on_gpu and weight_format != "fp32" and not runs_natively_on_cpu(weight_format):
