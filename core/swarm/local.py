@@ -27,6 +27,7 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.events: list[dict] = []
+        self.terminated = False  # SIGTERM was sent
         self._changed = threading.Condition()
         self.popen = subprocess.Popen(
             die_with_parent(hivekeeper_command("serve", *args, "--json-status")),  # no orphans if we are killed
@@ -83,6 +84,12 @@ class ServerProcess:
         return None
 
     @property
+    def started(self) -> bool:
+        """It has said "started": its peer id and addresses are known."""
+        with self._changed:
+            return any(event.get("state") == "started" for event in self.events)
+
+    @property
     def alive(self) -> bool:
         return self.popen.poll() is None
 
@@ -95,10 +102,17 @@ class ServerProcess:
         self.popen.wait()
         self._close()
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting, once (a second one could land after its handler is gone and kill it): the server
+        announces OFFLINE and shuts p2pd down; stop() waits for it."""
+        if self.popen.poll() is None and not self.terminated:
+            self.terminated = True
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM and wait (the server announces OFFLINE and shuts p2pd down); SIGKILL if it hangs."""
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -118,11 +132,16 @@ class ServerProcess:
 
 
 class LocalSwarm:
-    """Servers of one model on 127.0.0.1: the first starts a new swarm, the others join it."""
+    """Servers of one model on 127.0.0.1: the first starts a new swarm (or joins `initial_peers`), the others join it.
+
+    Servers started with wait=None start side by side: a new one joins through the servers already up (it waits
+    for the first only when none is), so their imports and loading overlap.
+    """
 
     def __init__(self, model: str | Path, *, extra_args: tuple[str, ...] = (), env: dict | None = None,
-                 log_dir: str | Path | None = None):
+                 log_dir: str | Path | None = None, initial_peers: tuple[str, ...] = ()):
         self.model = str(model)
+        self.joins = list(initial_peers)  # another swarm's addresses, for servers of ours to join it
         self.extra_args = list(extra_args)
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hivekeeper-swarm-"))
@@ -130,15 +149,20 @@ class LocalSwarm:
 
     @property
     def initial_peers(self) -> list[str]:
-        """Multiaddrs of up to three live servers (to join the swarm through)."""
+        """Multiaddrs of up to three live servers that are up (to join the swarm through); when none is up yet,
+        the first live one's once it is."""
         alive = [s for s in self.servers if s.alive]
         if not alive:
             raise RuntimeError("no live server in this swarm")
-        return [addr for server in alive[:3] for addr in server.maddrs]
+        up = [s for s in alive if s.started] or alive[:1]
+        return [addr for server in up[:3] for addr in server.maddrs]
 
     def start(self, *args: str, wait: str | None = "online", timeout: float = 90.0) -> ServerProcess:
         """Start a server with these extra arguments; waits until it reaches state `wait` (None: do not wait)."""
-        join = ["--new-swarm"] if not self.servers else ["--initial-peers", *self.initial_peers]
+        peers = list(self.joins)
+        if self.servers and (any(server.alive for server in self.servers) or not peers):
+            peers += self.initial_peers  # raises when none of ours lives and there is nothing else to join
+        join = ["--initial-peers", *peers] if peers else ["--new-swarm"]
         argv = ["--model", self.model, "--host", "127.0.0.1", *join, *self.extra_args, *args]
         server = ServerProcess(argv, self.env, self.log_dir / f"server{len(self.servers) + 1}.log")
         self.servers.append(server)
@@ -151,6 +175,9 @@ class LocalSwarm:
         return server
 
     def stop(self) -> None:
+        """Stop every server, side by side: all are asked first (SIGTERM), then each is waited for."""
+        for server in self.servers:
+            server.terminate()
         for server in reversed(self.servers):
             server.stop()
 
