@@ -91,6 +91,27 @@ def test_gradients_through_the_swarm_equal_local_ones(parts, examples, tiny_chec
         torch.testing.assert_close(swarm_grads[name], grad, atol=1e-5, rtol=0)
 
 
+def test_generate_through_the_swarm_with_ptune_prompts_equals_local(parts, tiny_checkpoint, servers, tmp_path,
+                                                                   capsys):
+    from hivekeeper.core.cli.main import main
+    from hivekeeper.core.finetune.prompts import save_prompts
+
+    ptune, deep = tmp_path / "ptune.prompts", tmp_path / "deep.prompts"
+    for path, method in ((ptune, "ptune"), (deep, "deep_ptune")):
+        info = PromptsInfo("tiny", method, 3, parts.config.hidden_size, parts.config.num_layers)
+        save_prompts(path, new_prompts(parts, method), info)
+    common = ["generate", "--model", str(tiny_checkpoint), "--prompt", "The sky is", "--max-new-tokens", "6",
+              "--temperature", "0", "--ignore-eos", "--json"]
+    swarm = ["--swarm", "--initial-peers", *servers.initial_peers, "--dht-prefix", PREFIX]
+    texts = []
+    for extra in ([], swarm):
+        assert main([*common, "--prompts", str(ptune), *extra]) == 0
+        texts.append(json.loads(capsys.readouterr().out)["text"])
+    assert texts[0] == texts[1]
+    assert main([*common, "--prompts", str(deep), *swarm]) == 2
+    assert "deep_ptune prompts run locally" in capsys.readouterr().err
+
+
 def trainer(parts, blocks, examples, steps: int = 5) -> Trainer:
     prompts = new_prompts(parts)
     info = PromptsInfo("tiny", "deep_ptune", 3, parts.config.hidden_size, parts.config.num_layers)
