@@ -99,3 +99,23 @@ def test_a_broken_file_is_one_error_naming_it_and_the_ledger_never_half_writes(t
     summary = ledger.record({"state": "offline", "requests_served": 7, "tokens_served": 41})
     assert summary["total"] == {"requests": 7, "tokens": 41, "uptime_s": 90.0, "energy_wh": 0.0}  # serving 100-190
     assert read_contribution(path)["total"] == summary["total"]
+
+
+@pytest.mark.slow
+def test_serve_keeps_its_contribution_in_the_data_folder(tiny_checkpoint, tmp_path):
+    """The real command: its status lines carry the contribution once saved, and the file holds it after a stop."""
+    from hivekeeper.core.swarm.local import LocalSwarm
+
+    data = tmp_path / "data"
+    with LocalSwarm(tiny_checkpoint, extra_args=("--torch-threads", "1"), log_dir=tmp_path,
+                    env={"HIVEKEEPER_DATA_DIR": str(data)}) as swarm:
+        server = swarm.start("--block-indices", "0:2", "--throughput", "1", "--stats-period", "0.3")
+        saved = server.wait_for("stats", timeout=30)
+        while "contribution" not in saved:  # the first line after "online" saves (then every 10 s)
+            saved = server.wait_for("stats", timeout=30, after=len(server.events))
+        assert server.stop() == 0
+    doc = read_contribution(data / "contribution.json")
+    total = doc["total"]
+    assert total["uptime_s"] > 0 and total["energy_wh"] > 0  # the plan's CPU power × the time serving
+    assert total["uptime_s"] >= saved["contribution"]["total"]["uptime_s"]  # the stop added the rest
+    assert (total["requests"], total["tokens"]) == (0, 0)  # no client: nothing served
