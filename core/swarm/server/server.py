@@ -46,6 +46,7 @@ from hivemind.utils import get_dht_time
 
 from hivekeeper.core.runtime.checkpoint import load_config, load_span, resolve_checkpoint
 from hivekeeper.core.runtime.kernels.cpu_decode import forget_arrays
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
 from hivekeeper.core.runtime.model import KVCache, ModelConfig
 from hivekeeper.core.swarm.dht import (
     MAX_RECORD_AHEAD_S,
@@ -353,7 +354,8 @@ class SwarmServer:
         self.handler.set_span(ServedSpan(span, cfg.dht_prefix, torch.device(cfg.device)))
         self.state = ServerState.ONLINE
         await self._announce(ServerState.ONLINE, blocks)
-        self.emit(self.status_event("online", load_seconds=round(time.monotonic() - started, 3)))
+        self.emit(self.status_event("online", load_seconds=round(time.monotonic() - started, 3),
+                                    weights=span_weights(span)))
 
     def _test_switches(self, span):
         """HIVEKEEPER_TEST_SILENT / HIVEKEEPER_TEST_LIAR (module docstring): hooks on the loaded span; none by default."""
@@ -575,3 +577,15 @@ def _normalized(value) -> object:
         return {key: _normalized(item) for key, item in value.items()}
     return value
 
+
+def span_weights(span) -> dict:
+    """How a loaded span holds its weights, for the "online" status event: bytes per format (a GGUF's Q8_0/Q4_0/Q4_1
+    linears packed at their block bytes, as load_span keeps them on a CPU in fp32; the rest in the span's dtype),
+    and the dtype hidden states travel in (the span's: fp32/bf16/fp16, as Petals expects, whatever the weights)."""
+    held: dict[str, int] = {}
+    for module in span.modules():
+        if isinstance(module, QuantizedLinear):
+            held[module.fmt.name] = held.get(module.fmt.name, 0) + int(module.packed.nbytes)
+    dense = sum(p.numel() * p.element_size() for p in span.parameters())
+    held[dtype_name(span.dtype)] = held.get(dtype_name(span.dtype), 0) + int(dense)
+    return {"bytes": held, "hidden_dtype": dtype_name(span.dtype)}

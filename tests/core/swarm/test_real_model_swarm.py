@@ -1,6 +1,6 @@
 """The real default model in a loopback swarm: two `hivekeeper serve` processes split SmolLM2-135M-Instruct's 30
-blocks (each reads only its span from the GGUF), and `hivekeeper generate --swarm` gives the same greedy text as
-`hivekeeper generate` run locally."""
+blocks (each reads only its span from the GGUF, and serves it packed: the file's Q4_1/Q8_0 block bytes, hidden
+states in fp32), and `hivekeeper generate --swarm` gives the same greedy text as `hivekeeper generate` run locally."""
 
 from __future__ import annotations
 
@@ -36,12 +36,28 @@ def generate(*args: str, timeout: float = 240.0) -> dict:
     return json.loads(done.stdout)
 
 
+def check_packed(online: dict, layers: range) -> None:
+    """Issue 16 item 4: a server's span holds the GGUF's linears packed (bytes per format in its "online" event: the
+    packed size, a fraction of fp32) and sends hidden states in fp32."""
+    from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_block_bytes
+
+    checkpoint = GGUFCheckpoint(default_model_file())
+    held = online["weights"]["bytes"]
+    assert online["weights"]["hidden_dtype"] == "float32"
+    assert held.get("q4_1", 0) > 0 and set(held) <= {"q4_1", "q8_0", "float32"}  # SmolLM2's file: Q4_1 and Q8_0
+    packed = sum(packed_block_bytes(checkpoint, layer) for layer in layers)
+    assert sum(held.values()) == pytest.approx(packed, rel=0.01)
+    assert sum(held.values()) < 4 * checkpoint.config.block_param_count() * len(layers) / 3
+
+
 def test_two_servers_split_the_real_model_and_generate_like_local(tmp_path):
     with LocalSwarm(DEFAULT_MODEL_ID, extra_args=("--torch-threads", "1", "--throughput", "1"),
                     log_dir=tmp_path) as swarm:
         first = swarm.start("--block-indices", "0:15", timeout=120)
         second = swarm.start("--block-indices", "15:30", timeout=120)
         assert (first.blocks, second.blocks) == ((0, 15), (15, 30))
+        check_packed(first.wait_for("online"), range(0, 15))
+        check_packed(second.wait_for("online"), range(15, 30))
         remote = generate("--swarm", "--initial-peers", *swarm.initial_peers)
     local = generate()
     assert remote["new_tokens"] == local["new_tokens"] == NEW_TOKENS
