@@ -134,3 +134,28 @@ def no_leftover_processes():
                 pass
         if described:
             pytest.fail("processes left behind: " + "; ".join(described))
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`hivekeeper ARGS` run in this process, through the same `main()` the command runs: `cli("plan", "--json")`
+    returns a CompletedProcess (returncode, stdout, stderr). For the variations of a feature whose one test already
+    goes through a real `hivekeeper` child process: each child costs seconds of imports (torch) on a loaded machine.
+    Only for commands that read no stdin and start no threads or servers that outlive them. OMP_NUM_THREADS is set
+    as the suite's children get it, so a local run leaves this process's torch threads as they are."""
+    import subprocess
+
+    from hivekeeper.core.cli.main import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()  # what the test printed before is not the command's
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
+            code = exc.code if isinstance(exc.code, int) else 1
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["hivekeeper", *args], code, out.out, out.err)
+
+    return run

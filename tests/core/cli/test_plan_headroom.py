@@ -1,6 +1,7 @@
 """Issue 14 item 3: a plan leaves memory free by default (the headroom rule of docs/cost-model.md), counts the disk's
 free space rather than its size, and says what it keeps free; `--reserve-gb` replaces the rule and is refused when it
-leaves nothing. Through the real `hivekeeper plan` command and this machine's detected spec."""
+leaves nothing. Through the real `hivekeeper plan` command (one child process; the variations run its `main()` in this
+process, the `cli` fixture) and this machine's detected spec."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_detected_disk_is_the_free_space_and_ram_in_use_is_read():
     assert hardware_from_dict(hardware_to_json(spec)) == spec  # what other programs hold survives the app's probe
 
 
-def test_plan_auto_keeps_the_headroom_free_and_says_so():
+def test_plan_auto_keeps_the_headroom_free_and_says_so(cli):
     result = plan("--model", MODEL, "--hardware", "auto", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -51,34 +52,34 @@ def test_plan_auto_keeps_the_headroom_free_and_says_so():
     assert capacity["disk"] + kept["disk"] == pytest.approx(free_disk, abs=2e9)
     assert kept["disk"] == pytest.approx(max(GIB, 0.05 * (capacity["disk"] + kept["disk"])), rel=1e-3)
     assert data["kept_free"]["rule"].startswith("default headroom")
-    human = plan("--model", MODEL, "--hardware", "auto")
+    human = cli("plan", "--model", MODEL, "--hardware", "auto")
     assert human.returncode == 0, human.stderr
     assert "kept free" in human.stdout and "RAM" in human.stdout.split("kept free", 1)[1]
 
 
-def test_reserve_gb_replaces_the_rule_and_must_leave_memory():
-    result = plan("--model", MODEL, "--hardware", "rtx-3090", "--reserve-gb", "1", "--json")
+def test_reserve_gb_replaces_the_rule_and_must_leave_memory(cli):
+    result = cli("plan", "--model", MODEL, "--hardware", "rtx-3090", "--reserve-gb", "1", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["kept_free"] == {"bytes": {"gpu": 1_000_000_000, "cpu": 1_000_000_000, "disk": 0},
                                  "rule": "--reserve-gb"}
     gpu = get_hardware("rtx-3090").gpus[0].memory_bytes
     assert data["capacity_bytes"]["gpu"] == gpu - 1_000_000_000
-    refused = plan("--model", MODEL, "--hardware", "auto", "--reserve-gb", "1000")
+    refused = cli("plan", "--model", MODEL, "--hardware", "auto", "--reserve-gb", "1000")
     assert refused.returncode == 2 and refused.stdout == ""
     assert len(refused.stderr.strip().splitlines()) == 1
     assert "--reserve-gb 1000" in refused.stderr and "GB of RAM" in refused.stderr
 
 
-def test_a_model_that_fills_ram_does_not_fit_with_the_headroom(tmp_path):
+def test_a_model_that_fills_ram_does_not_fit_with_the_headroom(tmp_path, cli):
     """A machine whose RAM holds the model with nothing to spare: without headroom it 'runs locally'."""
     machine = hardware_to_json(get_hardware("cpu-generic"))
     machine["cpu"]["ram_gb"] = 4.5  # TinyLlama's bf16 run peaks at 3.85 GB; 2 GiB must stay free
     machine["disk"]["capacity_gb"] = 0.5
     path = tmp_path / "small.json"
     path.write_text(json.dumps(machine))
-    tight = json.loads(plan("--model", MODEL, "--hardware", str(path), "--quant", "none", "--json").stdout)
-    loose = json.loads(plan("--model", MODEL, "--hardware", str(path), "--quant", "none", "--reserve-gb", "0",
+    tight = json.loads(cli("plan", "--model", MODEL, "--hardware", str(path), "--quant", "none", "--json").stdout)
+    loose = json.loads(cli("plan", "--model", MODEL, "--hardware", str(path), "--quant", "none", "--reserve-gb", "0",
                             "--json").stdout)
     assert loose["fit"] == "local" and tight["fit"] != "local"
 

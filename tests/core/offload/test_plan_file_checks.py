@@ -1,6 +1,8 @@
 """Issue 14 item 9 through the real `hivekeeper plan --json` and `hivekeeper generate --plan FILE`: a plan made for
 another model is refused (exit 2, one line naming both models), one made for another machine runs with a warning
-(on stderr and in the JSON report), one made here for this model runs silently."""
+(on stderr and in the JSON report), one made here for this model runs silently. The first `generate` of each test is
+a real child process; the plans and the other runs go through the same `main()` in this process (the `cli` fixture):
+each child costs seconds of imports."""
 
 from __future__ import annotations
 
@@ -19,22 +21,22 @@ def hivekeeper(*args: str):
     return run([sys.executable, "-m", "hivekeeper.core.cli.main", *args], timeout=300, env=ENV)
 
 
-def make_plan(tmp_path, name: str, *args: str):
-    result = hivekeeper("plan", "--json", *args)
+def make_plan(cli, tmp_path, name: str, *args: str):
+    result = cli("plan", "--json", *args)
     assert result.returncode == 0, result.stderr
     path = tmp_path / f"{name}.json"
     path.write_text(result.stdout)
     return path, json.loads(result.stdout)
 
 
-def generate(checkpoint, plan_file):
-    return hivekeeper("generate", "--model", str(checkpoint), "--prompt", "Hello", "--max-new-tokens", "3",
+def generate(checkpoint, plan_file, cli=hivekeeper):
+    return cli("generate", "--model", str(checkpoint), "--prompt", "Hello", "--max-new-tokens", "3",
                       "--ignore-eos", "--json", "--plan", str(plan_file))
 
 
-def test_a_plan_for_another_model_is_refused(tiny_checkpoint, tmp_path):
-    path, doc = make_plan(tmp_path, "70b", "--model", "meta-llama/Llama-2-70b-hf", "--hardware", "cpu-generic",
-                          "--quant", "nf4")
+def test_a_plan_for_another_model_is_refused(tiny_checkpoint, tmp_path, cli):
+    path, doc = make_plan(cli, tmp_path, "70b", "--model", "meta-llama/Llama-2-70b-hf",
+                          "--hardware", "cpu-generic", "--quant", "nf4")
     assert doc["policy"]["weight_format"] == "nf4"
     result = generate(tiny_checkpoint, path)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -42,8 +44,8 @@ def test_a_plan_for_another_model_is_refused(tiny_checkpoint, tmp_path):
     assert "Llama-2-70b-hf" in lines[0] and tiny_checkpoint.name in lines[0] and str(path) in lines[0]
 
 
-def test_a_plan_for_another_machine_warns_and_one_made_here_does_not(tiny_checkpoint, tmp_path):
-    elsewhere, _ = make_plan(tmp_path, "4090", "--model", str(tiny_checkpoint), "--hardware", "rtx-4090")
+def test_a_plan_for_another_machine_warns_and_one_made_here_does_not(tiny_checkpoint, tmp_path, cli):
+    elsewhere, _ = make_plan(cli, tmp_path, "4090", "--model", str(tiny_checkpoint), "--hardware", "rtx-4090")
     result = generate(tiny_checkpoint, elsewhere)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -51,25 +53,25 @@ def test_a_plan_for_another_machine_warns_and_one_made_here_does_not(tiny_checkp
     assert len(report["plan"]["warnings"]) == 1 and "'rtx-4090'" in report["plan"]["warnings"][0]
     assert "warning:" in result.stderr and "rtx-4090" in result.stderr
 
-    here, doc = make_plan(tmp_path, "here", "--model", str(tiny_checkpoint), "--hardware", "auto")
+    here, doc = make_plan(cli, tmp_path, "here", "--model", str(tiny_checkpoint), "--hardware", "auto")
     assert len(doc["machine_fingerprint"]) == 16
-    result = generate(tiny_checkpoint, here)
+    result = generate(tiny_checkpoint, here, cli)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plan"]["warnings"] == [] and "warning:" not in result.stderr
 
     doc["machine_fingerprint"] = "0123456789abcdef"  # the same plan, as if made on another machine
     moved = tmp_path / "moved.json"
     moved.write_text(json.dumps(doc))
-    result = generate(tiny_checkpoint, moved)
+    result = generate(tiny_checkpoint, moved, cli)
     assert result.returncode == 0, result.stderr
     warnings = json.loads(result.stdout)["plan"]["warnings"]
     assert len(warnings) == 1 and "another machine" in warnings[0] and "0123456789abcdef" in warnings[0]
 
 
 @pytest.mark.parametrize("doc", [{"weight_format": "fp32"}, {"goal": "chat", "policy": {"weight_format": "fp32"}}])
-def test_a_hand_written_policy_has_nothing_to_check(tiny_checkpoint, tmp_path, doc):
+def test_a_hand_written_policy_has_nothing_to_check(tiny_checkpoint, tmp_path, doc, cli):
     path = tmp_path / "bare.json"
     path.write_text(json.dumps(doc))
-    result = generate(tiny_checkpoint, path)
+    result = generate(tiny_checkpoint, path, cli)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plan"]["warnings"] == []
