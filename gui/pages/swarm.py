@@ -24,7 +24,7 @@ from hivekeeper.gui.widgets.model_menu import model_menu
 
 
 BUSY_STATES = ("starting", "joining", "online", "moving", "paused", "leaving")  # a node in these is running
-MODEL_COLUMNS = ("model", "servers", "blocks covered", "weakest span", "this machine could serve")
+MODEL_COLUMNS = ("model", "servers", "covered", "weakest blocks", "you could serve")
 
 FIELD_CAPTIONS = {"span": "span", "servers": "servers online", "cache": "cache left (tokens)",
                   "served": "requests served"}
@@ -44,14 +44,13 @@ def model_cells(row: dict) -> list[str]:
     weakest = row.get("weakest") or {}
     if weakest:
         span = f"{weakest['start']}:{weakest['end']}"
-        weak = f"blocks {span}: no server" if not weakest["throughput"] else \
-            f"blocks {span}: {weakest['throughput']:.3g} req/s"
+        weak = f"{span}: no server" if not weakest["throughput"] else f"{span}: {weakest['throughput']:.3g} req/s"
     else:
         weak = "–"
     helps = row.get("help") or {}
     if helps.get("blocks"):
         start, end = helps["blocks"]
-        can = f"blocks {start}:{end} ({end - start}), about {fmt_rate(helps['rps'])} req/s"
+        can = f"{start}:{end}, ~{fmt_rate(helps['rps'])} req/s"
     else:
         can = helps.get("reason") or "no block fits here"
     return [row["dht_prefix"], str(row["servers"]), f"{row['covered_blocks']} of {row['num_blocks']}", weak, can]
@@ -96,7 +95,6 @@ class SwarmPage(QWidget):
         top.addWidget(self.setup_box, 1)
         top.addWidget(self.status_box, 1)
         layout.addLayout(top, 0)
-        layout.addWidget(self._build_models(), 0)
 
         chart_box = QGroupBox("Coverage: throughput of the servers covering each block")
         chart_layout = QVBoxLayout(chart_box)
@@ -120,7 +118,10 @@ class SwarmPage(QWidget):
         self.coverage_note = label("The chart fills in once the node is online.", "small", wrap=True)
         chart_layout.addWidget(self.coverage_plot, 1)
         chart_layout.addWidget(self.coverage_note)
-        layout.addWidget(chart_box, 1)
+        bottom = QHBoxLayout()  # the swarm's models beside the coverage of the one served
+        bottom.addWidget(self._build_models(), 3)
+        bottom.addWidget(chart_box, 2)
+        layout.addLayout(bottom, 1)
 
         node.stateChanged.connect(self._on_state)
         node.statusReceived.connect(self._on_status)
@@ -189,24 +190,27 @@ class SwarmPage(QWidget):
         self.find_button = QPushButton("Find models")
         self.find_button.setToolTip("Read the swarm's model registry and each model's coverage")
         self.find_button.clicked.connect(self.find_models)
-        self.directory_note = label("Find the models the swarm serves, and where this machine would help.", "small")
+        self.directory_note = label("The models the swarm serves, and where this machine would help.", "small",
+                                    wrap=True)
         self.join_best_button = QPushButton("Join where this machine helps most")
         self.join_best_button.setObjectName("primary")
         self.join_best_button.setEnabled(False)
         self.join_best_button.clicked.connect(self.join_best)
         row.addWidget(self.find_button)
         row.addWidget(self.directory_note, 1)
-        row.addWidget(self.join_best_button)
         column.addLayout(row)
         self.models_table = QTableWidget(0, len(MODEL_COLUMNS))
         self.models_table.setHorizontalHeaderLabels(list(MODEL_COLUMNS))
-        self.models_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.models_table.horizontalHeader().setStretchLastSection(True)
+        header = self.models_table.horizontalHeader()
+        for index in range(len(MODEL_COLUMNS)):  # names and spans share what the counts leave
+            fit = index in (1, 2)
+            header.setSectionResizeMode(index, QHeaderView.ResizeMode.ResizeToContents if fit else
+                                        QHeaderView.ResizeMode.Stretch)
         self.models_table.verticalHeader().setVisible(False)
         self.models_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.models_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.models_table.setMaximumHeight(130)
-        column.addWidget(self.models_table)
+        column.addWidget(self.models_table, 1)
+        column.addWidget(self.join_best_button, 0, Qt.AlignmentFlag.AlignRight)
         self.directory_rows: list[dict] = []
         self.best_prefix: str | None = None
         return box

@@ -76,8 +76,8 @@ def test_the_swarm_models_are_listed_and_one_click_joins_where_this_machine_help
     page.find_button.click()
     qtbot.waitUntil(lambda: page.models_table.rowCount() == 1, timeout=START_MS)
     cells = [page.models_table.item(0, c).text() for c in range(page.models_table.columnCount())]
-    assert cells[:4] == ["tiny-llama", "1", "1 of 2", "blocks 1:2: no server"], cells
-    assert cells[4].startswith("blocks 0:2 (2)"), cells  # the planner says both blocks fit here
+    assert cells[:4] == ["tiny-llama", "1", "1 of 2", "1:2: no server"], cells
+    assert cells[4].startswith("0:2, ~") and cells[4].endswith(" req/s"), cells  # the planner: both blocks fit
     assert page.join_best_button.isEnabled() and "tiny-llama, blocks 0:2" in page.join_best_button.text()
 
     page.join_best_button.click()
