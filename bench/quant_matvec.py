@@ -1,8 +1,9 @@
 """Block-quantized matrix-vector products (Q8_0, Q4_0, Q4_1: core/runtime/kernels/quant_kernels.py) against the fp32
-one, on the native kernels, batch 1.
+one, on the native kernels, batch 1 (or --batch rows: the multi-row kernel a continuous batch runs).
 
     python bench/quant_matvec.py                       # 576x1536 (SmolLM2-135M's MLP) and 2048x5632 (TinyLlama's)
     python bench/quant_matvec.py --shapes 4096x11008   # others, [outs]x[cols]
+    python bench/quant_matvec.py --batch 1 8           # 1 row and 8 rows a product: "rows_per_s" compares them
 
 Prints one JSON line per weight shape. Two rates per format: "streamed", cycling through copies of the weight that
 together exceed the caches (~256 MiB), as a decode step reads each weight once from RAM; "hot", one copy again and
@@ -44,15 +45,15 @@ def copies(array: np.ndarray) -> list[np.ndarray]:
     return [array.copy() for _ in range(max(1, -(-STREAM_BYTES // array.nbytes)))]
 
 
-def measure(native, outs: int, cols: int, seconds: float) -> dict:
+def measure(native, outs: int, cols: int, seconds: float, batch: int = 1) -> dict:
     rng = np.random.default_rng(0)
     weight = rng.normal(0, cols ** -0.5, (outs, cols)).astype(np.float32)
-    x, y = rng.normal(0, 1, (1, cols)).astype(np.float32), np.empty((1, outs), dtype=np.float32)
+    x, y = rng.normal(0, 1, (batch, cols)).astype(np.float32), np.empty((batch, outs), dtype=np.float32)
     xp, yp = x.ctypes.data, y.ctypes.data
-    packed = {"fp32": (weight, lambda p: native.hk_gemv(p, 0, xp, None, yp, outs, cols, 1))}
+    packed = {"fp32": (weight, lambda p: native.hk_gemv(p, 0, xp, None, yp, outs, cols, batch))}
     for name, fmt in FORMATS.items():
         packed[name] = (quantize(weight, fmt), lambda p, t=fmt.ggml_type: native.hk_qgemv(t, p, xp, None, yp, outs,
-                                                                                          cols, 1))
+                                                                                          cols, batch))
     results = {}
     for name, (data, call) in packed.items():
         streamed = copies(data)
@@ -61,6 +62,7 @@ def measure(native, outs: int, cols: int, seconds: float) -> dict:
         del streamed
         results[name] = {"bytes": int(data.nbytes),
                          **{f"{k}_us": round(v * 1e6, 2) for k, v in per_call.items()},
+                         **{f"{k}_rows_per_s": round(batch / v, 1) for k, v in per_call.items()},
                          **{f"{k}_gbps": round(data.nbytes / v / 1e9, 2) for k, v in per_call.items()}}
     for name in FORMATS:
         for kind in ("streamed", "hot"):
@@ -72,6 +74,7 @@ def measure(native, outs: int, cols: int, seconds: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["576x1536", "2048x5632"])
+    parser.add_argument("--batch", nargs="+", type=int, default=[1], help="rows a product (1..8)")
     parser.add_argument("--seconds", type=float, default=1.0, help="time per format and kind")
     parser.add_argument("--threads", type=int, help="kernel threads (default: physical cores)")
     args = parser.parse_args()
@@ -81,12 +84,12 @@ def main() -> None:
         return
     if args.threads:
         native.hk_set_threads(args.threads)
-    for shape in args.shapes:
+    for shape, batch in ((shape, batch) for shape in args.shapes for batch in args.batch):
         outs, cols = (int(v) for v in shape.lower().split("x"))
         load_before = os.getloadavg()
-        results = measure(native, outs, cols, args.seconds)
+        results = measure(native, outs, cols, args.seconds, batch)
         print(json.dumps({
-            "bench": "quant_matvec", "shape": [outs, cols], "batch": 1, "results": results,
+            "bench": "quant_matvec", "shape": [outs, cols], "batch": batch, "results": results,
             "native_kernels": native_kernels.status(), "variant": native.hk_variant().decode(),
             "loadavg_before": [round(v, 2) for v in load_before],
             "loadavg_after": [round(v, 2) for v in os.getloadavg()]}), flush=True)

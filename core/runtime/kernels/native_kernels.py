@@ -2,9 +2,10 @@
 
 The C file is built with the machine's C compiler (CC, else cc or gcc) into the user cache folder, once per source,
 compiler and flags (the file name carries their hash; the build goes to a temporary name and is renamed into place,
-so processes starting together never load a half-written library). Two builds exist (VARIANTS): "avx2" (AVX2, FMA
-and F16C intrinsics, chosen where the CPU has them) and "portable" (plain C for any CPU, chosen elsewhere, or with
-HIVEKEEPER_NATIVE=portable: the tests run both). Without a compiler, or with HIVEKEEPER_NATIVE=0, `library()` is
+so processes starting together never load a half-written library). Three builds exist (VARIANTS): "avx512vnni"
+(AVX2 and AVX512-VNNI: the quantized products' integer dot products in one instruction), "avx2" (AVX2, FMA and F16C
+intrinsics) and "portable" (plain C for any CPU). The best one the CPU flags (HIVEKEEPER_CPU_FLAGS when pinned) and
+the real CPU allow is chosen; HIVEKEEPER_NATIVE=<build> asks for one (the tests run each the CPU runs). Without a compiler, or with HIVEKEEPER_NATIVE=0, `library()` is
 None and decoding runs the numpy path (core/runtime/kernels/cpu_decode.py); `status()` says which and why.
 
 The kernels' pool hands work out in chunks that any awake thread claims, and never waits for a worker that has not
@@ -25,13 +26,21 @@ import tempfile
 import threading
 from pathlib import Path
 
-from hivekeeper.core.machine.cpu_features import FLAGS_ENV, native_kernel_flags_missing, pinned_flags
+from hivekeeper.core.machine.cpu_features import FLAGS_ENV, cpu_flags, native_kernel_flags_missing, pinned_flags
 from hivekeeper.core.runtime.kernels.cpu_threads import blas_threads, physical_cores
 
 SOURCE = Path(__file__).with_name("native") / "decode_kernels.c"
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread")
-VARIANTS = {"avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ()}  # build name -> its instruction-set flags
-VARIANT_ENV = "HIVEKEEPER_NATIVE"  # 0/off: no kernels; portable: the portable build; unset/1/auto: the CPU's best
+VARIANTS = {  # build name -> its instruction-set flags, the best first
+    "avx512vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "portable": (),
+}
+# the CPU flags (as /proc/cpuinfo spells them; numpy's names) a build needs beyond AVX2, FMA and F16C
+VARIANT_FLAGS = {"avx512vnni": (("avx512f", "AVX512F"), ("avx512bw", "AVX512BW"), ("avx512vl", "AVX512VL"),
+                                ("avx512_vnni", "AVX512VNNI")), "avx2": ()}
+VARIANT_ENV = "HIVEKEEPER_NATIVE"  # 0/off: no kernels; a build's name: that build where the CPU runs it;
+#                                    unset/1/auto: the CPU's best
 OFF_VALUES = ("0", "off", "false", "no")
 
 ENABLED = True  # tests and benchmarks switch it off to run the numpy path in the same process
@@ -66,23 +75,31 @@ class Token(ctypes.Structure):
     _fields_ = [("position", ctypes.c_long), ("cos", ctypes.c_void_p), ("signed_sin", ctypes.c_void_p)]
 
 
-def _cpu_supported() -> str | None:
-    """None when the CPU runs the "avx2" build (x86-64 with AVX2, FMA and F16C), else why not.
-
-    The flags pinned by HIVEKEEPER_CPU_FLAGS (core/machine/cpu_features.py) can rule that build out; the real CPU
-    (as numpy sees it) must also have them, since the kernels execute those instructions (F16C, which every AVX2 CPU
-    has, is checked on the real CPU only)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the kernels are written for x86-64, this CPU is {platform.machine()}"
-    missing = native_kernel_flags_missing()
-    if missing:
-        return f"this CPU lacks {' and '.join(flag.upper() for flag in missing)}" + (
-            f" (flags pinned by {FLAGS_ENV})" if pinned_flags() is not None else "")
+def _numpy_cpu_features() -> dict:
     try:
         from numpy._core._multiarray_umath import __cpu_features__ as features
     except ImportError:  # numpy < 2
         from numpy.core._multiarray_umath import __cpu_features__ as features
-    missing = [flag for flag in ("AVX2", "FMA3", "F16C") if not features.get(flag)]
+    return features
+
+
+def _cpu_supported(variant: str = "avx2") -> str | None:
+    """None when the CPU runs `variant` ("avx2": x86-64 with AVX2, FMA and F16C; "avx512vnni": those and
+    AVX512F/BW/VL/VNNI), else why not.
+
+    The flags pinned by HIVEKEEPER_CPU_FLAGS (core/machine/cpu_features.py) can rule a build out; the real CPU
+    (as numpy sees it) must also have them, since the kernels execute those instructions (F16C, which every AVX2 CPU
+    has, is checked on the real CPU only)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernels are written for x86-64, this CPU is {platform.machine()}"
+    pinned = f" (flags pinned by {FLAGS_ENV})" if pinned_flags() is not None else ""
+    flags = cpu_flags()
+    missing = native_kernel_flags_missing() + [flag for flag, _ in VARIANT_FLAGS[variant] if flag not in flags]
+    if missing:
+        return f"this CPU lacks {' and '.join(flag.upper() for flag in missing)}{pinned}"
+    features = _numpy_cpu_features()
+    wanted = ("AVX2", "FMA3", "F16C", *(name for _, name in VARIANT_FLAGS[variant]))
+    missing = [flag for flag in wanted if not features.get(flag)]
     return f"this CPU lacks {' and '.join(missing)}" if missing else None
 
 
@@ -137,8 +154,14 @@ def chosen_variant() -> tuple[str | None, str]:
         return None, f"{VARIANT_ENV}={asked}"
     if asked == "portable":
         return "portable", f"{VARIANT_ENV}=portable"
-    unsupported = _cpu_supported()
-    return ("portable", unsupported) if unsupported else ("avx2", "")
+    candidates = [asked] if asked in VARIANT_FLAGS else list(VARIANT_FLAGS)  # a named build, else the best first
+    reasons = []
+    for variant in candidates:
+        unsupported = _cpu_supported(variant)
+        if unsupported is None:
+            return variant, f"{VARIANT_ENV}={asked}" if asked in VARIANT_FLAGS else ""
+        reasons.append(f"{variant}: {unsupported}")
+    return "portable", "; ".join(reasons)
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:

@@ -4,7 +4,9 @@ Why: a CPU decode step at batch 1 streams every weight once, so it runs at RAM b
 is at that bound already (native_kernels); only fewer bytes make it faster: Q8_0 reads 3.8x fewer, Q4_0 7.1x.
 The weights stay packed in RAM (core/runtime/quant/blocks.py: GGUF's own block bytes), and the C kernels
 (native/decode_kernels.c, hk_qgemv) quantize the activations per block of 32 to int8 and take integer dot products
-(AVX2 in the "avx2" build, plain C in the "portable" one), as llama.cpp does.
+(AVX512-VNNI in the "avx512vnni" build, AVX2 in the "avx2" one, plain C in the "portable" one), as llama.cpp does.
+Several rows (a continuous batch: up to MAX_ROWS) share one pass over the weights: each weight block is unpacked
+once and multiplied with every row's activations, and a row's result is the same bits whatever batch it is in.
 
 Accuracy: the weights are exactly what their blocks say (`dequantize`); the product adds only the activations'
 rounding, at most half a block's activation scale (max |x| / 254) per element, so for output o

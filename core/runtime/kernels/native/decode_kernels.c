@@ -24,14 +24,20 @@
 #include <time.h>
 #include <unistd.h>
 
-/* Two builds of this file (native_kernels.VARIANTS): "avx2" (-mavx2 -mfma -mf16c) takes the intrinsics paths below;
-   "portable" (no instruction-set flags, any CPU) takes plain C loops that the compiler vectorizes as it can. The
-   suite runs the kernel tests on both. */
+/* Three builds of this file (native_kernels.VARIANTS): "avx2" (-mavx2 -mfma -mf16c) takes the intrinsics paths
+   below; "avx512vnni" adds AVX512-VNNI (with AVX512VL, on 256-bit vectors) for the block-quantized products' integer
+   dot products; "portable" (no instruction-set flags, any CPU) takes plain C loops that the compiler vectorizes as it
+   can. The suite runs the kernel tests on each build the CPU runs. */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HK_AVX2 1
 #include <immintrin.h>
 #else
 #define HK_AVX2 0
+#endif
+#if HK_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HK_VNNI 1
+#else
+#define HK_VNNI 0
 #endif
 
 #define MAX_THREADS 64
@@ -725,9 +731,15 @@ int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, c
  * The activations are quantized per block of 32 to int8 with an fp32 scale (as llama.cpp's Q8_0/Q8_1 activations,
  * kept in fp32), so a block's product is an integer dot product, exact in int32, times the two scales; Q4_1's min
  * adds m times the block's activation sum, d_x sum(q_x). The only error beyond the weights' own is the activations'
- * rounding: at most half their block's scale per element. */
+ * rounding: at most half their block's scale per element.
+ * Several rows (a continuous batch's decode step, up to MAX_ROWS) take one pass over the weights: each weight block
+ * is loaded and unpacked once and multiplied with every row's activations (qdot_rows), so a batch of 8 costs far less
+ * than 8 products; a row's arithmetic, and so its result, is the same whatever batch it is in. */
 enum { HK_Q4_0 = 2, HK_Q4_1 = 3, HK_Q8_0 = 8 }; /* GGML type ids */
 #define QK 32
+/* Batch rows a weight block is unpacked once for: as many as keep their accumulators in registers (AVX2 has 16
+   vector registers, AVX512VL 32); a larger batch goes in groups. */
+#define ROW_GROUP (HK_VNNI ? 8 : HK_AVX2 ? 4 : MAX_ROWS)
 
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;
 typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;
@@ -799,15 +811,82 @@ static inline __m256i nibbles(const uint8_t *qs) { /* 32 bytes 0..15: weights 0-
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-/* 8 int32 partial sums of u[i] * s[i] over 32 bytes, u unsigned (<= 128), s signed (> -128): no saturation */
+/* 8 int32 sums of u[i] * s[i] over 32 bytes, lane k summing bytes 4k..4k+3; u unsigned (<= 128), s signed (> -128).
+   AVX512-VNNI does it in one instruction (vpdpbusd); AVX2 in two (vpmaddubsw, whose 16-bit pair sums cannot saturate
+   at these ranges, then vpmaddwd): the same exact integers, so both builds give the same products bit for bit. */
 static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if HK_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 static inline __m256i dot_i8_i8(__m256i a, __m256i b) { /* |a| times b with a's sign: unsigned x signed */
     return dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
 
+/* A weight block loaded and unpacked once for every batch row: `codes` as the dot product takes them (Q8_0: |q|,
+   its signs in `signs` to move onto the activations; 4-bit: the unsigned codes), the scale, and the offset per unit
+   of activation sum (Q4_0: -8 d, as its weights are d q - 8 d; Q4_1: m; Q8_0: none). */
+typedef struct { __m256i codes, signs; float scale, offset; } unpacked_block;
+
+static inline __attribute__((always_inline)) unpacked_block unpack(int format, const uint8_t *row, long b) {
+    unpacked_block u;
+    if (format == HK_Q8_0) {
+        const block_q8_0 *w = (const block_q8_0 *)row + b;
+        u.signs = _mm256_loadu_si256((const __m256i *)w->qs);
+        u.codes = _mm256_sign_epi8(u.signs, u.signs);
+        u.scale = half_to_float(w->d);
+        u.offset = 0;
+    } else if (format == HK_Q4_0) {
+        const block_q4_0 *w = (const block_q4_0 *)row + b;
+        u.codes = u.signs = nibbles(w->qs);
+        u.scale = half_to_float(w->d);
+        u.offset = -8.0f * u.scale;
+    } else {
+        const block_q4_1 *w = (const block_q4_1 *)row + b;
+        u.codes = u.signs = nibbles(w->qs);
+        u.scale = half_to_float(w->d);
+        u.offset = half_to_float(w->m);
+    }
+    return u;
+}
+
+/* The unpacked block times block b of activation row r, added into (acc, offset). */
+static inline __attribute__((always_inline)) void block_times_row(int format, const qmatvec_task *t, unpacked_block u,
+                                                                  long b, long r, __m256 *acc, float *offset) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)(t->q + r * t->cols + b * QK));
+    if (format == HK_Q8_0) x = _mm256_sign_epi8(x, u.signs);
+    __m256i p = dot_u8_i8(u.codes, x);
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(u.scale * t->d[r * t->blocks + b]), _mm256_cvtepi32_ps(p), *acc);
+    if (format != HK_Q8_0) *offset += u.offset * t->sum[r * t->blocks + b];
+}
+
+/* One weight row of `format` times activation rows r0 .. r0 + R - 1 into out[0 .. R-1]. Each block of the weight row
+   is unpacked once for the R rows (the multi-row kernel: a batch costs little more than its integer products). Each
+   row sums its blocks in two chains, even and odd blocks (a chain's multiply-add waits for the previous one), in the
+   same order whatever R is, so a row's result does not depend on the batch it came in. Inlined with a constant
+   format and R into each caller, so the loops have no tests and the R accumulators stay in registers. */
+static inline __attribute__((always_inline)) void qdot_rows(int format, int R, const qmatvec_task *t,
+                                                            const uint8_t *row, long r0, float *out) {
+    __m256 acc0[ROW_GROUP], acc1[ROW_GROUP];
+    float offset0[ROW_GROUP], offset1[ROW_GROUP];
+    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps(), offset0[i] = offset1[i] = 0;
+    long b = 0;
+    for (; b + 2 <= t->blocks; b += 2) {
+        unpacked_block even = unpack(format, row, b), odd = unpack(format, row, b + 1);
+        for (int i = 0; i < R; i++) {
+            block_times_row(format, t, even, b, r0 + i, &acc0[i], &offset0[i]);
+            block_times_row(format, t, odd, b + 1, r0 + i, &acc1[i], &offset1[i]);
+        }
+    }
+    if (b < t->blocks) {
+        unpacked_block last = unpack(format, row, b);
+        for (int i = 0; i < R; i++) block_times_row(format, t, last, b, r0 + i, &acc0[i], &offset0[i]);
+    }
+    for (int i = 0; i < R; i++) out[i] = sum8(_mm256_add_ps(acc0[i], acc1[i])) + (offset0[i] + offset1[i]);
+}
 /* Block b of a weight row of `format` times its activation block: 8 int32 partial sums of the integer products,
    the weight's scale, and (4-bit formats) what the weight's offset adds: m d_x sum(q_x) for Q4_1 (weights d q + m),
    -8 d d_x sum(q_x) for Q4_0 (weights d q - 8 d), so both multiply the unsigned codes directly. */
@@ -830,9 +909,10 @@ static inline __attribute__((always_inline)) __m256i qblock(int format, const ui
     return dot_u8_i8(nibbles(w->qs), x);
 }
 
-/* One weight row of `format` times activation row r, two blocks at a time into two accumulators (a block's
-   multiply-add waits for the previous one's otherwise). Inlined with a constant format into each caller below, so
-   the loop has no format test. */
+/* One weight row of `format` times activation row r alone (a batch of one: the single-row decode), two blocks at a
+   time into two accumulators (a block's multiply-add waits for the previous one's otherwise): qdot_rows's arithmetic
+   for R = 1, in the same order (the same bits), with less overhead. Inlined with a constant format into each caller
+   below, so the loop has no format test. */
 static inline __attribute__((always_inline)) float qdot(int format, const qmatvec_task *t, const uint8_t *row,
                                                         long r) {
     const int8_t *q = t->q + r * t->cols;
@@ -856,55 +936,88 @@ static inline __attribute__((always_inline)) float qdot(int format, const qmatve
     return sum8(_mm256_add_ps(acc0, acc1)) + (offset0 + offset1);
 }
 #else
-/* 32 weights' 4-bit codes times 32 activations, exact in int32 (codes minus `zero`: Q4_0 stores q + 8) */
-static inline int32_t nibble_dot(const uint8_t *qs, const int8_t *x, int zero) {
-    int32_t total = 0;
-    for (int j = 0; j < QK / 2; j++) total += ((qs[j] & 15) - zero) * x[j] + ((qs[j] >> 4) - zero) * x[j + QK / 2];
-    return total;
+/* A weight block unpacked once for every batch row: its 32 integer weights (Q4_0's codes minus 8), its scale, and
+   Q4_1's min (weights d q + m; 0 for the others). */
+typedef struct { int8_t q[QK]; float scale, offset; } unpacked_block;
+
+static inline __attribute__((always_inline)) void unpack(int format, const uint8_t *row, long b, unpacked_block *u) {
+    if (format == HK_Q8_0) {
+        const block_q8_0 *w = (const block_q8_0 *)row + b;
+        memcpy(u->q, w->qs, QK);
+        u->scale = half_to_float(w->d);
+        u->offset = 0;
+        return;
+    }
+    const uint8_t *qs = format == HK_Q4_0 ? ((const block_q4_0 *)row + b)->qs : ((const block_q4_1 *)row + b)->qs;
+    int zero = format == HK_Q4_0 ? 8 : 0;
+    for (int j = 0; j < QK / 2; j++) {
+        u->q[j] = (int8_t)((qs[j] & 15) - zero);
+        u->q[j + QK / 2] = (int8_t)((qs[j] >> 4) - zero);
+    }
+    if (format == HK_Q4_0) {
+        u->scale = half_to_float(((const block_q4_0 *)row + b)->d);
+        u->offset = 0;
+    } else {
+        u->scale = half_to_float(((const block_q4_1 *)row + b)->d);
+        u->offset = half_to_float(((const block_q4_1 *)row + b)->m);
+    }
 }
 
-static inline __attribute__((always_inline)) float qdot(int format, const qmatvec_task *t, const uint8_t *row,
-                                                        long r) {
-    const int8_t *q = t->q + r * t->cols;
-    const float *d = t->d + r * t->blocks, *sum = t->sum + r * t->blocks;
-    float acc = 0, offset = 0;
+/* One weight row times activation rows r0 .. r0 + R - 1, each block unpacked once (as the AVX2 path; each row's sum
+   in one chain, in block order, whatever R is). */
+static inline __attribute__((always_inline)) void qdot_rows(int format, int R, const qmatvec_task *t,
+                                                            const uint8_t *row, long r0, float *out) {
+    float acc[ROW_GROUP], offset[ROW_GROUP];
+    for (int i = 0; i < R; i++) acc[i] = offset[i] = 0;
+    unpacked_block u;
     for (long b = 0; b < t->blocks; b++) {
-        const int8_t *x = q + b * QK;
-        int32_t total = 0;
-        float scale;
-        if (format == HK_Q8_0) {
-            const block_q8_0 *w = (const block_q8_0 *)row + b;
-            for (int j = 0; j < QK; j++) total += (int32_t)w->qs[j] * x[j];
-            scale = half_to_float(w->d);
-        } else if (format == HK_Q4_0) {
-            const block_q4_0 *w = (const block_q4_0 *)row + b;
-            total = nibble_dot(w->qs, x, 8);
-            scale = half_to_float(w->d);
-        } else {
-            const block_q4_1 *w = (const block_q4_1 *)row + b;
-            total = nibble_dot(w->qs, x, 0);
-            scale = half_to_float(w->d);
-            offset += half_to_float(w->m) * sum[b];
+        unpack(format, row, b, &u);
+        for (int i = 0; i < R; i++) {
+            const int8_t *x = t->q + (r0 + i) * t->cols + b * QK;
+            int32_t total = 0;
+            for (int j = 0; j < QK; j++) total += (int32_t)u.q[j] * x[j];
+            acc[i] += u.scale * t->d[(r0 + i) * t->blocks + b] * (float)total;
+            if (format == HK_Q4_1) offset[i] += u.offset * t->sum[(r0 + i) * t->blocks + b];
         }
-        acc += scale * d[b] * (float)total;
     }
-    return acc + offset;
+    for (int i = 0; i < R; i++) out[i] = acc[i] + offset[i];
 }
 #endif
 
-static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long r0,
-                                                               long r1) {
-    for (long o = r0; o < r1; o++) {
+/* Output rows [o0, o1) for every batch row, the batch in groups of up to ROW_GROUP rows: the weight row (a few
+   hundred bytes) stays in L1 for every group. */
+static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long o0, long o1) {
+    float s[ROW_GROUP];
+#if HK_AVX2
+    if (t->batch == 1) {
+        for (long o = o0; o < o1; o++) {
+            float v = qdot(format, t, t->w + o * t->row_bytes, 0) + (t->bias ? t->bias[o] : 0.0f);
+            t->y[o] = t->accumulate ? t->y[o] + v : v;
+        }
+        return;
+    }
+#endif
+    for (long o = o0; o < o1; o++) {
         const uint8_t *row = t->w + o * t->row_bytes;
-        for (long r = 0; r < t->batch; r++) {
-            float s = qdot(format, t, row, r), *y = t->y + r * t->outs + o;
-            if (t->bias) s += t->bias[o];
-            *y = t->accumulate ? *y + s : s;
+        for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
+            long rows = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
+            switch (rows) { /* a constant R in each: the accumulators stay in registers */
+#define HK_ROWS_CASE(R) case R: qdot_rows(format, R, t, row, r0, s); break;
+            HK_ROWS_CASE(1) HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
+#if ROW_GROUP > 4
+            HK_ROWS_CASE(5) HK_ROWS_CASE(6) HK_ROWS_CASE(7) HK_ROWS_CASE(8)
+#endif
+#undef HK_ROWS_CASE
+            }
+            for (long i = 0; i < rows; i++) {
+                float v = s[i] + (t->bias ? t->bias[o] : 0.0f), *y = t->y + (r0 + i) * t->outs + o;
+                *y = t->accumulate ? *y + v : v;
+            }
         }
     }
 }
 
-/* A chunk of output rows; each weight row (a few hundred bytes) stays in L1 for every batch row. */
+/* A chunk of output rows. */
 static void qmatvec_chunk(void *ctx, long chunk) {
     const qmatvec_task *t = ctx;
     long r0 = chunk * t->rows_per_chunk, r1 = r0 + t->rows_per_chunk < t->outs ? r0 + t->rows_per_chunk : t->outs;
@@ -1015,5 +1128,5 @@ int hk_dequantize(int format, const void *w, float *y, long rows, long cols) {
     return 0;
 }
 
-/* Which build this is: "avx2" or "portable". */
-const char *hk_variant(void) { return HK_AVX2 ? "avx2" : "portable"; }
+/* Which build this is: "avx512vnni", "avx2" or "portable". */
+const char *hk_variant(void) { return HK_VNNI ? "avx512vnni" : HK_AVX2 ? "avx2" : "portable"; }

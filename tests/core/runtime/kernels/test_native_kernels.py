@@ -259,7 +259,7 @@ RESTART_SCRIPT = textwrap.dedent("""
 def run_script(native, script: str, *args: str) -> None:
     """Run `script` in a child process on the same build of the kernels; a hang (a lost wake-up in the pool) is a
     failure: the child is killed at a deadline and its output so far reported."""
-    env = {**os.environ, native_kernels.VARIANT_ENV: "portable" if native.hk_variant() == b"portable" else "auto"}
+    env = {**os.environ, native_kernels.VARIANT_ENV: native.hk_variant().decode()}
     child = subprocess.Popen([sys.executable, "-c", script, native.hk_variant().decode(), *args], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

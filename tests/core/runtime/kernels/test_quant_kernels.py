@@ -1,6 +1,8 @@
 """The block-quantized matrix-vector products (core/runtime/kernels/quant_kernels.py, hk_qgemv in
-native/decode_kernels.c) against the dequantized-fp32 reference, in both builds of the kernels (the `native` fixture:
-avx2 where the CPU has it, portable everywhere), and against an exact emulation of what they are meant to compute."""
+native/decode_kernels.c) against the dequantized-fp32 reference, in every build of the kernels (the `quant_native`
+fixture: avx512vnni and avx2 where the CPU runs them, portable everywhere), and against an exact emulation of what
+they are meant to compute; a row's product is the same whatever batch it comes in (the multi-row kernel unpacks
+each weight block once for up to 8 rows)."""
 
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ def emulated(matrix: QuantizedMatrix, x: np.ndarray) -> np.ndarray:
     return x_dequantized @ matrix.dequantize().astype(np.float64).T
 
 
-@pytest.mark.parametrize("batch", [1, 3, native_kernels.MAX_ROWS + 2])
+@pytest.mark.parametrize("batch", [1, 3, 6, native_kernels.MAX_ROWS + 2])
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_product_within_the_formats_bound_of_the_dequantized_reference(native, name, batch):
+def test_product_within_the_formats_bound_of_the_dequantized_reference(quant_native, name, batch):
     """Against the weights the blocks stand for (fp32), within the activations' rounding bound; against the exact
     emulation of the integer arithmetic, within fp32 rounding. More rows than the kernels take go in groups."""
     w, x = weights(), activations(batch)
@@ -64,12 +66,35 @@ def test_product_within_the_formats_bound_of_the_dequantized_reference(native, n
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_one_vector_in_one_vector_out(native, name):
+def test_one_vector_in_one_vector_out(quant_native, name):
     matrix = QuantizedMatrix.quantize(weights(64, 2 * BLOCK_WEIGHTS), name)
     x = activations(1, 2 * BLOCK_WEIGHTS)
     y = matrix.matvec(x[0])
     assert y.shape == (64,)
     np.testing.assert_array_equal(y, matrix.matvec(x)[0])
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_rows_product_is_the_same_in_any_batch(quant_native, name):
+    """Batches of 1 to 8 rows (whole groups of rows and tails): each row's product equals, bit for bit, that row
+    multiplied alone, so a sequence's tokens do not depend on which others are decoded beside it."""
+    matrix = QuantizedMatrix.quantize(weights(300, 7 * BLOCK_WEIGHTS), name)
+    x = activations(native_kernels.MAX_ROWS, 7 * BLOCK_WEIGHTS, seed=4)
+    alone = np.stack([matrix.matvec(row) for row in x])
+    for batch in range(1, native_kernels.MAX_ROWS + 1):
+        assert np.array_equal(matrix.matvec(x[:batch]), alone[:batch]), batch
+        assert np.array_equal(matrix.matvec(x[-batch:]), alone[-batch:]), batch
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_vnni_and_avx2_builds_give_the_same_bits(name, kernel_build):
+    """VNNI's one-instruction dot product and AVX2's two give the same exact integers, so the same products."""
+    matrix = QuantizedMatrix.quantize(weights(), name)
+    x = activations(native_kernels.MAX_ROWS)
+    kernel_build("avx512vnni")  # skips where this CPU does not run it
+    vnni = matrix.matvec(x)
+    kernel_build("avx2")
+    assert np.array_equal(matrix.matvec(x), vnni)
 
 
 def test_the_c_block_sizes_are_the_gguf_ones(native):
