@@ -54,58 +54,19 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.cli.generate import set_threads
-    from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
-    from hivekeeper.core.runtime.tokenizer import load_tokenizer
-    from hivekeeper.core.finetune.data import read_examples
+    from hivekeeper.core.finetune.trainer import RunSpec, close_trainer, open_trainer
 
     _check(args)
-    path = resolve_checkpoint(args.model, blocks=(0, 0), embeddings=True) if args.swarm else \
-        resolve_checkpoint(args.model)
-    tokenizer, config = load_tokenizer(path), load_config(path)
-    room = config.max_position_embeddings - args.prompt_tokens
-    examples = read_examples(args.data, tokenizer, room)
-    held_out = read_examples(args.eval, tokenizer, room) if args.eval else []
-    prompts, info, moments = _start_or_resume(args, config)
+    spec = RunSpec(data=args.data, out=args.out, model=args.model, method=args.method,
+                   prompt_tokens=args.prompt_tokens, steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed,
+                   eval_data=args.eval, swarm=args.swarm, initial_peers=tuple(args.initial_peers),
+                   dht_prefix=args.dht_prefix)
     set_threads()
-    trainer = _open_trainer(args, path, config, prompts, info, moments, examples)
+    trainer, held_out = open_trainer(spec, say=lambda line: print(line, file=sys.stderr))
     try:
         return _train(args, trainer, held_out)
     finally:
-        client = getattr(trainer.blocks, "client", None)
-        if client is not None:
-            client.close()
-
-
-def _start_or_resume(args: argparse.Namespace, config):
-    """(prompts, info, Adam's moments): from --out when it exists (same method and shape), else new ones."""
-    from pathlib import Path
-
-    from hivekeeper.core.finetune.prompts import PromptsInfo, TrainablePrompts, check_fits, load_prompts
-
-    if Path(args.out).exists():
-        prompts, info, moments = load_prompts(args.out)
-        check_fits(args.out, info, config)
-        if (info.method, info.tokens) != (args.method, args.prompt_tokens):
-            raise InputError(f"{args.out}: holds {info.method} prompts of {info.tokens} tokens; this run asks for "
-                             f"{args.method} with {args.prompt_tokens} (use another --out to start anew)")
-        print(f"resuming {args.out} at step {info.step}", file=sys.stderr)
-        return prompts, PromptsInfo(**{**info.__dict__, "lr": args.lr}), moments
-    prompts = TrainablePrompts(args.method, args.prompt_tokens, config.hidden_size, config.num_layers)
-    info = PromptsInfo(args.model, args.method, args.prompt_tokens, config.hidden_size, config.num_layers, 0, args.lr)
-    return prompts, info, {}
-
-
-def _open_trainer(args, path, config, prompts, info, moments, examples):
-    from hivekeeper.core.finetune.blocks import local_blocks, swarm_blocks
-    from hivekeeper.core.finetune.trainer import TrainConfig, Trainer, load_frozen_parts
-
-    parts = load_frozen_parts(path)
-    if info.step == 0:
-        prompts.start_from_vocabulary(parts.embedding.weight, args.seed)
-    blocks = swarm_blocks(args.model, config.num_layers, args.initial_peers, args.dht_prefix) if args.swarm \
-        else local_blocks(path)
-    train = TrainConfig(steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed)
-    return Trainer(parts, blocks, prompts, info, examples, train, moments)
+        close_trainer(trainer)
 
 
 def _train(args: argparse.Namespace, trainer, held_out) -> int:

@@ -178,3 +178,73 @@ def load_frozen_parts(path) -> FrozenParts:
     head = load_head(path, dtype=torch.float32, embedding=embedding if config.tie_word_embeddings else None,
                      packed=False)
     return FrozenParts(config, embedding, head)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run as the CLI and the app describe it."""
+
+    data: str
+    out: str
+    model: str = "smollm2-135m-instruct"
+    method: str = "deep_ptune"
+    prompt_tokens: int = 8
+    steps: int = 30
+    lr: float = 1e-2
+    batch: int = 4
+    seed: int = 0
+    eval_data: str | None = None
+    swarm: bool = False
+    initial_peers: tuple[str, ...] = ()
+    dht_prefix: str | None = None
+
+
+def open_trainer(spec: RunSpec, say: Callable[[str], None] = lambda line: None) -> tuple[Trainer, list[Example]]:
+    """(trainer, held-out examples): the data read and checked before any weight is loaded, the prompts resumed from
+    spec.out when it exists (same method, size and model shape) or started anew, the blocks here or in the swarm.
+    Close the swarm client with close_trainer."""
+    from hivekeeper.core.finetune.blocks import local_blocks, swarm_blocks
+    from hivekeeper.core.finetune.data import read_examples
+    from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
+    from hivekeeper.core.runtime.tokenizer import load_tokenizer
+
+    path = resolve_checkpoint(spec.model, blocks=(0, 0), embeddings=True) if spec.swarm else \
+        resolve_checkpoint(spec.model)
+    tokenizer, config = load_tokenizer(path), load_config(path)
+    room = config.max_position_embeddings - spec.prompt_tokens
+    examples = read_examples(spec.data, tokenizer, room)
+    held_out = read_examples(spec.eval_data, tokenizer, room) if spec.eval_data else []
+    prompts, info, moments = _start_or_resume(spec, config, say)
+    parts = load_frozen_parts(path)
+    if info.step == 0:
+        prompts.start_from_vocabulary(parts.embedding.weight, spec.seed)
+    blocks = swarm_blocks(spec.model, config.num_layers, spec.initial_peers, spec.dht_prefix) if spec.swarm \
+        else local_blocks(path)
+    train = TrainConfig(steps=spec.steps, lr=spec.lr, batch=spec.batch, seed=spec.seed)
+    return Trainer(parts, blocks, prompts, info, examples, train, moments), held_out
+
+
+def close_trainer(trainer: Trainer) -> None:
+    client = getattr(trainer.blocks, "client", None)
+    if client is not None:
+        client.close()
+
+
+def _start_or_resume(spec: RunSpec, config, say: Callable[[str], None]):
+    """(prompts, info, Adam's moments): from spec.out when it exists (same method and shape), else new ones."""
+    from pathlib import Path
+
+    from hivekeeper.core.finetune.prompts import check_fits, load_prompts
+    from hivekeeper.planner.errors import InputError
+
+    if Path(spec.out).exists():
+        prompts, info, moments = load_prompts(spec.out)
+        check_fits(spec.out, info, config)
+        if (info.method, info.tokens) != (spec.method, spec.prompt_tokens):
+            raise InputError(f"{spec.out}: holds {info.method} prompts of {info.tokens} tokens; this run asks for "
+                             f"{spec.method} with {spec.prompt_tokens} (use another --out to start anew)")
+        say(f"resuming {spec.out} at step {info.step}")
+        return prompts, PromptsInfo(**{**info.__dict__, "lr": spec.lr}), moments
+    prompts = TrainablePrompts(spec.method, spec.prompt_tokens, config.hidden_size, config.num_layers)
+    info = PromptsInfo(spec.model, spec.method, spec.prompt_tokens, config.hidden_size, config.num_layers, 0, spec.lr)
+    return prompts, info, {}
