@@ -159,11 +159,7 @@ class LocalSwarm:
 
     def start(self, *args: str, wait: str | None = "online", timeout: float = 90.0) -> ServerProcess:
         """Start a server with these extra arguments; waits until it reaches state `wait` (None: do not wait)."""
-        peers = list(self.joins)
-        if self.servers and (any(server.alive for server in self.servers) or not peers):
-            peers += self.initial_peers  # raises when none of ours lives and there is nothing else to join
-        join = ["--initial-peers", *peers] if peers else ["--new-swarm"]
-        argv = ["--model", self.model, "--host", "127.0.0.1", *join, *self.extra_args, *args]
+        argv = ["--model", self.model, "--host", "127.0.0.1", *self._join_args(), *self.extra_args, *args]
         server = ServerProcess(argv, self.env, self.log_dir / f"server{len(self.servers) + 1}.log")
         self.servers.append(server)
         if wait:
@@ -173,6 +169,16 @@ class LocalSwarm:
                 server.kill()
                 raise
         return server
+
+    def _join_args(self) -> list[str]:
+        """--initial-peers: the addresses given to join and up to three servers of ours that are up (with neither,
+        the first of ours once it is up); --new-swarm for the first server of a new swarm."""
+        alive = [server for server in self.servers if server.alive]
+        if self.servers and not alive and not self.joins:
+            raise RuntimeError("no live server in this swarm")
+        up = [server for server in alive if server.started][:3] or ([] if self.joins else alive[:1])
+        peers = self.joins + [addr for server in up for addr in server.maddrs]
+        return ["--initial-peers", *peers] if peers else ["--new-swarm"]
 
     def stop(self) -> None:
         """Stop every server, side by side: all are asked first (SIGTERM), then each is waited for."""
