@@ -4,6 +4,8 @@ click (`SwarmPage.join_best`). Without peers given, the swarm is the public Peta
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
@@ -312,10 +314,11 @@ class SwarmPage(QWidget):
             self.recommendation_label.setText(note or "No recommendation yet (waiting for the plan).")
 
     # ---- actions ---------------------------------------------------------------------------------------------------
-    def launch(self) -> NodeLaunch:
+    def launch(self, model: str | None = None) -> NodeLaunch:
+        """What Join starts: `model` (default: the field's, else the plan's) as the form and the plan say."""
         self._read_widgets()
         s = self.settings
-        model = self.model_to_serve()
+        model = model or self.model_to_serve()
         if not model:
             raise ValueError("choose a model to serve (a checkpoint folder or a hub id)")
         peers = () if s.new_swarm else self.swarm_peers()
@@ -355,12 +358,17 @@ class SwarmPage(QWidget):
         if row is None or self.node.state in BUSY_STATES:
             return
         start, end = row["help"]["blocks"]
-        s = self.settings
         self.joined_prefix = row["dht_prefix"]
-        launch = NodeLaunch(model=row["repository"], new_swarm=False, initial_peers=tuple(self.coverage.directory_peers
-                                                                                           or self.swarm_peers()),
-                            host=s.host, public_name=s.public_name,
-                            extra_args=("--block-indices", f"{start}:{end}", "--dht-prefix", row["dht_prefix"]))
+        try:
+            peers = self.coverage.directory_peers or self.swarm_peers()
+            base = self.launch(row["repository"])  # the page's launch (host, name, what else it carries) ...
+        except ValueError as exc:
+            self.form_error.setText(str(exc))
+            self.form_error.show()
+            return
+        launch = replace(base, new_swarm=False, initial_peers=tuple(peers), num_blocks=None, quant="none",
+                         dtype="auto",  # ... for this model, span and swarm
+                         extra_args=("--block-indices", f"{start}:{end}", "--dht-prefix", row["dht_prefix"]))
         self.form_error.hide()
         self.node.start(launch)
 
