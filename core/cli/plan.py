@@ -15,10 +15,9 @@ import json
 import math
 import sys
 
-from dataclasses import dataclass
-
 from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.format_choice import FormatChoice, format_choice
 from hivekeeper.planner.formats import PACKED_FORMATS
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
@@ -145,67 +144,11 @@ def measure_quickly() -> str:
             f"(--no-measure plans with estimates)")
 
 
-@dataclass(frozen=True)
-class FormatChoice:
-    """What --quant becomes for this model on this machine: the search's quant and packed formats, the format the
-    model's file stores, and why (the plan's "format" row)."""
-
-    quant: str
-    packed_formats: tuple[str, ...] = ()
-    file_format: str | None = None
-    why: str = ""
-
-
-def gguf_packed_type(model: str) -> str | None:
-    """The GGUF's main tensor type when it is one the runtime keeps packed (q8_0, q4_0, q4_1), else None."""
-    main = (gguf_sizes(model).main_type or "").lower()
-    return main if main in PACKED_FORMATS else None
-
-
 def runtime_packs_gguf() -> bool:
     """Whether the runtime keeps GGUF blocks packed (gguf.packed_by_default: HIVEKEEPER_GGUF_PACKED=0 turns it off)."""
     from hivekeeper.core.runtime.gguf import packed_by_default
 
     return packed_by_default()
-
-
-def format_choice(model: str, quant: str, hardware) -> FormatChoice:
-    """--quant for this model on this machine. A GGUF runs as its file says: on a CPU its own Q8_0/Q4_0/Q4_1 type
-    packed (unless the runtime's packing is off), else dequantized to a float format; int8/nf4 and another packed
-    type are refused (the runtime does not re-quantize a GGUF). Other models run unpacked: a packed --quant is
-    refused, and auto picks among 16-bit and fp32 (and int8/nf4 on a GPU) by predicted speed."""
-    on_cpu = not hardware.gpus
-    if not is_gguf(model):
-        if quant in PACKED_FORMATS:
-            raise InputError(f"--quant {quant}: the runtime keeps only a GGUF file's own Q8_0/Q4_0/Q4_1 tensors "
-                             f"packed; {model} is not a GGUF (use auto, none, or int8/nf4 on a GPU)")
-        why = ("auto: the fastest predicted of the 16-bit format and fp32 (bitsandbytes int8/nf4 are for GPUs; the "
-               "runtime packs only GGUF files)" if on_cpu else
-               "auto: the fastest predicted of 16 bits, int8 and nf4 (those two must win by 11% and 25%)")
-        return FormatChoice(quant, why=why if quant == "auto" else f"--quant {quant}")
-    if quant in ("int8", "nf4"):
-        raise InputError(f"--quant {quant}: {model} is a GGUF, whose weights are already quantized; the runtime runs "
-                         f"them as the file stores them (--quant auto)")
-    own = gguf_packed_type(model)
-    if quant in PACKED_FORMATS and not on_cpu:
-        raise InputError(f"--quant {quant} is a CPU format (hivekeeper's native kernels); a GPU runs {model} "
-                         f"dequantized (--quant auto)")
-    if quant in PACKED_FORMATS and quant != own:
-        raise InputError(f"--quant {quant}: {model} stores {own or 'no Q8_0/Q4_0/Q4_1'} weights, and the runtime "
-                         f"does not re-quantize a GGUF (--quant auto)")
-    if own is None or not on_cpu or quant == "none" or not runtime_packs_gguf():
-        if own is None:
-            why = "the GGUF's tensor types are not ones the CPU kernels keep packed: the runtime dequantizes them"
-        elif not on_cpu:
-            why = f"a GPU runs the GGUF's {own} weights dequantized to 16 bits (the packed kernels are the CPU's)"
-        elif quant == "none":
-            why = (f"--quant none: the GGUF's {own} weights planned dequantized (the runtime keeps them packed unless "
-                   f"HIVEKEEPER_GGUF_PACKED=0)")
-        else:
-            why = f"HIVEKEEPER_GGUF_PACKED=0: the runtime dequantizes the GGUF's {own} weights"
-        return FormatChoice("none", why=why)
-    return FormatChoice(own, (own,), own, why=f"the GGUF's own {own} weights, kept packed in RAM and multiplied by the "
-                                              f"CPU's {own} kernels, as `generate` runs them")
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object, FormatChoice]:
@@ -236,7 +179,8 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     model = load_model_spec(model_arg)
     hardware, efficiency = _hardware(args.hardware, overrides, measure=not args.no_measure)
     reserve = kept_free(hardware, reserve_gb)
-    choice = format_choice(model_arg, args.quant, hardware)
+    choice = format_choice(model_arg, args.quant, on_cpu=not hardware.gpus,
+                           runtime_packs=is_gguf(model_arg) and runtime_packs_gguf())  # torch only for a GGUF
     quant = "none" if args.goal == "serve" and choice.quant in PACKED_FORMATS else choice.quant
     constraints = Constraints(quant=quant, batch_size=batch, reserve_bytes=reserve,
                               packed_formats=choice.packed_formats, file_format=choice.file_format)

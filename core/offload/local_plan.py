@@ -173,7 +173,10 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
         runtime = (eff.host if hardware.has_gpu else eff.accelerator).runtime_bytes
         hardware = apply_host_overrides(hardware, ram_gb=(ram_budget_bytes + runtime) / GIB)
     goal = "batch" if batch > 1 else "chat"
-    plan = search(spec, hardware, goal, Constraints(quant=quant, batch_size=batch),
+    packed = packed_choice(model_path, quant, hardware)  # a GGUF the runtime keeps packed: plan what runs
+    plan = search(spec, hardware, goal, Constraints(quant=packed.quant, batch_size=batch,
+                                                    packed_formats=packed.packed_formats,
+                                                    file_format=packed.file_format),
                   Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens)), efficiency=efficiency)
     if plan.prediction is not None:
         return PolicyChoice(plan.prediction.policy, "auto", plan.reason,
@@ -183,6 +186,20 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
     fmt = quant if quant != "none" else spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
     return PolicyChoice(fallback_policy(fmt, batch), "fallback",
                         f"the planner found no local plan ({plan.reason}); streaming what RAM cannot hold")
+
+
+def packed_choice(model_path: str | Path, quant: str, hardware):
+    """planner.format_choice for this run: a GGUF's own Q8_0/Q4_0/Q4_1 on a CPU where the runtime packs it (what
+    the engine then runs, so the prediction is of it); else `quant` unchanged."""
+    from hivekeeper.planner.format_choice import FormatChoice, format_choice
+    from hivekeeper.planner.formats import PACKED_FORMATS
+
+    from hivekeeper.core.runtime.gguf import packed_by_default
+
+    if quant != "none" or hardware.gpus:
+        return FormatChoice(quant)
+    choice = format_choice(str(model_path), "auto", on_cpu=True, runtime_packs=packed_by_default())
+    return choice if choice.quant in PACKED_FORMATS else FormatChoice(quant)
 
 
 def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,

@@ -1,0 +1,71 @@
+"""What --quant becomes for a model on a machine: the formats the runtime can run it in there, and why.
+
+The runtime keeps a GGUF's Q8_0/Q4_0/Q4_1 linears packed on a CPU (its native kernels multiply them as stored) and
+dequantizes every other GGUF type; it never re-quantizes a GGUF, and packs no other checkpoint. So a plan for a GGUF
+of those types on a CPU is in that format (the speed and bytes `generate` will see), and a packed --quant for
+anything else is refused. `hivekeeper plan` and the engine's own planning (core/offload/local_plan.py) both ask here.
+`runtime_packs` is the runtime's switch (core/runtime/gguf.packed_by_default: HIVEKEEPER_GGUF_PACKED=0 turns it off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InputError
+from .formats import PACKED_FORMATS
+from .gguf_metadata import gguf_sizes, is_gguf
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    """What --quant becomes for this model on this machine: the search's quant and packed formats, the format the
+    model's file stores, and why (the plan's "format" row)."""
+
+    quant: str
+    packed_formats: tuple[str, ...] = ()
+    file_format: str | None = None
+    why: str = ""
+
+
+def gguf_packed_type(model: str) -> str | None:
+    """The GGUF's main tensor type when it is one the runtime keeps packed (q8_0, q4_0, q4_1), else None."""
+    main = (gguf_sizes(model).main_type or "").lower()
+    return main if main in PACKED_FORMATS else None
+
+
+def format_choice(model: str, quant: str, *, on_cpu: bool, runtime_packs: bool = True) -> FormatChoice:
+    """--quant for this model on this machine. A GGUF runs as its file says: on a CPU its own Q8_0/Q4_0/Q4_1 type
+    packed (unless the runtime's packing is off), else dequantized to a float format; int8/nf4 and another packed
+    type are refused (the runtime does not re-quantize a GGUF). Other models run unpacked: a packed --quant is
+    refused, and auto picks among 16-bit and fp32 (and int8/nf4 on a GPU) by predicted speed."""
+    if not is_gguf(model):
+        if quant in PACKED_FORMATS:
+            raise InputError(f"--quant {quant}: the runtime keeps only a GGUF file's own Q8_0/Q4_0/Q4_1 tensors "
+                             f"packed; {model} is not a GGUF (use auto, none, or int8/nf4 on a GPU)")
+        why = ("auto: the fastest predicted of the 16-bit format and fp32 (bitsandbytes int8/nf4 are for GPUs; the "
+               "runtime packs only GGUF files)" if on_cpu else
+               "auto: the fastest predicted of 16 bits, int8 and nf4 (those two must win by 11% and 25%)")
+        return FormatChoice(quant, why=why if quant == "auto" else f"--quant {quant}")
+    if quant in ("int8", "nf4"):
+        raise InputError(f"--quant {quant}: {model} is a GGUF, whose weights are already quantized; the runtime runs "
+                         f"them as the file stores them (--quant auto)")
+    own = gguf_packed_type(model)
+    if quant in PACKED_FORMATS and not on_cpu:
+        raise InputError(f"--quant {quant} is a CPU format (hivekeeper's native kernels); a GPU runs {model} "
+                         f"dequantized (--quant auto)")
+    if quant in PACKED_FORMATS and quant != own:
+        raise InputError(f"--quant {quant}: {model} stores {own or 'no Q8_0/Q4_0/Q4_1'} weights, and the runtime "
+                         f"does not re-quantize a GGUF (--quant auto)")
+    if own is None or not on_cpu or quant == "none" or not runtime_packs:
+        if own is None:
+            why = "the GGUF's tensor types are not ones the CPU kernels keep packed: the runtime dequantizes them"
+        elif not on_cpu:
+            why = f"a GPU runs the GGUF's {own} weights dequantized to 16 bits (the packed kernels are the CPU's)"
+        elif quant == "none":
+            why = (f"--quant none: the GGUF's {own} weights planned dequantized (the runtime keeps them packed unless "
+                   f"HIVEKEEPER_GGUF_PACKED=0)")
+        else:
+            why = f"HIVEKEEPER_GGUF_PACKED=0: the runtime dequantizes the GGUF's {own} weights"
+        return FormatChoice("none", why=why)
+    return FormatChoice(own, (own,), own, why=f"the GGUF's own {own} weights, kept packed in RAM and multiplied by the "
+                                              f"CPU's {own} kernels, as `generate` runs them")
