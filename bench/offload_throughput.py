@@ -19,6 +19,14 @@ token we report the weight bytes each system reads from the offloaded tier and t
 
 disk bound (tokens/s) = batch x disk read bandwidth / offloaded bytes read per step; `fraction_of_disk_bound` says
 how close each system came. Prints one JSON line, with os.getloadavg() before and after.
+
+    python bench/offload_throughput.py --packed-gguf      # a GGUF streamed packed against streamed dequantized
+
+--packed-gguf [FILE] (default: the built-in SmolLM2 Q4_1 GGUF) runs `generate` twice with the same plan and RAM
+budget (--budget-fraction of the file's bytes, so that blocks stream from disk): streamed blocks kept packed (the
+default) and dequantized into fp32 slots (HIVEKEEPER_GGUF_PACKED=0). Both read the file's packed bytes; the packed
+run keeps them so, the other writes 4 bytes a weight into its slots each step: tokens/s, bytes read per token,
+bytes written into slots per token, peak RSS over the baseline.
 """
 
 from __future__ import annotations
@@ -149,6 +157,38 @@ def accelerate_figures(runs: list[dict], disk_bps: float) -> dict:
     return {"best": best, "by_batch": runs}
 
 
+def packed_gguf(path: Path, budget_fraction: float, prompt_tokens: int, new_tokens: int) -> dict:
+    """Streamed packed vs streamed dequantized, one `generate` subprocess each (same plan, same budget)."""
+    import torch
+
+    from hivekeeper.core.offload.placement import block_bytes
+    from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, packed_block_bytes
+
+    checkpoint = GGUFCheckpoint(path)
+    layers = checkpoint.config.num_layers
+    budget = int(budget_fraction * path.stat().st_size)
+    runs = {}
+    for mode, switch in (("packed", "1"), ("dequantized", "0")):
+        os.environ[PACKED_ENV] = switch
+        report, peak = ours(path, budget, 1, prompt_tokens, new_tokens)
+        streamed = report["plan"]["engine"]["blocks"].get("disk", 0)
+        slot_bytes = (sum(packed_block_bytes(checkpoint, i) for i in range(layers)) / layers if mode == "packed"
+                      else block_bytes(checkpoint.config, torch.float32))
+        runs[mode] = {
+            "throughput_tokens_per_s": round(report["new_tokens"] / report["total_s"], 4),
+            "decode_tokens_per_s": report["tokens_per_s"], "streamed_blocks": streamed,
+            "bytes_read_per_token": int(report["bytes_streamed"] / report["new_tokens"]),
+            "slot_bytes_per_block": int(slot_bytes), "slot_bytes_written_per_token": int(streamed * slot_bytes),
+            "peak_over_baseline_bytes": peak - report["baseline_rss_bytes"],
+            "ram_bytes_planned": report["plan"]["engine"]["ram_bytes"],
+        }
+    os.environ.pop(PACKED_ENV, None)
+    return {"bench": "offload_throughput_packed_gguf", "model": str(path), "file_bytes": path.stat().st_size,
+            "ram_budget_bytes": budget, "new_tokens": new_tokens, **runs,
+            "packed_vs_dequantized_throughput": round(runs["packed"]["throughput_tokens_per_s"]
+                                                      / runs["dequantized"]["throughput_tokens_per_s"], 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder (default: the ~350 MB demo model, written once)")
@@ -158,6 +198,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=32, help="cap on the planner's batch (run time)")
     parser.add_argument("--hf-batches", type=int, nargs="+", default=[1, 4, 16], help="accelerate's batches")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--packed-gguf", nargs="?", const="default", metavar="FILE",
+                        help="a GGUF streamed packed vs dequantized (default file: the built-in model)")
     parser.add_argument("--hf-child", nargs=5, metavar=("MODEL", "BUDGET", "BATCH", "PROMPT", "NEW"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -169,6 +211,17 @@ def main() -> None:
     from hivekeeper.core.machine.measure import disk_bandwidth
 
     load_before = os.getloadavg()
+    if args.packed_gguf:
+        from hivekeeper.core.runtime.default_model import default_model_file
+
+        gguf = default_model_file() if args.packed_gguf == "default" else Path(args.packed_gguf)
+        if gguf is None:
+            raise SystemExit("the built-in model is not installed: give --packed-gguf FILE")
+        result = packed_gguf(Path(gguf), args.budget_fraction, args.prompt_tokens, args.new_tokens)
+        result.update({"loadavg_before": [round(x, 2) for x in load_before],
+                       "loadavg_after": [round(x, 2) for x in os.getloadavg()]})
+        print(json.dumps(result))
+        return
     path = Path(args.model) if args.model else demo_checkpoint("offload-350mb", MODEL_350MB)
     model_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     budget = int(args.budget_fraction * model_bytes)
