@@ -1,4 +1,6 @@
-"""`hivekeeper swarm status`: who serves which blocks of a model, how fast, and where the bottleneck is.
+"""`hivekeeper swarm status`: who serves which blocks of a model, how fast, and where the bottleneck is;
+`hivekeeper swarm models`: the models the swarm serves, their coverage, and where this machine would help most
+(core/swarm/directory.py, what the app's Swarm page lists).
 
 A server listed OFFLINE is asked (rpc_info) whether it serves its blocks, as the client does before routing: anyone
 can write an OFFLINE record under a server's key. Every server the DHT lists as live is pinged first (rpc_info, a 2 s
@@ -23,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "public Petals swarm's bootstrap peers, or HIVEKEEPER_BOOTSTRAP_PEERS when set)")
     status.add_argument("--dht-prefix", help="the model's name in the swarm (default as `hivekeeper serve`)")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    models = sub.add_parser("models", help="the models the swarm serves, their coverage, where this machine helps")
+    models.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="peers of the swarm (default as status)")
+    models.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -66,9 +71,43 @@ def _peers(given) -> tuple[str, ...]:
     return peers
 
 
+def print_models(report: dict) -> None:
+    rows = report["models"]
+    print(f"{len(rows)} models in the swarm's registry" + (f"; this machine helps most with {report['best']}"
+                                                            if report["best"] else ""))
+    print(f"{'model':<32} {'servers':>7} {'covered':>9}  {'weakest blocks':<20} you could serve")
+    for row in rows:
+        weak, helps = row["weakest"], row["help"]
+        weakest = f"{weak['start']}:{weak['end']} ({weak['throughput']:.3g} rps)" if weak else "-"
+        could = (f"blocks {helps['blocks'][0]}:{helps['blocks'][1]}, ~{helps['rps']:.3g} rps" if helps.get("blocks")
+                 else helps.get("reason") or "no block fits here")
+        print(f"{row['dht_prefix'][:32]:<32} {row['servers']:>7} {row['covered_blocks']:>4} of {row['num_blocks']:<3} "
+              f"{weakest:<20} {could}")
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
+    from hivekeeper.core.swarm.directory import HelpPlanner, directory_report, read_directory
+
+    client = SwarmClient(ClientConfig(_peers(args.initial_peers), "_directory", 1))
+    try:
+        rows = client.run(read_directory(client.dht), timeout=60)
+    finally:
+        client.close()
+    report = directory_report(rows, HelpPlanner())
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_models(report)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.swarm_command == "models":
+        return run_models(args)
     if args.swarm_command != "status":
-        raise InputError("usage: hivekeeper swarm status --model ID|PATH [--initial-peers MADDR ...] [--json]")
+        raise InputError("usage: hivekeeper swarm status --model ID|PATH [--initial-peers MADDR ...] [--json], "
+                         "or hivekeeper swarm models [--initial-peers MADDR ...] [--json]")
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
     from hivekeeper.core.swarm.dht import dht_prefix_for, live_peers, with_confirmed

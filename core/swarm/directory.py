@@ -5,7 +5,7 @@ Servers list each public model in the swarm's registry (`_petals.models`, subkey
 model, `read_directory` reads its blocks' records and sums them up as a row: servers, blocks covered, the weakest
 span (the run of blocks around the bottleneck with the same, lowest throughput).
 
-`where_to_help` adds what this machine could do for a model (the planner's server sizing: how many blocks it could
+`where_to_help` (with `HelpPlanner`, which sizes each model once) adds what this machine could do for a model (the planner's server sizing: how many blocks it could
 hold and the requests/s it would advertise), the span where it adds the most (the window whose weakest blocks are
 weakest: planner.swarm.choose_start, as a server picks its blocks), and `best_row` picks the model to join with
 one click: the one whose gaps it fills, else the one whose bottleneck it raises the most, relatively.
@@ -24,6 +24,7 @@ from hivemind.dht.node import DHTNode
 
 from hivekeeper.core.swarm.dht import (DHT_READ_TIMEOUT_S, MODELS_REGISTRY_KEY, ServerState, block_throughputs,
                                        read_blocks, spans_of)
+from hivekeeper.planner.errors import InputError
 
 MAX_MODELS = 64  # rows read from the registry (a hostile flood of entries costs no more than this)
 MAX_BLOCKS = 1024  # no transformer we know has more blocks
@@ -114,3 +115,50 @@ def best_row(rows: list[dict]) -> dict | None:
     """The model to join with one click: the row whose `help` gains the most (rows without one are skipped)."""
     helpful = [row for row in rows if (row.get("help") or {}).get("blocks")]
     return max(helpful, key=lambda row: row["help"]["gain"], default=None)
+
+
+class HelpPlanner:
+    """What this machine could do for each model (the planner's server sizing), worked out once per repository."""
+
+    def __init__(self):
+        self.hardware = None
+        self.sizes: dict[str, tuple[int, float] | str] = {}
+
+    def size(self, repository: str) -> tuple[int, float] | str:
+        """(blocks this machine could hold, requests/s it would advertise), or why it cannot tell."""
+        if repository not in self.sizes:
+            try:
+                self.sizes[repository] = self._plan(repository)
+            except Exception as exc:  # noqa: BLE001 - an unknown or unreadable model: the row says so
+                self.sizes[repository] = f"cannot size this model here ({exc})"
+        return self.sizes[repository]
+
+    def _plan(self, repository: str) -> tuple[int, float]:
+        from hivekeeper.core.machine.profiles import detect_or_load_profile
+        from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
+        from hivekeeper.planner.model_catalog import load_model_spec
+        from hivekeeper.planner.swarm import plan_server
+
+        if self.hardware is None:
+            self.hardware = detect_or_load_profile()
+        try:
+            spec = load_model_spec(repository)
+        except InputError:  # a hub id not cached here: its config only (no weights)
+            spec = load_model_spec(str(resolve_checkpoint(repository, blocks=(0, 0), embeddings=False)))
+        hardware, efficiency = self.hardware
+        plan = plan_server(spec, hardware, efficiency=efficiency)
+        return plan.num_blocks, plan.throughput
+
+    def help(self, row: dict) -> dict:
+        size = self.size(row["repository"])
+        if isinstance(size, str):
+            return {"blocks": None, "rps": None, "gain": 0.0, "reason": size}
+        return where_to_help(row, *size)
+
+
+def directory_report(rows: list[dict], planner: HelpPlanner) -> dict:
+    """{"models": rows with "help" added, "best": the prefix to join with one click or None}."""
+    for row in rows:
+        row["help"] = planner.help(row)
+    best = best_row(rows)
+    return {"models": rows, "best": best["dht_prefix"] if best else None}

@@ -92,52 +92,10 @@ def _in_words(message: str, peers) -> str:
     return unreachable_message(peers) if is_unreachable_error(message) else message
 
 
-class HelpPlanner:
-    """What this machine could do for each model (the planner's server sizing), worked out once per repository."""
-
-    def __init__(self):
-        self.hardware = None
-        self.sizes: dict[str, tuple[int, float] | str] = {}
-
-    def size(self, repository: str) -> tuple[int, float] | str:
-        """(blocks this machine could hold, requests/s it would advertise), or why it cannot tell."""
-        if repository not in self.sizes:
-            try:
-                self.sizes[repository] = self._plan(repository)
-            except Exception as exc:  # noqa: BLE001 - an unknown or unreadable model: the row says so
-                self.sizes[repository] = f"cannot size this model here ({exc})"
-        return self.sizes[repository]
-
-    def _plan(self, repository: str) -> tuple[int, float]:
-        from hivekeeper.core.machine.profiles import detect_or_load_profile
-        from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
-        from hivekeeper.planner.errors import InputError
-        from hivekeeper.planner.model_catalog import load_model_spec
-        from hivekeeper.planner.swarm import plan_server
-
-        if self.hardware is None:
-            self.hardware = detect_or_load_profile()
-        try:
-            spec = load_model_spec(repository)
-        except InputError:  # a hub id not cached here: its config only (no weights)
-            spec = load_model_spec(str(resolve_checkpoint(repository, blocks=(0, 0), embeddings=False)))
-        hardware, efficiency = self.hardware
-        plan = plan_server(spec, hardware, efficiency=efficiency)
-        return plan.num_blocks, plan.throughput
-
-    def help(self, row: dict) -> dict:
-        from hivekeeper.core.swarm.directory import where_to_help
-
-        size = self.size(row["repository"])
-        if isinstance(size, str):
-            return {"blocks": None, "rps": None, "gain": 0.0, "reason": size}
-        return where_to_help(row, *size)
-
-
 def watch_directory(args: argparse.Namespace, stop: threading.Event) -> int:
     """Print the swarm's models, their coverage and where this machine would help, every period."""
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
-    from hivekeeper.core.swarm.directory import best_row, read_directory
+    from hivekeeper.core.swarm.directory import HelpPlanner, directory_report, read_directory
     from hivekeeper.planner.errors import InputError
 
     try:
@@ -150,11 +108,7 @@ def watch_directory(args: argparse.Namespace, stop: threading.Event) -> int:
         while not stop.is_set():
             try:
                 rows = client.run(read_directory(client.dht), timeout=60)
-                for row in rows:
-                    row["help"] = planner.help(row)
-                best = best_row(rows)
-                _print({"event": "directory", "time": time.time(), "models": rows,
-                        "best": best["dht_prefix"] if best else None})
+                _print({"event": "directory", "time": time.time(), **directory_report(rows, planner)})
             except Exception as exc:  # one failed read is reported; the next period tries again
                 _print({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
             stop.wait(args.period)
