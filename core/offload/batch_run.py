@@ -27,7 +27,8 @@ MAX_PROMPTS = 65536
 class BatchRun:
     """What to run: the model (checkpoint folder, GGUF, default model id or hub id), the prompts (one a line, the
     same number of tokens each: one batch), the policy (None: the planner's for this machine) and its predicted
-    figures (local_plan.PREDICTED_KEYS), under an optional RAM budget."""
+    figures (local_plan.PREDICTED_KEYS), under an optional RAM budget. `predict(batch, prompt_len, new_tokens)`,
+    when given, predicts them for the run's own shape instead (called once the prompts are read)."""
 
     model: str
     prompts_file: str
@@ -36,6 +37,7 @@ class BatchRun:
     max_new_tokens: int = 32
     ram_budget_bytes: float | None = None
     source: str = "the plan shown"  # where the policy came from, in words
+    predict: Callable[[int, int, int], dict | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,15 +102,19 @@ def choose(run: BatchRun, path, config, *, batch: int, prompt_len: int, max_leng
         return plan_local_run("auto", path, config, batch=batch, prompt_len=prompt_len,
                               max_new_tokens=max(1, max_length - prompt_len), max_length=max_length,
                               ram_budget_bytes=run.ram_budget_bytes)
-    choice = PolicyChoice(run.policy, run.source, f"policy of {run.source}", predicted=run.predicted)
+    predicted = run.predict(batch, prompt_len, max(1, max_length - prompt_len)) if run.predict else run.predicted
+    choice = PolicyChoice(run.policy, run.source, f"policy of {run.source}", predicted=predicted)
     plan = engine_plan(config, choice, batch=batch, max_length=max_length, ram_budget_bytes=run.ram_budget_bytes,
                        prefill_tokens=min(256, max(1, prompt_len)))
     return choice, plan
 
 
-def run_batch(run: BatchRun, on_step: Callable[[StepReport], None], stop: threading.Event | None = None) -> dict:
+def run_batch(run: BatchRun, on_step: Callable[[StepReport], None], stop: threading.Event | None = None,
+              on_start: Callable[[dict], None] | None = None) -> dict:
     """Generate run.max_new_tokens greedy tokens for every prompt together (EOS ignored, as a benchmark does);
-    returns the texts, the measured and predicted tokens/s, the plan used and the bytes streamed from disk."""
+    returns the texts, the measured and predicted tokens/s, the plan used and the bytes streamed from disk.
+    on_start(info) is called once the plan is made, before the model loads: {"batch", "prompt_tokens",
+    "new_tokens", "predicted", "plan"}."""
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.runtime.generation import check_prompt_fits, context_limit, generate
@@ -123,6 +129,9 @@ def run_batch(run: BatchRun, on_step: Callable[[StepReport], None], stop: thread
     check_prompt_fits(len(ids[0]), config, what=str(run.prompts_file))
     max_length = min(len(ids[0]) + run.max_new_tokens, context_limit(config))
     choice, plan = choose(run, path, config, batch=len(ids), prompt_len=len(ids[0]), max_length=max_length)
+    if on_start is not None:
+        on_start({"batch": len(ids), "prompt_tokens": len(ids[0]), "new_tokens": max_length - len(ids[0]),
+                  "predicted": choice.predicted, "plan": plan.describe()})
     started = time.perf_counter()
     with OffloadedModel(path, plan) as model:
         clock = StepClock(model, len(ids), on_step, started)

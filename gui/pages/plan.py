@@ -612,9 +612,16 @@ class PlanPage(QWidget):
             raise InputError("this plan runs nothing locally (a serving plan, or it does not fit): choose the chat "
                              "or batch goal with a plan that fits")
         where = "" if self.settings.hardware == DETECTED else f", made for {self.settings.hardware}"
-        return BatchRun(model=self.settings.model, prompts_file=prompts_file, policy=plan.prediction.policy,
+        model, hardware, efficiency = self._model_spec(self.settings.model), self.hardware(), self.efficiency()
+        settings, policy = copy.deepcopy(self.settings), plan.prediction.policy
+
+        def predict(batch: int, prompt_len: int, new_tokens: int) -> dict | None:  # on the worker: the run's shape
+            return predicted_figures(plan_view.predict_run(model, hardware, settings, policy, efficiency, batch,
+                                                           prompt_len, new_tokens))
+
+        return BatchRun(model=self.settings.model, prompts_file=prompts_file, policy=policy,
                         predicted=predicted_figures(plan.prediction), max_new_tokens=max_new_tokens,
-                        source=f"the Plan page's plan{where}")
+                        source=f"the Plan page's plan{where}", predict=predict)
 
     # ---- charts (worker) -------------------------------------------------------------------------------------------
     def _charts_due(self) -> None:

@@ -1,8 +1,8 @@
 """A batch generation of the plan shown ("Run this plan" on the Plan page) on a worker thread, with Stop.
 
 The worker runs core.offload.batch_run.run_batch (what `hivekeeper generate --prompts-file` runs, with the page's
-policy) and reports each step: `step(StepReport)` as tokens come, then `finished(report)` or `errored(message)`,
-and `ended` always last. Stop sets the event the generation loop checks between steps, so the run ends after the
+policy) and reports `planned(info)` once the run's shape and prediction are known, `step(StepReport)` as tokens
+come, then `finished(report)` or `errored(message)`, and `ended` always last. Stop sets the event the generation loop checks between steps, so the run ends after the
 step in progress and its report says `stopped`. torch is imported on the worker only.
 """
 
@@ -16,6 +16,7 @@ from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
 
 
 class BatchRunService(QObject):
+    planned = Signal(dict)  # batch, prompt and new tokens, the predicted figures, the plan in words
     step = Signal(object)  # core.offload.batch_run.StepReport
     finished = Signal(dict)  # run_batch's report
     errored = Signal(str)
@@ -40,7 +41,7 @@ class BatchRunService(QObject):
         def work(report, should_stop) -> dict:
             from hivekeeper.core.offload.batch_run import run_batch
 
-            return run_batch(run, on_step=report, stop=stop)
+            return run_batch(run, on_step=report, stop=stop, on_start=report)
 
         # bound methods of this QObject: called on the GUI thread (queued), as workers.run_in_thread says
         self._job = run_in_thread(work, on_yield=self._stepped, on_return=self._returned, on_error=self._failed,
@@ -48,7 +49,10 @@ class BatchRunService(QObject):
         return True
 
     def _stepped(self, report) -> None:
-        self.step.emit(report)
+        if isinstance(report, dict):  # on_start's info
+            self.planned.emit(report)
+        else:
+            self.step.emit(report)
 
     def _returned(self, report: dict) -> None:
         self.finished.emit(report)

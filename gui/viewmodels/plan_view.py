@@ -92,6 +92,17 @@ def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
     return PlanResult(overridden, planner_policy.plan_to_dict(overridden), True)
 
 
+def predict_run(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings, policy,
+                efficiency: MachineEfficiency | None, batch: int, prompt_len: int, new_tokens: int):
+    """The cost model's Prediction for `policy` run the way "Run this plan" runs it: `batch` sequences of
+    `prompt_len` tokens, `new_tokens` each, in micro-batches of the policy's size (the engine's split: one
+    micro-batch when the batch is smaller), with the page's memory to leave free."""
+    micro = max(1, min(policy.micro_batch_size, batch))
+    shaped = replace(policy, micro_batch_size=micro, num_micro_batches=-(-batch // micro))
+    return evaluate(model, hardware, shaped, Workload(max(1, prompt_len), max(1, new_tokens)),
+                    efficiency=efficiency, reserve_bytes=constraints_of(settings, hardware).reserve_bytes)
+
+
 # ---- memory per tier -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TierBar:

@@ -44,6 +44,7 @@ class RunPlanBox(QGroupBox):
         self._redraw.setInterval(REDRAW_MS)
         self._redraw.timeout.connect(self._draw)
         self._build()
+        self.service.planned.connect(self._planned)
         self.service.step.connect(self._stepped)
         self.service.finished.connect(self._finished)
         self.service.errored.connect(self._failed)
@@ -119,6 +120,12 @@ class RunPlanBox(QGroupBox):
             self._say("stopping after this step…", MUTED)
 
     # ---- the run's signals -------------------------------------------------------------------------------------------
+    def _planned(self, info: dict) -> None:
+        """The run's shape is known: the prediction for it replaces the page's (made for the typed lengths)."""
+        self.predicted = (info.get("predicted") or {}).get("throughput_tokens_per_s", self.predicted)
+        self._say(f"loading the model: {info['batch']} prompts of {info['prompt_tokens']} tokens, "
+                  f"{info['new_tokens']} new tokens each{self._against()}; {info['plan']}", MUTED)
+
     def _stepped(self, report) -> None:
         self.points.append((report.elapsed_s, report.throughput_tokens_per_s))
         self._last_step = report

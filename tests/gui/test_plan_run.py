@@ -7,6 +7,11 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import Qt
 
+from hivekeeper.planner.model_catalog import load_model_spec
+
+from hivekeeper.core.runtime.tokenizer import load_tokenizer
+from hivekeeper.gui.viewmodels import plan_view
+
 PROMPTS = ["The old mill stood by the river", "The new mill stood by the river", "The old barn stood by the river"]
 NEW_TOKENS = 4
 
@@ -28,7 +33,6 @@ def room(model) -> int:
     """The most tokens a run of PROMPTS can generate: the model's context less the prompt."""
     from hivekeeper.core.runtime.checkpoint import load_config
     from hivekeeper.core.runtime.generation import context_limit
-    from hivekeeper.core.runtime.tokenizer import load_tokenizer
 
     return context_limit(load_config(model)) - len(load_tokenizer(model).encode(PROMPTS[0]))
 
@@ -58,7 +62,11 @@ def test_run_this_plan_draws_measured_against_predicted_and_stops(plan_page, qtb
     qtbot.waitUntil(lambda: box.report is not None or bool(box.error), timeout=60_000)
     assert not box.error
     report = box.report
-    predicted = plan_page.result.plan.prediction.throughput_tokens_per_s
+    # predicted for the run's shape: 3 prompts of their length, NEW_TOKENS each, with the page's policy
+    prompt_len = len(load_tokenizer(demo_checkpoint).encode(PROMPTS[0]))
+    predicted = plan_view.predict_run(load_model_spec(str(demo_checkpoint)), plan_page.hardware(),
+                                      plan_page.settings, plan_page.result.plan.prediction.policy,
+                                      plan_page.efficiency(), 3, prompt_len, NEW_TOKENS).throughput_tokens_per_s
     assert report["batch"] == 3 and report["new_tokens"] == 3 * NEW_TOKENS and not report["stopped"]
     assert report["predicted"]["throughput_tokens_per_s"] == pytest.approx(predicted, rel=1e-3)
     # one point a step, tokens/s so far; the predicted line spans them
