@@ -71,8 +71,9 @@ def unreachable_message(peers) -> str:
 
 
 def tcp_address(maddr: str) -> tuple[str, int] | None:
-    """(host, port) of an /ip4, /ip6, /dns, /dns4 or /dns6 .../tcp/PORT multiaddr; None for any other kind."""
-    match = re.match(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/|$)", maddr)
+    """(host, port) of an /ip4, /ip6, /dns, /dns4 or /dns6 .../tcp/PORT/p2p/ID peer multiaddr; None for any other
+    kind (a malformed one is left to the multiaddr check, which names it)."""
+    match = re.fullmatch(r"/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)/p2p/[^/]+", maddr)
     return (match.group(2), int(match.group(3))) if match else None
 
 

@@ -54,6 +54,7 @@ def test_reachability_is_told_by_plain_tcp_within_a_second():
 
     assert tcp_address("/dns/bootstrap1.petals.dev/tcp/31337/p2p/Qm") == ("bootstrap1.petals.dev", 31337)
     assert tcp_address("/ip4/127.0.0.1/udp/5/quic") is None
+    assert tcp_address("/ip4/127.0.0.1/tcp/1") is None  # no peer id: the multiaddr check names it
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
