@@ -164,7 +164,7 @@ class OffloadedModel:
         self._stream_reader = self.reader
         self.rotary = RotaryTable(config)
         # a GGUF's streamed blocks stay packed too (CPU fp32): packed bytes from the map into packed slots
-        self.packed_reader = PackedBlockReader(self.checkpoint, self.rotary) \
+        self.packed_reader = PackedBlockReader(self.checkpoint, self.rotary, drop_page_cache) \
             if self._packed() and plan.streamed_blocks else None
         try:
             # int8/nf4 blocks that stream, and on a CPU the resident ones too (bitsandbytes quantizes slowly there:
@@ -350,6 +350,8 @@ class OffloadedModel:
             self.streamer = None
         if getattr(self, "quant_store", None) is not None:
             self.quant_store.close()
+        if getattr(self, "packed_reader", None) is not None:
+            self.packed_reader.close()
         self.reader.close()
         self.checkpoint.close()
 
