@@ -189,6 +189,7 @@ class ChatPage(QWidget):
         form.addRow("Top-p", self.top_p_spin)
         form.addRow("Top-k", self.top_k_spin)
         form.addRow("Max new tokens", self.max_tokens_spin)
+        form.addRow("Trained prompts", self._build_prompts_row())
         self.placement_label = label("", "small", wrap=True)
         form.addRow(self.placement_label)
         self.api_switch = ApiSwitch(self.model)
@@ -201,6 +202,29 @@ class ChatPage(QWidget):
         return box
 
     # ---- settings --------------------------------------------------------------------------------------------------
+    def _build_prompts_row(self) -> QHBoxLayout:
+        """A prompts file from `hivekeeper finetune` (empty: none), and the Fine-tune panel that makes one."""
+        row = QHBoxLayout()
+        self.prompts_edit = QLineEdit()
+        self.prompts_edit.setPlaceholderText("none")
+        self.prompts_edit.setToolTip("A prompts file trained by the Fine-tune panel or `hivekeeper finetune`")
+        self.finetune_button = QPushButton("Fine-tune…")
+        self.finetune_button.clicked.connect(self.open_finetune)
+        self.finetune_panel = None
+        row.addWidget(self.prompts_edit, 1)
+        row.addWidget(self.finetune_button)
+        return row
+
+    def open_finetune(self):
+        """The Fine-tune panel for the chat's model; prompts it saves become the chat's trained prompts."""
+        from hivekeeper.gui.widgets.finetune_panel import FinetunePanel
+
+        if self.finetune_panel is None:
+            self.finetune_panel = FinetunePanel(self.model, self)
+            self.finetune_panel.trained.connect(self.prompts_edit.setText)
+        self.finetune_panel.open()  # window-modal, not blocking (as the About box)
+        return self.finetune_panel
+
     def _load_settings(self) -> None:
         s = self.settings
         self._loading = True  # setting one widget must not save the others' not-yet-loaded values
@@ -315,8 +339,9 @@ class ChatPage(QWidget):
         s = self.settings
         if s.mode == "swarm":
             model, peers = self.peers_provider() if self.peers_provider else ("", ())
-            return BackendKey("swarm", s.model or model or self.default_model, tuple(peers))
-        return BackendKey("local", self.model())
+            return BackendKey("swarm", s.model or model or self.default_model, tuple(peers),
+                              prompts=self.prompts_edit.text().strip())
+        return BackendKey("local", self.model(), prompts=self.prompts_edit.text().strip())
 
     def send(self) -> None:
         text = self.input.toPlainText().strip()
@@ -433,5 +458,7 @@ class ChatPage(QWidget):
         return self.transcript.toPlainText()
 
     def shutdown(self) -> None:
+        if self.finetune_panel is not None:
+            self.finetune_panel.shutdown()
         self.api_switch.shutdown()
         self.service.shutdown()

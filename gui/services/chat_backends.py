@@ -26,6 +26,7 @@ class BackendKey:
     model: str  # checkpoint folder or hub id
     initial_peers: tuple[str, ...] = ()
     quant: str = "none"  # local only: the plan's weight format choice (int8/nf4 need bitsandbytes)
+    prompts: str = ""  # a prompts file from `hivekeeper finetune` (core/finetune/prompted.py), or none
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,28 @@ class ChatBackend:
             self.context = self.runner.config.max_position_embeddings
         else:
             self.path = resolve_checkpoint(key.model)
-            self.runner, self.placement, self.context = _local_runner(self.path, key, hardware, describe, efficiency)
+            if not key.prompts:
+                self.runner, self.placement, self.context = _local_runner(self.path, key, hardware, describe,
+                                                                          efficiency)
+        if key.prompts:
+            describe("loading the model with its trained prompts…")
+            self._use_prompts(key)
         self.tokenizer = load_tokenizer(self.path)
         # prompt and reply fit in `context`: for a local model, the KV cache length its plan counts
         self.prompt_cache = conversation_cache(self.context, swarm=key.mode == "swarm")
+
+    def _use_prompts(self, key: BackendKey) -> None:
+        """The runner with trained prompts first in every conversation (the local one holds all blocks in RAM)."""
+        from hivekeeper.core.finetune.prompted import local_prompted_model, swarm_prompted_model
+
+        from hivekeeper.core.runtime.checkpoint import load_config
+
+        if key.mode == "swarm":
+            self.runner, self.placement = swarm_prompted_model(self.runner, key.prompts)
+            self.context = self.runner.config.max_position_embeddings
+        else:
+            self.runner, self.placement = local_prompted_model(self.path, key.prompts, load_config(self.path))
+            self.context = min(self.runner.config.max_position_embeddings, CONTEXT_LIMIT)
 
     def reply(self, request: Request, on_text: Callable[[str], None], stop: threading.Event):
         """Stream one reply; returns core.generation's GenerationResult."""

@@ -4,4 +4,5 @@ menu: the built-in model first, the models on this machine, a GGUF file, a check
 non-blocking "Remove …?" question), `api_switch` (the Chat page's "OpenAI-compatible API on port N" switch, its URL
 and status), `plan_run` (the Plan page's "Run this plan" box: prompts file, Run/Stop, predicted against measured
 throughput as it runs), `contribution_panel` (the Monitor page's requests, tokens, uptime and energy served,
-today and in total)."""
+today and in total), `finetune_panel` (the Chat page's Fine-tune panel: data file, Start/Stop/resume, the
+loss curve live; the prompts it saves become the chat's trained prompts)."""
