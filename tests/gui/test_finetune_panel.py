@@ -56,3 +56,36 @@ def test_the_panel_trains_draws_the_loss_stops_resumes_and_feeds_the_chat(app_wi
     assert panel.start()
     qtbot.waitUntil(lambda: panel.start_button.isEnabled() and panel.steps_done is not None, timeout=120_000)
     assert [step for step, _ in panel.losses] == [stopped_at + 1] and panel.steps_done == stopped_at + 1
+
+
+def test_the_chat_backend_runs_trained_prompts_first(demo_checkpoint, tmp_path):
+    import threading
+
+    import torch
+
+    from hivekeeper.core.finetune.prompts import PromptsInfo, TrainablePrompts, save_prompts
+    from hivekeeper.core.runtime.chat_history import ChatHistory
+    from hivekeeper.core.runtime.checkpoint import load_config
+    from hivekeeper.gui.services.chat_backends import BackendKey, ChatBackend, Request
+
+    config = load_config(demo_checkpoint)
+    prompts = TrainablePrompts("deep_ptune", 2, config.hidden_size, config.num_layers)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        prompts.input.normal_(0, 1.0, generator=generator)
+        prompts.deep.normal_(0, 1.0, generator=generator)
+    out = tmp_path / "p.prompts"
+    save_prompts(out, prompts, PromptsInfo("tiny", "deep_ptune", 2, config.hidden_size, config.num_layers))
+    history = ChatHistory()
+    history.add_user("hello there")
+    request = Request(history, max_new_tokens=6, temperature=0.0, top_p=1.0, top_k=0)
+    texts = []
+    for key in (BackendKey("local", str(demo_checkpoint)), BackendKey("local", str(demo_checkpoint), prompts=str(out))):
+        backend = ChatBackend(key, None, lambda words: None)
+        try:
+            texts.append(backend.reply(request, lambda text: None, threading.Event()).texts[0])
+            placement = backend.placement
+        finally:
+            backend.close()
+    assert "trained prompts" in placement and str(out) in placement
+    assert texts[0] != texts[1]
