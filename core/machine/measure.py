@@ -740,6 +740,7 @@ class BenchmarkSizes:
     peer_bytes: int = 16 << 20
     repeats: int = 5
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    packed_shape: tuple[int, int] | None = PACKED_KERNEL_SHAPE  # the packed kernels' matrix; None: skip them (TINY)
 
 
 # QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads)
@@ -751,7 +752,8 @@ QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill
 # a few megabytes, the caches ignored: for tests and screenshots, where the numbers do not matter
 TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
                       stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_bytes=4 << 20,
-                      disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2, dtypes=("fp32", "bf16"))
+                      disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2, dtypes=("fp32", "bf16"),
+                      packed_shape=None)
 
 
 def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str | os.PathLike | None = None,
@@ -771,7 +773,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU decode steps",
                       lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
                                                     sizes.cache_bytes)))
-    steps.append(("CPU packed-format kernels", lambda: measure_packed_kernels(sizes.repeats)))
+    if sizes.packed_shape is not None:
+        steps.append(("CPU packed-format kernels", lambda: measure_packed_kernels(sizes.repeats, sizes.packed_shape)))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, sizes.half_bytes, sizes.repeats)]))

@@ -134,3 +134,10 @@ def test_measured_kernel_rates_round_trip_through_a_hardware_file_and_bad_ones_n
     doc["cpu"]["packed_kernels_gweights_per_s"] = {"q4_0": -1}
     with pytest.raises(InputError, match=r"packed_kernels_gweights_per_s.q4_0"):
         hardware_from_dict(doc, where="test.json")
+
+
+def test_the_planners_kernel_row_limit_is_the_runtimes():
+    from hivekeeper.core.runtime.kernels import native_kernels
+    from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS
+
+    assert PACKED_KERNEL_ROWS == native_kernels.MAX_ROWS
