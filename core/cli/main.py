@@ -2,17 +2,19 @@
 
 Each command module has `add_arguments(parser)` and `run(args) -> int`, and keeps its top-level imports light
 (argparse, the planner): torch and hivemind are imported inside `run`, so `hivekeeper plan` and `--help` start fast.
+`main` imports only the module of the command it runs (the others are listed by name and help, which COMMANDS holds),
+and the versions behind `--version` are read only when it is asked: every `hivekeeper` process starts with what its own
+command needs (under load, importing all of them took seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 from hivekeeper.planner.errors import InputError
-
-from hivekeeper.core.version import version_line
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -34,11 +36,38 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+class VersionAction(argparse.Action):
+    """`--version`: prints core/version.py's line and exits, reading the package metadata only then."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="show program's version number and exit"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from hivekeeper.core.version import version_line
+
+        print(version_line())
+        parser.exit()
+
+
+def requested_command(argv: list[str]) -> str:
+    """The command argv names ('' for none or an unknown one): its first word that is not an option, since the
+    top level has only -h and --version."""
+    word = next((word for word in argv if not word.startswith("-")), "")
+    return word if word in COMMANDS else ""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only` (a command, or '' for none), the other commands are listed by name and help
+    without importing their modules, so they have no options here."""
     parser = argparse.ArgumentParser(prog="hivekeeper", description="Plan, run and serve large language models.")
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            if importlib.util.find_spec(module_name) is not None:  # a command not written yet is simply absent
+                sub.add_parser(name, help=help_text, description=help_text)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -52,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only=requested_command(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
