@@ -125,6 +125,8 @@ class PlanPage(QWidget):
         column.addWidget(self._build_model_box(), 1)
         column.addWidget(self._build_knobs())
         self._connect_knobs()
+        self.run_box = RunPlanBox(self._batch_run)  # "Run this plan": a batch over a prompts file (its chart: results)
+        column.addWidget(self.run_box)
         scroll = QScrollArea()
         scroll.setWidget(panel)
         scroll.setWidgetResizable(True)
@@ -343,9 +345,8 @@ class PlanPage(QWidget):
                                                   symbol="o", symbolSize=5, symbolBrush=ACCENT)
         self.budget_mark = self.budget_plot.plot([], [], pen=None, symbol="star", symbolSize=16, symbolBrush=BAD,
                                                  name="this plan")
+        charts.addWidget(self.run_box.plot, 1)  # "Run this plan": predicted against measured, as it runs
         column.addLayout(charts, 1)
-        self.run_box = RunPlanBox(self._batch_run)  # "Run this plan": a batch over a prompts file, drawn as it runs
-        column.addWidget(self.run_box, 1)
         return panel
 
     # ---- settings <-> widgets ----------------------------------------------------------------------------------------

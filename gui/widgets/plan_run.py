@@ -14,7 +14,7 @@ from typing import Callable
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox,
+from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QLineEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
 
 from hivekeeper.planner.errors import InputError
@@ -27,7 +27,7 @@ REDRAW_MS = 100  # steps of a small model come every few ms: the chart is redraw
 
 
 class RunPlanBox(QGroupBox):
-    """Prompts file, tokens per prompt, Run / Stop, a status line and the predicted-vs-measured chart."""
+    """Prompts file, tokens per prompt, Run / Stop and a status line; `plot`, the predicted-vs-measured chart."""
 
     def __init__(self, make_run: Callable[[str, int], object], parent: QWidget | None = None):
         super().__init__("Run this plan", parent)
@@ -51,12 +51,18 @@ class RunPlanBox(QGroupBox):
         self.service.ended.connect(self._ended)
 
     def _build(self) -> None:
+        """The controls in this box (narrow: the Plan page's knob column); the chart is `plot`, for the page to
+        place beside its other charts."""
         column = QVBoxLayout(self)
-        row = QHBoxLayout()
+        files = QHBoxLayout()
         self.prompts_edit = QLineEdit()
-        self.prompts_edit.setPlaceholderText("prompts file: one prompt a line, the same number of tokens each")
+        self.prompts_edit.setPlaceholderText("prompts file (one a line, equal lengths)")
         self.browse_button = QPushButton("Prompts…")
         self.browse_button.clicked.connect(self._browse)
+        files.addWidget(self.prompts_edit, 1)
+        files.addWidget(self.browse_button)
+        column.addLayout(files)
+        actions = QHBoxLayout()
         self.tokens_spin = QSpinBox()
         self.tokens_spin.setRange(1, 100_000)
         self.tokens_spin.setValue(32)
@@ -66,19 +72,19 @@ class RunPlanBox(QGroupBox):
         self.stop_button.setEnabled(False)
         self.run_button.clicked.connect(self.run)
         self.stop_button.clicked.connect(self.stop)
-        for widget in (self.prompts_edit, self.browse_button, self.tokens_spin, self.run_button, self.stop_button):
-            row.addWidget(widget, 1 if widget is self.prompts_edit else 0)
-        column.addLayout(row)
+        for widget in (self.tokens_spin, self.run_button, self.stop_button):
+            actions.addWidget(widget)
+        column.addLayout(actions)
         self.status = label("Runs the plan shown on a batch of prompts, here, and draws what it measures.", "small",
                             wrap=True)
         column.addWidget(self.status)
         self.plot = pg.PlotWidget()
-        self.plot.setTitle("predicted against measured throughput", color=MUTED, size="10pt")
+        self.plot.setTitle("predicted against measured", color=MUTED, size="10pt")
         self.plot.setLabel("bottom", "seconds since the start")
         self.plot.setLabel("left", "tokens/s")
         self.plot.showGrid(x=True, y=True, alpha=0.2)
         self.plot.setMenuEnabled(False)
-        self.plot.setMinimumHeight(150)
+        self.plot.setMinimumHeight(190)
         self.plot.setLimits(yMin=0)
         self.plot.getAxis("left").enableAutoSIPrefix(False)
         self.plot.addLegend(offset=(8, 4), labelTextSize="8pt")
@@ -86,7 +92,6 @@ class RunPlanBox(QGroupBox):
                                               name="predicted")
         self.measured_curve = self.plot.plot([], [], pen=pg.mkPen(ACCENT, width=2), name="measured",
                                              symbol="o", symbolSize=4, symbolBrush=ACCENT)
-        column.addWidget(self.plot, 1)
 
     # ---- actions -----------------------------------------------------------------------------------------------------
     def _browse(self) -> None:
