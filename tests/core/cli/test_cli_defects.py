@@ -1,6 +1,8 @@
 """Issue 14 item 11, each through the real command: an empty prompt is exit 2; a --max-new-tokens beyond the model's
 context is capped and says so; an unknown hub id suggests the catalog's close ids (and Meta's current Llama 3.1
-names are aliases); chat has /help; `detect --help` says what it prints; the README's Python matches pyproject."""
+names are aliases); chat has /help; `detect --help` says what it prints; the README's Python matches pyproject.
+Each test runs one real child process; its variations go through the same `main()` in this process (the `cli`
+fixture), since each child costs seconds of imports."""
 
 from __future__ import annotations
 
@@ -31,13 +33,14 @@ def one_line(result) -> str:
 
 
 @pytest.mark.parametrize("prompt", ["", "   \n"])
-def test_an_empty_prompt_is_exit_2(tiny_checkpoint, prompt):
-    result = hivekeeper("generate", "--model", str(tiny_checkpoint), "--prompt", prompt)
+def test_an_empty_prompt_is_exit_2(tiny_checkpoint, prompt, cli):
+    command = hivekeeper if prompt == "" else cli
+    result = command("generate", "--model", str(tiny_checkpoint), "--prompt", prompt)
     assert result.returncode == 2 and result.stdout == ""
     assert "--prompt is empty" in one_line(result)
 
 
-def test_max_new_tokens_beyond_the_context_is_capped_and_said(tiny_checkpoint):
+def test_max_new_tokens_beyond_the_context_is_capped_and_said(tiny_checkpoint, cli):
     from hivekeeper.core.runtime.checkpoint import load_config
 
     context = load_config(tiny_checkpoint).max_position_embeddings
@@ -51,19 +54,19 @@ def test_max_new_tokens_beyond_the_context_is_capped_and_said(tiny_checkpoint):
     capped, said_context, prompt_tokens = map(int, note.groups())
     assert said_context == context and capped == context - prompt_tokens
     assert report["new_tokens"] == capped  # what it said is what it did
-    small = hivekeeper("generate", "--model", str(tiny_checkpoint), "--prompt", "Hello", "--max-new-tokens", "3",
+    small = cli("generate", "--model", str(tiny_checkpoint), "--prompt", "Hello", "--max-new-tokens", "3",
                        "--json")
     assert small.returncode == 0 and "capped" not in small.stderr
 
 
-def test_unknown_hub_ids_suggest_and_current_llama_names_are_aliases():
+def test_unknown_hub_ids_suggest_and_current_llama_names_are_aliases(cli):
     alias = hivekeeper("plan", "--model", "meta-llama/Llama-3.1-8B", "--hardware", "rtx-4090", "--json")
     assert alias.returncode == 0, alias.stderr
     assert json.loads(alias.stdout)["model"] == "meta-llama/Meta-Llama-3.1-8B-Instruct"
-    unknown = hivekeeper("plan", "--model", "meta-llama/Llama-3.2-3B", "--hardware", "rtx-4090")
+    unknown = cli("plan", "--model", "meta-llama/Llama-3.2-3B", "--hardware", "rtx-4090")
     assert unknown.returncode == 2
     assert "did you mean meta-llama/Llama-3.2-1B" in one_line(unknown)
-    typo = hivekeeper("plan", "--model", "mistral/Mixtral-8x7b", "--hardware", "rtx-4090")
+    typo = cli("plan", "--model", "mistral/Mixtral-8x7b", "--hardware", "rtx-4090")
     assert typo.returncode == 2 and "did you mean mistralai/Mixtral-8x7B-v0.1" in one_line(typo)
 
 
@@ -77,10 +80,10 @@ def test_chat_has_help(tiny_checkpoint):
     assert "up to 4 new tokens per reply" in text and "unknown command" not in text
 
 
-def test_detect_help_says_text_and_json():
-    help_text = hivekeeper("detect", "--help").stdout
+def test_detect_help_says_text_and_json(cli):
+    help_text = cli("detect", "--help").stdout
     assert "(JSON)" not in help_text and "--json for a hardware JSON document" in help_text
-    text = hivekeeper("detect")
+    text = cli("detect")
     assert text.returncode == 0 and not text.stdout.lstrip().startswith("{")
     as_json = hivekeeper("detect", "--json")
     assert as_json.returncode == 0 and isinstance(json.loads(as_json.stdout), dict)

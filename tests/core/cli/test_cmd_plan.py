@@ -1,4 +1,6 @@
-"""`hivekeeper plan` run as a real subprocess: JSON and human output, files as input, bad input → exit 2."""
+"""`hivekeeper plan` run as a real subprocess: JSON and human output, files as input, bad input → exit 2. Each
+feature has one child process; its variations run the same `main()` in this process (the `cli` fixture), since each
+child costs a second or more of start-up on a loaded machine."""
 
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ def test_json_has_every_field_and_the_numbers_hang_together():
     assert data["context_len"] == 1200
 
 
-def test_serve_json_and_human_table():
-    result = plan("--model", "meta-llama/Llama-2-70b-hf", "--hardware", "rtx-4090", "--goal", "serve", "--json")
+def test_serve_json_and_human_table(cli):
+    result = cli("plan", "--model", "meta-llama/Llama-2-70b-hf", "--hardware", "rtx-4090", "--goal", "serve", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert all(field in data for field in REQUIRED + ("num_blocks", "block_inference_rps", "block_forward_rps"))
@@ -58,20 +60,20 @@ def test_serve_json_and_human_table():
     assert human.stderr == ""
 
 
-def test_config_json_and_hardware_json_files(tmp_path):
+def test_config_json_and_hardware_json_files(tmp_path, cli):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     hardware_file = tmp_path / "box.json"
     hardware_file.write_text(json.dumps(hardware_to_json(get_hardware("l4"))))
-    result = plan("--model", str(tmp_path / "tiny"), "--hardware", str(hardware_file), "--json")
+    result = cli("plan", "--model", str(tmp_path / "tiny"), "--hardware", str(hardware_file), "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["model"] == "tiny" and data["fit"] == "local"
     assert data["policy"]["weights"]["gpu"] == 1.0
 
 
-def test_a_model_that_does_not_fit_says_so():
-    result = plan("--model", "meta-llama/Meta-Llama-3.1-405B-Instruct", "--hardware", "cpu-generic",
+def test_a_model_that_does_not_fit_says_so(cli):
+    result = cli("plan", "--model", "meta-llama/Meta-Llama-3.1-405B-Instruct", "--hardware", "cpu-generic",
                   "--ram-gb", "4", "--disk-gb", "50", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -101,8 +103,8 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("args, mentions", BAD_INPUTS)
-def test_bad_input_is_one_line_and_exit_2(args, mentions):
-    result = plan(*args)
+def test_bad_input_is_one_line_and_exit_2(args, mentions, cli):
+    result = plan(*args) if args == BAD_INPUTS[0][0] else cli("plan", *args)
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -110,7 +112,7 @@ def test_bad_input_is_one_line_and_exit_2(args, mentions):
     assert mentions in lines[0]
 
 
-def test_malformed_files_are_one_line_and_exit_2(tmp_path):
+def test_malformed_files_are_one_line_and_exit_2(tmp_path, cli):
     broken_config = tmp_path / "config.json"
     broken_config.write_text("{ not json")
     missing_fields = tmp_path / "nofields.json"
@@ -120,7 +122,7 @@ def test_malformed_files_are_one_line_and_exit_2(tmp_path):
     for args, path in ((["--model", str(broken_config), "--hardware", "t4"], broken_config),
                        (["--model", str(missing_fields), "--hardware", "t4"], missing_fields),
                        (["--model", "facebook/opt-6.7b", "--hardware", str(broken_hardware)], broken_hardware)):
-        result = plan(*args)
+        result = plan(*args) if path == broken_config else cli("plan", *args)
         assert result.returncode == 2, result.stdout
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in result.stderr

@@ -1,6 +1,7 @@
 """Issue 14 item 12 (first half) through the real `hivekeeper plan --hardware auto`: the first plan for a machine
 that was never measured measures it quickly (as `measure --quick` does), says so and saves its profile; later plans
-use the profile without measuring again; --no-measure plans with the estimates."""
+use the profile without measuring again; --no-measure plans with the estimates. The first plan is a real child
+process; the others run the same `main()` in this process (the `cli` fixture), with the same config folder."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ def plan(config_dir, *args: str):
                 "--json", *args], timeout=300, env=env)
 
 
-def test_the_first_plan_measures_this_machine_once(tmp_path):
+def plan_here(cli, monkeypatch, config_dir, *args: str):
+    """plan() through `main()` in this process."""
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(config_dir))
+    return cli("plan", "--model", MODEL, "--hardware", "auto", "--json", *args)
+
+
+def test_the_first_plan_measures_this_machine_once(tmp_path, cli, monkeypatch):
     first = plan(tmp_path)
     assert first.returncode == 0, first.stderr
     assert "note: the first plan for this machine: measured it quickly" in first.stderr
@@ -29,14 +36,14 @@ def test_the_first_plan_measures_this_machine_once(tmp_path):
     assert {m["key"] for m in saved["measurements"]} >= {"ram_read"}
     assert json.loads(first.stdout)["efficiency"].startswith("measured")
 
-    again = plan(tmp_path)
+    again = plan_here(cli, monkeypatch, tmp_path)
     assert again.returncode == 0 and "measured it quickly" not in again.stderr
     assert json.loads(again.stdout)["efficiency"] == json.loads(first.stdout)["efficiency"]
     assert list((tmp_path / "profiles").glob("*.json")) == profiles
 
 
-def test_no_measure_plans_with_estimates(tmp_path):
-    result = plan(tmp_path, "--no-measure")
+def test_no_measure_plans_with_estimates(tmp_path, cli, monkeypatch):
+    result = plan_here(cli, monkeypatch, tmp_path, "--no-measure")
     assert result.returncode == 0, result.stderr
     assert "measured" not in result.stderr and not (tmp_path / "profiles").exists()
     assert json.loads(result.stdout)["efficiency"].startswith("default")
