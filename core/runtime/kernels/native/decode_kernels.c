@@ -737,9 +737,10 @@ int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, c
  * than 8 products; a row's arithmetic, and so its result, is the same whatever batch it is in. */
 enum { HK_Q4_0 = 2, HK_Q4_1 = 3, HK_Q8_0 = 8 }; /* GGML type ids */
 #define QK 32
-/* Batch rows a weight block is unpacked once for: as many as keep their accumulators in registers (AVX2 has 16
-   vector registers, AVX512VL 32); a larger batch goes in groups. */
-#define ROW_GROUP (HK_VNNI ? 8 : HK_AVX2 ? 4 : MAX_ROWS)
+/* Batch rows a weight block is unpacked once for: as many as keep their two accumulators each in registers (AVX2
+   has 16 vector registers; with VNNI, groups of 8 measured slower than 4 on Q4_1: spills); a larger batch goes in
+   groups. */
+#define ROW_GROUP (HK_AVX2 ? 4 : MAX_ROWS)
 
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;
 typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;
@@ -1004,7 +1005,7 @@ static inline __attribute__((always_inline)) void qmatvec_rows(int format, const
             switch (rows) { /* a constant R in each: the accumulators stay in registers */
 #define HK_ROWS_CASE(R) case R: qdot_rows(format, R, t, row, r0, s); break;
             HK_ROWS_CASE(1) HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
-#if ROW_GROUP > 4
+#if !HK_AVX2
             HK_ROWS_CASE(5) HK_ROWS_CASE(6) HK_ROWS_CASE(7) HK_ROWS_CASE(8)
 #endif
 #undef HK_ROWS_CASE
