@@ -79,7 +79,7 @@ class RunPlanBox(QGroupBox):
                             wrap=True)
         column.addWidget(self.status)
         self.plot = pg.PlotWidget()
-        self.plot.setTitle("predicted against measured", color=MUTED, size="10pt")
+        self.plot.setTitle("predicted vs measured", color=MUTED, size="10pt")
         self.plot.setLabel("bottom", "seconds since the start")
         self.plot.setLabel("left", "tokens/s")
         self.plot.showGrid(x=True, y=True, alpha=0.2)
@@ -87,7 +87,7 @@ class RunPlanBox(QGroupBox):
         self.plot.setMinimumHeight(190)
         self.plot.setLimits(yMin=0)
         self.plot.getAxis("left").enableAutoSIPrefix(False)
-        self.plot.addLegend(offset=(8, 4), labelTextSize="8pt")
+        self.plot.addLegend(offset=(-10, -40), labelTextSize="8pt")  # bottom right: the measured curve rises
         self.predicted_curve = self.plot.plot([], [], pen=pg.mkPen(BAD, width=1, style=Qt.PenStyle.DashLine),
                                               name="predicted")
         self.measured_curve = self.plot.plot([], [], pen=pg.mkPen(ACCENT, width=2), name="measured",
