@@ -13,12 +13,13 @@ from hivekeeper.planner.costmodel import Placement, Policy
 
 from hivekeeper.core.offload.local_plan import fallback_policy
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
-from hivekeeper.core.offload.packed_stream import packed_slot_bytes
+from hivekeeper.core.offload.packed_stream import PackedBlockReader, packed_slot_bytes
 from hivekeeper.core.offload.placement import block_bytes, place_model
 from hivekeeper.core.runtime.default_model import INSTALL_HINT, default_model_file
 from hivekeeper.core.runtime.generation import generate
-from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, packed_block_bytes
+from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, load_packed_block, packed_block_bytes
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
+from hivekeeper.core.runtime.model import RotaryTable
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(default_model_file() is None,
@@ -65,7 +66,7 @@ def test_streamed_blocks_stay_packed_read_packed_bytes_and_decode_like_resident(
     for block in slots:
         assert sum(isinstance(m, QuantizedLinear) for m in block.modules()) == 4
         assert packed_slot_bytes(block) <= 1.01 * largest < block_bytes(config, torch.float32) / 3
-    assert reader.rebuilt <= layers  # SmolLM2 mixes Q4_1 and Q8_0 blocks: a slot may be rebuilt for a layer
+    assert reader.rebuilt == 0  # every SmolLM2 block is Q4_1: each read goes into the slot in place
     # each step reads every block's packed bytes once (the prefetch may read the first blocks once more)
     reads = [reader.reads[layer] for layer in range(layers)]
     assert all(NEW_TOKENS <= n <= NEW_TOKENS + 1 for n in reads), reads
@@ -73,3 +74,33 @@ def test_streamed_blocks_stay_packed_read_packed_bytes_and_decode_like_resident(
     per_token = streamed / NEW_TOKENS
     assert packed_model <= per_token <= packed_model * (1 + 2 / NEW_TOKENS)
     assert per_token < layers * block_bytes(config, torch.float32) / 3  # what fp32 slots are filled with per token
+
+
+def state(block) -> dict:
+    return {name: tensor.clone() for name, tensor in {**dict(block.named_parameters()),
+                                                      **dict(block.named_buffers())}.items()}
+
+
+def test_a_fill_in_place_equals_a_block_loaded_for_the_layer_and_a_slot_that_does_not_fit_is_rebuilt():
+    """The reader's positioned reads (Q/K rows unpermuted) put exactly load_packed_block's bytes into a slot made
+    for another layer; a slot whose linear is in another format gets a block built for the layer instead."""
+    checkpoint = GGUFCheckpoint(default_model_file())
+    reader = PackedBlockReader(checkpoint, RotaryTable(checkpoint.config))
+    try:
+        slot = reader.empty_block(0)
+        filled, read = reader.fill(slot, 7)
+        assert filled is slot and read == reader.stored_bytes(7) and filled.layer_index == 7
+        expected = state(load_packed_block(checkpoint, 7))
+        got = state(filled)
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+        odd = reader.empty_block(0)  # its MLP down projection re-packed as Q8_0: the file's layers are Q4_1
+        down = odd.mlp.down_proj
+        odd.mlp.down_proj = QuantizedLinear.from_linear(
+            torch.nn.Linear(down.in_features, down.out_features, bias=False), "q8_0")
+        rebuilt, _ = reader.fill(odd, 7)
+        assert rebuilt is not odd and reader.rebuilt == 1
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in state(rebuilt).items())
+    finally:
+        reader.close()
