@@ -16,8 +16,8 @@ Issue 23: one number for the whole grid hid where the cost model was wrong, so t
 The default model runs dequantized to fp32 here (HIVEKEEPER_GGUF_PACKED=0 unless set): since issue 16 the runtime
 keeps its Q4_1/Q8_0 blocks packed by default. The planner now plans that packed path too (format q4_1, at the packed
 kernels' measured rate: docs/calibration.md), but the calibration grid and its fits are of fp32 runs, so this bench
-keeps the fp32 run; the packed prediction is checked against a recorded packed decode in
-tests/core/cli/test_plan_packed.py (a packed row here is still to do).
+keeps the fp32 run for them; one more run, batch 1, times the default model packed as `generate` runs it and sets
+it beside the packed format's prediction (`default_model_packed_decode_tokens_per_s`; not with --quick).
 
 The measurement and the runs share one process and follow each other, so a machine's load slows both alike; the
 load average is reported at each stage. Prints ONE JSON line. Goals (issue 23): calibrated decode MAPE <= 10%,
@@ -106,6 +106,29 @@ def default_model_decode(spec, hardware, points, policies, efficiencies: dict) -
     return result
 
 
+def packed_default_decode(path, spec, hardware, grid, efficiencies: dict) -> dict:
+    """The default model as `generate` runs it (its Q4_1 blocks packed), batch 1: measured over the grid's prompt
+    lengths, and predicted with its packed format (planner/format_choice.py) by each form."""
+    import dataclasses
+
+    from hivekeeper.core.machine.measure import TerminalProgress
+    from hivekeeper.core.machine.profiling import ProfileGrid, denoise, measure_grid
+    from hivekeeper.planner.format_choice import gguf_packed_type
+
+    packed_format = gguf_packed_type(str(path))
+    if packed_format is None:
+        return {}
+    os.environ["HIVEKEEPER_GGUF_PACKED"] = "1"  # read when the blocks load
+    try:
+        runs, policies = measure_grid(path, ProfileGrid(grid.prompt_lens, grid.output_lens, (1,), repeats=grid.repeats),
+                                      device="cpu", seed=7, progress=TerminalProgress("evaluate packed "))
+    finally:
+        os.environ["HIVEKEEPER_GGUF_PACKED"] = "0"
+    packed = {name: dataclasses.replace(policy, weight_format=packed_format) for name, policy in policies.items()}
+    return {"format": packed_format,
+            **default_model_decode(spec, hardware, denoise(runs), packed, efficiencies)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small demo models and smaller grids (a smoke run)")
@@ -153,20 +176,23 @@ def main() -> None:
     efficiencies = {"calibrated": calibration.efficiency, "uncalibrated": base}
 
     # ---- evaluation: both models, batch 1, 4 and 64 ----------------------------------------------------------------
-    errors, evaluated, default = {}, {}, None
+    errors, evaluated, default, packed = {}, {}, None, {}
     for name, path in models.items():
         points, model_policies = run_points(path, evaluation_grids, f"evaluate {name} ")
         evaluated[name] = points
         errors[name] = shape_errors(specs[name], hardware, points, model_policies, efficiencies)
         if name == thin_name:
             default = default_model_decode(specs[name], hardware, points, model_policies, efficiencies)
+            packed = {} if args.quick else packed_default_decode(path, specs[name], hardware, evaluation_grids[0],
+                                                                 efficiencies)
         loads[f"evaluated {name}"] = round(os.getloadavg()[0], 2)
 
     if args.dump:
         Path(args.dump).write_text(json.dumps({"calibration": calibration.as_dict(), "evaluation": {
             name: [pt.as_dict() for pt in points] for name, points in evaluated.items()}}))
-    print(json.dumps(result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default,
-                                 evaluated, loads)))
+    line = result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
+                       loads)
+    print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed}))
 
 
 def result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
