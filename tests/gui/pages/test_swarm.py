@@ -1,20 +1,23 @@
 """The Swarm page against real `hivekeeper serve` processes on 127.0.0.1 (a loopback swarm, the demo model).
 
-Join starts the node as a child process and the coverage chart shows it beside the other server; Leave stops it
-cleanly (exit 0, OFFLINE announced); a node that dies shows its error and restarts; closing the window stops it.
+Join starts the node as a child process and the coverage chart shows it beside the other server (a SwarmServer with
+its own p2pd in this process); Leave stops it cleanly (exit 0, OFFLINE announced, read back from the DHT); a node
+that dies shows its error and restarts; closing the window stops it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import psutil
 import pytest
 
-from hivekeeper.core.swarm.local import LocalSwarm
-from hivekeeper.gui.services.coverage import CoverageService
+from hivekeeper.core.swarm.dht import ServerState, dht_prefix_for, read_blocks
 from hivekeeper.gui.settings import Settings
+
+from ...core.swarm.client.servers import InProcessServers
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +36,22 @@ def _settings(model, peers=None) -> Settings:
     return settings
 
 
-def test_join_and_leave_a_local_swarm(make_window, qtbot, demo_checkpoint, tmp_path):
-    with LocalSwarm(demo_checkpoint, log_dir=tmp_path) as swarm:
-        swarm.start("--block-indices", "0:1", "--throughput", "5")  # another server holds block 0
+def _offline_in_the_dht(servers: InProcessServers, peer_id: str) -> bool:
+    """The DHT (read by the other server's node) holds `peer_id`'s records, all OFFLINE."""
+    server = next(iter(servers.running.values()))[0]
+    blocks = servers.run(read_blocks(server.dht, servers.prefix, 2))
+    states = [servers_of[peer_id].state for servers_of in blocks if peer_id in servers_of]
+    return bool(states) and all(state == ServerState.OFFLINE for state in states)
+
+
+def test_join_and_leave_a_local_swarm(make_window, qtbot, demo_checkpoint):
+    swarm = InProcessServers(demo_checkpoint, dht_prefix_for(str(demo_checkpoint)))
+    try:
+        swarm.start((0, 1), "other", throughput=5.0)  # another server holds block 0
         window = make_window(_settings(demo_checkpoint, swarm.initial_peers))
         page = window.swarm_page
         monitor = window.monitor_page
+        window.coverage.period_s = 1.0  # a report a second (the app's default is 3 s)
         window.show_page("Swarm")
 
         page.join_button.click()
@@ -73,15 +86,12 @@ def test_join_and_leave_a_local_swarm(make_window, qtbot, demo_checkpoint, tmp_p
         assert page.address_box.toPlainText() == ""
 
         # the swarm saw it go: its record says OFFLINE
-        watcher = CoverageService(period_s=1.0)
-        reports = []
-        watcher.reportReceived.connect(reports.append)
-        watcher.watch(str(demo_checkpoint), swarm.initial_peers)
-        try:
-            qtbot.waitUntil(lambda: any(s["peer_id"] == peer_id and s["state"] == "offline"
-                                        for r in reports for s in r["servers"]), timeout=START_S)
-        finally:
-            watcher.stop(wait=True)
+        deadline = time.monotonic() + 60
+        while not _offline_in_the_dht(swarm, peer_id):
+            assert time.monotonic() < deadline, "the node's records did not turn OFFLINE"
+            time.sleep(0.2)
+    finally:
+        swarm.close()
 
 
 def test_a_dead_node_shows_its_error_restarts_and_closing_stops_it(make_window, qtbot, demo_checkpoint, tmp_path):
