@@ -4,6 +4,7 @@ llama/qwen2 tensor layouts, and bad input."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -196,7 +197,29 @@ def smollm2_model(smollm2):
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer():
+def smollm2_parsed_once():
+    """transformers' GGUF loader parses the file's metadata (49152 vocabulary strings, in Python) on each of its calls
+    (the tokenizer, the config, the weights) and builds gguf's tensor-name map again for each of the model's ~400
+    submodules: most of the reference's load time. While this module runs, the real file is parsed once and the map
+    built once per (architecture, layers); both are only read, so the reference is the one transformers builds."""
+    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed = {}
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs or Path(path).resolve() != smollm2_path().resolve():
+            return parse(path, *args, **kwargs)
+        if not parsed:
+            parsed["file"] = parse(path)
+        return parsed["file"]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(name_map))
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer(smollm2_parsed_once):
     transformers = pytest.importorskip("transformers")
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = smollm2_path()
@@ -251,7 +274,7 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a ha
 
 
 @needs_smollm2
-def test_smollm2_greedy_tokens_equal_transformers(smollm2, smollm2_model):
+def test_smollm2_greedy_tokens_equal_transformers(smollm2, smollm2_model, smollm2_parsed_once):
     """48 greedy tokens of our runtime on the dequantized weights are transformers' own greedy choices: its GGUF
     loader, run teacher-forced on the same sequence, picks every one of them."""
     transformers = pytest.importorskip("transformers")
