@@ -181,8 +181,10 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     reserve = kept_free(hardware, reserve_gb)
     choice = format_choice(model_arg, args.quant, on_cpu=not hardware.gpus,
                            runtime_packs=is_gguf(model_arg) and runtime_packs_gguf())  # torch only for a GGUF
-    quant = "none" if args.goal == "serve" and choice.quant in PACKED_FORMATS else choice.quant
-    constraints = Constraints(quant=quant, batch_size=batch, reserve_bytes=reserve,
+    if args.goal == "serve" and choice.quant in PACKED_FORMATS:  # a server's span format follows plan_server's rule
+        choice = FormatChoice("none", why=f"serve: a server's span is planned dequantized (the packed {choice.quant} "
+                                          f"span is not in the server's cost model yet)")
+    constraints = Constraints(quant=choice.quant, batch_size=batch, reserve_bytes=reserve,
                               packed_formats=choice.packed_formats, file_format=choice.file_format)
     plan = search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
     return plan, reserve, hardware, choice

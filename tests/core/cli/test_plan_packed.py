@@ -110,3 +110,10 @@ def test_cpu_auto_no_longer_recommends_bitsandbytes():
     result = search(load_model_spec("mistralai/Mixtral-8x7B-v0.1"), resolve_hardware("cpu-generic"), "chat",
                     Constraints(quant="auto"))
     assert result.prediction is not None and result.prediction.policy.weight_format in ("bf16", "fp32")
+
+
+def test_a_servers_span_is_planned_dequantized_and_says_so(capsys, xeon):
+    code, out, _ = plan(capsys, "--hardware", xeon, "--goal", "serve", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["policy"]["weight_format"] == "fp32" and data["format_choice"]["why"].startswith("serve: ")
