@@ -1,4 +1,4 @@
-"""The main window: a navigation rail, the six pages, a status bar with the node's state, the tray icon, a Help menu.
+"""The main window: a navigation rail, the seven pages, a status bar with the node's state, the tray icon, a Help menu.
 
 It owns the services (detection, measurement, the node, the coverage watcher, chat) and wires pages to them.
 Only the page on screen is built before the first paint; the others (and pyqtgraph, numpy, the planner search)
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QColor, QIcon, QPainter, QPixmap
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QLayout, QListWidget, QListWidgetItem, QMainWindow, QMenu,
-                               QMessageBox, QStackedWidget, QSystemTrayIcon, QVBoxLayout, QWidget)
+from PySide6.QtCore import QSize, QTimer, Signal
+from PySide6.QtGui import QAction, QIcon
+from PySide6.QtWidgets import (QHBoxLayout, QLayout, QListWidget, QListWidgetItem, QMainWindow, QMessageBox,
+                               QStackedWidget, QVBoxLayout, QWidget)
 
 from hivekeeper.planner.errors import InputError
 
@@ -21,24 +21,13 @@ from hivekeeper.gui.services.chat import ChatService
 from hivekeeper.gui.services.coverage import CoverageService
 from hivekeeper.gui.services.hardware import DetectService
 from hivekeeper.gui.services.measure import FirstMeasure, MeasureService, first_measure_enabled
-from hivekeeper.gui.services.node import STATE_WORDS, NodeService
+from hivekeeper.gui.services.node import NodeService
 from hivekeeper.gui.settings import Settings, SettingsStore
 from hivekeeper.gui.style import STATE_COLORS
 from hivekeeper.gui.services.workers import WorkerThread
+from hivekeeper.gui.widgets.tray import NodeTray, dot_icon
 
-PAGES = ("Hardware", "Plan", "Swarm", "Chat", "Monitor", "Models")
-
-
-def dot_icon(color: str, size: int = 14) -> QIcon:
-    pixmap = QPixmap(size, size)
-    pixmap.fill(Qt.GlobalColor.transparent)
-    painter = QPainter(pixmap)
-    painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-    painter.setBrush(QColor(color))
-    painter.setPen(Qt.PenStyle.NoPen)
-    painter.drawEllipse(1, 1, size - 2, size - 2)
-    painter.end()
-    return QIcon(pixmap)
+PAGES = ("Hardware", "Plan", "Swarm", "Chat", "Monitor", "Models", "Settings")
 
 
 class MainWindow(QMainWindow):
@@ -65,6 +54,7 @@ class MainWindow(QMainWindow):
         self.first_measure = FirstMeasure(self.measure, self.statusBar())
         self.detect.detected.connect(self._measure_first_time)
         self.node = NodeService(self)
+        self.node.owner_args = self.settings.node.serve_args()  # the Settings page's pause conditions and limits
         self.coverage = CoverageService(self)
         self.chat = ChatService(self)
 
@@ -96,12 +86,11 @@ class MainWindow(QMainWindow):
         self.layout().setSizeConstraint(QLayout.SizeConstraint.SetNoConstraint)
         self.setMinimumSize(1024, 680)
 
-        self.node_status = QLabel()
-        self.node_status.setContentsMargins(8, 0, 8, 0)
-        self.statusBar().addPermanentWidget(self.node_status)
+        # the node's state in the status bar and the tray icon (gui/widgets/tray.py), with Pause 1 h / Resume / Quit
+        self.node_tray = NodeTray(self, self.node, self.show_from_tray, self.quit_everything)
+        self.node_status, self.tray = self.node_tray.label, self.node_tray.tray
         if settings_error:
             self.statusBar().showMessage(f"Settings were reset: {settings_error}", 20_000)
-        self.tray = self._make_tray()
         self.about_box = None  # the About box, once opened (Help -> About Hivekeeper)
         self._make_menus()
 
@@ -167,6 +156,10 @@ class MainWindow(QMainWindow):
     def models_page(self):
         return self.page("Models")
 
+    @property
+    def settings_page(self):
+        return self.page("Settings")
+
     def _build_hardware(self) -> QWidget:
         from hivekeeper.gui.pages.hardware import HardwarePage
 
@@ -213,6 +206,17 @@ class MainWindow(QMainWindow):
         service = ModelsService(self)
         service.hardware = lambda: getattr(self.hardware_page.machine, "hardware", None)
         return ModelsPage(service)
+
+    def _build_settings(self) -> QWidget:
+        from hivekeeper.gui.pages.settings import SettingsPage
+
+        page = SettingsPage(self.settings.node)
+        page.settingsChanged.connect(self._node_settings_changed)
+        return page
+
+    def _node_settings_changed(self) -> None:
+        self.node.owner_args = self.settings.node.serve_args()
+        self.save_settings_soon()
 
     def _build_monitor(self) -> QWidget:
         from hivekeeper.gui.pages.monitor import MonitorPage
@@ -291,34 +295,7 @@ class MainWindow(QMainWindow):
     # ---- node state ------------------------------------------------------------------------------------------------
     def _node_state_changed(self, state: str) -> None:
         color = STATE_COLORS.get(state, "#616e7c")
-        text = f"Node: {STATE_WORDS.get(state, state)}"
-        if state == "error" and self.node.error:
-            text += f" — {self.node.error[:120]}"
-        self.node_status.setText(f"<span style='color:{color}'>●</span> {text}")
         self.nav.item(PAGES.index("Swarm")).setIcon(dot_icon(color) if state != "stopped" else QIcon())
-        if self.tray is not None:
-            self.tray.setIcon(dot_icon(color, 32))
-            self.tray.setToolTip(f"Hivekeeper — {text}")
-            if state in ("online", "joining", "starting"):
-                self.tray.show()
-
-    def _make_tray(self) -> QSystemTrayIcon | None:
-        if not QSystemTrayIcon.isSystemTrayAvailable():
-            return None
-        tray = QSystemTrayIcon(dot_icon(STATE_COLORS["stopped"], 32), self)
-        menu = QMenu(self)
-        show = QAction("Show Hivekeeper", menu)
-        show.triggered.connect(self.show_from_tray)
-        quit_action = QAction("Stop the node and quit", menu)
-        quit_action.triggered.connect(self.quit_everything)
-        menu.addAction(show)
-        menu.addAction(quit_action)
-        tray.setContextMenu(menu)
-        tray.activated.connect(self._tray_activated)
-        return tray
-
-    def _tray_activated(self, reason) -> None:
-        self.show_from_tray()
 
     def _make_menus(self) -> None:
         help_menu = self.menuBar().addMenu("&Help")

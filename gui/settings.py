@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.core.swarm.server.pause import parse_hours
 from hivekeeper.planner.costmodel import TIERS
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.fields import Fields
@@ -74,10 +75,38 @@ class ChatSettings:
 
 
 @dataclass
+class NodeSettings:
+    """When the node steps aside and what it may hold (the Settings page; serve's flags of the same names)."""
+
+    idle_minutes: float = 0.0  # pause while input was idle for less than this (0: never)
+    on_battery: bool = False
+    cpu_above: float = 0.0  # pause while other programs use more than this % of the CPUs (0: never)
+    serve_hours: str = ""  # "22-7": serve only then ("" all day)
+    cpu_threads: int = 0  # 0: all
+    ram_gib: float = 0.0  # 0: no limit beyond the free memory
+    gpu_gib: float = 0.0
+
+    def serve_args(self) -> tuple[str, ...]:
+        """The `hivekeeper serve` flags that say the same (the headless node's config keys are these names)."""
+        args: list[str] = []
+        for flag, value in (("--pause-when-active", self.idle_minutes), ("--pause-cpu-above", self.cpu_above),
+                            ("--max-cpu-threads", self.cpu_threads), ("--max-ram-gib", self.ram_gib),
+                            ("--max-gpu-gib", self.gpu_gib)):
+            if value:
+                args += [flag, f"{value:g}"]
+        if self.on_battery:
+            args.append("--pause-on-battery")
+        if self.serve_hours:
+            args += ["--serve-hours", self.serve_hours]
+        return tuple(args)
+
+
+@dataclass
 class Settings:
     plan: PlanSettings = field(default_factory=PlanSettings)
     swarm: SwarmSettings = field(default_factory=SwarmSettings)
     chat: ChatSettings = field(default_factory=ChatSettings)
+    node: NodeSettings = field(default_factory=NodeSettings)
     page: int = 0  # the page shown when the app closed
 
     def as_dict(self) -> dict:
@@ -86,7 +115,7 @@ class Settings:
 
 # ---- validation ----------------------------------------------------------------------------------------------------
 TEXT_LIMIT = 4096  # characters of a text setting, unless it says otherwise
-SECTIONS = {"plan": PlanSettings, "swarm": SwarmSettings, "chat": ChatSettings}
+SECTIONS = {"plan": PlanSettings, "swarm": SwarmSettings, "chat": ChatSettings, "node": NodeSettings}
 
 
 def section_fields(top: Fields, name: str, cls) -> Fields:
@@ -148,6 +177,24 @@ def chat_settings(c: Fields) -> ChatSettings:
     )
 
 
+def node_settings(n: Fields) -> NodeSettings:
+    hours = n.text("serve_hours", max_len=40)
+    if hours:
+        try:
+            parse_hours(hours)
+        except ValueError as exc:
+            raise n.error("serve_hours", str(exc)) from None
+    return NodeSettings(
+        idle_minutes=n.number("idle_minutes", 0.0, 24 * 60.0),
+        on_battery=n.flag("on_battery"),
+        cpu_above=n.number("cpu_above", 0.0, 100.0),
+        serve_hours=hours,
+        cpu_threads=n.integer("cpu_threads", low=0, high=4096),
+        ram_gib=n.number("ram_gib", 0.0, 1e6),
+        gpu_gib=n.number("gpu_gib", 0.0, 1e6),
+    )
+
+
 def settings_from_dict(doc: Any, where: str = "settings") -> Settings:
     """Validate a settings document (planner/fields.py checks each field); missing fields take their defaults."""
     top = Fields(doc, where)
@@ -155,6 +202,7 @@ def settings_from_dict(doc: Any, where: str = "settings") -> Settings:
     return Settings(plan=plan_settings(section_fields(top, "plan", PlanSettings)),
                     swarm=swarm_settings(section_fields(top, "swarm", SwarmSettings)),
                     chat=chat_settings(section_fields(top, "chat", ChatSettings)),
+                    node=node_settings(section_fields(top, "node", NodeSettings)),
                     page=top.integer("page", default=0, low=0, high=20))
 
 

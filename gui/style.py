@@ -23,7 +23,7 @@ FREE = "#e4e7eb"
 OTHERS = "#9aa5b1"
 
 STATE_COLORS = {"online": GOOD, "joining": WARN, "starting": WARN, "moving": WARN, "leaving": WARN,
-                "error": BAD, "stopped": MUTED}
+                "paused": "#8e44ad", "error": BAD, "stopped": MUTED}
 SOURCE_COLORS = {"measured": GOOD, "detected": ACCENT, "catalog": "#3e4c59", "derived": "#8e44ad",
                  "estimated": WARN, "default": WARN, "user": "#16a085"}
 

@@ -101,6 +101,13 @@ class JsonLinesProcess(QObject):
         if process.waitForStarted(10_000):
             self._pid = int(process.processId())
 
+    def send(self, message: dict) -> bool:
+        """Write one JSON line to the child's stdin (its control channel); False when no child runs."""
+        if not self.running:
+            return False
+        self._process.write((json.dumps(message) + "\n").encode())
+        return True
+
     def terminate(self, grace_ms: int = 20_000) -> None:
         """Ask the child to stop (SIGTERM); SIGKILL its whole group if it is still there after grace_ms."""
         if not self.running:

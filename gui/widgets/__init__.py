@@ -5,4 +5,5 @@ non-blocking "Remove …?" question), `api_switch` (the Chat page's "OpenAI-comp
 and status), `plan_run` (the Plan page's "Run this plan" box: prompts file, Run/Stop, predicted against measured
 throughput as it runs), `contribution_panel` (the Monitor page's requests, tokens, uptime and energy served,
 today and in total), `finetune_panel` (the Chat page's Fine-tune panel: data file, Start/Stop/resume, the
-loss curve live; the prompts it saves become the chat's trained prompts)."""
+loss curve live; the prompts it saves become the chat's trained prompts), `tray` (the node's state in the tray icon
+and the status bar: serving / paused (why) / offline, Pause for 1 hour, Resume, Quit, notifications)."""

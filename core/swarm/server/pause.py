@@ -130,17 +130,11 @@ class PauseWatch:
         self.manual_until = 0.0
 
     def reason(self) -> str | None:
-        left = self.manual_until - time.time()
-        if left > 0:
-            return f"paused by you for {_duration(left)} more"
+        if self.manual_until > time.time():
+            return f"paused by you until {time.strftime('%H:%M', time.localtime(self.manual_until))}"
         if not self.settings.any:
             return None
         return pause_reason(self.settings, self.provider.read())
-
-
-def _duration(seconds: float) -> str:
-    minutes = max(1, round(seconds / 60))
-    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 # ---- providers -------------------------------------------------------------------------------------------------------
