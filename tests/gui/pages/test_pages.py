@@ -178,7 +178,10 @@ def test_hardware_page_detects_and_measures(make_window, qtbot, config_dir, monk
     # measured beside catalog, from the saved profile read in this process (without torch)
     ram = next(r for r in page.comparison if (r.part, r.quantity) == ("RAM", "read bandwidth"))
     assert ram.catalog == estimated_ram
-    assert ram.measured == pytest.approx(machine.hardware.cpu.memory_bandwidth, rel=1e-4)  # (JSON rounding)
+    # the RAM row is the read benchmark; the plan's bandwidth is that, raised to the rate whole decode steps read RAM
+    # at when they read faster (profiles.ram_bandwidth: a busy machine's plain read can lag behind)
+    assert ram.measured == next(m.value for m in page.profile.measurements if m.key == "ram_read")
+    assert machine.hardware.cpu.memory_bandwidth >= ram.measured * (1 - 1e-4)  # (JSON rounding)
     assert ram.spread is not None and page.profile is not None and not page.profile.calibrated
     assert not page.compare_table.isHidden() and page.compare_table.rowCount() == len(page.comparison)
     row = page.comparison.index(ram)
