@@ -774,10 +774,12 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* Activations [batch, cols] quantized per block of 32: q int8 [batch, cols], scale d and d x sum(q) per block.
+/* Activations [batch, cols] quantized per block of 32: q int8 [batch, cols], scale d and d x sum(q) per block, each
+   [blocks][batch] (a block's scales for the rows side by side: the multi-row kernel loads them together).
    The same plain C in both builds (it runs once per product), rounding half to even as AVX2's conversion does. */
-static void quantize_activations(const float *x, long count, int8_t *q, float *d, float *sum) {
-    for (long b = 0; b < count / QK; b++) {
+static void quantize_activations(const float *x, long batch, long cols, int8_t *q, float *d, float *sum) {
+    long blocks = cols / QK;
+    for (long b = 0; b < batch * blocks; b++) {
         const float *xb = x + b * QK;
         float amax = 0;
         for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
@@ -788,8 +790,9 @@ static void quantize_activations(const float *x, long count, int8_t *q, float *d
             q[b * QK + j] = (int8_t)v;
             total += v;
         }
-        d[b] = scale;
-        sum[b] = scale * (float)total;
+        long at = (b % blocks) * batch + b / blocks;
+        d[at] = scale;
+        sum[at] = scale * (float)total;
     }
 }
 
@@ -798,7 +801,7 @@ typedef struct {
     const uint8_t *w;        /* [outs, row_bytes] */
     long row_bytes, blocks;  /* per weight row */
     const int8_t *q;         /* activations [batch, cols] */
-    const float *d, *sum;    /* [batch, blocks] */
+    const float *d, *sum;    /* [blocks, batch], read up to 3 floats past the end (padding) */
     const float *bias;
     float *y;                /* [batch, outs]: y = x w^T + bias, or y += that when accumulate */
     long outs, cols, batch, rows_per_chunk;
@@ -855,13 +858,24 @@ static inline __attribute__((always_inline)) unpacked_block unpack(int format, c
 }
 
 /* The unpacked block times block b of activation row r, added into (acc, offset). */
-static inline __attribute__((always_inline)) void block_times_row(int format, const qmatvec_task *t, unpacked_block u,
-                                                                  long b, long r, __m256 *acc, float *offset) {
-    __m256i x = _mm256_loadu_si256((const __m256i *)(t->q + r * t->cols + b * QK));
+static inline __attribute__((always_inline)) __m256 block_times_row(int format, const int8_t *xq, unpacked_block u,
+                                                                    __m256 scale, __m256 acc) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
     if (format == HK_Q8_0) x = _mm256_sign_epi8(x, u.signs);
-    __m256i p = dot_u8_i8(u.codes, x);
-    *acc = _mm256_fmadd_ps(_mm256_set1_ps(u.scale * t->d[r * t->blocks + b]), _mm256_cvtepi32_ps(p), *acc);
-    if (format != HK_Q8_0) *offset += u.offset * t->sum[r * t->blocks + b];
+    return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_u8_i8(u.codes, x)), acc);
+}
+
+/* Block b's scales d_w d_x of the group's 4 rows (lane i: row r0 + i; the activation scales lie [blocks][batch]),
+   and its offsets added into `offsets` (4-bit formats: offset x d_x sum(q_x)), for the 4 rows in one go. */
+static inline __attribute__((always_inline)) __m128 group_scales(int format, const qmatvec_task *t, unpacked_block u,
+                                                                 long b, long r0, __m128 *offsets) {
+    if (format != HK_Q8_0)
+        *offsets = _mm_add_ps(*offsets, _mm_mul_ps(_mm_set1_ps(u.offset), _mm_loadu_ps(t->sum + b * t->batch + r0)));
+    return _mm_mul_ps(_mm_set1_ps(u.scale), _mm_loadu_ps(t->d + b * t->batch + r0));
+}
+
+static inline __m256 lane(__m128 v, int i) { /* lane i of v in all 8 lanes */
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_set1_epi32(i));
 }
 
 /* One weight row of `format` times activation rows r0 .. r0 + R - 1 into out[0 .. R-1]. Each block of the weight row
@@ -871,22 +885,31 @@ static inline __attribute__((always_inline)) void block_times_row(int format, co
    format and R into each caller, so the loops have no tests and the R accumulators stay in registers. */
 static inline __attribute__((always_inline)) void qdot_rows(int format, int R, const qmatvec_task *t,
                                                             const uint8_t *row, long r0, float *out) {
+    _Static_assert(ROW_GROUP == 4, "a group's scales and offsets are one 4-lane vector");
     __m256 acc0[ROW_GROUP], acc1[ROW_GROUP];
-    float offset0[ROW_GROUP], offset1[ROW_GROUP];
-    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps(), offset0[i] = offset1[i] = 0;
+    __m128 offset0 = _mm_setzero_ps(), offset1 = offset0; /* lane i: row r0 + i's offsets, even and odd blocks */
+    const int8_t *x[ROW_GROUP]; /* each row's activations, advanced block by block */
+    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps(), x[i] = t->q + (r0 + i) * t->cols;
     long b = 0;
     for (; b + 2 <= t->blocks; b += 2) {
         unpacked_block even = unpack(format, row, b), odd = unpack(format, row, b + 1);
+        __m128 scale0 = group_scales(format, t, even, b, r0, &offset0), scale1 = group_scales(format, t, odd, b + 1,
+                                                                                               r0, &offset1);
         for (int i = 0; i < R; i++) {
-            block_times_row(format, t, even, b, r0 + i, &acc0[i], &offset0[i]);
-            block_times_row(format, t, odd, b + 1, r0 + i, &acc1[i], &offset1[i]);
+            acc0[i] = block_times_row(format, x[i], even, lane(scale0, i), acc0[i]);
+            acc1[i] = block_times_row(format, x[i] + QK, odd, lane(scale1, i), acc1[i]);
+            x[i] += 2 * QK;
         }
     }
     if (b < t->blocks) {
         unpacked_block last = unpack(format, row, b);
-        for (int i = 0; i < R; i++) block_times_row(format, t, last, b, r0 + i, &acc0[i], &offset0[i]);
+        __m128 scale0 = group_scales(format, t, last, b, r0, &offset0);
+        for (int i = 0; i < R; i++) acc0[i] = block_times_row(format, x[i], last, lane(scale0, i), acc0[i]);
     }
-    for (int i = 0; i < R; i++) out[i] = sum8(_mm256_add_ps(acc0[i], acc1[i])) + (offset0[i] + offset1[i]);
+    float even_offsets[4], odd_offsets[4];
+    _mm_storeu_ps(even_offsets, offset0);
+    _mm_storeu_ps(odd_offsets, offset1);
+    for (int i = 0; i < R; i++) out[i] = sum8(_mm256_add_ps(acc0[i], acc1[i])) + (even_offsets[i] + odd_offsets[i]);
 }
 /* Block b of a weight row of `format` times its activation block: 8 int32 partial sums of the integer products,
    the weight's scale, and (4-bit formats) what the weight's offset adds: m d_x sum(q_x) for Q4_1 (weights d q + m),
@@ -917,22 +940,23 @@ static inline __attribute__((always_inline)) __m256i qblock(int format, const ui
 static inline __attribute__((always_inline)) float qdot(int format, const qmatvec_task *t, const uint8_t *row,
                                                         long r) {
     const int8_t *q = t->q + r * t->cols;
-    const float *d = t->d + r * t->blocks, *sum = t->sum + r * t->blocks;
+    const float *d = t->d + r, *sum = t->sum + r; /* [blocks][batch]: block b at b * batch */
+    long step = t->batch;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     float offset0 = 0, offset1 = 0, scale0, scale1;
     long b = 0;
     for (; b + 2 <= t->blocks; b += 2) {
-        __m256i p0 = qblock(format, row, b, _mm256_loadu_si256((const __m256i *)(q + b * QK)), sum[b], &scale0,
+        __m256i p0 = qblock(format, row, b, _mm256_loadu_si256((const __m256i *)(q + b * QK)), sum[b * step], &scale0,
                             &offset0);
-        __m256i p1 = qblock(format, row, b + 1, _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK)), sum[b + 1],
+        __m256i p1 = qblock(format, row, b + 1, _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK)), sum[(b + 1) * step],
                             &scale1, &offset1);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scale0 * d[b]), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(scale1 * d[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scale0 * d[b * step]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(scale1 * d[(b + 1) * step]), _mm256_cvtepi32_ps(p1), acc1);
     }
     if (b < t->blocks) {
-        __m256i p0 = qblock(format, row, b, _mm256_loadu_si256((const __m256i *)(q + b * QK)), sum[b], &scale0,
+        __m256i p0 = qblock(format, row, b, _mm256_loadu_si256((const __m256i *)(q + b * QK)), sum[b * step], &scale0,
                             &offset0);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scale0 * d[b]), _mm256_cvtepi32_ps(p0), acc0);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scale0 * d[b * step]), _mm256_cvtepi32_ps(p0), acc0);
     }
     return sum8(_mm256_add_ps(acc0, acc1)) + (offset0 + offset1);
 }
@@ -977,8 +1001,8 @@ static inline __attribute__((always_inline)) void qdot_rows(int format, int R, c
             const int8_t *x = t->q + (r0 + i) * t->cols + b * QK;
             int32_t total = 0;
             for (int j = 0; j < QK; j++) total += (int32_t)u.q[j] * x[j];
-            acc[i] += u.scale * t->d[(r0 + i) * t->blocks + b] * (float)total;
-            if (format == HK_Q4_1) offset[i] += u.offset * t->sum[(r0 + i) * t->blocks + b];
+            acc[i] += u.scale * t->d[b * t->batch + r0 + i] * (float)total;
+            if (format == HK_Q4_1) offset[i] += u.offset * t->sum[b * t->batch + r0 + i];
         }
     }
     for (int i = 0; i < R; i++) out[i] = acc[i] + offset[i];
@@ -1038,8 +1062,9 @@ static int reserve_quantized_x(long count) {
     int8_t *q = realloc(quantized_x, (size_t)count);
     if (!q) return -1;
     quantized_x = q;
-    float *scales = realloc(x_scales, 2 * (size_t)(count / QK) * sizeof(float));
+    float *scales = realloc(x_scales, (2 * (size_t)(count / QK) + MAX_ROWS) * sizeof(float)); /* + padding */
     if (!scales) return -1;
+    memset(scales + 2 * (count / QK), 0, MAX_ROWS * sizeof(float));
     x_scales = scales;
     quantized_x_size = (size_t)count;
     return 0;
@@ -1055,7 +1080,7 @@ static int qmatvec(int format, const void *w, const float *x, const float *bias,
     if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || batch < 1 || batch > MAX_ROWS || outs < 0) return -2;
     if (reserve_quantized_x(batch * cols) != 0) return -1;
     long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes;
-    quantize_activations(x, batch * cols, quantized_x, x_scales, x_scales + batch * blocks);
+    quantize_activations(x, batch, cols, quantized_x, x_scales, x_scales + batch * blocks);
     qmatvec_task t = {format, w, row_bytes, blocks, quantized_x, x_scales, x_scales + batch * blocks, bias, y,
                       outs, cols, batch, rows > 0 ? rows : 1, accumulate};
     parallel(qmatvec_chunk, &t, ceil_div(outs, t.rows_per_chunk));
