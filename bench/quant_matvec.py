@@ -30,14 +30,18 @@ from hivekeeper.core.runtime.quant.blocks import FORMATS, quantize
 STREAM_BYTES = 256 << 20
 
 
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}  # thread: this thread's CPU time (--threads 1)
+clock = time.perf_counter
+
+
 def time_calls(call, pointers: list[int], seconds: float) -> float:
     """Median seconds per call over rounds of one call per pointer, for about `seconds`."""
     rounds, started = [], time.perf_counter()
     while time.perf_counter() - started < seconds or len(rounds) < 3:
-        begin = time.perf_counter()
+        begin = clock()
         for pointer in pointers:
             call(pointer)
-        rounds.append((time.perf_counter() - begin) / len(pointers))
+        rounds.append((clock() - begin) / len(pointers))
     return statistics.median(rounds)
 
 
@@ -77,7 +81,11 @@ def main() -> None:
     parser.add_argument("--batch", nargs="+", type=int, default=[1], help="rows a product (1..8)")
     parser.add_argument("--seconds", type=float, default=1.0, help="time per format and kind")
     parser.add_argument("--threads", type=int, help="kernel threads (default: physical cores)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="thread: CPU time of this thread, steadier on a shared machine (with --threads 1)")
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     native = native_kernels.library()
     if native is None:
         print(json.dumps({"bench": "quant_matvec", "skipped": f"native kernels {native_kernels.status()}"}))
@@ -89,7 +97,7 @@ def main() -> None:
         load_before = os.getloadavg()
         results = measure(native, outs, cols, args.seconds, batch)
         print(json.dumps({
-            "bench": "quant_matvec", "shape": [outs, cols], "batch": batch, "results": results,
+            "bench": "quant_matvec", "shape": [outs, cols], "batch": batch, "clock": args.clock, "results": results,
             "native_kernels": native_kernels.status(), "variant": native.hk_variant().decode(),
             "loadavg_before": [round(v, 2) for v in load_before],
             "loadavg_after": [round(v, 2) for v in os.getloadavg()]}), flush=True)
