@@ -179,5 +179,11 @@ def test_servers_listed_offline_for_ten_years_are_still_routed_and_a_nearer_forg
     assert main(["swarm", "status", "--model", str(tiny_checkpoint), "--initial-peers", *swarm.initial_peers,
                  "--dht-prefix", PREFIX, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert {s["peer_id"]: s["state"] for s in report["servers"]} == {a: "online", c: "online", d: "online"}
-    assert report["gaps"] == [] and [b["servers"] for b in report["blocks"]] == [sorted([a, c]), sorted([a, d])]
+    # beside a, c and d, only what the tests above forged can be listed, while it lives (60 s; a fast run is still
+    # within it): the first test's fake_fast (a stranger that does not answer), and d claiming block 0
+    states = {s["peer_id"]: s["state"] for s in report["servers"]}
+    assert {peer: states.get(peer) for peer in (a, c, d)} == {a: "online", c: "online", d: "online"}
+    others = {peer: state for peer, state in states.items() if peer not in (a, c, d)}
+    assert others in ({}, {"fake_fast": "unreachable"})
+    listed = [set(block["servers"]) for block in report["blocks"]]
+    assert report["gaps"] == [] and listed[0] - {d} == {a, c} and listed[1] == {a, d}
