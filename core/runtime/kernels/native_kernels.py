@@ -172,14 +172,24 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if compiler is None:
         return None, "off: no C compiler found (set CC, or install gcc)"
     try:
-        path = build(compiler, _cache_dir(), variant)
-        library = ctypes.CDLL(str(path))
+        path, library = _build_and_open(compiler, variant)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        return None, f"off: {error}"
+        if variant != "avx512vnni" or os.environ.get(VARIANT_ENV, "").strip().lower() == variant:
+            return None, f"off: {error}"
+        variant, why = "avx2", f"the avx512vnni build failed ({str(error)[:200]})"  # an older compiler: AVX2 then
+        try:
+            path, library = _build_and_open(compiler, variant)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            return None, f"off: {error}"
     _declare(library)
     library.hk_set_spin(DEFAULT_SPIN_SECONDS)
     threads = library.hk_set_threads(default_threads())
     return library, f"on ({threads} threads, {variant}{': ' + why if why else ''}, {path.name})"
+
+
+def _build_and_open(compiler: str, variant: str) -> tuple[Path, ctypes.CDLL]:
+    path = build(compiler, _cache_dir(), variant)
+    return path, ctypes.CDLL(str(path))
 
 
 def _declare(library: ctypes.CDLL) -> None:

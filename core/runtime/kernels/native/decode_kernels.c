@@ -1026,14 +1026,15 @@ static inline __attribute__((always_inline)) void qmatvec_rows(int format, const
         const uint8_t *row = t->w + o * t->row_bytes;
         for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
             long rows = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
+#if HK_AVX2
             switch (rows) { /* a constant R in each: the accumulators stay in registers */
 #define HK_ROWS_CASE(R) case R: qdot_rows(format, R, t, row, r0, s); break;
             HK_ROWS_CASE(1) HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
-#if !HK_AVX2
-            HK_ROWS_CASE(5) HK_ROWS_CASE(6) HK_ROWS_CASE(7) HK_ROWS_CASE(8)
-#endif
 #undef HK_ROWS_CASE
             }
+#else
+            qdot_rows(format, (int)rows, t, row, r0, s); /* plain C: one copy (a copy per R only costs build time) */
+#endif
             for (long i = 0; i < rows; i++) {
                 float v = s[i] + (t->bias ? t->bias[o] : 0.0f), *y = t->y + (r0 + i) * t->outs + o;
                 *y = t->accumulate ? *y + v : v;

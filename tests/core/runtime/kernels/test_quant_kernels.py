@@ -190,3 +190,21 @@ def test_prefill_by_tiles_is_the_dequantized_product(native, name, monkeypatch):
     expected = torch.nn.functional.linear(x, torch.from_numpy(matrix.dequantize()), bias)
     assert y.shape == (1, 2 * native_kernels.MAX_ROWS + 3, OUTS)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiler_without_vnni_falls_back_to_the_avx2_build(tmp_path, kernel_build, monkeypatch):
+    """On a VNNI CPU whose compiler cannot build the avx512vnni build (an older gcc: here a wrapper that refuses the
+    flag), the avx2 build loads and the status says why; the kernels are not switched off."""
+    real = native_kernels._compiler()
+    kernel_build("avx512vnni")  # skips where this CPU does not run it
+    compiler = tmp_path / "cc"
+    compiler.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -mavx512vnni ] && {{ echo "no avx512vnni" >&2; exit 1; '
+                        f'}}; done\nexec {real} "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before: the avx2 build is compiled here
+    monkeypatch.setenv(native_kernels.VARIANT_ENV, "auto")
+    native_kernels.forget()
+    library = native_kernels.library()
+    assert library is not None and library.hk_variant().decode() == "avx2", native_kernels.status()
+    assert "the avx512vnni build failed" in native_kernels.status() and "no avx512vnni" in native_kernels.status()
