@@ -11,6 +11,12 @@ here, so the planner can read a GGUF's shape and stored bytes while staying free
   (fp32, bf16 or fp16), so a plan's memory is that format's size (costmodel.weight_bytes); `hivekeeper plan`
   reports both.
 
+Opening is fast: GGUFReader builds one numpy view per element of every metadata array up front (a 49152-token
+vocabulary and its merges: 100k views, ~12 s on a busy machine, paid by every process that opens the default model).
+`FastReader` (a GGUFReader) reads arrays of strings and numbers by a scan of their lengths instead, and gives each a
+`LazyArrayField`: its `contents()` decodes the values from the file in one pass; its `parts` and `data` (the views)
+are built by the package's own code on first access, so every value is what GGUFReader gives.
+
 Bad input (wrong magic, truncated file, an unknown architecture, several files in a folder, a split file) raises
 InputError with one line naming the file and the problem.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,15 +105,104 @@ def require_gguf(path: str | Path) -> Path:
 
 @functools.lru_cache(maxsize=4)
 def cached_reader(path: str, mtime_ns: int, size: int):
-    """GGUFReader parses every metadata value up front (seconds for a large vocabulary), so the loaders of one
-    process (config, span, embedding, head, tokenizer, plan) share a reader per file version."""
-    from gguf import GGUFReader
+    """The loaders of one process (config, span, embedding, head, tokenizer, plan) share a reader per file version."""
+    return fast_reader_class()(path, "r")
 
-    return GGUFReader(path, "r")
+
+@functools.cache
+def fast_reader_class():
+    """FastReader, defined on first use so that importing the planner does not import `gguf`."""
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.gguf_reader import ReaderField
+
+    class LazyArrayField(ReaderField):
+        """A non-empty array of strings or numbers: `contents()` from one pass over the file, `parts` and `data`
+        (GGUFReader's one view per element) built by GGUFReader's own code on first access."""
+
+        def __new__(cls, reader, offset: int, name: str, key_parts: list, value_offset: int, item_type, read_values):
+            self = super().__new__(cls, offset, name, [], [], [GGUFValueType.ARRAY, item_type])
+            self.__dict__.update(reader=reader, key_parts=key_parts, value_offset=value_offset,
+                                 read_values=read_values)
+            return self
+
+        @property
+        def parts(self) -> list:
+            return self.views()[0]
+
+        @property
+        def data(self) -> list:
+            return self.views()[1]
+
+        def views(self) -> tuple[list, list]:
+            if "built" not in self.__dict__:
+                _, parts, idxs, _ = GGUFReader._get_field_parts(self.reader, self.value_offset, GGUFValueType.ARRAY)
+                self.built = (self.key_parts + parts, [idx + len(self.key_parts) for idx in idxs])
+            return self.built
+
+        def contents(self, index_or_slice: int | slice = slice(None)):
+            if "values" not in self.__dict__:  # decoded on first use, as GGUFReader does (a bad string raises then)
+                self.values = self.read_values()
+            return self.values[index_or_slice]
+
+    class FastReader(GGUFReader):
+        """GGUFReader whose metadata arrays of strings and numbers are LazyArrayFields."""
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            for _ in range(count):
+                orig_offs = offs
+                kv_klen, kv_kdata = self._get_str(offs)
+                offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+                raw_kv_type = self._get(offs, np.uint32)
+                offs += int(raw_kv_type.nbytes)
+                key_parts, name = [kv_klen, kv_kdata, raw_kv_type], str(bytes(kv_kdata), encoding="utf-8")
+                is_array = raw_kv_type[0] == GGUFValueType.ARRAY
+                lazy = self.lazy_array(orig_offs, name, key_parts, offs) if is_array else None
+                if lazy is None:
+                    size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
+                    idxs = [idx + len(key_parts) for idx in idxs]
+                    self._push_field(ReaderField(orig_offs, name, key_parts + parts, idxs, types), skip_sum=True)
+                else:
+                    field, size = lazy
+                    self._push_field(field, skip_sum=True)
+                offs += size
+            return offs
+
+        def lazy_array(self, offset: int, name: str, key_parts: list, value_offset: int):
+            """(LazyArrayField, its bytes) for a non-empty array of strings or numbers at `value_offset`, else None
+            (nested or empty arrays, rare and short, take GGUFReader's own path)."""
+            item_type = int(self._get(value_offset, np.uint32)[0])
+            count = int(self._get(value_offset + 4, np.uint64)[0])
+            start = value_offset + 12
+            if count == 0 or item_type == GGUFValueType.ARRAY:
+                return None
+            if item_type == GGUFValueType.STRING:
+                read_values, end = self.string_values(start, count)
+            else:
+                dtype = np.dtype(self.gguf_scalar_to_np[GGUFValueType(item_type)])
+                end = start + count * dtype.itemsize
+                view = self._get(start, dtype, count)
+                read_values = view.tolist
+            if end > self.data.size:
+                raise ValueError(f"{name}: the array runs past the end of the file")
+            field = LazyArrayField(self, offset, name, key_parts, value_offset, GGUFValueType(item_type), read_values)
+            return field, end - value_offset
+
+        def string_values(self, start: int, count: int):
+            """(a function decoding the `count` strings from `start`, the offset after them); a string is a u64
+            length, then that many UTF-8 bytes."""
+            unpack = struct.Struct("<Q" if self.endianess.name == "LITTLE" else ">Q").unpack_from
+            buffer, offs, heads = memoryview(self.data), start, []
+            for _ in range(count):  # the one loop per string: lengths say where the next one starts
+                heads.append(offs)
+                offs += 8 + unpack(buffer, offs)[0]  # struct.error past the end of the file
+            heads.append(offs)
+            return (lambda: [str(buffer[a + 8:b], encoding="utf-8") for a, b in zip(heads, heads[1:])]), offs
+
+    return FastReader
 
 
 def open_reader(path: str | Path):
-    """The gguf package's GGUFReader of the GGUF at `path`; InputError for anything that is not a valid GGUF."""
+    """A GGUFReader (FastReader) of the GGUF at `path`; InputError for anything that is not a valid GGUF."""
     file = require_gguf(path)
     try:
         stat = file.stat()
