@@ -196,9 +196,25 @@ def fast_reader_class():
                 heads.append(offs)
                 offs += 8 + unpack(buffer, offs)[0]  # struct.error past the end of the file
             heads.append(offs)
-            return (lambda: [str(buffer[a + 8:b], encoding="utf-8") for a, b in zip(heads, heads[1:])]), offs
+            return functools.partial(decode_strings, buffer, heads), offs
 
     return FastReader
+
+
+def decode_strings(buffer: memoryview, heads: list[int]) -> list[str]:
+    """The strings whose u64 lengths start at `heads` (the last: where the next value starts), in one decode: each
+    length becomes one 0xFF byte, which UTF-8 never holds, so splitting the decoded text there gives the strings.
+    Text that is no UTF-8 is decoded string by string, which raises UnicodeDecodeError as GGUFReader does."""
+    raw = np.array(buffer[heads[0]:heads[-1]], dtype=np.uint8)
+    starts = np.asarray(heads[:-1], dtype=np.int64) - heads[0]
+    keep = np.ones(raw.size, dtype=bool)
+    keep[(starts[:, None] + np.arange(1, 8)).ravel()] = False
+    raw[starts] = 0xFF
+    text = raw[keep][1:].tobytes().decode("utf-8", errors="surrogateescape")
+    strings = text.split("\udcff")
+    if len(strings) == len(starts) and not re.search("[\udc80-\udcfe]", text):
+        return strings
+    return [str(buffer[a + 8:b], encoding="utf-8") for a, b in zip(heads, heads[1:])]
 
 
 def open_reader(path: str | Path):

@@ -115,9 +115,10 @@ def file_bytes(tmp_path_factory) -> bytes:
     return write_file(tmp_path_factory.mktemp("gguf") / "model.gguf").read_bytes()
 
 
-def test_a_bad_string_fails_where_gguf_reader_fails(tmp_path, file_bytes):
+@pytest.mark.parametrize("byte", [0xFF, 0x80], ids=["ff", "lone-continuation"])
+def test_a_bad_string_fails_where_gguf_reader_fails(tmp_path, file_bytes, byte):
     path, data = tmp_path / "model.gguf", bytearray(file_bytes)
-    data[data.index("中".encode())] = 0xFF  # not UTF-8: the file opens, decoding the tokens fails
+    data[data.index("中".encode())] = byte  # not UTF-8: the file opens, decoding the tokens fails
     path.write_bytes(bytes(data))
     with pytest.raises(UnicodeDecodeError):
         gguf.GGUFReader(path).get_field("tokenizer.ggml.tokens").contents()
