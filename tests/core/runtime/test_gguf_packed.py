@@ -141,4 +141,3 @@ def test_packed_small_file_matches_dequantized(tmp_path, family, kind):
     (prefill, step), (prefill_ref, step_ref) = results
     torch.testing.assert_close(prefill, prefill_ref, atol=1e-4, rtol=1e-4)
     assert (step - step_ref).abs().max() <= 0.05 * step_ref.abs().max()
-
