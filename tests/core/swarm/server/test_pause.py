@@ -155,6 +155,17 @@ def swarm(tiny_checkpoint, one_torch_thread):
         servers.close()
 
 
+@pytest.fixture(autouse=True)
+def owners_away(swarm):
+    """Each test starts and ends with both owners away, so one failing test cannot leave a server paused for the
+    next; and with both servers ONLINE."""
+    yield
+    for owner in swarm.owners.values():
+        owner.readings = AWAY
+    for server, _ in swarm.running.values():
+        swarm.loop.call_soon_threadsafe(server.command, {"command": "resume"})
+
+
 def wait_for(what, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while not what():
@@ -189,8 +200,13 @@ def local_greedy(checkpoint, prompt: torch.Tensor, new_tokens: int) -> torch.Ten
 def test_a_pausing_server_leaves_gracefully_frees_its_span_and_rejoins(swarm, tiny_checkpoint):
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
     paused: dict = {}
+    # probes and the gap wait sized for a loaded 2-core box running servers, client and compute in one process:
+    # the failover must not depend on the spare answering a ping within 1 s
     with SwarmModel(str(tiny_checkpoint), initial_peers=swarm.initial_peers, dht_prefix=PREFIX,
-                    retry_seconds=20.0) as model:
+                    retry_seconds=20.0, probe_timeout=5.0, ping_timeout=5.0, gap_seconds=20.0) as model:
+        for server, _ in swarm.running.values():
+            wait_for(lambda: server.state == ServerState.ONLINE)
+        assert all(rtt is not None for rtt in model.client.run(model.client.rtts(list(swarm.running))).values())
         with model.inference_session(prompt.shape[1] + 12) as session:
             def owner_comes_back(step: int, ids) -> None:
                 if step != 3:
