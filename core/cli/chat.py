@@ -111,9 +111,11 @@ class _Chat:
 
     def on_interrupt(self, signum, frame) -> None:
         # Ctrl-C: at the prompt, interrupt the read (a reminder is shown); otherwise stop the reply, if one is
-        # running — never end the chat, however fast the presses come
+        # running — never end the chat, however fast the presses come: the read is interrupted once (the flag is
+        # cleared before raising), so a second press landing in _read_line's except clause cannot escape it
         self.stop.set()
         if self.waiting_for_input:
+            self.waiting_for_input = False
             raise KeyboardInterrupt
 
     def converse(self) -> int:
