@@ -394,7 +394,10 @@ def _bounded_lstsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray, upper: np.nd
         free = np.array(states) == 0
         if free.any():
             rhs = b - a[:, ~free] @ x[~free]
-            x_free, *_ = np.linalg.lstsq(a[:, free], rhs, rcond=None)
+            try:
+                x_free, *_ = np.linalg.lstsq(a[:, free], rhs, rcond=None)
+            except np.linalg.LinAlgError:  # LAPACK's SVD can fail to converge on a near-singular subset: skip it
+                continue
             if np.any(x_free < lower[free] - 1e-12) or np.any(x_free > upper[free] + 1e-12):
                 continue
             x[free] = x_free
@@ -506,11 +509,16 @@ def fit_efficiency(model: ModelSpec, hardware: HardwareSpec, points: list[Profil
     for iterations in range(1, max_iterations + 1):
         steps = scale * 1e-3
         jac = np.stack([(residuals(theta + steps * e) - r) / (steps * e).sum() for e in np.eye(len(names))], axis=1)
+        if not np.isfinite(jac).all():  # a factor at the edge of its range predicts no finite time: stop here
+            break
         w = row_weights(r)
         # linearized (reweighted) problem in x = theta_new / scale, with the ridge rows appended
         a = np.vstack([jac * scale * w[:, None], ridge * np.eye(len(names))])
         b = np.concatenate([w * (jac @ theta - r), ridge * theta0 / scale])
-        candidate = _bounded_lstsq(a, b, lower / scale, upper / scale) * scale
+        solved = _bounded_lstsq(a, b, lower / scale, upper / scale)
+        if solved is None:  # no subset gave a finite cost (non-finite residuals): keep the factors reached so far
+            break
+        candidate = solved * scale
         step_size = 1.0
         while True:
             trial = theta + step_size * (candidate - theta)
