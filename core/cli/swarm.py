@@ -110,20 +110,16 @@ def run(args: argparse.Namespace) -> int:
                          "or hivekeeper swarm models [--initial-peers MADDR ...] [--json]")
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
-    from hivekeeper.core.swarm.dht import dht_prefix_for, live_peers, with_confirmed
-    from hivekeeper.core.swarm.status import swarm_status
+    from hivekeeper.core.swarm.dht import dht_prefix_for
+    from hivekeeper.core.swarm.status import read_swarm_status
 
     config = load_config(resolve_checkpoint(args.model, blocks=(0, 0), embeddings=False))
     prefix = dht_prefix_for(args.model, args.dht_prefix)
     client = SwarmClient(ClientConfig(_peers(args.initial_peers), prefix, config.num_layers))
     try:
-        view = client.run(client.view(refresh=True))  # servers listed OFFLINE are asked whether they serve
-        blocks = with_confirmed(view.blocks, view.spans)
-        peers = live_peers(blocks)  # those that left (OFFLINE, and not answering for their blocks) are not asked
-        rtts = client.run(client.rtts(peers)) if peers else {}
+        report = client.run(read_swarm_status(client, prefix))
     finally:
         client.close()
-    report = swarm_status(blocks, prefix, rtts)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -1,11 +1,23 @@
 """The status report of a swarm: per block, the servers covering it and its throughput; per server, its state, span
 and speed; the gaps and the bottleneck. `hivekeeper swarm status` prints it, the app's coverage chart draws it
-(gui/services/swarm_watch.py): one report, so the two never disagree.
+(gui/services/swarm_watch.py): one report, read the same way (`read_swarm_status`), so the two never disagree.
 """
 
 from __future__ import annotations
 
-from hivekeeper.core.swarm.dht import ServerState, block_throughputs, spans_of, without_peers
+from hivekeeper.core.swarm.dht import (ServerState, block_throughputs, live_peers, spans_of, with_confirmed,
+                                       without_peers)
+
+
+async def read_swarm_status(client, dht_prefix: str) -> dict:
+    """The report as a client (core/swarm/client) reads the swarm now: servers listed OFFLINE are asked whether they
+    serve their blocks (anyone can write OFFLINE under a server's key), then every live one is pinged; those that
+    left and do not answer for their blocks are not asked."""
+    view = await client.view(refresh=True)
+    blocks = with_confirmed(view.blocks, view.spans)
+    peers = live_peers(blocks)
+    rtts = await client.rtts(peers) if peers else {}
+    return swarm_status(blocks, dht_prefix, rtts)
 
 
 def swarm_status(blocks: list[dict], dht_prefix: str, rtts: dict[str, float | None] | None = None) -> dict:

@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
-    from hivekeeper.core.swarm.dht import dht_prefix_for, read_blocks
-    from hivekeeper.core.swarm.status import swarm_status
+    from hivekeeper.core.swarm.dht import dht_prefix_for
+    from hivekeeper.core.swarm.status import read_swarm_status
     from hivekeeper.planner.errors import InputError
 
     try:
@@ -74,10 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while not stop.is_set():
             try:
-                blocks = client.run(read_blocks(client.dht, prefix, config.num_layers), timeout=30)
-                peers = sorted({p for servers in blocks for p in servers})
-                rtts = client.run(client.rtts(peers), timeout=30) if peers else {}
-                _print({"event": "report", "time": time.time(), **swarm_status(blocks, prefix, rtts)})
+                report = client.run(read_swarm_status(client, prefix), timeout=60)
+                _print({"event": "report", "time": time.time(), **report})
             except Exception as exc:  # one failed read is reported; the next period tries again
                 _print({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
             stop.wait(args.period)
