@@ -252,6 +252,10 @@ class ContinuousBatcher(_EngineThread):
         size = max(length, FIRST_CACHE_TOKENS, 2 * old.max_length if old is not None else 0)
         self.pool = KVCache.allocate(self.config, len(self.span.blocks), self.max_rows, min(size, context),
                                      self.span.dtype, self.embedding.weight.device)
+        # decode_rows reads every row up to the longest one, masked: a NaN left in uninitialised memory past a short
+        # row's length would still poison its attention (0 x NaN), so the pool starts as zeros
+        self.pool.k.zero_()
+        self.pool.v.zero_()
         if old is not None:
             self.pool.k[:, :, :, : old.max_length].copy_(old.k)
             self.pool.v[:, :, :, : old.max_length].copy_(old.v)

@@ -10,6 +10,8 @@ length, which the caller keeps. `decode_rows` runs norms, the fused q/k/v projec
 MLP on all rows together ([n, 1, hidden]); each row's rotary angles and K/V writes are at its own position, and
 attention is one call per block over the pool's first n rows, masked to each row's length (and sliding window).
 `row_view` is one row as an ordinary batch-1 KVCache (sharing the memory), for prefilling it with `Span.forward`.
+The pool must hold finite values past each row's length (zeros: KVCache.allocate's memory is uninitialised): masked
+keys still enter the attention's sums with weight 0, and 0 x NaN is NaN.
 The results equal `Span.forward` run on each sequence alone, up to float rounding (the tests compare them).
 """
 

@@ -166,6 +166,28 @@ def test_a_cache_that_fills_grows_and_keeps_what_it_holds(batcher, runner, alone
     assert done[0].text == alone[0] and done[3].text == alone[3]
 
 
+def test_uninitialised_pool_memory_holding_nan_does_not_reach_a_short_row(batcher, runner, alone, monkeypatch):
+    """The pool comes from KVCache.allocate (torch.empty): here its memory holds NaN, as reused memory can; a short
+    row in a batch with a long one attends over the long one's length, masked, and must still give its own text."""
+    from hivekeeper.core.runtime.model import KVCache
+
+    allocate = KVCache.allocate.__func__
+
+    def poisoned(cls, *args, **kwargs):
+        cache = allocate(cls, *args, **kwargs)
+        cache.k.fill_(float("nan"))
+        cache.v.fill_(float("nan"))
+        return cache
+
+    monkeypatch.setattr(KVCache, "allocate", classmethod(poisoned))
+    outcomes = Outcomes(runner)
+    with batcher.hold():
+        for i in (3, 0):  # the long prompt first: the short one stands at a lower position in every step
+            batcher.submit(outcomes.request(i, PROMPTS[i]))
+    done = outcomes.wait()
+    assert done[0].text == alone[0] and done[3].text == alone[3]
+
+
 def test_the_serial_engine_gives_the_same_texts(runner, alone):
     saved = runner.model.config.eos_token_ids, getattr(runner.tokenizer, "eos_token_ids", ())
     engine = no_eos(SerialEngine(runner.model, runner.tokenizer), runner)
