@@ -51,42 +51,22 @@ def test_a_row_names_coverage_and_the_weakest_span_and_help_goes_where_it_adds_m
 
 def test_swarm_models_lists_a_loopback_swarm_and_where_this_machine_helps(tiny_checkpoint, capsys):
     """The CLI twin of the Swarm page's list: a real server of block 0 registers its model; block 1 is the gap."""
-    import asyncio
     import json
-    import threading
 
     from hivekeeper.core.cli.main import main
-    from hivekeeper.core.swarm.protocol import new_event_loop
-    from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
 
-    loop = new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    online = threading.Event()
-    server = SwarmServer(ServerConfig(checkpoint=tiny_checkpoint, dht_prefix="tiny", repository=str(tiny_checkpoint),
-                                      host="127.0.0.1", block_indices=(0, 1), throughput=3.0),
-                         status=lambda event: event["state"] == "online" and online.set())
-    future = asyncio.run_coroutine_threadsafe(server.run(), loop)
+    from .client.servers import InProcessServers
+
+    servers = InProcessServers(tiny_checkpoint, "tiny")
     try:
-        assert online.wait(60)
-        assert main(["swarm", "models", "--initial-peers", server.maddrs[0], "--json"]) == 0
+        servers.start((0, 1), "directory", throughput=3.0, repository=str(tiny_checkpoint))
+        (maddr,) = servers.initial_peers
+        assert main(["swarm", "models", "--initial-peers", maddr, "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
-        assert main(["swarm", "models", "--initial-peers", server.maddrs[0]]) == 0
+        assert main(["swarm", "models", "--initial-peers", maddr]) == 0
         text = capsys.readouterr().out
     finally:
-        loop.call_soon_threadsafe(server.stop)
-        future.result(30)
-
-        async def cancel_the_rest() -> None:  # hivemind leaves DHT refresh tasks behind
-            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in others:
-                task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(cancel_the_rest(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+        servers.close()
     (row,) = report["models"]
     assert (row["dht_prefix"], row["repository"], row["servers"], row["gaps"]) == ("tiny", str(tiny_checkpoint), 1, [1])
     assert row["weakest"] == {"start": 1, "end": 2, "throughput": 0} and report["best"] == "tiny"

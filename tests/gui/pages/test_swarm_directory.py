@@ -5,15 +5,13 @@ where nothing listens, is "bootstrap peers unreachable" in one line."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 
 import pytest
 
 from hivekeeper.core.swarm.bootstrap import BOOTSTRAP_ENV
-from hivekeeper.core.swarm.protocol import new_event_loop
-from hivekeeper.core.swarm.server.server import ServerConfig, SwarmServer
+
+from ...core.swarm.client.servers import InProcessServers
 
 START_MS = 180_000  # a node imports torch and hivemind and starts p2pd: slow on a busy machine
 
@@ -22,32 +20,14 @@ START_MS = 180_000  # a node imports torch and hivemind and starts p2pd: slow on
 def loopback_swarm(demo_checkpoint, monkeypatch):
     """A server of block 0 of the 2-block demo model, listed in the registry as the public servers list theirs;
     the default swarm's peers point at it."""
-    loop = new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    online = threading.Event()
-    config = ServerConfig(checkpoint=demo_checkpoint, dht_prefix="tiny-llama", repository=str(demo_checkpoint),
-                          host="127.0.0.1", block_indices=(0, 1), throughput=1.0, update_period=10.0)
-    server = SwarmServer(config, status=lambda event: event["state"] == "online" and online.set())
-    future = asyncio.run_coroutine_threadsafe(server.run(), loop)
+    servers = InProcessServers(demo_checkpoint, "tiny-llama", update_period=10.0)
     try:
-        assert online.wait(60), future.exception() if future.done() else "server not online"
+        peer = servers.start((0, 1), "directory", repository=str(demo_checkpoint))
+        server = servers.running[peer][0]
         monkeypatch.setenv(BOOTSTRAP_ENV, server.maddrs[0])
         yield server
     finally:
-        loop.call_soon_threadsafe(server.stop)
-        future.result(30)
-
-        async def cancel_the_rest() -> None:  # hivemind leaves DHT refresh tasks behind
-            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in others:
-                task.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(cancel_the_rest(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+        servers.close()
 
 
 def _open_swarm_page(window):

@@ -37,7 +37,7 @@ class InProcessServers:
 
     def start(self, blocks: tuple[int, int], name: str, *, record: dict | None = None, silent: bool = False,
               liar: float = 0.0, liar_after: int = 0, throughput: float = 1.0, pause_watch=None,
-              stats_period: float = 0.0) -> str:
+              stats_period: float = 0.0, repository: str | None = None) -> str:
         """Start a server of `blocks` and wait until it is online; returns its peer id."""
         online = threading.Event()
         events: list[dict] = []
@@ -50,7 +50,7 @@ class InProcessServers:
         config = ServerConfig(checkpoint=self.checkpoint, dht_prefix=self.prefix,
                               initial_peers=tuple(self.initial_peers), host="127.0.0.1", block_indices=blocks,
                               throughput=throughput, update_period=self.update_period, public_name=name,
-                              stats_period=stats_period)
+                              stats_period=stats_period, repository=repository)
         switches = {"HIVEKEEPER_TEST_RECORD": json.dumps(record or {}), "HIVEKEEPER_TEST_SILENT": "1" if silent else "",
                     "HIVEKEEPER_TEST_LIAR": str(liar) if liar else "", "HIVEKEEPER_TEST_LIAR_AFTER": str(liar_after)}
         with mock.patch.dict(os.environ, switches):
