@@ -6,8 +6,12 @@ folder per run), so the plan first runs the automatic quick measurement as a new
 prompt and output lengths right after it. Both through the real commands, one after the other, in each run: on a
 shared machine the load then slows the measurement and the decode alike (issue 23), and the ratio is per run.
 
+The default model is planned and run as `generate` runs it: its Q4_1 blocks kept packed (the plan's format q4_1).
+--dequantized adds a line for it dequantized to fp32 (HIVEKEEPER_GGUF_PACKED=0 for both the plan and the run).
+
     python bench/predicted_vs_measured.py                 # both models, 64 prompt + 64 new tokens, 3 runs
     python bench/predicted_vs_measured.py --runs 5 --no-measure
+    python bench/predicted_vs_measured.py --dequantized   # and SmolLM2 in fp32
 
 Goal: predicted decode tokens/s within 15% of the measured, for both models, uncalibrated (the median of the
 runs' ratios). Prints one JSON line per model: predicted and measured tokens/s and their ratio for every run, the
@@ -43,12 +47,11 @@ def hivekeeper(*args: str, env: dict | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def one_run(model: str, prompt_len: int, new_tokens: int, no_measure: bool) -> tuple[dict, float]:
-    """(the plan, measured decode tokens/s): a first plan on a machine never measured, then the decode."""
+def one_run(model: str, prompt_len: int, new_tokens: int, no_measure: bool, packed: bool) -> tuple[dict, float]:
+    """(the plan, measured decode tokens/s): a first plan on a machine never measured, then the decode; a GGUF's
+    blocks packed as the runtime keeps them by default, or (packed=False) dequantized in both."""
     with tempfile.TemporaryDirectory(prefix="hivekeeper-pvm-") as config:
-        # the GGUF dequantized, as the plan describes it (HIVEKEEPER_GGUF_PACKED=0 unless set: the packed default of
-        # issue 16 is not in the cost model yet, see bench/calibration_accuracy.py)
-        env = {"HIVEKEEPER_GGUF_PACKED": "0", **os.environ, "HIVEKEEPER_CONFIG_DIR": config}
+        env = {**os.environ, "HIVEKEEPER_CONFIG_DIR": config, "HIVEKEEPER_GGUF_PACKED": "1" if packed else "0"}
         plan = hivekeeper("plan", "--model", model, "--hardware", "auto", "--prompt-len", str(prompt_len),
                           "--output-len", str(new_tokens), "--json", *(["--no-measure"] if no_measure else []),
                           env=env)
@@ -58,9 +61,10 @@ def one_run(model: str, prompt_len: int, new_tokens: int, no_measure: bool) -> t
     return plan, measured
 
 
-def compare(model: str, name: str, prompt_len: int, new_tokens: int, runs: int, no_measure: bool) -> dict:
+def compare(model: str, name: str, prompt_len: int, new_tokens: int, runs: int, no_measure: bool,
+            packed: bool = True) -> dict:
     load_before = os.getloadavg()[0]
-    results = [one_run(model, prompt_len, new_tokens, no_measure) for _ in range(runs)]
+    results = [one_run(model, prompt_len, new_tokens, no_measure, packed) for _ in range(runs)]
     plan = results[-1][0]
     predicted = [p["decode_tokens_per_s"] for p, _ in results]
     measured = [m for _, m in results]
@@ -81,10 +85,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-measure", action="store_true", help="plan with estimates where there is no profile")
+    parser.add_argument("--dequantized", action="store_true", help="also the default model dequantized to fp32")
     args = parser.parse_args()
-    models = [(str(demo_preset("100m")), "demo-100m"), ("smollm2-135m-instruct", "smollm2-135m-instruct")]
-    for model, name in models:
-        print(json.dumps(compare(model, name, args.prompt_len, args.new_tokens, args.runs, args.no_measure)),
+    models = [(str(demo_preset("100m")), "demo-100m", True), ("smollm2-135m-instruct", "smollm2-135m-instruct", True)]
+    if args.dequantized:
+        models.append(("smollm2-135m-instruct", "smollm2-135m-instruct (fp32)", False))
+    for model, name, packed in models:
+        print(json.dumps(compare(model, name, args.prompt_len, args.new_tokens, args.runs, args.no_measure, packed)),
               flush=True)
 
 
