@@ -1,5 +1,6 @@
 """A failover that does not go smoothly (issue 24, the swarm client's survivors): the first replacement fails too, a
-session fails on its very first step, no replacement works before the retry deadline.
+session fails on its very first step, no replacement works before the retry deadline; and the ban list's rules for a
+busy server and a liar.
 
 Real servers of the tiny model's blocks [0, 2) run in this process (InProcessServers, each with its own p2pd on
 127.0.0.1): "silent" (its steps never answer; it still answers pings) and "slow", which announce 100 and 10 tokens/s,
@@ -11,12 +12,15 @@ Outputs are checked against the same blocks run here with a local KV cache.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from hivekeeper.core.runtime.checkpoint import load_span
 from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient, SwarmError
+from hivekeeper.core.swarm.client.routing import BanList
 
 from .servers import InProcessServers
 
@@ -45,7 +49,7 @@ def span(tiny_checkpoint):
 def make_client(swarm, retry_seconds: float) -> SwarmClient:
     """A client that has heard from every server (fresh for the whole test: recovery routes without probing)."""
     client = SwarmClient(ClientConfig(initial_peers=tuple(swarm.initial_peers), dht_prefix=PREFIX, num_blocks=2,
-                                      retry_seconds=retry_seconds, step_timeout=1.0, max_step_timeout=2.0,
+                                      retry_seconds=retry_seconds, step_timeout=2.0, max_step_timeout=2.0,
                                       fresh_seconds=300.0, swarm_cache_seconds=0.0))
     answered = client.run(client.rtts(list(swarm.running)))
     assert all(rtt is not None for rtt in answered.values()), answered
@@ -117,3 +121,31 @@ def test_a_replacement_that_fails_after_the_retry_deadline_ends_the_step_with_an
             assert session.recoveries == []
     finally:
         client.close()
+
+
+# ---- the ban list's rules behind a failover (plain BanList: no servers) -----------------------------------------------
+def test_a_busy_server_is_skipped_for_a_while_without_counting_as_a_failure():
+    bans = BanList(base_seconds=30.0, backoff=2.0)
+    assert bans.busy("default") == 2.0 and not bans.banned("never-busy")
+    assert bans.busy("p", 60.0) == 60.0 and bans.banned("p")
+    assert bans.fail("p") == 30.0  # its first failure: the busy answer was not one
+    bans.fail("q")  # banned for 30 s: a shorter busy skip does not end that ban early
+    bans.busy("q", 0.001)
+    time.sleep(0.01)
+    assert bans.banned("q")
+    short = BanList(base_seconds=0.001)
+    short.fail("r")
+    short.busy("r", 60.0)  # a longer busy skip outlasts a short ban
+    time.sleep(0.01)
+    assert short.banned("r")
+
+
+def test_a_server_caught_lying_stays_banned_and_the_ban_counts_as_a_failure():
+    bans = BanList(base_seconds=0.001, backoff=3.0)
+    bans.forever("p")
+    bans.fail("q")
+    bans.forever("q")
+    time.sleep(0.01)
+    assert bans.banned("p") and bans.banned("q")
+    assert bans.fail("p") == pytest.approx(0.003)  # its second failure
+    assert bans.fail("q") == pytest.approx(0.009)  # its third
