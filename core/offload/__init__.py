@@ -6,7 +6,8 @@
 - `offloaded_model`  OffloadedModel: the blocks run where the plan puts them, streaming what does not fit.
 - `weights`          the block reader: a layer's tensors from the checkpoint's files into a reused Block.
 - `streaming`        the slots that load the next streamed blocks while the current one computes.
-- `packed_stream`    a GGUF's streamed blocks kept packed: the file's Q8_0/Q4_0/Q4_1 bytes into packed slots.
+- `packed_stream`    a GGUF kept packed: its Q8_0/Q4_0/Q4_1 bytes read with pread into slots, resident blocks, head
+                     and embedding (none through the memory map), and their sizes for a RAM budget's placement.
 - `tiered_cache`     KV caches (or recompute inputs) with a tier per block.
 - `batch_run`        a batch over a prompts file with a given policy, reporting each step (the app's "Run this plan";
                      `generate --prompts-file` reads and tokenizes its prompts file here).

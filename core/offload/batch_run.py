@@ -105,7 +105,7 @@ def choose(run: BatchRun, path, config, *, batch: int, prompt_len: int, max_leng
     predicted = run.predict(batch, prompt_len, max(1, max_length - prompt_len)) if run.predict else run.predicted
     choice = PolicyChoice(run.policy, run.source, f"policy of {run.source}", predicted=predicted)
     plan = engine_plan(config, choice, batch=batch, max_length=max_length, ram_budget_bytes=run.ram_budget_bytes,
-                       prefill_tokens=min(256, max(1, prompt_len)))
+                       prefill_tokens=min(256, max(1, prompt_len)), model_path=path)
     return choice, plan
 
 

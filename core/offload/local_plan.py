@@ -249,14 +249,17 @@ def default_device() -> str:
 
 
 def engine_plan(config, choice: PolicyChoice, *, batch: int, max_length: int, ram_budget_bytes: float | None = None,
-                prefill_tokens: int = 256, device: str | None = None):
-    """The EnginePlan for this run (device, dtype and every block's tier)."""
+                prefill_tokens: int = 256, device: str | None = None, model_path: str | Path | None = None):
+    """The EnginePlan for this run (device, dtype and every block's tier). model_path: the model, so that a GGUF the
+    engine keeps packed is placed by its packed bytes (packed_stream.packed_sizes), not by the dtype's."""
+    from hivekeeper.core.offload.packed_stream import packed_sizes
     from hivekeeper.core.offload.placement import place_model
 
     device = device or default_device()
     dtype, quant = compute_dtype(choice.policy.weight_format, device)
+    held = packed_sizes(model_path, device, dtype, quant) if model_path is not None else {}
     return place_model(config, choice.policy, device=device, dtype=dtype, batch=batch, max_length=max_length,
-                       ram_budget_bytes=ram_budget_bytes, prefill_tokens=prefill_tokens, quant=quant)
+                       ram_budget_bytes=ram_budget_bytes, prefill_tokens=prefill_tokens, quant=quant, **held)
 
 
 def plan_local_run(plan_arg: str, model_path: str | Path, config, *, batch: int, prompt_len: int,
@@ -268,7 +271,7 @@ def plan_local_run(plan_arg: str, model_path: str | Path, config, *, batch: int,
     choice = choose_policy(plan_arg, model_path, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                            ram_budget_bytes=ram_budget_bytes, quant=quant, **search_options)
     plan = engine_plan(config, choice, batch=batch, max_length=max_length, ram_budget_bytes=ram_budget_bytes,
-                       prefill_tokens=min(256, max(1, prompt_len)), device=device)
+                       prefill_tokens=min(256, max(1, prompt_len)), device=device, model_path=model_path)
     return choice, plan
 
 

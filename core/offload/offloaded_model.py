@@ -32,7 +32,7 @@ from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 from hivekeeper.core.offload.block_variants import forward_with_attention_at_cache
-from hivekeeper.core.offload.packed_stream import PackedBlockReader
+from hivekeeper.core.offload.packed_stream import PackedBlockReader, load_outside, release_mapped_pages
 from hivekeeper.core.offload.placement import EnginePlan, cpu_attention_dtype, micro_batch_rows
 from hivekeeper.core.offload.streaming import BlockStreamer, Slot
 from hivekeeper.core.offload.tiered_cache import RecomputeCache, TieredKVCache, keep_between_blocks
@@ -163,9 +163,10 @@ class OffloadedModel:
         self.quant_store = None  # int8/nf4 blocks come from their quantized copies (see below)
         self._stream_reader = self.reader
         self.rotary = RotaryTable(config)
-        # a GGUF's streamed blocks stay packed too (CPU fp32): packed bytes from the map into packed slots
+        # a GGUF kept packed (CPU fp32): resident blocks, slots, head and embedding hold the file's packed bytes,
+        # read with pread into buffers of their own (the memory map's pages would count in RSS a second time)
         self.packed_reader = PackedBlockReader(self.checkpoint, self.rotary, drop_page_cache) \
-            if self._packed() and plan.streamed_blocks else None
+            if self._packed() else None
         try:
             # int8/nf4 blocks that stream, and on a CPU the resident ones too (bitsandbytes quantizes slowly there:
             # ~6 s for a 125M model at every start), come from the quantized store, built once
@@ -179,10 +180,14 @@ class OffloadedModel:
                                                    root=quant_store_dir, drop_page_cache=drop_page_cache)
                 if plan.streamed_blocks:
                     self._stream_reader = self.quant_store
-            self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
-            self.head = load_head(self.path, dtype=dtype, device=self.device,
-                                  embedding=self.embedding if config.tie_word_embeddings else None,
-                                  tall_by_column=not plan.streamed_blocks)
+            outside = load_outside(self.packed_reader) if self.packed_reader is not None else None
+            if outside is not None:
+                self.embedding, self.head = outside
+            else:
+                self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
+                self.head = load_head(self.path, dtype=dtype, device=self.device,
+                                      embedding=self.embedding if config.tie_word_embeddings else None,
+                                      tall_by_column=not plan.streamed_blocks)
             self.resident: dict[int, Block] = {}  # on the compute device
             self.pinned: dict[int, Block] = {}  # RAM blocks streamed to the GPU
             for layer, tier in enumerate(plan.weight_tiers):
@@ -204,6 +209,8 @@ class OffloadedModel:
         except BaseException:
             self.close()
             raise
+        if isinstance(self.checkpoint, GGUFCheckpoint):
+            release_mapped_pages(self.checkpoint)  # what small reads (norms, biases) left mapped
         _return_freed_memory()  # the temporaries of converting reads (a 16-bit plan over an fp32 file)
 
     def _stream_buffer(self, device: str | torch.device, pin: bool = False, layer: int = 0) -> Block:
@@ -226,8 +233,9 @@ class OffloadedModel:
             block = self.quant_store.empty_block(self.rotary, self.device, cpu_repack=True)  # kept: may repack
             self.quant_store.fill(block, layer)
             return block
-        # quantized on the GPU as it is loaded (fast there), or a GGUF's CPU fp32 block with its linears packed
-        if self.plan.quant != "none" or self._packed():
+        if self.packed_reader is not None:  # a GGUF's CPU fp32 block with its linears packed, read with pread
+            return self.packed_reader.load_block(layer)
+        if self.plan.quant != "none":  # quantized on the GPU as it is loaded (fast there)
             return load_block(self.checkpoint, layer, dtype=self.plan.dtype, device=self.device,
                               quant=self.plan.quant, rotary=self.rotary)
         block = empty_block(self.config, self.rotary, self.plan.dtype, self.device)

@@ -1,5 +1,6 @@
-"""Streaming a GGUF's blocks packed: the slots of streamed blocks hold Q8_0/Q4_0/Q4_1 linears as the file's block
-bytes (QuantizedLinear), as resident blocks and swarm spans do, instead of fp32 copies.
+"""A GGUF's weights held packed by the offload engine: the slots of streamed blocks, the resident blocks, the LM head
+and the embedding hold Q8_0/Q4_0/Q4_1 tensors as the file's block bytes (QuantizedLinear, PackedEmbedding), instead
+of fp32 copies, all read with positioned reads into buffers the process owns, never through the memory map.
 
 A streamed block is then read as its packed bytes straight from the file into the slot with positioned reads (one
 copy; the Q/K rows llama.cpp permuted are read into a scratch array and put back in Hugging Face's order by taking
@@ -8,10 +9,20 @@ block, and the step multiplies it with the quantized kernels. Reading with pread
 keeps the file's pages out of the process's RSS (a RAM budget is checked against RSS), and `drop_page_cache` evicts
 what was read from the page cache, for benchmarks of the disk itself (as weights.BlockReader does). A layer whose linears are stored otherwise than the slot's (another format, a type that is not
 packed) gets a block built for it (gguf.load_packed_block) in place of the slot's.
+
+Why not the memory map: every page of it the process touches counts in its RSS (file-backed, until unmapped or
+released), so a model read through it counted once in the copies and once more in the map; against a RAM budget
+that was 30% over on SmolLM2 (issue 22). `empty_block` allocates a layer's packed buffers without reading, `fill`
+preads into them; `load_outside` preads the head (and the embedding when it is another matrix) and the tied
+embedding looks its rows up in the head's bytes (an fp32 copy of SmolLM2's tied matrix is 113 MB against its 30 MB
+of Q8_0); `release_mapped_pages` drops what small reads through the map (norms, biases) left mapped. `packed_sizes`
+tells the placement what these hold, so a RAM budget is planned with the bytes that are really allocated.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import threading
 from collections import Counter
@@ -20,8 +31,10 @@ import numpy as np
 import torch
 
 from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes
-from hivekeeper.core.runtime.gguf import FUSED_LINEARS, GGUFCheckpoint, load_packed_block, packs, unpermute_qk
-from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
+from hivekeeper.core.runtime.checkpoint import EMBEDDING_TENSOR, FINAL_NORM_TENSOR, LM_HEAD_TENSOR
+from hivekeeper.core.runtime.gguf import (FUSED_LINEARS, GGUFCheckpoint, PackedHead, load_packed_block, packs,
+                                          unpermute_qk)
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, QuantizedMatrix
 from hivekeeper.core.runtime.model import Block, RotaryTable
 from hivekeeper.core.runtime.quant.blocks import format_of_ggml_type
 
@@ -43,8 +56,41 @@ class PackedBlockReader:
         self._lock = threading.Lock()
 
     def empty_block(self, layer: int) -> Block:
-        """A slot: layer `layer` loaded packed (later fills overwrite its bytes)."""
-        return load_packed_block(self.checkpoint, layer, self.rotary)
+        """A block shaped as layer `layer` loads packed, its buffers allocated but not read (`fill` reads them); a
+        layer with a linear that does not pack (another type) is loaded whole instead (gguf.load_packed_block)."""
+        if not all(packs(self.checkpoint, layer, pieces) for pieces in FUSED_LINEARS.values()):
+            return load_packed_block(self.checkpoint, layer, self.rotary)
+        with torch.device("meta"):
+            block = Block(self.config, layer, self.rotary)
+        for fused, pieces in FUSED_LINEARS.items():
+            names = [f"model.layers.{layer}.{piece}.weight" for piece in pieces]
+            fmt = format_of_ggml_type(int(self.checkpoint.tensors[names[0]].tensor_type))
+            outs, cols = sum(self.shapes[f"{piece}.weight"][0] for piece in pieces), self.shapes[f"{pieces[0]}.weight"][1]
+            matrix = QuantizedMatrix(fmt, np.empty((outs, fmt.row_bytes(cols)), dtype=np.uint8), outs, cols)
+            bias = torch.empty(outs) if self._biases(layer, pieces) else None
+            parent, child = fused.split(".")
+            setattr(getattr(block, parent), child, QuantizedLinear(matrix, bias))
+        for module in block.modules():  # the norms
+            for name, param in module.named_parameters(recurse=False):
+                if param.is_meta:
+                    module._parameters[name] = torch.nn.Parameter(torch.empty(param.shape), requires_grad=False)
+        block.rotary = self.rotary
+        return block.requires_grad_(False)
+
+    def load_block(self, layer: int) -> Block:
+        """Layer `layer` as a packed block of its own (a resident block): allocated, then read with pread."""
+        block, _ = self.fill(self.empty_block(layer), layer)
+        return block
+
+    def read_matrix(self, name: str, shape: tuple[int, int]) -> QuantizedMatrix | None:
+        """Tensor `name` (a head or embedding matrix) as its packed bytes read into a buffer of its own, or None when
+        it is not stored in a packable format."""
+        if not self.checkpoint.packable(name):
+            return None
+        fmt = format_of_ggml_type(int(self.checkpoint.tensors[name].tensor_type))
+        rows = np.empty((shape[0], fmt.row_bytes(shape[1])), dtype=np.uint8)
+        self._read_rows(name, rows, shape[0])
+        return QuantizedMatrix(fmt, rows, *shape)
 
     def stored_bytes(self, layer: int) -> int:
         """The bytes layer `layer` takes in the file (what one fill reads)."""
@@ -85,27 +131,31 @@ class PackedBlockReader:
         return [f"{piece}.bias" for piece in pieces if self.checkpoint.has(f"model.layers.{layer}.{piece}.bias")]
 
     def _copy_linears(self, block: Block, layer: int) -> None:
-        """Each piece's packed rows from the map into its rows of the slot's fused matrix."""
-        checkpoint = self.checkpoint
+        """Each piece's packed rows from the file into its rows of the slot's fused matrix, and its biases."""
         for fused, pieces in FUSED_LINEARS.items():
             module = _module(block, fused)
             dest, row = module.packed.numpy(), 0
             for piece in pieces:
                 name = f"model.layers.{layer}.{piece}.weight"
                 outs = self.shapes[f"{piece}.weight"][0]
-                rows = dest[row : row + outs]
-                heads = checkpoint.permuted_heads(name)
-                if heads:
-                    scratch = np.empty_like(rows)
-                    self._read(checkpoint.tensors[name], scratch, name)
-                    np.take(scratch, unpermute_qk(torch.arange(outs), heads).numpy(), axis=0, out=rows)
-                else:
-                    self._read(checkpoint.tensors[name], rows, name)
+                self._read_rows(name, dest[row : row + outs], outs)
                 row += outs
-            biases = self._biases(layer, pieces)
-            if biases:
-                module.bias.copy_(torch.cat([checkpoint.read(f"model.layers.{layer}.{name}", torch.float32,
-                                                             self.shapes[name]) for name in biases]))
+            start = 0
+            for name in self._biases(layer, pieces):
+                outs = self.shapes[name][0]
+                self._read_float(f"model.layers.{layer}.{name}", module.bias[start : start + outs])
+                start += outs
+
+    def _read_rows(self, name: str, rows: np.ndarray, outs: int) -> None:
+        """Tensor `name`'s packed rows into `rows` (Q/K rows that llama.cpp permuted put back in Hugging Face's
+        order, through a scratch array)."""
+        heads = self.checkpoint.permuted_heads(name)
+        if heads:
+            scratch = np.empty_like(rows)
+            self._read(self.checkpoint.tensors[name], scratch, name)
+            np.take(scratch, unpermute_qk(torch.arange(outs), heads).numpy(), axis=0, out=rows)
+        else:
+            self._read(self.checkpoint.tensors[name], rows, name)
 
     def _read(self, tensor, dest: np.ndarray, name: str) -> None:
         """A tensor's bytes from the file into `dest` (contiguous, exactly as many bytes) with positioned reads."""
@@ -123,7 +173,19 @@ class PackedBlockReader:
 
     def _copy_rest(self, block: Block, layer: int) -> None:
         for name in NORMS:
-            block.get_parameter(name).copy_(self.checkpoint.read(f"model.layers.{layer}.{name}", torch.float32, self.shapes[name]))
+            self._read_float(f"model.layers.{layer}.{name}", block.get_parameter(name))
+
+    def _read_float(self, name: str, dest: torch.Tensor) -> None:
+        """A norm or bias into `dest` (fp32, contiguous): an F32 tensor in Hugging Face's order read with pread;
+        another (F16, permuted Q/K biases) dequantized through the memory map, whose pages are then released (the
+        page cache may hold the file in large folios, and one small read through the map mapped up to 2 MB)."""
+        tensor = self.checkpoint.tensors[name]
+        if (tensor.tensor_type.name == "F32" and not self.checkpoint.permuted_heads(name)
+                and int(tensor.n_bytes) == dest.numel() * 4):
+            self._read(tensor, dest.numpy(), name)
+            return
+        dest.copy_(self.checkpoint.read(name, torch.float32, tuple(dest.shape)))
+        release_mapped_pages(self.checkpoint)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -140,3 +202,110 @@ def packed_slot_bytes(block: Block) -> int:
     """The bytes a slot block holds (packed linears at their block bytes, the rest fp32)."""
     return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in [*block.parameters(), *block.buffers()]}
                .values())
+
+
+class PackedEmbedding(torch.nn.Module):
+    """The token embedding kept as packed rows (`packed`, uint8 [vocab, row bytes]; for a tied model the head's own
+    buffer, shared): a lookup dequantizes only the rows asked for, bit for bit the values gguf's dequantizer gives
+    (what the fp32 embedding holds)."""
+
+    def __init__(self, matrix: QuantizedMatrix):
+        super().__init__()
+        self.fmt, self.vocab_size, self.hidden_size = matrix.fmt, matrix.outs, matrix.cols
+        self.register_buffer("packed", torch.from_numpy(np.ascontiguousarray(matrix.packed)))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The packed rows: the runners read only its device from it."""
+        return self.packed
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        ids = token_ids.reshape(-1).cpu().numpy()
+        rows = self.packed.numpy()[ids]  # a copy of the rows asked for, contiguous
+        values = QuantizedMatrix(self.fmt, rows, len(ids), self.hidden_size).dequantize()
+        return torch.from_numpy(values).view(*token_ids.shape, self.hidden_size)
+
+
+def head_tensor(checkpoint: GGUFCheckpoint) -> str:
+    """The tensor the LM head multiplies with: lm_head, or the tied embedding."""
+    untied = checkpoint.has(LM_HEAD_TENSOR) and not checkpoint.config.tie_word_embeddings
+    return LM_HEAD_TENSOR if untied else EMBEDDING_TENSOR
+
+
+def load_outside(reader: PackedBlockReader) -> tuple[torch.nn.Module, PackedHead] | None:
+    """(embedding, head) of a GGUF whose head matrix is packed: the head's bytes read with pread; the embedding
+    its rows when tied, else its own packed rows (or fp32 when stored otherwise). None when the head matrix does not
+    pack (the engine then loads both as checkpoint.py does)."""
+    checkpoint, config = reader.checkpoint, reader.config
+    shape = (config.vocab_size, config.hidden_size)
+    name = head_tensor(checkpoint)
+    matrix = reader.read_matrix(name, shape)
+    if matrix is None:
+        return None
+    with torch.device("meta"):
+        head = PackedHead(config)
+    norm = torch.empty(config.hidden_size)
+    reader._read_float(FINAL_NORM_TENSOR, norm)
+    head.load_state_dict({"norm.weight": norm}, strict=False, assign=True)
+    head.lm_head = QuantizedLinear(matrix)
+    head.weight = None
+    if name == EMBEDDING_TENSOR:
+        embedding = PackedEmbedding(QuantizedMatrix(matrix.fmt, head.lm_head.packed.numpy(), *shape))
+    else:
+        own = reader.read_matrix(EMBEDDING_TENSOR, shape)
+        embedding = PackedEmbedding(own) if own is not None else _fp32_embedding(checkpoint)
+    return embedding, head.requires_grad_(False)
+
+
+def _fp32_embedding(checkpoint: GGUFCheckpoint) -> torch.nn.Module:
+    from hivekeeper.core.runtime.checkpoint import load_embedding
+
+    return load_embedding(checkpoint.path)
+
+
+def outside_held_bytes(checkpoint: GGUFCheckpoint) -> int | None:
+    """The bytes load_outside's embedding, final norm and head hold, or None when it would not load them."""
+    config = checkpoint.config
+    name, fp32 = head_tensor(checkpoint), config.vocab_size * config.hidden_size * 4
+    if not checkpoint.packable(name):
+        return None
+    held = checkpoint.stored_bytes(name) + config.hidden_size * 4
+    if name != EMBEDDING_TENSOR:
+        held += checkpoint.stored_bytes(EMBEDDING_TENSOR) if checkpoint.packable(EMBEDDING_TENSOR) else fp32
+    return held
+
+
+def release_mapped_pages(checkpoint: GGUFCheckpoint) -> None:
+    """Drop the pages of the GGUF's memory map that reads through it (norms, biases, metadata) left mapped into
+    this process (madvise MADV_DONTNEED: a read-only shared map refaults them from the page cache when read again),
+    so that they leave its RSS. Nothing where madvise is not available."""
+    data = getattr(checkpoint.reader, "data", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if not isinstance(data, np.ndarray) or advice is None or data.nbytes == 0:
+        return
+    page, start = mmap.PAGESIZE, data.ctypes.data
+    first = -(-start // page) * page  # whole pages of this map only
+    length = (start + data.nbytes - first) // page * page
+    if length > 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), ctypes.c_int(advice))
+
+
+def packed_sizes(model_path, device, dtype: torch.dtype, quant: str) -> dict[str, int]:
+    """place_model's held_block_bytes / held_outside_bytes for a run of `model_path` on `device` in `dtype`: a GGUF
+    the engine keeps packed (CPU, fp32, no --quant, gguf.packed_by_default) holds its largest block and its head
+    (and embedding) at their packed bytes; {} for anything else (the dtype's sizes hold)."""
+    from hivekeeper.planner.gguf_metadata import is_gguf
+
+    from hivekeeper.core.runtime.gguf import packed_block_bytes, packed_by_default
+
+    if (torch.device(device).type != "cpu" or dtype != torch.float32 or quant != "none" or not packed_by_default()
+            or not is_gguf(model_path)):
+        return {}
+    checkpoint = GGUFCheckpoint(model_path)
+    sizes = {"held_block_bytes": max(packed_block_bytes(checkpoint, layer)
+                                     for layer in range(checkpoint.config.num_layers))}
+    outside = outside_held_bytes(checkpoint)
+    if outside is not None:
+        sizes["held_outside_bytes"] = outside
+    return sizes

@@ -221,7 +221,8 @@ def _spread(n_marked: int, total: int) -> list[bool]:
 
 def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.device, dtype: torch.dtype, batch: int,
                 max_length: int, ram_budget_bytes: float | None = None, prefill_tokens: int = 256,
-                quant: str = "none") -> EnginePlan:
+                quant: str = "none", held_block_bytes: int | None = None,
+                held_outside_bytes: int | None = None) -> EnginePlan:
     """A tier for every block's weights and KV cache from the policy's fractions, capped by a RAM budget.
 
     The budget counts what the engine holds in RAM: embeddings and LM head (when the CPU computes), RAM-resident
@@ -229,6 +230,8 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
     RAM/disk split is followed; with one, every block not on the GPU goes to RAM while the budget holds and the rest
     stays on disk. The interpreter and torch themselves (the process baseline) are not part of the budget.
     With quant "int8"/"nf4" every block counts its quantized size; the streamed ones come from runtime/quant/store.py.
+    held_block_bytes / held_outside_bytes: what a block (the largest) and the embedding, norm and head take as the
+    engine holds them when that is not the dtype's size (a GGUF kept packed: packed_stream.packed_sizes).
     """
     device = str(torch.device(device))
     on_gpu = torch.device(device).type == "cuda"
@@ -251,12 +254,14 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
     # int8/nf4 blocks are held quantized wherever they are: resident, pinned, or in a slot the store fills
     bb = block_bytes(config, dtype) if quant == "none" else \
         quantized_block_bytes(config, quant, quant_compute_dtype(dtype, device))
+    bb = bb if held_block_bytes is None else int(held_block_bytes)
     recompute = policy.kv_recompute
     cache_ram = cache["cpu"] * cache_bytes_per_block(config, batch, max_length, dtype, recompute)
     fixed = {"kv_cache": cache_ram}
     rows = micro_batch_rows(batch, policy.micro_batch_size, policy.num_micro_batches)
     if not on_gpu:
-        fixed["embedding_and_head"] = outside_bytes(config, dtype)
+        fixed["embedding_and_head"] = outside_bytes(config, dtype) if held_outside_bytes is None \
+            else int(held_outside_bytes)
         fixed["activations"] = workspace_bytes(config, batch, min(prefill_tokens, max_length), dtype)
         if quant == "none" and dtype != torch.float32:
             fixed["conversion_buffers"] = sixteen_bit_cpu_transients(config, dtype)
