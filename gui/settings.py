@@ -18,10 +18,10 @@ from hivekeeper.core.swarm.server.pause import parse_hours
 from hivekeeper.planner.costmodel import TIERS
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.fields import Fields
+from hivekeeper.planner.policy import QUANTS  # the Plan page's weight format: any --quant value
 
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3.1-8B-Instruct"
 GOALS = ("chat", "batch", "serve")
-QUANTS = ("auto", "none", "int8", "nf4")
 
 
 def config_dir() -> Path:

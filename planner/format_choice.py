@@ -3,17 +3,32 @@
 The runtime keeps a GGUF's Q8_0/Q4_0/Q4_1 linears packed on a CPU (its native kernels multiply them as stored) and
 dequantizes every other GGUF type; it never re-quantizes a GGUF, and packs no other checkpoint. So a plan for a GGUF
 of those types on a CPU is in that format (the speed and bytes `generate` will see), and a packed --quant for
-anything else is refused. `hivekeeper plan` and the engine's own planning (core/offload/local_plan.py) both ask here.
-`runtime_packs` is the runtime's switch (core/runtime/gguf.packed_by_default: HIVEKEEPER_GGUF_PACKED=0 turns it off).
+anything else is refused. `hivekeeper plan`, the app's Plan page and model fits, and the engine's own planning
+(core/offload/local_plan.py) all ask here: `plan_constraints` turns --quant into the search's Constraints, and
+`quant_options` lists the --quant values that apply to a model on a machine (the Plan page's choices).
+`runtime_packs` is the runtime's switch (`packed_by_default`: HIVEKEEPER_GGUF_PACKED=0 turns it off). It is read
+here, torch-free, so the app plans what the runtime runs without importing torch; core/runtime/gguf.py uses it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .errors import InputError
-from .formats import PACKED_FORMATS
+from .formats import BITSANDBYTES_FORMATS, PACKED_FORMATS
 from .gguf_metadata import gguf_sizes, is_gguf
+from .hardware import HardwareSpec
+from .policy import Constraints
+
+PACKED_ENV = "HIVEKEEPER_GGUF_PACKED"  # "0" turns packed GGUF blocks off where they are the default
+
+
+def packed_by_default() -> bool:
+    """Whether the runtime loads GGUF blocks packed where nothing says otherwise (CPU fp32 spans, and the local
+    engine's CPU fp32 blocks): yes, unless HIVEKEEPER_GGUF_PACKED=0, so that a swarm's spans and a local run of the
+    same file compute the same thing (tests/core/swarm/test_real_model_swarm.py)."""
+    return os.environ.get(PACKED_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -69,3 +84,37 @@ def format_choice(model: str, quant: str, *, on_cpu: bool, runtime_packs: bool =
         return FormatChoice("none", why=why)
     return FormatChoice(own, (own,), own, why=f"the GGUF's own {own} weights, kept packed in RAM and multiplied by the "
                                               f"CPU's {own} kernels, as `generate` runs them")
+
+
+def plan_constraints(model: str, quant: str, hardware: HardwareSpec, goal: str, *, batch_size: int | None = None,
+                     reserve_bytes: dict[str, float] | None = None,
+                     runtime_packs: bool | None = None) -> tuple[Constraints, FormatChoice]:
+    """The search's Constraints for --quant on this model and machine, and the format choice behind them (the plan's
+    "format" row): the one way `hivekeeper plan`, the Plan page and the model library's fits plan a model. A serving
+    goal plans a GGUF's span dequantized (the server's cost model has no packed span yet). runtime_packs: None reads
+    packed_by_default(). InputError when --quant does not apply (format_choice)."""
+    packs = packed_by_default() if runtime_packs is None else runtime_packs
+    choice = format_choice(model, quant, on_cpu=not hardware.has_gpu, runtime_packs=packs)
+    if goal == "serve" and choice.quant in PACKED_FORMATS:
+        choice = FormatChoice("none", why=f"serve: a server's span is planned dequantized (the packed {choice.quant} "
+                                          f"span is not in the server's cost model yet)")
+    constraints = Constraints(quant=choice.quant, batch_size=batch_size, reserve_bytes=dict(reserve_bytes or {}),
+                              packed_formats=choice.packed_formats, file_format=choice.file_format)
+    return constraints, choice
+
+
+def quant_options(model: str, hardware: HardwareSpec, runtime_packs: bool | None = None) -> tuple[str, ...]:
+    """The --quant values that mean something for this model on this machine, in the order a menu lists them: auto;
+    a GGUF's own Q8_0/Q4_0/Q4_1 on a CPU where the runtime packs it; none (16-bit or fp32, a GGUF dequantized);
+    bitsandbytes int8 and nf4 for a checkpoint (not a GGUF) on a CUDA GPU (not Apple's unified memory)."""
+    packs = packed_by_default() if runtime_packs is None else runtime_packs
+    options = ["auto"]
+    if is_gguf(model):
+        own = gguf_packed_type(model)
+        if own is not None and packs and not hardware.has_gpu:
+            options.append(own)
+        return (*options, "none")
+    options.append("none")
+    if any(not gpu.unified_memory for gpu in hardware.gpus):
+        options += BITSANDBYTES_FORMATS
+    return tuple(options)

@@ -17,11 +17,11 @@ import sys
 
 from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
-from hivekeeper.planner.format_choice import FormatChoice, format_choice
+from hivekeeper.planner.format_choice import FormatChoice, plan_constraints
 from hivekeeper.planner.formats import PACKED_FORMATS
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
-from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Constraints, Plan, plan_to_dict, search
+from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Plan, plan_to_dict, search
 
 from hivekeeper.core.runtime.default_model import model_path_or_id
 
@@ -144,13 +144,6 @@ def measure_quickly() -> str:
             f"(--no-measure plans with estimates)")
 
 
-def runtime_packs_gguf() -> bool:
-    """Whether the runtime keeps GGUF blocks packed (gguf.packed_by_default: HIVEKEEPER_GGUF_PACKED=0 turns it off)."""
-    from hivekeeper.core.runtime.gguf import packed_by_default
-
-    return packed_by_default()
-
-
 def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object, FormatChoice]:
     """Read and check the options, then search: (the plan, the bytes per tier it leaves free, the HardwareSpec, the
     format choice). Every problem is an InputError naming the option."""
@@ -179,13 +172,8 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     model = load_model_spec(model_arg)
     hardware, efficiency = _hardware(args.hardware, overrides, measure=not args.no_measure)
     reserve = kept_free(hardware, reserve_gb)
-    choice = format_choice(model_arg, args.quant, on_cpu=not hardware.gpus,
-                           runtime_packs=is_gguf(model_arg) and runtime_packs_gguf())  # torch only for a GGUF
-    if args.goal == "serve" and choice.quant in PACKED_FORMATS:  # a server's span format follows plan_server's rule
-        choice = FormatChoice("none", why=f"serve: a server's span is planned dequantized (the packed {choice.quant} "
-                                          f"span is not in the server's cost model yet)")
-    constraints = Constraints(quant=choice.quant, batch_size=batch, reserve_bytes=reserve,
-                              packed_formats=choice.packed_formats, file_format=choice.file_format)
+    constraints, choice = plan_constraints(model_arg, args.quant, hardware, args.goal, batch_size=batch,
+                                           reserve_bytes=reserve)  # as the app's Plan page plans it
     plan = search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
     return plan, reserve, hardware, choice
 

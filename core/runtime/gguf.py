@@ -26,7 +26,6 @@ architecture or tensor type, a missing tokenizer) raises InputError with one lin
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,8 @@ import torch
 from torch import Tensor
 
 from hivekeeper.planner.errors import InputError
+# the runtime's packing switch (HIVEKEEPER_GGUF_PACKED), read torch-free beside the planner's format choice
+from hivekeeper.planner.format_choice import PACKED_ENV, packed_by_default  # noqa: F401 (used here and re-exported)
 from hivekeeper.planner.gguf_metadata import (PERMUTED_ARCHITECTURES, SUPPORTED_TYPES, architecture,
                                               check_tensor_types, hf_config_dict, hf_name, open_reader, require_gguf,
                                               unsupported_type)
@@ -44,19 +45,11 @@ from hivekeeper.core.runtime.model import Block, Head, ModelConfig, RotaryTable
 from hivekeeper.core.runtime.quant.blocks import format_of_ggml_type
 from hivekeeper.core.runtime.tokenizer import Tokenizer
 
-PACKED_ENV = "HIVEKEEPER_GGUF_PACKED"  # "0" turns packed GGUF blocks off where they are the default
 # a block's linears as loaded: fused module path -> the HF pieces concatenated (by rows) into it
 FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                  "self_attn.o_proj": ("self_attn.o_proj",),
                  "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
                  "mlp.down_proj": ("mlp.down_proj",)}
-
-
-def packed_by_default() -> bool:
-    """Whether GGUF blocks load packed where nothing says otherwise (CPU fp32 spans, and the local engine's
-    resident CPU fp32 blocks): yes, unless HIVEKEEPER_GGUF_PACKED=0, so that a swarm's spans and a local run of the
-    same file compute the same thing (tests/core/swarm/test_real_model_swarm.py)."""
-    return os.environ.get(PACKED_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def load_gguf_config(path: str | Path) -> ModelConfig:

@@ -1,5 +1,7 @@
 """Page 2, Plan: pick a model, turn the knobs, and see the prediction change at once.
 
+The Weight format menu lists what applies to the model on the machine chosen (plan_view.quant_choices: a GGUF's own
+Q8_0/Q4_0/Q4_1 packed on a CPU, fp32/bf16, bitsandbytes on a CUDA GPU) and plans as `hivekeeper plan --quant` does.
 The numbers, the bottleneck and the memory bars are recomputed on the GUI thread (one planner search: a few ms,
 up to ~70 ms for the batch goal) a few ms after a knob moves; the two charts (many searches) are computed on a
 worker and follow a moment later. The fit of every catalog model is computed on a worker when the machine changes.
@@ -30,7 +32,7 @@ from hivekeeper.gui.viewmodels import plan_view
 from hivekeeper.gui.widgets.memory_bars import MemoryBars
 from hivekeeper.gui.widgets.model_menu import model_menu
 from hivekeeper.gui.widgets.plan_run import RunPlanBox
-from hivekeeper.gui.settings import GOALS, TIERS, PlanSettings
+from hivekeeper.gui.settings import GOALS, QUANTS, TIERS, PlanSettings
 from hivekeeper.gui.style import (ACCENT, BAD, GOOD, MUTED, WARN, StatCard, fmt_bytes, fmt_energy, fmt_rate, fmt_seconds, label,
                     page_layout)
 from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
@@ -39,8 +41,6 @@ DETECTED = "detected"
 FIT_COLORS = {"local": GOOD, "swarm": WARN, "none": BAD}
 FIT_MARKS = {"local": "✓", "swarm": "☁", "none": "✗"}
 CARD_HEIGHT = 112  # the top cards' least height (pixels); the bottleneck's text may need more
-QUANT_LABELS = {"auto": "auto (quantize if it pays)", "none": "16-bit (no quantization)",
-                "int8": "int8", "nf4": "nf4 (4-bit)"}
 GOAL_LABELS = {"chat": "chat (one fast stream)", "batch": "batch (most tokens/s)", "serve": "serve (swarm node)"}
 
 
@@ -96,6 +96,7 @@ class PlanPage(QWidget):
         self._chart_job: WorkerThread | None = None
         self._chart_pending = False
         self._fit_job: WorkerThread | None = None
+        self._quant_key: tuple | None = None  # (model, machine) the Weight format menu was filled for
         self._loading = True
         self._shut_down = False
 
@@ -191,6 +192,8 @@ class PlanPage(QWidget):
         form.addRow("", self.machine_label)
         form.addRow("Goal", self.goal_combo)
         form.addRow("Weight format", self.quant_combo)
+        self.format_label = label("", "small", wrap=True)  # what the weight format became for this model, and why
+        form.addRow("", self.format_label)
         form.addRow("Context length", self.context_spin)
         form.addRow("Batch", self.batch_spin)
         form.addRow("Leave free", self._build_reserve_row())
@@ -211,9 +214,9 @@ class PlanPage(QWidget):
         self.goal_combo = QComboBox()
         for goal in GOALS:
             self.goal_combo.addItem(GOAL_LABELS[goal], goal)
-        self.quant_combo = QComboBox()
-        for quant, text in QUANT_LABELS.items():
-            self.quant_combo.addItem(text, quant)
+        self.quant_combo = QComboBox()  # every value until a model and machine narrow it (_fill_quant_choices)
+        for quant in QUANTS:
+            self.quant_combo.addItem(quant, quant)
         for combo in (self.hardware_combo, self.goal_combo, self.quant_combo):
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.setMinimumContentsLength(14)
@@ -497,6 +500,7 @@ class PlanPage(QWidget):
         self.headroom_label.setText(_headroom_words(hardware))
         try:
             model = self._model_spec(self.settings.model)
+            self._fill_quant_choices(hardware)
             result = plan_view.plan_for(model, hardware, self.settings, self.efficiency())
         except InputError as exc:
             self._show_error(str(exc))
@@ -512,6 +516,25 @@ class PlanPage(QWidget):
             self._chart_job.abort()
         self._chart_timer.start()
 
+    def _fill_quant_choices(self, hardware: HardwareSpec) -> None:
+        """The Weight format menu for this model on this machine (plan_view.quant_choices), refilled when either
+        changes; a choice that no longer applies becomes auto."""
+        key = (self.settings.model, hardware.id, hardware.has_gpu, tuple(g.unified_memory for g in hardware.gpus))
+        if key == self._quant_key:
+            return
+        choices = plan_view.quant_choices(self.settings.model, hardware)
+        self._quant_key = key
+        self.quant_combo.blockSignals(True)
+        self.quant_combo.clear()
+        for quant, text in choices:
+            self.quant_combo.addItem(text, quant)
+        index = self.quant_combo.findData(self.settings.quant)
+        self.quant_combo.setCurrentIndex(max(0, index))
+        self.quant_combo.blockSignals(False)
+        if index < 0:
+            self.settings.quant = self.quant_combo.currentData()
+            self.settingsChanged.emit()
+
     def _show_error(self, message: str) -> None:
         self.error = message
         self.error_label.setText(message)
@@ -522,6 +545,8 @@ class PlanPage(QWidget):
         name = Path(model.name).name if "/" not in model.name or Path(model.name).exists() else model.name
         where = "this machine" if self.settings.hardware == DETECTED else self.settings.hardware
         self.headline.setText(f"{name} on {where}")
+        why = (n.get("format_choice") or {}).get("why", "")
+        self.format_label.setText(why[:1].upper() + why[1:])
         calibrated = is_calibrated(plan.efficiency)
         self.factors_label.setText(f"Cost-model factors: {plan.efficiency} "
                                    f"({'calibrated on this machine' if calibrated else 'not calibrated'})")

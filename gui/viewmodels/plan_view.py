@@ -1,5 +1,8 @@
 """What the Plan page shows, computed from the planner alone (no Qt): one function per panel, each fast.
 
+    plan_format(...)   the search's constraints for the knobs and the weight format choice behind them, as
+                       `hivekeeper plan --quant` makes them (a GGUF's own Q8_0/Q4_0/Q4_1 kept packed on a CPU)
+    quant_choices(...) the Weight format menu for a model on a machine: (--quant value, words) pairs
     plan_for(...)      the recommendation for the knobs, or the user's placement override evaluated (~1–70 ms)
     memory_bars(...)   per tier: weights / KV cache / activations and buffers / free, in bytes
     batch_chart(...)   best tokens/s at each batch size, and the point of the current choice
@@ -15,12 +18,17 @@ import numpy as np
 
 from hivekeeper.planner import policy as planner_policy
 from hivekeeper.planner.costmodel import (Placement, Workload, block_weight_bytes, evaluate, kv_cache_bytes,
-                                          machine_view)
+                                          machine_view, weight_bytes)
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.format_choice import FormatChoice, gguf_packed_type, plan_constraints, quant_options
+from hivekeeper.planner.formats import get_format
+from hivekeeper.planner.gguf_metadata import is_gguf
 from hivekeeper.planner.hardware import HardwareSpec, default_headroom
 from hivekeeper.planner.models import ModelSpec
 from hivekeeper.planner.runtime import idealized_runtime
+
+from hivekeeper.core.runtime.default_model import model_path_or_id
 
 from hivekeeper.gui.settings import PlanSettings, TIERS
 
@@ -33,21 +41,47 @@ class PlanResult:
     """One evaluation of the knobs: the planner's Plan, its JSON-style numbers, and whether it is an override."""
 
     plan: planner_policy.Plan
-    numbers: dict  # policy.plan_to_dict of the plan (or of the override's evaluation)
+    numbers: dict  # policy.plan_to_dict of the plan (or of the override's evaluation), with "format_choice"
     overridden: bool
+    format_choice: FormatChoice | None = None  # what the Weight format knob became for this model here, and why
 
 
 def workload_of(settings: PlanSettings) -> Workload:
     return Workload(settings.prompt_len, settings.output_len, settings.context_len or None)
 
 
-def constraints_of(settings: PlanSettings, hardware: HardwareSpec | None = None) -> planner_policy.Constraints:
-    """The search's constraints for the knobs: the user's "Leave free" on top of the default headroom of
-    `hardware` (planner.hardware.default_headroom; none when hardware is None)."""
-    headroom = default_headroom(hardware) if hardware is not None else {}
-    return planner_policy.Constraints(
-        quant=settings.quant, batch_size=settings.batch_size or None,
-        reserve_bytes={tier: settings.reserve_gb.get(tier, 0.0) * GB + headroom.get(tier, 0.0) for tier in TIERS})
+def constraints_of(settings: PlanSettings, hardware: HardwareSpec) -> planner_policy.Constraints:
+    """The search's constraints for the knobs (plan_format)."""
+    return plan_format(settings, hardware)[0]
+
+
+def plan_format(settings: PlanSettings, hardware: HardwareSpec) -> tuple[planner_policy.Constraints, FormatChoice]:
+    """The search's constraints for the knobs and the format choice behind them, made by the planner call
+    `hivekeeper plan --quant` makes (format_choice.plan_constraints: a GGUF's own Q8_0/Q4_0/Q4_1 packed on a CPU):
+    the user's "Leave free" on top of the default headroom of `hardware` (planner.hardware.default_headroom).
+    InputError when the weight format does not apply to this model here."""
+    headroom = default_headroom(hardware)
+    reserve = {tier: settings.reserve_gb.get(tier, 0.0) * GB + headroom.get(tier, 0.0) for tier in TIERS}
+    return plan_constraints(model_path_or_id(settings.model), settings.quant, hardware, settings.goal,
+                            batch_size=settings.batch_size or None, reserve_bytes=reserve)
+
+
+def quant_choices(model: str, hardware: HardwareSpec) -> list[tuple[str, str]]:
+    """The Weight format menu for `model` on `hardware`: (--quant value, words), only the values that apply there
+    (format_choice.quant_options: a GGUF's own packed type on a CPU, bitsandbytes on a CUDA GPU)."""
+    path = model_path_or_id(model)
+    gguf = is_gguf(path)
+    own = gguf_packed_type(path) if gguf else None
+    packed_auto = own is not None and own in quant_options(path, hardware)
+    on_cpu = not hardware.has_gpu
+    words = {
+        "auto": (f"auto (the file's own {own}, packed)" if packed_auto else
+                 "auto (fp32 or 16-bit, the faster)" if on_cpu else "auto (quantize if it pays)"),
+        "none": (("fp32 / bf16 (dequantized)" if on_cpu else "16-bit (dequantized)") if gguf else
+                 ("fp32 / bf16 (no quantization)" if on_cpu else "16-bit (no quantization)")),
+        "int8": "int8 (bitsandbytes)", "nf4": "nf4 4-bit (bitsandbytes)",
+    }
+    return [(quant, words.get(quant, f"{quant} (the file's own, packed)")) for quant in quant_options(path, hardware)]
 
 
 def _placement(percent: dict[str, float], has_gpu: bool, what: str) -> Placement:
@@ -66,12 +100,12 @@ def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
     KV cache placement, evaluated by the cost model (the search's other choices kept). `efficiency`: the cost-model
     factors for this machine (measured or calibrated), None for the defaults."""
     workload = workload_of(settings)
-    constraints = constraints_of(settings, hardware)
+    constraints, choice = plan_format(settings, hardware)
     price = settings.price_per_hour or None
     plan = planner_policy.search(model, hardware, settings.goal, constraints, workload, efficiency=efficiency,
                                  price_per_hour=price)
     if not settings.override_placement or settings.goal == "serve" or plan.prediction is None:
-        return PlanResult(plan, planner_policy.plan_to_dict(plan), False)
+        return PlanResult(plan, numbers_of(plan, settings, choice), False, choice)
     has_gpu = hardware.has_gpu
     best = plan.prediction.policy
     weights = _placement(settings.weights_percent, has_gpu, "weights placement")
@@ -89,7 +123,16 @@ def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
                                              ". This placement does not fit in memory (see the bars).")
     overridden = replace(plan, prediction=prediction, runtime=runtime, fit=fit, reason=reason, missing_bytes=None,
                          warnings=planner_policy.plan_warnings(prediction if prediction.fits else None, runtime))
-    return PlanResult(overridden, planner_policy.plan_to_dict(overridden), True)
+    return PlanResult(overridden, numbers_of(overridden, settings, choice), True, choice)
+
+
+def numbers_of(plan: planner_policy.Plan, settings: PlanSettings, choice: FormatChoice) -> dict:
+    """policy.plan_to_dict of the plan, with the "format_choice" object `hivekeeper plan --json` adds."""
+    numbers = planner_policy.plan_to_dict(plan)
+    if numbers.get("policy") is not None:
+        numbers["format_choice"] = {"format": numbers["policy"]["weight_format"], "quant": settings.quant,
+                                    "why": choice.why}
+    return numbers
 
 
 def predict_run(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings, policy,
@@ -142,9 +185,10 @@ def memory_bars(model: ModelSpec, hardware: HardwareSpec, result: PlanResult) ->
     if prediction is None:
         return []
     policy = prediction.policy
-    value_bytes = 4.0 if policy.weight_format == "fp32" else 2.0
+    # the KV cache and the weights outside the blocks are fp32 beside fp32 or packed block weights (costmodel)
+    value_bytes = 4.0 if policy.weight_format == "fp32" or get_format(policy.weight_format).packed else 2.0
     blocks = model.num_layers * block_weight_bytes(model, policy.weight_format)
-    outside = model.outside_block_params() * value_bytes
+    outside = weight_bytes(model, policy.weight_format) - blocks
     acc_tier = "gpu" if hardware.has_gpu else "cpu"
     tokens = plan.workload.cache_len
     if policy.kv_recompute:
@@ -233,8 +277,10 @@ class ModelFit:
 
 def model_fit(model: ModelSpec, hardware: HardwareSpec, model_id: str | None = None,
               efficiency: MachineEfficiency | None = None) -> ModelFit:
-    """Whether a model runs here (chat, default knobs), only with the swarm, or not at all, and why."""
-    constraints = planner_policy.Constraints(reserve_bytes=default_headroom(hardware))
+    """Whether a model runs here (chat, default knobs), only with the swarm, or not at all, and why: planned in
+    the format the runtime runs it in (a GGUF's own Q8_0/Q4_0/Q4_1 packed on a CPU: format_choice)."""
+    constraints, _ = plan_constraints(model_path_or_id(model_id or model.name), "auto", hardware, "chat",
+                                      reserve_bytes=default_headroom(hardware))
     plan = planner_policy.search(model, hardware, "chat", constraints, efficiency=efficiency)
     return ModelFit(model_id or model.name, plan.fit, fit_words(plan), plan.reason)
 

@@ -34,9 +34,10 @@ def test_placement_fields_follow_the_plan_and_have_no_gpu_without_one(make_windo
 
 
 def test_the_bottleneck_card_holds_its_whole_text(make_window, qtbot):
-    window, plan = _window(make_window, qtbot, "cpu-generic", model="mistralai/Mixtral-8x7B-v0.1", quant="nf4")
+    # (bitsandbytes nf4, whose CPU dequantization gave the longest text, is no longer offered on a CPU)
+    window, plan = _window(make_window, qtbot, "cpu-generic", model="mistralai/Mixtral-8x7B-v0.1")
     card = plan.bottleneck_card
-    assert "dequantization" in card.detail.text()  # a long explanation
+    assert "disk reads" in card.detail.text() and len(card.detail.text()) > 120  # a long explanation
     QApplication.processEvents()
     qtbot.waitUntil(lambda: card.height() >= card.heightForWidth(card.width()), timeout=5_000)
     detail = card.detail
