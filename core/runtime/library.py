@@ -287,8 +287,11 @@ def add_fits(models: list[LibraryModel], hardware=None) -> None:
 
 
 def model_fit(path: str, hardware) -> tuple[str, str]:
-    """(fit words, the planner's reason); ("?", why) when the planner cannot read the model."""
+    """(fit words, the planner's reason); ("?", why) when the planner cannot read the model. Planned in the format
+    `generate` runs it in (format_choice.plan_constraints): a GGUF's own Q8_0/Q4_0/Q4_1 weights packed on a CPU, as
+    many bytes as the file holds them in, not dequantized to fp32."""
     from hivekeeper.planner import policy as planner_policy
+    from hivekeeper.planner.format_choice import plan_constraints
     from hivekeeper.planner.hardware import default_headroom
     from hivekeeper.planner.model_catalog import load_model_spec
 
@@ -296,7 +299,7 @@ def model_fit(path: str, hardware) -> tuple[str, str]:
         file = Path(path)
         spec = file_fact(file, "spec", lambda p: load_model_spec(str(p))) if file.is_file() else \
             load_model_spec(path)
-        constraints = planner_policy.Constraints(reserve_bytes=default_headroom(hardware))
+        constraints, _ = plan_constraints(path, "auto", hardware, "chat", reserve_bytes=default_headroom(hardware))
         plan = planner_policy.search(spec, hardware, "chat", constraints)
     except InputError as exc:
         return "?", str(exc)
