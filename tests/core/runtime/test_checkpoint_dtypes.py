@@ -76,3 +76,29 @@ def test_a_final_norm_of_another_shape_is_named(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="model.norm.weight.*shape"):
         load_head(folder)
+
+
+def rewrite_weights(folder, change) -> None:
+    """Apply change(tensors) to the demo checkpoint's single weights file."""
+    from safetensors.torch import load_file, save_file
+
+    (path,) = folder.glob("*.safetensors")
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_tied_head_ignores_a_stored_lm_head_and_an_untied_one_must_be_stored(tmp_path):
+    """Tied embeddings win over an `lm_head.weight` the file also holds (some exports keep a copy; here a different
+    one); an untied model whose file lacks the head is named as such."""
+    tied = make_demo_checkpoint(tmp_path / "tied", layers=1, tie_embeddings=True)
+    config = load_config(tied)
+    rewrite_weights(tied, lambda tensors: tensors.update({"lm_head.weight": torch.zeros(config.vocab_size,
+                                                                                         config.hidden_size)}))
+    embedding = load_embedding(tied)
+    assert load_head(tied, embedding=embedding).weight is embedding.weight
+    assert torch.equal(load_head(tied).weight, embedding.weight)  # read from the embedding, not the zeros
+    untied = make_demo_checkpoint(tmp_path / "untied", layers=1)
+    rewrite_weights(untied, lambda tensors: tensors.pop("lm_head.weight"))
+    with pytest.raises(InputError, match=r"tensor 'lm_head.weight' is missing \(and the embeddings are not tied\)"):
+        load_head(untied)
