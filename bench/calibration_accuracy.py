@@ -21,9 +21,17 @@ it beside the packed format's prediction (`default_model_packed_decode_tokens_pe
 
 The measurement and the runs share one process and follow each other, so a machine's load slows both alike; the
 load average is reported at each stage. Prints ONE JSON line. Goals (issue 23): calibrated decode MAPE <= 10%,
-prefill <= 15%; uncalibrated (after the quick measurement) <= 20%; the default model's decode within 15%.
+prefill <= 15%; uncalibrated (after the quick measurement) <= 20%; the default model's decode within 15% (as
+`generate` runs it: the packed row's prediction after the quick measurement alone; the fp32 row with --quick).
 
-    python bench/calibration_accuracy.py [--quick] [--repeats N] [--dump FILE]
+The other kind of machine: `--as avx2` runs the same bench as a CPU without AVX512 and without 16-bit math (an
+AVX2 + FMA desktop or an older EPYC) on an AVX512 one, by pinning what each part picks its code by: the features
+every decision reads (HIVEKEEPER_CPU_FLAGS, so the native kernels load their AVX2 build and 16-bit CPU plans are
+off), OpenBLAS's kernels (OPENBLAS_CORETYPE=Haswell), torch's (ATEN_CPU_CAPABILITY=avx2) and MKL's
+(MKL_ENABLE_INSTRUCTIONS=AVX2). RAM bandwidth and cache sizes stay this machine's. The line's "machine" says which
+flags, kernels and BLAS cores ran.
+
+    python bench/calibration_accuracy.py [--quick] [--repeats N] [--dump FILE] [--as avx2]
 """
 
 from __future__ import annotations
@@ -46,6 +54,31 @@ WIDE = dict(layers=2, hidden=2048, intermediate=5632, heads=16, kv_heads=4, voca
 QUICK_THIN = dict(layers=12, hidden=256, intermediate=704, heads=4, kv_heads=2, vocab=2048, max_position=512)
 QUICK_WIDE = dict(layers=2, hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=2048, max_position=512)
 GOALS = {"decode_calibrated": 0.10, "prefill_calibrated": 0.15, "uncalibrated": 0.20, "default_model": 0.15}
+# --as avx2: the environment that makes this process pick its code as an AVX2 + FMA CPU without 16-bit math does
+AVX2_MACHINE = {"HIVEKEEPER_CPU_FLAGS": "sse4_2 avx f16c avx2 fma", "OPENBLAS_CORETYPE": "Haswell",
+                "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def run_as(kind: str) -> None:
+    """Start this bench again in the environment of the other kind of machine (`--as avx2`; see the module doc):
+    the BLAS libraries read theirs when they load, so it must be set before this process imports them."""
+    if kind == "this" or all(os.environ.get(k) == v for k, v in AVX2_MACHINE.items()):
+        return  # this kind, or already started again in the other's environment
+    import sys
+
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_MACHINE})
+
+
+def machine_line(kind: str) -> dict:
+    """Which CPU features, decode kernels and BLAS cores this run used (for --as avx2: the pinned ones)."""
+    import torch
+
+    from hivekeeper.core.machine.cpu_features import describe
+    from hivekeeper.core.runtime.kernels.native_kernels import status
+
+    return {"as": kind, "cpu_flags": describe(), "native_kernels": status(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **{k.lower(): os.environ[k] for k in AVX2_MACHINE if k != "HIVEKEEPER_CPU_FLAGS" and k in os.environ}}
 
 
 def grids(quick: bool, repeats: int):
@@ -134,7 +167,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two small demo models and smaller grids (a smoke run)")
     parser.add_argument("--repeats", type=int, default=2, help="repeats per grid point (the fastest is kept)")
     parser.add_argument("--dump", metavar="FILE", help="also write the calibration and the evaluation points (JSON)")
+    parser.add_argument("--as", dest="kind", choices=("this", "avx2"), default="this",
+                        help="avx2: run as a CPU without AVX512 and 16-bit math (pinned features and BLAS kernels)")
     args = parser.parse_args()
+    run_as(args.kind)
 
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.measure import QUICK, TerminalProgress, run_benchmarks
@@ -192,7 +228,15 @@ def main() -> None:
             name: [pt.as_dict() for pt in points] for name, points in evaluated.items()}}))
     line = result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
                        loads)
-    print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed}))
+    line["goals_met"]["default_model"] = default_model_goal(default, packed)
+    print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed, "machine": machine_line(args.kind)}))
+
+
+def default_model_goal(default: dict, packed: dict) -> bool:
+    """Whether the default model's decode, as `generate` runs it (the packed row when there is one, else fp32), is
+    predicted within GOALS["default_model"] after the quick measurement alone."""
+    ratio = (packed or default).get("uncalibrated_ratio", float("nan"))
+    return abs(ratio - 1) <= GOALS["default_model"]
 
 
 def result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
@@ -205,7 +249,6 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
     by_key = {m.key: m for m in measurements}
     summary = {f"{phase}_mape_{form}_pct": overall(errors, phase, form)
                for phase in ("decode", "prefill") for form in ("calibrated", "uncalibrated")}
-    ratio = default.get("uncalibrated_ratio", float("nan"))
     return {
         "bench": "calibration_accuracy", "quick": args.quick, "models": list(models), "threads": threads,
         "measure_s": round(measure_s, 1), "calibration_s": round(calibration.profile_seconds, 1),
@@ -223,8 +266,7 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
         "goals_met": {"decode_calibrated": summary["decode_mape_calibrated_pct"] <= 100 * GOALS["decode_calibrated"],
                       "prefill_calibrated": summary["prefill_mape_calibrated_pct"] <= 100 * GOALS["prefill_calibrated"],
                       "uncalibrated": max(summary["decode_mape_uncalibrated_pct"],
-                                          summary["prefill_mape_uncalibrated_pct"]) <= 100 * GOALS["uncalibrated"],
-                      "default_model": abs(ratio - 1) <= GOALS["default_model"]},
+                                          summary["prefill_mape_uncalibrated_pct"]) <= 100 * GOALS["uncalibrated"]},
     }
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import fit_bytes_and_blocks, measure_decode_blocks
-from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
+from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY,
+                                                 WEIGHT_STREAM_KEY,
                                                  Measurement)
 from hivekeeper.core.machine.profiles import apply_measurements
 from hivekeeper.planner.calibration import measured_efficiency
@@ -137,3 +138,30 @@ def test_decode_steps_faster_than_the_ram_sum_raise_the_ram_bandwidth():
     # a sum() faster than the steps stays as it is
     calm = apply_measurements(get_hardware("cpu-generic"), KINDS["numpy"], when=1.7e9)
     assert calm.cpu.memory_bandwidth == pytest.approx(RAM) and "raised" not in calm.cpu.sources["memory_bandwidth"]
+
+
+def test_a_packed_thin_model_pays_each_blocks_measured_cost_beside_its_kernels():
+    """The default model as `generate` runs it (Q4_1 packed, 30 thin blocks): a one-row step is the kernels'
+    compute (slower than reading the packed bytes at these rates), plus the measured fixed cost of each block, plus
+    the packed Q8_0 head. Two machines that differ only in that fixed cost: the thin model pays the difference 10x
+    as often as the wide one (30 blocks against 3)."""
+    kernel_rate = 10e9
+    kernels = Measurement(f"{PACKED_KERNEL_KEY}q4_1", "q4_1 kernel", kernel_rate, "weights/s", 0.0, 3, 0.0)
+    ram = Placement(gpu=0.0, cpu=1.0, disk=0.0)
+    policy = Policy(weight_format="q4_1", weights=ram, kv_cache=ram, activations=ram, micro_batch_size=1)
+    steps = {}
+    for block_s in (0.02e-3, 0.6e-3):
+        hardware = apply_measurements(get_hardware("cpu-generic"), [*records(30e9, block_s, 2.0), kernels],
+                                      when=1.7e9)
+        for model in (THIN, WIDE):
+            numbers = model_numbers(model)
+            compute = model.num_layers * numbers.matrix_params / kernel_rate
+            blocks = model.num_layers * block_s
+            prediction = evaluate(model, hardware, policy, Workload(prompt_len=8, output_len=8),
+                                  measured_efficiency(hardware))
+            steps[block_s, model.name] = 1.0 / prediction.decode_tokens_per_s
+            head = numbers.head_params / kernel_rate  # the head's q8_0 kernels, at about the same rate
+            assert compute + blocks < steps[block_s, model.name] <= compute + blocks + 2 * head
+    extra = {model: steps[0.6e-3, model] - steps[0.02e-3, model] for model in ("thin", "wide")}
+    assert extra["thin"] == pytest.approx(30 * 0.58e-3, rel=1e-3)
+    assert extra["wide"] == pytest.approx(3 * 0.58e-3, rel=1e-3)
