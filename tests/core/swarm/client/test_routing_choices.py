@@ -1,8 +1,8 @@
 """Routing rules a mutation run found unchecked (docs/testing.md): the forward route draws among equally long spans
-in proportion to their throughput, names the block nobody covers, and keeps each hop's span (its dtype and speed
-are read from it); an inference route weighs throughput (when no inference speed is known), latency (an unmeasured
-peer counts as 0.1 s) and cache room (exactly enough is enough); a peer that answers is cleared even if it never
-failed."""
+in proportion to their throughput (below 1 too; one claiming none is all but never drawn), names the block nobody
+covers, and keeps each hop's span (its dtype and speed are read from it); an inference route weighs throughput (when
+no inference speed is known), latency (an unmeasured peer counts as 0.1 s) and cache room (exactly enough is
+enough); a peer that answers is cleared even if it never failed."""
 
 from __future__ import annotations
 
@@ -62,3 +62,11 @@ def test_inference_routes_weigh_speed_latency_and_cache_room():
     rtts = {"exact": 0.01, "roomy": 0.01}
     assert route_inference([roomy, exact], 0, 4, rtts=rtts, cache_tokens_needed=64)[0].peer_id == "exact"
     assert route_inference([roomy, exact], 0, 4, rtts=rtts, cache_tokens_needed=65)[0].peer_id == "roomy"
+
+
+def test_forward_routes_share_by_throughput_below_one_too_and_servers_claiming_none_still_route():
+    slow, slower, idle = span("slow", 0, 4, 0.9), span("slower", 0, 4, 0.1), span("idle", 0, 4, 0.0)
+    rng = random.Random(8)
+    routes = [route_forward([slow, slower, idle], 0, 4, rng=rng)[0].peer_id for _ in range(2000)]
+    assert abs(routes.count("slow") / len(routes) - 0.9) < 0.03 and "idle" not in routes
+    assert route_forward([idle, span("idle too", 0, 4, 0.0)], 0, 4, rng=rng)[0].peer_id in ("idle", "idle too")
