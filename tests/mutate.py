@@ -188,6 +188,43 @@ def restore_verdicts(name: str, folder: Path) -> int:
     return restored
 
 
+# Each mutant's test run is a pytest session of its own, and tests/conftest.py gives every session a fresh cache
+# folder: the native kernels (core/runtime/kernels/native_kernels.py) were compiled again for every mutant whose tests
+# run a model (20-40 s of a busy 2-core machine each). This C compiler wrapper keeps one build per source and flags.
+REUSING_CC = """#!/bin/sh
+case "$1" in --version|-v) exec "$HIVEKEEPER_MUTATE_CC" "$@";; esac
+key="" out="" previous=""
+for arg in "$@"; do
+  if [ "$previous" = "-o" ]; then out="$arg"; else key="$key $arg"; fi
+  case "$arg" in *.c) key="$key $(sha256sum < "$arg")";; esac
+  previous="$arg"
+done
+[ -n "$out" ] || exec "$HIVEKEEPER_MUTATE_CC" "$@"
+kept="$HIVEKEEPER_MUTATE_BUILDS/$(printf %s "$key" | sha256sum | cut -c1-32)"
+if [ ! -f "$kept" ]; then
+  "$HIVEKEEPER_MUTATE_CC" "$@" || exit $?
+  cp "$out" "$kept.$$" && mv "$kept.$$" "$kept"
+  exit 0
+fi
+cp "$kept" "$out"
+"""
+
+
+def mutmut_environment() -> dict[str, str]:
+    """The environment of a mutmut run: CC reuses native builds (REUSING_CC) unless CC is set or no compiler is
+    found."""
+    env = dict(os.environ)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if "CC" in env or compiler is None:
+        return env
+    wrapper, builds = WORK / "reusing-cc", WORK / "native-builds"
+    builds.mkdir(parents=True, exist_ok=True)
+    wrapper.write_text(REUSING_CC)
+    wrapper.chmod(0o755)
+    env.update(CC=str(wrapper), HIVEKEEPER_MUTATE_CC=compiler, HIVEKEEPER_MUTATE_BUILDS=str(builds))
+    return env
+
+
 def run_mutmut(folder: Path, jobs: int, seconds: float, names: list[str] = ()) -> tuple[int | None, str]:
     """`mutmut run [names]` in folder, stopped (with its process group) at the deadline; (exit code or None,
     output). Named mutants are tested again even when the cache has a result for them."""
@@ -195,7 +232,7 @@ def run_mutmut(folder: Path, jobs: int, seconds: float, names: list[str] = ()) -
     with log.open("wb") as out:
         child = subprocess.Popen([str(BIN / "mutmut"), "run", "--max-children", str(jobs), *names], cwd=folder,
                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+                                 start_new_session=True, env=mutmut_environment())
         try:
             code = child.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
