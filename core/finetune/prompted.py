@@ -7,8 +7,9 @@ added there, for deep_ptune), exactly where training put them. The cache it hand
 context is the model's less the prompt tokens.
 
 Locally the blocks are loaded whole into RAM (the offload engine's placement is not used with prompts). Through a
-swarm ptune prompts run as the first step of the session; deep_ptune prompts need the servers to add them inside
-each block, which our inference sessions do not send yet, so they are refused there with a clear error.
+swarm the prompts run as the first step of the session; deep_ptune's per-block prompts go with that step, each
+server getting its blocks' slice (Petals' inference `prompts` tensor), and with every replay of those positions
+(a failover's replacement, a spot check's referee).
 """
 
 from __future__ import annotations
@@ -122,19 +123,17 @@ def local_prompted_model(path, prompts_file, config) -> tuple[PromptedModel, str
 
 
 def swarm_prompted_model(swarm_model, prompts_file) -> tuple[PromptedModel, str]:
-    """(runner, description): a SwarmModel whose sessions start with ptune prompts."""
+    """(runner, description): a SwarmModel whose sessions start with the trained prompts (ptune or deep_ptune)."""
     try:
         prompts, info = read_prompts_for(prompts_file, swarm_model.config)
     except BaseException:
         swarm_model.close()
         raise
-    if prompts.deep is not None:
-        swarm_model.close()
-        raise InputError(f"{prompts_file}: deep_ptune prompts run locally for now (swarm inference sessions do not "
-                         f"carry per-block prompts yet); use them without --swarm, or train --method ptune")
 
     def run_prefix(first: Tensor, deep: Tensor | None, cache) -> None:
-        swarm_model.span(first.to(swarm_model.dtype), cache)
+        # the session's first step; deep prompts ride with it, each server getting its blocks' slice (and again with
+        # any replay from position 0 on a replacement server or a spot check's referee: client.inference.DeepPrompts)
+        cache.step(first.to(swarm_model.dtype), deep)
 
     prompted = _PromptedSpan(swarm_model.span, prompts, run_prefix,
                              swarm_model.config.max_position_embeddings)

@@ -158,6 +158,36 @@ def describe_server(hop: Hop) -> str:
 _STEP_STRUCTURE = ((b"__T0", b"__T1", b"__T2"), {})  # pack_args(hidden_states, prompts, hypo_ids)
 
 
+class DeepPrompts:
+    """A session's deep prompts (fine-tuning's deep_ptune, core/finetune): [blocks, batch, prefix, hidden] for its
+    blocks [start, end), added inside each block to the input at positions 0..prefix-1. Set by the step that starts
+    the session with them; every server session of it (the route's, a failover's replacements, a spot check's
+    referees) sends its blocks' slice with each step that covers those positions: the first step, a replay from 0,
+    a rewind into them. A server adds a step's prompts to the step's first positions (Petals' rule), so a step from
+    position p < prefix gets the prompts of positions p..prefix-1."""
+
+    def __init__(self, start: int):
+        self.start = start
+        self.tensor: torch.Tensor | None = None
+
+    def set(self, prompts: torch.Tensor, blocks: int, batch: int, hidden: torch.Tensor) -> None:
+        expected = (blocks, batch, hidden.shape[2])
+        if prompts.dim() != 4 or (prompts.shape[0], prompts.shape[1], prompts.shape[3]) != expected:
+            raise InputError(f"deep prompts must be [{blocks}, {batch}, prefix, {hidden.shape[2]}], got "
+                             f"{list(prompts.shape)}")
+        self.tensor = prompts.detach().float().cpu()
+
+    def reorder(self, hypo_ids: torch.Tensor | None) -> None:
+        if self.tensor is not None and hypo_ids is not None:
+            self.tensor = self.tensor[:, hypo_ids]
+
+    def slice(self, start: int, end: int, position: int) -> torch.Tensor | None:
+        """Blocks [start, end)'s prompts for a step from `position` (None when it covers none of them)."""
+        if self.tensor is None or position >= self.tensor.shape[2]:
+            return None
+        return self.tensor[start - self.start : end - self.start, :, position:]
+
+
 @functools.lru_cache(maxsize=None)
 def _empty_wire(dtype: torch.dtype) -> runtime_pb2.Tensor:
     return serialize_tensor(torch.empty(0, dtype=dtype))
@@ -186,8 +216,9 @@ def _kept(buffer: torch.Tensor | None, hidden: torch.Tensor, length: int,
 class _ServerSession:
     """A stream to one server running blocks [start, end) for one session; keeps the inputs it was sent."""
 
-    def __init__(self, client: "SwarmClient", hop: Hop, max_length: int):
+    def __init__(self, client: "SwarmClient", hop: Hop, max_length: int, prompts: DeepPrompts | None = None):
         self.client, self.hop, self.max_length = client, hop, max_length
+        self.prompts = prompts  # the session's deep prompts: this server's slice goes with steps that cover them
         self.session_id = str(uuid.uuid4())
         # every input sent, for replay: the first `_length` positions of a buffer that doubles when full (a
         # concatenation per step would copy the whole history every token)
@@ -265,7 +296,10 @@ class _ServerSession:
             metadata["start_from_position"] = start_from
         # (hidden_states, prompts, hypo_ids); the empty ones are the same bytes every step
         metadata["args_structure"] = _STEP_STRUCTURE
-        tensors = [serialize_tensor(hidden.to(self.wire_dtype)), _empty_wire(self.wire_dtype),
+        prompts = self._prompts_from(self._length if start_from is None else min(start_from, self._length))
+        wire_prompts = _empty_wire(self.wire_dtype) if prompts is None else \
+            serialize_tensor(prompts.to(self.wire_dtype))
+        tensors = [serialize_tensor(hidden.to(self.wire_dtype)), wire_prompts,
                    serialize_tensor(hypo_ids) if hypo_ids is not None else _empty_wire(torch.int64)]
         uid = chain_uid(self.client.config.dht_prefix, self.hop.start, self.hop.end)
         self._inbox.put_nowait(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=pack_metadata(metadata)))
@@ -280,6 +314,10 @@ class _ServerSession:
         self.answered_at = time.time()
         self._remember(hidden, hypo_ids, start_from, output)
         return output
+
+    def _prompts_from(self, position: int) -> torch.Tensor | None:
+        """Our blocks' deep prompts for a step from `position` (DeepPrompts.slice), or None."""
+        return None if self.prompts is None else self.prompts.slice(self.hop.start, self.hop.end, position)
 
     async def _await_response(self, timeout: float) -> runtime_pb2.ExpertResponse:
         """The next response, within `timeout`. While it is late, probe the server every probe_interval: a server
@@ -357,6 +395,7 @@ class _InferenceCore:
         self.start, self.end = start, client.config.num_blocks if end is None else end
         self.sessions: list[_ServerSession] = []
         self.position = 0
+        self.prompts = DeepPrompts(self.start)  # deep prompts, once a step brings them
         self.recoveries: list[dict] = []  # this session's failovers (as SwarmClient.failovers)
         self.mismatches: list[int] = []  # first wrong positions found by spot checks, not yet taken by the caller
         self.steps = 0
@@ -395,7 +434,7 @@ class _InferenceCore:
                     hops = route_inference(view.spans, start, end, rtts=client.known_rtts(),
                                            cache_tokens_needed=self.batch * self.max_length,
                                            banned=lambda peer: not usable(peer))
-                    return [_ServerSession(client, hop, self.max_length) for hop in hops]
+                    return [_ServerSession(client, hop, self.max_length, self.prompts) for hop in hops]
                 except NoRoute as exc:
                     if not pending:
                         no_route = exc
@@ -416,12 +455,19 @@ class _InferenceCore:
             await asyncio.sleep(1.0)
 
     async def step(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None = None,
-                   start_from: int | None = None) -> torch.Tensor:
+                   start_from: int | None = None, prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """One step through every server; prompts: deep prompts [blocks, batch, prefix, hidden] for positions
+        0..prefix-1, with the session's first step only (DeepPrompts)."""
         if self.closed:
             raise SwarmError("the inference session is closed")
         position = self.position if start_from is None else start_from
         if position + hidden.shape[1] > self.max_length:
             raise InputError(f"{position + hidden.shape[1]} tokens exceed the session's max_length {self.max_length}")
+        if prompts is not None:
+            if position != 0:
+                raise InputError("deep prompts go with a session's first step (positions from 0)")
+            self.prompts.set(prompts, self.end - self.start, self.batch, hidden)
+        self.prompts.reorder(hypo_ids)
         deadline = time.monotonic() + self.client.config.retry_seconds
         if not self.sessions:
             self.sessions = await self._new_sessions(self.start, self.end, deadline)
@@ -489,7 +535,8 @@ class _InferenceCore:
             cache = state["cache"] if state else local.allocate(start, end, inputs.shape[0], session.max_length)
             offset = min(state["length"], checked) if state else 0
             tail = await asyncio.get_running_loop().run_in_executor(None, local.extend, start, end, cache, offset,
-                                                                    inputs[:, offset:])
+                                                                    inputs[:, offset:],
+                                                                    self.prompts.slice(start, end, offset))
             session.referee = {"kind": "local", "cache": cache, "length": session.length}
             return self._compare(session, outputs, tail, offset, "local", (own_dtype,))
         first = await self._remote_referee(session, inputs, checked)
@@ -721,12 +768,13 @@ class RemoteSession:
             raise InputError(f"hypo_ids must have shape ({self.batch},), got {tuple(hypo_ids.shape)}")
         self._hypo_ids = hypo_ids if self._hypo_ids is None else self._hypo_ids[hypo_ids]
 
-    def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [batch, new_tokens, hidden] -> the hidden states after the model's last block."""
+    def step(self, hidden: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [batch, new_tokens, hidden] -> the hidden states after the model's last block. prompts: deep
+        prompts [blocks, batch, prefix, hidden] with the first step (fine-tuning's deep_ptune; DeepPrompts)."""
         if hidden.dim() != 3 or hidden.shape[0] != self.batch:
             raise InputError(f"hidden states must be [{self.batch}, tokens, hidden], got {tuple(hidden.shape)}")
         device, dtype = hidden.device, hidden.dtype
-        output = self.client.run(self._core.step(hidden.detach().cpu(), self._hypo_ids, self._start_from))
+        output = self.client.run(self._core.step(hidden.detach().cpu(), self._hypo_ids, self._start_from, prompts))
         self._start_from, self._hypo_ids = None, None
         self._length += hidden.shape[1]
         return output.to(device=device, dtype=dtype)

@@ -75,12 +75,15 @@ class LocalReferee:
         return KVCache.allocate(self.config, end - start, batch, max_length, torch.float32, "cpu")
 
     @torch.inference_mode()
-    def extend(self, start: int, end: int, cache, position: int, inputs: torch.Tensor) -> torch.Tensor:
+    def extend(self, start: int, end: int, cache, position: int, inputs: torch.Tensor,
+               prompts: torch.Tensor | None = None) -> torch.Tensor:
         """The outputs of blocks [start, end) for `inputs` at positions position, position + 1, ... (the cache is
-        rewound to `position` first)."""
+        rewound to `position` first); prompts: the deep prompts the server was sent with them, added as it adds
+        them (server.handler.run_blocks)."""
         from hivekeeper.core.runtime.checkpoint import load_span
+        from hivekeeper.core.swarm.server.handler import run_blocks
 
         if (start, end) not in self._spans:
             self._spans[(start, end)] = load_span(self.checkpoint, start, end, dtype=torch.float32, device="cpu")
         cache.truncate(position)
-        return self._spans[(start, end)](inputs.float(), cache)
+        return run_blocks(self._spans[(start, end)], inputs.float(), cache, prompts)

@@ -1,9 +1,13 @@
 """Training prompts through a loopback swarm (issue 21): the tiny demo model (fp32) served by three in-process servers
-with their own p2pds on 127.0.0.1: `first` serves block 0, `second` and `spare` block 1 (`spare` claims a speed a
-million times lower, so routes take `second` while it lives).
+with their own p2pds on 127.0.0.1: `first` serves block 0, `second`, `spare` and `spare-2` block 1 (the spares claim
+a speed a million times lower, so routes take `second` while it lives). Two tests kill the server of block 1 they
+use, in either order.
 
 - The loss and the gradients of soft and deep prompts through rpc_forward / rpc_backward equal those of the same
   blocks run here, within 1e-5.
+- Generating with trained prompts (ptune, and deep_ptune, whose per-block prompts each server gets in its session's
+  first step) gives the local run's tokens, also when the server of block 1 is killed mid-generation (the
+  replacement is sent the prompts with the replay).
 - A server killed between two steps makes the next step fail; the step is redone on the spare server, no step is
   lost or counted twice: the prompts after 5 steps equal those of an uninterrupted local run.
 """
@@ -17,7 +21,7 @@ import torch
 
 from hivekeeper.core.finetune.blocks import local_blocks, swarm_blocks
 from hivekeeper.core.finetune.data import read_examples
-from hivekeeper.core.finetune.prompts import PromptsInfo, TrainablePrompts
+from hivekeeper.core.finetune.prompts import PromptsInfo, TrainablePrompts, save_prompts
 from hivekeeper.core.finetune.trainer import TrainConfig, Trainer, batch_loss, load_frozen_parts
 from hivekeeper.core.runtime.tokenizer import load_tokenizer
 
@@ -37,6 +41,7 @@ def servers(tiny_checkpoint):
         swarm.start((0, 1), "first")
         swarm.start((1, 2), "second", throughput=1.0)
         swarm.start((1, 2), "spare", throughput=1e-6)
+        swarm.start((1, 2), "spare-2", throughput=1e-6)  # two tests kill a server of block 1: two are left for each
         yield swarm
     finally:
         swarm.close()
@@ -91,25 +96,75 @@ def test_gradients_through_the_swarm_equal_local_ones(parts, examples, tiny_chec
         torch.testing.assert_close(swarm_grads[name], grad, atol=1e-5, rtol=0)
 
 
-def test_generate_through_the_swarm_with_ptune_prompts_equals_local(parts, tiny_checkpoint, servers, tmp_path,
-                                                                   capsys):
-    from hivekeeper.core.cli.main import main
-    from hivekeeper.core.finetune.prompts import save_prompts
+def saved_prompts(parts, method: str, path, deep_scale: float = 0.05):
+    prompts = new_prompts(parts, method)
+    if prompts.deep is not None:  # large enough that a server without them answers other tokens
+        with torch.no_grad():
+            prompts.deep.mul_(deep_scale / 0.05)
+    save_prompts(path, prompts, PromptsInfo("tiny", method, 3, parts.config.hidden_size, parts.config.num_layers))
+    return path
 
-    ptune, deep = tmp_path / "ptune.prompts", tmp_path / "deep.prompts"
-    for path, method in ((ptune, "ptune"), (deep, "deep_ptune")):
-        info = PromptsInfo("tiny", method, 3, parts.config.hidden_size, parts.config.num_layers)
-        save_prompts(path, new_prompts(parts, method), info)
+
+@pytest.mark.parametrize("method", ["ptune", "deep_ptune"])
+def test_generate_through_the_swarm_with_prompts_equals_local(parts, tiny_checkpoint, servers, tmp_path, capsys,
+                                                              method):
+    from hivekeeper.core.cli.main import main
+
+    path = saved_prompts(parts, method, tmp_path / f"{method}.prompts", deep_scale=1.0)
     common = ["generate", "--model", str(tiny_checkpoint), "--prompt", "The sky is", "--max-new-tokens", "6",
-              "--temperature", "0", "--ignore-eos", "--json"]
+              "--temperature", "0", "--ignore-eos", "--json", "--prompts", str(path)]
     swarm = ["--swarm", "--initial-peers", *servers.initial_peers, "--dht-prefix", PREFIX]
-    texts = []
+    runs = []
     for extra in ([], swarm):
-        assert main([*common, "--prompts", str(ptune), *extra]) == 0
-        texts.append(json.loads(capsys.readouterr().out)["text"])
-    assert texts[0] == texts[1]
-    assert main([*common, "--prompts", str(deep), *swarm]) == 2
-    assert "deep_ptune prompts run locally" in capsys.readouterr().err
+        assert main([*common, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["text"] == runs[1]["text"]
+    assert runs[1]["failovers"] == []
+
+
+def greedy_ids(model, prompt_ids: list[int], new_tokens: int, after_token=None) -> list[int]:
+    """Greedy tokens of a runner (embedding, span, head), one step per token; after_token(i, cache) after each."""
+    cache = model.span.allocate_cache(1, len(prompt_ids) + new_tokens)
+    ids, chosen = torch.tensor([prompt_ids]), []
+    with torch.inference_mode():
+        for i in range(new_tokens):
+            ids = model.head(model.span(model.embedding(ids), cache))[:, -1].argmax(-1, keepdim=True)
+            chosen.append(int(ids[0, 0]))
+            if after_token is not None:
+                after_token(i, cache)
+    cache.close()
+    return chosen
+
+
+def test_a_server_killed_mid_generation_with_deep_prompts_keeps_the_tokens(parts, tiny_checkpoint, servers,
+                                                                          tmp_path):
+    from hivekeeper.core.finetune.prompted import local_prompted_model, swarm_prompted_model
+    from hivekeeper.core.swarm.client.inference import SwarmModel
+
+    path = saved_prompts(parts, "deep_ptune", tmp_path / "deep.prompts", deep_scale=1.0)
+    prompt = load_tokenizer(tiny_checkpoint).encode("Grass is")
+    local, _ = local_prompted_model(tiny_checkpoint, path, parts.config)
+    expected = greedy_ids(local, prompt, 10)
+    swarm_model = SwarmModel(str(tiny_checkpoint), initial_peers=servers.initial_peers, dht_prefix=PREFIX)
+    model, _ = swarm_prompted_model(swarm_model, path)
+    killed = []
+
+    def kill_block_1_server(i: int, cache) -> None:
+        if i == 2:
+            killed.append(cache.inner.route[1][0])
+            servers.leave(killed[0])
+
+    try:
+        assert greedy_ids(model, prompt, 10, kill_block_1_server) == expected
+        failovers, checks = swarm_model.client.failovers, swarm_model.client.spot_check_log
+    finally:
+        model.close()
+    assert [(f["peer_id"], f["blocks"], f["replayed_tokens"]) for f in failovers] == [(killed[0], [1, 2],
+                                                                                         3 + len(prompt) + 2)]
+    replacement = failovers[0]["new_route"][0][0]
+    # the replacement's outputs, prompts' positions included, agree with the client's own run of block 1 with them
+    assert any(c["peer_id"] == replacement and c["checked_positions"][0] == 0 and c["ok"] for c in checks)
+    assert all(c["ok"] for c in checks)
 
 
 def trainer(parts, blocks, examples, steps: int = 5) -> Trainer:
