@@ -252,14 +252,19 @@ def engine_plan(config, choice: PolicyChoice, *, batch: int, max_length: int, ra
                 prefill_tokens: int = 256, device: str | None = None, model_path: str | Path | None = None):
     """The EnginePlan for this run (device, dtype and every block's tier). model_path: the model, so that a GGUF the
     engine keeps packed is placed by its packed bytes (packed_stream.packed_sizes), not by the dtype's."""
+    from dataclasses import replace
+
+    from hivekeeper.planner.format_choice import gguf_packed_type
+
     from hivekeeper.core.offload.packed_stream import packed_sizes
     from hivekeeper.core.offload.placement import place_model
 
     device = device or default_device()
     dtype, quant = compute_dtype(choice.policy.weight_format, device)
     held = packed_sizes(model_path, device, dtype, quant) if model_path is not None else {}
-    return place_model(config, choice.policy, device=device, dtype=dtype, batch=batch, max_length=max_length,
+    plan = place_model(config, choice.policy, device=device, dtype=dtype, batch=batch, max_length=max_length,
                        ram_budget_bytes=ram_budget_bytes, prefill_tokens=prefill_tokens, quant=quant, **held)
+    return replace(plan, packed_format=gguf_packed_type(str(model_path)) or "") if held else plan  # says what runs
 
 
 def plan_local_run(plan_arg: str, model_path: str | Path, config, *, batch: int, prompt_len: int,

@@ -42,6 +42,7 @@ class EnginePlan:
     kv_recompute: bool = False  # the cache keeps each block's input hidden states; K, V recomputed every step
     attention_on_cpu: bool = False  # with a GPU: attention over a RAM/disk cache runs on the CPU
     activations_ram_fraction: float = 0.0  # the policy's activations.cpu: micro-batches kept in RAM between blocks
+    packed_format: str = ""  # a GGUF's Q8_0/Q4_0/Q4_1 its loader keeps packed in these fp32 blocks (local_plan)
 
     @property
     def compute_tier(self) -> str:
@@ -108,6 +109,7 @@ class EnginePlan:
         cache = {tier: self.cache_tiers.count(tier) for tier in TIERS}
         return {
             "device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "quant": self.quant,
+            "packed_format": self.packed_format,
             "blocks": {tier: n for tier, n in count.items() if n},
             "disk_blocks": [i for i, tier in enumerate(self.weight_tiers) if tier == "disk"],
             "kv_cache_blocks": {tier: n for tier, n in cache.items() if n},
@@ -126,6 +128,8 @@ class EnginePlan:
         blocks = ", ".join(f"{n} {names[t]}" for t, n in self.summary()["blocks"].items())
         cache = ", ".join(f"{n} {names[t]}" for t, n in self.summary()["kv_cache_blocks"].items())
         dtype = self.quant if self.quant != "none" else str(self.dtype).removeprefix("torch.")
+        if self.packed_format:  # the blocks' linears stay as the file stores them, the rest is fp32
+            dtype = f"{self.packed_format} (packed)"
         text = f"{dtype} blocks: {blocks}; KV cache blocks: {cache}"
         if self.kv_recompute:
             text += " (block inputs kept, K/V recomputed)"

@@ -61,19 +61,27 @@ def test_auto_plans_the_gguf_packed_and_predicts_the_measured_decode(capsys, xeo
     assert code == 0 and "\n  format " in human and "q4_1: the GGUF's own q4_1 weights" in human
 
 
-def test_a_plan_file_of_the_packed_format_runs_in_fp32_blocks(capsys, xeon, tmp_path):
+def test_a_plan_file_of_the_packed_format_runs_in_fp32_blocks(capsys, xeon, tmp_path, monkeypatch):
     import torch
 
-    from hivekeeper.core.offload.local_plan import choose_policy, compute_dtype
+    from hivekeeper.core.offload.local_plan import choose_policy, compute_dtype, engine_plan
+    from hivekeeper.core.runtime.checkpoint import load_config
     from hivekeeper.core.runtime.default_model import model_path_or_id
 
     code, out, _ = plan(capsys, "--hardware", xeon, "--json")
     assert code == 0
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(out)
-    choice = choose_policy(str(plan_file), model_path_or_id(MODEL), batch=1, prompt_len=16, max_new_tokens=64)
+    path = model_path_or_id(MODEL)
+    choice = choose_policy(str(plan_file), path, batch=1, prompt_len=16, max_new_tokens=64)
     assert choice.policy.weight_format == "q4_1"
     assert compute_dtype("q4_1", "cpu") == (torch.float32, "none")  # the GGUF loader packs fp32 CPU blocks
+    # the placement that chat, generate and the app's Chat page show names the packed format, not float32
+    engine = engine_plan(load_config(path), choice, batch=1, max_length=80, device="cpu", model_path=path)
+    assert engine.summary()["packed_format"] == "q4_1" and engine.describe().startswith("q4_1 (packed) blocks: ")
+    monkeypatch.setenv("HIVEKEEPER_GGUF_PACKED", "0")  # the loader dequantizes them then, and the plan says so
+    engine = engine_plan(load_config(path), choice, batch=1, max_length=80, device="cpu", model_path=path)
+    assert engine.packed_format == "" and engine.describe().startswith("float32 blocks: ")
 
 
 def test_with_packing_off_the_plan_is_the_dequantized_path(capsys, xeon, monkeypatch):
