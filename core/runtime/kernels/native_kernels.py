@@ -202,6 +202,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "hk_gemv": ([void_p, integer, void_p, void_p, void_p, long, long, long], integer),
         "hk_span_decode": ([ctypes.POINTER(Block), ctypes.POINTER(Cache), long, ctypes.POINTER(Token), void_p, long],
                            integer),
+        "hk_span_decode_rows": ([ctypes.POINTER(Block), ctypes.POINTER(Cache), long, ctypes.POINTER(Token), void_p,
+                                 long], integer),
         "hk_norm_gemv": ([void_p, ctypes.c_double, void_p, integer, void_p, void_p, long, long, long], integer),
         "hk_quant_block_bytes": ([integer], long),
         "hk_qgemv": ([integer, void_p, void_p, void_p, void_p, long, long, long], integer),

@@ -97,6 +97,33 @@ static double seconds_now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* Profiling (a build with -DHK_PROFILE only: bench/decode_profile.py): the calling thread's CPU seconds per part of
+   a decode step, summed over calls, read with hk_profile(part) and cleared with hk_profile(-1). PROFILE(part) adds
+   the CPU time since the previous mark to `part`; in other builds both are nothing. */
+enum { P_NORM, P_QKV, P_ROPE, P_ATTENTION, P_O, P_GATE_UP, P_SILU, P_DOWN, P_HEAD, P_QUANTIZE, P_WAIT, P_SOLO,
+       P_PARTS };
+#ifdef HK_PROFILE
+static double profile_seconds[P_PARTS], profile_mark;
+static int profile_product; /* the part of the product running now (its pool share) */
+static double profile_now(void) { /* the calling thread's CPU time: what a part costs, whatever else runs */
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define PROFILE(part) do { double now_ = profile_now(); profile_seconds[part] += now_ - profile_mark; \
+                           profile_mark = now_; } while (0)
+#define PROFILE_START() (profile_mark = profile_now())
+#define PROFILE_PRODUCT(part) (profile_product = (part))
+double hk_profile(int part) {
+    if (part < 0) { memset(profile_seconds, 0, sizeof profile_seconds); return 0; }
+    return part < P_PARTS ? profile_seconds[part] : 0;
+}
+#else
+#define PROFILE(part) ((void)0)
+#define PROFILE_START() ((void)0)
+#define PROFILE_PRODUCT(part) ((void)0)
+#endif
+
 /* Test hook (hk_test_hold_worker): worker `index` waits there, before claiming anything (or, mid_chunk, after
    claiming a chunk), until released or until the deadline, as a worker the OS took off its core would. */
 static struct {
@@ -279,14 +306,19 @@ static struct { long left, after_stall, stalls; } solo = {0, SOLO_MIN, 0};
 
 static void parallel(chunk_fn fn, void *ctx, long chunks) {
     if (pool_ready() == 1 || chunks <= 1 || solo.left > 0) {
-        if (chunks > 1 && solo.left > 0) solo.left--;
+        int solo_run = chunks > 1 && solo.left > 0;
+        if (solo_run) solo.left--;
         for (long c = 0; c < chunks; c++) fn(ctx, c);
+        if (solo_run) PROFILE(P_SOLO);
         return;
     }
     pool.fn = fn;
     pool.ctx = ctx;
     claim_chunks(publish(chunks), 0);
-    if (wait_for_chunks(chunks)) {
+    PROFILE(profile_product);
+    int stalled = wait_for_chunks(chunks);
+    PROFILE(P_WAIT);
+    if (stalled) {
         solo.left = solo.after_stall;
         solo.after_stall = solo.after_stall * 2 < SOLO_MAX ? solo.after_stall * 2 : SOLO_MAX;
         solo.stalls++;
@@ -569,7 +601,7 @@ typedef struct {
 } hk_cache;
 
 typedef struct {
-    long position;                      /* the new token's K/V go there (the same position in every row) */
+    long position;                      /* the new token's K/V go there (hk_span_decode: the same in every row) */
     const float *cos, *signed_sin;      /* [head_dim]: rotate_half's sign folded into signed_sin */
 } hk_token;
 
@@ -592,26 +624,35 @@ static void rotate(float *v, const float *cos, const float *signed_sin, long d) 
 typedef struct {
     const hk_block *b;
     const hk_cache *c;
-    long batch, first_key, keys; /* attend to keys [first_key, first_key + keys) */
+    const hk_token *tokens;      /* row r's token: tokens[r * token_step] (step 0: one position for every row) */
+    long token_step, keys;       /* keys: the scores' row stride, the most keys any row attends to */
     const float *qkv;            /* [batch, (heads + 2 kv_heads) head_dim], q and k rotated */
-    float *scores;               /* [batch, heads, keys] */
+    float *scores;               /* [batch, heads, keys], row r using its own key count */
     float *context;              /* [batch, heads head_dim] */
 } attention_task;
+
+/* The keys a new token at `position` attends to in a layer with cache c: [*first_key, position]. */
+static long key_range(const hk_cache *c, long position, long *first_key) {
+    long end = position + 1;
+    *first_key = c->window > 0 && end > c->window ? end - c->window : 0;
+    return end - *first_key;
+}
 
 /* softmax(q k^T / sqrt(d)) v for one (row, kv head) pair, with its group of query heads */
 static void attention_pair(void *ctx, long pair) {
     const attention_task *t = ctx;
     const hk_block *b = t->b;
     const hk_cache *c = t->c;
-    long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, group = nh / nkv, keys = t->keys;
+    long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, group = nh / nkv;
     long qkv_width = (nh + 2 * nkv) * d;
     float scale = (float)(1.0 / sqrt((double)d));
-    long row = pair / nkv, g = pair % nkv;
-    long at = row * c->batch_stride + g * c->head_stride + t->first_key * c->position_stride;
+    long row = pair / nkv, g = pair % nkv, first_key;
+    long keys = key_range(c, t->tokens[row * t->token_step].position, &first_key);
+    long at = row * c->batch_stride + g * c->head_stride + first_key * c->position_stride;
     const float *k = c->k + at, *v = c->v + at;
     for (long h = g * group; h < (g + 1) * group; h++) {
         const float *q = t->qkv + row * qkv_width + h * d;
-        float *p = t->scores + (row * nh + h) * keys, *out = t->context + (row * nh + h) * d;
+        float *p = t->scores + (row * nh + h) * t->keys, *out = t->context + (row * nh + h) * d;
         float top = -INFINITY, total = 0;
         for (long n = 0; n < keys; n++) {
             p[n] = dot(q, k + n * c->position_stride, d) * scale;
@@ -647,16 +688,23 @@ static int qmatvec(int format, const void *w, const float *x, const float *bias,
 static int product(const hk_block *b, int which, const void *w, const float *x, const float *bias, float *y,
                    long outs, long cols, long batch, int accumulate) {
     int format = (int)((b->formats >> (8 * which)) & 0xff);
+    static const int parts[] = {P_QKV, P_O, P_GATE_UP, P_DOWN};
+    PROFILE_PRODUCT(parts[which]);
+    (void)parts;
     if (format) return qmatvec(format, w, x, bias, y, outs, cols, batch, accumulate);
     return matvec(w, (int)(b->column_major >> which) & 1, x, bias, y, outs, cols, batch, accumulate);
 }
 
-/* x [batch, hidden] <- the layer's output for one new token per row at t->position; writes their K/V into the
-   caches (call_lock held). */
-static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, float *x, long batch) {
+/* x [batch, hidden] <- the layer's output for one new token per row, row r's at t[r * token_step] (its position
+   and rotary angles; step 0: every row at t->position); writes their K/V into the caches (call_lock held). */
+static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t, long token_step, float *x,
+                        long batch) {
     long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, width = b->hidden, size = b->intermediate;
-    long end = t->position + 1, first_key = c->window > 0 && end > c->window ? end - c->window : 0;
-    long keys = end - first_key;
+    long keys = 0, first_key;
+    for (long r = 0; r < batch; r++) {
+        long row_keys = key_range(c, t[r * token_step].position, &first_key);
+        keys = row_keys > keys ? row_keys : keys;
+    }
     long qkv_width = (nh + 2 * nkv) * d;
     size_t need = (size_t)(batch * (width + qkv_width + nh * keys + nh * d + 3 * size));
     if (reserve_scratch(need) != 0) return -1;
@@ -665,32 +713,42 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
 
     /* attention: q, k, v from one product; q and k rotated; the new tokens' k and v into the cache */
     for (long r = 0; r < batch; r++) rms_norm(x + r * width, b->norm1, b->eps1, normed + r * width, width);
+    PROFILE(P_NORM);
     if (product(b, 0, b->qkv_w, normed, b->qkv_b, qkv, qkv_width, width, batch, 0)) return -1;
+    PROFILE(P_QKV);
     for (long r = 0; r < batch; r++) {
         float *row = qkv + r * qkv_width;
-        for (long h = 0; h < nh + nkv; h++) rotate(row + h * d, t->cos, t->signed_sin, d);
+        const hk_token *token = t + r * token_step;
+        for (long h = 0; h < nh + nkv; h++) rotate(row + h * d, token->cos, token->signed_sin, d);
         for (long g = 0; g < nkv; g++) {
-            long at = r * c->batch_stride + g * c->head_stride + t->position * c->position_stride;
+            long at = r * c->batch_stride + g * c->head_stride + token->position * c->position_stride;
             memcpy(c->k + at, row + (nh + g) * d, (size_t)d * sizeof(float));
             memcpy(c->v + at, row + (nh + nkv + g) * d, (size_t)d * sizeof(float));
         }
     }
-    attention_task attention = {b, c, batch, first_key, keys, qkv, scores, context};
+    PROFILE(P_ROPE);
+    attention_task attention = {b, c, t, token_step, keys, qkv, scores, context};
     if (batch * keys * nh * d >= (1L << 16)) /* long contexts over the pool; short ones cost less than a hand-off */
         parallel(attention_pair, &attention, batch * nkv);
     else
         for (long pair = 0; pair < batch * nkv; pair++) attention_pair(&attention, pair);
+    PROFILE(P_ATTENTION);
     if (product(b, 1, b->o_w, context, b->o_b, x, width, nh * d, batch, 1)) return -1; /* x += o(context) */
+    PROFILE(P_O);
 
     /* MLP: gate and up from one product */
     for (long r = 0; r < batch; r++) rms_norm(x + r * width, b->norm2, b->eps2, normed + r * width, width);
+    PROFILE(P_NORM);
     if (product(b, 2, b->gate_up_w, normed, b->gate_up_b, gate_up, 2 * size, width, batch, 0)) return -1;
+    PROFILE(P_GATE_UP);
     for (long r = 0; r < batch; r++)
         for (long i = 0; i < size; i++) {
             float g = gate_up[r * 2 * size + i];
             act[r * size + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * size + size + i];
         }
+    PROFILE(P_SILU);
     if (product(b, 3, b->down_w, act, b->down_b, x, width, size, batch, 1)) return -1; /* x += down(act) */
+    PROFILE(P_DOWN);
     return 0;
 }
 
@@ -711,14 +769,27 @@ int hk_norm_gemv(const float *norm, double eps, const float *w, int column_major
 /* `count` consecutive layers (one or more) in one call (one Python call per token instead of one per layer:
    between layers Python runs cache-cold and costs ~0.2 ms). Returns 0, or -1-i when layer i ran out of scratch memory (layers
    before it are done). */
-int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, const hk_token *t, float *x,
-                   long batch) {
+static int span_decode(const hk_block *blocks, const hk_cache *caches, long count, const hk_token *t,
+                       long token_step, float *x, long batch) {
     pthread_mutex_lock(&call_lock);
+    PROFILE_START();
     int status = 0;
     for (long i = 0; i < count && status == 0; i++)
-        if (block_decode(blocks + i, caches + i, t, x, batch) != 0) status = -1 - (int)i;
+        if (block_decode(blocks + i, caches + i, t, token_step, x, batch) != 0) status = -1 - (int)i;
     pthread_mutex_unlock(&call_lock);
     return status;
+}
+
+int hk_span_decode(const hk_block *blocks, const hk_cache *caches, long count, const hk_token *t, float *x,
+                   long batch) {
+    return span_decode(blocks, caches, count, t, 0, x, batch);
+}
+
+/* hk_span_decode for rows at different positions (a continuous batch's step): row r's token is tokens[r], its
+   position and rotary angles; each row attends to its own keys. */
+int hk_span_decode_rows(const hk_block *blocks, const hk_cache *caches, long count, const hk_token *tokens, float *x,
+                        long batch) {
+    return span_decode(blocks, caches, count, tokens, 1, x, batch);
 }
 
 /* ---- block-quantized weights ----------------------------------------------------------------------------------
@@ -740,7 +811,7 @@ enum { HK_Q4_0 = 2, HK_Q4_1 = 3, HK_Q8_0 = 8 }; /* GGML type ids */
 /* Batch rows a weight block is unpacked once for: as many as keep their two accumulators each in registers (AVX2
    has 16 vector registers; with VNNI, groups of 8 measured slower than 4 on Q4_1: spills); a larger batch goes in
    groups. */
-#define ROW_GROUP (HK_AVX2 ? 4 : MAX_ROWS)
+#define ROW_GROUP (HK_VNNI ? 4 : HK_AVX2 ? 2 : MAX_ROWS)
 
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;
 typedef struct { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;
@@ -774,11 +845,13 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* Activations [batch, cols] quantized per block of 32: q int8 [batch, cols], scale d and d x sum(q) per block, each
-   [blocks][batch] (a block's scales for the rows side by side: the multi-row kernel loads them together).
-   The same plain C in both builds (it runs once per product), rounding half to even as AVX2's conversion does. */
-static void quantize_activations(const float *x, long batch, long cols, int8_t *q, float *d, float *sum) {
+/* Activations [batch, cols] quantized per block of 32: q int8 [batch, cols], and per block and row a pair: the
+   scale d_x and the offset unit, what a weight offset of 1 adds (d_x sum(q_x); Q4_0: -8 d_x sum(q_x), its weights
+   being d_w (q - 8)), laid [blocks][batch][2] (a block's pairs for the rows side by side).
+   The same plain C in every build (it runs once per product), rounding half to even as AVX2's conversion does. */
+static void quantize_activations(int format, const float *x, long batch, long cols, int8_t *q, float *ds) {
     long blocks = cols / QK;
+    float unit = format == HK_Q4_0 ? -8.0f : 1.0f;
     for (long b = 0; b < batch * blocks; b++) {
         const float *xb = x + b * QK;
         float amax = 0;
@@ -790,9 +863,9 @@ static void quantize_activations(const float *x, long batch, long cols, int8_t *
             q[b * QK + j] = (int8_t)v;
             total += v;
         }
-        long at = (b % blocks) * batch + b / blocks;
-        d[at] = scale;
-        sum[at] = scale * (float)total;
+        long at = 2 * ((b % blocks) * batch + b / blocks);
+        ds[at] = scale;
+        ds[at + 1] = unit * (scale * (float)total);
     }
 }
 
@@ -801,20 +874,14 @@ typedef struct {
     const uint8_t *w;        /* [outs, row_bytes] */
     long row_bytes, blocks;  /* per weight row */
     const int8_t *q;         /* activations [batch, cols] */
-    const float *d, *sum;    /* [blocks, batch], read up to 3 floats past the end (padding) */
+    const float *ds;         /* [blocks, batch, 2]: quantize_activations's (d_x, offset unit) */
     const float *bias;
     float *y;                /* [batch, outs]: y = x w^T + bias, or y += that when accumulate */
-    long outs, cols, batch, rows_per_chunk;
+    long outs, cols, batch, rows_per_chunk; /* rows_per_chunk even: a chunk starts on a pair of weight rows */
     int accumulate;
 } qmatvec_task;
 
 #if HK_AVX2
-static inline __m256i nibbles(const uint8_t *qs) { /* 32 bytes 0..15: weights 0-15 (low nibbles), 16-31 (high) */
-    __m128i packed = _mm_loadu_si128((const __m128i *)qs);
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-}
-
 /* 8 int32 sums of u[i] * s[i] over 32 bytes, lane k summing bytes 4k..4k+3; u unsigned (<= 128), s signed (> -128).
    AVX512-VNNI does it in one instruction (vpdpbusd); AVX2 in two (vpmaddubsw, whose 16-bit pair sums cannot saturate
    at these ranges, then vpmaddwd): the same exact integers, so both builds give the same products bit for bit. */
@@ -826,139 +893,125 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 #endif
 }
 
-static inline __m256i dot_i8_i8(__m256i a, __m256i b) { /* |a| times b with a's sign: unsigned x signed */
-    return dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
-}
+/* The arithmetic, the same in the avx2 and avx512vnni builds and for any batch (so a row's result has the same bits
+ * in both builds and in any batch). The 4-bit formats' weight rows go in pairs, one 256-bit vector holding 16 bytes
+ * of each row's block (lanes 0-3 the first row, 4-7 the second). For block b, lane k of a row holds the exact int32
+ * dot product of weights 4k..4k+3 and 16+4k..16+4k+3 with their activations, times the scales' product d_w d_x,
+ * added into one of two chains (even and odd blocks: a chain's multiply-add waits for the previous one); the
+ * block's offset (Q4_1: m d_x sum q_x; Q4_0: -8 d_w d_x sum q_x) goes into two chains too. A row's result:
+ * ((lane 0 + lane 1) + (lane 2 + lane 3)) of the chains' sum, plus the offset chains' sum. Against one row at a
+ * time (the kernel before this one), a pair shares each activation load and the scales' conversion, and a row
+ * needs no horizontal sum per block: the 4-bit products take 25-45% less CPU time (bench/quant_matvec.py). */
 
-/* A weight block loaded and unpacked once for every batch row: `codes` as the dot product takes them (Q8_0: |q|,
-   its signs in `signs` to move onto the activations; 4-bit: the unsigned codes), the scale, and the offset per unit
-   of activation sum (Q4_0: -8 d, as its weights are d q - 8 d; Q4_1: m; Q8_0: none). */
-typedef struct { __m256i codes, signs; float scale, offset; } unpacked_block;
+/* Block b of a pair of 4-bit weight rows, unpacked once for every activation row: the unsigned codes, weights 0-15
+   in `lo`, 16-31 in `hi`, and `dm`: the rows' (scale, Q4_1 min) as [d0, m0, d1, m1] (Q4_0: [d0, d0, d1, d1]). */
+typedef struct { __m256i lo, hi; __m128 dm; } pair_block;
 
-static inline __attribute__((always_inline)) unpacked_block unpack(int format, const uint8_t *row, long b) {
-    unpacked_block u;
-    if (format == HK_Q8_0) {
-        const block_q8_0 *w = (const block_q8_0 *)row + b;
-        u.signs = _mm256_loadu_si256((const __m256i *)w->qs);
-        u.codes = _mm256_sign_epi8(u.signs, u.signs);
-        u.scale = half_to_float(w->d);
-        u.offset = 0;
-    } else if (format == HK_Q4_0) {
-        const block_q4_0 *w = (const block_q4_0 *)row + b;
-        u.codes = u.signs = nibbles(w->qs);
-        u.scale = half_to_float(w->d);
-        u.offset = -8.0f * u.scale;
+static inline uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static inline __attribute__((always_inline)) pair_block unpack_pair(int format, const uint8_t *row0,
+                                                                    const uint8_t *row1, long b) {
+    pair_block u;
+    long size = format == HK_Q4_0 ? (long)sizeof(block_q4_0) : (long)sizeof(block_q4_1);
+    long codes = format == HK_Q4_0 ? 2 : 4; /* where the 16 code bytes start in a block */
+    const uint8_t *w0 = row0 + b * size, *w1 = row1 + b * size;
+    __m256i both = _mm256_loadu2_m128i((const __m128i *)(w1 + codes), (const __m128i *)(w0 + codes));
+    __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+    u.lo = _mm256_and_si256(both, low_nibbles);
+    u.hi = _mm256_and_si256(_mm256_srli_epi16(both, 4), low_nibbles);
+    if (format == HK_Q4_1) {
+        u.dm = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)(load32(w0) | (uint64_t)load32(w1) << 32)));
     } else {
-        const block_q4_1 *w = (const block_q4_1 *)row + b;
-        u.codes = u.signs = nibbles(w->qs);
-        u.scale = half_to_float(w->d);
-        u.offset = half_to_float(w->m);
+        __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(load16(w0) | (uint32_t)load16(w1) << 16)));
+        u.dm = _mm_unpacklo_ps(d, d);
     }
     return u;
 }
 
-/* The unpacked block times block b of activation row r, added into (acc, offset). */
-static inline __attribute__((always_inline)) __m256 block_times_row(int format, const int8_t *xq, unpacked_block u,
-                                                                    __m256 scale, __m256 acc) {
-    __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    if (format == HK_Q8_0) x = _mm256_sign_epi8(x, u.signs);
-    return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_u8_i8(u.codes, x)), acc);
+/* The pair's block times one activation row's block x (32 int8): per row, 4 lanes of exact int32 sums. */
+static inline __attribute__((always_inline)) __m256i pair_dot(int format, const pair_block *u, const int8_t *x) {
+    __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x));
+    __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + QK / 2)));
+#if HK_VNNI
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u->lo, xlo), u->hi, xhi);
+#else
+    /* 4-bit codes: two 16-bit pair sums (each <= 2 x 15 x 127) add without saturating */
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u->lo, xlo), _mm256_maddubs_epi16(u->hi, xhi)),
+                             _mm256_set1_epi16(1));
+#endif
 }
 
-/* Block b's scales d_w d_x of the group's 4 rows (lane i: row r0 + i; the activation scales lie [blocks][batch]),
-   and its offsets added into `offsets` (4-bit formats: offset x d_x sum(q_x)), for the 4 rows in one go. */
-static inline __attribute__((always_inline)) __m128 group_scales(int format, const qmatvec_task *t, unpacked_block u,
-                                                                 long b, long r0, __m128 *offsets) {
-    if (format != HK_Q8_0)
-        *offsets = _mm_add_ps(*offsets, _mm_mul_ps(_mm_set1_ps(u.offset), _mm_loadu_ps(t->sum + b * t->batch + r0)));
-    return _mm_mul_ps(_mm_set1_ps(u.scale), _mm_loadu_ps(t->d + b * t->batch + r0));
+/* One activation row's block into a pair's chains: `pair` is its (d_x, offset unit) from quantize_activations. */
+static inline __attribute__((always_inline)) void pair_block_into(int format, const pair_block *u, const int8_t *x,
+                                                                  const float *pair, __m256 *acc, __m128 *offset) {
+    __m128 p = _mm_mul_ps(u->dm, _mm_castpd_ps(_mm_loaddup_pd((const double *)pair))); /* [s0, o0, s1, o1] */
+    *offset = _mm_add_ps(*offset, p);
+    __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p), _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+    *acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(pair_dot(format, u, x)), *acc);
 }
 
-static inline __m256 lane(__m128 v, int i) { /* lane i of v in all 8 lanes */
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_set1_epi32(i));
+/* Q8_0, one weight row at a time (taking a pair's two rows together measured ~20% slower for its 34-byte blocks):
+   each activation row keeps 8 lanes (weights 0-15 in lanes 0-3, 16-31 in 4-7: a block's 32 codes as they lie) in
+   two chains (even and odd blocks), summed at the end (sum8). |q| times the activations with q's signs: unsigned
+   times signed, as the dot product takes them. */
+static inline __attribute__((always_inline)) void q8_0_block_into(int R, const qmatvec_task *t, const uint8_t *row,
+                                                                  long r0, long b, __m256 *acc) {
+    const block_q8_0 *w = (const block_q8_0 *)row + b;
+    __m256i signs = _mm256_loadu_si256((const __m256i *)w->qs), codes = _mm256_sign_epi8(signs, signs);
+    float d = half_to_float(w->d);
+    for (int i = 0; i < R; i++) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(t->q + (r0 + i) * t->cols + b * QK));
+        __m256 scale = _mm256_set1_ps(d * t->ds[2 * (b * t->batch + r0 + i)]);
+        acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_u8_i8(codes, _mm256_sign_epi8(x, signs))), acc[i]);
+    }
 }
 
-/* One weight row of `format` times activation rows r0 .. r0 + R - 1 into out[0 .. R-1]. Each block of the weight row
-   is unpacked once for the R rows (the multi-row kernel: a batch costs little more than its integer products). Each
-   row sums its blocks in two chains, even and odd blocks (a chain's multiply-add waits for the previous one), in the
-   same order whatever R is, so a row's result does not depend on the batch it came in. Inlined with a constant
-   format and R into each caller, so the loops have no tests and the R accumulators stay in registers. */
-static inline __attribute__((always_inline)) void qdot_rows(int format, int R, const qmatvec_task *t,
-                                                            const uint8_t *row, long r0, float *out) {
-    _Static_assert(ROW_GROUP == 4, "a group's scales and offsets are one 4-lane vector");
-    __m256 acc0[ROW_GROUP], acc1[ROW_GROUP];
-    __m128 offset0 = _mm_setzero_ps(), offset1 = offset0; /* lane i: row r0 + i's offsets, even and odd blocks */
-    const int8_t *x[ROW_GROUP]; /* each row's activations, advanced block by block */
-    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps(), x[i] = t->q + (r0 + i) * t->cols;
+static inline __attribute__((always_inline)) void qdot_q8_0(int R, const qmatvec_task *t, const uint8_t *row,
+                                                            long r0, float *out) {
+    __m256 even[ROW_GROUP], odd[ROW_GROUP];
+    for (int i = 0; i < R; i++) even[i] = odd[i] = _mm256_setzero_ps();
     long b = 0;
     for (; b + 2 <= t->blocks; b += 2) {
-        unpacked_block even = unpack(format, row, b), odd = unpack(format, row, b + 1);
-        __m128 scale0 = group_scales(format, t, even, b, r0, &offset0), scale1 = group_scales(format, t, odd, b + 1,
-                                                                                               r0, &offset1);
+        q8_0_block_into(R, t, row, r0, b, even);
+        q8_0_block_into(R, t, row, r0, b + 1, odd);
+    }
+    if (b < t->blocks) q8_0_block_into(R, t, row, r0, b, even);
+    for (int i = 0; i < R; i++) out[i] = sum8(_mm256_add_ps(even[i], odd[i]));
+}
+
+/* Weight rows row0 and row1 of a 4-bit format (a pair; the same row twice for an odd one out) times activation rows
+   r0 .. r0 + R - 1 into out0[i], out1[i]. Each block of the pair is unpacked once for the R rows. Inlined with a
+   constant format and R into each caller, so the loops have no tests and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void qdot_pair(int format, int R, const qmatvec_task *t,
+                                                            const uint8_t *row0, const uint8_t *row1, long r0,
+                                                            float *out0, float *out1) {
+    __m256 acc0[ROW_GROUP], acc1[ROW_GROUP];
+    __m128 offset0[ROW_GROUP], offset1[ROW_GROUP];
+    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps(), offset0[i] = offset1[i] = _mm_setzero_ps();
+    const int8_t *x = t->q + r0 * t->cols;
+    const float *ds = t->ds + 2 * r0;
+    long b = 0, cols = t->cols, step = 2 * t->batch;
+    for (; b + 2 <= t->blocks; b += 2) {
+        pair_block even = unpack_pair(format, row0, row1, b), odd = unpack_pair(format, row0, row1, b + 1);
         for (int i = 0; i < R; i++) {
-            acc0[i] = block_times_row(format, x[i], even, lane(scale0, i), acc0[i]);
-            acc1[i] = block_times_row(format, x[i] + QK, odd, lane(scale1, i), acc1[i]);
-            x[i] += 2 * QK;
+            pair_block_into(format, &even, x + i * cols + b * QK, ds + b * step + 2 * i, &acc0[i], &offset0[i]);
+            pair_block_into(format, &odd, x + i * cols + (b + 1) * QK, ds + (b + 1) * step + 2 * i, &acc1[i],
+                            &offset1[i]);
         }
     }
     if (b < t->blocks) {
-        unpacked_block last = unpack(format, row, b);
-        __m128 scale0 = group_scales(format, t, last, b, r0, &offset0);
-        for (int i = 0; i < R; i++) acc0[i] = block_times_row(format, x[i], last, lane(scale0, i), acc0[i]);
+        pair_block last = unpack_pair(format, row0, row1, b);
+        for (int i = 0; i < R; i++)
+            pair_block_into(format, &last, x + i * cols + b * QK, ds + b * step + 2 * i, &acc0[i], &offset0[i]);
     }
-    float even_offsets[4], odd_offsets[4];
-    _mm_storeu_ps(even_offsets, offset0);
-    _mm_storeu_ps(odd_offsets, offset1);
-    for (int i = 0; i < R; i++) out[i] = sum8(_mm256_add_ps(acc0[i], acc1[i])) + (even_offsets[i] + odd_offsets[i]);
-}
-/* Block b of a weight row of `format` times its activation block: 8 int32 partial sums of the integer products,
-   the weight's scale, and (4-bit formats) what the weight's offset adds: m d_x sum(q_x) for Q4_1 (weights d q + m),
-   -8 d d_x sum(q_x) for Q4_0 (weights d q - 8 d), so both multiply the unsigned codes directly. */
-static inline __attribute__((always_inline)) __m256i qblock(int format, const uint8_t *row, long b, __m256i x,
-                                                            float x_sum, float *scale, float *offset) {
-    if (format == HK_Q8_0) {
-        const block_q8_0 *w = (const block_q8_0 *)row + b;
-        *scale = half_to_float(w->d);
-        return dot_i8_i8(_mm256_loadu_si256((const __m256i *)w->qs), x);
+    for (int i = 0; i < R; i++) {
+        float a[8], o[4];
+        _mm256_storeu_ps(a, _mm256_add_ps(acc0[i], acc1[i]));
+        _mm_storeu_ps(o, _mm_add_ps(offset0[i], offset1[i]));
+        out0[i] = ((a[0] + a[1]) + (a[2] + a[3])) + o[1];
+        out1[i] = ((a[4] + a[5]) + (a[6] + a[7])) + o[3];
     }
-    if (format == HK_Q4_0) {
-        const block_q4_0 *w = (const block_q4_0 *)row + b;
-        *scale = half_to_float(w->d);
-        *offset += -8.0f * *scale * x_sum;
-        return dot_u8_i8(nibbles(w->qs), x);
-    }
-    const block_q4_1 *w = (const block_q4_1 *)row + b;
-    *scale = half_to_float(w->d);
-    *offset += half_to_float(w->m) * x_sum;
-    return dot_u8_i8(nibbles(w->qs), x);
-}
-
-/* One weight row of `format` times activation row r alone (a batch of one: the single-row decode), two blocks at a
-   time into two accumulators (a block's multiply-add waits for the previous one's otherwise): qdot_rows's arithmetic
-   for R = 1, in the same order (the same bits), with less overhead. Inlined with a constant format into each caller
-   below, so the loop has no format test. */
-static inline __attribute__((always_inline)) float qdot(int format, const qmatvec_task *t, const uint8_t *row,
-                                                        long r) {
-    const int8_t *q = t->q + r * t->cols;
-    const float *d = t->d + r, *sum = t->sum + r; /* [blocks][batch]: block b at b * batch */
-    long step = t->batch;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    float offset0 = 0, offset1 = 0, scale0, scale1;
-    long b = 0;
-    for (; b + 2 <= t->blocks; b += 2) {
-        __m256i p0 = qblock(format, row, b, _mm256_loadu_si256((const __m256i *)(q + b * QK)), sum[b * step], &scale0,
-                            &offset0);
-        __m256i p1 = qblock(format, row, b + 1, _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK)), sum[(b + 1) * step],
-                            &scale1, &offset1);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scale0 * d[b * step]), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(scale1 * d[(b + 1) * step]), _mm256_cvtepi32_ps(p1), acc1);
-    }
-    if (b < t->blocks) {
-        __m256i p0 = qblock(format, row, b, _mm256_loadu_si256((const __m256i *)(q + b * QK)), sum[b * step], &scale0,
-                            &offset0);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scale0 * d[b * step]), _mm256_cvtepi32_ps(p0), acc0);
-    }
-    return sum8(_mm256_add_ps(acc0, acc1)) + (offset0 + offset1);
 }
 #else
 /* A weight block unpacked once for every batch row: its 32 integer weights (Q4_0's codes minus 8), its scale, and
@@ -1001,47 +1054,60 @@ static inline __attribute__((always_inline)) void qdot_rows(int format, int R, c
             const int8_t *x = t->q + (r0 + i) * t->cols + b * QK;
             int32_t total = 0;
             for (int j = 0; j < QK; j++) total += (int32_t)u.q[j] * x[j];
-            acc[i] += u.scale * t->d[b * t->batch + r0 + i] * (float)total;
-            if (format == HK_Q4_1) offset[i] += u.offset * t->sum[b * t->batch + r0 + i];
+            const float *pair = t->ds + 2 * (b * t->batch + r0 + i); /* (d_x, offset unit) */
+            acc[i] += u.scale * pair[0] * (float)total;
+            if (format == HK_Q4_1) offset[i] += u.offset * pair[1];
         }
     }
     for (int i = 0; i < R; i++) out[i] = acc[i] + offset[i];
 }
 #endif
 
-/* Output rows [o0, o1) for every batch row, the batch in groups of up to ROW_GROUP rows: the weight row (a few
-   hundred bytes) stays in L1 for every group. */
-static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long o0, long o1) {
-    float s[ROW_GROUP];
+/* Output rows [o0, o1) for every batch row, the batch in groups of up to ROW_GROUP rows: the weight rows (a few
+   hundred bytes each) stay in L1 for every group. AVX2: the 4-bit formats' rows a pair at a time, Q8_0's one. */
+static inline __attribute__((always_inline)) void put_q(const qmatvec_task *t, long row, long o, float v) {
+    float *y = t->y + row * t->outs + o;
+    v += t->bias ? t->bias[o] : 0.0f;
+    *y = t->accumulate ? *y + v : v;
+}
+
 #if HK_AVX2
-    if (t->batch == 1) {
-        for (long o = o0; o < o1; o++) {
-            float v = qdot(format, t, t->w + o * t->row_bytes, 0) + (t->bias ? t->bias[o] : 0.0f);
-            t->y[o] = t->accumulate ? t->y[o] + v : v;
-        }
-        return;
-    }
-#endif
-    for (long o = o0; o < o1; o++) {
-        const uint8_t *row = t->w + o * t->row_bytes;
+static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long o0, long o1) {
+    float s0[ROW_GROUP], s1[ROW_GROUP];
+    long step = format == HK_Q8_0 ? 1 : 2; /* weight rows at a time */
+    for (long o = o0; o < o1; o += step) {
+        const uint8_t *row0 = t->w + o * t->row_bytes, *row1 = o + 1 < o1 ? row0 + t->row_bytes : row0;
         for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
             long rows = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
-#if HK_AVX2
             switch (rows) { /* a constant R in each: the accumulators stay in registers */
-#define HK_ROWS_CASE(R) case R: qdot_rows(format, R, t, row, r0, s); break;
-            HK_ROWS_CASE(1) HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
+#define HK_ROWS_CASE(R) case R: if (format == HK_Q8_0) qdot_q8_0(R, t, row0, r0, s0); \
+                                else qdot_pair(format, R, t, row0, row1, r0, s0, s1); break;
+            HK_ROWS_CASE(1) HK_ROWS_CASE(2)
+#if ROW_GROUP > 2
+            HK_ROWS_CASE(3) HK_ROWS_CASE(4)
+#endif
 #undef HK_ROWS_CASE
             }
-#else
-            qdot_rows(format, (int)rows, t, row, r0, s); /* plain C: one copy (a copy per R only costs build time) */
-#endif
             for (long i = 0; i < rows; i++) {
-                float v = s[i] + (t->bias ? t->bias[o] : 0.0f), *y = t->y + (r0 + i) * t->outs + o;
-                *y = t->accumulate ? *y + v : v;
+                put_q(t, r0 + i, o, s0[i]);
+                if (step == 2 && o + 1 < o1) put_q(t, r0 + i, o + 1, s1[i]);
             }
         }
     }
 }
+#else
+static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long o0, long o1) {
+    float s[ROW_GROUP];
+    for (long o = o0; o < o1; o++) {
+        const uint8_t *row = t->w + o * t->row_bytes;
+        for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
+            long rows = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
+            qdot_rows(format, (int)rows, t, row, r0, s); /* plain C: one copy (a copy per R only costs build time) */
+            for (long i = 0; i < rows; i++) put_q(t, r0 + i, o, s[i]);
+        }
+    }
+}
+#endif
 
 /* A chunk of output rows. */
 static void qmatvec_chunk(void *ctx, long chunk) {
@@ -1063,9 +1129,8 @@ static int reserve_quantized_x(long count) {
     int8_t *q = realloc(quantized_x, (size_t)count);
     if (!q) return -1;
     quantized_x = q;
-    float *scales = realloc(x_scales, (2 * (size_t)(count / QK) + MAX_ROWS) * sizeof(float)); /* + padding */
+    float *scales = realloc(x_scales, 2 * (size_t)(count / QK) * sizeof(float));
     if (!scales) return -1;
-    memset(scales + 2 * (count / QK), 0, MAX_ROWS * sizeof(float));
     x_scales = scales;
     quantized_x_size = (size_t)count;
     return 0;
@@ -1080,10 +1145,11 @@ static int qmatvec(int format, const void *w, const float *x, const float *bias,
     long block_bytes = hk_quant_block_bytes(format);
     if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || batch < 1 || batch > MAX_ROWS || outs < 0) return -2;
     if (reserve_quantized_x(batch * cols) != 0) return -1;
-    long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes;
-    quantize_activations(x, batch, cols, quantized_x, x_scales, x_scales + batch * blocks);
-    qmatvec_task t = {format, w, row_bytes, blocks, quantized_x, x_scales, x_scales + batch * blocks, bias, y,
-                      outs, cols, batch, rows > 0 ? rows : 1, accumulate};
+    long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes / 2 * 2;
+    quantize_activations(format, x, batch, cols, quantized_x, x_scales);
+    PROFILE(P_QUANTIZE);
+    qmatvec_task t = {format, w, row_bytes, blocks, quantized_x, x_scales, bias, y, outs, cols, batch,
+                      rows > 0 ? rows : 2, accumulate};
     parallel(qmatvec_chunk, &t, ceil_div(outs, t.rows_per_chunk));
     return 0;
 }
@@ -1092,7 +1158,10 @@ static int qmatvec(int format, const void *w, const float *x, const float *bias,
 int hk_qgemv(int format, const void *w, const float *x, const float *bias, float *y, long outs, long cols,
              long batch) {
     pthread_mutex_lock(&call_lock);
+    PROFILE_START();
+    PROFILE_PRODUCT(P_HEAD);
     int status = qmatvec(format, w, x, bias, y, outs, cols, batch, 0);
+    PROFILE(P_HEAD);
     pthread_mutex_unlock(&call_lock);
     return status;
 }
