@@ -446,22 +446,36 @@ def random_packed_matrix(fmt: str, outs: int, cols: int, seed: int = 0):
 def measure_packed_kernels(repeats: int = 5, shape: tuple[int, int] = PACKED_KERNEL_SHAPE) -> list[Measurement]:
     """Weights/s of each packed format's one-row product (GGUF Q8_0/Q4_0/Q4_1 on the runtime's native kernels, or
     numpy's dequantized product where they are missing) over a matrix that stays in cache: the kernels' compute
-    rate, which the planner sets beside RAM bandwidth (a decode step takes the slower of the two)."""
+    rate, which the planner sets beside RAM bandwidth (a decode step takes the slower of the two).
+
+    The formats are timed in turn (q8_0, q4_0, q4_1, q8_0, ...), at least STEP_REPEATS times each, and each keeps
+    its fastest: one timing lasts ~20 ms, so on a shared machine a busy spell hits every format alike rather than
+    one of them (issue 23: timed one after another at load 15, q4_1 read 2.1-12e9 weights/s in three runs while
+    q8_0 read 6-9e9)."""
     from hivekeeper.core.runtime.quant.blocks import FORMATS
 
     outs, cols = shape
     path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
-    results = []
-    for name in FORMATS:
-        load = load_average()
-        matrix = random_packed_matrix(name, outs, cols)
-        x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
-        count, seconds = _counted_timings(lambda: matrix.matvec(x), repeats)
-        results.append(_rate_measurement(
-            f"{PACKED_KERNEL_KEY}{name}", f"CPU {name} kernel (one row)", WEIGHTS_PER_S, float(outs * cols), seconds,
-            load, f"[1, {cols}] x {name} [{outs}, {cols}] ({matrix.nbytes / 2**20:.2f} MiB, in cache), {path}, "
-                  f"{count} products per timing"))
-    return results
+    load = load_average()
+    x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
+    matrices = {name: random_packed_matrix(name, outs, cols) for name in FORMATS}
+    counts = {name: _inner_count(lambda m=matrix: m.matvec(x), torch.device("cpu"))
+              for name, matrix in matrices.items()}
+
+    def products(matrix, count: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(count):
+                matrix.matvec(x)
+        return run
+
+    timed = _alternating_seconds([products(matrices[name], counts[name]) for name in FORMATS],
+                                 max(repeats, STEP_REPEATS))
+    return [_rate_measurement(
+        f"{PACKED_KERNEL_KEY}{name}", f"CPU {name} kernel (one row)", WEIGHTS_PER_S, float(outs * cols),
+        [s / counts[name] for s in seconds], load,
+        f"[1, {cols}] x {name} [{outs}, {cols}] ({matrices[name].nbytes / 2**20:.2f} MiB, in cache), {path}, "
+        f"{counts[name]} products per timing, the formats timed in turn")
+        for name, seconds in zip(FORMATS, timed)]
 
 
 def measure_half_decode(hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 5) -> Measurement:
