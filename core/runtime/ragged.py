@@ -7,11 +7,15 @@ machine whose decode is bound by memory bandwidth.
 
 The sequences live in the rows of one KVCache (a pool: row r of every block's K/V is sequence r), each with its own
 length, which the caller keeps. `decode_rows` runs norms, the fused q/k/v projection, the output projection and the
-MLP on all rows together ([n, 1, hidden]); each row's rotary angles and K/V writes are at its own position, and
-attention is one call per block over the pool's first n rows, masked to each row's length (and sliding window).
+MLP on all rows together ([n, 1, hidden]); each row's rotary angles and K/V writes are at its own position.
+On the CPU with the native kernels (fp32 or block-quantized blocks, up to their MAX_ROWS rows) the whole step is one
+call (`hk_span_decode_rows`: each row's position and rotary angles passed with it, each row attending to its own
+keys), as a lone sequence's step is: no torch op per block, the weights read once for every row. Elsewhere (a GPU,
+bf16, more rows, no compiler) it runs in torch, attention one call per block over the pool's first n rows, masked to
+each row's length (and sliding window); the masks are made once per step.
 `row_view` is one row as an ordinary batch-1 KVCache (sharing the memory), for prefilling it with `Span.forward`.
-The pool must hold finite values past each row's length (zeros: KVCache.allocate's memory is uninitialised): masked
-keys still enter the attention's sums with weight 0, and 0 x NaN is NaN.
+The pool must hold finite values past each row's length for the torch path (zeros: KVCache.allocate's memory is
+uninitialised): masked keys still enter the attention's sums with weight 0, and 0 x NaN is NaN.
 The results equal `Span.forward` run on each sequence alone, up to float rounding (the tests compare them).
 """
 
@@ -25,6 +29,7 @@ from torch import Tensor
 
 from hivekeeper.planner.errors import InputError
 
+from hivekeeper.core.runtime.kernels import cpu_decode, native_kernels
 from hivekeeper.core.runtime.model import Block, KVCache, Span, apply_rotary
 
 
@@ -39,15 +44,41 @@ def decode_rows(span: Span, hidden: Tensor, cache: KVCache, lengths: Sequence[in
     _check_rows(span, hidden, cache, lengths)
     n = hidden.shape[0]
     hidden = hidden.to(span.dtype)
-    positions = torch.tensor(list(lengths), dtype=torch.long, device=hidden.device)
     rope = _rows_rope(span, lengths, hidden)
+    native = _native_rows(span, hidden, cache, lengths, rope)
+    if native is not None:
+        return native
+    positions = torch.tensor(list(lengths), dtype=torch.long, device=hidden.device)
     rows = torch.arange(n, device=hidden.device)
     keys_seen = max(lengths) + 1
+    masks: dict[int | None, Tensor] = {}  # per sliding window (None: none), shared by the blocks that have it
     for i, block in enumerate(span.blocks):
         k_cache, v_cache = cache.block(i)
-        mask = _row_mask(positions, keys_seen, block.self_attn.window)
-        hidden = _block_rows(block, hidden, k_cache, v_cache, rows, positions, keys_seen, mask, rope)
+        window = block.self_attn.window
+        if window not in masks:
+            masks[window] = _row_mask(positions, keys_seen, window)
+        hidden = _block_rows(block, hidden, k_cache, v_cache, rows, positions, keys_seen, masks[window], rope)
     return hidden
+
+
+def _native_rows(span: Span, hidden: Tensor, cache: KVCache, lengths: Sequence[int],
+                 rope: tuple[Tensor, Tensor]) -> Tensor | None:
+    """The step in one call of the native kernels (hk_span_decode_rows), or None where they cannot take it (then
+    torch runs it). PreparedSpan.prepare checks what a lone sequence's native step needs (kernels built, fp32 on the
+    CPU, no autograd, the blocks' weights in a layout they read, at most MAX_ROWS rows) on the pool's first n rows."""
+    n = hidden.shape[0]
+    caches = [(k[:n], v[:n]) for k, v in (cache.block(i) for i in range(len(span.blocks)))]
+    prepared = cpu_decode.PreparedSpan.prepare(span.blocks, caches, hidden)
+    if prepared is None:
+        return None
+    cos, signed_sin = (table.reshape(n, -1).contiguous() for table in rope)  # [n, head_dim]: row r's angles
+    tokens = (native_kernels.Token * n)(*(native_kernels.Token(length, cos[r].data_ptr(), signed_sin[r].data_ptr())
+                                          for r, length in enumerate(lengths)))
+    out = hidden.detach().clone(memory_format=torch.contiguous_format)  # [n, 1, hidden]: updated in place
+    if native_kernels.library().hk_span_decode_rows(prepared.block_table, prepared.cache_table, len(span.blocks),
+                                                    tokens, out.data_ptr(), n) != 0:
+        raise MemoryError("decode_rows: the native kernels could not allocate their scratch memory")
+    return out
 
 
 def _check_rows(span: Span, hidden: Tensor, cache: KVCache, lengths: Sequence[int]) -> None:

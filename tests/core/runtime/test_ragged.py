@@ -1,6 +1,6 @@
 """decode_rows (continuous batching's step) against Span.forward run on each sequence alone: rows of one pool at
-different positions, sliding windows included, K/V written where each row stands; bad shapes and a full pool
-refused."""
+different positions, sliding windows included, K/V written where each row stands, on the native kernels' one call
+and on torch's per-block path; bad shapes and a full pool refused."""
 
 from __future__ import annotations
 
@@ -27,13 +27,32 @@ def span(request, tmp_path_factory):
     return load_span(path, 0, 4)
 
 
+@pytest.fixture(params=["native", "torch"])
+def step_path(request, monkeypatch):
+    """Which code runs decode_rows: the native kernels' hk_span_decode_rows (where they are built), or torch's;
+    checks that it was that one."""
+    from hivekeeper.core.runtime import ragged
+    from hivekeeper.core.runtime.kernels import native_kernels
+
+    if request.param == "torch":
+        monkeypatch.setattr(native_kernels, "ENABLED", False)
+    elif native_kernels.library() is None:
+        pytest.skip(f"the native kernels are not built here: {native_kernels.status()}")
+    taken = []
+    native_rows = ragged._native_rows
+    monkeypatch.setattr(ragged, "_native_rows", lambda *args: taken.append(native_rows(*args)) or taken[-1])
+    with torch.inference_mode():  # as the batcher runs (the native step needs autograd off)
+        yield request.param
+    assert taken and all((out is not None) == (request.param == "native") for out in taken)
+
+
 def prefilled(span, hidden: torch.Tensor) -> KVCache:
     cache = KVCache.allocate(span.config, len(span.blocks), 1, MAX_LENGTH)
     span(hidden, cache)
     return cache
 
 
-def test_rows_at_different_positions_equal_each_row_run_alone(span):
+def test_rows_at_different_positions_equal_each_row_run_alone(span, step_path):
     torch.manual_seed(0)
     size = span.config.hidden_size
     prompts = [torch.randn(1, n, size) for n in PROMPTS]
