@@ -75,13 +75,13 @@ def quant_choices(model: str, hardware: HardwareSpec) -> list[tuple[str, str]]:
     packed_auto = own is not None and own in quant_options(path, hardware)
     on_cpu = not hardware.has_gpu
     words = {
-        "auto": (f"auto (the file's own {own}, packed)" if packed_auto else
+        "auto": (f"auto ({own} packed)" if packed_auto else
                  "auto (fp32 or 16-bit, the faster)" if on_cpu else "auto (quantize if it pays)"),
         "none": (("fp32 / bf16 (dequantized)" if on_cpu else "16-bit (dequantized)") if gguf else
                  ("fp32 / bf16 (no quantization)" if on_cpu else "16-bit (no quantization)")),
         "int8": "int8 (bitsandbytes)", "nf4": "nf4 4-bit (bitsandbytes)",
     }
-    return [(quant, words.get(quant, f"{quant} (the file's own, packed)")) for quant in quant_options(path, hardware)]
+    return [(quant, words.get(quant, f"{quant} packed (the file's own)")) for quant in quant_options(path, hardware)]
 
 
 def _placement(percent: dict[str, float], has_gpu: bool, what: str) -> Placement:
