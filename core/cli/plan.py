@@ -206,6 +206,7 @@ def packed_memory(model: str, spec, held: str, packed_plan: bool = False) -> dic
     plan is one for a CPU), the bytes it holds then (the blocks as load_packed_block builds them) and the packed
     types; else nothing."""
     from hivekeeper.core.offload.local_plan import default_device
+    from hivekeeper.core.offload.packed_stream import outside_held_bytes
     from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_block_bytes, packed_by_default
 
     if held != "fp32" or not (packed_plan or default_device() == "cpu") or not packed_by_default():
@@ -214,24 +215,13 @@ def packed_memory(model: str, spec, held: str, packed_plan: bool = False) -> dic
     blocks = [packed_block_bytes(checkpoint, layer) for layer in range(spec.num_layers)]
     if sum(blocks) >= spec.num_layers * block_weight_bytes(spec, held):
         return {}
-    outside = weight_bytes(spec, held) - spec.num_layers * block_weight_bytes(spec, held) + packed_head_bytes(checkpoint)
+    outside = outside_held_bytes(checkpoint)  # the engine's packed head and embedding (packed_stream.load_outside)
+    if outside is None:  # the head does not pack: embedding and head in fp32
+        outside = weight_bytes(spec, held) - spec.num_layers * block_weight_bytes(spec, held)
     types = sorted({checkpoint.tensor_type(name) for name in checkpoint.tensors
                     if name.startswith("model.layers.") and checkpoint.packable(name)})
     return {"memory_bytes": round(outside + sum(blocks)), "memory_block_bytes": max(blocks),
             "memory_packed": types}
-
-
-def packed_head_bytes(checkpoint) -> int:
-    """What a packed LM head (gguf.load_packed_head) changes in the bytes held: an untied head's stored bytes instead
-    of its fp32 matrix; a tied one's stored bytes beside the fp32 embedding; 0 when the head does not pack."""
-    from hivekeeper.core.runtime.checkpoint import EMBEDDING_TENSOR, LM_HEAD_TENSOR
-
-    config = checkpoint.config
-    untied = checkpoint.has(LM_HEAD_TENSOR) and not config.tie_word_embeddings
-    name = LM_HEAD_TENSOR if untied else EMBEDDING_TENSOR
-    if not checkpoint.packable(name):
-        return 0
-    return checkpoint.stored_bytes(name) - (4 * config.vocab_size * config.hidden_size if untied else 0)
 
 
 def format_that_runs(weight_format: str) -> str:

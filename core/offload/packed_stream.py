@@ -249,8 +249,9 @@ def load_outside(reader: PackedBlockReader) -> tuple[torch.nn.Module, PackedHead
     head.load_state_dict({"norm.weight": norm}, strict=False, assign=True)
     head.lm_head = QuantizedLinear(matrix)
     head.weight = None
-    if name == EMBEDDING_TENSOR:
+    if name == EMBEDDING_TENSOR:  # tied: the head's rows serve the lookups, and are the head's `weight` (shared)
         embedding = PackedEmbedding(QuantizedMatrix(matrix.fmt, head.lm_head.packed.numpy(), *shape))
+        head.weight = torch.nn.Parameter(embedding.packed, requires_grad=False)
     else:
         own = reader.read_matrix(EMBEDDING_TENSOR, shape)
         embedding = PackedEmbedding(own) if own is not None else _fp32_embedding(checkpoint)
