@@ -131,11 +131,12 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
                       failovers=model.client.failovers)
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
 
-    if getattr(args, "prompts", None):  # trained prompts: the blocks held whole in RAM (core/finetune/prompted.py)
-        from hivekeeper.core.finetune.prompted import local_prompted_model
+    prompts = getattr(args, "prompts", None)
+    if prompts:  # trained prompts take the first positions of every cache: the plan counts them
+        from hivekeeper.core.finetune.prompted import prompt_tokens
 
-        prompted, description = local_prompted_model(path, args.prompts, config)
-        return Runner(prompted, tokenizer, {"source": "prompts", "prompts": args.prompts}, description, is_demo)
+        extra = prompt_tokens(prompts, config)
+        prompt_len, max_length = prompt_len + extra, min(max_length + extra, config.max_position_embeddings)
     choice, plan = plan_local_run(args.plan, path, config, batch=batch, prompt_len=prompt_len,
                                   max_new_tokens=max(1, max_length - prompt_len), max_length=max_length,
                                   ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"))
@@ -144,6 +145,11 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
             "engine": plan.summary(), "warnings": list(choice.warnings), "predicted": choice.predicted}
     for warning in choice.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    if prompts:  # the prompts run first in each cache, through the plan's placement (core/finetune/prompted.py)
+        from hivekeeper.core.finetune.prompted import local_prompted_model
+
+        prompted, description = local_prompted_model(model, prompts, plan.describe())
+        return Runner(prompted, tokenizer, {**info, "prompts": prompts}, description, is_demo)
     return Runner(model, tokenizer, info, plan.describe(), is_demo)
 
 

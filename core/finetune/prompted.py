@@ -6,7 +6,9 @@ added there, for deep_ptune), exactly where training put them. The cache it hand
 (length, truncate), so the generation loop, the chat's kept cache and the API's engine see an ordinary cache; the
 context is the model's less the prompt tokens.
 
-Locally the blocks are loaded whole into RAM (the offload engine's placement is not used with prompts). Through a
+Locally the runner wraps the OffloadedModel a plain run would use, planned as usual with the prompts' positions
+counted in its cache (`prompt_tokens`): the prefix runs through the engine's placement (blocks resident, in RAM or
+streamed from disk), deep prompts added to each block's input there (OffloadedModel.forward_blocks). Through a
 swarm the prompts run as the first step of the session; deep_ptune's per-block prompts go with that step, each
 server getting its blocks' slice (Petals' inference `prompts` tensor), and with every replay of those positions
 (a failover's replacement, a spot check's referee).
@@ -69,22 +71,6 @@ class _PromptedSpan:
         return self.inner(hidden, cache.inner)
 
 
-class _LocalSpan:
-    """A Span held whole in RAM with plain KV caches: the local runner for prompts."""
-
-    def __init__(self, span):
-        self.span, self.start, self.end = span, span.start, span.end
-
-    def allocate_cache(self, batch: int, max_length: int):
-        from hivekeeper.core.runtime.model import KVCache
-
-        return KVCache.allocate(self.span.config, len(self.span.blocks), batch, max_length, self.span.dtype,
-                                self.span.blocks[0].input_layernorm.weight.device)
-
-    def __call__(self, hidden: Tensor, cache) -> Tensor:
-        return self.span(hidden, cache)
-
-
 class PromptedModel:
     """A runner that generates after trained prompts; closes the model it wraps (if it has close)."""
 
@@ -92,6 +78,11 @@ class PromptedModel:
         self.config = dataclasses.replace(config, max_position_embeddings=config.max_position_embeddings
                                           - span.prompts.tokens)
         self.embedding, self.head, self.span, self._closes = embedding, head, span, closes
+
+    @property
+    def bytes_streamed(self) -> int:
+        """Weight bytes the model it wraps read from disk (an OffloadedModel's streamed blocks), else 0."""
+        return getattr(self._closes, "bytes_streamed", 0)
 
     def close(self) -> None:
         if self._closes is not None:
@@ -105,21 +96,27 @@ def read_prompts_for(prompts_file, config) -> tuple[TrainablePrompts, object]:
     return prompts.requires_grad_(False), info
 
 
-def local_prompted_model(path, prompts_file, config) -> tuple[PromptedModel, str]:
-    """(runner, description): the checkpoint's blocks in RAM, caches starting with the prompts."""
-    from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
-    from hivekeeper.core.swarm.server.handler import run_blocks
+def prompt_tokens(prompts_file, config) -> int:
+    """The positions a prompts file takes at the start of every cache (checked to fit the model): what a local plan
+    adds to its prompt and cache lengths."""
+    return read_prompts_for(prompts_file, config)[1].tokens
 
-    prompts, info = read_prompts_for(prompts_file, config)
-    span = load_span(path, 0, config.num_layers)
-    embedding = load_embedding(path)
-    head = load_head(path, embedding=embedding if config.tie_word_embeddings else None)
+
+def local_prompted_model(model, prompts_file, describe_plan: str = "") -> tuple[PromptedModel, str]:
+    """(runner, description): an OffloadedModel (placed by its plan; closed with the runner) whose caches start with
+    the prompts."""
+    try:
+        prompts, info = read_prompts_for(prompts_file, model.config)
+    except BaseException:
+        model.close()
+        raise
 
     def run_prefix(first: Tensor, deep: Tensor | None, cache) -> None:
-        run_blocks(span, first.to(span.dtype), cache, deep)
+        model.forward_blocks(first, cache, deep)
 
-    prompted = _PromptedSpan(_LocalSpan(span), prompts, run_prefix, config.max_position_embeddings)
-    return PromptedModel(config, embedding, head, prompted), _describe(prompts_file, info) + "; all blocks in RAM"
+    prompted = _PromptedSpan(model.span, prompts, run_prefix, model.config.max_position_embeddings)
+    runner = PromptedModel(model.config, model.embedding, model.head, prompted, closes=model)
+    return runner, _describe(prompts_file, info) + (f"; {describe_plan}" if describe_plan else "")
 
 
 def swarm_prompted_model(swarm_model, prompts_file) -> tuple[PromptedModel, str]:

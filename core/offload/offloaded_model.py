@@ -43,7 +43,7 @@ from hivekeeper.core.runtime.gguf import GGUFBlockReader, GGUFCheckpoint, packed
 from hivekeeper.core.runtime.kernels import cpu_decode
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, pack_in_order, store_tall_linears_by_column,
                                                         use_blas_threads)
-from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable
+from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable, add_prompt
 from hivekeeper.core.runtime.quant.bnb import quantized_tensors
 from hivekeeper.core.runtime.quant.store import QuantStore
 
@@ -297,8 +297,11 @@ class OffloadedModel:
 
         return run
 
-    def forward_blocks(self, hidden: Tensor, cache: TieredKVCache | RecomputeCache) -> Tensor:
-        """hidden [batch, new_tokens, hidden] through every block; new tokens at positions cache.length, ..."""
+    def forward_blocks(self, hidden: Tensor, cache: TieredKVCache | RecomputeCache,
+                       prompts: Tensor | None = None) -> Tensor:
+        """hidden [batch, new_tokens, hidden] through every block; new tokens at positions cache.length, ...
+        prompts: deep prompts [blocks, batch, prefix, hidden] added to each block's input (model.add_prompt; the
+        trained prompts of core/finetune, run once at the start of a cache)."""
         batch, t, width = hidden.shape
         position = cache.length
         if width != self.config.hidden_size or batch != cache.batch:
@@ -308,7 +311,7 @@ class OffloadedModel:
             raise InputError(f"{position + t} tokens exceed the KV cache's max_length {cache.max_length}")
         hidden = hidden.to(device=self.device, dtype=self.plan.dtype)
         rope = self.rotary.get(position, t, hidden.device, hidden.dtype)
-        native = self._native_decode(hidden, cache, position, rope)
+        native = self._native_decode(hidden, cache, position, rope) if prompts is None else None
         if native is not None:
             cache.length = position + t
             return native
@@ -325,7 +328,9 @@ class OffloadedModel:
             try:
                 run = self._block_runner(layer, block, cache, position, rope)
                 for i, (r, home) in enumerate(zip(rows, homes)):
-                    parts[i] = keep_between_blocks(run(parts[i].to(self.device, non_blocking=True), r), home)
+                    x = parts[i].to(self.device, non_blocking=True)
+                    x = x if prompts is None else add_prompt(x, prompts[layer, r])
+                    parts[i] = keep_between_blocks(run(x, r), home)
             finally:
                 if streamed:
                     self.streamer.release(layer)

@@ -392,6 +392,14 @@ class Block(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 # KV cache
 # ---------------------------------------------------------------------------------------------------------------
+def add_prompt(hidden: Tensor, prompt: Tensor) -> Tensor:
+    """hidden [batch, tokens, width] with a block's deep prompt [batch, prefix, width] added to its first positions
+    (fine-tuning's deep_ptune, Petals' rule: a step's first min(prefix, tokens) positions)."""
+    prefix = min(prompt.shape[1], hidden.shape[1])
+    prompt = prompt.to(device=hidden.device, dtype=hidden.dtype)
+    return torch.cat([hidden[:, :prefix] + prompt[:, :prefix], hidden[:, prefix:]], dim=1)
+
+
 class KVCache:
     """Keys and values of a span's blocks for one session, pre-allocated for max_length tokens.
 

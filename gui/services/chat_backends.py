@@ -71,9 +71,7 @@ class ChatBackend:
             self.context = self.runner.config.max_position_embeddings
         else:
             self.path = resolve_checkpoint(key.model)
-            if not key.prompts:
-                self.runner, self.placement, self.context = _local_runner(self.path, key, hardware, describe,
-                                                                          efficiency)
+            self.runner, self.placement, self.context = _local_runner(self.path, key, hardware, describe, efficiency)
         if key.prompts:
             describe("loading the model with its trained prompts…")
             self._use_prompts(key)
@@ -82,17 +80,17 @@ class ChatBackend:
         self.prompt_cache = conversation_cache(self.context, swarm=key.mode == "swarm")
 
     def _use_prompts(self, key: BackendKey) -> None:
-        """The runner with trained prompts first in every conversation (the local one holds all blocks in RAM)."""
+        """The runner with trained prompts first in every conversation (the local one placed by its plan, the
+        prompts' positions taken from the context it counts)."""
         from hivekeeper.core.finetune.prompted import local_prompted_model, swarm_prompted_model
-
-        from hivekeeper.core.runtime.checkpoint import load_config
 
         if key.mode == "swarm":
             self.runner, self.placement = swarm_prompted_model(self.runner, key.prompts)
             self.context = self.runner.config.max_position_embeddings
         else:
-            self.runner, self.placement = local_prompted_model(self.path, key.prompts, load_config(self.path))
-            self.context = min(self.runner.config.max_position_embeddings, CONTEXT_LIMIT)
+            self.runner, self.placement = local_prompted_model(self.runner, key.prompts, self.placement)
+            self.context = min(self.runner.config.max_position_embeddings,
+                               self.context - self.runner.span.prompts.tokens)
 
     def reply(self, request: Request, on_text: Callable[[str], None], stop: threading.Event):
         """Stream one reply; returns core.generation's GenerationResult."""

@@ -23,7 +23,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from hivekeeper.core.runtime.model import KVCache, Span
+from hivekeeper.core.runtime.model import KVCache, Span, add_prompt
 from hivekeeper.core.swarm.server.compute import FORWARD, INFERENCE, PriorityWorker
 from hivekeeper.core.swarm.server.memory import AllocationFailed, MemoryPool
 from hivekeeper.core.swarm.server.quotas import QuotaLimits, Quotas
@@ -287,10 +287,8 @@ def run_blocks(span: Span, hidden: torch.Tensor, cache: KVCache | None, prompts:
     if tokens == 0:
         return hidden
     rope = span.rotary.get(position, tokens, hidden.device, hidden.dtype)
-    prompts = prompts.to(device=hidden.device, dtype=hidden.dtype)
     for i, block in enumerate(span.blocks):
-        prefix = min(prompts.shape[2], tokens)
-        hidden = torch.cat([hidden[:, :prefix] + prompts[i, :, :prefix], hidden[:, prefix:]], dim=1)
+        hidden = add_prompt(hidden, prompts[i])
         k, v = cache.block(i) if cache is not None else (None, None)
         hidden = block(hidden, k, v, position, rope)
     if cache is not None:

@@ -5,7 +5,8 @@
 - A run saves its prompts with the model id, method and step in the file's metadata; a second run with more
   --steps resumes from that file and ends where one uninterrupted run ends.
 - `generate --prompts FILE` runs the trained prompts first: its text differs from the plain model's, and a prompts
-  file for another model's shape is refused in one line.
+  file for another model's shape is refused in one line. It runs through the local plan: with every block streamed
+  from disk, or K/V recomputed from kept block inputs, the text is the all-resident run's.
 """
 
 from __future__ import annotations
@@ -97,6 +98,25 @@ def test_generate_runs_the_trained_prompts_first(tiny_checkpoint, trained, capsy
     plain = generated(tiny_checkpoint, capsys=capsys)
     prompted = generated(tiny_checkpoint, "--prompts", str(trained), capsys=capsys)
     assert prompted != plain
+
+
+@pytest.mark.parametrize("policy", [
+    {"weights": {"disk": 1}, "kv_cache": {"cpu": 1}},  # every block streamed from disk
+    {"weights": {"cpu": 1}, "kv_cache": {"cpu": 1}, "kv_cache_mode": "recompute"},  # block inputs kept, K/V redone
+])
+def test_prompts_run_through_the_local_plan(tiny_checkpoint, trained, tmp_path, capsys, policy):
+    capsys.readouterr()
+    expected = generated(tiny_checkpoint, "--prompts", str(trained), capsys=capsys)  # the planner's: all resident
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"weight_format": "fp32", **policy}))
+    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "The sky is", "--max-new-tokens", "6",
+                 "--temperature", "0", "--ignore-eos", "--json", "--prompts", str(trained), "--plan", str(plan)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["text"] == expected
+    engine, on_disk = doc["plan"]["engine"], "disk" in policy["weights"]
+    assert engine["disk_blocks"] == ([0, 1] if on_disk else [])
+    assert (doc["bytes_streamed"] > 0) == on_disk
+    assert engine["kv_cache_mode"] == policy.get("kv_cache_mode", "keep")
 
 
 def test_the_api_serves_with_the_trained_prompts(tiny_checkpoint, trained, capsys):

@@ -139,11 +139,15 @@ def greedy_ids(model, prompt_ids: list[int], new_tokens: int, after_token=None) 
 def test_a_server_killed_mid_generation_with_deep_prompts_keeps_the_tokens(parts, tiny_checkpoint, servers,
                                                                           tmp_path):
     from hivekeeper.core.finetune.prompted import local_prompted_model, swarm_prompted_model
+    from hivekeeper.core.offload.local_plan import plan_local_run
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
     from hivekeeper.core.swarm.client.inference import SwarmModel
 
     path = saved_prompts(parts, "deep_ptune", tmp_path / "deep.prompts", deep_scale=1.0)
     prompt = load_tokenizer(tiny_checkpoint).encode("Grass is")
-    local, _ = local_prompted_model(tiny_checkpoint, path, parts.config)
+    _, plan = plan_local_run("auto", tiny_checkpoint, parts.config, batch=1, prompt_len=8, max_new_tokens=10,
+                             max_length=24)
+    local, _ = local_prompted_model(OffloadedModel(tiny_checkpoint, plan), path)
     expected = greedy_ids(local, prompt, 10)
     swarm_model = SwarmModel(str(tiny_checkpoint), initial_peers=servers.initial_peers, dht_prefix=PREFIX)
     model, _ = swarm_prompted_model(swarm_model, path)
@@ -159,6 +163,7 @@ def test_a_server_killed_mid_generation_with_deep_prompts_keeps_the_tokens(parts
         failovers, checks = swarm_model.client.failovers, swarm_model.client.spot_check_log
     finally:
         model.close()
+    local.close()
     assert [(f["peer_id"], f["blocks"], f["replayed_tokens"]) for f in failovers] == [(killed[0], [1, 2],
                                                                                          3 + len(prompt) + 2)]
     replacement = failovers[0]["new_route"][0][0]
