@@ -70,18 +70,20 @@ def quant_choices(model: str, hardware: HardwareSpec) -> list[tuple[str, str]]:
     """The Weight format menu for `model` on `hardware`: (--quant value, words), only the values that apply there
     (format_choice.quant_options: a GGUF's own packed type on a CPU, bitsandbytes on a CUDA GPU)."""
     path = model_path_or_id(model)
+    options = quant_options(path, hardware)
     gguf = is_gguf(path)
     own = gguf_packed_type(path) if gguf else None
-    packed_auto = own is not None and own in quant_options(path, hardware)
+    packed_auto = own is not None and own in options
     on_cpu = not hardware.has_gpu
     words = {
         "auto": (f"auto ({own} packed)" if packed_auto else
-                 "auto (fp32 or 16-bit, the faster)" if on_cpu else "auto (quantize if it pays)"),
+                 "auto (fp32 or 16-bit, the faster)" if on_cpu else
+                 "auto (16-bit, dequantized)" if gguf else "auto (quantize if it pays)"),
         "none": (("fp32 / bf16 (dequantized)" if on_cpu else "16-bit (dequantized)") if gguf else
                  ("fp32 / bf16 (no quantization)" if on_cpu else "16-bit (no quantization)")),
         "int8": "int8 (bitsandbytes)", "nf4": "nf4 4-bit (bitsandbytes)",
     }
-    return [(quant, words.get(quant, f"{quant} packed (the file's own)")) for quant in quant_options(path, hardware)]
+    return [(quant, words.get(quant, f"{quant} packed (the file's own)")) for quant in options]
 
 
 def _placement(percent: dict[str, float], has_gpu: bool, what: str) -> Placement:
