@@ -1,9 +1,15 @@
-"""What the benchmarks share (not a benchmark itself): demo checkpoints written once into the data folder, and a
-fixed prompt of token ids."""
+"""What the benchmarks share (not a benchmark itself): demo checkpoints written once into the data folder, a
+fixed prompt of token ids, and a CPU-bound process to run beside ("busy")."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+HOG_DEADLINE_S = 1800  # the hog kills itself after this, should the bench die without killing it
 
 
 def demo_checkpoint(name: str, shape: dict) -> Path:
@@ -28,3 +34,18 @@ def demo_preset(preset: str) -> Path:
 def fixed_prompt(vocab_size: int, tokens: int) -> list[int]:
     """BOS then a deterministic spread of ordinary token ids: the same prompt for every run and implementation."""
     return [1] + [(7 * i) % (vocab_size - 10) + 10 for i in range(tokens - 1)]
+
+
+@contextmanager
+def busy_core(busy: bool):
+    """One CPU-bound child process for the block when `busy` (killed and reaped after it)."""
+    if not busy:
+        yield
+        return
+    child = subprocess.Popen([sys.executable, "-c", f"import signal; signal.alarm({HOG_DEADLINE_S})\nwhile 1: pass"])
+    try:
+        time.sleep(0.2)  # let it start spinning
+        yield
+    finally:
+        child.kill()
+        child.wait(timeout=30)

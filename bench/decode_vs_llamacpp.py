@@ -56,7 +56,6 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 
 import hivekeeper.core  # noqa: E402,F401 - before numpy and torch: sets OpenBLAS's idle-thread timeout
 
@@ -69,12 +68,11 @@ from hivekeeper.core.runtime.kernels import native_kernels  # noqa: E402
 from hivekeeper.core.runtime.kernels.cpu_matmul import use_blas_threads  # noqa: E402
 from hivekeeper.core.runtime.model import KVCache  # noqa: E402
 
-from _common import fixed_prompt  # noqa: E402  (bench/ is the script's folder, first on sys.path)
+from _common import busy_core, fixed_prompt  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 from _demo_gguf import write_demo_gguf  # noqa: E402
 
 CHILD = Path(__file__).with_name("_llamacpp_child.py")
 CHILD_DEADLINE_S = 900
-HOG_DEADLINE_S = 1800  # the hog kills itself after this, should this process die without killing it
 
 
 def gguf_file(name: str) -> Path:
@@ -83,21 +81,6 @@ def gguf_file(name: str) -> Path:
         return resolve_default_model()
     return write_demo_gguf(CACHE / "gguf" / f"{name}.gguf", name.rsplit("-", 1)[1], PRESETS["1b"],
                            resolve_default_model())
-
-
-@contextmanager
-def busy_core(busy: bool):
-    """One CPU-bound child process for the block when `busy` (killed and reaped after it)."""
-    if not busy:
-        yield
-        return
-    child = subprocess.Popen([sys.executable, "-c", f"import signal; signal.alarm({HOG_DEADLINE_S})\nwhile 1: pass"])
-    try:
-        time.sleep(0.2)  # let it start spinning
-        yield
-    finally:
-        child.kill()
-        child.wait(timeout=30)
 
 
 @torch.inference_mode()

@@ -5,8 +5,10 @@ compiler and flags (the file name carries their hash; the build goes to a tempor
 so processes starting together never load a half-written library). Three builds exist (VARIANTS): "avx512vnni"
 (AVX2 and AVX512-VNNI: the quantized products' integer dot products in one instruction), "avx2" (AVX2, FMA and F16C
 intrinsics) and "portable" (plain C for any CPU). The best one the CPU flags (HIVEKEEPER_CPU_FLAGS when pinned) and
-the real CPU allow is chosen; HIVEKEEPER_NATIVE=<build> asks for one (the tests run each the CPU runs). Without a compiler, or with HIVEKEEPER_NATIVE=0, `library()` is
-None and decoding runs the numpy path (core/runtime/kernels/cpu_decode.py); `status()` says which and why.
+the real CPU allow is chosen; HIVEKEEPER_NATIVE=<build> asks for one (the tests run each the CPU runs);
+HIVEKEEPER_NATIVE_PROFILE=1 builds it with -DHK_PROFILE, which times a decode step's parts (`step_profile`).
+Without a compiler, or with HIVEKEEPER_NATIVE=0, `library()` is None and decoding runs the numpy path
+(core/runtime/kernels/cpu_decode.py); `status()` says which and why.
 
 The kernels' pool hands work out in chunks that any awake thread claims, and never waits for a worker that has not
 started (a worker the OS took off its core, on a busy machine); `hk_test_hold_worker` holds one back on purpose for
@@ -41,6 +43,9 @@ VARIANT_FLAGS = {"avx512vnni": (("avx512f", "AVX512F"), ("avx512bw", "AVX512BW")
                                 ("avx512_vnni", "AVX512VNNI")), "avx2": ()}
 VARIANT_ENV = "HIVEKEEPER_NATIVE"  # 0/off: no kernels; a build's name: that build where the CPU runs it;
 #                                    unset/1/auto: the CPU's best
+PROFILE_ENV = "HIVEKEEPER_NATIVE_PROFILE"  # 1: a build that times the parts of a decode step (bench/decode_profile.py)
+PROFILE_PARTS = ("norm", "qkv", "rope", "attention", "o", "gate_up", "silu", "down", "head", "quantize", "wait",
+                 "solo")  # decode_kernels.c's P_* parts, in their order
 OFF_VALUES = ("0", "off", "false", "no")
 
 ENABLED = True  # tests and benchmarks switch it off to run the numpy path in the same process
@@ -120,13 +125,14 @@ def _compiler_identity(compiler: str) -> str:
         return compiler
 
 
-def build(compiler: str, out_dir: Path, variant: str = "avx2") -> Path:
-    """Compile the kernels' `variant` build with `compiler` into out_dir (reused when already built); raises
-    RuntimeError with the compiler's message when the build fails."""
+def build(compiler: str, out_dir: Path, variant: str = "avx2", profile: bool = False) -> Path:
+    """Compile the kernels' `variant` build with `compiler` into out_dir (reused when already built); `profile`: the
+    build that times a decode step's parts (hk_profile). Raises RuntimeError with the compiler's message when the
+    build fails."""
     source = SOURCE.read_bytes()
-    flags = (*FLAGS, *VARIANTS[variant])
+    flags = (*FLAGS, *VARIANTS[variant], *(("-DHK_PROFILE",) if profile else ()))
     key = hashlib.sha256(source + "\0".join((*flags, _compiler_identity(compiler))).encode()).hexdigest()[:16]
-    target = out_dir / f"decode_kernels-{variant}-{key}.so"
+    target = out_dir / f"decode_kernels-{variant}{'-profile' if profile else ''}-{key}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -188,8 +194,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 
 def _build_and_open(compiler: str, variant: str) -> tuple[Path, ctypes.CDLL]:
-    path = build(compiler, _cache_dir(), variant)
+    path = build(compiler, _cache_dir(), variant, profile=profiling())
     return path, ctypes.CDLL(str(path))
+
+
+def profiling() -> bool:
+    """Whether HIVEKEEPER_NATIVE_PROFILE asks for the build that times a decode step's parts."""
+    return os.environ.get(PROFILE_ENV, "").strip() == "1"
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -208,7 +219,8 @@ def _declare(library: ctypes.CDLL) -> None:
         "hk_quant_block_bytes": ([integer], long),
         "hk_qgemv": ([integer, void_p, void_p, void_p, void_p, long, long, long], integer),
         "hk_dequantize": ([integer, void_p, void_p, long, long], integer),
-        "hk_pool_stalls": ([], long), "hk_pool_solo_left": ([], long),
+        "hk_pool_stalls": ([], long), "hk_pool_solo_left": ([], long), "hk_set_solo": ([long], long),
+        **({"hk_profile": ([integer], ctypes.c_double)} if profiling() else {}),
     }
     for name, (arguments, result) in signatures.items():
         function = getattr(library, name)
@@ -224,6 +236,25 @@ def set_spin_seconds(seconds: float) -> None:
     """How long the pool's idle workers spin before they sleep (benchmarks compare budgets); no-op when off."""
     if (native := library()) is not None:
         native.hk_set_spin(seconds)
+
+
+def set_solo_products(products: int) -> None:
+    """How many products run on the caller alone after one stalled on a late worker (0: none; benchmarks compare
+    settings); no-op when off."""
+    if (native := library()) is not None:
+        native.hk_set_solo(products)
+
+
+def step_profile(reset: bool = False) -> dict[str, float] | None:
+    """The caller's CPU seconds per part of the decode steps so far (PROFILE_PARTS), then zeroed when `reset`; None
+    unless the profiling build is loaded (HIVEKEEPER_NATIVE_PROFILE=1)."""
+    native = library()
+    if native is None or not hasattr(native, "hk_profile"):
+        return None
+    parts = {name: native.hk_profile(i) for i, name in enumerate(PROFILE_PARTS)}
+    if reset:
+        native.hk_profile(-1)
+    return parts
 
 
 def library() -> ctypes.CDLL | None:

@@ -300,9 +300,9 @@ static int wait_for_chunks(long chunks) {
  * a product stalled, the next `solo.after_stall` products run on the caller alone (the speed of one core, not
  * worse), then the pool is tried again; each stall in a row doubles that count (up to SOLO_MAX), and a product
  * that finishes without a stall resets it. On a quiet machine stalls are rare and the pool stays in use. */
-#define SOLO_MIN 64
+#define SOLO_MIN 64 /* the first run's length (hk_set_solo changes it; 0: no solo runs, every product on the pool) */
 #define SOLO_MAX 8192
-static struct { long left, after_stall, stalls; } solo = {0, SOLO_MIN, 0};
+static struct { long left, after_stall, stalls, first; } solo = {0, SOLO_MIN, 0, SOLO_MIN};
 
 static void parallel(chunk_fn fn, void *ctx, long chunks) {
     if (pool_ready() == 1 || chunks <= 1 || solo.left > 0) {
@@ -323,8 +323,17 @@ static void parallel(chunk_fn fn, void *ctx, long chunks) {
         solo.after_stall = solo.after_stall * 2 < SOLO_MAX ? solo.after_stall * 2 : SOLO_MAX;
         solo.stalls++;
     } else {
-        solo.after_stall = SOLO_MIN;
+        solo.after_stall = solo.first;
     }
+}
+
+/* Benchmark hook: the first solo run's length after a stall (0: none; the pool's setting is SOLO_MIN); returns it. */
+long hk_set_solo(long products) {
+    pthread_mutex_lock(&call_lock);
+    solo.first = solo.after_stall = products < 0 ? 0 : products;
+    solo.left = 0;
+    pthread_mutex_unlock(&call_lock);
+    return solo.first;
 }
 
 /* Test and benchmark hook: products that stalled on a straggler so far (each starts a run of solo products), and

@@ -298,6 +298,16 @@ MID_CHUNK_SCRIPT = textwrap.dedent("""
     assert native.hk_test_worker_holds() >= 3, native.hk_test_worker_holds()
     assert native.hk_pool_stalls() >= 1, native.hk_pool_stalls()  # the stall started products on the caller alone
     native.hk_test_release_worker()
+    native.hk_set_solo(0)  # no solo runs (bench/decode_profile.py's A/B): the next stall leaves the pool in use
+    stalls = native.hk_pool_stalls()
+    native.hk_test_hold_worker(1, 0.2, 1)
+    for _ in range(2000):
+        native.hk_gemv(weight.data_ptr(), 0, x.data_ptr(), None, y.data_ptr(), 8192, 256, 1)
+        if native.hk_pool_stalls() > stalls:
+            break
+    assert native.hk_pool_stalls() > stalls and native.hk_pool_solo_left() == 0, native.hk_pool_solo_left()
+    assert torch.equal(y, expected)
+    native.hk_test_release_worker()
     print("done")
 """)
 
@@ -306,7 +316,8 @@ def test_a_worker_that_stops_mid_chunk_delays_the_product_but_completes_it(nativ
     """The one case the pool must wait for: a worker that claimed a chunk and lost its core. The caller sleeps after
     a moment (its core free for that worker), and the worker, back, finishes the chunk and wakes it: the product
     completes, correct (several times over, so the wake-up cannot be missed by luck), and the pool counts the stall
-    (the products after it run on the caller alone for a while, then the pool is tried again)."""
+    (the products after it run on the caller alone for a while, then the pool is tried again; with solo runs set to
+    0, none)."""
     run_script(native, MID_CHUNK_SCRIPT)
 
 
