@@ -1,9 +1,11 @@
 """Engines that take generation requests as they come, for a server (the OpenAI-compatible API).
 
-ContinuousBatcher decodes concurrent requests together: between two decode steps, waiting requests join the running
-batch (each prefilled alone into its row of a shared K/V pool) and finished or cancelled ones leave it; each step
-then runs one token of every running sequence through the model at once (runtime/ragged.decode_rows), so the
-weights are read once per step for all of them. On a CPU, where decode is bound by memory bandwidth, that is nearly free throughput.
+ContinuousBatcher decodes concurrent requests together: waiting requests are admitted together into rows of a
+shared K/V pool, their prompts prefilled as one padded batch a chunk at a time between decode steps (so running
+streams do not stall while a long prompt is read), and finished or cancelled ones leave; each step runs one token of
+every running sequence through the model at once (runtime/ragged.decode_rows: one call of the native kernels on a
+CPU), so the weights are read once per step for all of them. On a CPU, where a lone sequence's decode leaves the
+cores waiting on memory, that is nearly free throughput.
 A step with a single sequence takes the ordinary path (Span.forward, the native decode kernels), so one client alone
 decodes as fast as `hivekeeper generate`. It needs the model's blocks in memory (a Span); a model that streams its
 blocks from disk, or runs them in a swarm, gets SerialEngine: the same interface, one request after another through
@@ -16,6 +18,7 @@ row of the pool at the next step; an idle batcher holds no K/V memory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -25,14 +28,18 @@ from typing import Callable
 
 import torch
 
+from hivekeeper.planner.errors import InputError
+
 from hivekeeper.core.runtime.generation import (SequenceOutput, context_limit, generate, stop_rules)
 from hivekeeper.core.runtime.model import KVCache, Span
 from hivekeeper.core.runtime.ragged import decode_rows, row_view
 from hivekeeper.core.runtime.sampling import Sampler, SamplingParams
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill call (as generation.generate)
-FIRST_CACHE_TOKENS = 256
-HOLD_YIELD_S = 0.001  # the engine's pause between steps while someone waits to hold it  # a cache starts with room for the prompt and this many tokens, then doubles as needed
+PREFILL_CHUNK = 256  # prompt tokens per prefill call (a lone prompt's chunk, as generation.generate's)
+PREFILL_MIN_POSITIONS = 32  # a group of k prompts takes max(this, PREFILL_CHUNK // k) positions per call
+PAD_FACTOR = 2  # a prefill group's padded tokens stay within this many times its real ones (plus one chunk)
+FIRST_CACHE_TOKENS = 256  # a cache starts with room for the prompt and this many tokens, then doubles as needed
+HOLD_YIELD_S = 0.001  # the engine's pause between steps while someone waits to hold it
 
 
 @dataclass
@@ -60,11 +67,14 @@ class Request:
 
 @dataclass
 class BatchStats:
-    """What the batcher did: steps, and the most sequences one step advanced."""
+    """What the batcher did: steps, the most sequences one step advanced, and how prompts were prefilled."""
 
     steps: int = 0
     largest_batch: int = 0
     requests: int = 0
+    prefills: int = 0  # prefill calls (chunks)
+    prefill_groups: int = 0  # requests admitted together, prefilled as one padded batch
+    largest_prefill: int = 0  # the most requests one prefill group held
 
 
 class _Row:
@@ -122,7 +132,7 @@ class _EngineThread:
     @property
     def waiting(self) -> int:
         """Requests queued, not yet started."""
-        return self.queue.qsize() + (getattr(self, "_first", None) is not None)
+        return self.queue.qsize()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop after the current step; requests still waiting or running end as "stopped"."""
@@ -144,22 +154,45 @@ class _EngineThread:
                 request.on_done(Completion("", [], "stopped", len(request.prompt_ids)))
 
 
+class _Filling:
+    """Requests prefilled together: their prompts right-padded to the longest, in the pool's rows base..base+k-1 (a
+    KVCache view of those rows, all at one position), a chunk of positions per round between decode steps. A row's
+    pads only write K/V past its own length, which its decode steps overwrite (causal attention never reads them
+    earlier). `last` keeps each row's hidden state at its prompt's last token until the group's first tokens are
+    sampled together."""
+
+    def __init__(self, rows: list[_Row], ids: torch.Tensor, base: int):
+        self.rows, self.ids, self.base = rows, ids, base
+        self.done = 0  # positions prefilled
+        self.last: list[torch.Tensor | None] = [None] * len(rows)
+
+    @property
+    def longest(self) -> int:
+        return self.ids.shape[1]
+
+
 class ContinuousBatcher(_EngineThread):
     """Continuous batching over a model held in memory: embedding, a Span of all blocks, head.
 
     The running sequences' K/V live in one pool (a KVCache whose batch rows are the sequences, runtime/ragged.py),
     in rows 0..n-1 in the order of `rows`: a sequence that leaves hands its row to the last one (moved once), so
-    each step attends over a contiguous block of rows. The pool's length grows (doubling, up to the context) as the
-    longest sequence needs, and it is dropped when no sequence runs."""
+    each step attends over a contiguous block of rows. Waiting requests are admitted together, as many as rows are
+    free: their prompts are prefilled as one padded batch in the rows after the running ones (_Filling), one chunk
+    per round, each round ending with a decode step of the running rows, so their streams go on while a prompt is
+    read; the group joins the batch when its last chunk is done. The pool's length grows (doubling, up to the
+    context) as the longest sequence needs, and it is dropped when no sequence runs."""
 
-    def __init__(self, embedding, span: Span, head, tokenizer, *, max_rows: int):
-        """max_rows: sequences decoded together at most; more requests wait for a row to free."""
+    def __init__(self, embedding, span: Span, head, tokenizer, *, max_rows: int, prefix=None):
+        """max_rows: sequences decoded together at most; more requests wait for a row to free. prefix: trained
+        prompts whose K/V start every row (core/finetune/prompted.RowPrefix: .tokens, .fill(rows)), or None."""
+        self.prefix, self.prefix_tokens = prefix, prefix.tokens if prefix is not None else 0
         self.embedding, self.span, self.head, self.tokenizer = embedding, span, head, tokenizer
         self.config = span.config
         self.max_rows = max_rows
         self.rows: list[_Row] = []
+        self.filling: _Filling | None = None
         self.pool: KVCache | None = None
-        self._first: Request | None = None  # taken off the queue while waiting for work, admitted next
+        self._waiting: collections.deque[Request] = collections.deque()  # off the queue, not yet admitted
         super().__init__("continuous-batcher")
 
     def _run(self) -> None:
@@ -168,8 +201,12 @@ class ContinuousBatcher(_EngineThread):
                 with self._held:
                     if not self._admit():
                         break
+                    if self.filling is not None:
+                        self._fill()
                     if self.rows:
                         self._step()
+        if self.filling is not None:
+            self.rows += self.filling.rows  # their requests end as "stopped" with the others
         for row in list(self.rows):
             row.output.stop()
             self._finish(row)
@@ -177,67 +214,127 @@ class ContinuousBatcher(_EngineThread):
 
     @property
     def active(self) -> int:
-        """Sequences in the running batch (each holding a row of the KV pool)."""
-        return len(self.rows)
+        """Sequences in the running batch or being prefilled (each holding a row of the KV pool)."""
+        return len(self.rows) + (len(self.filling.rows) if self.filling is not None else 0)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not yet started."""
+        return self.queue.qsize() + len(self._waiting)
 
     def _wait_for_work(self) -> bool:
         """Let a hold() in; with nothing running, wait until a request (or the close) is queued."""
         if self._hold_wanted:
             time.sleep(HOLD_YIELD_S)
-        if not self.rows and self._first is None:
+        if not self.rows and self.filling is None and not self._waiting:
             self.pool = None  # idle: no K/V memory held
-            self._first = self.queue.get()
-            if self._first is None:  # closed
+            request = self.queue.get()
+            if request is None:  # closed
                 return False
+            self._waiting.append(request)
         return True
 
-    def _next_request(self) -> Request | None:
-        """The next queued request (the one _wait_for_work took first); queue.Empty when none."""
-        if self._first is not None:
-            request, self._first = self._first, None
-            return request
-        return self.queue.get_nowait()
-
     def _admit(self) -> bool:
-        """Start queued requests while rows are free; False once closed."""
-        while len(self.rows) < self.max_rows:
+        """Take what was queued; start a group of waiting requests on the free rows unless one is being prefilled.
+        False once closed."""
+        while True:
             try:
-                request = self._next_request()
+                request = self.queue.get_nowait()
             except queue.Empty:
-                return True
+                break
             if request is None:
                 return False
-            self._start(request)
-        return not self._closed
+            self._waiting.append(request)
+        if self._closed:
+            return False
+        if self.filling is None and self._waiting and self.active < self.max_rows:
+            self._start_group()
+        return True
 
-    def _start(self, request: Request) -> None:
-        """Prefill a request alone into the next free row and sample its first token; it joins the batch unless
-        that already finished it."""
-        self.stats.requests += 1
-        try:
-            row = self._prefilled(request)
-        except Exception as exc:  # noqa: BLE001 - this request fails; the engine and the others go on
-            request.on_done(exc)
+    def _start_group(self) -> None:
+        """Admit waiting requests (in order, while rows are free and padding stays bounded) as one prefill group."""
+        rows: list[_Row] = []
+        while self._waiting and self.active + len(rows) < self.max_rows:
+            request = self._waiting[0]
+            if rows and not _pads_bounded([r.request for r in rows], request):
+                break
+            self._waiting.popleft()
+            self.stats.requests += 1
+            try:
+                rows.append(self._new_row(request))
+            except Exception as exc:  # noqa: BLE001 - this request fails; the engine and the others go on
+                request.on_done(exc)
+        if not rows:
             return
-        self.rows.append(row)
-        if request.cancelled.is_set():
-            row.output.stop()
-        if row.done:
-            self._finish(row)
+        longest = max(len(row.request.prompt_ids) for row in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long, device=self.embedding.weight.device)
+        for j, row in enumerate(rows):
+            ids[j, : len(row.request.prompt_ids)] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
+        try:
+            self._make_room(self.prefix_tokens + longest + 1)
+        except Exception as exc:  # noqa: BLE001 - no room for these prompts: they fail, the running rows go on
+            for row in rows:
+                row.request.on_done(exc)
+            return
+        self.filling = _Filling(rows, ids, len(self.rows))
+        if self.prefix is not None:  # the prompts' K/V first in each of the group's rows
+            base = len(self.rows)
+            self.prefix.fill(KVCache(self.pool.k[:, base : base + len(rows)], self.pool.v[:, base : base + len(rows)]))
+        self.stats.prefill_groups += 1
+        self.stats.largest_prefill = max(self.stats.largest_prefill, len(rows))
 
-    def _prefilled(self, request: Request) -> _Row:
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.embedding.weight.device)
-        limit = min(len(request.prompt_ids) + request.max_new_tokens, context_limit(self.config))
+    def _new_row(self, request: Request) -> _Row:
+        """A request's row, its prompt checked (token ids the embedding has)."""
+        ids, vocab = request.prompt_ids, self.config.vocab_size
+        if not ids:
+            raise InputError("the prompt has no tokens")
+        bad = next((token for token in ids if not 0 <= token < vocab), None)
+        if bad is not None:
+            raise InputError(f"the prompt holds token id {bad}, outside the model's vocabulary of {vocab}")
+        limit = min(len(ids) + request.max_new_tokens, context_limit(self.config) - self.prefix_tokens)
         eos, strings = stop_rules(self.config, self.tokenizer, None, self._stop_strings(request), False)
-        row = _Row(request, SequenceOutput.open(self.tokenizer, eos, strings, request.on_text), limit)
-        self._make_room(len(request.prompt_ids) + 1)
-        cache = row_view(self.pool, len(self.rows), 0)
-        hidden = None
-        for start in range(0, ids.shape[1], PREFILL_CHUNK):
-            hidden = self.span(self.embedding(ids[:, start : start + PREFILL_CHUNK]), cache)
-        row.length = cache.length
-        row.take(self.head(hidden[:, -1:])[:, -1])
-        return row
+        return _Row(request, SequenceOutput.open(self.tokenizer, eos, strings, request.on_text), limit)
+
+    def _fill(self) -> None:
+        """One chunk of the group's prompts; at the last, their first tokens are sampled and they join the batch."""
+        group = self.filling
+        k = len(group.rows)
+        start = group.done
+        end = min(start + max(PREFILL_MIN_POSITIONS, PREFILL_CHUNK // k), group.longest)
+        base = group.base
+        view = KVCache(self.pool.k[:, base : base + k], self.pool.v[:, base : base + k], self.prefix_tokens + start)
+        try:
+            hidden = self.span(self.embedding(group.ids[:, start:end]), view)
+        except Exception as exc:  # noqa: BLE001 - the group fails; the running rows go on
+            self.filling = None
+            for row in group.rows:
+                row.request.on_done(exc)
+            return
+        for j, row in enumerate(group.rows):
+            length = len(row.request.prompt_ids)
+            if start < length <= end:
+                group.last[j] = hidden[j : j + 1, length - 1 - start]
+        group.done = end
+        self.stats.prefills += 1
+        if end == group.longest:
+            self._join(group)
+
+    def _join(self, group: _Filling) -> None:
+        """The group's first tokens, from each row's last prompt position; its rows move next to the running ones."""
+        self.filling = None
+        logits = self.head(torch.stack(group.last))[:, -1]  # [k, vocab]
+        for j, row in enumerate(group.rows):
+            row.length = self.prefix_tokens + len(row.request.prompt_ids)
+            source, target = group.base + j, len(self.rows)
+            if source != target:
+                for pool in (self.pool.k, self.pool.v):
+                    pool[:, target, :, : row.length].copy_(pool[:, source, :, : row.length])
+            self.rows.append(row)
+            row.take(logits[j : j + 1])
+            if row.request.cancelled.is_set():
+                row.output.stop()
+        for row in [r for r in group.rows if r.done]:
+            self._finish(row)
 
     def _stop_strings(self, request: Request) -> tuple[str, ...]:
         return tuple(getattr(self.tokenizer, "stop_strings", ())) + request.stop_strings
@@ -252,8 +349,8 @@ class ContinuousBatcher(_EngineThread):
         size = max(length, FIRST_CACHE_TOKENS, 2 * old.max_length if old is not None else 0)
         self.pool = KVCache.allocate(self.config, len(self.span.blocks), self.max_rows, min(size, context),
                                      self.span.dtype, self.embedding.weight.device)
-        # decode_rows reads every row up to the longest one, masked: a NaN left in uninitialised memory past a short
-        # row's length would still poison its attention (0 x NaN), so the pool starts as zeros
+        # decode_rows' torch path reads every row up to the longest one, masked: a NaN left in uninitialised memory
+        # past a short row's length would still poison its attention (0 x NaN), so the pool starts as zeros
         self.pool.k.zero_()
         self.pool.v.zero_()
         if old is not None:
@@ -293,6 +390,13 @@ class ContinuousBatcher(_EngineThread):
             self.rows[index] = moving
         self.rows.pop()
         row.request.on_done(row.completion())
+
+
+def _pads_bounded(group: list[Request], request: Request) -> bool:
+    """Whether `request` may join a prefill group: the padded batch stays within PAD_FACTOR times its real tokens
+    (plus one chunk), so a long prompt does not make short ones compute its length in pads, nor the reverse."""
+    lengths = [len(r.prompt_ids) for r in group] + [len(request.prompt_ids)]
+    return len(lengths) * max(lengths) <= PAD_FACTOR * sum(lengths) + PREFILL_CHUNK
 
 
 class SerialEngine(_EngineThread):

@@ -109,6 +109,7 @@ def test_requests_released_together_are_decoded_together_with_their_own_text(bat
         assert batcher.waiting == len(PROMPTS)
     done = outcomes.wait()
     assert batcher.stats.largest_batch == len(PROMPTS)
+    assert (batcher.stats.prefill_groups, batcher.stats.largest_prefill) == (1, len(PROMPTS))  # one padded prefill
     assert [done[i].text for i in range(len(PROMPTS))] == alone
     assert all(done[i].finish_reason == "length" and len(done[i].token_ids) == NEW_TOKENS for i in done)
     assert batcher.active == 0
@@ -143,6 +144,32 @@ def test_a_request_cancelled_before_it_starts_ends_with_its_first_token(batcher,
     done = outcomes.wait()
     assert done["gone"].finish_reason == "stopped" and len(done["gone"].token_ids) == 1
     assert batcher.active == 0
+
+
+def test_running_streams_go_on_while_a_long_prompt_is_prefilled_in_chunks(batcher, runner, monkeypatch):
+    monkeypatch.setattr(continuous, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(continuous, "PREFILL_MIN_POSITIONS", 8)
+    outcomes = Outcomes(runner)
+    running = outcomes.request("running", PROMPTS[0], max_new=60)
+    pieces, seen_at = [], {}
+    started = threading.Event()
+
+    def on_text(text: str) -> None:
+        pieces.append(text)
+        if len(pieces) == 2:
+            started.set()
+
+    running.on_text = on_text
+    batcher.submit(running)
+    assert started.wait(DEADLINE_S)
+    long = outcomes.request("long", "", max_new=2, ids=list(range(5, 45)))  # 40 tokens: 5 chunks of 8
+    long.on_text = lambda text: seen_at.setdefault("first", len(pieces))
+    seen_at["submitted"] = len(pieces)
+    batcher.submit(long)
+    done = outcomes.wait()
+    assert len(done["long"].token_ids) == 2 and len(done["running"].token_ids) == 60
+    # a decode step of the running stream after each of the first four chunks, before the long one's first token
+    assert seen_at["first"] - seen_at["submitted"] >= 4
 
 
 def test_a_failing_request_fails_alone(batcher, runner, alone):
