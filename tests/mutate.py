@@ -14,7 +14,8 @@ functions changed since, or never tested, run again. Each scope runs under a
 deadline; at the deadline mutmut is stopped (what it finished is kept, the next run goes on from there) and its
 output so far is shown. Prints one JSON line per scope: mutant counts, the score, the surviving mutants.
 
-    python tests/mutate.py [--jobs N] [--minutes-scale X] [--survivors] [SCOPE ...]     (default: every scope)
+    python tests/mutate.py [--jobs N] [--minutes-scale X] [--survivors] [SCOPE ...] [--mutants PATTERN ...]
+    (default: every scope, every mutant not yet tested)
 """
 
 from __future__ import annotations
@@ -277,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--survivors", action="store_true",
                         help="test again only the mutants that survived (after tests were added: mutmut's cache "
                              "keeps a verdict until the function changes)")
+    parser.add_argument("--mutants", nargs="+", default=[], metavar="PATTERN",
+                        help="test again only the mutants whose names match these fnmatch patterns (after the "
+                             "scopes: SCOPE --mutants '*BanList*'); with --survivors, the survivors that match")
     args = parser.parse_args(argv)
     shared, scopes = settings()
     unknown = [name for name in args.scopes if name not in scopes]
@@ -293,13 +297,14 @@ def run_scope(name: str, shared: dict, scope: dict, args: argparse.Namespace) ->
     restored = restore_verdicts(name, folder)
     if restored:
         print(f"mutate: {name}: {restored} verdicts from {VERDICTS.relative_to(ROOT)}/{name}.jsonl", file=sys.stderr)
-    names = []
+    names, chosen = list(args.mutants), args.survivors or bool(args.mutants)
     if args.survivors:
         cached = results(folder)
-        names = cached.get("survived", []) + cached.get("no tests", [])
+        names = [mutant for mutant in cached.get("survived", []) + cached.get("no tests", [])
+                 if not args.mutants or any(fnmatch.fnmatch(mutant, pattern) for pattern in args.mutants)]
     started = time.monotonic()
     code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale, names) \
-        if names or not args.survivors else (0, "")
+        if names or not chosen else (0, "")
     if code not in (0, None):  # mutmut itself failed (a test failing without mutants, a setup error)
         print(f"mutate: mutmut failed in {folder} (exit {code}):\n{output[-3000:]}", file=sys.stderr)
     elif code is None:
