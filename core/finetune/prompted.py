@@ -80,6 +80,17 @@ class PromptedModel:
         self.embedding, self.head, self.span, self._closes = embedding, head, span, closes
 
     @property
+    def offloaded(self):
+        """The OffloadedModel it wraps (local runs), for an engine that runs its resident blocks itself; else None."""
+        from hivekeeper.core.offload.offloaded_model import OffloadedModel
+
+        return self._closes if isinstance(self._closes, OffloadedModel) else None
+
+    def row_prefix(self, span) -> RowPrefix:
+        """The prompts' K/V over `span` (the wrapped model's resident blocks), for the continuous batcher."""
+        return RowPrefix(span, self.span.prompts)
+
+    @property
     def bytes_streamed(self) -> int:
         """Weight bytes the model it wraps read from disk (an OffloadedModel's streamed blocks), else 0."""
         return getattr(self._closes, "bytes_streamed", 0)
@@ -87,6 +98,29 @@ class PromptedModel:
     def close(self) -> None:
         if self._closes is not None:
             self._closes.close()
+
+
+class RowPrefix:
+    """The prompts' keys and values for the continuous batcher (core/runtime/continuous.py, the API): computed once
+    over the resident blocks (with the deep prompts, for deep_ptune), then copied into positions 0..tokens-1 of each
+    new row of its pool, so every request starts after the prompts as in a cache of PromptedModel's."""
+
+    def __init__(self, span, prompts: TrainablePrompts):
+        from hivekeeper.core.runtime.model import KVCache
+        from hivekeeper.core.swarm.server.handler import run_blocks
+
+        self.tokens = prompts.tokens
+        device = span.blocks[0].input_layernorm.weight.device
+        cache = KVCache.allocate(span.config, len(span.blocks), 1, self.tokens, span.dtype, device)
+        with torch.inference_mode():
+            first, deep = prompts.for_batch(1)
+            run_blocks(span, first, cache, deep)
+        self.k, self.v = cache.k, cache.v
+
+    def fill(self, rows) -> None:
+        """Write the prompts' K/V at the start of every row of `rows` (a KVCache view of the pool's rows)."""
+        rows.k[:, :, :, : self.tokens].copy_(self.k.expand(-1, rows.k.shape[1], -1, -1, -1))
+        rows.v[:, :, :, : self.tokens].copy_(self.v.expand(-1, rows.v.shape[1], -1, -1, -1))
 
 
 def read_prompts_for(prompts_file, config) -> tuple[TrainablePrompts, object]:
