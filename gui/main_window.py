@@ -266,7 +266,7 @@ class MainWindow(QMainWindow):
         """The serving plan for THIS machine (not a catalog one) and the model the Swarm page would serve."""
         if "Swarm" not in self._built:
             return
-        from hivekeeper.planner import model_catalog, policy
+        from hivekeeper.planner.format_choice import plan_model_server
 
         from hivekeeper.core.runtime.default_model import model_path_or_id
 
@@ -277,12 +277,11 @@ class MainWindow(QMainWindow):
             page.set_recommendation(None, "Waiting for hardware detection…" if machine is None else "")
             return
         try:
-            plan = policy.search(model_catalog.load_model_spec(model_path_or_id(model)), machine.hardware, "serve",
-                                 efficiency=machine.efficiency)
-        except InputError as exc:
+            server = plan_model_server(model_path_or_id(model), machine.hardware, efficiency=machine.efficiency)
+        except InputError as exc:  # the span as `hivekeeper serve` loads it (a GGUF's packed on a CPU)
             page.set_recommendation(None, f"No plan for {model}: {exc}")
             return
-        page.set_recommendation(plan.server)
+        page.set_recommendation(server)
 
     def swarm_for_chat(self) -> tuple[str, tuple[str, ...]]:
         """(model, initial peers) for chatting through the swarm: our node's when it serves, else the Swarm page's."""

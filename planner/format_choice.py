@@ -6,6 +6,8 @@ of those types on a CPU is in that format (the speed and bytes `generate` will s
 anything else is refused. `hivekeeper plan`, the app's Plan page and model fits, and the engine's own planning
 (core/offload/local_plan.py) all ask here: `plan_constraints` turns --quant into the search's Constraints, and
 `quant_options` lists the --quant values that apply to a model on a machine (the Plan page's choices).
+`plan_model_server` sizes a swarm server for a model file the way the server loads it (a GGUF's span packed on a
+CPU: swarm.PackedSpan), for `hivekeeper serve` and the Swarm page.
 `runtime_packs` is the runtime's switch (`packed_by_default`: HIVEKEEPER_GGUF_PACKED=0 turns it off). It is read
 here, torch-free, so the app plans what the runtime runs without importing torch; core/runtime/gguf.py uses it.
 """
@@ -15,11 +17,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .efficiency import MachineEfficiency
 from .errors import InputError
 from .formats import BITSANDBYTES_FORMATS, PACKED_FORMATS
 from .gguf_metadata import gguf_sizes, is_gguf
 from .hardware import HardwareSpec
+from .model_catalog import load_model_spec
 from .policy import Constraints
+from .swarm import PackedSpan, ServerPlan, plan_server
 
 PACKED_ENV = "HIVEKEEPER_GGUF_PACKED"  # "0" turns packed GGUF blocks off where they are the default
 
@@ -118,3 +123,27 @@ def quant_options(model: str, hardware: HardwareSpec, runtime_packs: bool | None
     if any(not gpu.unified_memory for gpu in hardware.gpus):
         options += BITSANDBYTES_FORMATS
     return tuple(options)
+
+
+def serve_packed_span(model: str, hardware: HardwareSpec, quant: str = "auto",
+                      runtime_packs: bool | None = None) -> PackedSpan | None:
+    """The span a server of `model` keeps packed on this machine, or None: a GGUF of Q8_0/Q4_0/Q4_1 blocks on a CPU
+    without bitsandbytes (quant auto or none, as load_span packs it) where the runtime packs; its bytes per block are
+    the file's (gguf_metadata.GGUFSizes.packed_block_bytes, the largest block)."""
+    packs = packed_by_default() if runtime_packs is None else runtime_packs
+    if hardware.has_gpu or not packs or quant not in ("auto", "none") or not is_gguf(model):
+        return None
+    sizes = gguf_sizes(model)
+    own = (sizes.main_type or "").lower()
+    if own not in PACKED_FORMATS or not sizes.packed_block_bytes:
+        return None
+    return PackedSpan(own, max(sizes.packed_block_bytes))
+
+
+def plan_model_server(model: str, hardware: HardwareSpec, quant: str = "auto", *, cache_tokens: int | None = None,
+                      efficiency: MachineEfficiency | None = None, runtime_packs: bool | None = None) -> ServerPlan:
+    """swarm.plan_server for the model at `model` (a path or catalog id) as the server will load it: a GGUF's span
+    packed in its own format on a CPU (serve_packed_span), else the format plan_server chooses. quant: auto, or
+    serve's --quant (none, int8, nf4)."""
+    packed = serve_packed_span(model, hardware, quant, runtime_packs)
+    return plan_server(load_model_spec(model), hardware, quant, cache_tokens, efficiency=efficiency, packed=packed)

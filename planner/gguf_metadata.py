@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InputError
+from .formats import PACKED_FORMATS
 
 GGUF_MAGIC = b"GGUF"
 SUFFIX = ".gguf"
@@ -426,6 +427,10 @@ class GGUFSizes:
     block_weights: tuple[int, ...]  # weights (parameters) of each block
     outside_bytes: int  # embedding, final norm and LM head
     outside_weights: int
+    # each block as a server or engine holds it when it keeps the file's Q8_0/Q4_0/Q4_1 tensors packed: those at
+    # their stored bytes, every other tensor dequantized to fp32 (4 bytes a weight); the one definition the planner
+    # sizes a packed span with (core/runtime/gguf.packed_block_bytes counts the same from the open checkpoint)
+    packed_block_bytes: tuple[int, ...] = ()
 
     @property
     def tensor_bytes(self) -> int:
@@ -459,7 +464,7 @@ def gguf_sizes(path: str | Path) -> GGUFSizes:
     architecture(reader, str(file))
     check_tensor_types(reader, str(file))
     blocks = int(field(reader, f"{field(reader, 'general.architecture')}.block_count", 0))
-    block_bytes, block_weights = [0] * blocks, [0] * blocks
+    block_bytes, block_weights, held = [0] * blocks, [0] * blocks, [0] * blocks
     outside_bytes = outside_weights = 0
     by_type: dict[str, list[int]] = {}
     for tensor in reader.tensors:
@@ -473,8 +478,9 @@ def gguf_sizes(path: str | Path) -> GGUFSizes:
         if match is not None and int(match.group(1)) < blocks:
             block_bytes[int(match.group(1))] += stored
             block_weights[int(match.group(1))] += weights
+            held[int(match.group(1))] += stored if tensor.tensor_type.name.lower() in PACKED_FORMATS else 4 * weights
         else:
             outside_bytes, outside_weights = outside_bytes + stored, outside_weights + weights
     types = sorted((TypeSize(name, w, b) for name, (w, b) in by_type.items()), key=lambda t: -t.bytes)
     return GGUFSizes(str(file), file.stat().st_size, tuple(types), tuple(block_bytes), tuple(block_weights),
-                     outside_bytes, outside_weights)
+                     outside_bytes, outside_weights, tuple(held))

@@ -5,6 +5,12 @@ a KV cache for `cache_tokens` tokens per block (4096, or 16384 for grouped-query
 of one block for 1-token steps with a cache, forward_rps tokens/s of one block for a 1024-token forward; a server
 advertises min(forward_rps / ((blocks + 1) / 2), network_rps). Block choice and rebalancing follow Petals' rule
 too (choose_start, should_move): the only implementation, which core/swarm/server/server.py calls.
+
+A GGUF span on a CPU is served packed (its Q8_0/Q4_0/Q4_1 linears kept as the file's block bytes, computed by the
+native kernels; core/runtime/checkpoint.load_span): plan_server then sizes it by the file's bytes per block
+(PackedSpan, from gguf_metadata.GGUFSizes.packed_block_bytes) and times its 1-token steps at the slower of the
+packed reads and the kernels' measured rate (costmodel.packed_traits), as the local planner does.
+format_choice.plan_model_server finds the span's format from the file; `hivekeeper serve` and the Swarm page ask it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from .costmodel import (Machine, Workload, cpu_native_half, experts_touched, for
                         sixteen_bit_format)
 from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
-from .formats import get_format
+from .formats import PACKED_FORMATS, bits_of, get_format
 from .hardware import HardwareSpec
 from .models import ModelSpec
 
@@ -46,8 +52,10 @@ class BlockSpeed:
 
 
 def block_speed(model: ModelSpec, machine: Machine, eff: MachineEfficiency, weight_format: str,
-                context_len: int = INFERENCE_CONTEXT, forward_tokens: int = FORWARD_TOKENS) -> BlockSpeed:
-    """Tokens/s of one resident block: 1-token steps at a short context, and a long forward."""
+                context_len: int = INFERENCE_CONTEXT, forward_tokens: int = FORWARD_TOKENS,
+                block_bytes: float | None = None) -> BlockSpeed:
+    """Tokens/s of one resident block: 1-token steps at a short context, and a long forward. block_bytes: the
+    block's bytes as its file stores them (a packed span), read in place of the format's size of its weights."""
     numbers = model_numbers(model)
     traits = format_traits(machine, weight_format)
     ea = eff.accelerator
@@ -59,24 +67,33 @@ def block_speed(model: ModelSpec, machine: Machine, eff: MachineEfficiency, weig
         experts = float(experts_touched(numbers.experts, numbers.experts_per_token, tokens))
         return numbers.shared_matrix_params + experts * numbers.expert_matrix_params
 
+    def weights(tokens: int, per_param: float) -> float:  # bytes of weights a pass of `tokens` tokens moves
+        if block_bytes is not None and numbers.experts <= 1:
+            return float(block_bytes) + matrices(tokens) * (per_param - traits.stored_bytes)
+        return matrices(tokens) * per_param + vectors
+
     # one token attending to context_len cached positions
-    bytes_1 = matrices(1) * traits.read_bytes_gemv + vectors + context_len * kv_token * traits.kv_read_factor
-    bytes_1_min = matrices(1) * traits.stored_bytes + vectors + context_len * kv_token
+    bytes_1 = weights(1, traits.read_bytes_gemv) + context_len * kv_token * traits.kv_read_factor
+    bytes_1_min = weights(1, traits.stored_bytes) + context_len * kv_token
     flops_1 = numbers.flops_per_token + 4.0 * numbers.q_dim * context_len
     memory_t = bytes_1 / (bw * ea.bandwidth_fraction)
     compute_t = flops_1 / (peak * ea.matmul_fraction)
+    if traits.overlapped:  # packed kernels: their own (measured) rate, reads and compute overlapped
+        compute_t = 2.0 * matrices(1) / traits.gemv_flops + 4.0 * numbers.q_dim * context_len / peak
+        memory_t, compute_t = (memory_t, 0.0) if memory_t >= compute_t else (0.0, compute_t)
     step = memory_t + compute_t + ea.layer_overhead_s
     roof_step = max(bytes_1_min / bw, flops_1 / peak)
     # a forward of T tokens (causal attention, cache written)
     T = forward_tokens
-    bytes_f = matrices(T) * traits.read_bytes_gemm + vectors + T * kv_token
-    bytes_f_min = matrices(T) * traits.stored_bytes + vectors + T * kv_token
+    bytes_f = weights(T, traits.read_bytes_gemm) + T * kv_token
+    bytes_f_min = weights(T, traits.stored_bytes) + T * kv_token
     flops_f = T * numbers.flops_per_token + 4.0 * numbers.q_dim * T * (T + 1) / 2.0
     forward = bytes_f / (bw * ea.bandwidth_fraction) + flops_f / (peak * ea.matmul_fraction) + ea.layer_overhead_s
     roof_forward = max(bytes_f_min / bw, flops_f / peak)
     gpu = machine.acc_tier == "gpu"
+    compute_words = f"cpu {bits_of(weight_format)}-bit kernel compute" if traits.overlapped else "cpu compute"
     parts = {"gpu memory bandwidth" if gpu else "ram bandwidth": memory_t,
-             "gpu compute" if gpu else "cpu compute": compute_t, "overhead": ea.layer_overhead_s}
+             "gpu compute" if gpu else compute_words: compute_t, "overhead": ea.layer_overhead_s}
     weight_read_t = matrices(1) * traits.stored_bytes / (bw * ea.bandwidth_fraction)
     ridge = int(np.ceil(weight_read_t * peak * ea.matmul_fraction / numbers.flops_per_token))
     return BlockSpeed(
@@ -110,6 +127,29 @@ class ServerPlan:
     tier: str  # where the blocks live: "gpu", or "cpu" on a CPU-only machine
     efficiency: str
 
+    @property
+    def packed(self) -> bool:
+        """Whether the span is served packed (a GGUF's Q8_0/Q4_0/Q4_1 blocks on the CPU's kernels)."""
+        return self.weight_format in PACKED_FORMATS
+
+    def span_words(self) -> str:
+        """'30 blocks, q4_1 packed' (or '12 blocks, fp32'): what `hivekeeper serve` and the Swarm page say."""
+        return f"{self.num_blocks} blocks, {self.weight_format}{' packed' if self.packed else ''}"
+
+
+@dataclass(frozen=True)
+class PackedSpan:
+    """A GGUF span a CPU server keeps packed: the file's Q8_0/Q4_0/Q4_1 format and its largest block's bytes as the
+    server holds them (gguf_metadata.GGUFSizes.packed_block_bytes: packed tensors as stored, the rest fp32)."""
+
+    weight_format: str
+    block_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.weight_format not in PACKED_FORMATS or self.block_bytes <= 0:
+            raise InputError(f"a packed span needs one of {', '.join(PACKED_FORMATS)} and bytes > 0, got "
+                             f"{self.weight_format!r} and {self.block_bytes}")
+
 
 def choose_server_format(model: ModelSpec, machine: Machine, quant: str, cache_tokens: int,
                          eff: MachineEfficiency) -> str:
@@ -134,12 +174,14 @@ def choose_server_format(model: ModelSpec, machine: Machine, quant: str, cache_t
 
 
 def _blocks_that_fit(model: ModelSpec, machine: Machine, weight_format: str, cache_tokens: int,
-                     eff: MachineEfficiency) -> tuple[int, float, float, float]:
+                     eff: MachineEfficiency, block_bytes: float | None = None) -> tuple[int, float, float, float]:
+    """(blocks that fit, one block's bytes, its KV cache's, the workspace); block_bytes: a block's bytes as the
+    file gives them (a packed span), else the format's size of the model's parameters."""
     numbers = model_numbers(model)
     traits = format_traits(machine, weight_format)
     fmt = get_format(weight_format)
     block = (numbers.shared_matrix_params + numbers.experts * numbers.expert_matrix_params) * fmt.bytes_per_param \
-        + numbers.vector_params * traits.vector_bytes
+        + numbers.vector_params * traits.vector_bytes if block_bytes is None else float(block_bytes)
     cache = cache_tokens * 2.0 * numbers.kv_dim * traits.kv_bytes
     workspace = FORWARD_TOKENS * numbers.workspace_values_per_token * traits.kv_bytes + eff.accelerator.runtime_bytes
     usable = machine.acc_capacity - workspace
@@ -149,16 +191,20 @@ def _blocks_that_fit(model: ModelSpec, machine: Machine, weight_format: str, cac
 
 def plan_server(model: ModelSpec, hardware: HardwareSpec, quant: str = "auto", cache_tokens: int | None = None,
                 reserve_bytes: dict[str, float] | None = None, efficiency: MachineEfficiency | None = None,
-                using_relay: bool = False) -> ServerPlan:
-    """Size a server for this machine: format, blocks, per-block rps, advertised throughput."""
+                using_relay: bool = False, packed: PackedSpan | None = None) -> ServerPlan:
+    """Size a server for this machine: format, blocks, per-block rps, advertised throughput. packed: the span is a
+    GGUF's, kept packed (a CPU only): its format and bytes per block replace the chosen format's."""
     eff = efficiency or default_efficiency(hardware)
     machine = machine_view(hardware, reserve_bytes)
     cache_tokens = default_cache_tokens(model) if cache_tokens is None else int(cache_tokens)
     if not 1 <= cache_tokens <= 10_000_000:
         raise InputError(f"cache tokens must be in 1..10000000, got {cache_tokens}")
-    weight_format = choose_server_format(model, machine, quant, cache_tokens, eff)
-    count, block, cache, workspace = _blocks_that_fit(model, machine, weight_format, cache_tokens, eff)
-    speed = block_speed(model, machine, eff, weight_format)
+    if packed is not None and machine.acc.kind != "cpu":
+        raise InputError(f"a {packed.weight_format} packed span is served on a CPU only (a GPU dequantizes a GGUF)")
+    weight_format = packed.weight_format if packed else choose_server_format(model, machine, quant, cache_tokens, eff)
+    count, block, cache, workspace = _blocks_that_fit(model, machine, weight_format, cache_tokens, eff,
+                                                      packed.block_bytes if packed else None)
+    speed = block_speed(model, machine, eff, weight_format, block_bytes=packed.block_bytes if packed else None)
     network = hardware.network
     network_rps = min(network.upload_bps, network.download_bps) / (16.0 * model.hidden_size) \
         if network and network.upload_bps and network.download_bps else None

@@ -119,12 +119,15 @@ def _check_positive(name: str, value, allow_zero: bool = False) -> None:
 
 
 def default_num_blocks(checkpoint: Path, model_config, dtype, device: str, quant: str, cache_tokens: int,
-                       limit_gib: float | None = None) -> int:
-    """How many blocks to serve: the planner's swarm sizing for this machine, capped by what fits in 80% of the
-    device's free memory right now (each block with its share of the KV cache, in the dtype actually used)."""
+                       limit_gib: float | None = None) -> tuple[int, str]:
+    """(how many blocks to serve, their format in words: 'q4_1 packed', 'fp32'): the planner's swarm sizing for this
+    machine as the server loads the model (format_choice.plan_model_server: a GGUF's span packed on a CPU, sized by
+    the file's bytes per block), capped by what fits in 80% of the device's free memory right now (each block at
+    the bytes it will be held in, with its share of the KV cache in the dtype actually used)."""
     import psutil
     import torch
 
+    from hivekeeper.core.machine.cpu_dtype import dtype_name
     from hivekeeper.core.runtime.model import KVCache
     from hivekeeper.core.swarm.server.pause import memory_budget
 
@@ -133,25 +136,38 @@ def default_num_blocks(checkpoint: Path, model_config, dtype, device: str, quant
     else:
         free = psutil.virtual_memory().available
     free = memory_budget(free, limit_gib)  # --max-ram-gib / --max-gpu-gib
-    bits = {"none": torch.empty((), dtype=dtype).element_size() * 8, "int8": 8.02, "nf4": 4.13}[quant]
-    per_block = model_config.block_param_count() * bits / 8
+    plan = planned_span(checkpoint, dtype, device, quant, cache_tokens)
+    if plan is not None and plan.packed:
+        per_block, words = plan.block_bytes, f"{plan.weight_format} packed"
+    else:
+        bits = {"none": torch.empty((), dtype=dtype).element_size() * 8, "int8": 8.02, "nf4": 4.13}[quant]
+        per_block, words = model_config.block_param_count() * bits / 8, dtype_name(dtype) if quant == "none" else quant
     per_block += KVCache.nbytes_for(model_config, 1, 1, cache_tokens, dtype)
     fits = min(model_config.num_layers, int(0.8 * free // per_block))
-    try:
-        from hivekeeper.core.machine.profiles import detect_or_load_profile
-        from hivekeeper.planner.model_catalog import load_model_spec
-        from hivekeeper.planner.swarm import plan_server
-
-        hardware, efficiency = detect_or_load_profile()
-        plan = plan_server(load_model_spec(str(checkpoint)), hardware, quant=quant, cache_tokens=cache_tokens,
-                           efficiency=efficiency)
+    if plan is not None:
         fits = min(fits, plan.num_blocks)
-    except InputError as exc:  # the planner cannot size this model/machine: the free-memory bound alone
-        print(f"hivekeeper serve: planner sizing unavailable ({exc}); using free memory", file=sys.stderr)
     if fits < 1:
         raise InputError(f"not even one block of this model fits in the free memory of {device} "
                          f"({free / 2**30:.1f} GiB); free memory, use --quant, or give --num-blocks")
-    return fits
+    return fits, words
+
+
+def planned_span(checkpoint: Path, dtype, device: str, quant: str, cache_tokens: int):
+    """The planner's ServerPlan for this machine and model as load_span will hold it (packed where a GGUF's span
+    runs on the CPU in fp32 and the runtime packs), or None when the planner cannot size it (said on stderr)."""
+    import torch
+
+    from hivekeeper.core.machine.profiles import detect_or_load_profile
+    from hivekeeper.planner.format_choice import packed_by_default, plan_model_server
+
+    packs = device == "cpu" and dtype == torch.float32 and packed_by_default()
+    try:
+        hardware, efficiency = detect_or_load_profile()
+        return plan_model_server(str(checkpoint), hardware, quant, cache_tokens=cache_tokens, efficiency=efficiency,
+                                 runtime_packs=packs)
+    except InputError as exc:  # the planner cannot size this model/machine: the free-memory bound alone
+        print(f"hivekeeper serve: planner sizing unavailable ({exc}); using free memory", file=sys.stderr)
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -220,8 +236,10 @@ def run(args: argparse.Namespace) -> int:
     max_length = min(args.max_length or (8192 if grouped else 2048), model_config.max_position_embeddings)
     num_blocks = args.num_blocks
     if num_blocks is None and block_indices is None:
-        num_blocks = default_num_blocks(checkpoint, model_config, dtype, device, args.quant, cache_tokens,
-                                        limits.gpu_gib if device.startswith("cuda") else limits.ram_gib)
+        num_blocks, words = default_num_blocks(checkpoint, model_config, dtype, device, args.quant, cache_tokens,
+                                               limits.gpu_gib if device.startswith("cuda") else limits.ram_gib)
+        print(f"Serving {num_blocks} blocks, {words} (planned for this machine's memory)",
+              file=sys.stderr if args.json_status else sys.stdout, flush=True)
     is_local = Path(args.model).expanduser().is_dir()
     config = ServerConfig(
         checkpoint=checkpoint,

@@ -33,7 +33,8 @@ FIELD_CAPTIONS = {"span": "span", "servers": "servers online", "cache": "cache l
 
 
 def quant_and_dtype(weight_format: str) -> tuple[str, str]:
-    """`hivekeeper serve` --quant and --dtype for a planner weight format."""
+    """`hivekeeper serve` --quant and --dtype for a planner weight format (a packed GGUF span: none and auto, the
+    CPU's fp32, which load_span keeps packed)."""
     if weight_format in ("int8", "nf4"):
         return weight_format, "auto"
     if weight_format in ("fp32", "bf16", "fp16"):
@@ -308,7 +309,7 @@ class SwarmPage(QWidget):
         self.recommendation = server
         if server is not None and server.num_blocks:
             self.recommendation_label.setText(
-                f"The plan for this machine: {server.num_blocks} blocks in {server.weight_format}, "
+                f"The plan for this machine: {server.span_words()}, "
                 f"about {fmt_rate(server.throughput)} requests/s advertised. {note}".strip())
         else:
             self.recommendation_label.setText(note or "No recommendation yet (waiting for the plan).")
