@@ -107,16 +107,19 @@ class ModelService:
 
 def engine_for(model, tokenizer, max_rows: int):
     """The engine for an opened model: continuous batching when every block is held in memory (an OffloadedModel
-    whose plan keeps them all resident, with a K/V cache), else one request after another (blocks streamed from
-    disk, K/V recomputed, or a swarm client)."""
+    whose plan keeps them all resident, with a K/V cache; with trained prompts, their K/V start each row), else one
+    request after another (blocks streamed from disk, K/V recomputed, or a swarm client)."""
     from hivekeeper.core.runtime.model import Span
 
-    resident, plan = getattr(model, "resident", None), getattr(model, "plan", None)
-    layers = model.config.num_layers
+    prompted = getattr(model, "offloaded", None)  # a runner with trained prompts (core/finetune/prompted.py)
+    inner = prompted or model
+    resident, plan = getattr(inner, "resident", None), getattr(inner, "plan", None)
+    layers = inner.config.num_layers
     if resident is not None and plan is not None and len(resident) == layers and not plan.kv_recompute \
             and max_rows > 1:
-        span = Span(model.config, 0, layers, [resident[i] for i in range(layers)])
-        return ContinuousBatcher(model.embedding, span, model.head, tokenizer, max_rows=max_rows)
+        span = Span(inner.config, 0, layers, [resident[i] for i in range(layers)])
+        prefix = model.row_prefix(span) if prompted is not None else None  # the prompts' K/V first in each row
+        return ContinuousBatcher(inner.embedding, span, inner.head, tokenizer, max_rows=max_rows, prefix=prefix)
     return SerialEngine(model, tokenizer)
 
 

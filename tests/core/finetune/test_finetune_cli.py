@@ -7,6 +7,8 @@
 - `generate --prompts FILE` runs the trained prompts first: its text differs from the plain model's, and a prompts
   file for another model's shape is refused in one line. It runs through the local plan: with every block streamed
   from disk, or K/V recomputed from kept block inputs, the text is the all-resident run's.
+- `api --prompts FILE` decodes concurrent requests together (the continuous batcher, each row starting with the
+  prompts' K/V), each reply the prompted model's own greedy text.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -119,32 +122,58 @@ def test_prompts_run_through_the_local_plan(tiny_checkpoint, trained, tmp_path, 
     assert engine["kv_cache_mode"] == policy.get("kv_cache_mode", "keep")
 
 
-def test_the_api_serves_with_the_trained_prompts(tiny_checkpoint, trained, capsys):
+API_PROMPTS = ("The sky is", "Grass is green and", "Snow")
+
+
+def test_the_api_decodes_prompted_requests_together(tiny_checkpoint, trained, capsys):
+    """Requests sent at once to `api --prompts` start together in the continuous batcher, each row starting with the
+    prompts' K/V, and each reply equals the prompted model's own greedy run (the one-request-at-a-time path)."""
     from hivekeeper.core.cli.api import open_server
     from hivekeeper.core.cli.main import build_parser
+    from hivekeeper.core.runtime.continuous import ContinuousBatcher
+    from hivekeeper.core.runtime.generation import generate
 
-    capsys.readouterr()
-    expected = generated(tiny_checkpoint, "--prompts", str(trained), capsys=capsys)
     args = build_parser().parse_args(["api", "--model", str(tiny_checkpoint), "--port", "0", "--prompts",
                                       str(trained)])
     api = open_server(args, None)
+    service, engine = api.service, api.service.engine
+    expected = [generate(service.runner.model, service.tokenizer.encode(p), max_new_tokens=6,
+                         tokenizer=service.tokenizer).texts[0] for p in API_PROMPTS]
     thread = threading.Thread(target=api.serve_forever, daemon=True)
     thread.start()
-    try:
+    replies: dict[str, tuple] = {}
+
+    def ask(prompt: str) -> None:
         connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=60)
         connection.request("POST", "/v1/completions", json.dumps(
-            {"model": str(tiny_checkpoint), "prompt": "The sky is", "max_tokens": 6, "temperature": 0}).encode(),
+            {"model": str(tiny_checkpoint), "prompt": prompt, "max_tokens": 6, "temperature": 0}).encode(),
             {"Content-Type": "application/json"})
         response = connection.getresponse()
-        doc = json.loads(response.read())
+        replies[prompt] = (response.status, json.loads(response.read()))
         connection.close()
+
+    try:
+        assert isinstance(engine, ContinuousBatcher)
+        askers = [threading.Thread(target=ask, args=(p,)) for p in API_PROMPTS]
+        with engine.hold():
+            for asker in askers:
+                asker.start()
+            deadline = time.monotonic() + 60
+            while engine.waiting < len(API_PROMPTS) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        for asker in askers:
+            asker.join(60)
     finally:
         api.shutdown()
         api.server_close()
-        api.service.close()
+        service.close()
         thread.join(60)
-    assert response.status == 200, doc
-    assert doc["choices"][0]["text"] == expected
+    assert engine.stats.largest_batch == len(API_PROMPTS)
+    for prompt, text in zip(API_PROMPTS, expected):
+        status, doc = replies[prompt]
+        assert status == 200, doc
+        assert doc["choices"][0]["text"] == text, prompt
+    capsys.readouterr()
 
 
 def test_prompts_of_another_model_are_refused(tiny_checkpoint, data, tmp_path, capsys):
