@@ -12,6 +12,9 @@ streamed from disk), deep prompts added to each block's input there (OffloadedMo
 swarm the prompts run as the first step of the session; deep_ptune's per-block prompts go with that step, each
 server getting its blocks' slice (Petals' inference `prompts` tensor), and with every replay of those positions
 (a failover's replacement, a spot check's referee).
+
+The API's continuous batcher runs the resident blocks itself: `RowPrefix` gives it the prompts' K/V, computed once
+and copied into the start of each new row of its pool.
 """
 
 from __future__ import annotations
