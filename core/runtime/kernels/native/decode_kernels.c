@@ -886,7 +886,7 @@ typedef struct {
     const float *ds;         /* [blocks, batch, 2]: quantize_activations's (d_x, offset unit) */
     const float *bias;
     float *y;                /* [batch, outs]: y = x w^T + bias, or y += that when accumulate */
-    long outs, cols, batch, rows_per_chunk; /* rows_per_chunk even: a chunk starts on a pair of weight rows */
+    long outs, cols, batch, rows_per_chunk; /* rows_per_chunk a multiple of 4: chunks start on whole pairs, quads */
     int accumulate;
 } qmatvec_task;
 
@@ -940,6 +940,7 @@ static inline __attribute__((always_inline)) pair_block unpack_pair(int format, 
 
 /* The pair's block times one activation row's block x (32 int8): per row, 4 lanes of exact int32 sums. */
 static inline __attribute__((always_inline)) __m256i pair_dot(int format, const pair_block *u, const int8_t *x) {
+    (void)format; /* the VNNI build's dot product is one for both 4-bit formats */
     __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)x));
     __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(x + QK / 2)));
 #if HK_VNNI
@@ -1022,6 +1023,80 @@ static inline __attribute__((always_inline)) void qdot_pair(int format, int R, c
         out1[i] = ((a[4] + a[5]) + (a[6] + a[7])) + o[3];
     }
 }
+#if HK_VNNI
+/* The avx512vnni build takes 4-bit weight rows four at a time in 512-bit vectors (lanes 4r..4r+3: row r): per
+   lane the pair kernel's arithmetic above (the same integers, scale products, chains and final sums), so the same
+   bits, with half the instructions per block for the loads, unpacking and the scales' conversion. */
+typedef struct { __m512i lo, hi; __m256 dm; } quad_block;
+
+static inline __attribute__((always_inline)) quad_block unpack_quad(int format, const uint8_t *const *rows, long b) {
+    quad_block u;
+    long size = format == HK_Q4_0 ? (long)sizeof(block_q4_0) : (long)sizeof(block_q4_1);
+    long codes = format == HK_Q4_0 ? 2 : 4;
+    const uint8_t *w0 = rows[0] + b * size, *w1 = rows[1] + b * size, *w2 = rows[2] + b * size;
+    const uint8_t *w3 = rows[3] + b * size;
+    __m512i all = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu2_m128i((const __m128i *)(w1 + codes), (const __m128i *)(w0 + codes))),
+        _mm256_loadu2_m128i((const __m128i *)(w3 + codes), (const __m128i *)(w2 + codes)), 1);
+    __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+    u.lo = _mm512_and_si512(all, low_nibbles);
+    u.hi = _mm512_and_si512(_mm512_srli_epi16(all, 4), low_nibbles);
+    if (format == HK_Q4_1) {
+        u.dm = _mm256_cvtph_ps(_mm_set_epi64x((long long)(load32(w2) | (uint64_t)load32(w3) << 32),
+                                              (long long)(load32(w0) | (uint64_t)load32(w1) << 32)));
+    } else {
+        uint64_t d = load16(w0) | (uint64_t)load16(w1) << 16 | (uint64_t)load16(w2) << 32 | (uint64_t)load16(w3) << 48;
+        __m128i words = _mm_cvtsi64_si128((long long)d);
+        u.dm = _mm256_cvtph_ps(_mm_unpacklo_epi16(words, words)); /* [d0, d0, d1, d1, ...] */
+    }
+    return u;
+}
+
+static inline __attribute__((always_inline)) void quad_block_into(const quad_block *u, const int8_t *x,
+                                                                  const float *pair, __m512 *acc, __m256 *offset) {
+    __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x));
+    __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + QK / 2)));
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u->lo, xlo), u->hi, xhi);
+    __m256 p = _mm256_mul_ps(u->dm, _mm256_castpd_ps(_mm256_broadcast_sd((const double *)pair)));
+    *offset = _mm256_add_ps(*offset, p);
+    __m512 scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6),
+                                         _mm512_castps256_ps512(p));
+    *acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), *acc);
+}
+
+/* Four weight rows of a 4-bit format (rows[], repeated for a tail) times activation rows r0 .. r0 + R - 1 into
+   out[r][i]. */
+static inline __attribute__((always_inline)) void qdot_quad(int format, int R, const qmatvec_task *t,
+                                                            const uint8_t *const *rows, long r0,
+                                                            float out[4][ROW_GROUP]) {
+    __m512 acc0[ROW_GROUP], acc1[ROW_GROUP];
+    __m256 offset0[ROW_GROUP], offset1[ROW_GROUP];
+    for (int i = 0; i < R; i++)
+        acc0[i] = acc1[i] = _mm512_setzero_ps(), offset0[i] = offset1[i] = _mm256_setzero_ps();
+    const int8_t *x = t->q + r0 * t->cols;
+    const float *ds = t->ds + 2 * r0;
+    long b = 0, cols = t->cols, step = 2 * t->batch;
+    for (; b + 2 <= t->blocks; b += 2) {
+        quad_block even = unpack_quad(format, rows, b), odd = unpack_quad(format, rows, b + 1);
+        for (int i = 0; i < R; i++) {
+            quad_block_into(&even, x + i * cols + b * QK, ds + b * step + 2 * i, &acc0[i], &offset0[i]);
+            quad_block_into(&odd, x + i * cols + (b + 1) * QK, ds + (b + 1) * step + 2 * i, &acc1[i], &offset1[i]);
+        }
+    }
+    if (b < t->blocks) {
+        quad_block last = unpack_quad(format, rows, b);
+        for (int i = 0; i < R; i++)
+            quad_block_into(&last, x + i * cols + b * QK, ds + b * step + 2 * i, &acc0[i], &offset0[i]);
+    }
+    for (int i = 0; i < R; i++) {
+        float a[16], o[8];
+        _mm512_storeu_ps(a, _mm512_add_ps(acc0[i], acc1[i]));
+        _mm256_storeu_ps(o, _mm256_add_ps(offset0[i], offset1[i]));
+        for (int r = 0; r < 4; r++)
+            out[r][i] = ((a[4 * r] + a[4 * r + 1]) + (a[4 * r + 2] + a[4 * r + 3])) + o[2 * r + 1];
+    }
+}
+#endif
 #else
 /* A weight block unpacked once for every batch row: its 32 integer weights (Q4_0's codes minus 8), its scale, and
    Q4_1's min (weights d q + m; 0 for the others). */
@@ -1080,8 +1155,35 @@ static inline __attribute__((always_inline)) void put_q(const qmatvec_task *t, l
     *y = t->accumulate ? *y + v : v;
 }
 
+#if HK_VNNI
+/* The 4-bit formats' rows four at a time (a tail repeats the last row). */
+static inline __attribute__((always_inline)) void qmatvec_quads(int format, const qmatvec_task *t, long o0, long o1) {
+    float s[4][ROW_GROUP];
+    for (long o = o0; o < o1; o += 4) {
+        const uint8_t *rows[4];
+        for (int r = 0; r < 4; r++) rows[r] = t->w + (o + r < o1 ? o + r : o1 - 1) * t->row_bytes;
+        for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
+            long n = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
+            switch (n) { /* a constant R in each: the accumulators stay in registers */
+#define HK_ROWS_CASE(R) case R: qdot_quad(format, R, t, rows, r0, s); break;
+            HK_ROWS_CASE(1) HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
+#undef HK_ROWS_CASE
+            }
+            for (long i = 0; i < n; i++)
+                for (int r = 0; r < 4 && o + r < o1; r++) put_q(t, r0 + i, o + r, s[r][i]);
+        }
+    }
+}
+#endif
+
 #if HK_AVX2
 static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long o0, long o1) {
+#if HK_VNNI
+    if (format != HK_Q8_0) {
+        qmatvec_quads(format, t, o0, o1);
+        return;
+    }
+#endif
     float s0[ROW_GROUP], s1[ROW_GROUP];
     long step = format == HK_Q8_0 ? 1 : 2; /* weight rows at a time */
     for (long o = o0; o < o1; o += step) {
@@ -1089,8 +1191,10 @@ static inline __attribute__((always_inline)) void qmatvec_rows(int format, const
         for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
             long rows = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
             switch (rows) { /* a constant R in each: the accumulators stay in registers */
-#define HK_ROWS_CASE(R) case R: if (format == HK_Q8_0) qdot_q8_0(R, t, row0, r0, s0); \
-                                else qdot_pair(format, R, t, row0, row1, r0, s0, s1); break;
+#define HK_ROWS_CASE(R) case R: \
+                if (format == HK_Q8_0) { qdot_q8_0(R, t, row0, r0, s0); } \
+                else { qdot_pair(format, R, t, row0, row1, r0, s0, s1); } \
+                break;
             HK_ROWS_CASE(1) HK_ROWS_CASE(2)
 #if ROW_GROUP > 2
             HK_ROWS_CASE(3) HK_ROWS_CASE(4)
@@ -1154,11 +1258,11 @@ static int qmatvec(int format, const void *w, const float *x, const float *bias,
     long block_bytes = hk_quant_block_bytes(format);
     if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || batch < 1 || batch > MAX_ROWS || outs < 0) return -2;
     if (reserve_quantized_x(batch * cols) != 0) return -1;
-    long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes / 2 * 2;
+    long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes / 4 * 4;
     quantize_activations(format, x, batch, cols, quantized_x, x_scales);
     PROFILE(P_QUANTIZE);
     qmatvec_task t = {format, w, row_bytes, blocks, quantized_x, x_scales, bias, y, outs, cols, batch,
-                      rows > 0 ? rows : 2, accumulate};
+                      rows > 0 ? rows : 4, accumulate};
     parallel(qmatvec_chunk, &t, ceil_div(outs, t.rows_per_chunk));
     return 0;
 }
