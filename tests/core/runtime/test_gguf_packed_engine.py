@@ -74,8 +74,9 @@ def test_local_engine_runs_packed_blocks_like_a_served_span(model, monkeypatch):
         assert len(linears) == 4 * checkpoint.config.num_layers
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for b in local.resident.values()
                     for t in [*b.buffers(), *b.parameters()]}  # distinct storages (pack_in_order shares one)
-        held = sum(storages.values()) - local.head.weight.untyped_storage().nbytes() * (
-            local.head.weight.untyped_storage().data_ptr() in storages)
+        tied = local.head.weight  # None where the engine keeps the head packed (issue 22)
+        held = sum(storages.values()) - (0 if tied is None else tied.untyped_storage().nbytes() * (
+            tied.untyped_storage().data_ptr() in storages))
         layers = checkpoint.config.num_layers
         assert held <= 1.01 * sum(packed_block_bytes(checkpoint, i) for i in range(layers))
         tokens = greedy(local.embedding, local.span, local.head, local.span.allocate_cache(1, 64), prompt, 8)
