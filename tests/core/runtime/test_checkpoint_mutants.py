@@ -178,3 +178,28 @@ def test_a_packed_head_computes_what_the_dequantized_head_does(tmp_path, tied):
     assert (got - expected).abs().max() <= 0.01 * expected.abs().max()
     assert not isinstance(load_head(path, packed=True, dtype="bf16", embedding=embedding), PackedHead)
     assert not isinstance(load_head(head_file(tmp_path), packed=True), PackedHead)  # an F32 head
+
+
+def tall_weights(block: torch.nn.Module) -> list[torch.Tensor]:
+    return [m.weight for m in block.modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.shape[0] >= 2 * m.weight.shape[1]]
+
+
+def test_a_span_s_blocks_know_their_layer_share_one_rotary_table_and_keep_tall_linears_by_column(tiny_checkpoint,
+                                                                                                 gguf_file):
+    """What load_span takes from load_block: each block's layer index (its attention window and cache slot follow
+    from it), the span's one rotary table rather than a copy per block (packed GGUF blocks too), and on a CPU in
+    fp32 the tall linears re-stored column-major for the decode matmuls (bf16 blocks keep them as read)."""
+    from hivekeeper.core.runtime.model import RotaryTable
+
+    span = load_span(tiny_checkpoint, 0, 2)
+    assert [block.layer_index for block in span.blocks] == [0, 1]
+    assert span.blocks[0].rotary is span.blocks[1].rotary is span.rotary
+    tall = tall_weights(span.blocks[1])
+    assert tall and all(w.t().is_contiguous() and not w.is_contiguous() for w in tall)
+    half = tall_weights(load_span(tiny_checkpoint, 1, 2, dtype="bf16").blocks[0])
+    assert half and all(w.is_contiguous() for w in half)
+    packed = open_checkpoint(gguf_file, packed=True)
+    table = RotaryTable(packed.config)
+    assert load_block(packed, 0, rotary=table).rotary is table
+    assert load_block(open_checkpoint(gguf_file), 0, rotary=table).rotary is table
