@@ -7,7 +7,8 @@ use, in either order.
   blocks run here, within 1e-5.
 - Generating with trained prompts (ptune, and deep_ptune, whose per-block prompts each server gets in its session's
   first step) gives the local run's tokens, also when the server of block 1 is killed mid-generation (the
-  replacement is sent the prompts with the replay).
+  replacement is sent the prompts with the replay), and when another server spot-checks every step (its referee
+  session is sent them too).
 - A server killed between two steps makes the next step fail; the step is redone on the spare server, no step is
   lost or counted twice: the prompts after 5 steps equal those of an uninterrupted local run.
 """
@@ -196,3 +197,32 @@ def test_a_server_killed_mid_training_loses_no_step(parts, examples, tiny_checkp
     assert reports[2].redone == 1 and blocks_through.last_route[1][0] != killed[0]
     for name, param in reference.prompts.named_parameters():
         torch.testing.assert_close(dict(through.prompts.named_parameters())[name], param, atol=1e-4, rtol=0)
+
+
+def test_remote_spot_checks_of_deep_prompted_steps_agree(parts, tiny_checkpoint, servers, tmp_path):
+    """Every step checked by another server of the same blocks (no local referee): the referee's session is sent the
+    deep prompts with the positions they cover, so it agrees, nobody is banned and the tokens are the local run's."""
+    from hivekeeper.core.finetune.prompted import local_prompted_model, swarm_prompted_model
+    from hivekeeper.core.offload.local_plan import plan_local_run
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
+    from hivekeeper.core.swarm.client.inference import SwarmModel
+
+    path = saved_prompts(parts, "deep_ptune", tmp_path / "deep.prompts", deep_scale=1.0)
+    prompt = load_tokenizer(tiny_checkpoint).encode("Snow is")
+    _, plan = plan_local_run("auto", tiny_checkpoint, parts.config, batch=1, prompt_len=8, max_new_tokens=6,
+                             max_length=24)
+    local, _ = local_prompted_model(OffloadedModel(tiny_checkpoint, plan), path)
+    expected = greedy_ids(local, prompt, 6)
+    local.close()
+    swarm_model = SwarmModel(str(tiny_checkpoint), initial_peers=servers.initial_peers, dht_prefix=PREFIX,
+                             spot_check_rate=1.0, spot_check_local_blocks=0)
+    model, _ = swarm_prompted_model(swarm_model, path)
+    try:
+        assert greedy_ids(model, prompt, 6) == expected
+        failovers, checks = swarm_model.client.failovers, swarm_model.client.spot_check_log
+    finally:
+        model.close()
+    assert failovers == []
+    block_1 = [c for c in checks if c["blocks"] == [1, 2]]
+    assert block_1 and block_1[0]["checked_positions"] == [0, 3] and block_1[0]["referee"] != "local"
+    assert all(c["ok"] and "second_referee" not in c for c in checks)  # no dispute either
