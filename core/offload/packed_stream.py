@@ -5,10 +5,10 @@ of fp32 copies, all read with positioned reads into buffers the process owns, ne
 A streamed block is then read as its packed bytes straight from the file into the slot with positioned reads (one
 copy; the Q/K rows llama.cpp permuted are read into a scratch array and put back in Hugging Face's order by taking
 whole packed rows), with no dequantizing; the slot holds about a quarter (Q8_0) to an eighth (Q4_0/Q4_1) of an fp32
-block, and the step multiplies it with the quantized kernels. Reading with pread rather than through the memory map
-keeps the file's pages out of the process's RSS (a RAM budget is checked against RSS), and `drop_page_cache` evicts
-what was read from the page cache, for benchmarks of the disk itself (as weights.BlockReader does). A layer whose linears are stored otherwise than the slot's (another format, a type that is not
-packed) gets a block built for it (gguf.load_packed_block) in place of the slot's.
+block, and the step multiplies it with the quantized kernels. `drop_page_cache` evicts what was read from the page
+cache, for benchmarks of the disk itself (as weights.BlockReader does). A layer whose linears are stored otherwise
+than the slot's (another format, a type that is not packed) gets a block built for it (gguf.load_packed_block) in
+place of the slot's.
 
 Why not the memory map: every page of it the process touches counts in its RSS (file-backed, until unmapped or
 released), so a model read through it counted once in the copies and once more in the map; against a RAM budget
@@ -58,14 +58,15 @@ class PackedBlockReader:
     def empty_block(self, layer: int) -> Block:
         """A block shaped as layer `layer` loads packed, its buffers allocated but not read (`fill` reads them); a
         layer with a linear that does not pack (another type) is loaded whole instead (gguf.load_packed_block)."""
-        if not all(packs(self.checkpoint, layer, pieces) for pieces in FUSED_LINEARS.values()):
-            return load_packed_block(self.checkpoint, layer, self.rotary)
+        if not self._packs_whole(layer):
+            return self._built(layer)
         with torch.device("meta"):
             block = Block(self.config, layer, self.rotary)
         for fused, pieces in FUSED_LINEARS.items():
             names = [f"model.layers.{layer}.{piece}.weight" for piece in pieces]
             fmt = format_of_ggml_type(int(self.checkpoint.tensors[names[0]].tensor_type))
-            outs, cols = sum(self.shapes[f"{piece}.weight"][0] for piece in pieces), self.shapes[f"{pieces[0]}.weight"][1]
+            outs = sum(self.shapes[f"{piece}.weight"][0] for piece in pieces)
+            cols = self.shapes[f"{pieces[0]}.weight"][1]
             matrix = QuantizedMatrix(fmt, np.empty((outs, fmt.row_bytes(cols)), dtype=np.uint8), outs, cols)
             bias = torch.empty(outs) if self._biases(layer, pieces) else None
             parent, child = fused.split(".")
@@ -79,7 +80,19 @@ class PackedBlockReader:
 
     def load_block(self, layer: int) -> Block:
         """Layer `layer` as a packed block of its own (a resident block): allocated, then read with pread."""
+        if not self._packs_whole(layer):
+            return self._built(layer)
         block, _ = self.fill(self.empty_block(layer), layer)
+        return block
+
+    def _packs_whole(self, layer: int) -> bool:
+        return all(packs(self.checkpoint, layer, pieces) for pieces in FUSED_LINEARS.values())
+
+    def _built(self, layer: int) -> Block:
+        """Layer `layer` built by gguf.load_packed_block (through the memory map: a linear stored otherwise is
+        dequantized), the map's pages released after it."""
+        block = load_packed_block(self.checkpoint, layer, self.rotary)
+        release_mapped_pages(self.checkpoint)
         return block
 
     def read_matrix(self, name: str, shape: tuple[int, int]) -> QuantizedMatrix | None:
@@ -100,7 +113,7 @@ class PackedBlockReader:
         """Layer `layer` into `block` in place when its packed layout fits, else into a block built for it:
         (the block holding the layer, the bytes read)."""
         if not self._fits(block, layer):
-            block = load_packed_block(self.checkpoint, layer, self.rotary)
+            block = self._built(layer)
             with self._lock:
                 self.rebuilt += 1
         else:
