@@ -31,13 +31,20 @@ import torch
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.runtime.generation import (SequenceOutput, context_limit, generate, stop_rules)
+from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.model import KVCache, Span
 from hivekeeper.core.runtime.ragged import decode_rows, row_view
 from hivekeeper.core.runtime.sampling import Sampler, SamplingParams
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill call (a lone prompt's chunk, as generation.generate's)
-PREFILL_MIN_POSITIONS = 32  # a group of k prompts takes max(this, PREFILL_CHUNK // k) positions per call
+# prompt positions per prefill call, for a group as for a lone prompt (generation.generate's chunks): a packed
+# model's call costs mostly the weights' dequantization, whatever its tokens, so a group's chat prompts take one call
+PREFILL_CHUNK = 256
+GATHER_S = 0.05  # an idle batcher's first request waits this long after each arrival (up to GATHER_MAX_S) for others
+GATHER_MAX_S = 0.25  # to be prefilled with it: clients that start together share one prefill instead of queueing
 PAD_FACTOR = 2  # a prefill group's padded tokens stay within this many times its real ones (plus one chunk)
+# A prompt this short is prefilled alone, as `generate` prefills it: so few tokens go through the packed decode
+# kernels (int8 activations), while a padded group multiplies dequantized weights, and the greedy text could part.
+SHORT_PROMPT_TOKENS = native_kernels.MAX_ROWS
 FIRST_CACHE_TOKENS = 256  # a cache starts with room for the prompt and this many tokens, then doubles as needed
 HOLD_YIELD_S = 0.001  # the engine's pause between steps while someone waits to hold it
 
@@ -158,7 +165,9 @@ class _Filling:
     """Requests prefilled together: their prompts right-padded to the longest, in the pool's rows base..base+k-1 (a
     KVCache view of those rows, all at one position), a chunk of positions per round between decode steps. A row's
     pads only write K/V past its own length, which its decode steps overwrite (causal attention never reads them
-    earlier). `last` keeps each row's hidden state at its prompt's last token until the group's first tokens are
+    earlier). A row's products then run in matrices of another size than its prompt's alone: on a packed model
+    numpy's BLAS rounds them differently (~1e-6 relative), and a greedy text can part from `generate`'s at a
+    near-tie some tokens later. `last` keeps each row's hidden state at its prompt's last token until the group's first tokens are
     sampled together."""
 
     def __init__(self, rows: list[_Row], ids: torch.Tensor, base: int):
@@ -210,6 +219,8 @@ class ContinuousBatcher(_EngineThread):
         for row in list(self.rows):
             row.output.stop()
             self._finish(row)
+        for request in self._waiting:  # taken off the queue, never started
+            request.on_done(Completion("", [], "stopped", len(request.prompt_ids)))
         self._drain()
 
     @property
@@ -248,17 +259,39 @@ class ContinuousBatcher(_EngineThread):
         if self._closed:
             return False
         if self.filling is None and self._waiting and self.active < self.max_rows:
-            self._start_group()
-        return True
+            if not self.rows:
+                self._gather()
+            if not self._closed:
+                self._start_group()
+        return not self._closed
+
+    def _gather(self) -> None:
+        """Nothing runs: wait briefly for more requests to arrive (GATHER_S after each, GATHER_MAX_S in all, until
+        the rows are full), so that clients starting together are prefilled as one group."""
+        deadline = time.monotonic() + GATHER_MAX_S
+        while len(self._waiting) < self.max_rows and not self._closed:
+            wait = min(GATHER_S, deadline - time.monotonic())
+            if wait <= 0:
+                return
+            try:
+                request = self.queue.get(timeout=wait)
+            except queue.Empty:
+                return
+            if request is None:
+                self._closed = True
+                return
+            self._waiting.append(request)
 
     def _start_group(self) -> None:
-        """Admit waiting requests (in order, while rows are free and padding stays bounded) as one prefill group."""
+        """Admit waiting requests as one prefill group: the first, and those after it that may join it (_may_join),
+        while rows are free; the others keep their place in the line."""
         rows: list[_Row] = []
-        while self._waiting and self.active + len(rows) < self.max_rows:
-            request = self._waiting[0]
-            if rows and not _pads_bounded([r.request for r in rows], request):
+        for request in list(self._waiting):
+            if self.active + len(rows) >= self.max_rows:
                 break
-            self._waiting.popleft()
+            if rows and not _may_join([r.request for r in rows], request):
+                continue
+            self._waiting.remove(request)
             self.stats.requests += 1
             try:
                 rows.append(self._new_row(request))
@@ -300,7 +333,7 @@ class ContinuousBatcher(_EngineThread):
         group = self.filling
         k = len(group.rows)
         start = group.done
-        end = min(start + max(PREFILL_MIN_POSITIONS, PREFILL_CHUNK // k), group.longest)
+        end = min(start + PREFILL_CHUNK, group.longest)
         base = group.base
         view = KVCache(self.pool.k[:, base : base + k], self.pool.v[:, base : base + k], self.prefix_tokens + start)
         try:
@@ -392,11 +425,13 @@ class ContinuousBatcher(_EngineThread):
         row.request.on_done(row.completion())
 
 
-def _pads_bounded(group: list[Request], request: Request) -> bool:
+def _may_join(group: list[Request], request: Request) -> bool:
     """Whether `request` may join a prefill group: the padded batch stays within PAD_FACTOR times its real tokens
-    (plus one chunk), so a long prompt does not make short ones compute its length in pads, nor the reverse."""
+    (plus one chunk), so a long prompt does not make short ones compute its length in pads, nor the reverse; and
+    neither it nor the group holds a prompt of SHORT_PROMPT_TOKENS or fewer (prefilled alone, see there)."""
     lengths = [len(r.prompt_ids) for r in group] + [len(request.prompt_ids)]
-    return len(lengths) * max(lengths) <= PAD_FACTOR * sum(lengths) + PREFILL_CHUNK
+    return min(lengths) > SHORT_PROMPT_TOKENS and \
+        len(lengths) * max(lengths) <= PAD_FACTOR * sum(lengths) + PREFILL_CHUNK
 
 
 class SerialEngine(_EngineThread):

@@ -109,7 +109,8 @@ def test_requests_released_together_are_decoded_together_with_their_own_text(bat
         assert batcher.waiting == len(PROMPTS)
     done = outcomes.wait()
     assert batcher.stats.largest_batch == len(PROMPTS)
-    assert (batcher.stats.prefill_groups, batcher.stats.largest_prefill) == (1, len(PROMPTS))  # one padded prefill
+    # the prompts of 12 tokens prefilled as one padded group; those of 6 and 4 alone (SHORT_PROMPT_TOKENS)
+    assert (batcher.stats.prefill_groups, batcher.stats.largest_prefill) == (3, 2)
     assert [done[i].text for i in range(len(PROMPTS))] == alone
     assert all(done[i].finish_reason == "length" and len(done[i].token_ids) == NEW_TOKENS for i in done)
     assert batcher.active == 0
@@ -148,7 +149,6 @@ def test_a_request_cancelled_before_it_starts_ends_with_its_first_token(batcher,
 
 def test_running_streams_go_on_while_a_long_prompt_is_prefilled_in_chunks(batcher, runner, monkeypatch):
     monkeypatch.setattr(continuous, "PREFILL_CHUNK", 8)
-    monkeypatch.setattr(continuous, "PREFILL_MIN_POSITIONS", 8)
     outcomes = Outcomes(runner)
     running = outcomes.request("running", PROMPTS[0], max_new=60)
     pieces, seen_at = [], {}
