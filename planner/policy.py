@@ -31,7 +31,7 @@ from .formats import BITSANDBYTES_FORMATS, PACKED_FORMATS
 from .hardware import HardwareSpec
 from .models import ModelSpec
 from .runtime import RuntimeEstimate, idealized_runtime
-from .swarm import ServerPlan, client_fits, plan_server
+from .swarm import PackedSpan, ServerPlan, client_fits, plan_server
 
 GOALS = ("chat", "batch", "serve")
 QUANTS = ("auto", "none", "int8", "nf4", *PACKED_FORMATS)
@@ -56,6 +56,7 @@ class Constraints:
     reserve_bytes: dict[str, float] = field(default_factory=dict)  # tier ("gpu", "cpu", "disk") -> bytes
     packed_formats: tuple[str, ...] = ()
     file_format: str | None = None
+    packed_span: PackedSpan | None = None  # goal serve: a GGUF's span as the server holds it (format_choice)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANTS:
@@ -314,14 +315,16 @@ def search(model: ModelSpec, hardware: HardwareSpec, goal: str = "chat", constra
                                     workload.output_len, prediction.policy.batch_size, machine.power_watts, price)
     server = None
     if goal == "serve":
-        server = plan_server(model, hardware, constraints.quant, None, constraints.reserve_bytes, eff)
+        server = plan_server(model, hardware, constraints.quant, None, constraints.reserve_bytes, eff,
+                             packed=constraints.packed_span)
         n = server.num_blocks
         if n:
             alpha = n * workload.prompt_len / server.forward_rps
             beta = n / server.inference_rps
             runtime = idealized_runtime(alpha, beta, workload.prompt_len, workload.output_len, 1,
                                         machine.power_watts, price)
-            reason = (f"serves {n} of {model.num_layers} blocks in {server.weight_format} with a "
+            reason = (f"serves {n} of {model.num_layers} blocks in {server.weight_format}"
+                      f"{' packed' if server.packed else ''} with a "
                       f"{server.cache_tokens}-token cache per block; a 1-token step is bound by "
                       f"{server.inference_bound}. " + reason)
         else:

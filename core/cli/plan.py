@@ -300,7 +300,8 @@ def render(plan: Plan, data: dict) -> str:
     policy = data.get("policy")
     if plan.server is not None and plan.server.num_blocks:
         s = plan.server
-        rows += [("serve", f"{s.num_blocks} of {s.total_blocks} blocks, {s.weight_format}, "
+        rows += [("serve", f"{s.num_blocks} of {s.total_blocks} blocks, {s.weight_format}"
+                           f"{' packed' if s.packed else ''}, "
                            f"{s.cache_tokens}-token cache per block"),
                  ("per block", f"{_num(s.inference_rps)} inference rps, {_num(s.forward_rps)} forward rps"),
                  ("advertised", f"{_num(s.throughput)} rps")]

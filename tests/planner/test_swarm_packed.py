@@ -3,7 +3,8 @@
 The real default model (SmolLM2-135M-Instruct, a Q4_1 GGUF) on a CPU: plan_model_server sizes its span in q4_1 by
 the file's bytes per block (GGUFSizes.packed_block_bytes), so on a machine whose RAM holds the packed span but not
 an fp32 one it recommends more blocks than the fp32 plan; its 1-token steps are timed at the slower of the packed
-reads and the kernels' measured rate. Packing off, a GPU, or bitsandbytes plan as before.
+reads and the kernels' measured rate. Packing off, a GPU, or bitsandbytes plan as before; `plan --goal serve`
+(policy.search with plan_constraints) sizes the server the same way.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import pytest
 
 from hivekeeper.core.runtime.default_model import default_model_file
 from hivekeeper.planner.errors import InputError
-from hivekeeper.planner.format_choice import plan_model_server, serve_packed_span
+from hivekeeper.planner.format_choice import plan_constraints, plan_model_server, serve_packed_span
 from hivekeeper.planner.formats import PACKED_BLOCK_BYTES, BLOCK_WEIGHTS
 from hivekeeper.planner.gguf_metadata import gguf_sizes
 from hivekeeper.planner.hardware_catalog import resolve_hardware
 from hivekeeper.planner.model_catalog import load_model_spec
+from hivekeeper.planner.policy import search
 from hivekeeper.planner.swarm import PackedSpan, plan_server
 
 
@@ -86,3 +88,12 @@ def test_a_packed_span_needs_a_packed_format_bytes_and_a_cpu(model):
         PackedSpan("q4_0", 0)
     with pytest.raises(InputError, match="served on a CPU only"):
         plan_server(load_model_spec(model), resolve_hardware("rtx-3090"), packed=PackedSpan("q4_1", 10**6))
+
+
+def test_plan_goal_serve_sizes_the_server_span_as_serve_does(model):
+    hardware = machine_between(model)
+    constraints, choice = plan_constraints(model, "auto", hardware, "serve", runtime_packs=True)
+    plan = search(load_model_spec(model), hardware, "serve", constraints)
+    assert plan.server == plan_model_server(model, hardware, runtime_packs=True)
+    assert "30 of 30 blocks in q4_1 packed" in plan.reason and "packed" in choice.why
+    assert constraints.quant == "none"  # the local plan beside it stays dequantized

@@ -120,8 +120,9 @@ def test_cpu_auto_no_longer_recommends_bitsandbytes():
     assert result.prediction is not None and result.prediction.policy.weight_format in ("bf16", "fp32")
 
 
-def test_a_servers_span_is_planned_dequantized_and_says_so(capsys, xeon):
+def test_a_servers_span_is_planned_packed_as_the_server_loads_it_and_says_so(capsys, xeon):
     code, out, _ = plan(capsys, "--hardware", xeon, "--goal", "serve", "--json")
     assert code == 0
-    data = json.loads(out)
-    assert data["policy"]["weight_format"] == "fp32" and data["format_choice"]["why"].startswith("serve: ")
+    data = json.loads(out)  # the server's span (issue 16 item 4): the file's q4_1, kept packed
+    assert data["policy"]["weight_format"] == "q4_1" and data["format_choice"]["why"].startswith("serve: ")
+    assert "packed" in data["format_choice"]["why"]
