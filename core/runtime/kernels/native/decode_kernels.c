@@ -890,6 +890,13 @@ typedef struct {
     int accumulate;
 } qmatvec_task;
 
+/* y[row, o] = v (+ bias), or y += that when accumulating. */
+static inline __attribute__((always_inline)) void put_q(const qmatvec_task *t, long row, long o, float v) {
+    float *y = t->y + row * t->outs + o;
+    v += t->bias ? t->bias[o] : 0.0f;
+    *y = t->accumulate ? *y + v : v;
+}
+
 #if HK_AVX2
 /* 8 int32 sums of u[i] * s[i] over 32 bytes, lane k summing bytes 4k..4k+3; u unsigned (<= 128), s signed (> -128).
    AVX512-VNNI does it in one instruction (vpdpbusd); AVX2 in two (vpmaddubsw, whose 16-bit pair sums cannot saturate
@@ -965,29 +972,84 @@ static inline __attribute__((always_inline)) void pair_block_into(int format, co
    each activation row keeps 8 lanes (weights 0-15 in lanes 0-3, 16-31 in 4-7: a block's 32 codes as they lie) in
    two chains (even and odd blocks), summed at the end (sum8). |q| times the activations with q's signs: unsigned
    times signed, as the dot product takes them. */
-static inline __attribute__((always_inline)) void q8_0_block_into(int R, const qmatvec_task *t, const uint8_t *row,
-                                                                  long r0, long b, __m256 *acc) {
-    const block_q8_0 *w = (const block_q8_0 *)row + b;
+#define Q8_0_ROW_GROUP 4 /* Q8_0's batch rows per pass over a weight row, in both builds (two accumulators each) */
+
+/* Block w of a Q8_0 row times block b of activation rows 0 .. R-1 (x: row 0's block; ds: row 0's pair). */
+static inline __attribute__((always_inline)) void q8_0_block_into(int R, const block_q8_0 *w, const int8_t *x,
+                                                                  long cols, const float *ds, __m256 *acc) {
     __m256i signs = _mm256_loadu_si256((const __m256i *)w->qs), codes = _mm256_sign_epi8(signs, signs);
     float d = half_to_float(w->d);
     for (int i = 0; i < R; i++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(t->q + (r0 + i) * t->cols + b * QK));
-        __m256 scale = _mm256_set1_ps(d * t->ds[2 * (b * t->batch + r0 + i)]);
-        acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_u8_i8(codes, _mm256_sign_epi8(x, signs))), acc[i]);
+        __m256i xs = _mm256_loadu_si256((const __m256i *)(x + i * cols));
+        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * ds[2 * i]),
+                                 _mm256_cvtepi32_ps(dot_u8_i8(codes, _mm256_sign_epi8(xs, signs))), acc[i]);
     }
 }
 
 static inline __attribute__((always_inline)) void qdot_q8_0(int R, const qmatvec_task *t, const uint8_t *row,
                                                             long r0, float *out) {
-    __m256 even[ROW_GROUP], odd[ROW_GROUP];
+    __m256 even[Q8_0_ROW_GROUP], odd[Q8_0_ROW_GROUP];
     for (int i = 0; i < R; i++) even[i] = odd[i] = _mm256_setzero_ps();
-    long b = 0;
-    for (; b + 2 <= t->blocks; b += 2) {
-        q8_0_block_into(R, t, row, r0, b, even);
-        q8_0_block_into(R, t, row, r0, b + 1, odd);
+    const block_q8_0 *w = (const block_q8_0 *)row;
+    const int8_t *x = t->q + r0 * t->cols;
+    const float *ds = t->ds + 2 * r0;
+    long b = 0, blocks = t->blocks, cols = t->cols, step = 2 * t->batch;
+    for (; b + 2 <= blocks; b += 2, x += 2 * QK, ds += 2 * step) {
+        q8_0_block_into(R, w + b, x, cols, ds, even);
+        q8_0_block_into(R, w + b + 1, x + QK, cols, ds + step, odd);
     }
-    if (b < t->blocks) q8_0_block_into(R, t, row, r0, b, even);
+    if (b < blocks) q8_0_block_into(R, w + b, x, cols, ds, even);
     for (int i = 0; i < R; i++) out[i] = sum8(_mm256_add_ps(even[i], odd[i]));
+}
+
+/* One Q8_0 row times one activation row: qdot_q8_0's arithmetic for R = 1, in the same order (the same bits), with
+   both blocks' dot products taken before their multiply-adds (measured ~5-15% faster on the LM head). */
+static inline __attribute__((always_inline)) float qdot_q8_0_one(const qmatvec_task *t, const uint8_t *row, long r) {
+    const block_q8_0 *w = (const block_q8_0 *)row;
+    const int8_t *q = t->q + r * t->cols;
+    const float *d = t->ds + 2 * r;
+    long step = 2 * t->batch, b = 0;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (; b + 2 <= t->blocks; b += 2) {
+        __m256i s0 = _mm256_loadu_si256((const __m256i *)w[b].qs);
+        __m256i s1 = _mm256_loadu_si256((const __m256i *)w[b + 1].qs);
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK));
+        __m256i p0 = dot_u8_i8(_mm256_sign_epi8(s0, s0), _mm256_sign_epi8(x0, s0));
+        __m256i p1 = dot_u8_i8(_mm256_sign_epi8(s1, s1), _mm256_sign_epi8(x1, s1));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w[b].d) * d[b * step]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w[b + 1].d) * d[(b + 1) * step]), _mm256_cvtepi32_ps(p1),
+                               acc1);
+    }
+    if (b < t->blocks) {
+        __m256i s0 = _mm256_loadu_si256((const __m256i *)w[b].qs);
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        __m256i p0 = dot_u8_i8(_mm256_sign_epi8(s0, s0), _mm256_sign_epi8(x0, s0));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w[b].d) * d[b * step]), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return sum8(_mm256_add_ps(acc0, acc1));
+}
+
+/* Q8_0's rows one at a time, the batch in groups of Q8_0_ROW_GROUP. */
+static inline __attribute__((always_inline)) void qmatvec_q8_0_rows(const qmatvec_task *t, long o0, long o1) {
+    float s[Q8_0_ROW_GROUP];
+    if (t->batch == 1) {
+        for (long o = o0; o < o1; o++) put_q(t, 0, o, qdot_q8_0_one(t, t->w + o * t->row_bytes, 0));
+        return;
+    }
+    for (long o = o0; o < o1; o++) {
+        const uint8_t *row = t->w + o * t->row_bytes;
+        for (long r0 = 0; r0 < t->batch; r0 += Q8_0_ROW_GROUP) {
+            long n = t->batch - r0 < Q8_0_ROW_GROUP ? t->batch - r0 : Q8_0_ROW_GROUP;
+            switch (n) { /* a constant R in each: the accumulators stay in registers */
+            case 1: qdot_q8_0(1, t, row, r0, s); break;
+            case 2: qdot_q8_0(2, t, row, r0, s); break;
+            case 3: qdot_q8_0(3, t, row, r0, s); break;
+            default: qdot_q8_0(4, t, row, r0, s); break;
+            }
+            for (long i = 0; i < n; i++) put_q(t, r0 + i, o, s[i]);
+        }
+    }
 }
 
 /* Weight rows row0 and row1 of a 4-bit format (a pair; the same row twice for an odd one out) times activation rows
@@ -1149,12 +1211,6 @@ static inline __attribute__((always_inline)) void qdot_rows(int format, int R, c
 
 /* Output rows [o0, o1) for every batch row, the batch in groups of up to ROW_GROUP rows: the weight rows (a few
    hundred bytes each) stay in L1 for every group. AVX2: the 4-bit formats' rows a pair at a time, Q8_0's one. */
-static inline __attribute__((always_inline)) void put_q(const qmatvec_task *t, long row, long o, float v) {
-    float *y = t->y + row * t->outs + o;
-    v += t->bias ? t->bias[o] : 0.0f;
-    *y = t->accumulate ? *y + v : v;
-}
-
 #if HK_VNNI
 /* The 4-bit formats' rows four at a time (a tail repeats the last row). */
 static inline __attribute__((always_inline)) void qmatvec_quads(int format, const qmatvec_task *t, long o0, long o1) {
@@ -1178,35 +1234,27 @@ static inline __attribute__((always_inline)) void qmatvec_quads(int format, cons
 
 #if HK_AVX2
 static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long o0, long o1) {
-#if HK_VNNI
-    if (format != HK_Q8_0) {
-        qmatvec_quads(format, t, o0, o1);
+    if (format == HK_Q8_0) {
+        qmatvec_q8_0_rows(t, o0, o1);
         return;
     }
-#endif
+#if HK_VNNI
+    qmatvec_quads(format, t, o0, o1);
+#else
     float s0[ROW_GROUP], s1[ROW_GROUP];
-    long step = format == HK_Q8_0 ? 1 : 2; /* weight rows at a time */
-    for (long o = o0; o < o1; o += step) {
+    for (long o = o0; o < o1; o += 2) {
         const uint8_t *row0 = t->w + o * t->row_bytes, *row1 = o + 1 < o1 ? row0 + t->row_bytes : row0;
         for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
             long rows = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
-            switch (rows) { /* a constant R in each: the accumulators stay in registers */
-#define HK_ROWS_CASE(R) case R: \
-                if (format == HK_Q8_0) { qdot_q8_0(R, t, row0, r0, s0); } \
-                else { qdot_pair(format, R, t, row0, row1, r0, s0, s1); } \
-                break;
-            HK_ROWS_CASE(1) HK_ROWS_CASE(2)
-#if ROW_GROUP > 2
-            HK_ROWS_CASE(3) HK_ROWS_CASE(4)
-#endif
-#undef HK_ROWS_CASE
-            }
+            if (rows == 1) qdot_pair(format, 1, t, row0, row1, r0, s0, s1); /* a constant R: registers */
+            else qdot_pair(format, 2, t, row0, row1, r0, s0, s1);
             for (long i = 0; i < rows; i++) {
                 put_q(t, r0 + i, o, s0[i]);
-                if (step == 2 && o + 1 < o1) put_q(t, r0 + i, o + 1, s1[i]);
+                if (o + 1 < o1) put_q(t, r0 + i, o + 1, s1[i]);
             }
         }
     }
+#endif
 }
 #else
 static inline __attribute__((always_inline)) void qmatvec_rows(int format, const qmatvec_task *t, long o0, long o1) {
