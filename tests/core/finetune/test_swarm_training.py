@@ -1,7 +1,7 @@
-"""Training prompts through a loopback swarm (issue 21): the tiny demo model (fp32) served by three in-process servers
-with their own p2pds on 127.0.0.1: `first` serves block 0, `second`, `spare` and `spare-2` block 1 (the spares claim
-a speed a million times lower, so routes take `second` while it lives). Two tests kill the server of block 1 they
-use, in either order.
+"""Training prompts through a loopback swarm (issue 21): the tiny demo model (fp32) served by five in-process servers
+with their own p2pds on 127.0.0.1: `first` serves block 0, `second`, `spare`, `spare-2` and `spare-3` block 1 (the
+spares claim a speed a million times lower, so routes take `second` while it lives). Two tests kill the server of
+block 1 they use, and one needs two servers of block 1, in any order.
 
 - The loss and the gradients of soft and deep prompts through rpc_forward / rpc_backward equal those of the same
   blocks run here, within 1e-5.
@@ -42,7 +42,9 @@ def servers(tiny_checkpoint):
         swarm.start((0, 1), "first")
         swarm.start((1, 2), "second", throughput=1.0)
         swarm.start((1, 2), "spare", throughput=1e-6)
-        swarm.start((1, 2), "spare-2", throughput=1e-6)  # two tests kill a server of block 1: two are left for each
+        # two tests kill a server of block 1 and one needs two of them (route and referee): in any order, enough
+        swarm.start((1, 2), "spare-2", throughput=1e-6)
+        swarm.start((1, 2), "spare-3", throughput=1e-6)
         yield swarm
     finally:
         swarm.close()
