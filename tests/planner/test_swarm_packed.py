@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import gguf
 import pytest
 
 from hivekeeper.core.runtime.default_model import default_model_file
@@ -22,6 +23,8 @@ from hivekeeper.planner.hardware_catalog import resolve_hardware
 from hivekeeper.planner.model_catalog import load_model_spec
 from hivekeeper.planner.policy import search
 from hivekeeper.planner.swarm import PackedSpan, plan_server
+
+from ..core.cli.test_models import write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +100,19 @@ def test_plan_goal_serve_sizes_the_server_span_as_serve_does(model):
     assert plan.server == plan_model_server(model, hardware, runtime_packs=True)
     assert "30 of 30 blocks in q4_1 packed" in plan.reason and "packed" in choice.why
     assert constraints.quant == "none"  # the local plan beside it stays dequantized
+
+
+def test_a_q8_0_files_span_is_sized_by_its_own_bytes_and_an_f16_one_unpacked(tmp_path):
+    from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_block_bytes
+
+    q8 = str(write_gguf(tmp_path / "small-q8.gguf", gguf.GGMLQuantizationType.Q8_0))
+    f16 = str(write_gguf(tmp_path / "small-f16.gguf", gguf.GGMLQuantizationType.F16))
+    cpu = resolve_hardware("cpu-generic")
+    spec = load_model_spec(q8)
+    linears, norms = spec.block_params() - spec.norm_params(), spec.norm_params()
+    span = serve_packed_span(q8, cpu, runtime_packs=True)
+    assert span == PackedSpan("q8_0", linears * 34 // 32 + 4 * norms)  # Q8_0: 34 bytes per 32 weights
+    assert span.block_bytes == packed_block_bytes(GGUFCheckpoint(q8), 0)  # what the runtime holds
+    assert plan_model_server(q8, cpu, runtime_packs=True).span_words() == "1 blocks, q8_0 packed"
+    assert serve_packed_span(f16, cpu, runtime_packs=True) is None  # F16 is dequantized: fp32 bytes
+    assert plan_model_server(f16, cpu, runtime_packs=True).block_bytes == 4 * spec.block_params()
