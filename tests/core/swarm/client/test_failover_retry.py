@@ -1,6 +1,6 @@
 """A failover that does not go smoothly (issue 24, the swarm client's survivors): the first replacement fails too, a
-session fails on its very first step, no replacement works before the retry deadline; and the ban list's rules for a
-busy server and a liar.
+session fails on its very first step, no replacement works before the retry deadline, no server is left for the
+blocks (a SwarmGap dated from the failed server's last answer); and the ban list's rules for a busy server and a liar.
 
 Real servers of the tiny model's blocks [0, 2) run in this process (InProcessServers, each with its own p2pd on
 127.0.0.1): "silent" (its steps never answer; it still answers pings) and "slow", which announce 100 and 10 tokens/s,
@@ -19,7 +19,7 @@ import torch
 
 from hivekeeper.core.runtime.checkpoint import load_span
 from hivekeeper.core.runtime.model import KVCache
-from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient, SwarmError
+from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient, SwarmError, SwarmGap
 from hivekeeper.core.swarm.client.routing import BanList
 
 from .servers import InProcessServers
@@ -46,11 +46,11 @@ def span(tiny_checkpoint):
     return load_span(tiny_checkpoint, 0, 2)
 
 
-def make_client(swarm, retry_seconds: float) -> SwarmClient:
+def make_client(swarm, retry_seconds: float, **settings) -> SwarmClient:
     """A client that has heard from every server (fresh for the whole test: recovery routes without probing)."""
     client = SwarmClient(ClientConfig(initial_peers=tuple(swarm.initial_peers), dht_prefix=PREFIX, num_blocks=2,
                                       retry_seconds=retry_seconds, step_timeout=2.0, max_step_timeout=2.0,
-                                      fresh_seconds=300.0, swarm_cache_seconds=0.0))
+                                      fresh_seconds=300.0, swarm_cache_seconds=0.0, **settings))
     answered = client.run(client.rtts(list(swarm.running)))
     assert all(rtt is not None for rtt in answered.values()), answered
     return client
@@ -119,6 +119,30 @@ def test_a_replacement_that_fails_after_the_retry_deadline_ends_the_step_with_an
                 session.step(torch.randn(1, 1, 64))
             assert client.bans.banned(swarm.names["silent"]) and not client.bans.banned(swarm.names["slow"])
             assert session.recoveries == []
+    finally:
+        client.close()
+
+
+def test_a_gap_left_by_a_failed_server_is_dated_from_its_last_answer_and_names_it(swarm, span):
+    """fast serves the session and leaves while the client has banned the others: no server for blocks 0:2 and none
+    joining, so after gap_seconds (counted from fast's last answer, not from when the failure was seen) the step
+    fails with a SwarmGap that names fast as the server that held them."""
+    fast = swarm.start((0, 2), "fast", record={"inference_rps": 1000.0})
+    client = make_client(swarm, retry_seconds=60.0, gap_seconds=1.0, ban_seconds=600.0)
+    torch.manual_seed(24)
+    cache = KVCache.allocate(span.config, 2, 1, MAX_LENGTH)
+    try:
+        with client.inference_session(max_length=MAX_LENGTH) as session:
+            before = time.time()
+            check_step(session, cache, span, torch.randn(1, 2, 64), "prompt")
+            after = time.time()
+            for other in ("silent", "slow"):
+                client.bans.fail(swarm.names[other])
+            swarm.leave(fast)
+            with pytest.raises(SwarmGap) as gap:
+                session.step(torch.randn(1, 1, 64))
+            assert gap.value.blocks == [0, 1] and before <= gap.value.since <= after
+            assert f"the server that held them, ...{fast[-8:]} (fast), failed: " in str(gap.value)
     finally:
         client.close()
 
