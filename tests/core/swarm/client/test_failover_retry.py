@@ -147,7 +147,7 @@ def test_a_gap_left_by_a_failed_server_is_dated_from_its_last_answer_and_names_i
         client.close()
 
 
-# ---- the ban list's rules behind a failover (plain BanList: no servers) -----------------------------------------------
+# ---- the ban list's rules behind a failover (plain BanList: no servers) ----------------------------------------------
 def test_a_busy_server_is_skipped_for_a_while_without_counting_as_a_failure():
     bans = BanList(base_seconds=30.0, backoff=2.0)
     assert bans.busy("default") == 2.0 and not bans.banned("never-busy")
