@@ -136,7 +136,8 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
         from hivekeeper.core.finetune.prompted import prompt_tokens
 
         extra = prompt_tokens(prompts, config)
-        prompt_len, max_length = prompt_len + extra, min(max_length + extra, config.max_position_embeddings)
+        max_length = min(max_length + extra, config.max_position_embeddings)
+        prompt_len = min(prompt_len + extra, max_length)  # (one that leaves no room is refused when generating)
     choice, plan = plan_local_run(args.plan, path, config, batch=batch, prompt_len=prompt_len,
                                   max_new_tokens=max(1, max_length - prompt_len), max_length=max_length,
                                   ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"))
