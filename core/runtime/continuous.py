@@ -45,6 +45,7 @@ PAD_FACTOR = 2  # a prefill group's padded tokens stay within this many times it
 # A prompt this short is prefilled alone, as `generate` prefills it: so few tokens go through the packed decode
 # kernels (int8 activations), while a padded group multiplies dequantized weights, and the greedy text could part.
 SHORT_PROMPT_TOKENS = native_kernels.MAX_ROWS
+SHARED_MIN_TOKENS = 8  # a prefill group's prompts that begin alike for this many tokens prefill that part once
 FIRST_CACHE_TOKENS = 256  # a cache starts with room for the prompt and this many tokens, then doubles as needed
 HOLD_YIELD_S = 0.001  # the engine's pause between steps while someone waits to hold it
 
@@ -82,6 +83,7 @@ class BatchStats:
     prefills: int = 0  # prefill calls (chunks)
     prefill_groups: int = 0  # requests admitted together, prefilled as one padded batch
     largest_prefill: int = 0  # the most requests one prefill group held
+    shared_tokens: int = 0  # prompt tokens not prefilled because another prompt of the group began alike
 
 
 class _Row:
@@ -167,13 +169,15 @@ class _Filling:
     pads only write K/V past its own length, which its decode steps overwrite (causal attention never reads them
     earlier). A row's products then run in matrices of another size than its prompt's alone: on a packed model
     numpy's BLAS rounds them differently (~1e-6 relative), and a greedy text can part from `generate`'s at a
-    near-tie some tokens later. `last` keeps each row's hidden state at its prompt's last token until the group's first tokens are
-    sampled together."""
+    near-tie some tokens later. The prompts' common beginning (`shared` tokens: a chat template's system prompt) is
+    prefilled once, in the first row, and its K/V copied to the others. `last` keeps each row's hidden state at its
+    prompt's last token until the group's first tokens are sampled together."""
 
     def __init__(self, rows: list[_Row], ids: torch.Tensor, base: int):
         self.rows, self.ids, self.base = rows, ids, base
         self.done = 0  # positions prefilled
         self.last: list[torch.Tensor | None] = [None] * len(rows)
+        self.shared = shared_beginning([row.request.prompt_ids for row in rows])
 
     @property
     def longest(self) -> int:
@@ -331,19 +335,24 @@ class ContinuousBatcher(_EngineThread):
     def _fill(self) -> None:
         """One chunk of the group's prompts; at the last, their first tokens are sampled and they join the batch."""
         group = self.filling
-        k = len(group.rows)
-        start = group.done
-        end = min(start + PREFILL_CHUNK, group.longest)
-        base = group.base
-        view = KVCache(self.pool.k[:, base : base + k], self.pool.v[:, base : base + k], self.prefix_tokens + start)
+        start, base, offset = group.done, group.base, self.prefix_tokens
+        in_shared = start < group.shared  # the common beginning, once, in the group's first row
+        k = 1 if in_shared else len(group.rows)
+        end = min(start + PREFILL_CHUNK, group.shared if in_shared else group.longest)
+        view = KVCache(self.pool.k[:, base : base + k], self.pool.v[:, base : base + k], offset + start)
         try:
-            hidden = self.span(self.embedding(group.ids[:, start:end]), view)
+            hidden = self.span(self.embedding(group.ids[:k, start:end]), view)
         except Exception as exc:  # noqa: BLE001 - the group fails; the running rows go on
             self.filling = None
             for row in group.rows:
                 row.request.on_done(exc)
             return
-        for j, row in enumerate(group.rows):
+        if in_shared and end == group.shared:
+            for pool in (self.pool.k, self.pool.v):
+                shared = pool[:, base : base + 1, :, offset : offset + end]
+                pool[:, base + 1 : base + len(group.rows), :, offset : offset + end].copy_(shared)
+            self.stats.shared_tokens += end * (len(group.rows) - 1)
+        for j, row in enumerate(group.rows[:k]):
             length = len(row.request.prompt_ids)
             if start < length <= end:
                 group.last[j] = hidden[j : j + 1, length - 1 - start]
@@ -423,6 +432,18 @@ class ContinuousBatcher(_EngineThread):
             self.rows[index] = moving
         self.rows.pop()
         row.request.on_done(row.completion())
+
+
+def shared_beginning(prompts: list[list[int]]) -> int:
+    """The tokens that several prompts begin with alike, when at least SHARED_MIN_TOKENS, else 0; never a whole
+    prompt (each keeps a token of its own, whose hidden state gives its first token)."""
+    if len(prompts) < 2:
+        return 0
+    shortest = min(len(prompt) for prompt in prompts)
+    common = 0
+    while common < shortest - 1 and all(prompt[common] == prompts[0][common] for prompt in prompts):
+        common += 1
+    return common if common >= SHARED_MIN_TOKENS else 0
 
 
 def _may_join(group: list[Request], request: Request) -> bool:

@@ -172,6 +172,20 @@ def test_running_streams_go_on_while_a_long_prompt_is_prefilled_in_chunks(batche
     assert seen_at["first"] - seen_at["submitted"] >= 4
 
 
+def test_prompts_that_begin_alike_prefill_their_beginning_once_and_keep_their_own_text(batcher, runner):
+    beginning = list(range(5, 17))  # 12 tokens, as a chat template's system prompt
+    prompts = [beginning + [20, 21], beginning + [30, 31, 32], beginning + [40]]
+    alone = [generate(runner.model, ids, max_new_tokens=NEW_TOKENS, tokenizer=runner.tokenizer,
+                      ignore_eos=True).texts[0] for ids in prompts]
+    outcomes = Outcomes(runner)
+    with batcher.hold():
+        for i, ids in enumerate(prompts):
+            batcher.submit(outcomes.request(i, "", ids=ids))
+    done = outcomes.wait()
+    assert [done[i].text for i in range(len(prompts))] == alone
+    assert batcher.stats.largest_prefill == 3 and batcher.stats.shared_tokens == 2 * len(beginning)
+
+
 def test_a_failing_request_fails_alone(batcher, runner, alone):
     outcomes = Outcomes(runner)
     vocab = runner.model.config.vocab_size
