@@ -272,7 +272,8 @@ def _gguf_rows(gguf: dict) -> list[tuple[str, str]]:
                           f"per block")]
     if "memory_format" in gguf:
         note = f"; {gguf['memory_note']}" if "memory_note" in gguf else ""
-        how = (f"the blocks' {'/'.join(gguf['memory_packed'])} linears stay packed, the rest dequantized"
+        how = (f"the blocks' {'/'.join(gguf['memory_packed'])} linears and the LM head stay packed, the rest "
+               "dequantized"
                if gguf.get("memory_packed") else "the runtime dequantizes GGUF weights")
         rows.append(("in memory", f"{_size(gguf['memory_bytes'])} as {gguf['memory_format']} "
                                   f"({_size(gguf['memory_block_bytes'])} per block): {how}{note}"))
