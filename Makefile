@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/hivekeeper app
 
+# PYTEST_ARGS: more pytest options, e.g. PYTEST_ARGS="-n auto --dist loadfile" for pytest-xdist workers (docs/testing.md)
+PYTEST_ARGS ?=
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # PNGs of each page at 1280x800, with a local demo swarm running, into docs/screenshots/
 screenshots: $(STAMP)

@@ -94,6 +94,60 @@ def _alive(pid: int) -> bool:
         return False
 
 
+MAX_WORKERS = 4  # each worker loads torch and starts swarms of its own: more would trade memory for little time
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (the `test` extra); without it, never called
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`make test` runs the suite on `-n auto` pytest-xdist workers: one per CPU this process may use, at most
+    MAX_WORKERS, and none (the tests run in this process) on a one-CPU machine. PYTEST_XDIST_AUTO_NUM_WORKERS
+    still decides when set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0 if cpus < 2 else min(cpus, MAX_WORKERS)
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """In the process that ran pytest-xdist's workers, after they are shut down: nothing started by the suite may
+    outlive it, such as the p2pd of a module fixture's swarm, which the per-test check below cannot see. What a
+    worker leaves when it exits is adopted by this process (the subreaper), so it is seen here. (A run without
+    workers keeps the per-test check only: this one has not yet been through a whole run without workers.)"""
+    if _is_xdist_worker(session.config) or not getattr(session.config.option, "numprocesses", None):
+        return
+    deadline = time.monotonic() + 30.0  # workers finishing their exit
+    leftovers = [pid for pid in _watched_processes() if _alive(pid)]
+    while leftovers and time.monotonic() < deadline:
+        _reap_adopted_zombies()
+        time.sleep(0.2)
+        leftovers = [pid for pid in _watched_processes() if _alive(pid)]
+    described = _kill_and_describe(leftovers)
+    if described:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("")  # after xdist's progress dots
+            reporter.write_line("processes left behind by the run: " + "; ".join(described), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _kill_and_describe(pids) -> list[str]:
+    """Kill each process still there; one 'pid name command' line for each."""
+    described = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            described.append(f"{pid} {proc.name()} {' '.join(proc.cmdline()[:4])}")
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return described
+
+
 @pytest.fixture
 def cpu_flags(monkeypatch):
     """Pin the CPU flags this test (and its child processes) sees: `cpu_flags("avx2 fma avx512f avx512_bf16")`.
@@ -123,17 +177,9 @@ def no_leftover_processes():
     while leftovers and time.monotonic() < deadline:
         time.sleep(0.1)
         leftovers = {pid for pid in leftovers if _alive(pid)}
-    if leftovers:
-        described = []
-        for pid in leftovers:
-            try:
-                proc = psutil.Process(pid)
-                described.append(f"{pid} {proc.name()} {' '.join(proc.cmdline()[:4])}")
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        if described:
-            pytest.fail("processes left behind: " + "; ".join(described))
+    described = _kill_and_describe(leftovers)
+    if described:
+        pytest.fail("processes left behind: " + "; ".join(described))
 
 
 @pytest.fixture
