@@ -122,12 +122,15 @@ def test_prompts_run_through_the_local_plan(tiny_checkpoint, trained, tmp_path, 
     assert engine["kv_cache_mode"] == policy.get("kv_cache_mode", "keep")
 
 
-API_PROMPTS = ("The sky is", "Grass is green and", "Snow")
+# long enough to be prefilled as one padded group, beginning alike (prefilled once for the group, after the prompts)
+API_PROMPTS = ("The sky over the quiet northern valley is", "The sky over the quiet northern valley was green and",
+               "The sky over the quiet northern valley looks grey at")
 
 
 def test_the_api_decodes_prompted_requests_together(tiny_checkpoint, trained, capsys):
-    """Requests sent at once to `api --prompts` start together in the continuous batcher, each row starting with the
-    prompts' K/V, and each reply equals the prompted model's own greedy run (the one-request-at-a-time path)."""
+    """Requests sent at once to `api --prompts` start together in the continuous batcher (one prefill group, their
+    common beginning prefilled once), each row starting with the prompts' K/V, and each reply equals the prompted
+    model's own greedy run (the one-request-at-a-time path)."""
     from hivekeeper.core.cli.api import open_server
     from hivekeeper.core.cli.main import build_parser
     from hivekeeper.core.runtime.continuous import ContinuousBatcher
@@ -168,7 +171,8 @@ def test_the_api_decodes_prompted_requests_together(tiny_checkpoint, trained, ca
         api.server_close()
         service.close()
         thread.join(60)
-    assert engine.stats.largest_batch == len(API_PROMPTS)
+    assert engine.stats.largest_batch == engine.stats.largest_prefill == len(API_PROMPTS)
+    assert engine.stats.shared_tokens > 0
     for prompt, text in zip(API_PROMPTS, expected):
         status, doc = replies[prompt]
         assert status == 200, doc
