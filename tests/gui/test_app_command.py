@@ -19,9 +19,12 @@ def _env(tmp_path, **extra) -> dict:
     return {**env, "HIVEKEEPER_CONFIG_DIR": str(tmp_path / "config"), **extra}
 
 
-def test_without_a_display_it_points_to_the_cli(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "hivekeeper.core.cli.main", "app", "--model", "Qwen/Qwen2.5-0.5B"],
-                         env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+def test_without_a_display_it_points_to_the_cli(tmp_path, cli, monkeypatch):
+    """In this process (the `cli` fixture): the command's real child process is the test below."""
+    for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path / "config"))
+    out = cli("app", "--model", "Qwen/Qwen2.5-0.5B")
     assert out.returncode == 0, out.stderr
     assert "No display found" in out.stdout and "hivekeeper plan" in out.stdout
     assert "Qwen2.5-0.5B" in out.stdout  # the plan for this machine follows
