@@ -6,10 +6,9 @@ here, so the planner can read a GGUF's shape and stored bytes while staying free
 
 - `hf_config_dict`: a Hugging Face config dict (what config.json would say), parsed by the planner's and the
   runtime's config parsers like any other;
-- `gguf_sizes`: what each tensor type costs (bytes per weight), the real total and each block's bytes in the file.
-  The runtime does not run GGUF types packed yet: it dequantizes the weights to the float format its plan chose
-  (fp32, bf16 or fp16), so a plan's memory is that format's size (costmodel.weight_bytes); `hivekeeper plan`
-  reports both.
+- `gguf_sizes`: what each tensor type costs (bytes per weight), the real total and each block's bytes in the file,
+  and each block's bytes as the runtime holds it packed (`held_bytes`: Q8_0/Q4_0/Q4_1 linears as stored, the rest
+  fp32), the one count of that for local and swarm plans.
 
 Opening is fast: GGUFReader builds one numpy view per element of every metadata array up front (a 49152-token
 vocabulary and its merges: 100k views, ~12 s on a busy machine, paid by every process that opens the default model).
@@ -53,6 +52,12 @@ BLOCK_NAMES = {
 }
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
+# a block's linears as the runtime loads them: fused module path -> the HF pieces concatenated (by rows) into it. A
+# fused linear is held packed only when every piece is stored in one and the same Q8_0/Q4_0/Q4_1 type (`packs_together`)
+FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "self_attn.o_proj": ("self_attn.o_proj",),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                 "mlp.down_proj": ("mlp.down_proj",)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -427,9 +432,9 @@ class GGUFSizes:
     block_weights: tuple[int, ...]  # weights (parameters) of each block
     outside_bytes: int  # embedding, final norm and LM head
     outside_weights: int
-    # each block as a server or engine holds it when it keeps the file's Q8_0/Q4_0/Q4_1 tensors packed: those at
-    # their stored bytes, every other tensor dequantized to fp32 (4 bytes a weight); the one definition the planner
-    # sizes a packed span with (core/runtime/gguf.packed_block_bytes counts the same from the open checkpoint)
+    # each block as a server or engine holds it when it keeps the file's Q8_0/Q4_0/Q4_1 linears packed (held_bytes):
+    # those at their stored bytes, every other tensor dequantized to fp32 (4 bytes a weight); the one count of it
+    # (core/runtime/gguf.packed_block_bytes returns it, so local plans and swarm plans size a block alike)
     packed_block_bytes: tuple[int, ...] = ()
 
     @property
@@ -464,7 +469,8 @@ def gguf_sizes(path: str | Path) -> GGUFSizes:
     architecture(reader, str(file))
     check_tensor_types(reader, str(file))
     blocks = int(field(reader, f"{field(reader, 'general.architecture')}.block_count", 0))
-    block_bytes, block_weights, held = [0] * blocks, [0] * blocks, [0] * blocks
+    block_bytes, block_weights = [0] * blocks, [0] * blocks
+    block_tensors: list[dict] = [{} for _ in range(blocks)]  # name inside the block -> ReaderTensor
     outside_bytes = outside_weights = 0
     by_type: dict[str, list[int]] = {}
     for tensor in reader.tensors:
@@ -478,9 +484,29 @@ def gguf_sizes(path: str | Path) -> GGUFSizes:
         if match is not None and int(match.group(1)) < blocks:
             block_bytes[int(match.group(1))] += stored
             block_weights[int(match.group(1))] += weights
-            held[int(match.group(1))] += stored if tensor.tensor_type.name.lower() in PACKED_FORMATS else 4 * weights
+            block_tensors[int(match.group(1))][f"{BLOCK_NAMES[match.group(2)]}.{match.group(3)}"] = tensor
         else:
             outside_bytes, outside_weights = outside_bytes + stored, outside_weights + weights
     types = sorted((TypeSize(name, w, b) for name, (w, b) in by_type.items()), key=lambda t: -t.bytes)
     return GGUFSizes(str(file), file.stat().st_size, tuple(types), tuple(block_bytes), tuple(block_weights),
-                     outside_bytes, outside_weights, tuple(held))
+                     outside_bytes, outside_weights, tuple(held_bytes(tensors) for tensors in block_tensors))
+
+
+def packs_together(type_names) -> bool:
+    """Whether a fused linear whose pieces are stored as `type_names` ('Q4_1', ...) is held packed: all of one
+    Q8_0/Q4_0/Q4_1 type. Pieces of different types are dequantized to fp32, as the runtime's loader does (one fused
+    matrix has one block format; core/runtime/gguf.packs)."""
+    kinds = {name.lower() for name in type_names}
+    return len(kinds) == 1 and kinds <= set(PACKED_FORMATS)
+
+
+def held_bytes(tensors: dict) -> int:
+    """The bytes a block holds packed, from its tensors (name inside the block, `self_attn.q_proj.weight`, ->
+    ReaderTensor): the linears of a fused linear that packs at their stored bytes, everything else (norms, biases,
+    linears of other types) at 4 bytes a weight."""
+    packed = set()
+    for pieces in FUSED_LINEARS.values():
+        names = [f"{piece}.weight" for piece in pieces]
+        if all(name in tensors for name in names) and packs_together(tensors[n].tensor_type.name for n in names):
+            packed.update(names)
+    return sum(int(t.n_bytes) if name in packed else 4 * int(t.n_elements) for name, t in tensors.items())

@@ -309,16 +309,16 @@ def packed_sizes(model_path, device, dtype: torch.dtype, quant: str) -> dict[str
     """place_model's held_block_bytes / held_outside_bytes for a run of `model_path` on `device` in `dtype`: a GGUF
     the engine keeps packed (CPU, fp32, no --quant, gguf.packed_by_default) holds its largest block and its head
     (and embedding) at their packed bytes; {} for anything else (the dtype's sizes hold)."""
-    from hivekeeper.planner.gguf_metadata import is_gguf
+    from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 
-    from hivekeeper.core.runtime.gguf import packed_block_bytes, packed_by_default
+    from hivekeeper.core.runtime.gguf import packed_by_default
 
     if (torch.device(device).type != "cpu" or dtype != torch.float32 or quant != "none" or not packed_by_default()
             or not is_gguf(model_path)):
         return {}
     checkpoint = GGUFCheckpoint(model_path)
-    sizes = {"held_block_bytes": max(packed_block_bytes(checkpoint, layer)
-                                     for layer in range(checkpoint.config.num_layers))}
+    # the one count of a packed block's bytes (gguf.packed_block_bytes per layer), read once for all layers
+    sizes = {"held_block_bytes": max(gguf_sizes(checkpoint.path).packed_block_bytes)}
     outside = outside_held_bytes(checkpoint)
     if outside is not None:
         sizes["held_outside_bytes"] = outside

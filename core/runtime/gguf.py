@@ -35,9 +35,10 @@ from torch import Tensor
 from hivekeeper.planner.errors import InputError
 # the runtime's packing switch (HIVEKEEPER_GGUF_PACKED), read torch-free beside the planner's format choice
 from hivekeeper.planner.format_choice import PACKED_ENV, packed_by_default  # noqa: F401 (used here and re-exported)
-from hivekeeper.planner.gguf_metadata import (PERMUTED_ARCHITECTURES, SUPPORTED_TYPES, architecture,
-                                              check_tensor_types, hf_config_dict, hf_name, open_reader, require_gguf,
-                                              unsupported_type)
+# FUSED_LINEARS: a block's linears as loaded (fused module path -> the HF pieces concatenated by rows into it)
+from hivekeeper.planner.gguf_metadata import (FUSED_LINEARS, PERMUTED_ARCHITECTURES, SUPPORTED_TYPES,  # noqa: F401
+                                              architecture, check_tensor_types, gguf_sizes, hf_config_dict, hf_name,
+                                              open_reader, packs_together, require_gguf, unsupported_type)
 
 from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes, read_block_tensors
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, QuantizedMatrix
@@ -45,11 +46,6 @@ from hivekeeper.core.runtime.model import Block, Head, ModelConfig, RotaryTable
 from hivekeeper.core.runtime.quant.blocks import format_of_ggml_type
 from hivekeeper.core.runtime.tokenizer import Tokenizer
 
-# a block's linears as loaded: fused module path -> the HF pieces concatenated (by rows) into it
-FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                 "self_attn.o_proj": ("self_attn.o_proj",),
-                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-                 "mlp.down_proj": ("mlp.down_proj",)}
 
 
 def load_gguf_config(path: str | Path) -> ModelConfig:
@@ -180,20 +176,14 @@ class GGUFCheckpoint:
 
 def packs(checkpoint: GGUFCheckpoint, layer: int, pieces: tuple[str, ...]) -> bool:
     """Whether the fused linear of `pieces` (HF names inside a block) loads packed: every piece stored in the same
-    Q8_0/Q4_0/Q4_1 format."""
-    names = [f"model.layers.{layer}.{piece}.weight" for piece in pieces]
-    return (all(checkpoint.packable(name) for name in names)
-            and len({checkpoint.tensors[name].tensor_type for name in names}) == 1)
+    Q8_0/Q4_0/Q4_1 format (the planner's rule, gguf_metadata.packs_together, which its byte count follows)."""
+    return packs_together(checkpoint.tensor_type(f"model.layers.{layer}.{piece}.weight") for piece in pieces)
 
 
 def packed_block_bytes(checkpoint: GGUFCheckpoint, layer: int) -> int:
-    """The bytes load_packed_block's block `layer` holds: packed linears at their stored bytes, the rest fp32."""
-    config, prefix = checkpoint.config, f"model.layers.{layer}."
-    shapes = expected_block_shapes(config)
-    packed = {f"{prefix}{piece}.weight" for pieces in FUSED_LINEARS.values() if packs(checkpoint, layer, pieces)
-              for piece in pieces}
-    return sum(checkpoint.stored_bytes(name) if name in packed else 4 * int(np.prod(shapes[name[len(prefix):]]))
-               for name in block_tensor_names(config, layer))
+    """The bytes load_packed_block's block `layer` holds: packed linears at their stored bytes, the rest fp32. The
+    planner's count (gguf_metadata.GGUFSizes.packed_block_bytes), so local plans and swarm plans agree."""
+    return gguf_sizes(checkpoint.path).packed_block_bytes[layer]
 
 
 def packed_linear(checkpoint: GGUFCheckpoint, layer: int, pieces: tuple[str, ...],

@@ -24,7 +24,7 @@ from hivekeeper.core.runtime.block_tensors import expected_block_shapes  # noqa:
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear  # noqa: E402
 from hivekeeper.core.runtime.model import Block, RotaryTable  # noqa: E402
 from hivekeeper.planner.errors import InputError  # noqa: E402
-from hivekeeper.planner.gguf_metadata import open_reader  # noqa: E402
+from hivekeeper.planner.gguf_metadata import gguf_sizes, open_reader  # noqa: E402
 
 from . import ggml_reference  # noqa: E402
 
@@ -408,7 +408,8 @@ def held_bytes(module: torch.nn.Module) -> int:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_block_bytes_are_what_a_packed_block_holds(tmp_path, arch):
     """What the planner is told a packed block takes: the packed linears' stored bytes, fp32 for the rest
-    (a linear of another type, two pieces of different packed types, norms, biases)."""
+    (a linear of another type, two pieces of one fused linear in different packed types, which the loader
+    dequantizes, norms, biases); local plans (packed_block_bytes) and swarm plans (gguf_sizes) count it alike."""
     kinds = {"attn_q": QT.Q8_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0, "attn_output": QT.Q5_0,
              "ffn_gate": QT.Q4_0, "ffn_up": QT.Q4_1, "ffn_down": QT.Q4_0}
     path, _ = layer_file(tmp_path, kinds, arch, biases=arch == "qwen2")
@@ -418,6 +419,7 @@ def test_packed_block_bytes_are_what_a_packed_block_holds(tmp_path, arch):
                 + (4 * 2 * HIDDEN if arch == "qwen2" else 0))  # q/k/v biases
     assert packed_block_bytes(checkpoint, 0) == expected
     assert held_bytes(load_packed_block(checkpoint, 0)) == expected
+    assert gguf_sizes(path).packed_block_bytes == (expected,)  # the planner's count is the same one (issue 16)
 
 
 @pytest.mark.parametrize(("tensor", "kind"), [("blk.0.ffn_norm.weight", QT.F32), ("blk.0.attn_output.weight", QT.F32),
