@@ -5,7 +5,8 @@ Servers list each public model in the swarm's registry (`_petals.models`, subkey
 model, `read_directory` reads its blocks' records and sums them up as a row: servers, blocks covered, the weakest
 span (the run of blocks around the bottleneck with the same, lowest throughput).
 
-`where_to_help` (with `HelpPlanner`, which sizes each model once) adds what this machine could do for a model (the planner's server sizing: how many blocks it could
+`where_to_help` (with `HelpPlanner`, which sizes each model once) adds what this machine could do for a model (the
+planner's server sizing as `hivekeeper serve` plans it, a GGUF's span packed on a CPU: how many blocks it could
 hold and the requests/s it would advertise), the span where it adds the most (the window whose weakest blocks are
 weakest: planner.swarm.choose_start, as a server picks its blocks), and `best_row` picks the model to join with
 one click: the one whose gaps it fills, else the one whose bottleneck it raises the most, relatively.
@@ -118,10 +119,14 @@ def best_row(rows: list[dict]) -> dict | None:
 
 
 class HelpPlanner:
-    """What this machine could do for each model (the planner's server sizing), worked out once per repository."""
+    """What this machine could do for each model (the planner's server sizing, as `hivekeeper serve` plans it: a
+    GGUF's span packed on a CPU, format_choice.plan_model_server), worked out once per repository.
 
-    def __init__(self):
-        self.hardware = None
+    profile: (HardwareSpec, MachineEfficiency or None) to plan for; None: this machine, detected, with its saved
+    profile (core/machine/profiles.detect_or_load_profile), as serve plans."""
+
+    def __init__(self, profile=None):
+        self.hardware = profile
         self.sizes: dict[str, tuple[int, float] | str] = {}
 
     def size(self, repository: str) -> tuple[int, float] | str:
@@ -135,18 +140,12 @@ class HelpPlanner:
 
     def _plan(self, repository: str) -> tuple[int, float]:
         from hivekeeper.core.machine.profiles import detect_or_load_profile
-        from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
-        from hivekeeper.planner.model_catalog import load_model_spec
-        from hivekeeper.planner.swarm import plan_server
+        from hivekeeper.planner.format_choice import plan_model_server
 
         if self.hardware is None:
             self.hardware = detect_or_load_profile()
-        try:
-            spec = load_model_spec(repository)
-        except InputError:  # a hub id not cached here: its config only (no weights)
-            spec = load_model_spec(str(resolve_checkpoint(repository, blocks=(0, 0), embeddings=False)))
         hardware, efficiency = self.hardware
-        plan = plan_server(spec, hardware, efficiency=efficiency)
+        plan = plan_model_server(planner_model(repository), hardware, efficiency=efficiency)
         return plan.num_blocks, plan.throughput
 
     def help(self, row: dict) -> dict:
@@ -154,6 +153,19 @@ class HelpPlanner:
         if isinstance(size, str):
             return {"blocks": None, "rps": None, "gain": 0.0, "reason": size}
         return where_to_help(row, *size)
+
+
+def planner_model(repository: str) -> str:
+    """A registry's repository as the planner reads it: a catalog id or a checkpoint path as it is, else the
+    checkpoint it resolves to (the default model's installed GGUF, or a hub id's config only: no weights)."""
+    from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    try:
+        load_model_spec(repository)
+        return repository
+    except InputError:
+        return str(resolve_checkpoint(repository, blocks=(0, 0), embeddings=False))
 
 
 def directory_report(rows: list[dict], planner: HelpPlanner) -> dict:

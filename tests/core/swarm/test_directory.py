@@ -72,3 +72,26 @@ def test_swarm_models_lists_a_loopback_swarm_and_where_this_machine_helps(tiny_c
     assert row["weakest"] == {"start": 1, "end": 2, "throughput": 0} and report["best"] == "tiny"
     assert row["help"]["blocks"][1] == 2  # whatever fits here, it ends on the gap
     assert "this machine helps most with tiny" in text and "1 of 2" in text
+
+
+def test_you_could_serve_the_default_model_is_what_serve_plans_packed():
+    """Issue 16: the list's "you could serve" for the real default model (a Q4_1 GGUF) is serve's own plan
+    (serve.planned_span) on the same machine profile: the span sized packed, on a CPU whose RAM holds the packed
+    span but not an fp32 one, so the list offers the 30 blocks serve will hold, not the fp32 plan's fewer."""
+    import torch
+
+    from hivekeeper.core.cli.serve import planned_span
+    from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, default_model_file
+    from hivekeeper.core.swarm.directory import HelpPlanner
+    from hivekeeper.planner.model_catalog import load_model_spec
+    from hivekeeper.planner.swarm import default_cache_tokens, plan_server
+
+    from ...planner.test_swarm_packed import machine_between
+
+    path = default_model_file()
+    spec, hardware = load_model_spec(str(path)), machine_between(str(path))
+    served = planned_span(path, torch.float32, "cpu", "none", default_cache_tokens(spec), profile=(hardware, None))
+    blocks, rps = HelpPlanner(profile=(hardware, None)).size(DEFAULT_MODEL_ID)
+    assert served.span_words() == "30 blocks, q4_1 packed"
+    assert (blocks, rps) == (served.num_blocks, served.throughput)
+    assert plan_server(spec, hardware).num_blocks < blocks  # what the list said before: the span in fp32
