@@ -189,7 +189,8 @@ def test_a_span_s_blocks_know_their_layer_share_one_rotary_table_and_keep_tall_l
                                                                                                  gguf_file):
     """What load_span takes from load_block: each block's layer index (its attention window and cache slot follow
     from it), the span's one rotary table rather than a copy per block (packed GGUF blocks too), and on a CPU in
-    fp32 the tall linears re-stored column-major for the decode matmuls (bf16 blocks keep them as read)."""
+    fp32 the tall linears re-stored column-major for the decode matmuls (bf16 blocks keep them as read), all the
+    span's weights then packed into one buffer."""
     from hivekeeper.core.runtime.model import RotaryTable
 
     span = load_span(tiny_checkpoint, 0, 2)
@@ -199,7 +200,25 @@ def test_a_span_s_blocks_know_their_layer_share_one_rotary_table_and_keep_tall_l
     assert tall and all(w.t().is_contiguous() and not w.is_contiguous() for w in tall)
     half = tall_weights(load_span(tiny_checkpoint, 1, 2, dtype="bf16").blocks[0])
     assert half and all(w.is_contiguous() for w in half)
+    assert len({p.untyped_storage().data_ptr() for p in span.parameters()}) == 1  # one buffer, in reading order
     packed = open_checkpoint(gguf_file, packed=True)
     table = RotaryTable(packed.config)
     assert load_block(packed, 0, rotary=table).rotary is table
     assert load_block(open_checkpoint(gguf_file), 0, rotary=table).rotary is table
+
+
+def test_a_folder_without_safetensors_weights_says_what_it_found(tiny_checkpoint, tmp_path):
+    """Only safetensors weights load; the error lists up to three other weight files (.bin first, then .pt*)."""
+    import shutil
+
+    folder = tmp_path / "other"
+    folder.mkdir()
+    shutil.copy(tiny_checkpoint / "config.json", folder)
+    with pytest.raises(InputError) as nothing:
+        open_checkpoint(folder)
+    assert str(nothing.value) == f"{folder}: no model.safetensors or model.safetensors.index.json"
+    for name in ("b.bin", "a.bin", "model.pth", "weights.pt"):
+        (folder / name).write_bytes(b"")
+    with pytest.raises(InputError) as others:
+        open_checkpoint(folder)
+    assert str(others.value).endswith("(found a.bin, b.bin, model.pth: only safetensors weights are supported)")
