@@ -813,13 +813,14 @@ int hk_span_decode_rows(const hk_block *blocks, const hk_cache *caches, long cou
  * adds m times the block's activation sum, d_x sum(q_x). The only error beyond the weights' own is the activations'
  * rounding: at most half their block's scale per element.
  * Several rows (a continuous batch's decode step, up to MAX_ROWS) take one pass over the weights: each weight block
- * is loaded and unpacked once and multiplied with every row's activations (qdot_rows), so a batch of 8 costs far less
- * than 8 products; a row's arithmetic, and so its result, is the same whatever batch it is in. */
+ * is loaded and unpacked once and multiplied with every row's activations (qdot_pair, qdot_quad, qdot_q8_0; plain C:
+ * qdot_rows), so a batch of 8 costs far less than 8 products; a row's arithmetic, and so its result, is the same
+ * whatever batch it is in. */
 enum { HK_Q4_0 = 2, HK_Q4_1 = 3, HK_Q8_0 = 8 }; /* GGML type ids */
 #define QK 32
-/* Batch rows a weight block is unpacked once for: as many as keep their two accumulators each in registers (AVX2
-   has 16 vector registers; with VNNI, groups of 8 measured slower than 4 on Q4_1: spills); a larger batch goes in
-   groups. */
+/* Batch rows a 4-bit weight block is unpacked once for: as many as keep their accumulators (two chains, two offset
+   chains each) in registers (AVX2 has 16 vector registers, AVX512VL 32; with VNNI, groups of 8 measured slower than
+   4 on Q4_1: spills); a larger batch goes in groups. Q8_0 has its own (Q8_0_ROW_GROUP). */
 #define ROW_GROUP (HK_VNNI ? 4 : HK_AVX2 ? 2 : MAX_ROWS)
 
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;
