@@ -12,8 +12,9 @@ Without a compiler, or with HIVEKEEPER_NATIVE=0, `library()` is None and decodin
 
 The kernels' pool hands work out in chunks that any awake thread claims, and never waits for a worker that has not
 started (a worker the OS took off its core, on a busy machine); `hk_test_hold_worker` holds one back on purpose for
-the tests of that. A product that had to wait for a worker that lost its core mid-chunk makes the next products run
-on the caller alone for a while (`hk_pool_stalls` counts those stalls): one core's speed instead of a stall each.
+the tests of that. A product that had to wait for a worker that lost its core mid-chunk, soon after another such
+wait, makes the next products run on the caller alone for a while (`hk_pool_stalls` counts the stalls): one core's
+speed instead of a stall each. A stall on its own (a quiet machine's) leaves the pool in use.
 """
 
 from __future__ import annotations

@@ -297,12 +297,18 @@ static int wait_for_chunks(long chunks) {
 /* Solo runs. A straggler costs its product the rest of the OS's time slice (milliseconds), and a decode step is
  * hundreds of products: on a machine with more runnable threads than cores, stalls on every step made a 2-thread
  * decode ~10x slower than a 1-thread one (SmolLM2 Q4_1 at load ~17 on 2 cores: 2.4 s vs 0.27 s a step). So after
- * a product stalled, the next `solo.after_stall` products run on the caller alone (the speed of one core, not
- * worse), then the pool is tried again; each stall in a row doubles that count (up to SOLO_MAX), and a product
- * that finishes without a stall resets it. On a quiet machine stalls are rare and the pool stays in use. */
+ * a product stalled within STALL_WINDOW pool products of the previous stall, the next `solo.after_stall` products
+ * run on the caller alone (the speed of one core, not worse), then the pool is tried again; each such stall in a
+ * row doubles that count (up to SOLO_MAX), and a product that finishes without a stall resets it. A stall on its
+ * own starts no solo run: on a quiet machine another process takes a core now and then (SmolLM2 on the 2-core VM of
+ * session 8: about one stall per token, ~120 products, at load 0.2-0.8), and a solo run after each (half a token on
+ * one core) cost more than the stall itself (34.5 against 54.0 tok/s without solo runs, bench/decode_profile.py).
+ * A busy machine stalls product after product, so it still goes solo at once. */
 #define SOLO_MIN 64 /* the first run's length (hk_set_solo changes it; 0: no solo runs, every product on the pool) */
 #define SOLO_MAX 8192
-static struct { long left, after_stall, stalls, first; } solo = {0, SOLO_MIN, 0, SOLO_MIN};
+#define STALL_WINDOW 8 /* pool products: a stall this close after the previous one starts a solo run */
+static struct { long left, after_stall, stalls, first, products, last_stall; } solo = {
+    0, SOLO_MIN, 0, SOLO_MIN, 0, -STALL_WINDOW - 1};
 
 static void parallel(chunk_fn fn, void *ctx, long chunks) {
     if (pool_ready() == 1 || chunks <= 1 || solo.left > 0) {
@@ -318,9 +324,13 @@ static void parallel(chunk_fn fn, void *ctx, long chunks) {
     PROFILE(profile_product);
     int stalled = wait_for_chunks(chunks);
     PROFILE(P_WAIT);
+    solo.products++;
     if (stalled) {
-        solo.left = solo.after_stall;
-        solo.after_stall = solo.after_stall * 2 < SOLO_MAX ? solo.after_stall * 2 : SOLO_MAX;
+        if (solo.products - solo.last_stall <= STALL_WINDOW) {
+            solo.left = solo.after_stall;
+            solo.after_stall = solo.after_stall * 2 < SOLO_MAX ? solo.after_stall * 2 : SOLO_MAX;
+        }
+        solo.last_stall = solo.products;
         solo.stalls++;
     } else {
         solo.after_stall = solo.first;

@@ -293,11 +293,30 @@ MID_CHUNK_SCRIPT = textwrap.dedent("""
         y.zero_()
         native.hk_gemv(weight.data_ptr(), 0, x.data_ptr(), None, y.data_ptr(), 8192, 256, 1)
         assert torch.equal(y, expected)
+        if native.hk_pool_stalls() == 1:  # one stall on its own (a quiet machine's) starts no solo run
+            assert native.hk_pool_solo_left() == 0, native.hk_pool_solo_left()
         if native.hk_test_worker_holds() >= 3:
             break
     assert native.hk_test_worker_holds() >= 3, native.hk_test_worker_holds()
-    assert native.hk_pool_stalls() >= 1, native.hk_pool_stalls()  # the stall started products on the caller alone
+    assert native.hk_pool_stalls() >= 1, native.hk_pool_stalls()
     native.hk_test_release_worker()
+
+    def one_held_stall():
+        stalls = native.hk_pool_stalls()
+        native.hk_test_hold_worker(1, 0.05, 1)
+        for _ in range(2000):
+            native.hk_gemv(weight.data_ptr(), 0, x.data_ptr(), None, y.data_ptr(), 8192, 256, 1)
+            if native.hk_pool_stalls() > stalls:
+                break
+        native.hk_test_release_worker()
+        assert native.hk_pool_stalls() > stalls and torch.equal(y, expected)
+
+    for _ in range(20):  # stalls product after product (a busy machine's): the caller goes on alone for a while
+        one_held_stall()
+        one_held_stall()
+        if native.hk_pool_solo_left() > 0:
+            break
+    assert native.hk_pool_solo_left() > 0, native.hk_pool_solo_left()
     native.hk_set_solo(0)  # no solo runs (bench/decode_profile.py's A/B): the next stall leaves the pool in use
     stalls = native.hk_pool_stalls()
     native.hk_test_hold_worker(1, 0.2, 1)
@@ -315,9 +334,9 @@ MID_CHUNK_SCRIPT = textwrap.dedent("""
 def test_a_worker_that_stops_mid_chunk_delays_the_product_but_completes_it(native):
     """The one case the pool must wait for: a worker that claimed a chunk and lost its core. The caller sleeps after
     a moment (its core free for that worker), and the worker, back, finishes the chunk and wakes it: the product
-    completes, correct (several times over, so the wake-up cannot be missed by luck), and the pool counts the stall
-    (the products after it run on the caller alone for a while, then the pool is tried again; with solo runs set to
-    0, none)."""
+    completes, correct (several times over, so the wake-up cannot be missed by luck), and the pool counts the stall.
+    One stall on its own starts no solo run; a stall right after another does (the products after it run on the
+    caller alone for a while, then the pool is tried again; with solo runs set to 0, none)."""
     run_script(native, MID_CHUNK_SCRIPT)
 
 
