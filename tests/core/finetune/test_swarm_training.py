@@ -185,6 +185,10 @@ def test_a_server_killed_mid_training_loses_no_step(parts, examples, tiny_checkp
                                                     tmp_path):
     reference = trainer(parts, local_blocks(tiny_checkpoint), examples)
     reference.run(tmp_path / "local.prompts")
+    # The server every step routes to until it is killed: "second" may be gone already (the generation test kills
+    # it), and among servers of equal throughput a route is drawn at random, so the killed one might not be drawn
+    # again; the others claim 1 or 1e-6.
+    preferred = servers.start((1, 2), "preferred-for-training", throughput=1e6)
     through = trainer(parts, blocks_through, examples)
     killed = []
 
@@ -195,6 +199,7 @@ def test_a_server_killed_mid_training_loses_no_step(parts, examples, tiny_checkp
 
     reports = through.run(tmp_path / "swarm.prompts", on_step=kill_after_step_2)
     assert [r.step for r in reports] == [1, 2, 3, 4, 5]
+    assert killed == [preferred]
     assert [(f["step"], f["peer"]) for f in through.failovers] == [(3, killed[0])]
     assert reports[2].redone == 1 and blocks_through.last_route[1][0] != killed[0]
     for name, param in reference.prompts.named_parameters():
