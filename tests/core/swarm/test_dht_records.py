@@ -17,7 +17,6 @@ import torch
 from hivemind.utils import get_dht_time
 
 from hivekeeper.core.cli.main import main
-from hivekeeper.core.runtime.checkpoint import load_span
 from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
 from hivekeeper.core.swarm.dht import (MAX_RECORD_AHEAD_S, MAX_RPS, ServerInfo, ServerState, block_throughputs,
@@ -43,11 +42,6 @@ def swarm(tiny_checkpoint):
         yield servers
     finally:
         servers.close()
-
-
-@pytest.fixture(scope="module")
-def span(tiny_checkpoint):
-    return load_span(tiny_checkpoint, 0, 2)
 
 
 def forge(swarm, peer_id: str, blocks, value, expiration: float, subkey=None) -> None:

@@ -17,7 +17,6 @@ import time
 import pytest
 import torch
 
-from hivekeeper.core.runtime.checkpoint import load_span
 from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient, SwarmError, SwarmGap
 from hivekeeper.core.swarm.client.routing import BanList
@@ -39,11 +38,6 @@ def swarm(tiny_checkpoint):
         yield servers
     finally:
         servers.close()
-
-
-@pytest.fixture(scope="module")
-def span(tiny_checkpoint):
-    return load_span(tiny_checkpoint, 0, 2)
 
 
 def make_client(swarm, retry_seconds: float, **settings) -> SwarmClient:

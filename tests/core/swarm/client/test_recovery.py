@@ -18,7 +18,6 @@ import time
 import pytest
 import torch
 
-from hivekeeper.core.runtime.checkpoint import load_span
 from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
 from hivekeeper.core.swarm.protocol import new_event_loop
@@ -110,11 +109,6 @@ def chain(tiny_checkpoint):
         yield local
     finally:
         local.close()
-
-
-@pytest.fixture(scope="module")
-def span(tiny_checkpoint):
-    return load_span(tiny_checkpoint, 0, 2)
 
 
 def check_step(session, cache, span, chunk: torch.Tensor, what: str) -> None:
