@@ -38,6 +38,20 @@ def _isolate_user_folders() -> None:
 
 _isolate_user_folders()
 
+
+def _share_kernel_builds() -> None:
+    """One folder for the native kernels' builds for the whole run (core/runtime/kernels/native_kernels.py,
+    HIVEKEEPER_KERNEL_CACHE): pytest-xdist's workers inherit it from the process that starts them, and child processes
+    (servers with an XDG_CACHE_HOME of their own) from the tests, so the kernels compile once per run, not once per
+    worker and server (~30 s each on a busy machine). Set beforehand, the folder given is used (and kept)."""
+    if not os.environ.get("HIVEKEEPER_KERNEL_CACHE"):
+        root = tempfile.mkdtemp(prefix="hivekeeper-test-kernels-")
+        os.environ["HIVEKEEPER_KERNEL_CACHE"] = root
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+
+
+_share_kernel_builds()
+
 # Nothing run by the suite may dial the public Petals swarm: its built-in bootstrap peers are replaced by a loopback
 # address where nothing listens (core/swarm/bootstrap.py; tests that need a swarm start their own on loopback).
 NOWHERE_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGhXeWpUMGj8kXKSH7HkQhxCrRvaSxqCQ6ifHYckDBkok"

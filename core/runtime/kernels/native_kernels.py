@@ -1,6 +1,7 @@
 """The native decode kernels (core/runtime/kernels/native/decode_kernels.c): compiled at first use, loaded through ctypes.
 
-The C file is built with the machine's C compiler (CC, else cc or gcc) into the user cache folder, once per source,
+The C file is built with the machine's C compiler (CC, else cc or gcc) into the user cache folder (or the folder
+HIVEKEEPER_KERNEL_CACHE names, which the test suite shares between its processes), once per source,
 compiler and flags (the file name carries their hash; the build goes to a temporary name and is renamed into place,
 so processes starting together never load a half-written library). Three builds exist (VARIANTS): "avx512vnni"
 (AVX2 and AVX512-VNNI: the quantized products' integer dot products in one instruction), "avx2" (AVX2, FMA and F16C
@@ -44,6 +45,7 @@ VARIANT_FLAGS = {"avx512vnni": (("avx512f", "AVX512F"), ("avx512bw", "AVX512BW")
                                 ("avx512_vnni", "AVX512VNNI")), "avx2": ()}
 VARIANT_ENV = "HIVEKEEPER_NATIVE"  # 0/off: no kernels; a build's name: that build where the CPU runs it;
 #                                    unset/1/auto: the CPU's best
+CACHE_ENV = "HIVEKEEPER_KERNEL_CACHE"  # a folder for the builds instead of the user cache (shared by processes)
 PROFILE_ENV = "HIVEKEEPER_NATIVE_PROFILE"  # 1: a build that times the parts of a decode step (bench/decode_profile.py)
 PROFILE_PARTS = ("norm", "qkv", "rope", "attention", "o", "gate_up", "silu", "down", "head", "quantize", "wait",
                  "solo")  # decode_kernels.c's P_* parts, in their order
@@ -114,6 +116,11 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
+    """Where the builds live: HIVEKEEPER_KERNEL_CACHE when set (the test suite points all its processes at one folder,
+    so the kernels compile once per run whatever XDG_CACHE_HOME each process has), else the user cache folder."""
+    shared = os.environ.get(CACHE_ENV, "").strip()
+    if shared:
+        return Path(shared)
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("hivekeeper")) / "native"

@@ -483,7 +483,7 @@ def test_without_the_kernels_decoding_runs_the_numpy_path(tmp_path, env, expecte
     if native_kernels._cpu_supported() is not None:
         pytest.skip(native_kernels._cpu_supported())
     result = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env})
+                            env={**os.environ, "HIVEKEEPER_KERNEL_CACHE": str(tmp_path), **env})
     assert result.returncode == 0, result.stderr
     status, verdict = result.stdout.strip().splitlines()
     assert status.startswith(expected)

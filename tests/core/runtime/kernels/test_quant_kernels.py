@@ -202,7 +202,7 @@ def test_a_compiler_without_vnni_falls_back_to_the_avx2_build(tmp_path, kernel_b
                         f'}}; done\nexec {real} "$@"\n')
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before: the avx2 build is compiled here
+    monkeypatch.setenv("HIVEKEEPER_KERNEL_CACHE", str(tmp_path))  # nothing built before: avx2 is compiled here
     monkeypatch.setenv(native_kernels.VARIANT_ENV, "auto")
     native_kernels.forget()
     library = native_kernels.library()
