@@ -162,7 +162,8 @@ def packed_gguf(path: Path, budget_fraction: float, prompt_tokens: int, new_toke
     import torch
 
     from hivekeeper.core.offload.placement import block_bytes
-    from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, packed_block_bytes
+    from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint
+    from hivekeeper.planner.gguf_metadata import gguf_sizes
 
     checkpoint = GGUFCheckpoint(path)
     layers = checkpoint.config.num_layers
@@ -172,7 +173,7 @@ def packed_gguf(path: Path, budget_fraction: float, prompt_tokens: int, new_toke
         os.environ[PACKED_ENV] = switch
         report, peak = ours(path, budget, 1, prompt_tokens, new_tokens)
         streamed = report["plan"]["engine"]["blocks"].get("disk", 0)
-        slot_bytes = (sum(packed_block_bytes(checkpoint, i) for i in range(layers)) / layers if mode == "packed"
+        slot_bytes = (sum(gguf_sizes(path).packed_block_bytes) / layers if mode == "packed"
                       else block_bytes(checkpoint.config, torch.float32))
         runs[mode] = {
             "throughput_tokens_per_s": round(report["new_tokens"] / report["total_s"], 4),

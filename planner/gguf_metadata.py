@@ -434,7 +434,7 @@ class GGUFSizes:
     outside_weights: int
     # each block as a server or engine holds it when it keeps the file's Q8_0/Q4_0/Q4_1 linears packed (held_bytes):
     # those at their stored bytes, every other tensor dequantized to fp32 (4 bytes a weight); the one count of it
-    # (core/runtime/gguf.packed_block_bytes returns it, so local plans and swarm plans size a block alike)
+    # (local plans, the streamed engine and swarm plans all read it here, so they size a block alike)
     packed_block_bytes: tuple[int, ...] = ()
 
     @property

@@ -207,12 +207,12 @@ def packed_memory(model: str, spec, held: str, packed_plan: bool = False) -> dic
     types; else nothing."""
     from hivekeeper.core.offload.local_plan import default_device
     from hivekeeper.core.offload.packed_stream import outside_held_bytes
-    from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_block_bytes, packed_by_default
+    from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_by_default
 
     if held != "fp32" or not (packed_plan or default_device() == "cpu") or not packed_by_default():
         return {}
     checkpoint = GGUFCheckpoint(model, packed=True)
-    blocks = [packed_block_bytes(checkpoint, layer) for layer in range(spec.num_layers)]
+    blocks = gguf_sizes(model).packed_block_bytes  # the one count of a packed block's bytes, per layer
     if sum(blocks) >= spec.num_layers * block_weight_bytes(spec, held):
         return {}
     outside = outside_held_bytes(checkpoint)  # the engine's packed head and embedding (packed_stream.load_outside)

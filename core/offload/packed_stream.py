@@ -317,7 +317,7 @@ def packed_sizes(model_path, device, dtype: torch.dtype, quant: str) -> dict[str
             or not is_gguf(model_path)):
         return {}
     checkpoint = GGUFCheckpoint(model_path)
-    # the one count of a packed block's bytes (gguf.packed_block_bytes per layer), read once for all layers
+    # the one count of a packed block's bytes (gguf_metadata.GGUFSizes.packed_block_bytes), read once for all layers
     sizes = {"held_block_bytes": max(gguf_sizes(checkpoint.path).packed_block_bytes)}
     outside = outside_held_bytes(checkpoint)
     if outside is not None:

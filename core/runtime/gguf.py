@@ -37,7 +37,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.format_choice import PACKED_ENV, packed_by_default  # noqa: F401 (used here and re-exported)
 # FUSED_LINEARS: a block's linears as loaded (fused module path -> the HF pieces concatenated by rows into it)
 from hivekeeper.planner.gguf_metadata import (FUSED_LINEARS, PERMUTED_ARCHITECTURES, SUPPORTED_TYPES,  # noqa: F401
-                                              architecture, check_tensor_types, gguf_sizes, hf_config_dict, hf_name,
+                                              architecture, check_tensor_types, hf_config_dict, hf_name,
                                               open_reader, packs_together, require_gguf, unsupported_type)
 
 from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes, read_block_tensors
@@ -178,12 +178,6 @@ def packs(checkpoint: GGUFCheckpoint, layer: int, pieces: tuple[str, ...]) -> bo
     """Whether the fused linear of `pieces` (HF names inside a block) loads packed: every piece stored in the same
     Q8_0/Q4_0/Q4_1 format (the planner's rule, gguf_metadata.packs_together, which its byte count follows)."""
     return packs_together(checkpoint.tensor_type(f"model.layers.{layer}.{piece}.weight") for piece in pieces)
-
-
-def packed_block_bytes(checkpoint: GGUFCheckpoint, layer: int) -> int:
-    """The bytes load_packed_block's block `layer` holds: packed linears at their stored bytes, the rest fp32. The
-    planner's count (gguf_metadata.GGUFSizes.packed_block_bytes), so local plans and swarm plans agree."""
-    return gguf_sizes(checkpoint.path).packed_block_bytes[layer]
 
 
 def packed_linear(checkpoint: GGUFCheckpoint, layer: int, pieces: tuple[str, ...],

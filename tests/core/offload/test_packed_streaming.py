@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hivekeeper.planner.costmodel import Placement, Policy
+from hivekeeper.planner.gguf_metadata import gguf_sizes
 
 from hivekeeper.core.offload.local_plan import fallback_policy
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
@@ -17,7 +18,7 @@ from hivekeeper.core.offload.packed_stream import PackedBlockReader, packed_slot
 from hivekeeper.core.offload.placement import block_bytes, place_model
 from hivekeeper.core.runtime.default_model import INSTALL_HINT, default_model_file
 from hivekeeper.core.runtime.generation import generate
-from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, load_packed_block, packed_block_bytes
+from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, load_packed_block
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
 from hivekeeper.core.runtime.model import RotaryTable
 
@@ -55,14 +56,15 @@ def test_streamed_blocks_stay_packed_read_packed_bytes_and_decode_like_resident(
     path = default_model_file()
     checkpoint = GGUFCheckpoint(path)
     config, layers = checkpoint.config, checkpoint.config.num_layers
-    packed_model = sum(packed_block_bytes(checkpoint, layer) for layer in range(layers))
+    packed_blocks = gguf_sizes(path).packed_block_bytes  # the one count of a packed block's bytes
+    packed_model = sum(packed_blocks)
 
     resident, _, _, _, _ = run(path, fallback_policy("fp32", 1))
     tokens, streamed, slots, reader, plan = run(path, on_disk(1))
     assert plan.weight_tiers == ("disk",) * layers and len(slots) == 2
     assert tokens == resident
     # the slots are packed blocks: the file's bytes, about a block's packed size, a fraction of an fp32 block
-    largest = max(packed_block_bytes(checkpoint, layer) for layer in range(layers))
+    largest = max(packed_blocks)
     for block in slots:
         assert sum(isinstance(m, QuantizedLinear) for m in block.modules()) == 4
         assert packed_slot_bytes(block) <= 1.01 * largest < block_bytes(config, torch.float32) / 3

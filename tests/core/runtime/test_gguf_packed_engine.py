@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from hivekeeper.planner.gguf_metadata import gguf_sizes
+
 from hivekeeper.core.offload.local_plan import fallback_policy
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
 from hivekeeper.core.offload.placement import place_model
 from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.runtime.default_model import INSTALL_HINT, default_model_file
-from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, PackedHead, packed_block_bytes
+from hivekeeper.core.runtime.gguf import PACKED_ENV, GGUFCheckpoint, PackedHead
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, activation_error_bound
 from hivekeeper.core.runtime.model import KVCache
@@ -64,7 +66,7 @@ def greedy(embedding, span, head, cache, prompt: list[int], new_tokens: int) -> 
 
 
 def test_local_engine_runs_packed_blocks_like_a_served_span(model, monkeypatch):
-    """The engine's resident blocks keep the file's Q4_1 linears packed (the bytes packed_block_bytes predicts, not
+    """The engine's resident blocks keep the file's Q4_1 linears packed (the bytes gguf_sizes' packed_block_bytes predicts, not
     4x more) and decode the same greedy tokens as a packed span (what `hivekeeper serve` loads);
     HIVEKEEPER_GGUF_PACKED=0 dequantizes them."""
     checkpoint, embedding, head, packed, *_ = model
@@ -78,7 +80,7 @@ def test_local_engine_runs_packed_blocks_like_a_served_span(model, monkeypatch):
         held = sum(storages.values()) - (0 if tied is None else tied.untyped_storage().nbytes() * (
             tied.untyped_storage().data_ptr() in storages))
         layers = checkpoint.config.num_layers
-        assert held <= 1.01 * sum(packed_block_bytes(checkpoint, i) for i in range(layers))
+        assert held <= 1.01 * sum(gguf_sizes(checkpoint.path).packed_block_bytes)
         tokens = greedy(local.embedding, local.span, local.head, local.span.allocate_cache(1, 64), prompt, 8)
     cache = KVCache.allocate(packed.config, layers, 1, 64)
     assert tokens == greedy(embedding, packed, head, cache, prompt, 8)

@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 from hivekeeper.core.runtime import gguf as reader  # noqa: E402
 from hivekeeper.core.runtime.gguf import (PACKED_ENV, GGUFBlockReader, GGUFCheckpoint, dequantize,  # noqa: E402
-                                          load_gguf_config, load_packed_block, packed_block_bytes,
-                                          packed_by_default, packed_linear, unpermute_qk)
+                                          load_gguf_config, load_packed_block, packed_by_default,
+                                          packed_linear, unpermute_qk)
 from hivekeeper.core.runtime.block_tensors import expected_block_shapes  # noqa: E402
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear  # noqa: E402
 from hivekeeper.core.runtime.model import Block, RotaryTable  # noqa: E402
@@ -409,7 +409,7 @@ def held_bytes(module: torch.nn.Module) -> int:
 def test_packed_block_bytes_are_what_a_packed_block_holds(tmp_path, arch):
     """What the planner is told a packed block takes: the packed linears' stored bytes, fp32 for the rest
     (a linear of another type, two pieces of one fused linear in different packed types, which the loader
-    dequantizes, norms, biases); local plans (packed_block_bytes) and swarm plans (gguf_sizes) count it alike."""
+    dequantizes, norms, biases): the one count (gguf_sizes) that local and swarm plans read."""
     kinds = {"attn_q": QT.Q8_0, "attn_k": QT.Q8_0, "attn_v": QT.Q8_0, "attn_output": QT.Q5_0,
              "ffn_gate": QT.Q4_0, "ffn_up": QT.Q4_1, "ffn_down": QT.Q4_0}
     path, _ = layer_file(tmp_path, kinds, arch, biases=arch == "qwen2")
@@ -417,7 +417,6 @@ def test_packed_block_bytes_are_what_a_packed_block_holds(tmp_path, arch):
     expected = (HIDDEN * 2 * HIDDEN // 32 * 34 + HIDDEN * FFN // 32 * 18  # q/k/v Q8_0, down Q4_0
                 + 4 * (HIDDEN * HIDDEN + 2 * FFN * HIDDEN + 2 * HIDDEN)  # o, gate, up (dequantized), two norms
                 + (4 * 2 * HIDDEN if arch == "qwen2" else 0))  # q/k/v biases
-    assert packed_block_bytes(checkpoint, 0) == expected
     assert held_bytes(load_packed_block(checkpoint, 0)) == expected
     assert gguf_sizes(path).packed_block_bytes == (expected,)  # the planner's count is the same one (issue 16)
 

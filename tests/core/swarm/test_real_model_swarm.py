@@ -46,13 +46,14 @@ def report_of(command: ChildOutput, timeout: float = 240.0) -> dict:
 def check_packed(online: dict, layers: range) -> None:
     """Issue 16 item 4: a server's span holds the GGUF's linears packed (bytes per format in its "online" event: the
     packed size, a fraction of fp32) and sends hidden states in fp32."""
-    from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_block_bytes
+    from hivekeeper.core.runtime.gguf import GGUFCheckpoint
+    from hivekeeper.planner.gguf_metadata import gguf_sizes
 
     checkpoint = GGUFCheckpoint(default_model_file())
     held = online["weights"]["bytes"]
     assert online["weights"]["hidden_dtype"] == "float32"
     assert held.get("q4_1", 0) > 0 and set(held) <= {"q4_1", "q8_0", "float32"}  # SmolLM2's file: Q4_1 and Q8_0
-    packed = sum(packed_block_bytes(checkpoint, layer) for layer in layers)
+    packed = sum(gguf_sizes(checkpoint.path).packed_block_bytes[layer] for layer in layers)
     assert sum(held.values()) == pytest.approx(packed, rel=0.01)
     assert sum(held.values()) < 4 * checkpoint.config.block_param_count() * len(layers) / 3
 

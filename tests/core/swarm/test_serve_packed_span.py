@@ -17,7 +17,6 @@ import pytest
 
 from hivekeeper.core.child_argv import hivekeeper_command
 from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, default_model_file
-from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_block_bytes
 from hivekeeper.planner.gguf_metadata import gguf_sizes
 from hivekeeper.planner.model_catalog import load_model_spec
 
@@ -33,8 +32,6 @@ def test_serve_plans_a_gguf_span_packed_and_loads_what_it_planned_within_the_bud
     path = default_model_file()
     spec, sizes = load_model_spec(str(path)), gguf_sizes(path)
     block = max(sizes.packed_block_bytes)
-    checkpoint = GGUFCheckpoint(path)
-    assert block == max(packed_block_bytes(checkpoint, layer) for layer in range(spec.num_layers))  # core agrees
     cache = CACHE_TOKENS * 2 * spec.kv_dim * 4  # fp32 K and V per block
     budget = 0.8 * BUDGET_GIB * 2**30
     expected, fp32 = int(budget // (block + cache)), int(budget // (4 * spec.block_params() + cache))
