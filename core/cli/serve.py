@@ -152,10 +152,9 @@ def default_num_blocks(checkpoint: Path, model_config, dtype, device: str, quant
     return fits, words
 
 
-def planned_span(checkpoint: Path, dtype, device: str, quant: str, cache_tokens: int, profile=None):
+def planned_span(checkpoint: Path, dtype, device: str, quant: str, cache_tokens: int):
     """The planner's ServerPlan for this machine and model as load_span will hold it (packed where a GGUF's span
-    runs on the CPU in fp32 and the runtime packs), or None when the planner cannot size it (said on stderr).
-    profile: (HardwareSpec, efficiency) to plan for; None: detect_or_load_profile()."""
+    runs on the CPU in fp32 and the runtime packs), or None when the planner cannot size it (said on stderr)."""
     import torch
 
     from hivekeeper.core.machine.profiles import detect_or_load_profile
@@ -163,7 +162,7 @@ def planned_span(checkpoint: Path, dtype, device: str, quant: str, cache_tokens:
 
     packs = device == "cpu" and dtype == torch.float32 and packed_by_default()
     try:
-        hardware, efficiency = profile or detect_or_load_profile()
+        hardware, efficiency = detect_or_load_profile()
         return plan_model_server(str(checkpoint), hardware, quant, cache_tokens=cache_tokens, efficiency=efficiency,
                                  runtime_packs=packs)
     except InputError as exc:  # the planner cannot size this model/machine: the free-memory bound alone

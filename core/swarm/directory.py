@@ -120,13 +120,11 @@ def best_row(rows: list[dict]) -> dict | None:
 
 class HelpPlanner:
     """What this machine could do for each model (the planner's server sizing, as `hivekeeper serve` plans it: a
-    GGUF's span packed on a CPU, format_choice.plan_model_server), worked out once per repository.
+    GGUF's span packed on a CPU, format_choice.plan_model_server), worked out once per repository, for this
+    machine as serve plans it: detected, with its saved profile (core/machine/profiles.detect_or_load_profile)."""
 
-    profile: (HardwareSpec, MachineEfficiency or None) to plan for; None: this machine, detected, with its saved
-    profile (core/machine/profiles.detect_or_load_profile), as serve plans."""
-
-    def __init__(self, profile=None):
-        self.hardware = profile
+    def __init__(self):
+        self.hardware = None  # (HardwareSpec, MachineEfficiency or None), detected at the first model sized
         self.sizes: dict[str, tuple[int, float] | str] = {}
 
     def size(self, repository: str) -> tuple[int, float] | str:

@@ -3,6 +3,7 @@ one by one, each model's row says its coverage and weakest span, and the one-cli
 
 from __future__ import annotations
 
+import pytest
 from hivemind.utils import ValueWithExpiration
 
 from hivekeeper.core.swarm.dht import ServerInfo, ServerState
@@ -76,22 +77,26 @@ def test_swarm_models_lists_a_loopback_swarm_and_where_this_machine_helps(tiny_c
 
 def test_you_could_serve_the_default_model_is_what_serve_plans_packed():
     """Issue 16: the list's "you could serve" for the real default model (a Q4_1 GGUF) is serve's own plan
-    (serve.planned_span) on the same machine profile: the span sized packed, on a CPU whose RAM holds the packed
-    span but not an fp32 one, so the list offers the 30 blocks serve will hold, not the fp32 plan's fewer."""
+    (serve.planned_span), both on this machine as detected (the path `swarm models`, the Swarm page and `serve`
+    take): the span sized packed, not the unpacked plan the list gave before. (On a CPU whose RAM holds only the
+    packed span, the packed plan holds more blocks: tests/planner/test_swarm_packed.py.)"""
     import torch
 
     from hivekeeper.core.cli.serve import planned_span
+    from hivekeeper.core.machine.profiles import detect_or_load_profile
     from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, default_model_file
     from hivekeeper.core.swarm.directory import HelpPlanner
     from hivekeeper.planner.model_catalog import load_model_spec
     from hivekeeper.planner.swarm import default_cache_tokens, plan_server
 
-    from ...planner.test_swarm_packed import machine_between
-
+    hardware, efficiency = detect_or_load_profile()
+    if hardware.has_gpu:
+        pytest.skip("a machine with a GPU serves unpacked; this test is about a CPU's packed span")
     path = default_model_file()
-    spec, hardware = load_model_spec(str(path)), machine_between(str(path))
-    served = planned_span(path, torch.float32, "cpu", "none", default_cache_tokens(spec), profile=(hardware, None))
-    blocks, rps = HelpPlanner(profile=(hardware, None)).size(DEFAULT_MODEL_ID)
-    assert served.span_words() == "30 blocks, q4_1 packed"
+    spec = load_model_spec(str(path))
+    served = planned_span(path, torch.float32, "cpu", "none", default_cache_tokens(spec))
+    blocks, rps = HelpPlanner().size(DEFAULT_MODEL_ID)
+    assert served.span_words() == f"{served.num_blocks} blocks, q4_1 packed"
     assert (blocks, rps) == (served.num_blocks, served.throughput)
-    assert plan_server(spec, hardware).num_blocks < blocks  # what the list said before: the span in fp32
+    unpacked = plan_server(spec, hardware, efficiency=efficiency)  # what the list said before
+    assert (unpacked.num_blocks, unpacked.throughput) != (blocks, rps)
