@@ -332,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = tokenize_prompts(args, tokenizer, prompts)
     prompt_len = len(prompt_ids[0]) if args.prompts_file else len(prompt_ids)
     check_prompt_fits(prompt_len, config, what=args.prompts_file or "--prompt")
+    if getattr(args, "prompts", None):  # the trained prompts take the first positions of the context
+        from hivekeeper.core.finetune.prompted import check_room_after_prompts
+
+        check_room_after_prompts(args.prompts, prompt_len, config, what=args.prompts_file or "--prompt")
     max_length = min(prompt_len + args.max_new_tokens, context_limit(config))
     note_capped_tokens(args.max_new_tokens, prompt_len, max_length, context_limit(config))
 

@@ -139,6 +139,19 @@ def prompt_tokens(prompts_file, config) -> int:
     return read_prompts_for(prompts_file, config)[1].tokens
 
 
+def check_room_after_prompts(prompts_file, prompt_len: int, config, what: str) -> None:
+    """A prompt after the trained prompts must leave room for one new token in the model's context: else one error
+    naming the prompts file and its trained prompt tokens (they, not max_position_embeddings, took the room)."""
+    trained = prompt_tokens(prompts_file, config)
+    context = config.max_position_embeddings
+    if prompt_len + trained < context:
+        return
+    room = context - trained - 1
+    fix = f"shorten {what} to {room} tokens or fewer" if room > 0 else "train prompts with fewer --prompt-tokens"
+    raise InputError(f"{prompts_file}: its {trained} trained prompt tokens and the {prompt_len} tokens of {what} "
+                     f"fill the model's context of {context} tokens, which leaves no room to generate: {fix}")
+
+
 def local_prompted_model(model, prompts_file, describe_plan: str = "") -> tuple[PromptedModel, str]:
     """(runner, description): an OffloadedModel (placed by its plan; closed with the runner) whose caches start with
     the prompts."""

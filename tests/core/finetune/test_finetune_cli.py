@@ -5,7 +5,8 @@
 - A run saves its prompts with the model id, method and step in the file's metadata; a second run with more
   --steps resumes from that file and ends where one uninterrupted run ends.
 - `generate --prompts FILE` runs the trained prompts first: its text differs from the plain model's, and a prompts
-  file for another model's shape is refused in one line. It runs through the local plan: with every block streamed
+  file for another model's shape is refused in one line, and so is a prompt that leaves no room after the trained
+  prompts (naming the prompts file and its tokens). It runs through the local plan: with every block streamed
   from disk, or K/V recomputed from kept block inputs, the text is the all-resident run's.
 - `api --prompts FILE` decodes concurrent requests together (the continuous batcher, each row starting with the
   prompts' K/V), each reply the prompted model's own greedy text.
@@ -188,3 +189,19 @@ def test_prompts_of_another_model_are_refused(tiny_checkpoint, data, tmp_path, c
     assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "--prompts", str(out)]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and f"{out}:" in error and "hidden size 32" in error
+
+
+def test_a_prompt_that_leaves_no_room_after_the_trained_prompts_names_the_prompts_file(tiny_checkpoint, tmp_path,
+                                                                                         capsys):
+    """The tiny model's context is 2048 tokens: a prompt of about 1900 fits alone but not after 200 trained prompt
+    tokens, and the one-line refusal (exit 2) blames the prompts file and its tokens, not max_position_embeddings."""
+    from hivekeeper.core.finetune.prompts import PromptsInfo, TrainablePrompts, save_prompts
+
+    out = tmp_path / "long.prompts"
+    save_prompts(out, TrainablePrompts("ptune", 200, 64, 2), PromptsInfo("tiny", "ptune", 200, 64, 2))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "a " * 1900, "--prompts", str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and error.startswith(f"hivekeeper generate: error: {out}: ")
+    assert "its 200 trained prompt tokens" in error and "context of 2048 tokens" in error
+    assert "shorten --prompt to 1847 tokens or fewer" in error and "max_position_embeddings" not in error
