@@ -169,7 +169,7 @@ static void claim_chunks(uint64_t generation, int index) {
     uint64_t ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     for (;;) {
         if (GENERATION(ticket) != generation) return;
-        long chunk = CHUNK(ticket), chunks = atomic_load_explicit(&pool.chunks, memory_order_relaxed);
+        long chunk = CHUNK(ticket), chunks = atomic_load_explicit(&pool.chunks, memory_order_acquire);
         if (chunk >= chunks) return;
         if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &ticket, ticket + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
@@ -217,11 +217,19 @@ static void *worker_main(void *arg) {
     }
 }
 
-/* Publish a new generation with `chunks` chunks (0: none, as for stopping) and wake sleeping workers. */
+/* Publish a new generation with `chunks` chunks (0: none, as for stopping) and wake sleeping workers.
+   The old task's ticket is closed first (its chunk number set past any count): a worker that read it just before,
+   with every chunk claimed, and then reads the new, larger chunk count, would otherwise win its compare-and-swap on
+   the old ticket and run a chunk of the new task (fn and ctx are already the new ones) that another thread also
+   runs, and count it done, so the caller could return before the product was complete. On a loaded machine (the
+   caller preempted between these stores) that gave a column-major product's result unequal to one thread's. */
+#define CLOSED_CHUNK 0xffffffffu
 static uint64_t publish(long chunks) {
-    atomic_store_explicit(&pool.chunks, chunks, memory_order_relaxed);
+    uint64_t generation = GENERATION(atomic_load(&pool.ticket));
+    atomic_store_explicit(&pool.ticket, generation << 32 | CLOSED_CHUNK, memory_order_seq_cst);
+    atomic_store_explicit(&pool.chunks, chunks, memory_order_release);
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-    uint64_t generation = GENERATION(atomic_load(&pool.ticket)) + 1;
+    generation++;
     atomic_store_explicit(&pool.ticket, generation << 32, memory_order_seq_cst);
     if (atomic_load(&pool.sleepers) > 0) {
         pthread_mutex_lock(&pool.mutex);
