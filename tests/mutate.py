@@ -4,7 +4,8 @@ mutmut names each mutant after its file's path (`src/` stripped) and imports the
 but this project's packages live in planner/ and core/ under the names hivekeeper.planner and hivekeeper.core
 (setuptools package-dir). So each scope runs in its own folder, build/mutate/<scope>/, holding a copy of the tree
 laid out as src/hivekeeper/{planner,core}, the tests, and a pyproject.toml whose [tool.mutmut] is the project's
-shared settings plus the scope's files, tests and functions (pyproject.toml, [tool.mutmut.scopes.*]).
+shared settings plus the scope's files, tests and functions (pyproject.toml, [tool.mutmut.scopes.*]); a scope's other
+keys (e.g. timeout_multiplier) are mutmut settings of that scope.
 
 Functions a scope leaves out get mutmut's `# pragma: no mutate block` in the copy only. Results stay in the scope's
 folder: a later run tests only the mutants of functions that changed (mutmut's cache). build/ does not survive a
@@ -39,6 +40,7 @@ VERDICTS = ROOT / "tests" / "mutation_verdicts"  # tracked: the cache's verdicts
 PACKAGES = ("planner", "core")  # the scopes' code; gui is not mutated
 PRAGMA = "  # pragma: no mutate block"
 BIN = Path(sys.executable).parent
+SCOPE_KEYS = ("files", "tests", "functions", "minutes")  # a scope's other keys are mutmut settings (timeouts)
 
 
 def settings() -> tuple[dict, dict[str, dict]]:
@@ -116,7 +118,8 @@ def pyproject_for(shared: dict, scope: dict) -> str:
             kept.append(line)
     values = dict(shared, source_paths=["src/hivekeeper"],
                   only_mutate=[f"src/hivekeeper/{file}" for file in scope["files"]],
-                  pytest_add_cli_args_test_selection=scope["tests"])
+                  pytest_add_cli_args_test_selection=scope["tests"],
+                  **{key: value for key, value in scope.items() if key not in SCOPE_KEYS})
     kept += ["", "[tool.mutmut]", *(f"{key} = {json.dumps(value)}" for key, value in values.items())]
     return "\n".join(kept) + "\n"
 
