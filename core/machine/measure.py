@@ -309,7 +309,7 @@ DECODE_SPAN_POSITIONS = 64  # a short context: the step is the weights' reads, n
 STEP_REPEATS = 7
 
 
-def _decode_steps(config, span, rows: int) -> Callable[[], None]:
+def decode_steps(config, span, rows: int) -> Callable[[], None]:
     """One decode step of `rows` sequences through the span (Span.forward: the C kernels for one row where they
     are built, numpy for several), at position 8 of a zeroed cache each time."""
     from hivekeeper.core.runtime.model import KVCache
@@ -361,7 +361,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
             spans = runs.setdefault("spans", {})
             spans[name] = (config, span, sum(p.numel() * 4 for p in span.parameters()))
         config, span, nbytes = runs["spans"][name.rstrip("4")]
-        step = _decode_steps(config, span, rows)
+        step = decode_steps(config, span, rows)
         seconds = _timings(step, repeats, torch.device("cpu"))
         runs[name] = (min(seconds), seconds, nbytes, config.num_layers)
         if name == "narrow":
@@ -426,56 +426,117 @@ def fp32_decode_path(elements: int) -> str:
 
 
 # ---- the packed formats' kernels -----------------------------------------------------------------------------------
-PACKED_KERNEL_SHAPE = (1024, 4096)  # [outs, cols]: 4M weights, 2-4 MiB packed: in cache, so it times the kernels
+PACKED_HIDDEN = 768  # the packed spans' width: a thin model's blocks (SmolLM2's are 576 wide, a 7B model's 4096)
+PACKED_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
-def random_packed_matrix(fmt: str, outs: int, cols: int, seed: int = 0):
+def random_packed_matrix(fmt: str, outs: int, cols: int, seed: int = 0, out: np.ndarray | None = None):
     """A QuantizedMatrix of random codes with small fp16 scales (and mins): made in milliseconds, where quantizing
-    fp32 weights of this size takes a second; the kernels' speed does not depend on the values."""
+    fp32 weights of this size takes a second; the kernels' speed does not depend on the values. `out` (uint8, the
+    packed size): the blocks are written there (a span's one buffer) and filled with one byte rather than random
+    ones, which is faster still."""
     from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedMatrix
     from hivekeeper.core.runtime.quant.blocks import BLOCK_WEIGHTS, format_named
 
     block = format_named(fmt)
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(outs, cols // BLOCK_WEIGHTS, block.block_bytes), dtype=np.uint8)
+    shape = (outs, cols // BLOCK_WEIGHTS, block.block_bytes)
+    if out is None:
+        blocks = np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
+    else:
+        blocks = out.reshape(shape)
+        blocks.fill(0x5A)
     scales = 2 if fmt == "q8_0" or fmt == "q4_0" else 4  # fp16 d (and Q4_1's fp16 min m) lead each block
     blocks[:, :, :scales] = np.frombuffer(np.full(scales // 2, 0.01, dtype=np.float16).tobytes(), dtype=np.uint8)
     return QuantizedMatrix(block, blocks.reshape(outs, -1), outs, cols)
 
 
-def measure_packed_kernels(repeats: int = 5, shape: tuple[int, int] = PACKED_KERNEL_SHAPE) -> list[Measurement]:
-    """Weights/s of each packed format's one-row product (GGUF Q8_0/Q4_0/Q4_1 on the runtime's native kernels, or
-    numpy's dequantized product where they are missing) over a matrix that stays in cache: the kernels' compute
-    rate, which the planner sets beside RAM bandwidth (a decode step takes the slower of the two).
+def packed_span(fmt: str, hidden: int, total_bytes: int):
+    """(config, span, weights) of random decoder blocks of width `hidden` shaped as decode_span's, whose four
+    linears are `fmt`-packed (QuantizedLinear, as a GGUF's blocks load) in one buffer in reading order, repeated to
+    about `total_bytes` of packed weights: a step through it is a packed model's decode step (the native kernels'
+    whole-span call), caches cold between blocks once the span exceeds the last-level cache."""
+    from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
+    from hivekeeper.core.runtime.model import ModelConfig, Span
+    from hivekeeper.core.runtime.quant.blocks import BLOCK_WEIGHTS, format_named
+
+    heads = max(1, hidden // 64)
+    inter = max(64, int(hidden * 2.75) // 64 * 64)
+    probe = ModelConfig("llama", 256, hidden, inter, 1, heads, max(1, heads // 4), hidden // heads,
+                        max_position_embeddings=DECODE_SPAN_POSITIONS)
+    bytes_per_weight = format_named(fmt).block_bytes / BLOCK_WEIGHTS
+    blocks = max(1, round(total_bytes / (probe.block_param_count() * bytes_per_weight)))
+    config = replace(probe, num_layers=blocks)
+    with torch.device("meta"):
+        span = Span(config, 0, blocks)
+    span = span.to_empty(device="cpu").requires_grad_(False)
+    shapes = [(getattr(getattr(block, parent), child), parent, child) for block in span.blocks
+              for parent, child in PACKED_LINEARS]
+    sizes = [int(layer.out_features * layer.in_features * bytes_per_weight) for layer, _, _ in shapes]
+    arena, offset = np.empty(sum(sizes), dtype=np.uint8), 0
+    for (layer, parent, child), size, block in zip(shapes, sizes, [b for b in span.blocks for _ in PACKED_LINEARS]):
+        matrix = random_packed_matrix(fmt, layer.out_features, layer.in_features, out=arena[offset:offset + size])
+        setattr(getattr(block, parent), child, QuantizedLinear(matrix))
+        offset += size
+    with torch.no_grad():
+        for name, param in span.named_parameters():
+            param.fill_(1.0 if name.endswith("layernorm.weight") else 0.0)
+        span.rotary = type(span.rotary)(config)
+        for block in span.blocks:
+            block.rotary = span.rotary
+    weights = sum(layer.out_features * layer.in_features for layer, _, _ in shapes)
+    return config, span, weights
+
+
+def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_bytes: int = 384 << 20,
+                           cache_bytes: int | None = None, block_overhead_s: float = 0.0) -> list[Measurement]:
+    """Weights/s of each packed format (GGUF Q8_0/Q4_0/Q4_1) in a decode step as a packed model takes it: one-row
+    steps through a span of `hidden`-wide random packed blocks (packed_span) larger than twice the last-level cache
+    and than `total_bytes`, on the runtime's own decode path (the native kernels' whole-span step, or numpy's
+    dequantized products where they are missing). The rate is the span's weights over its step time less
+    `block_overhead_s` a block (the fixed cost measure_decode_blocks fitted, which the planner adds to every
+    block), so a thin packed model is planned at the step these spans took: per-product costs, cold caches between
+    blocks and reading the packed bytes from RAM are in the rate (issue 23: a product of one matrix that stayed in
+    cache read 1.4x faster than SmolLM2's decode).
 
     The formats are timed in turn (q8_0, q4_0, q4_1, q8_0, ...), at least STEP_REPEATS times each, and each keeps
-    its fastest: one timing lasts ~20 ms, so on a shared machine a busy spell hits every format alike rather than
-    one of them (issue 23: timed one after another at load 15, q4_1 read 2.1-12e9 weights/s in three runs while
-    q8_0 read 6-9e9)."""
+    its fastest: on a shared machine a busy spell hits every format alike rather than one of them."""
     from hivekeeper.core.runtime.quant.blocks import FORMATS
 
-    outs, cols = shape
+    previous_threads = torch.get_num_threads()
+    use_blas_threads()  # the runtime's thread layout (its decode path depends on it)
+    try:
+        load = load_average()
+        size = max(total_bytes, 2 * (last_level_cache_bytes() if cache_bytes is None else cache_bytes))
+        spans = {name: packed_span(name, hidden, size) for name in FORMATS}
+        steps = [decode_steps(config, span, 1) for config, span, _ in spans.values()]
+        timed = _alternating_seconds(steps, max(repeats, STEP_REPEATS))
+    finally:
+        torch.set_num_threads(previous_threads)
     path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
-    load = load_average()
-    x = np.random.default_rng(1).standard_normal((1, cols)).astype(np.float32)
-    matrices = {name: random_packed_matrix(name, outs, cols) for name in FORMATS}
-    counts = {name: _inner_count(lambda m=matrix: m.matvec(x), torch.device("cpu"))
-              for name, matrix in matrices.items()}
+    results = []
+    for (name, (config, _, weights)), seconds in zip(spans.items(), timed):
+        kernel_seconds = [packed_kernel_seconds(s, config.num_layers, block_overhead_s) for s in seconds]
+        results.append(_rate_measurement(
+            f"{PACKED_KERNEL_KEY}{name}", f"CPU {name} decode step (one row)", WEIGHTS_PER_S, float(weights),
+            kernel_seconds, load,
+            f"one-row decode steps of {config.num_layers} random {name} blocks of width {hidden} "
+            f"({weights * format_bytes(name) / 2**20:.0f} MiB packed, beyond the caches), {path}, fastest "
+            f"{min(seconds) * 1e3:.3g} ms less {block_overhead_s * 1e3:.3g} ms a block; the formats timed in turn"))
+    return results
 
-    def products(matrix, count: int) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(count):
-                matrix.matvec(x)
-        return run
 
-    timed = _alternating_seconds([products(matrices[name], counts[name]) for name in FORMATS],
-                                 max(repeats, STEP_REPEATS))
-    return [_rate_measurement(
-        f"{PACKED_KERNEL_KEY}{name}", f"CPU {name} kernel (one row)", WEIGHTS_PER_S, float(outs * cols),
-        [s / counts[name] for s in seconds], load,
-        f"[1, {cols}] x {name} [{outs}, {cols}] ({matrices[name].nbytes / 2**20:.2f} MiB, in cache), {path}, "
-        f"{counts[name]} products per timing, the formats timed in turn")
-        for name, seconds in zip(FORMATS, timed)]
+def packed_kernel_seconds(step_s: float, blocks: int, block_overhead_s: float) -> float:
+    """A packed span's step less its blocks' fixed costs (which the planner adds to every block itself): the time
+    its products took. Where the fixed costs (fitted on fp32 spans, so noisy) would leave under a quarter of the
+    step, a quarter is kept."""
+    return max(step_s - blocks * block_overhead_s, 0.25 * step_s)
+
+
+def format_bytes(fmt: str) -> float:
+    """Packed bytes per weight of a block format (scales included)."""
+    from hivekeeper.core.runtime.quant.blocks import BLOCK_WEIGHTS, format_named
+
+    return format_named(fmt).block_bytes / BLOCK_WEIGHTS
 
 
 def measure_half_decode(hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 5) -> Measurement:
@@ -754,7 +815,8 @@ class BenchmarkSizes:
     peer_bytes: int = 16 << 20
     repeats: int = 5
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
-    packed_shape: tuple[int, int] | None = PACKED_KERNEL_SHAPE  # the packed kernels' matrix; None: skip them (TINY)
+    packed_hidden: int | None = PACKED_HIDDEN  # the packed formats' spans: this wide, stream_bytes or twice the
+    # last-level cache each; None: skip them (TINY)
 
 
 # QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads)
@@ -767,7 +829,7 @@ QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill
 TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
                       stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_bytes=4 << 20,
                       disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2, dtypes=("fp32", "bf16"),
-                      packed_shape=None)
+                      packed_hidden=None)
 
 
 def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str | os.PathLike | None = None,
@@ -787,8 +849,11 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU decode steps",
                       lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
                                                     sizes.cache_bytes)))
-    if sizes.packed_shape is not None:
-        steps.append(("CPU packed-format kernels", lambda: measure_packed_kernels(sizes.repeats, sizes.packed_shape)))
+    results: list[Measurement] = []
+    if sizes.packed_hidden is not None:  # after the decode steps, whose fitted fixed cost of a block it takes
+        steps.append(("CPU packed-format decode steps",
+                      lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
+                                                     sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY))))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, sizes.half_bytes, sizes.repeats)]))
@@ -808,8 +873,6 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                                                                                  sizes.repeats)]))
     for peer in peers:
         steps.append((f"peer {peer}", lambda peer=peer: measure_peer(peer, sizes.repeats, sizes.peer_bytes)))
-
-    results: list[Measurement] = []
     for index, (label, step) in enumerate(steps):
         if should_stop():
             break
@@ -817,6 +880,11 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         results.extend(step())
     progress(1.0, "done")
     return results
+
+
+def measured_value(results: list[Measurement], key: str, default: float = 0.0) -> float:
+    """The value of the measurement named `key` among `results`, else `default`."""
+    return next((m.value for m in results if m.key == key), default)
 
 
 def _matmul_pair(dtype: str, device: torch.device, sizes: BenchmarkSizes, gpu: bool = False) -> list[Measurement]:
