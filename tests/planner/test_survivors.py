@@ -452,3 +452,14 @@ def test_the_batch_curve_is_the_best_plan_at_each_batch():
         assert point.decode_tokens_per_s == pytest.approx(plan.prediction.decode_tokens_per_s, rel=1e-9)
         checked += 1
     assert checked >= 5 and sum(p.throughput_tokens_per_s is None for p in points) >= 2
+
+
+def test_the_batch_curve_spans_every_batch_even_when_the_constraints_fix_one():
+    """The chart shows every batch size whatever batch the plan itself was asked for: a fixed batch of 12 in the
+    constraints is dropped for the curve, which is the same as the curve without it."""
+    hardware, workload = machine(gpu_gb=24), Workload(prompt_len=256, output_len=64)
+    fixed = batch_curve(LLAMA2_7B, hardware, workload, Constraints(quant="none", batch_size=12), EFF)
+    free = batch_curve(LLAMA2_7B, hardware, workload, Constraints(quant="none"), EFF)
+    assert [p.batch_size for p in fixed] == sorted({b * n for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+                                                    for n in (1, 2, 4, 8, 16)})
+    assert fixed == free
