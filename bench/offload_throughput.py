@@ -5,6 +5,10 @@ offload (device_map from max_memory, offload_folder) at its best batch, in one r
     python bench/offload_throughput.py                    # a ~350 MB demo model (12 layers, hidden 768), budget 0.5
     python bench/offload_throughput.py --max-batch 32 --hf-batches 1 4 16 --new-tokens 8
 
+Ours runs at the planner's batch (no cap unless --max-batch gives one) in the dtype the planner's policy computes in
+here (bf16 on a CPU with native bf16 math, else fp32); accelerate runs in the same dtype (--hf-dtype same), so both
+read and multiply values of the same width.
+
 Each run is its own subprocess (peak RSS from RUSAGE_CHILDREN of a wrapper, as in bench/decode_offload.py).
 Throughput is generated tokens / wall time of the generation, prefill included (FlexGen's metric). Per generated
 token we report the weight bytes each system reads from the offloaded tier and the bound the disk puts on it:
@@ -58,8 +62,9 @@ def read_bytes() -> int:
     return 0
 
 
-def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_tokens: int) -> None:
-    """In a subprocess: transformers + accelerate, max_memory {"cpu": budget}, the rest offloaded to disk."""
+def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_tokens: int, dtype_name: str) -> None:
+    """In a subprocess: transformers + accelerate, max_memory {"cpu": budget}, the rest offloaded to disk, the
+    weights in `dtype_name` ("float32" or "bfloat16")."""
     import psutil
     import torch
     import transformers
@@ -68,17 +73,18 @@ def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(psutil.cpu_count(logical=False) or 1)
     baseline = psutil.Process().memory_info().rss
+    dtype = getattr(torch, dtype_name)
     config = transformers.AutoConfig.from_pretrained(model)
     with init_empty_weights():
-        skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     device_map = infer_auto_device_map(skeleton, max_memory={"cpu": budget_bytes, "disk": 1 << 40},
-                                       no_split_module_classes=["LlamaDecoderLayer"], dtype=torch.float32)
-    sizes = {name: p.numel() * 4 for name, p in skeleton.named_parameters()}
+                                       no_split_module_classes=["LlamaDecoderLayer"], dtype=dtype)
+    sizes = {name: p.numel() * p.element_size() for name, p in skeleton.named_parameters()}
     on_disk = [name for name, where in device_map.items() if where == "disk"]
     disk_bytes = sum(n for name, n in sizes.items() if any(name == m or name.startswith(m + ".") for m in on_disk))
     with tempfile.TemporaryDirectory(prefix="hivekeeper-accelerate-") as offload:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch.float32, device_map=device_map, offload_folder=offload).eval()
+            model, dtype=dtype, device_map=device_map, offload_folder=offload).eval()
         ids = torch.tensor([fixed_prompt(config.vocab_size, prompt_tokens)] * batch)
         with torch.inference_mode():
             hf_model.generate(ids[:, :4], attention_mask=torch.ones_like(ids[:, :4]), max_new_tokens=1,
@@ -87,7 +93,7 @@ def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_
             hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             seconds, io = time.perf_counter() - start, read_bytes() - io_before
-    print(json.dumps({"batch": batch, "throughput_tokens_per_s": round(batch * new_tokens / seconds, 4),
+    print(json.dumps({"batch": batch, "dtype": dtype_name, "throughput_tokens_per_s": round(batch * new_tokens / seconds, 4),
                       "seconds": round(seconds, 3), "disk_module_bytes_per_step": disk_bytes,
                       "device_read_bytes": io, "modules_on_disk": f"{len(on_disk)}/{len(device_map)}",
                       "baseline_rss_bytes": baseline}))
@@ -133,7 +139,7 @@ def our_figures(warm: dict, cold: dict, peak: int, disk_bps: float) -> dict:
     throughput = warm["new_tokens"] / warm["total_s"]
     cold_throughput = cold["new_tokens"] / cold["total_s"]
     return {
-        "batch": warm["batch"], "micro_batch_size": engine["micro_batch_size"],
+        "batch": warm["batch"], "dtype": engine["dtype"], "micro_batch_size": engine["micro_batch_size"],
         "num_micro_batches": engine["num_micro_batches"], "prefetch_depth": engine["prefetch_depth"],
         "blocks": engine["blocks"], "kv_cache_blocks": engine["kv_cache_blocks"],
         "throughput_tokens_per_s": round(throughput, 4), "cold_throughput_tokens_per_s": round(cold_throughput, 4),
@@ -196,17 +202,20 @@ def main() -> None:
     parser.add_argument("--budget-fraction", type=float, default=0.5, help="RAM budget as a fraction of the weights")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--max-batch", type=int, default=32, help="cap on the planner's batch (run time)")
-    parser.add_argument("--hf-batches", type=int, nargs="+", default=[1, 4, 16], help="accelerate's batches")
+    parser.add_argument("--max-batch", type=int, default=None, help="cap on the planner's batch (default: none)")
+    parser.add_argument("--hf-batches", type=int, nargs="+", default=[16, 64, 128],
+                        help="accelerate's batches (its best is compared)")
+    parser.add_argument("--hf-dtype", choices=("same", "float32", "bfloat16"), default="same",
+                        help="accelerate's weight dtype (same: the dtype our engine computes in)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--packed-gguf", nargs="?", const="default", metavar="FILE",
                         help="a GGUF streamed packed vs dequantized (default file: the built-in model)")
-    parser.add_argument("--hf-child", nargs=5, metavar=("MODEL", "BUDGET", "BATCH", "PROMPT", "NEW"),
+    parser.add_argument("--hf-child", nargs=6, metavar=("MODEL", "BUDGET", "BATCH", "PROMPT", "NEW", "DTYPE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf_child:
-        model, budget, batch, prompt, new = args.hf_child
-        hf_child(model, int(budget), int(batch), int(prompt), int(new))
+        model, budget, batch, prompt, new, dtype = args.hf_child
+        hf_child(model, int(budget), int(batch), int(prompt), int(new), dtype)
         return
 
     from hivekeeper.core.machine.measure import disk_bandwidth
@@ -227,7 +236,7 @@ def main() -> None:
     model_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     budget = int(args.budget_fraction * model_bytes)
     _, disk_read, cache_bypassed = disk_bandwidth(path)
-    chosen, batch = planner_batch(path, budget, args.prompt_tokens, args.new_tokens, args.max_batch)
+    chosen, batch = planner_batch(path, budget, args.prompt_tokens, args.new_tokens, args.max_batch or 1 << 16)
     warm, warm_peak = ours(path, budget, batch, args.prompt_tokens, args.new_tokens)
     cold, cold_peak = ours(path, budget, batch, args.prompt_tokens, args.new_tokens, "--drop-page-cache")
     result = {
@@ -238,8 +247,9 @@ def main() -> None:
         "ours": our_figures(warm, cold, max(warm_peak, cold_peak), disk_read),
     }
     if not args.skip_transformers:
+        hf_dtype = warm["plan"]["engine"]["dtype"] if args.hf_dtype == "same" else args.hf_dtype
         runs = [run_child([sys.executable, __file__, "--hf-child", str(path), str(budget), str(b),
-                           str(args.prompt_tokens), str(args.new_tokens)]) for b in args.hf_batches]
+                           str(args.prompt_tokens), str(args.new_tokens), hf_dtype]) for b in args.hf_batches]
         for report, peak in runs:
             report["peak_over_baseline_bytes"] = peak - report.pop("baseline_rss_bytes")
         hf = accelerate_figures([report for report, _ in runs], disk_read)

@@ -386,13 +386,24 @@ def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
 
 
 def sixteen_bit_format(model: ModelSpec, machine: Machine) -> str:
-    """bf16 where the checkpoint is bf16 and the accelerator runs bf16 at full rate, else fp16."""
+    """bf16 where the checkpoint is bf16 and the accelerator runs bf16 at full rate, else fp16. On a CPU that
+    multiplies bf16 natively but not fp16 (AVX512_BF16, AMX), bf16 for any checkpoint but an fp16 one: the engine
+    computes a 16-bit plan there in bf16 (cpu_dtype's choice) and would run an fp16 plan in fp32, at twice the
+    bytes the plan placed."""
     acc = machine.acc
     if model.torch_dtype == "bf16" and acc.peak_flops("bf16") >= acc.peak_flops("fp16"):
         return "bf16"
     if acc.kind == "cpu" and model.torch_dtype == "bf16":
         return "bf16"
+    if acc.kind == "cpu" and model.torch_dtype != "fp16" and cpu_native_bf16_only(acc):
+        return "bf16"
     return "fp16"
+
+
+def cpu_native_bf16_only(cpu: ComputeDevice) -> bool:
+    """Whether a CPU lists bf16 at or above its fp32 rate (native bf16 math) and fp16 at none (no native fp16)."""
+    fp32 = cpu.flops.get("fp32", 0.0)
+    return "fp16" not in cpu.flops and cpu.flops.get("bf16", 0.0) >= fp32 > 0
 
 
 # ---- the vectorized core ----------------------------------------------------------------------------------------

@@ -71,3 +71,40 @@ def test_batched_zigzag_run_gives_each_prompts_resident_text_and_reads_each_bloc
     assert all(steps <= n <= steps + 1 for n in reads), reads
     assert sum(reads) <= steps * config.num_layers + slots
     assert reader.bytes_read == sum(reads) * block_bytes(config, torch.float32)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_the_reader_thread_keeps_the_policys_prefetch_depth_of_blocks_in_flight_within_its_slots(checkpoint, depth):
+    """The mechanism, not its speed: whenever a streamed block is handed to compute, the reads of the next `depth`
+    blocks (in schedule order, across the step boundary) are already issued to the reader thread; every read runs
+    on that thread, into one of depth + 1 slots (what the plan counts against the RAM budget); same tokens."""
+    import threading
+
+    config = ModelConfig.from_folder(checkpoint)
+    plan = place_model(config, throughput_policy(depth, 2, 2), device="cpu", dtype=torch.float32,
+                       batch=len(PROMPTS), max_length=MAX_LENGTH)
+    layers = config.num_layers
+    assert plan.ram_breakdown["stream_buffers"] == (depth + 1) * block_bytes(config, torch.float32)
+    with OffloadedModel(checkpoint, plan) as model:
+        streamer, reader = model.streamer, model.reader
+        in_flight, read_threads, blocks_read_into = [], set(), set()
+        acquire, fill = streamer.acquire, reader.fill
+
+        def acquire_and_look_ahead(layer):
+            block = acquire(layer)
+            in_flight.append((layer, [pending_layer for pending_layer, _, _ in streamer.pending]))
+            return block
+
+        def fill_and_note_where(block, layer):
+            read_threads.add(threading.current_thread().name)
+            blocks_read_into.add(id(block))
+            return fill(block, layer)
+
+        streamer.acquire, reader.fill = acquire_and_look_ahead, fill_and_note_where
+        result = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert result.token_ids == [resident_greedy(checkpoint, prompt) for prompt in PROMPTS]
+    assert len(in_flight) == NEW_TOKENS * layers
+    for layer, pending in in_flight:
+        assert pending == [(layer + k) % layers for k in range(1, depth + 1)], (layer, pending)
+    assert len(blocks_read_into) == depth + 1
+    assert read_threads and all(name.startswith("hivekeeper-reader") for name in read_threads), read_threads
