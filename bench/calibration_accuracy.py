@@ -31,7 +31,11 @@ off), OpenBLAS's kernels (OPENBLAS_CORETYPE=Haswell), torch's (ATEN_CPU_CAPABILI
 (MKL_ENABLE_INSTRUCTIONS=AVX2). RAM bandwidth and cache sizes stay this machine's. The line's "machine" says which
 flags, kernels and BLAS cores ran.
 
-    python bench/calibration_accuracy.py [--quick] [--repeats N] [--dump FILE] [--as avx2]
+    python bench/calibration_accuracy.py [--quick | --fast] [--repeats N] [--dump FILE] [--as avx2]
+
+--fast keeps both full models, every batch size and phase, and the packed row, on fewer grid points (calibration
+2 prompt lengths x 2 output lengths x batch 1, 2, 4; evaluation at shorter prompts, batch 64 at 8 and 24), so a run fits
+under the shared bench lock (under 10 minutes). The line's "stage_s" says where the time went.
 """
 
 from __future__ import annotations
@@ -81,10 +85,16 @@ def machine_line(kind: str) -> dict:
             **{k.lower(): os.environ[k] for k in AVX2_MACHINE if k != "HIVEKEEPER_CPU_FLAGS" and k in os.environ}}
 
 
-def grids(quick: bool, repeats: int):
-    """(calibration grid, evaluation grids): batch 1 and 4 over two prompt lengths, and batch 64 on a short prompt."""
+def grids(quick: bool, repeats: int, fast: bool = False):
+    """(calibration grid, evaluation grids): batch 1 and 4 over two prompt lengths, and batch 64 on a short prompt;
+    `fast`: the full models on fewer and shorter points (two prompt lengths each, as the fits need), same shapes and
+    batches."""
     from hivekeeper.core.machine.profiling import ProfileGrid
 
+    if fast:
+        return (ProfileGrid((16, 96), (1, 8), (1, 2, 4), repeats=repeats),
+                [ProfileGrid((32, 96), (1, 8), (1, 4), repeats=repeats),
+                 ProfileGrid((8, 24), (1, 4), (64,), repeats=1)])
     if quick:
         return (ProfileGrid((16, 64), (1, 8), (1, 4), repeats=repeats),
                 [ProfileGrid((32, 96), (1, 8), (1, 4), repeats=repeats), ProfileGrid((8, 16), (1, 4), (64,), repeats=1)])
@@ -165,6 +175,8 @@ def packed_default_decode(path, spec, hardware, grid, efficiencies: dict) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small demo models and smaller grids (a smoke run)")
+    parser.add_argument("--fast", action="store_true",
+                        help="the full models and shapes on fewer grid points (under 10 min on a quiet 2-core machine)")
     parser.add_argument("--repeats", type=int, default=2, help="repeats per grid point (the fastest is kept)")
     parser.add_argument("--dump", metavar="FILE", help="also write the calibration and the evaluation points (JSON)")
     parser.add_argument("--as", dest="kind", choices=("this", "avx2"), default="this",
@@ -174,6 +186,7 @@ def main() -> None:
 
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.measure import QUICK, TerminalProgress, run_benchmarks
+    from hivekeeper.core.machine.measurement import PACKED_KERNEL_KEY
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.profiling import denoise, measure_grid
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
@@ -190,7 +203,7 @@ def main() -> None:
         models = {"thin-30x576 (smollm2-135m-instruct)": resolve_default_model(),
                   "wide-2x2048": demo_checkpoint("calib-wide-2x2048", WIDE)}
     thin_name = next(iter(models))
-    calibration_grid, evaluation_grids = grids(args.quick, args.repeats)
+    calibration_grid, evaluation_grids = grids(args.quick, args.repeats, args.fast)
     specs = {name: load_model_spec(str(path)) for name, path in models.items()}
     loads = {"start": round(os.getloadavg()[0], 2)}
 
@@ -202,6 +215,7 @@ def main() -> None:
     hardware = apply_measurements(detected, measurements, time.time())
     base = measured_efficiency(hardware)
     loads["measured"] = round(os.getloadavg()[0], 2)
+    stages = {"measure": round(measure_s, 1)}
     runs, policies = measure_grid(models[thin_name], calibration_grid, device="cpu",
                                   progress=TerminalProgress("calibrate "))
     calibration = build_calibration(specs[thin_name], str(models[thin_name]), hardware, hardware_to_json(hardware),
@@ -209,11 +223,13 @@ def main() -> None:
                                     profile_seconds=time.perf_counter() - started, base=base, threads=threads,
                                     clock=time.perf_counter)
     loads["calibrated"] = round(os.getloadavg()[0], 2)
+    stages["calibrate"] = round(time.perf_counter() - started - measure_s, 1)
     efficiencies = {"calibrated": calibration.efficiency, "uncalibrated": base}
 
     # ---- evaluation: both models, batch 1, 4 and 64 ----------------------------------------------------------------
     errors, evaluated, default, packed = {}, {}, None, {}
     for name, path in models.items():
+        stage_started = time.perf_counter()
         points, model_policies = run_points(path, evaluation_grids, f"evaluate {name} ")
         evaluated[name] = points
         errors[name] = shape_errors(specs[name], hardware, points, model_policies, efficiencies)
@@ -222,6 +238,7 @@ def main() -> None:
             packed = {} if args.quick else packed_default_decode(path, specs[name], hardware, evaluation_grids[0],
                                                                  efficiencies)
         loads[f"evaluated {name}"] = round(os.getloadavg()[0], 2)
+        stages[f"evaluate {name}"] = round(time.perf_counter() - stage_started, 1)
 
     if args.dump:
         Path(args.dump).write_text(json.dumps({"calibration": calibration.as_dict(), "evaluation": {
@@ -229,6 +246,9 @@ def main() -> None:
     line = result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
                        loads)
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
+    line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
+    line["measured"]["packed_gweights_per_s"] = {m.key[len(PACKED_KERNEL_KEY):]: round(m.value / 1e9, 2)
+                                                  for m in measurements if m.key.startswith(PACKED_KERNEL_KEY)}
     print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed, "machine": machine_line(args.kind)}))
 
 

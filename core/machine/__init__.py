@@ -6,7 +6,8 @@
                     the planner sees it.
 - `cpu_dtype`       that decision for this machine, as the engine asks it (runs_natively_on_cpu).
 - `measure`         micro-benchmarks: RAM and device bandwidth, matmul FLOP/s, whole decode steps (the runtime's
-                    path, beyond the last-level cache), bf16 vs fp32 at decode, copies, disk reads, peers.
+                    path, beyond the last-level cache; fp32, and each packed format's), bf16 vs fp32 at decode,
+                    copies, disk reads, peers.
 - `measurement`     one benchmark's result as saved (no torch, so reading a profile stays light).
 - `profile_files`   where machine profiles live, the hardware fingerprint, reading a profile file.
 - `profiles`        saved machine profiles (measurements + calibration) and applying them to a spec.
