@@ -31,10 +31,11 @@ def test_a_busy_server_is_skipped_for_its_seconds_without_counting_a_failure():
 
 def test_a_liar_stays_banned_and_counts_as_a_failure_until_it_answers_well():
     bans = BanList(base_seconds=0.01, backoff=3.0)
+    bans.fail("liar")
     bans.forever("liar")
     time.sleep(0.03)
     assert bans.banned("liar")
-    assert bans.fail("liar") == pytest.approx(0.03)  # its second failure: base x backoff
+    assert bans.fail("liar") == pytest.approx(0.09)  # its third failure: base x backoff^2
     bans.forever("liar")
     bans.succeed("liar")
     assert not bans.banned("liar") and bans.fail("liar") == pytest.approx(0.01)
