@@ -108,6 +108,9 @@ class ChatPage(QWidget):
         column.setContentsMargins(0, 0, 0, 0)
         column.addWidget(label("Conversations", "cardTitle"))
         self.list = QListWidget()
+        # a long title ends in "…" (the whole of it in the tooltip), not under a horizontal scroll bar
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list.itemClicked.connect(lambda item: self.open_conversation(item.data(Qt.ItemDataRole.UserRole)))
         column.addWidget(self.list, 1)
         row = QHBoxLayout()
@@ -124,7 +127,7 @@ class ChatPage(QWidget):
         box = QWidget()
         column = QVBoxLayout(box)
         column.setContentsMargins(0, 0, 0, 0)
-        self.title = label("New chat", "title")
+        self.title = label("New chat", "title", wrap=True)  # a conversation's title is its first question
         self.subtitle = label("", "subtitle", wrap=True)
         column.addWidget(self.title)
         column.addWidget(self.subtitle)
@@ -230,6 +233,7 @@ class ChatPage(QWidget):
         self._loading = True  # setting one widget must not save the others' not-yet-loaded values
         self.mode_combo.setCurrentIndex(max(0, self.mode_combo.findData(s.mode)))
         self.model_edit.setText(s.model)
+        self.model_edit.setCursorPosition(0)  # a long path or id shows its beginning, not its end
         self.system_edit.setPlainText(s.system_prompt)
         self.temperature_spin.setValue(s.temperature)
         self.top_p_spin.setValue(s.top_p)
@@ -254,6 +258,7 @@ class ChatPage(QWidget):
 
     def _choose_model(self, model: str) -> None:
         self.model_edit.setText(model)
+        self.model_edit.setCursorPosition(0)
         self._read_widgets()
 
     def _plan_entry(self) -> list[tuple[str, str]]:
@@ -284,6 +289,7 @@ class ChatPage(QWidget):
         self.list.clear()
         for conversation_id, title in self.store.list():
             item = QListWidgetItem(title)
+            item.setToolTip(title)
             item.setData(Qt.ItemDataRole.UserRole, conversation_id)
             self.list.addItem(item)
             if self.conversation is not None and conversation_id == self.conversation.id:

@@ -324,8 +324,9 @@ class PlanPage(QWidget):
         charts = QHBoxLayout()
         self.batch_plot = pg.PlotWidget()
         self.budget_plot = pg.PlotWidget()
-        for plot, title, x_label in ((self.batch_plot, "tokens/s against batch size", "batch (sequences)"),
-                                     (self.budget_plot, "tokens/s against memory budget", "GPU memory (GB)")):
+        # short titles: three charts share the row, each about 220 px wide on a 1280 px window
+        for plot, title, x_label in ((self.batch_plot, "tokens/s by batch size", "batch (sequences)"),
+                                     (self.budget_plot, "tokens/s by memory", "GPU memory (GB)")):
             plot.setTitle(title, color=MUTED, size="10pt")
             plot.setLabel("bottom", x_label)
             plot.setLabel("left", "tokens/s")

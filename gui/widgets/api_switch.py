@@ -1,4 +1,4 @@
-"""The Chat page's switch for the OpenAI-compatible API: a checkbox "OpenAI-compatible API on port N", the URL as
+"""The Chat page's switch for the OpenAI-compatible API: a checkbox "OpenAI API on port N", the URL as
 selectable text once it serves, and one status or error line. It serves the model the page would chat with
 (`model_for_api`), read when the box is ticked; the child process lives in services/api_server.py.
 """
@@ -28,9 +28,9 @@ class ApiSwitch(QWidget):
         column.setContentsMargins(0, 0, 0, 0)
         column.setSpacing(2)
         row = QHBoxLayout()
-        self.checkbox = QCheckBox("OpenAI-compatible API on port")
-        self.checkbox.setToolTip("Serve the chat model at http://127.0.0.1:PORT/v1 for editors, notebooks and the "
-                                 "openai client (this machine only)")
+        self.checkbox = QCheckBox("OpenAI API on port")  # fits the Chat page's settings column
+        self.checkbox.setToolTip("An OpenAI-compatible API: serve the chat model at http://127.0.0.1:PORT/v1 for "
+                                 "editors, notebooks and the openai client (this machine only)")
         self.port_spin = QSpinBox()
         self.port_spin.setRange(1, 65535)
         self.port_spin.setValue(DEFAULT_PORT)
