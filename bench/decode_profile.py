@@ -4,6 +4,7 @@ run by run in one process (the same load for each).
 
     python bench/decode_profile.py                       # 2 threads; solo runs of 64 products (the default) vs none
     python bench/decode_profile.py --solo 64 16 0 --busy # the same beside one CPU-bound process
+    python bench/decode_profile.py --solo 64 --attention-pool 16384 65536  # attention over the pool from which size
 
 Why: issue 16's single-row decode trails llama.cpp's on the same file. The profiling build (HIVEKEEPER_NATIVE_PROFILE=1,
 decode_kernels.c's hk_profile) adds up the calling thread's CPU time per part of a step (each packed product, the
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="runs per setting, interleaved")
     parser.add_argument("--solo", type=int, nargs="+", default=[64, 0], help="solo products after a stall")
+    parser.add_argument("--attention-pool", type=int, nargs="+", default=[1 << 14],
+                        help="batch x keys x heads x head_dim from which attention runs over the pool (0: always)")
     parser.add_argument("--busy", action="store_true", help="beside one CPU-bound process")
     return parser.parse_args(argv)
 
@@ -93,16 +96,18 @@ def main() -> int:
         print(f"the kernels' profiling build did not load: {native_kernels.status()}", file=sys.stderr)
         return 1
     one_run(model, prompt, 4)  # warm-up: first touch of the weights
-    runs = {solo: [] for solo in args.solo}
+    runs = {(solo, pool): [] for solo in args.solo for pool in args.attention_pool}
     with busy_core(args.busy):
         for _ in range(args.runs):
-            for solo in args.solo:
+            for solo, pool in runs:
                 native_kernels.set_solo_products(solo)
-                runs[solo].append(one_run(model, prompt, args.tokens))
+                native_kernels.set_attention_pool(pool)
+                runs[solo, pool].append(one_run(model, prompt, args.tokens))
     line = {"bench": "decode_profile", "file": path.name, "threads": args.threads, "batch": 1,
             "new_tokens": args.tokens, "prompt_tokens": args.prompt_tokens, "busy": args.busy,
             "native_kernels": native_kernels.status(),
-            "solo_products": {str(solo): summary(results) for solo, results in runs.items()},
+            "settings": {f"solo={solo} attention_pool={pool}": summary(results)
+                         for (solo, pool), results in runs.items()},
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(line))

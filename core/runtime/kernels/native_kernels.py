@@ -228,6 +228,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "hk_qgemv": ([integer, void_p, void_p, void_p, void_p, long, long, long], integer),
         "hk_dequantize": ([integer, void_p, void_p, long, long], integer),
         "hk_pool_stalls": ([], long), "hk_pool_solo_left": ([], long), "hk_set_solo": ([long], long),
+        "hk_set_attention_pool": ([long], long),
         **({"hk_profile": ([integer], ctypes.c_double)} if profiling() else {}),
     }
     for name, (arguments, result) in signatures.items():
@@ -251,6 +252,13 @@ def set_solo_products(products: int) -> None:
     settings); no-op when off."""
     if (native := library()) is not None:
         native.hk_set_solo(products)
+
+
+def set_attention_pool(products: int) -> None:
+    """From what size (batch x keys x heads x head_dim) a step's attention runs over the pool (0: always; benchmarks
+    compare settings); no-op when off."""
+    if (native := library()) is not None:
+        native.hk_set_attention_pool(products)
 
 
 def step_profile(reset: bool = False) -> dict[str, float] | None:

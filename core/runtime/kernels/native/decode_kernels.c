@@ -432,6 +432,76 @@ static float dot(const float *a, const float *b, long n) {
 }
 #endif
 
+/* exp over arrays, for the softmax and SiLU between a layer's products (run on the caller alone: every microsecond
+   there is one the pool's workers wait). AVX2: eight at a time, Cephes's single-precision exp (the argument split
+   by ln 2 in two parts, a degree-5 polynomial; within ~2 ulp of expf over the clamped range; below -87.3 it gives
+   ~1e-38 for 0, above 88.3 ~2e38 for infinity); portable: expf. */
+#if HK_AVX2
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+/* silu(g) u = g / (1 + exp(-g)) u for 8 values */
+static inline __m256 silu_times8(__m256 g, __m256 u) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+#endif
+
+/* v[i] = exp(v[i] - shift) for i < n; returns their sum. */
+static float exp_shifted(float *v, long n, float shift) {
+    long i = 0;
+    float total = 0;
+#if HK_AVX2
+    __m256 s = _mm256_set1_ps(shift), sums = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), s));
+        _mm256_storeu_ps(v + i, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    if (i < n) { /* the tail through a padded vector: every value the same function */
+        float tail[8];
+        for (int k = 0; k < 8; k++) tail[k] = i + k < n ? v[i + k] : shift;
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), s)));
+        for (long k = 0; i + k < n; k++) total += (v[i + k] = tail[k]);
+    }
+    return sum8(sums) + total;
+#else
+    for (; i < n; i++) total += (v[i] = expf(v[i] - shift));
+    return total;
+#endif
+}
+
+/* out[i] = silu(gate[i]) up[i] for i < n. */
+static void silu_times(const float *gate, const float *up, float *out, long n) {
+    long i = 0;
+#if HK_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, silu_times8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    if (i < n) {
+        float g[8] = {0}, u[8] = {0}, o[8];
+        for (long k = 0; k < n - i; k++) g[k] = gate[i + k], u[k] = up[i + k];
+        _mm256_storeu_ps(o, silu_times8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+        for (long k = 0; k < n - i; k++) out[i + k] = o[k];
+    }
+#else
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+#endif
+}
+
 /* A few rows of a batch (one new token each) go through here; more go to BLAS, where they are no longer
    memory-bound. hivekeeper.core.runtime.kernels.native_kernels.MAX_ROWS must say the same. */
 #define MAX_ROWS 8
@@ -665,34 +735,43 @@ static long key_range(const hk_cache *c, long position, long *first_key) {
     return end - *first_key;
 }
 
-/* softmax(q k^T / sqrt(d)) v for one (row, kv head) pair, with its group of query heads */
-static void attention_pair(void *ctx, long pair) {
+/* softmax(q k^T / sqrt(d)) v for one (row, query head) */
+static void attention_head(void *ctx, long index) {
     const attention_task *t = ctx;
     const hk_block *b = t->b;
     const hk_cache *c = t->c;
     long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, group = nh / nkv;
     long qkv_width = (nh + 2 * nkv) * d;
     float scale = (float)(1.0 / sqrt((double)d));
-    long row = pair / nkv, g = pair % nkv, first_key;
+    long row = index / nh, h = index % nh, first_key;
     long keys = key_range(c, t->tokens[row * t->token_step].position, &first_key);
-    long at = row * c->batch_stride + g * c->head_stride + first_key * c->position_stride;
+    long at = row * c->batch_stride + (h / group) * c->head_stride + first_key * c->position_stride;
     const float *k = c->k + at, *v = c->v + at;
-    for (long h = g * group; h < (g + 1) * group; h++) {
-        const float *q = t->qkv + row * qkv_width + h * d;
-        float *p = t->scores + (row * nh + h) * t->keys, *out = t->context + (row * nh + h) * d;
-        float top = -INFINITY, total = 0;
-        for (long n = 0; n < keys; n++) {
-            p[n] = dot(q, k + n * c->position_stride, d) * scale;
-            top = p[n] > top ? p[n] : top;
-        }
-        for (long n = 0; n < keys; n++) total += (p[n] = expf(p[n] - top));
-        memset(out, 0, (size_t)d * sizeof(float));
-        for (long n = 0; n < keys; n++) {
-            const float *vn = v + n * c->position_stride;
-            float weight = p[n] / total;
-            for (long i = 0; i < d; i++) out[i] += weight * vn[i];
-        }
+    const float *q = t->qkv + row * qkv_width + h * d;
+    float *p = t->scores + (row * nh + h) * t->keys, *out = t->context + (row * nh + h) * d;
+    float top = -INFINITY;
+    for (long n = 0; n < keys; n++) {
+        p[n] = dot(q, k + n * c->position_stride, d) * scale;
+        top = p[n] > top ? p[n] : top;
     }
+    float total = exp_shifted(p, keys, top);
+    memset(out, 0, (size_t)d * sizeof(float));
+    for (long n = 0; n < keys; n++) {
+        const float *vn = v + n * c->position_stride;
+        float weight = p[n] / total;
+        for (long i = 0; i < d; i++) out[i] += weight * vn[i];
+    }
+}
+
+/* Attention runs over the pool from this many score-times-head_dim products (batch x keys x heads x head_dim) up;
+   below, on the caller (a hand-off costs about as much). hk_set_attention_pool changes it (benchmarks). */
+static long attention_pool_min = 1L << 14;
+
+long hk_set_attention_pool(long products) {
+    pthread_mutex_lock(&call_lock);
+    attention_pool_min = products < 0 ? 0 : products;
+    pthread_mutex_unlock(&call_lock);
+    return attention_pool_min;
 }
 
 static float *scratch;
@@ -755,10 +834,10 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
     }
     PROFILE(P_ROPE);
     attention_task attention = {b, c, t, token_step, keys, qkv, scores, context};
-    if (batch * keys * nh * d >= (1L << 16)) /* long contexts over the pool; short ones cost less than a hand-off */
-        parallel(attention_pair, &attention, batch * nkv);
+    if (batch * keys * nh * d >= attention_pool_min) /* over the pool, a query head a chunk; tiny ones here */
+        parallel(attention_head, &attention, batch * nh);
     else
-        for (long pair = 0; pair < batch * nkv; pair++) attention_pair(&attention, pair);
+        for (long index = 0; index < batch * nh; index++) attention_head(&attention, index);
     PROFILE(P_ATTENTION);
     if (product(b, 1, b->o_w, context, b->o_b, x, width, nh * d, batch, 1)) return -1; /* x += o(context) */
     PROFILE(P_O);
@@ -769,10 +848,7 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
     if (product(b, 2, b->gate_up_w, normed, b->gate_up_b, gate_up, 2 * size, width, batch, 0)) return -1;
     PROFILE(P_GATE_UP);
     for (long r = 0; r < batch; r++)
-        for (long i = 0; i < size; i++) {
-            float g = gate_up[r * 2 * size + i];
-            act[r * size + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * size + size + i];
-        }
+        silu_times(gate_up + r * 2 * size, gate_up + r * 2 * size + size, act + r * size, size);
     PROFILE(P_SILU);
     if (product(b, 3, b->down_w, act, b->down_b, x, width, size, batch, 1)) return -1; /* x += down(act) */
     PROFILE(P_DOWN);
@@ -876,21 +952,61 @@ static inline float half_to_float(uint16_t h) {
 /* Activations [batch, cols] quantized per block of 32: q int8 [batch, cols], and per block and row a pair: the
    scale d_x and the offset unit, what a weight offset of 1 adds (d_x sum(q_x); Q4_0: -8 d_x sum(q_x), its weights
    being d_w (q - 8)), laid [blocks][batch][2] (a block's pairs for the rows side by side).
-   The same plain C in every build (it runs once per product), rounding half to even as AVX2's conversion does. */
+   Rounding half to even; the AVX2 builds do a block in vectors (it runs on the caller alone, once per product),
+   with the same arithmetic as the plain C, so the same bits in every build (the maximum is exact in any order; the
+   scale, its inverse and the products are the same fp32 operations; the integers are exact). */
+#if HK_AVX2
+static inline int quantize_block(const float *xb, float inverse, int8_t *q) {
+    __m256 k = _mm256_set1_ps(inverse);
+    __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), k));
+    __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), k));
+    __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 16), k));
+    __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 24), k));
+    __m256i sums = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d)); /* lanes interleaved */
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline float block_amax(const float *xb) {
+    __m256 signless = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb), signless),
+                             _mm256_and_ps(_mm256_loadu_ps(xb + 8), signless));
+    m = _mm256_max_ps(m, _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + 16), signless),
+                                       _mm256_and_ps(_mm256_loadu_ps(xb + 24), signless)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#else
+static inline int quantize_block(const float *xb, float inverse, int8_t *q) {
+    int total = 0;
+    for (int j = 0; j < QK; j++) {
+        int v = (int)nearbyintf(xb[j] * inverse);
+        q[j] = (int8_t)v;
+        total += v;
+    }
+    return total;
+}
+
+static inline float block_amax(const float *xb) {
+    float amax = 0;
+    for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+    return amax;
+}
+#endif
+
 static void quantize_activations(int format, const float *x, long batch, long cols, int8_t *q, float *ds) {
     long blocks = cols / QK;
     float unit = format == HK_Q4_0 ? -8.0f : 1.0f;
     for (long b = 0; b < batch * blocks; b++) {
-        const float *xb = x + b * QK;
-        float amax = 0;
-        for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        float amax = block_amax(x + b * QK);
         float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
-        int total = 0;
-        for (int j = 0; j < QK; j++) {
-            int v = (int)nearbyintf(xb[j] * inverse);
-            q[b * QK + j] = (int8_t)v;
-            total += v;
-        }
+        int total = quantize_block(x + b * QK, inverse, q + b * QK);
         long at = 2 * ((b % blocks) * batch + b / blocks);
         ds[at] = scale;
         ds[at + 1] = unit * (scale * (float)total);
