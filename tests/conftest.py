@@ -61,11 +61,15 @@ os.environ["HIVEKEEPER_BOOTSTRAP_PEERS"] = NOWHERE_PEER
 def _hypothesis_profiles() -> None:
     """Property tests (tests/planner/test_properties.py) run the "ci" profile unless HYPOTHESIS_PROFILE names another:
     the same examples every run (derandomized), so a failure in CI reproduces on any machine. "wide" is a longer,
-    random search, run by hand: HYPOTHESIS_PROFILE=wide .venv/bin/python -m pytest tests/planner/test_properties.py"""
-    from hypothesis import settings
+    random search, run by hand: HYPOTHESIS_PROFILE=wide .venv/bin/python -m pytest tests/planner/test_properties.py
+    "mutate" (tests/mutate.py) is "ci" without shrinking or explaining a failure: a mutant only needs the test to fail,
+    and shrinking took minutes per mutant there (past the 120 s test timeout)."""
+    from hypothesis import Phase, settings
 
     settings.register_profile("ci", derandomize=True, max_examples=40, deadline=None, database=None, print_blob=True)
     settings.register_profile("wide", max_examples=1000, deadline=None)
+    settings.register_profile("mutate", settings.get_profile("ci"),
+                              phases=(Phase.explicit, Phase.reuse, Phase.generate))
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -215,9 +215,10 @@ cp "$kept" "$out"
 
 
 def mutmut_environment() -> dict[str, str]:
-    """The environment of a mutmut run: CC reuses native builds (REUSING_CC) unless CC is set or no compiler is
-    found."""
+    """The environment of a mutmut run: hypothesis's "mutate" profile, and CC reusing native builds (REUSING_CC)
+    unless CC is set or no compiler is found."""
     env = dict(os.environ)
+    env.setdefault("HYPOTHESIS_PROFILE", "mutate")  # a failing property test is not shrunk (tests/conftest.py)
     compiler = shutil.which("cc") or shutil.which("gcc")
     if "CC" in env or compiler is None:
         return env
