@@ -463,3 +463,14 @@ def test_the_batch_curve_spans_every_batch_even_when_the_constraints_fix_one():
     assert [p.batch_size for p in fixed] == sorted({b * n for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
                                                     for n in (1, 2, 4, 8, 16)})
     assert fixed == free
+
+
+def test_a_cpu_keeps_a_bf16_checkpoint_in_bf16_even_where_it_lists_fp16_faster():
+    """On a CPU the engine computes a bf16 checkpoint in bf16 or fp32, never in fp16 (core/machine/cpu_dtype_rule.py:
+    fp16 has no native CPU path), so a CPU whose table lists fp16 above bf16 (an ARM-like core) still plans a bf16
+    checkpoint as bf16; an fp16 checkpoint stays fp16."""
+    cpu = dataclasses.replace(machine().cpu, flops={"fp32": 1e12, "fp16": 2e12, "bf16": 0.5e12})
+    hardware = HardwareSpec(id="fp16-cpu", gpus=(), cpu=cpu, disk=machine().disk, network=NET)
+    view = machine_view(hardware)
+    assert sixteen_bit_format(LLAMA2_7B, view) == "bf16"  # LLAMA2_7B's checkpoint is bf16
+    assert sixteen_bit_format(dataclasses.replace(LLAMA2_7B, torch_dtype="fp16"), view) == "fp16"
