@@ -494,7 +494,9 @@ class SwarmPage(QWidget):
                 item.setToolTip(row["repository"] if c == 0 else text)
                 table.setItem(r, c, item)
         servers = sum(row["servers"] for row in rows)
-        self.directory_note.setText(f"{len(rows)} models served by {servers} servers" if rows
+        models_words = "1 model" if len(rows) == 1 else f"{len(rows)} models"
+        servers_words = "1 server" if servers == 1 else f"{servers} servers"
+        self.directory_note.setText(f"{models_words} served by {servers_words}" if rows
                                     else "No model is listed in this swarm's registry yet.")
         best = next((row for row in rows if row["dht_prefix"] == self.best_prefix), None)
         self.join_best_button.setEnabled(best is not None and self.node.state not in BUSY_STATES)

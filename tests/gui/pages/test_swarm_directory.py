@@ -55,6 +55,7 @@ def test_the_swarm_models_are_listed_and_one_click_joins_where_this_machine_help
     app_window.coverage.directory_period_s = 2.0
     page.find_button.click()
     qtbot.waitUntil(lambda: page.models_table.rowCount() == 1, timeout=START_MS)
+    assert page.directory_note.text() == "1 model served by 1 server"  # not "1 models ... 1 servers"
     cells = [page.models_table.item(0, c).text() for c in range(page.models_table.columnCount())]
     assert cells[:4] == ["tiny-llama", "1", "1 of 2", "1:2: no server"], cells
     assert cells[4].startswith("0:2, ~") and cells[4].endswith(" req/s"), cells  # the planner: both blocks fit
