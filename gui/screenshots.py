@@ -1,11 +1,11 @@
 """`python -m hivekeeper.gui.screenshots [--out docs/screenshots]`: a PNG of every page at 1280×800, with real data.
 
 It starts a loopback swarm of two `hivekeeper serve` processes serving the built-in model (smollm2-135m-instruct,
-blocks 0:12 and 8:22), opens the app (offscreen, on a temporary config folder: your settings are not touched), detects and measures
-this machine (the Measure button, with HIVEKEEPER_MEASURE_SIZES=quick unless set otherwise), joins the swarm with the
-Join button (the node fills blocks 22:30), chats through the swarm so the node serves real requests, lets the monitor
-run, then saves hardware.png, plan.png, swarm.png, chat.png and monitor.png. Everything it started is stopped before
-it exits. Takes a few minutes on a small machine.
+blocks 0:12 and 8:22), opens the app (offscreen, on temporary config and data folders: your settings are not touched),
+detects and measures this machine (the Measure button, with HIVEKEEPER_MEASURE_SIZES=quick unless set otherwise),
+joins the swarm with the Join button (the node fills blocks 22:30), chats through the swarm so the node serves real
+requests, lets the monitor run, opens the Models page (which lists the library when first shown), then saves a PNG
+of every page (PAGE_FILES). Everything it started is stopped before it exits. Takes a few minutes on a small machine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 PAGE_FILES = {"Hardware": "hardware.png", "Plan": "plan.png", "Swarm": "swarm.png", "Chat": "chat.png",
-              "Monitor": "monitor.png", "Models": "models.png"}
+              "Monitor": "monitor.png", "Models": "models.png", "Settings": "settings.png"}
 QUESTIONS = ("What is the capital of France? Answer in one sentence.", "Name one famous museum there.")
 
 
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(SIZES_ENV, "quick")  # the Measure button's `hivekeeper measure --quick` sizes
     with tempfile.TemporaryDirectory(prefix="hivekeeper-shots-") as tmp:
         os.environ["HIVEKEEPER_CONFIG_DIR"] = str(Path(tmp) / "config")
+        # and fresh data folders: the loopback servers' first, then the app's (_run), so that the Monitor's
+        # contribution counts this run's node only, not the loopback servers nor earlier runs on this machine
+        os.environ["HIVEKEEPER_DATA_DIR"] = str(Path(tmp) / "swarm-data")
         return _run(Path(tmp), out, args.timeout)
 
 
@@ -77,6 +80,7 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
         print("starting a loopback swarm of two servers…", flush=True)
         swarm.start("--block-indices", "0:12", "--throughput", "30", "--public-name", "server-a", timeout=timeout)
         swarm.start("--block-indices", "8:22", "--throughput", "18", "--public-name", "server-b", timeout=timeout)
+        os.environ["HIVEKEEPER_DATA_DIR"] = str(tmp / "data")  # the app's, and its node's
 
         settings = Settings()
         settings.plan.model = "meta-llama/Meta-Llama-3.1-8B-Instruct"
@@ -114,6 +118,7 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
             wait("the node to come online", lambda: window.node.state == "online")
             page = window.swarm_page
             wait("the coverage chart", lambda: page.coverage_data is not None and page.coverage_data[2].any())
+            page.find_button.click()  # the swarm's models list, read while the chat runs (not waited for)
 
             print("chatting through the swarm…", flush=True)
             chat = window.chat_page
@@ -129,6 +134,7 @@ def _run(tmp: Path, out: Path, timeout: float) -> int:
             plan = window.plan_page
             wait("the plan's charts", lambda: plan.result is not None and plan.charts is not None)
 
+            window.show_page("Models")  # as a user opens it: the page lists the library the first time it is shown
             models = window.models_page
             wait("the model list", lambda: "model(s)" in models.status.text())
 
