@@ -192,6 +192,43 @@ def restore_verdicts(name: str, folder: Path) -> int:
     return restored
 
 
+# Run in the scope's folder (mutmut reads its settings there): each scoped file's mutant names and function hashes,
+# as `mutmut run` would generate them, without its copying, coverage or test runs.
+CURRENT_MUTANTS = """
+import json, sys
+from mutmut.mutation.file_mutation import mutate_file_contents
+found = {}
+for path in sys.argv[1:]:
+    mutated = mutate_file_contents(path, open(path).read())
+    found[path] = {"names": list(mutated.mutant_names), "hashes": dict(mutated.hash_by_function_name)}
+print(json.dumps(found))
+"""
+
+
+def up_to_date(folder: Path, scope: dict) -> bool:
+    """True when the folder's verdicts (mutmut's, or those restored from the tracked .jsonl) decide every mutant of
+    the scope's current code: same function hashes, no mutant untested. A warm run then skips mutmut, whose setup
+    alone (coverage and a clean run of the scope's tests) takes minutes per scope on a busy machine."""
+    paths = [f"src/hivekeeper/{file}" for file in scope["files"]]
+    found = subprocess.run([sys.executable, "-c", CURRENT_MUTANTS, *paths], cwd=folder, capture_output=True,
+                           text=True)
+    if found.returncode != 0:
+        return False
+    for path, current in json.loads(found.stdout).items():
+        meta_path = folder / "mutants" / f"{path}.meta"
+        if not meta_path.is_file():
+            return False
+        meta = json.loads(meta_path.read_text())
+        module = path.removeprefix("src/").removesuffix(".py").replace("/", ".")
+        codes = meta["exit_code_by_key"]
+        mutated = {name.rsplit("__mutmut_", 1)[0] for name in current["names"]}
+        if any(meta["hash_by_function_name"].get(function) != current["hashes"].get(function) for function in mutated):
+            return False
+        if any(codes.get(f"{module}.{name}") is None for name in current["names"]):
+            return False
+    return True
+
+
 # Each mutant's test run is a pytest session of its own, and tests/conftest.py gives every session a fresh cache
 # folder: the native kernels (core/runtime/kernels/native_kernels.py) were compiled again for every mutant whose tests
 # run a model (20-40 s of a busy 2-core machine each). This C compiler wrapper keeps one build per source and flags.
@@ -307,6 +344,9 @@ def run_scope(name: str, shared: dict, scope: dict, args: argparse.Namespace) ->
         names = [mutant for mutant in cached.get("survived", []) + cached.get("no tests", [])
                  if not args.mutants or any(fnmatch.fnmatch(mutant, pattern) for pattern in args.mutants)]
     started = time.monotonic()
+    if not chosen and up_to_date(folder, scope):
+        print(f"mutate: {name}: every mutant of the current code has a verdict; mutmut not run", file=sys.stderr)
+        chosen = True
     code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale, names) \
         if names or not chosen else (0, "")
     if code not in (0, None):  # mutmut itself failed (a test failing without mutants, a setup error)
