@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="runs per setting, interleaved")
     parser.add_argument("--solo", type=int, nargs="+", default=[64, 0], help="solo products after a stall")
-    parser.add_argument("--attention-pool", type=int, nargs="+", default=[1 << 14],
+    parser.add_argument("--attention-pool", type=int, nargs="+", default=[1 << 16],
                         help="batch x keys x heads x head_dim from which attention runs over the pool (0: always)")
     parser.add_argument("--busy", action="store_true", help="beside one CPU-bound process")
     return parser.parse_args(argv)

@@ -217,7 +217,8 @@ def _declare(library: ctypes.CDLL) -> None:
     signatures = {
         "hk_set_threads": ([integer], integer), "hk_set_spin": ([ctypes.c_double], ctypes.c_double),
         "hk_test_hold_worker": ([integer, ctypes.c_double, integer], None), "hk_test_release_worker": ([], None),
-        "hk_test_worker_held": ([], integer), "hk_test_worker_holds": ([], long), "hk_variant": ([], ctypes.c_char_p),
+        "hk_test_worker_held": ([], integer), "hk_test_worker_holds": ([], long),
+        "hk_test_count_chunks": ([long, void_p], None), "hk_variant": ([], ctypes.c_char_p),
         "hk_gemv": ([void_p, integer, void_p, void_p, void_p, long, long, long], integer),
         "hk_span_decode": ([ctypes.POINTER(Block), ctypes.POINTER(Cache), long, ctypes.POINTER(Token), void_p, long],
                            integer),

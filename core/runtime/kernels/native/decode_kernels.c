@@ -62,6 +62,7 @@ typedef void (*chunk_fn)(void *ctx, long chunk);
 
 #define GENERATION(ticket) ((ticket) >> 32)
 #define CHUNK(ticket) ((long)((ticket) & 0xffffffffu))
+#define CLOSED_CHUNK 0xffffffffu /* a spent task's ticket while the next is published (publish) */
 
 static struct {
     int count;             /* threads running tasks, the caller's included; 0 before the first task */
@@ -124,13 +125,16 @@ double hk_profile(int part) {
 #define PROFILE_PRODUCT(part) ((void)0)
 #endif
 
-/* Test hook (hk_test_hold_worker): worker `index` waits there, before claiming anything (or, mid_chunk, after
+/* Test hook (hk_test_hold_worker): worker `index` waits there, before claiming anything (or, mid_chunk 1, after
    claiming a chunk), until released or until the deadline, as a worker the OS took off its core would. */
+enum { HOLD_BEFORE_CLAIM, HOLD_MID_CHUNK, HOLD_LATE };
 static struct {
     _Atomic int index;     /* the worker to hold, -1 for none */
-    _Atomic int mid_chunk; /* hold it after it claimed a chunk, not before it claims */
+    _Atomic int mid_chunk; /* where: HOLD_BEFORE_CLAIM, HOLD_MID_CHUNK, or HOLD_LATE (held_late_if_asked) */
     _Atomic int held;      /* 1 while it waits */
     _Atomic long holds;    /* how many times it began waiting */
+    _Atomic int late;      /* HOLD_LATE: the held worker's index + 1 until it has left that task's claim loop */
+    _Atomic long late_chunk; /* the spent ticket's chunk it read */
     double until;
     pthread_mutex_t mutex;
     pthread_cond_t release;
@@ -153,6 +157,35 @@ static void held_back_if_asked(int index, int mid_chunk) {
     pthread_mutex_unlock(&hold.mutex);
 }
 
+/* Test hook, HOLD_LATE: worker `index`, having read a spent ticket (chunk `chunk`, every chunk claimed), waits once
+   until a task with more chunks is being published, then goes on (reads the count, tries to claim): the moment
+   a worker that lost its core right there comes back. publish waits, between the new count and the new ticket,
+   until that worker has left its claim loop (paused_for_a_late_worker), so the test sees what it did then. */
+static void held_late_if_asked(int index, long chunk) {
+    if (atomic_load_explicit(&hold.index, memory_order_relaxed) != index || atomic_load(&hold.mid_chunk) != HOLD_LATE
+        || chunk < atomic_load(&pool.chunks) || chunk == (long)CLOSED_CHUNK)
+        return;
+    atomic_store(&hold.index, -1); /* once per hk_test_hold_worker */
+    atomic_store(&hold.late_chunk, chunk);
+    atomic_store(&hold.late, index + 1);
+    atomic_store(&hold.held, 1);
+    atomic_fetch_add(&hold.holds, 1);
+    struct timespec pause = {0, 100 * 1000};
+    while (atomic_load(&pool.chunks) <= chunk && seconds_now() < hold.until) nanosleep(&pause, NULL);
+    atomic_store(&hold.held, 0);
+}
+
+static void left_claim_loop(int index) {
+    if (atomic_load_explicit(&hold.late, memory_order_relaxed) == index + 1) atomic_store(&hold.late, 0);
+}
+
+static void paused_for_a_late_worker(long chunks) {
+    if (!atomic_load_explicit(&hold.late, memory_order_relaxed) || chunks <= atomic_load(&hold.late_chunk)) return;
+    struct timespec pause = {0, 100 * 1000};
+    double deadline = seconds_now() + 2.0;
+    while (atomic_load(&hold.late) && seconds_now() < deadline) nanosleep(&pause, NULL);
+}
+
 /* Count chunk done; the thread finishing the task's last chunk wakes the caller if it sleeps (it raises
    caller_sleeps before it reads done again under the mutex: one of the two sees the other). */
 static void chunk_done(long chunks) {
@@ -169,12 +202,14 @@ static void claim_chunks(uint64_t generation, int index) {
     uint64_t ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     for (;;) {
         if (GENERATION(ticket) != generation) return;
-        long chunk = CHUNK(ticket), chunks = atomic_load_explicit(&pool.chunks, memory_order_acquire);
+        long chunk = CHUNK(ticket);
+        held_late_if_asked(index, chunk);
+        long chunks = atomic_load_explicit(&pool.chunks, memory_order_acquire);
         if (chunk >= chunks) return;
         if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &ticket, ticket + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
             continue; /* ticket now holds the current value */
-        held_back_if_asked(index, 1);
+        held_back_if_asked(index, HOLD_MID_CHUNK);
         pool.fn(pool.ctx, chunk);
         chunk_done(chunks);
         ticket = atomic_load_explicit(&pool.ticket, memory_order_acquire);
@@ -212,8 +247,9 @@ static void *worker_main(void *arg) {
     for (;;) {
         seen = next_generation(seen);
         if (atomic_load(&pool.stop)) return NULL;
-        held_back_if_asked(index, 0);
+        held_back_if_asked(index, HOLD_BEFORE_CLAIM);
         claim_chunks(seen, index);
+        left_claim_loop(index);
     }
 }
 
@@ -223,11 +259,11 @@ static void *worker_main(void *arg) {
    the old ticket and run a chunk of the new task (fn and ctx are already the new ones) that another thread also
    runs, and count it done, so the caller could return before the product was complete. On a loaded machine (the
    caller preempted between these stores) that gave a column-major product's result unequal to one thread's. */
-#define CLOSED_CHUNK 0xffffffffu
 static uint64_t publish(long chunks) {
     uint64_t generation = GENERATION(atomic_load(&pool.ticket));
     atomic_store_explicit(&pool.ticket, generation << 32 | CLOSED_CHUNK, memory_order_seq_cst);
     atomic_store_explicit(&pool.chunks, chunks, memory_order_release);
+    paused_for_a_late_worker(chunks);
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     generation++;
     atomic_store_explicit(&pool.ticket, generation << 32, memory_order_seq_cst);
@@ -367,9 +403,10 @@ int hk_set_threads(int count) {
     return pool.wanted;
 }
 
-/* Test hook: worker `index` (1..threads-1) stops before claiming chunks of the next tasks (mid_chunk: after it
-   claimed one, before computing it), as a worker the OS took off its core would, until hk_test_release_worker or
-   `seconds` from now. hk_test_worker_held says whether it is waiting there now. */
+/* Test hook: worker `index` (1..threads-1) stops before claiming chunks of the next tasks (mid_chunk 1: after it
+   claimed one, before computing it; 2, HOLD_LATE: once, after reading a spent ticket, see held_late_if_asked), as a
+   worker the OS took off its core would, until hk_test_release_worker or `seconds` from now. hk_test_worker_held
+   says whether it is waiting there now. */
 void hk_test_hold_worker(int index, double seconds, int mid_chunk) {
     pthread_mutex_lock(&hold.mutex);
     hold.until = seconds_now() + seconds;
@@ -381,11 +418,21 @@ void hk_test_hold_worker(int index, double seconds, int mid_chunk) {
 void hk_test_release_worker(void) {
     pthread_mutex_lock(&hold.mutex);
     atomic_store(&hold.index, -1);
+    hold.until = 0; /* a HOLD_LATE worker, already disarmed, stops waiting too */
     pthread_cond_broadcast(&hold.release);
     pthread_mutex_unlock(&hold.mutex);
 }
 
 int hk_test_worker_held(void) { return atomic_load(&hold.held); }
+
+/* Test hook: a task of `chunks` chunks on the pool whose chunk c adds 1 to runs[c] (how often each chunk ran). */
+static void count_run(void *ctx, long chunk) { atomic_fetch_add((_Atomic long *)ctx + chunk, 1); }
+
+void hk_test_count_chunks(long chunks, long *runs) {
+    pthread_mutex_lock(&call_lock);
+    parallel(count_run, runs, chunks);
+    pthread_mutex_unlock(&call_lock);
+}
 
 long hk_test_worker_holds(void) { return atomic_load(&hold.holds); }
 
@@ -764,8 +811,11 @@ static void attention_head(void *ctx, long index) {
 }
 
 /* Attention runs over the pool from this many score-times-head_dim products (batch x keys x heads x head_dim) up;
-   below, on the caller (a hand-off costs about as much). hk_set_attention_pool changes it (benchmarks). */
-static long attention_pool_min = 1L << 14;
+   below, on the caller: a hand-off costs about as much, and on a busy machine each one more is one more chance to
+   stall on a worker that lost its core (SmolLM2 Q4_1, 65-112 keys, at load ~19, bench/decode_profile.py
+   --attention-pool: from 16k, every step pooled, 14.0 tok/s with 31-39 stalls a run; never, 21.5 with 22-28; this
+   machine's quiet figures are not measured). For SmolLM2 64k is 114 keys. hk_set_attention_pool changes it. */
+static long attention_pool_min = 1L << 16;
 
 long hk_set_attention_pool(long products) {
     pthread_mutex_lock(&call_lock);
@@ -834,7 +884,8 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
     }
     PROFILE(P_ROPE);
     attention_task attention = {b, c, t, token_step, keys, qkv, scores, context};
-    if (batch * keys * nh * d >= attention_pool_min) /* over the pool, a query head a chunk; tiny ones here */
+    PROFILE_PRODUCT(P_ATTENTION);
+    if (batch * keys * nh * d >= attention_pool_min) /* over the pool, a query head a chunk; short ones here */
         parallel(attention_head, &attention, batch * nh);
     else
         for (long index = 0; index < batch * nh; index++) attention_head(&attention, index);

@@ -331,6 +331,48 @@ MID_CHUNK_SCRIPT = textwrap.dedent("""
 """)
 
 
+LATE_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from hivekeeper.core.runtime.kernels import native_kernels
+
+    native = native_kernels.library()
+    assert native.hk_variant().decode() == sys.argv[1], native_kernels.status()
+    native.hk_set_threads(2)
+    native.hk_set_solo(0)  # every product on the pool
+    native.hk_test_hold_worker(1, 10.0, 2)  # once, after it read a spent ticket
+    spent = np.zeros(2, dtype=np.int64)
+    for _ in range(2_000):  # until worker 1 took part in a task and waits after its end (the task just run's)
+        native.hk_test_count_chunks(2, spent.ctypes.data)
+        for _ in range(100):
+            if native.hk_test_worker_held():
+                break
+            time.sleep(0.001)
+        if native.hk_test_worker_held():
+            break
+    assert native.hk_test_worker_held() == 1
+    assert native.hk_test_worker_holds() == 1
+    runs = np.zeros(8, dtype=np.int64)
+    native.hk_test_count_chunks(8, runs.ctypes.data)  # more chunks than the spent ticket's number: it goes on
+    assert runs.tolist() == [1] * 8, runs.tolist()
+    assert native.hk_test_worker_held() == 0
+    native.hk_test_count_chunks(8, runs.ctypes.data)  # the pool goes on as before
+    assert runs.tolist() == [2] * 8, runs.tolist()
+    native.hk_test_release_worker()
+    print("done")
+""")
+
+
+def test_a_worker_late_after_a_tasks_end_runs_no_chunk_twice(native):
+    """A worker that read a task's spent ticket (every chunk claimed) and lost its core right there, back while the
+    next task, with more chunks, is being published (the caller paused between the new chunk count and the new
+    ticket by the test hook), must claim nothing with the old ticket: each of the new task's chunks runs once. Before
+    publish closed the old ticket, such a worker ran chunks of the new task that the pool ran again, and counted
+    them done (a chunk added twice into an accumulating product, a caller returning before its product was whole:
+    a column-major product once differed from one thread's under xdist at load 20)."""
+    run_script(native, LATE_SCRIPT)
+
+
 def test_a_worker_that_stops_mid_chunk_delays_the_product_but_completes_it(native):
     """The one case the pool must wait for: a worker that claimed a chunk and lost its core. The caller sleeps after
     a moment (its core free for that worker), and the worker, back, finishes the chunk and wakes it: the product
