@@ -11,7 +11,8 @@ Functions a scope leaves out get mutmut's `# pragma: no mutate block` in the cop
 folder: a later run tests only the mutants of functions that changed (mutmut's cache). build/ does not survive a
 fresh clone, so each run also keeps its verdicts (each mutant's exit code, with the hash of its function's source) in
 tests/mutation_verdicts/<scope>.json, and a scope folder without mutmut's files starts from them: only the mutants of
-functions changed since, or never tested, run again. Each scope runs under a
+functions changed since, or never tested, run again; a scope whose verdicts decide every mutant of the current code
+skips mutmut (whose own warm start runs the scope's tests twice). Each scope runs under a
 deadline; at the deadline mutmut is stopped (what it finished is kept, the next run goes on from there) and its
 output so far is shown. Prints one JSON line per scope: mutant counts, the score, the surviving mutants.
 
