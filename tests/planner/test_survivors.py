@@ -26,8 +26,8 @@ from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.models import ModelSpec
-from hivekeeper.planner.policy import (QUALITY_WEIGHT, Constraints, batch_curve, build_grid, candidate_formats,
-                                      evaluate_grid, search)
+from hivekeeper.planner.policy import (QUALITY_WEIGHT, Constraints, GridResult, batch_curve, build_grid,
+                                      candidate_formats, evaluate_grid, search)
 
 LLAMA2_7B = ModelSpec(name="llama-2-7b", family="llama", num_layers=32, hidden_size=4096, intermediate_size=11008,
                       num_heads=32, num_kv_heads=32, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
@@ -474,3 +474,58 @@ def test_a_cpu_keeps_a_bf16_checkpoint_in_bf16_even_where_it_lists_fp16_faster()
     view = machine_view(hardware)
     assert sixteen_bit_format(LLAMA2_7B, view) == "bf16"  # LLAMA2_7B's checkpoint is bf16
     assert sixteen_bit_format(dataclasses.replace(LLAMA2_7B, torch_dtype="fp16"), view) == "fp16"
+
+
+# ---- the plan's verdict: local, swarm or none, and what it says --------------------------------------------------
+def test_a_chat_that_would_stream_weights_from_disk_goes_to_the_swarm_a_batch_stays_local():
+    """Llama-2-7B (13.5 GB of bf16 weights) on an 8 GB GPU with 4 GB of RAM: a third of the weights would sit on
+    disk. A chat is sent to the swarm (the machine holds the client side) and says how much would sit on disk; a batch
+    job runs locally anyway. The price passed to the search (2 $/h, the machine lists none) prices the run."""
+    hardware, workload = machine(gpu_gb=8, ram_gb=4), Workload(prompt_len=512, output_len=128)
+    chat = search(LLAMA2_7B, hardware, "chat", Constraints(quant="none"), workload, EFF, price_per_hour=2.0)
+    disk = chat.prediction.policy.weights.disk
+    assert chat.fit == "swarm" and disk > 0.1 and chat.missing_bytes is None
+    assert f"Locally {100 * disk:.0f}% of the weights would sit on disk" in chat.reason
+    assert chat.reason.startswith(chat.prediction.bottleneck_detail)
+    assert chat.reason.endswith("run it with the swarm instead.")
+    assert chat.runtime.cost_usd == pytest.approx(chat.runtime.runtime_s / 3600 * 2.0, rel=1e-9)
+    batch = search(LLAMA2_7B, hardware, "batch", Constraints(quant="none"), workload, EFF)
+    assert batch.fit == "local" and batch.prediction.policy.weights.disk > 0 and "swarm" not in batch.reason
+
+
+def test_a_model_that_fits_nowhere_goes_to_the_swarm_only_if_the_client_side_fits():
+    """With 2 GB of disk the 13.5 GB of weights fit nowhere: the swarm runs it (the embeddings and LM head, 0.5 GB,
+    fit on the GPU). On a machine with 0.3 GB of GPU memory and of RAM not even the client side fits."""
+    workload = Workload(prompt_len=512, output_len=128)
+    for goal in ("chat", "batch"):
+        plan = search(LLAMA2_7B, machine(gpu_gb=8, ram_gb=4, disk_gb=2), goal, Constraints(quant="none"), workload, EFF)
+        assert plan.fit == "swarm" and plan.prediction is None and "The swarm can run it" in plan.reason, goal
+        tiny = search(LLAMA2_7B, machine(gpu_gb=0.3, ram_gb=0.3, disk_gb=1), goal, Constraints(quant="none"),
+                      workload, EFF)
+        assert tiny.fit == "none" and "cannot even hold the client side" in tiny.reason, goal
+
+
+def test_the_default_goal_is_chat():
+    hardware = machine()
+    assert search(LLAMA2_7B, hardware).goal == "chat"
+    assert search(LLAMA2_7B, hardware).prediction == search(LLAMA2_7B, hardware, "chat").prediction
+
+
+def grid_with(score, host, disk, depth, count):
+    """A GridResult holding only what `best` reads: the scores, the off-accelerator peaks, prefetch depths and
+    micro-batch counts of each candidate."""
+    arrays = lambda values: np.array(values, dtype=float)  # noqa: E731
+    return GridResult(machine=None, efficiency=None, formats=[], cols={"d": arrays(depth), "n": arrays(count)},
+                      peaks={"host": arrays(host), "disk": arrays(disk)}, out={}, feasible=np.isfinite(arrays(score)),
+                      speed=arrays(score), score=arrays(score), mem={}, batch_sizes=np.array([1]))
+
+
+def test_ties_go_to_the_least_off_the_accelerator_then_the_shallowest_prefetch_then_the_fewest_micro_batches():
+    """Scores within 1e-9 of the best tie. Candidates 1-4 tie (4 is 1e-12 lower); 1 keeps 5 off the accelerator,
+    2 keeps 2, 3 and 4 keep 1 each: 4 wins by its shallower prefetch. With equal depths, the fewer micro-batches win.
+    Candidate 5 is 5% slower and never chosen."""
+    score = [1.0, 2.0, 2.0, 2.0, 2.0 * (1 - 1e-12), 1.9]
+    host, disk = [0, 5, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0]
+    assert grid_with(score, host, disk, depth=[0, 0, 0, 2, 1, 0], count=[1, 1, 1, 1, 4, 1]).best() == 4
+    assert grid_with(score, host, disk, depth=[0, 0, 0, 1, 1, 0], count=[1, 1, 1, 2, 4, 1]).best() == 3
+    assert grid_with(score, [0] * 6, [0] * 6, depth=[0] * 6, count=[1] * 6).best() == 1
