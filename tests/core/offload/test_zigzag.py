@@ -108,3 +108,33 @@ def test_the_reader_thread_keeps_the_policys_prefetch_depth_of_blocks_in_flight_
         assert pending == [(layer + k) % layers for k in range(1, depth + 1)], (layer, pending)
     assert len(blocks_read_into) == depth + 1
     assert read_threads and all(name.startswith("hivekeeper-reader") for name in read_threads), read_threads
+
+
+def test_on_a_cpu_the_prefill_runs_the_plans_micro_batches_and_a_decode_step_the_whole_batch(checkpoint):
+    """The micro-batches bound a prefill chunk's activations; a decode step's are small, and a CPU multiplies the
+    whole batch's rows in about the time of one micro-batch's, so decode runs the batch as one (same tokens)."""
+    config = ModelConfig.from_folder(checkpoint)
+    plan = place_model(config, throughput_policy(1, 1, 4), device="cpu", dtype=torch.float32,
+                       batch=len(PROMPTS), max_length=MAX_LENGTH)
+    with OffloadedModel(checkpoint, plan) as model:
+        stored = []  # (tokens, rows) of every block's K/V store, through the cache's own method
+        original_allocate = model.span.allocate_cache
+
+        def allocate_and_watch(batch, max_length):
+            cache = original_allocate(batch, max_length)
+            store = cache.store
+
+            def store_and_note(index, position, tokens, rows=slice(None)):
+                stored.append((tokens, (rows.start, rows.stop)))
+                return store(index, position, tokens, rows)
+
+            cache.store = store_and_note
+            return cache
+
+        model.span.allocate_cache = allocate_and_watch
+        result = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert result.token_ids == [resident_greedy(checkpoint, prompt) for prompt in PROMPTS]
+    prefill = [rows for tokens, rows in stored if tokens > 1]
+    decode = [rows for tokens, rows in stored if tokens == 1]
+    assert prefill == [(i, i + 1) for i in range(len(PROMPTS))] * config.num_layers
+    assert decode == [(0, len(PROMPTS))] * config.num_layers * (NEW_TOKENS - 1)
