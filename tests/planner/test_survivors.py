@@ -529,3 +529,19 @@ def test_ties_go_to_the_least_off_the_accelerator_then_the_shallowest_prefetch_t
     assert grid_with(score, host, disk, depth=[0, 0, 0, 2, 1, 0], count=[1, 1, 1, 1, 4, 1]).best() == 4
     assert grid_with(score, host, disk, depth=[0, 0, 0, 1, 1, 0], count=[1, 1, 1, 2, 4, 1]).best() == 3
     assert grid_with(score, [0] * 6, [0] * 6, depth=[0] * 6, count=[1] * 6).best() == 1
+
+
+def test_native_bf16_math_makes_bf16_the_16_bit_format_of_any_checkpoint_but_an_fp16_one_on_a_cpu_only():
+    """A CPU that multiplies bf16 natively (at twice its fp32 rate) and lists no fp16 computes a 16-bit plan in bf16
+    (sixteen_bit_format's docstring): an fp32 checkpoint is planned in bf16, an fp16 one stays fp16. A GPU with the
+    same table plans an fp32 or fp16 checkpoint in fp16: on an accelerator bf16 is only a bf16 checkpoint's format."""
+    table = {"fp32": 1e12, "bf16": 2e12}
+    cpu_hardware = HardwareSpec(id="bf16-cpu", gpus=(), cpu=dataclasses.replace(machine().cpu, flops=table),
+                                disk=machine().disk, network=NET)
+    gpu_hardware = dataclasses.replace(machine(), gpus=(dataclasses.replace(machine().gpus[0], flops=table),))
+    fp32_model = dataclasses.replace(LLAMA2_7B, torch_dtype="fp32")
+    fp16_model = dataclasses.replace(LLAMA2_7B, torch_dtype="fp16")
+    assert sixteen_bit_format(fp32_model, machine_view(cpu_hardware)) == "bf16"
+    assert sixteen_bit_format(fp16_model, machine_view(cpu_hardware)) == "fp16"
+    assert sixteen_bit_format(fp32_model, machine_view(gpu_hardware)) == "fp16"
+    assert sixteen_bit_format(fp16_model, machine_view(gpu_hardware)) == "fp16"
