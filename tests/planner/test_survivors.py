@@ -26,6 +26,7 @@ from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.models import ModelSpec
+from hivekeeper.planner.swarm import plan_server
 from hivekeeper.planner.policy import (QUALITY_WEIGHT, Constraints, GridResult, batch_curve, build_grid,
                                       candidate_formats, evaluate_grid, search)
 
@@ -545,3 +546,39 @@ def test_native_bf16_math_makes_bf16_the_16_bit_format_of_any_checkpoint_but_an_
     assert sixteen_bit_format(fp16_model, machine_view(cpu_hardware)) == "fp16"
     assert sixteen_bit_format(fp32_model, machine_view(gpu_hardware)) == "fp16"
     assert sixteen_bit_format(fp16_model, machine_view(gpu_hardware)) == "fp16"
+
+
+def test_a_serve_plan_times_one_session_through_its_blocks_and_says_what_it_serves():
+    """Goal serve on a 16 GB GPU keeping 6 GB free, at a slower made-up efficiency: the server is sized with that
+    reserve and efficiency (plan_server called the same way), and one client session through its n blocks takes
+    n x prompt / forward rps for the prompt and n / inference rps per further token (α + β(o − 1), batch 1), priced
+    at the price passed."""
+    hardware, workload = machine(gpu_gb=16), Workload(prompt_len=256, output_len=32)
+    constraints = Constraints(quant="none", reserve_bytes={"gpu": 6e9})
+    plan = search(LLAMA2_7B, hardware, "serve", constraints, workload, EFF, price_per_hour=3.0)
+    server = plan_server(LLAMA2_7B, hardware, "none", None, {"gpu": 6e9}, EFF)
+    assert plan.server == server and 0 < server.num_blocks < 32
+    n, runtime = server.num_blocks, plan.runtime
+    alpha, beta = n * 256 / server.forward_rps, n / server.inference_rps
+    assert (runtime.alpha_s, runtime.beta_s) == (pytest.approx(alpha, rel=1e-12), pytest.approx(beta, rel=1e-12))
+    assert runtime.runtime_s == pytest.approx(alpha + 31 * beta, rel=1e-12) and runtime.batch_size == 1
+    assert runtime.cost_usd == pytest.approx(runtime.runtime_s / 3600 * 3.0, rel=1e-12)
+    assert plan.reason.startswith(f"serves {n} of 32 blocks in {server.weight_format} with a "
+                                  f"{server.cache_tokens}-token cache per block; a 1-token step is bound by "
+                                  f"{server.inference_bound}. ")
+    none = search(LLAMA2_7B, machine(gpu_gb=0.5), "serve", Constraints(quant="none"), workload, EFF)
+    assert none.server.num_blocks == 0 and none.runtime is None
+    assert none.reason.startswith(f"cannot hold a single block for serving ({none.server.block_bytes / 1e9:.3g} GB "
+                                  f"each). ")
+
+
+def test_the_reason_of_a_model_that_fits_nowhere_quotes_the_missing_memory_per_tier():
+    workload = Workload(prompt_len=512, output_len=128)
+    for hardware in (machine(gpu_gb=8, ram_gb=4, disk_gb=2), machine(gpu_gb=0.3, ram_gb=0.3, disk_gb=1)):
+        plan = search(LLAMA2_7B, hardware, "chat", Constraints(quant="none"), workload, EFF)
+        missing = plan.missing_bytes
+        lacking = ", ".join(f"{tier} {missing[tier] / 1e9:.3g} GB" for tier in ("gpu", "cpu", "disk")
+                            if missing[tier] > 0)
+        assert plan.reason.startswith(f"does not fit locally: needs {missing['total'] / 1e9:.3g} GB more memory "
+                                      f"({lacking}).")
+    assert "gpu 1.84 GB, cpu 1.1 GB, disk 11.5 GB" in plan.reason  # the second machine lacks memory on every tier
