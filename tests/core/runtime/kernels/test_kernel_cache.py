@@ -5,11 +5,12 @@ folders share one folder of native kernel builds. The suite points all its proce
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from hivekeeper.core.runtime.kernels import native_kernels
+
+from ....child_output import run
 
 STATUS_SCRIPT = "from hivekeeper.core.runtime.kernels import native_kernels; print(native_kernels.status())"
 
@@ -25,8 +26,7 @@ def refusing_compiler(folder) -> str:
 
 
 def kernel_status(env: dict) -> str:
-    result = subprocess.run([sys.executable, "-c", STATUS_SCRIPT], capture_output=True, text=True, timeout=300,
-                            env=env)
+    result = run([sys.executable, "-c", STATUS_SCRIPT], timeout=300, env=env)  # a hang fails with the output so far
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
