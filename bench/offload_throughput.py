@@ -33,7 +33,7 @@ budget (--budget-fraction of the file's bytes, so that blocks stream from disk):
 default) and dequantized into fp32 slots (HIVEKEEPER_GGUF_PACKED=0). Both read the file's packed bytes; the packed
 run keeps them so, the other writes 4 bytes a weight into its slots each step: tokens/s, bytes read per token,
 bytes written into slots per token, peak RSS over the baseline, the disk bandwidth reached (reads may come from the
-page cache). The default budget (0.5 of the file) makes 24 of SmolLM2's 30 packed blocks stream; the dequantized run
+page cache). The default budget (0.5 of the file) makes 25 of SmolLM2's 30 packed blocks stream; the dequantized run
 does not fit it (its fp32 embedding is 113 MB) and is reported as skipped: give a larger --budget-fraction (>= ~1.6)
 to compare the two, where the packed run no longer streams.
 """
