@@ -468,15 +468,18 @@ def packed_span(fmt: str, hidden: int, total_bytes: int):
     config = replace(probe, num_layers=blocks)
     with torch.device("meta"):
         span = Span(config, 0, blocks)
-    span = span.to_empty(device="cpu").requires_grad_(False)
     shapes = [(getattr(getattr(block, parent), child), parent, child) for block in span.blocks
-              for parent, child in PACKED_LINEARS]
+              for parent, child in PACKED_LINEARS]  # still on "meta": their fp32 weights are never allocated
     sizes = [int(layer.out_features * layer.in_features * bytes_per_weight) for layer, _, _ in shapes]
     arena, offset = np.empty(sum(sizes), dtype=np.uint8), 0
     for (layer, parent, child), size, block in zip(shapes, sizes, [b for b in span.blocks for _ in PACKED_LINEARS]):
         matrix = random_packed_matrix(fmt, layer.out_features, layer.in_features, out=arena[offset:offset + size])
         setattr(getattr(block, parent), child, QuantizedLinear(matrix))
         offset += size
+    for block in span.blocks:
+        block.input_layernorm.to_empty(device="cpu")
+        block.post_attention_layernorm.to_empty(device="cpu")
+    span.requires_grad_(False)
     with torch.no_grad():
         for name, param in span.named_parameters():
             param.fill_(1.0 if name.endswith("layernorm.weight") else 0.0)
