@@ -43,12 +43,15 @@ def test_the_smallest_max_length_and_alloc_timeout_are_accepted_and_non_numbers_
             RawSession(rig, **bad).send(torch.randn(1, 1, 64))
 
 
-def test_an_upstream_peer_that_is_not_a_short_string_is_refused_when_the_session_opens(rig):
+def test_an_upstream_peer_or_step_id_that_is_not_a_short_string_is_refused_when_the_session_opens(rig):
     """upstream_peer names the only peer allowed to push into the session (docs/swarm.md); a number, an empty or an
-    over-long name is refused with one error naming the field (sessions without one: the tests above)."""
+    over-long name is refused with one error naming the field (sessions without one: the tests above); so is the
+    first step's step_id."""
     for bad in (5, "", "p" * 257):
         with pytest.raises(Exception, match="upstream_peer must be a string of 1 to 256 characters"):
             RawSession(rig, max_length=8, upstream_peer=bad).send(torch.randn(1, 1, 64))
+    with pytest.raises(Exception, match="step_id must be a string of 1 to 256 characters"):
+        RawSession(rig, max_length=8).send(torch.randn(1, 1, 64), step_id=5)  # the first step's id too
 
 
 def test_start_from_position_goes_from_0_to_the_cache_length(rig):
