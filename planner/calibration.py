@@ -379,8 +379,12 @@ def _to_theta(eff: Efficiency, names: tuple[str, ...]) -> np.ndarray:
     return np.array([1.0 / getattr(eff, n) if n in _INVERSE else getattr(eff, n) for n in names])
 
 
-def _from_theta(eff: Efficiency, names: tuple[str, ...], theta: np.ndarray, name: str) -> Efficiency:
-    values = {n: (1.0 / float(t) if n in _INVERSE else float(t)) for n, t in zip(names, theta)}
+def from_fitted(eff: Efficiency, names: tuple[str, ...], theta: np.ndarray, name: str) -> Efficiency:
+    """`eff` with the fitted parameters `theta` of the factors `names` (fractions as their inverse), named `name`."""
+    # within the bounds exactly: a step that ends on a bound can miss it by a rounding (1 - 1e-16 re-reads, which
+    # Efficiency refuses: issue 23's quick accuracy bench failed so at load 13)
+    theta = [min(max(float(t), _FACTORS[n][0]), _FACTORS[n][1]) for n, t in zip(names, theta)]
+    values = {n: (1.0 / t if n in _INVERSE else t) for n, t in zip(names, theta)}
     return dataclasses.replace(eff, name=name, **values)
 
 
@@ -480,7 +484,7 @@ def fit_efficiency(model: ModelSpec, hardware: HardwareSpec, points: list[Profil
     measured_step = np.array([pt.step_s if pt.step_s is not None else 1.0 for pt in points])
 
     def machine_eff(theta: np.ndarray) -> MachineEfficiency:
-        acc = _from_theta(start, names, theta, name)
+        acc = from_fitted(start, names, theta, name)
         return MachineEfficiency(acc, acc if cpu_only else base.host)
 
     def residuals(theta: np.ndarray) -> np.ndarray:

@@ -361,3 +361,18 @@ def test_efficiency_written_before_the_prefill_overhead_existed_reads_as_before(
     doc = efficiency_to_dict(KNOWN)
     del doc["prefill_layer_overhead_s"]
     assert efficiency_from_dict(doc).prefill_layer_overhead_s == KNOWN.layer_overhead_s
+
+
+def test_a_fitted_step_that_misses_a_bound_by_a_rounding_is_held_at_the_bound():
+    """Issue 23: the quick accuracy bench's fit ended a step at 1 - 1e-16 re-reads, which Efficiency refuses (the
+    whole calibration failed). The fitted parameters are held within their bounds exactly."""
+    from hivekeeper.planner.calibration import from_fitted
+    from hivekeeper.planner.efficiency import default_efficiency
+    from hivekeeper.planner.hardware_catalog import get_hardware
+
+    start = default_efficiency(get_hardware("cpu-generic")).accelerator
+    names = ("weight_reread_rows", "bandwidth_fraction", "layer_overhead_s")
+    eff = from_fitted(start, names, np.array([1.0 - 1e-16, 1.0 - 1e-16, -1e-19]), "calibrated:test")
+    assert (eff.weight_reread_rows, eff.bandwidth_fraction, eff.layer_overhead_s) == (1.0, 1.0, 0.0)
+    inside = from_fitted(start, names, np.array([2.5, 4.0, 1e-4]), "calibrated:test")
+    assert (inside.weight_reread_rows, inside.bandwidth_fraction, inside.layer_overhead_s) == (2.5, 0.25, 1e-4)
