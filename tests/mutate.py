@@ -211,8 +211,11 @@ def up_to_date(folder: Path, scope: dict) -> bool:
     the scope's current code: same function hashes, no mutant untested. A warm run then skips mutmut, whose setup
     alone (coverage and a clean run of the scope's tests) takes minutes per scope on a busy machine."""
     paths = [f"src/hivekeeper/{file}" for file in scope["files"]]
-    found = subprocess.run([sys.executable, "-c", CURRENT_MUTANTS, *paths], cwd=folder, capture_output=True,
-                           text=True)
+    try:
+        found = subprocess.run([sys.executable, "-c", CURRENT_MUTANTS, *paths], cwd=folder, capture_output=True,
+                               text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False  # undecided: let mutmut run the scope
     if found.returncode != 0:
         return False
     for path, current in json.loads(found.stdout).items():
