@@ -311,12 +311,14 @@ MID_CHUNK_SCRIPT = textwrap.dedent("""
         native.hk_test_release_worker()
         assert native.hk_pool_stalls() > stalls and torch.equal(y, expected)
 
-    # Stalls product after product (a busy machine's): the caller goes on alone for a while. Two held stalls count as
-    # "in a row" only when the held worker claims a chunk within the pool's window; on a loaded machine the caller may
-    # take every chunk for longer than that first, so pairs are tried until one lands (quietly, the first does).
+    # Stalls product after product (a busy machine's): the caller goes on alone for a while. A held stall counts as
+    # "in a row" only when the held worker claims a chunk within the pool's window of the previous stall; on a loaded
+    # machine the caller may take every chunk for longer than that first, so held stalls are tried until one lands
+    # (quietly, the second does). hk_set_solo(64) (the pool's own first length) clears any solo run left from above,
+    # and the loop stops at the first solo run, so no held stall is waited for while the caller runs alone.
+    native.hk_set_solo(64)
     deadline = time.monotonic() + 45.0
     while time.monotonic() < deadline:
-        one_held_stall()
         one_held_stall()
         if native.hk_pool_solo_left() > 0:
             break
