@@ -29,6 +29,7 @@ from hivekeeper.planner.hardware import HardwareSpec, default_headroom
 from hivekeeper.planner.models import ModelSpec
 
 from hivekeeper.gui.viewmodels import plan_view
+from hivekeeper.gui.widgets.chart import Chart
 from hivekeeper.gui.widgets.memory_bars import MemoryBars
 from hivekeeper.gui.widgets.model_menu import model_menu
 from hivekeeper.gui.widgets.plan_run import RunPlanBox
@@ -41,6 +42,9 @@ DETECTED = "detected"
 FIT_COLORS = {"local": GOOD, "swarm": WARN, "none": BAD}
 FIT_MARKS = {"local": "✓", "swarm": "☁", "none": "✗"}
 CARD_HEIGHT = 112  # the top cards' least height (pixels); the bottleneck's text may need more
+# the charts' least height: with a two-line warning above them they still fit a 1280x800 window whole (axis labels
+# included); the results scroll where more text than that needs room, never squeezing a chart into a clipped one
+CHART_HEIGHT = 170
 GOAL_LABELS = {"chat": "chat (one fast stream)", "batch": "batch (most tokens/s)", "serve": "serve (swarm node)"}
 
 
@@ -128,11 +132,7 @@ class PlanPage(QWidget):
         self._connect_knobs()
         self.run_box = RunPlanBox(self._batch_run)  # "Run this plan": a batch over a prompts file (its chart: results)
         column.addWidget(self.run_box)
-        scroll = QScrollArea()
-        scroll.setWidget(panel)
-        scroll.setWidgetResizable(True)
-        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
-        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll = scrolling(panel)
         scroll.setFixedWidth(390)
         panel.setMaximumWidth(375)
         return scroll
@@ -258,7 +258,7 @@ class PlanPage(QWidget):
             widget.valueChanged.connect(self._knob_changed)
         self.override_check.toggled.connect(self._override_toggled)
 
-    def _build_results(self) -> QWidget:
+    def _build_results(self) -> QScrollArea:
         panel = QWidget()
         column = QVBoxLayout(panel)
         column.setContentsMargins(0, 0, 0, 0)
@@ -322,8 +322,8 @@ class PlanPage(QWidget):
         column.addWidget(memory)
 
         charts = QHBoxLayout()
-        self.batch_plot = pg.PlotWidget()
-        self.budget_plot = pg.PlotWidget()
+        self.batch_plot = Chart()
+        self.budget_plot = Chart()
         # short titles: three charts share the row, each about 220 px wide on a 1280 px window
         for plot, title, x_label in ((self.batch_plot, "tokens/s by batch size", "batch (sequences)"),
                                      (self.budget_plot, "tokens/s by memory", "GPU memory (GB)")):
@@ -332,7 +332,6 @@ class PlanPage(QWidget):
             plot.setLabel("left", "tokens/s")
             plot.showGrid(x=True, y=True, alpha=0.2)
             plot.setMenuEnabled(False)
-            plot.setMinimumHeight(190)
             plot.addLegend(offset=(8, 4), labelTextSize="8pt")
             plot.getAxis("left").enableAutoSIPrefix(False)
             plot.setLimits(yMin=0)  # tokens/s: the axis never shows negative rates
@@ -350,8 +349,10 @@ class PlanPage(QWidget):
         self.budget_mark = self.budget_plot.plot([], [], pen=None, symbol="star", symbolSize=16, symbolBrush=BAD,
                                                  name="this plan")
         charts.addWidget(self.run_box.plot, 1)  # "Run this plan": predicted against measured, as it runs
+        for plot in (self.batch_plot, self.budget_plot, self.run_box.plot):
+            plot.setMinimumHeight(CHART_HEIGHT)
         column.addLayout(charts, 1)
-        return panel
+        return scrolling(panel)
 
     # ---- settings <-> widgets ----------------------------------------------------------------------------------------
     def _load_settings(self) -> None:
@@ -797,3 +798,16 @@ def _headroom_words(spec: HardwareSpec) -> str:
 def _short_description(spec: HardwareSpec) -> str:
     gpus = ", ".join(g.name for g in spec.gpus) or "no GPU"
     return f"{gpus}, {spec.cpu.memory_bytes / 1e9:.0f} GB RAM"
+
+
+def scrolling(panel: QWidget) -> QScrollArea:
+    """`panel` in a frameless area that scrolls up and down where the page is shorter than the panel needs; the
+    page's background shows through (a scroll area paints its own, a darker grey)."""
+    scroll = QScrollArea()
+    scroll.setWidget(panel)
+    for widget in (panel, scroll.viewport()):
+        widget.setAutoFillBackground(False)
+    scroll.setWidgetResizable(True)
+    scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+    scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    return scroll

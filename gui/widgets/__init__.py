@@ -6,4 +6,5 @@ and status), `plan_run` (the Plan page's "Run this plan" box: prompts file, Run/
 throughput as it runs), `contribution_panel` (the Monitor page's requests, tokens, uptime and energy served,
 today and in total), `finetune_panel` (the Chat page's Fine-tune panel: data file, Start/Stop/resume, the
 loss curve live; the prompts it saves become the chat's trained prompts), `tray` (the node's state in the tray icon
-and the status bar: serving / paused (why) / offline, Pause for 1 hour, Resume, Quit, notifications)."""
+and the status bar: serving / paused (why) / offline, Pause for 1 hour, Resume, Quit, notifications), `chart` (a
+pyqtgraph chart that asks for its minimum height only, and says in words why it is empty instead of bare axes)."""

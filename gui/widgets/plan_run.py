@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QLineEdit, Q
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.gui.services.batch_run import BatchRunService
+from hivekeeper.gui.widgets.chart import Chart
 from hivekeeper.gui.style import ACCENT, BAD, GOOD, MUTED, fmt_rate, label
 
 
@@ -78,7 +79,7 @@ class RunPlanBox(QGroupBox):
         self.status = label("Runs the plan shown on a batch of prompts, here, and draws what it measures.", "small",
                             wrap=True)
         column.addWidget(self.status)
-        self.plot = pg.PlotWidget()
+        self.plot = Chart()
         self.plot.setTitle("predicted vs measured", color=MUTED, size="10pt")
         self.plot.setLabel("bottom", "seconds since the start")
         self.plot.setLabel("left", "tokens/s")

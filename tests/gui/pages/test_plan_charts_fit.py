@@ -1,0 +1,38 @@
+"""Review (issue 14, a new user's pass): the Plan page's three charts keep their x-axis labels at the app's 1280x800
+in the real window, even with a long warning above them: the results column scrolls rather than squeezing the charts
+under the window's edge; and "predicted vs measured" says why it is empty instead of showing bare 0-1 axes."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtWidgets import QApplication
+
+from hivekeeper.gui.pages.plan import CHART_HEIGHT
+
+
+def _plan(window, qtbot, model: str, hardware: str):
+    """The Plan page showing `model` on the catalog machine `hardware`, picked as a user picks them."""
+    window.show_page("Plan")
+    plan = window.plan_page
+    plan.hardware_combo.setCurrentIndex(plan.hardware_combo.findData(hardware))
+    items = [plan.model_list.item(i) for i in range(plan.model_list.count())]
+    plan.model_list.setCurrentItem(next(i for i in items if i.data(Qt.ItemDataRole.UserRole) == model))
+    qtbot.waitUntil(lambda: plan.result is not None and plan.headline.text().endswith(f"on {hardware}")
+                    and model.split("/")[-1] in plan.headline.text(), timeout=20_000)
+    QApplication.processEvents()
+    return plan
+
+
+def test_the_charts_keep_their_axis_labels_under_a_long_warning(app_window, qtbot):
+    assert (app_window.width(), app_window.height()) == (1280, 800)
+    plan = _plan(app_window, qtbot, "mistralai/Mixtral-8x7B-v0.1", "cpu-generic")
+    assert plan.warning_label.isVisible() and plan.warning_label.text().count("⚠") == 2  # two long warnings
+    for chart in (plan.batch_plot, plan.budget_plot, plan.run_box.plot):
+        panel = chart.parentWidget()  # the results column (inside its scroll area)
+        top = chart.mapTo(panel, QPoint(0, 0)).y()
+        assert chart.height() >= CHART_HEIGHT and top + chart.height() <= panel.height(), (top, chart.height(),
+                                                                                          panel.height())
+        axis = chart.getAxis("bottom")
+        assert axis.isVisible() or chart is plan.run_box.plot
+        if axis.isVisible():  # the label below the ticks is drawn inside the chart
+            assert axis.label.isVisible() and axis.sceneBoundingRect().bottom() <= chart.height()
