@@ -547,6 +547,7 @@ class PlanPage(QWidget):
         name = Path(model.name).name if "/" not in model.name or Path(model.name).exists() else model.name
         where = "this machine" if self.settings.hardware == DETECTED else self.settings.hardware
         self.headline.setText(f"{name} on {where}")
+        self.run_box.set_machine(None if self.settings.hardware == DETECTED else where)
         why = (n.get("format_choice") or {}).get("why", "")
         self.format_label.setText(why[:1].upper() + why[1:])
         calibrated = is_calibrated(plan.efficiency)

@@ -27,6 +27,16 @@ from hivekeeper.gui.style import ACCENT, BAD, GOOD, MUTED, fmt_rate, label
 REDRAW_MS = 100  # steps of a small model come every few ms: the chart is redrawn at most this often
 
 
+def empty_note(machine: str | None) -> str:
+    """What the chart says before a run has measured anything; `machine` is a catalog machine's name, None for this
+    machine (a run always runs here)."""
+    if machine is None:
+        return ("Nothing measured yet: Run this plan runs it on this machine and draws the measured tokens/s here "
+                "beside the prediction.")
+    return (f"No measurement for {machine}: it is a catalog machine, planned from its spec sheet. Run this plan "
+            "runs the plan on this machine and draws what it measures here.")
+
+
 class RunPlanBox(QGroupBox):
     """Prompts file, tokens per prompt, Run / Stop and a status line; `plot`, the predicted-vs-measured chart."""
 
@@ -40,6 +50,7 @@ class RunPlanBox(QGroupBox):
         self.last_run = None  # the BatchRun last started
         self.error = ""
         self._last_step = None
+        self._machine: str | None = None  # the page's catalog machine, None for this one
         self._redraw = QTimer(self)
         self._redraw.setSingleShot(True)
         self._redraw.setInterval(REDRAW_MS)
@@ -93,6 +104,13 @@ class RunPlanBox(QGroupBox):
                                               name="predicted")
         self.measured_curve = self.plot.plot([], [], pen=pg.mkPen(ACCENT, width=2), name="measured",
                                              symbol="o", symbolSize=4, symbolBrush=ACCENT)
+        self.plot.show_note(empty_note(None))
+
+    def set_machine(self, machine: str | None) -> None:
+        """The machine the page plans for (a catalog name, None for this one): the empty chart's note names it."""
+        self._machine = machine
+        if not self.points:
+            self.plot.show_note(empty_note(machine))
 
     # ---- actions -----------------------------------------------------------------------------------------------------
     def _browse(self) -> None:
@@ -113,6 +131,7 @@ class RunPlanBox(QGroupBox):
         self.predicted = (run.predicted or {}).get("throughput_tokens_per_s")
         self.measured_curve.setData([], [])
         self.predicted_curve.setData([], [])
+        self.plot.show_note("Running: the first step's measurement comes here.")
         self.last_run = run
         self.service.start(run)
         self.run_button.setEnabled(False)
@@ -144,6 +163,7 @@ class RunPlanBox(QGroupBox):
         if report is None or not self.points:
             return
         xs, ys = zip(*self.points)
+        self.plot.hide_note()
         self.measured_curve.setData(list(xs), list(ys))
         if self.predicted is not None:
             self.predicted_curve.setData([0.0, max(xs)], [self.predicted, self.predicted])
@@ -169,6 +189,8 @@ class RunPlanBox(QGroupBox):
     def _failed(self, message: str) -> None:
         self.error = message
         self._say(message, BAD)
+        if not self.points:
+            self.plot.show_note(f"The run measured nothing: {message.splitlines()[0] if message else 'it failed'}")
 
     def _ended(self) -> None:
         self.run_button.setEnabled(True)

@@ -50,6 +50,7 @@ def alone(run, prompt: str, folder) -> str:
 
 def test_run_this_plan_draws_measured_against_predicted_and_stops(plan_page, qtbot, tmp_path, demo_checkpoint):
     box = plan_page.run_box
+    assert box.plot.note.isVisible() and "No measurement for cpu-generic" in box.plot.note.text()  # not bare axes
     qtbot.mouseClick(box.run_button, Qt.MouseButton.LeftButton)  # no prompts file yet: says so, starts nothing
     assert "choose a prompts file" in box.status.text() and not box.service.busy
 
@@ -71,6 +72,7 @@ def test_run_this_plan_draws_measured_against_predicted_and_stops(plan_page, qtb
     assert report["predicted"]["throughput_tokens_per_s"] == pytest.approx(predicted, rel=1e-3)
     # one point a step, tokens/s so far; the predicted line spans them
     assert len(box.points) == NEW_TOKENS and all(rate > 0 for _, rate in box.points)
+    assert not box.plot.note.isVisible() and box.plot.getAxis("bottom").isVisible()  # the note gave way to data
     xs, ys = box.measured_curve.getData()
     assert list(ys) == pytest.approx([rate for _, rate in box.points])
     px, py = box.predicted_curve.getData()

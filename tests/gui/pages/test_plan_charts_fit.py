@@ -36,3 +36,14 @@ def test_the_charts_keep_their_axis_labels_under_a_long_warning(app_window, qtbo
         assert axis.isVisible() or chart is plan.run_box.plot
         if axis.isVisible():  # the label below the ticks is drawn inside the chart
             assert axis.label.isVisible() and axis.sceneBoundingRect().bottom() <= chart.height()
+
+
+def test_predicted_vs_measured_says_why_it_is_empty(app_window, qtbot):
+    app_window.show_page("Plan")  # on this machine, as the app opens: nothing measured until Run this plan runs
+    chart = app_window.plan_page.run_box.plot
+    assert chart.note.isVisible() and chart.note.text().startswith("Nothing measured yet: Run this plan runs it")
+    plan = _plan(app_window, qtbot, "meta-llama/Meta-Llama-3.1-8B-Instruct", "rtx-4090")
+    left, bottom = chart.getAxis("left"), chart.getAxis("bottom")
+    assert chart.note.isVisible() and chart.note.text().startswith("No measurement for rtx-4090: it is a catalog")
+    assert not left.isVisible() and not bottom.isVisible()  # no bare 0-1 axes
+    assert chart.rect().contains(chart.note.geometry()) and plan.run_box.plot is chart
