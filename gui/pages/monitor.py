@@ -21,6 +21,7 @@ from hivekeeper.gui.services.system_usage import SystemUsage
 from hivekeeper.gui.widgets.contribution_panel import ContributionPanel
 
 WINDOW_S = 120.0  # seconds shown
+PERCENT_TOP = 110  # the top of the "Machine use" chart (%)
 SERIES = {
     "chat_tps": ("chat tokens/s", ACCENT),
     "node_rps": ("node requests/s", GOOD),
@@ -88,8 +89,8 @@ class MonitorPage(QWidget):
             plot.setMenuEnabled(False)
             plot.setXRange(-WINDOW_S, 0, padding=0)
             plot.addLegend(offset=(8, 8), labelTextSize="8pt")
-            if unit == "%":
-                plot.setYRange(0, 100, padding=0.02)
+            if unit == "%":  # a fixed range, headroom above 100% so a full CPU's line is not on the edge
+                plot.setYRange(0, PERCENT_TOP, padding=0)
             for name in names:
                 if name == "gpu" and not self.usage.has_gpu:
                     continue
