@@ -5,6 +5,7 @@ click (`SwarmPage.join_best`). Without peers given, the swarm is the public Peta
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import PurePath
 
 import numpy as np
 import pyqtgraph as pg
@@ -56,7 +57,14 @@ def model_cells(row: dict) -> list[str]:
         can = f"{start}:{end}, ~{fmt_rate(helps['rps'])} req/s"
     else:
         can = helps.get("reason") or "no block fits here"
-    return [row["dht_prefix"], str(row["servers"]), f"{row['covered_blocks']} of {row['num_blocks']}", weak, can]
+    return [model_name(row), str(row["servers"]), f"{row['covered_blocks']} of {row['num_blocks']}", weak, can]
+
+
+def model_name(row: dict) -> str:
+    """A swarm model's name as people know it: the repository it registered (a hub id), or a local folder's name;
+    never its swarm prefix (the hub id's name with '-hf' appended, which only the swarm's keys use)."""
+    repository = row["repository"]
+    return PurePath(repository).name if PurePath(repository).is_absolute() else repository
 
 
 def coverage_arrays(report: dict, my_peer_id: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -491,7 +499,7 @@ class SwarmPage(QWidget):
         for r, row in enumerate(rows):
             for c, text in enumerate(model_cells(row)):
                 item = QTableWidgetItem(text)
-                item.setToolTip(row["repository"] if c == 0 else text)
+                item.setToolTip(f"{row['repository']} (swarm prefix {row['dht_prefix']})" if c == 0 else text)
                 table.setItem(r, c, item)
         servers = sum(row["servers"] for row in rows)
         models_words = "1 model" if len(rows) == 1 else f"{len(rows)} models"
@@ -502,7 +510,9 @@ class SwarmPage(QWidget):
         self.join_best_button.setEnabled(best is not None and self.node.state not in BUSY_STATES)
         if best is not None:
             start, end = best["help"]["blocks"]
-            self.join_best_button.setText(f"Join {best['dht_prefix']}, blocks {start}:{end}")
+            self.join_best_button.setText(f"Join {model_name(best)}, blocks {start}:{end}")
+            self.join_best_button.setToolTip(f"{best['repository']}, served under the swarm prefix "
+                                             f"{best['dht_prefix']}")
         else:
             self.join_best_button.setText("Join where this machine helps most")
 
