@@ -18,6 +18,7 @@ slower than fp32), the packed block formats only on a CPU and only those the run
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -28,7 +29,7 @@ from .costmodel import (TIERS, Machine, Placement, Policy, Prediction, Workload,
 from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
 from .formats import BITSANDBYTES_FORMATS, PACKED_FORMATS
-from .hardware import HardwareSpec
+from .hardware import HEADROOM_RULE, HardwareSpec, tier_headroom
 from .models import ModelSpec
 from .runtime import RuntimeEstimate, idealized_runtime
 from .swarm import PackedSpan, ServerPlan, client_fits, plan_server
@@ -217,30 +218,60 @@ def evaluate_grid(model: ModelSpec, hardware: HardwareSpec, goal: str, constrain
 
 
 def _missing_bytes(grid: GridResult) -> dict[str, int]:
-    """For a model that fits nowhere: the least memory to add, per tier, over all candidates."""
+    """For a model that fits nowhere: the least memory to add, per tier, over all candidates, such that adding it
+    makes that candidate fit. Per candidate: the accelerator gets its fixed bytes and one streamed block's buffers
+    (or all the weights, if fewer); the host its fixed bytes and the RAM staging of what the accelerator leaves
+    (or all of it, if less); the disk then what the weight placement (solve_weight_placement, the same closed form
+    and floors the search uses) puts there beyond its capacity."""
     mem, machine = grid.mem, grid.machine
-    w_all = mem["w_all"]
-    streamed = np.minimum(w_all, mem["acc_buffers"] * mem["w_blk"])
-    need_acc = mem["acc"] + streamed
-    capacity = {"acc": machine.acc_capacity, "host": machine.host_capacity, "disk": machine.disk_capacity}
-    # weights that fit neither on the accelerator nor in RAM stream from disk through staging buffers in RAM
-    room = np.maximum(0.0, capacity["acc"] - need_acc) + np.maximum(0.0, capacity["host"] - mem["host"])
-    from_disk = (w_all - streamed - room) > 0
-    need_host = mem["host"] + np.where(from_disk, np.minimum(w_all, mem["host_staging"] * mem["w_blk"]), 0.0)
-    need = {"acc": need_acc, "host": need_host, "disk": mem["disk"]}
-    short = {t: np.maximum(0.0, need[t] - capacity[t]) for t in need}
-    free = sum(np.maximum(0.0, capacity[t] - need[t]) for t in need)
-    weights_short = np.maximum(0.0, mem["w_all"] - np.minimum(mem["w_all"], mem["acc_buffers"] * mem["w_blk"]) - free)
-    total = short["acc"] + short["host"] + short["disk"] + weights_short
+    w_all, w_blk = mem["w_all"], mem["w_blk"]
+    acc = np.maximum(machine.acc_capacity, mem["acc"] + np.minimum(w_all, mem["acc_buffers"] * w_blk))
+    unlimited = replace(machine, acc_capacity=acc, host_capacity=np.inf, disk_capacity=np.inf)
+    rest = 1.0 - solve_weight_placement(mem, unlimited)[0]
+    staged = np.where(rest > 0, np.minimum(rest * w_all, mem["host_staging"] * rest * w_blk), 0.0)
+    host = np.maximum(machine.host_capacity, mem["host"] + staged)
+    wa, wh, wd, ok = solve_weight_placement(mem, replace(unlimited, host_capacity=host))
+    disk = np.maximum(machine.disk_capacity, peak_memory(mem, wa, wh, wd)["disk"])
+    short = {"acc": acc - machine.acc_capacity, "host": host - machine.host_capacity,
+             "disk": disk - machine.disk_capacity}
+    # bytes are counted up: adding the amounts (as whole bytes) must be enough
+    total = np.where(ok, np.ceil(short["acc"]) + np.ceil(short["host"]) + np.ceil(short["disk"]), np.inf)
     i = int(np.argmin(total))
-    acc_name = machine.acc_tier
-    result = {"gpu": 0, "cpu": 0, "disk": 0}
-    result[acc_name] += int(short["acc"][i])
+    result = {"gpu": 0, "cpu": 0, "disk": int(np.ceil(short["disk"][i]))}
+    result[machine.acc_tier] += int(np.ceil(short["acc"][i]))
     if machine.has_host_tier:
-        result["cpu"] += int(short["host"][i])
-    result["disk"] += int(short["disk"][i] + weights_short[i])
-    result["total"] = int(total[i])
+        result["cpu"] += int(np.ceil(short["host"][i]))
+    result["total"] = result["gpu"] + result["cpu"] + result["disk"]
     return result
+
+
+def _device_growth(hardware: HardwareSpec, reserve: dict[str, float], usable: dict[str, int]) -> dict[str, int]:
+    """The usable bytes a tier lacks as bytes of device to add. Where the tier's reserve is the default headroom
+    rule's for this machine (`hivekeeper plan` without --reserve-gb), memory added raises the headroom too (5% of a
+    bigger disk), so the device must grow by more: to the smallest size whose usable part holds the shortfall."""
+    devices = {"cpu": (hardware.cpu.memory_bytes, hardware.cpu.in_use_bytes),
+               "disk": (hardware.disk.capacity_bytes, 0.0)}
+    if len(hardware.gpus) == 1 and not hardware.gpus[0].unified_memory:
+        devices["gpu"] = (hardware.gpus[0].memory_bytes, hardware.gpus[0].in_use_bytes)
+    grown = dict(usable)
+    for tier, (size, in_use) in devices.items():
+        kept = float(reserve.get(tier, 0.0))
+        if usable[tier] <= 0 or not math.isclose(kept, tier_headroom(tier, size, in_use), rel_tol=1e-9):
+            continue
+        minimum, fraction = HEADROOM_RULE[tier]
+        target = size - kept + usable[tier] + in_use  # usable bytes wanted, plus what other programs hold
+        grown[tier] = max(usable[tier], math.ceil(max(target + minimum, target / (1.0 - fraction)) - size))
+    grown["total"] = grown["gpu"] + grown["cpu"] + grown["disk"]
+    return grown
+
+
+def _gb_up(nbytes: float) -> str:
+    """Bytes as GB to three significant digits, rounded up: adding the amount a reason quotes is enough."""
+    gb = nbytes / 1e9
+    if gb <= 0:
+        return "0"
+    scale = 10.0 ** (2 - math.floor(math.log10(gb)))
+    return f"{math.ceil(gb * scale - 1e-9) / scale:.3g}"
 
 
 # ---- plans --------------------------------------------------------------------------------------------------------
@@ -303,10 +334,10 @@ def search(model: ModelSpec, hardware: HardwareSpec, goal: str = "chat", constra
             reason += (f" Locally {100 * prediction.policy.weights.disk:.0f}% of the weights would sit on disk "
                        f"({prediction.decode_tokens_per_s:.3g} tokens/s): run it with the swarm instead.")
     else:
-        missing = _missing_bytes(grid)
+        missing = _device_growth(hardware, constraints.reserve_bytes, _missing_bytes(grid))
         fit = "swarm" if client_ok else "none"
-        lacking = ", ".join(f"{tier} {missing[tier] / 1e9:.3g} GB" for tier in TIERS if missing[tier] > 0)
-        reason = f"does not fit locally: needs {missing['total'] / 1e9:.3g} GB more memory ({lacking})."
+        lacking = ", ".join(f"{tier} {_gb_up(missing[tier])} GB" for tier in TIERS if missing[tier] > 0)
+        reason = f"does not fit locally: needs {_gb_up(missing['total'])} GB more memory ({lacking})."
         reason += " The swarm can run it: this machine holds the client side." if client_ok else \
             " This machine cannot even hold the client side (embeddings and LM head)."
     runtime = None

@@ -392,11 +392,12 @@ def test_the_plans_policy_evaluated_again_gives_the_plans_prediction(batch_size,
 
 
 # ---- what a model that fits nowhere lacks ---------------------------------------------------------------------------
-def grown(hardware: HardwareSpec, missing: dict[str, int]) -> HardwareSpec:
-    """The machine with each tier's missing bytes (and a megabyte) added."""
-    gpus = tuple(dataclasses.replace(g, memory_bytes=g.memory_bytes + missing["gpu"] + 10**6) for g in hardware.gpus)
-    cpu = dataclasses.replace(hardware.cpu, memory_bytes=hardware.cpu.memory_bytes + missing["cpu"] + 10**6)
-    disk = dataclasses.replace(hardware.disk, capacity_bytes=hardware.disk.capacity_bytes + missing["disk"] + 10**6)
+def grown(hardware: HardwareSpec, missing: dict[str, int], extra: int = 0) -> HardwareSpec:
+    """The machine with each tier's missing bytes (plus `extra`, which may be negative, where some are) added."""
+    more = {tier: missing[tier] + extra if missing[tier] else 0 for tier in ("gpu", "cpu", "disk")}
+    gpus = tuple(dataclasses.replace(g, memory_bytes=g.memory_bytes + more["gpu"]) for g in hardware.gpus)
+    cpu = dataclasses.replace(hardware.cpu, memory_bytes=hardware.cpu.memory_bytes + more["cpu"])
+    disk = dataclasses.replace(hardware.disk, capacity_bytes=hardware.disk.capacity_bytes + more["disk"])
     return dataclasses.replace(hardware, gpus=gpus, cpu=cpu, disk=disk)
 
 
@@ -404,15 +405,22 @@ def grown(hardware: HardwareSpec, missing: dict[str, int]) -> HardwareSpec:
     (machine(gpu_gb=8, ram_gb=4, disk_gb=2), "disk"),  # 13.5 GB of weights: GPU + RAM + disk hold 14 GB, less runtime
     (machine(gpu_gb=0.5), "gpu"),  # not even the runtime and the embeddings
     (machine(gpu_gb=8, ram_gb=0.5), "cpu"),  # no RAM to stage weights streamed from disk
-], ids=["disk", "gpu", "ram"])
+    # session 9's finding: asked for 7.09 GB more disk, then, with that added, for 0 GB more
+    (machine(gpu_gb=4, ram_gb=2, disk_gb=3), "disk"),
+], ids=["disk", "gpu", "ram", "small-gpu"])
 def test_the_missing_memory_is_on_the_short_tier_and_adding_it_is_enough(hardware, short):
     for goal in ("chat", "batch"):
         plan = search(LLAMA2_7B, hardware, goal, Constraints(quant="none"), Workload(512, 128), EFF)
         missing = plan.missing_bytes
         assert plan.prediction is None and missing[short] > 0
         assert missing["total"] == missing["gpu"] + missing["cpu"] + missing["disk"] == missing[short]
+        # exactly the bytes asked for are enough (no reserve here: Constraints() keeps nothing free)
         bigger = search(LLAMA2_7B, grown(hardware, missing), goal, Constraints(quant="none"), Workload(512, 128), EFF)
         assert bigger.prediction is not None, (goal, missing)
+        if short == "disk":  # the disk takes the weights left over byte for byte: a megabyte less is not enough
+            less = search(LLAMA2_7B, grown(hardware, missing, -10**6), goal, Constraints(quant="none"),
+                          Workload(512, 128), EFF)
+            assert less.prediction is None and 0 < less.missing_bytes["disk"] <= 10**6 + 10**3, goal
 
 
 # ---- the grid's batch pairs, and the batch curve against the search -------------------------------------------------
@@ -572,13 +580,22 @@ def test_a_serve_plan_times_one_session_through_its_blocks_and_says_what_it_serv
                                   f"each). ")
 
 
+def gb_up(nbytes: int) -> str:
+    """GB to three significant digits, rounded up (so that adding the quoted amount is enough)."""
+    digits = 2 - math.floor(math.log10(nbytes / 1e9))
+    return f"{math.ceil(nbytes / 1e9 * 10**digits) / 10**digits:.3g}"
+
+
 def test_the_reason_of_a_model_that_fits_nowhere_quotes_the_missing_memory_per_tier():
     workload = Workload(prompt_len=512, output_len=128)
     for hardware in (machine(gpu_gb=8, ram_gb=4, disk_gb=2), machine(gpu_gb=0.3, ram_gb=0.3, disk_gb=1)):
         plan = search(LLAMA2_7B, hardware, "chat", Constraints(quant="none"), workload, EFF)
         missing = plan.missing_bytes
-        lacking = ", ".join(f"{tier} {missing[tier] / 1e9:.3g} GB" for tier in ("gpu", "cpu", "disk")
+        lacking = ", ".join(f"{tier} {gb_up(missing[tier])} GB" for tier in ("gpu", "cpu", "disk")
                             if missing[tier] > 0)
-        assert plan.reason.startswith(f"does not fit locally: needs {missing['total'] / 1e9:.3g} GB more memory "
+        assert plan.reason.startswith(f"does not fit locally: needs {gb_up(missing['total'])} GB more memory "
                                       f"({lacking}).")
-    assert "gpu 1.84 GB, cpu 1.1 GB, disk 11.5 GB" in plan.reason  # the second machine lacks memory on every tier
+    # the second machine lacks memory on every tier: the GPU and RAM get only their fixed bytes and one block's
+    # buffers, so every block's fp16 weights go to the 1 GB disk: 32 × (4·4096² + 3·4096·11008 + 2·4096) × 2 bytes
+    assert missing["disk"] == 32 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) * 2 - 10**9
+    assert "gpu 1.85 GB, cpu 1.11 GB, disk 12 GB" in plan.reason  # 1.8405, 1.1048 and 11.95 GB, rounded up
