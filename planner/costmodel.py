@@ -231,12 +231,36 @@ def _vector_bytes(fmt: WeightFormat) -> float:
 
 
 def packed_kernel_rate(cpu: ComputeDevice, weight_format: str) -> tuple[float, bool]:
-    """(weights/s of the packed format's one-row kernel on this CPU, whether measured): `hivekeeper measure`'s
-    figure (ComputeDevice.packed_kernels), else DEFAULT_PACKED_WEIGHTS_PER_CORE_S times the physical cores."""
-    measured = cpu.packed_kernels.get(weight_format)
+    """(weights/s of the packed format's one-row kernel on this CPU with its weights streamed from RAM, whether
+    measured): `hivekeeper measure`'s figure (ComputeDevice.packed_kernels); where only the in-cache rate was
+    measured (`measure --quick`), that one (a step's reads from RAM are the cost model's own term beside it); else
+    DEFAULT_PACKED_WEIGHTS_PER_CORE_S times the physical cores."""
+    measured = cpu.packed_kernels.get(weight_format) or cpu.packed_kernels_cached.get(weight_format)
     if measured:
         return float(measured), True
     return DEFAULT_PACKED_WEIGHTS_PER_CORE_S[weight_format] * (cpu.cores or 4), False
+
+
+def packed_cached_rate(cpu: ComputeDevice, weight_format: str) -> float:
+    """Weights/s of the packed format's one-row kernel with its weights in the last-level cache (measured:
+    ComputeDevice.packed_kernels_cached), else the streamed rate (packed_kernel_rate)."""
+    return float(cpu.packed_kernels_cached.get(weight_format) or packed_kernel_rate(cpu, weight_format)[0])
+
+
+def cached_share(working_bytes, cache_bytes: int | None):
+    """The share of a decode step's weights read from the last-level cache rather than RAM, for a step that reads
+    `working_bytes` of weights in turn: all of them where they fit the cache, none from twice its size (a span
+    that large leaves the cache cold between blocks: what measure's streamed spans time), linear between. 0 where
+    the cache is unknown."""
+    working = np.asarray(working_bytes, dtype=float)
+    if not cache_bytes:
+        return np.zeros_like(working)
+    return np.clip((2.0 * cache_bytes - working) / cache_bytes, 0.0, 1.0)
+
+
+def blended_rate(streamed, cached, share):
+    """The rate of a step that does `share` of its work at the cached rate and the rest at the streamed one."""
+    return 1.0 / (share / cached + (1.0 - share) / streamed)
 
 
 def experts_touched(experts: int, per_token: int, tokens):
@@ -335,6 +359,9 @@ class FormatTraits:
     overlapped: bool = False
     head_bytes: float = 0.0  # bytes per LM head parameter a step reads
     head_flops: float = 0.0  # the LM head's FLOP/s
+    # packed formats: the kernels' FLOP/s with the weights in the last-level cache (0: as gemv_flops / head_flops)
+    gemv_flops_cached: float = 0.0
+    head_flops_cached: float = 0.0
 
 
 def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
@@ -382,7 +409,9 @@ def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
     return FormatTraits(fmt, stored, read_bytes_gemv=stored, read_bytes_gemm=stored + 4.0, vector_bytes=4.0,
                         kv_bytes=4.0, kv_read_factor=1.0, peak_flops=float(fp32_rate),
                         gemv_flops=2.0 * packed_kernel_rate(cpu, fmt.name)[0], overlapped=True,
-                        head_bytes=get_format(PACKED_HEAD_FORMAT).bytes_per_param, head_flops=2.0 * head_rate)
+                        head_bytes=get_format(PACKED_HEAD_FORMAT).bytes_per_param, head_flops=2.0 * head_rate,
+                        gemv_flops_cached=2.0 * packed_cached_rate(cpu, fmt.name),
+                        head_flops_cached=2.0 * packed_cached_rate(cpu, PACKED_HEAD_FORMAT))
 
 
 def sixteen_bit_format(model: ModelSpec, machine: Machine) -> str:
@@ -549,10 +578,11 @@ class CandidateArrays:
     kv_bytes: np.ndarray
     kv_read_factor: np.ndarray
     peak_flops: np.ndarray
-    gemv_flops: np.ndarray  # FLOP/s of a decode of a few rows (packed formats: their kernels)
+    gemv_flops: np.ndarray  # FLOP/s of a decode of a few rows (packed formats: their kernels, as cached as they fit)
     overlapped: np.ndarray  # packed formats: a decode step takes max(reads, kernel compute), not their sum
     head_bytes: np.ndarray  # bytes per LM head parameter read
     head_flops: np.ndarray
+    cached_share: np.ndarray  # packed formats: the share of a step's weights read from the last-level cache
     block_bytes: np.ndarray  # one block's weights at rest
     kv_token: np.ndarray  # one token of one block's K and V
     cached_per_token: np.ndarray  # what is kept per token and block: K and V, or the block's input when recomputing
@@ -568,6 +598,8 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
     recompute, cpu_attention = c["rec"] > 0, c["cattn"] > 0
     kv_token = 2.0 * numbers.kv_dim * kv
     off = 1.0 - c["ca"]
+    block_bytes = numbers.matrix_params * stored + numbers.vector_params * vector
+    share, gemv_flops, head_flops = packed_cache_terms(numbers, machine, traits, c["fmt"], block_bytes)
     return CandidateArrays(
         numbers=numbers, machine=machine, acc_eff=eff.accelerator, host_eff=eff.host,
         weights_on_acc=c["wa"], weights_on_disk=c["wd"], cache_on_acc=c["ca"], cache_on_disk=c["cd"],
@@ -575,12 +607,29 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         recompute=recompute, cpu_attention=cpu_attention, batch=c["b"] * c["n"],
         stored_bytes=stored, gemv_bytes=trait("read_bytes_gemv"), gemm_bytes=trait("read_bytes_gemm"),
         vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"), peak_flops=trait("peak_flops"),
-        gemv_flops=trait("gemv_flops"), overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
-        head_flops=trait("head_flops"),
-        block_bytes=numbers.matrix_params * stored + numbers.vector_params * vector, kv_token=kv_token,
+        gemv_flops=gemv_flops, overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
+        head_flops=head_flops, cached_share=share, block_bytes=block_bytes, kv_token=kv_token,
         cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
         attention_on_acc=c["ca"] + off * (~cpu_attention),
     )
+
+
+def packed_cache_terms(numbers: ModelNumbers, machine: Machine, traits: list[FormatTraits], index: np.ndarray,
+                       block_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(share of a decode step's weights read from the last-level cache, the kernels' FLOP/s, the head's), per
+    candidate: a packed model's blocks and head (every block: a CPU-only machine's decode reads them all in turn)
+    against the CPU's cache (cached_share), each rate blended between its streamed and in-cache measurement. Other
+    formats: share 0 and their rates as they are."""
+    trait = lambda attribute: _per_format(traits, index, attribute)  # noqa: E731
+    gemv, head = trait("gemv_flops"), trait("head_flops")
+    packed = trait("overlapped") > 0
+    working = numbers.layers * block_bytes + numbers.head_params * trait("head_bytes")
+    cache = machine.acc.cache_bytes if machine.acc.kind == "cpu" else None
+    share = np.where(packed, cached_share(working, cache), 0.0)
+    gemv_cached = np.where(trait("gemv_flops_cached") > 0, trait("gemv_flops_cached"), gemv)
+    head_cached = np.where(trait("head_flops_cached") > 0, trait("head_flops_cached"), head)
+    return share, np.where(packed, blended_rate(gemv, gemv_cached, share), gemv), \
+        np.where(packed, blended_rate(head, head_cached, share), head)
 
 
 @dataclass(frozen=True)
@@ -696,6 +745,7 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     flops = grid.batch * numbers.flops_per_token + attention_flops * grid.attention_on_acc \
         + np.where(grid.recompute, 4.0 * numbers.hidden * numbers.kv_dim * context * grid.batch, 0.0)
     kernel_rows = grid.overlapped & (rows <= PACKED_KERNEL_ROWS)
+    nbytes = nbytes - np.where(kernel_rows, grid.micro_batches * touched * read_per_param * grid.cached_share, 0.0)
     work = accelerator_work(grid, nbytes, bytes_min, flops, np.where(kernel_rows, kernel_peak(grid, grid.gemv_flops),
                                                                      grid.peak_flops))
     if kernel_rows.any():
@@ -780,7 +830,8 @@ def lm_head(grid: CandidateArrays) -> AcceleratorWork:
     nbytes = grid.numbers.head_params * grid.head_bytes
     flops = grid.batch * 2.0 * grid.numbers.head_params
     kernel_rows = grid.overlapped & (grid.batch <= PACKED_KERNEL_ROWS)
-    work = accelerator_work(grid, nbytes * weight_reads(grid, grid.batch), nbytes, flops,
+    reads = nbytes * weight_reads(grid, grid.batch) * np.where(kernel_rows, 1.0 - grid.cached_share, 1.0)
+    work = accelerator_work(grid, reads, nbytes, flops,
                             np.where(kernel_rows, kernel_peak(grid, grid.head_flops), grid.peak_flops))
     return overlap(work, kernel_rows) if kernel_rows.any() else work
 

@@ -50,9 +50,13 @@ class ComputeDevice:
     decode_streaming: DecodeStreaming | None = None  # a CPU's measured decode weight streaming (None: not measured)
     in_use_bytes: int = 0  # memory other programs held when this machine was detected (0 for catalog machines)
     # a CPU's packed-format kernels (GGUF Q8_0/Q4_0/Q4_1), as `hivekeeper measure` timed them: format -> weights
-    # multiplied per second by a one-row product whose weights sit in cache (their compute, not RAM's, rate);
-    # empty where not measured (the cost model then uses costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S)
+    # multiplied per second in whole one-row decode steps of a span beyond the last-level cache (its weights read from
+    # RAM); empty where not measured (the cost model then uses costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S)
     packed_kernels: dict[str, float] = field(default_factory=dict)
+    # the same kernels' rate where a decode step's weights stay in the last-level cache (a span smaller than it, timed
+    # step after step): the planner takes it for a model whose weights fit `cache_bytes` (costmodel.cached_share)
+    packed_kernels_cached: dict[str, float] = field(default_factory=dict)
+    cache_bytes: int | None = None  # a CPU's last-level cache (detected); None: unknown, every model streamed
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; falls back to fp32's rate (or the best known) when not listed."""

@@ -54,6 +54,7 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "pcie_gen": (1, 7),
     "pcie_lanes": (1, 32),
     "gweights_per_s": (0.001, 100_000.0),  # a CPU's packed-format kernels, billions of weights per second
+    "cache_mib": (0.0625, 65_536.0),  # a CPU's last-level cache, MiB
 }
 
 # the end of a too-large value's error: a value 1000x too large is usually in the wrong unit
@@ -228,7 +229,8 @@ _NETWORK_SOURCE_KEYS = ("upload_bps", "download_bps", "rtt_s")
 _GPU_KEYS = {"name", "memory_gb", "memory_gib", "memory_bandwidth_gbps", "flops_tflops", "power_w", "host_link_gbps",
              "pcie_gen", "pcie_lanes", "unified_memory", "in_use_gb"}
 _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w",
-             "decode_streaming", "in_use_gb", "packed_kernels_gweights_per_s"}
+             "decode_streaming", "in_use_gb", "packed_kernels_gweights_per_s", "packed_kernels_cached_gweights_per_s",
+             "cache_mib"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0)}  # issue 23: measured per-block cost of a decode step
@@ -249,10 +251,10 @@ def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
                            block / 1e3 if block is not None else None)
 
 
-def _parse_packed_kernels(s: _Section) -> dict[str, float]:
+def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s") -> dict[str, float]:
     """The cpu section's optional "packed_kernels_gweights_per_s": {"q4_0": 6.1, ...} (measured rates of the packed
-    formats' kernels, hardware.ComputeDevice.packed_kernels) in weights/s."""
-    key = "packed_kernels_gweights_per_s"
+    formats' kernels, hardware.ComputeDevice.packed_kernels) in weights/s; or, with key
+    "packed_kernels_cached_gweights_per_s", their rates with the weights in the last-level cache."""
     table = s.doc.get(key)
     if table is None:
         return {}
@@ -320,6 +322,8 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         decode_streaming=_parse_decode_streaming(s.doc.get("decode_streaming"), where),
         in_use_bytes=in_use_bytes(s, s.size_gb("ram", "ram_gb")),
         packed_kernels=_parse_packed_kernels(s),
+        packed_kernels_cached=_parse_packed_kernels(s, "packed_kernels_cached_gweights_per_s"),
+        cache_bytes=int(s.limited("cache_mib", "cache_mib") * (1 << 20)) if s.has("cache_mib") else None,
     )
 
 
@@ -636,6 +640,10 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
             **({"packed_kernels_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_kernels.items()}}
                if cpu.packed_kernels else {}),
+            **({"packed_kernels_cached_gweights_per_s": {name: _unit(rate, 1e9)
+                                                         for name, rate in cpu.packed_kernels_cached.items()}}
+               if cpu.packed_kernels_cached else {}),
+            **({"cache_mib": round(cpu.cache_bytes / (1 << 20), 4)} if cpu.cache_bytes else {}),
             "sources": dict(cpu.sources),
         },
         "disk": {

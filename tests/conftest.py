@@ -23,6 +23,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # On a CPU that really lacks AVX2 the native kernels stay off whatever is pinned: tests of them say so and skip.
 SUITE_CPU_FLAGS = "sse2 avx avx2 fma"
 os.environ["HIVEKEEPER_CPU_FLAGS"] = SUITE_CPU_FLAGS
+# ... and a 32 MiB last-level cache, whatever the host has (which measured decode rate a plan takes depends on it)
+os.environ["HIVEKEEPER_LLC_MIB"] = "32"
 
 
 def _isolate_user_folders() -> None:

@@ -6,6 +6,10 @@ features can be pinned with HIVEKEEPER_CPU_FLAGS (flags separated by spaces or c
 e.g. "avx2 fma avx512f avx512_bf16"; "none" for a CPU without any): the test suite runs each case on every machine.
 Pinned flags replace what the CPU reports for every decision, except that code which would execute an instruction
 (the native kernels) also checks the real CPU, so pinning a flag the CPU lacks can switch a path off, never on.
+
+The last-level cache's size (from /sys) is read here too and pinned the same way (HIVEKEEPER_LLC_MIB): whether a
+model's weights fit it decides which measured decode rate the planner takes (issue 23), and the benchmarks size
+their spans by it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from functools import lru_cache
 from pathlib import Path
 
 FLAGS_ENV = "HIVEKEEPER_CPU_FLAGS"
+LLC_ENV = "HIVEKEEPER_LLC_MIB"
+CPU_CACHE_SYS = Path("/sys/devices/system/cpu/cpu0/cache")
+LLC_FALLBACK_BYTES = 32 << 20  # where /sys does not say: a typical desktop L3
 CPUINFO = Path("/proc/cpuinfo")
 HALF_MATH_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 NATIVE_KERNEL_FLAGS = frozenset({"avx2", "fma"})
@@ -87,3 +94,22 @@ def describe() -> str:
     shown = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "neon"})
     origin = f"pinned by {FLAGS_ENV}" if pinned_flags() is not None else "reported by the CPU"
     return f"{' '.join(shown) or 'no SIMD flags of interest'} ({origin})"
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (the last level, e.g. L3) in bytes: HIVEKEEPER_LLC_MIB where set, else /sys (Linux),
+    else LLC_FALLBACK_BYTES."""
+    pinned = os.environ.get(LLC_ENV)
+    if pinned:
+        return int(float(pinned) * (1 << 20))
+    sizes = []
+    for index in CPU_CACHE_SYS.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=LLC_FALLBACK_BYTES)

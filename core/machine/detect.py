@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from hivekeeper.core.machine.cpu_dtype_rule import choice_for, with_choice
-from hivekeeper.core.machine.cpu_features import cpu_flags, cpu_model_name, cpuinfo_fields
+from hivekeeper.core.machine.cpu_features import cpu_flags, cpu_model_name, cpuinfo_fields, last_level_cache_bytes
 from hivekeeper.planner.hardware import ComputeDevice, HardwareSpec
 from hivekeeper.planner.hardware_catalog import (
     GIB,
@@ -78,6 +78,7 @@ def detect_cpu_section() -> dict:
         "cores": cores,
         "ram_gb": clamp_to_limit(memory.total / 1e9, "ram_gb"),
         "in_use_gb": max(0, memory.total - memory.available) / 1e9,
+        "cache_mib": clamp_to_limit(last_level_cache_bytes() / (1 << 20), "cache_mib"),
         "ram_bandwidth_gbps": ram_gbps,
         "flops_tflops": {k: clamp_to_limit(v, "tflops") for k, v in flops.items()},
         "power_w": min(max(10.0 * cores, 15.0), 300.0),

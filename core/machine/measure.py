@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable, TextIO
 
 import numpy as np
@@ -27,10 +26,10 @@ import torch
 
 from hivekeeper.planner.errors import InputError
 
-from hivekeeper.core.machine.cpu_features import has_half_math
+from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
-    WEIGHTS_PER_S, Measurement)
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY,
+    WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (BLAS_MIN_WEIGHT_ELEMENTS, blas_active, linear,
                                                         physical_cores, store_tall_by_column, torch_threads,
@@ -255,22 +254,6 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
     ]
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache (the last level, e.g. L3) in bytes, from /sys (Linux); LLC_FALLBACK_BYTES elsewhere."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append(int(digits) * scale)
-    return max(sizes, default=LLC_FALLBACK_BYTES)
-
-
-LLC_FALLBACK_BYTES = 32 << 20  # where /sys does not say: a typical desktop L3
 
 
 def decode_span(hidden: int, total_bytes: int):
@@ -328,7 +311,7 @@ def decode_steps(config, span, rows: int) -> Callable[[], None]:
 
 
 def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repeats: int = 5,
-                          cache_bytes: int | None = None) -> list[Measurement]:
+                          cache_bytes: int | None = None, step_repeats: int = STEP_REPEATS) -> list[Measurement]:
     """How a decode step runs here, through the runtime's own decode path (Span.forward: the native kernels'
     whole-span step where they are built, numpy's otherwise), on two spans of random decoder blocks, each larger
     than twice the last-level cache (read from /sys) and than `total_bytes`: one `hidden` wide (few large blocks),
@@ -344,7 +327,7 @@ def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repe
     previous_threads = torch.get_num_threads()
     use_blas_threads()  # the runtime's thread layout (its decode path depends on it)
     try:
-        return _decode_block_measurements(hidden, total_bytes, max(repeats, STEP_REPEATS),
+        return _decode_block_measurements(hidden, total_bytes, max(repeats, step_repeats),
                                           last_level_cache_bytes() if cache_bytes is None else cache_bytes)
     finally:
         torch.set_num_threads(previous_threads)
@@ -393,7 +376,7 @@ def fit_bytes_and_blocks(a: tuple[float, float, int], b: tuple[float, float, int
     (t1, b1, n1), (t2, b2, n2) = a, b
     determinant = n2 * b1 - n1 * b2
     per_block = (t2 * b1 - t1 * b2) / determinant if determinant else 0.0
-    if per_block <= 0 or per_block * max(n1, n2) >= min(t1, t2) * 0.9:
+    if per_block <= 0 or per_block * n1 >= t1 * 0.9 or per_block * n2 >= t2 * 0.9:
         return 0.0, max(b1 / t1, b2 / t2)
     return per_block, b1 / (t1 - n1 * per_block)
 
@@ -491,40 +474,52 @@ def packed_span(fmt: str, hidden: int, total_bytes: int):
 
 
 def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_bytes: int = 384 << 20,
-                           cache_bytes: int | None = None, block_overhead_s: float = 0.0) -> list[Measurement]:
+                           cache_bytes: int | None = None, block_overhead_s: float = 0.0,
+                           streamed: bool = True, step_repeats: int = STEP_REPEATS) -> list[Measurement]:
     """Weights/s of each packed format (GGUF Q8_0/Q4_0/Q4_1) in a decode step as a packed model takes it: one-row
-    steps through a span of `hidden`-wide random packed blocks (packed_span) larger than twice the last-level cache
-    and than `total_bytes`, on the runtime's own decode path (the native kernels' whole-span step, or numpy's
-    dequantized products where they are missing). The rate is the span's weights over its step time less
-    `block_overhead_s` a block (the fixed cost measure_decode_blocks fitted, which the planner adds to every
-    block), so a thin packed model is planned at the step these spans took: per-product costs, cold caches between
-    blocks and reading the packed bytes from RAM are in the rate (issue 23: a product of one matrix that stayed in
-    cache read 1.4x faster than SmolLM2's decode).
+    steps through spans of `hidden`-wide random packed blocks (packed_span), on the runtime's own decode path (the
+    native kernels' whole-span step, or numpy's dequantized products where they are missing), in two regimes:
 
-    The formats are timed in turn (q8_0, q4_0, q4_1, q8_0, ...), at least STEP_REPEATS times each, and each keeps
-    its fastest: on a shared machine a busy spell hits every format alike rather than one of them."""
+    - cached (PACKED_CACHED_KEY): a span of a third of the last-level cache, stepped through again and again, so its
+      weights stay in the cache, as a small model's do (issue 23: SmolLM2's 84 MB of packed weights fit a 105 MiB
+      L3, and decoded faster than a span beyond it);
+    - streamed (PACKED_KERNEL_KEY, only with `streamed`): a span larger than twice the last-level cache and than
+      `total_bytes`, so caches are cold between blocks and the packed bytes come from RAM, as a large model's do.
+
+    The rate is the span's weights over its step time less `block_overhead_s` a block (the fixed cost
+    measure_decode_blocks fitted, which the planner adds to every block), so a thin packed model is planned at the
+    step these spans took. The planner takes the cached rate for a model whose weights fit the cache, the streamed
+    one for a model twice its size, and blends between (costmodel.cached_share).
+
+    The spans are timed in turn (q8_0, q4_0, q4_1, q8_0, ...), at least `step_repeats` times each, and each keeps its
+    fastest: on a shared machine a busy spell hits every format alike rather than one of them."""
     from hivekeeper.core.runtime.quant.blocks import FORMATS
 
+    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    sizes = {PACKED_CACHED_KEY: max(cache // 3, 1)}
+    if streamed:
+        sizes[PACKED_KERNEL_KEY] = max(total_bytes, 2 * cache)
     previous_threads = torch.get_num_threads()
     use_blas_threads()  # the runtime's thread layout (its decode path depends on it)
     try:
         load = load_average()
-        size = max(total_bytes, 2 * (last_level_cache_bytes() if cache_bytes is None else cache_bytes))
-        spans = {name: packed_span(name, hidden, size) for name in FORMATS}
+        spans = {(key, name): packed_span(name, hidden, size) for key, size in sizes.items() for name in FORMATS}
         steps = [decode_steps(config, span, 1) for config, span, _ in spans.values()]
-        timed = _alternating_seconds(steps, max(repeats, STEP_REPEATS))
+        timed = _alternating_seconds(steps, max(repeats, step_repeats))
     finally:
         torch.set_num_threads(previous_threads)
     path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
     results = []
-    for (name, (config, _, weights)), seconds in zip(spans.items(), timed):
+    for ((key, name), (config, _, weights)), seconds in zip(spans.items(), timed):
         kernel_seconds = [packed_kernel_seconds(s, config.num_layers, block_overhead_s) for s in seconds]
+        where = "in the last-level cache" if key == PACKED_CACHED_KEY else "beyond the caches"
         results.append(_rate_measurement(
-            f"{PACKED_KERNEL_KEY}{name}", f"CPU {name} decode step (one row)", WEIGHTS_PER_S, float(weights),
+            f"{key}{name}", f"CPU {name} decode step (one row, {where})", WEIGHTS_PER_S, float(weights),
             kernel_seconds, load,
             f"one-row decode steps of {config.num_layers} random {name} blocks of width {hidden} "
-            f"({weights * format_bytes(name) / 2**20:.0f} MiB packed, beyond the caches), {path}, fastest "
-            f"{min(seconds) * 1e3:.3g} ms less {block_overhead_s * 1e3:.3g} ms a block; the formats timed in turn"))
+            f"({weights * format_bytes(name) / 2**20:.0f} MiB packed, {where}: {cache / 2**20:.0f} MiB), {path}, "
+            f"fastest {min(seconds) * 1e3:.3g} ms less {block_overhead_s * 1e3:.3g} ms a block; the spans timed in "
+            "turn"))
     return results
 
 
@@ -818,14 +813,17 @@ class BenchmarkSizes:
     peer_bytes: int = 16 << 20
     repeats: int = 5
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
-    packed_hidden: int | None = PACKED_HIDDEN  # the packed formats' spans: this wide, stream_bytes or twice the
-    # last-level cache each; None: skip them (TINY)
+    packed_hidden: int | None = PACKED_HIDDEN  # the packed formats' spans: this wide, a third of the last-level
+    # cache each (cached), and stream_bytes or twice the cache each (streamed); None: skip them (TINY)
+    packed_streamed: bool = True  # False: only the cached spans (QUICK: the streamed ones are 3 x 2 x the cache)
+    step_repeats: int = STEP_REPEATS  # timings of each whole decode step at least (they take milliseconds)
 
 
 # QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads)
 QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill_rows=128, matmul_seconds=0.05,
                        stream_hidden=1024, stream_bytes=64 << 20, half_hidden=768, half_bytes=64 << 20,
-                       disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"))
+                       disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"),
+                       packed_streamed=False, step_repeats=4)
 
 
 # a few megabytes, the caches ignored: for tests and screenshots, where the numbers do not matter
@@ -851,12 +849,13 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     if "fp32" in sizes.dtypes:
         steps.append(("CPU decode steps",
                       lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
-                                                    sizes.cache_bytes)))
+                                                    sizes.cache_bytes, sizes.step_repeats)))
     results: list[Measurement] = []
     if sizes.packed_hidden is not None:  # after the decode steps, whose fitted fixed cost of a block it takes
         steps.append(("CPU packed-format decode steps",
                       lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
-                                                     sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY))))
+                                                     sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY),
+                                                     sizes.packed_streamed, sizes.step_repeats)))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, sizes.half_bytes, sizes.repeats)]))

@@ -16,6 +16,8 @@ BLOCK_OVERHEAD_KEY = "cpu_decode_block_overhead"  # measure.measure_decode_block
 SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
 # measure.measure_packed_kernels: one result per packed format, key PACKED_KERNEL_KEY + format ("q4_0"), weights/s
 PACKED_KERNEL_KEY = "cpu_packed_kernel_"
+# ... and with the span's weights in the last-level cache: key PACKED_CACHED_KEY + format, weights/s
+PACKED_CACHED_KEY = "cpu_packed_cached_"
 WEIGHTS_PER_S = "weights/s"  # its unit
 # measure.measure_half_decode's result (bf16 step time / fp32 step time), read by cpu_dtype to pick a CPU's 16-bit dtype
 HALF_DECODE_KEY = "cpu_decode_bf16_vs_fp32"

@@ -34,8 +34,8 @@ from hivekeeper.planner.hardware_catalog import clamp_to_limit
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
-    WEIGHTS_PER_S, Measurement)
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY,
+    WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -169,12 +169,13 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                            block_overhead_s=min(0.1, max(0.0, block.value)) if block is not None else None)
 
 
-def packed_kernel_rates(measurements: list[Measurement]) -> dict[str, float]:
+def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KERNEL_KEY) -> dict[str, float]:
     """format -> weights/s of the packed formats' kernels (measure.measure_packed_kernels), as the planner takes them
-    (hardware.ComputeDevice.packed_kernels); empty where not measured (profiles saved before they were)."""
-    return {m.key[len(PACKED_KERNEL_KEY):]: clamp_to_limit(m.value / 1e9, "gweights_per_s") * 1e9
-            for m in measurements if m.key.startswith(PACKED_KERNEL_KEY) and m.key[len(PACKED_KERNEL_KEY):]
-            in PACKED_FORMATS and m.value > 0}
+    (hardware.ComputeDevice.packed_kernels; with prefix PACKED_CACHED_KEY, the rates in the last-level cache:
+    packed_kernels_cached); empty where not measured (profiles saved before they were)."""
+    return {m.key[len(prefix):]: clamp_to_limit(m.value / 1e9, "gweights_per_s") * 1e9
+            for m in measurements if m.key.startswith(prefix) and m.key[len(prefix):] in PACKED_FORMATS
+            and m.value > 0}
 
 
 # ---- measured numbers into a spec ---------------------------------------------------------------------------------
@@ -230,9 +231,10 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
     streaming = decode_streaming(measurements)
     if streaming is not None:
         cpu = dataclasses.replace(cpu, decode_streaming=streaming)
-    kernels = packed_kernel_rates(measurements)
-    if kernels:
-        cpu = dataclasses.replace(cpu, packed_kernels=kernels)
+    kernels, cached = packed_kernel_rates(measurements), packed_kernel_rates(measurements, PACKED_CACHED_KEY)
+    if kernels or cached:
+        cpu = dataclasses.replace(cpu, packed_kernels=kernels or cpu.packed_kernels,
+                                  packed_kernels_cached=cached or cpu.packed_kernels_cached)
 
     disk_changes, disk_sources = {}, dict(disk.sources)
     for key, attr in (("disk_read", "read_bandwidth"), ("disk_write", "write_bandwidth")):
@@ -312,6 +314,8 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
         default, _ = packed_kernel_rate(dataclasses.replace(cpu, packed_kernels={}), name)
         rows.append(row("CPU", f"{name} kernel, one row", default, f"{PACKED_KERNEL_KEY}{name}", WEIGHTS_PER_S,
                         "default: costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S x cores"))
+        rows.append(row("CPU", f"{name} kernel, one row, weights in cache", default, f"{PACKED_CACHED_KEY}{name}",
+                        WEIGHTS_PER_S, "default: costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S x cores"))
     rows.append(row("disk", "read (uncached)", detected.disk.read_bandwidth, "disk_read", "B/s",
                     detected.disk.sources.get("read_bandwidth", "")))
     rows.append(row("disk", "write", detected.disk.write_bandwidth, "disk_write", "B/s",

@@ -11,8 +11,8 @@ import pytest
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import (STEP_REPEATS, format_bytes, measure_packed_kernels, packed_kernel_seconds,
                                              packed_span, random_packed_matrix)
-from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY,
-                                                 WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
+                                                 SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profiles import apply_measurements, comparison_rows, packed_kernel_rates
 from hivekeeper.planner.calibration import measured_efficiency
 from hivekeeper.planner.costmodel import Placement, Policy, Workload, evaluate, model_numbers
@@ -55,15 +55,26 @@ def test_one_rate_per_format_from_whole_packed_decode_steps(monkeypatch):
         return lambda: order.append(fmt) or step()
 
     monkeypatch.setattr(measure, "decode_steps", recorded)
-    results = measure_packed_kernels(repeats=2, **TINY_SPAN)
-    assert [m.key for m in results] == [f"{PACKED_KERNEL_KEY}{name}" for name in PACKED_FORMATS]
+    spans, real_span = [], measure.packed_span
+    monkeypatch.setattr(measure, "packed_span", lambda *a: spans.append(real_span(*a)) or spans[-1])
+    results = measure_packed_kernels(repeats=2, **{**TINY_SPAN, "cache_bytes": 96 << 10})
+    assert [m.key for m in results] == [f"{key}{name}" for key in (PACKED_CACHED_KEY, PACKED_KERNEL_KEY)
+                                        for name in PACKED_FORMATS]
     for m in results:
         assert m.unit == WEIGHTS_PER_S and m.value > 0 and m.repeats == len(m.samples) == STEP_REPEATS
         assert m.value == max(m.samples) and "blocks of width 64" in m.detail and "in turn" in m.detail
+    # the cached spans a third of the last-level cache, the streamed ones beyond twice it
+    packed = [weights * format_bytes(fmt) for (_, _, weights), fmt in zip(spans, [*PACKED_FORMATS, *PACKED_FORMATS])]
+    assert all(size < (96 << 10) / 2 for size in packed[:3]) and all(size > 1.5 * (96 << 10) for size in packed[3:])
     if measure.native_kernels.library() is not None:
         assert native and all(out is not None for out in native)  # the kernels' whole-span step, every time
     switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
-    assert set(order) == set(PACKED_FORMATS) and switches >= len(PACKED_FORMATS) * STEP_REPEATS - 1
+    assert set(order) == set(PACKED_FORMATS) and switches >= 2 * len(PACKED_FORMATS) * STEP_REPEATS - 1
+    # `measure --quick`: only the cached spans, fewer timings
+    quick = measure_packed_kernels(repeats=2, **{**TINY_SPAN, "cache_bytes": 96 << 10}, streamed=False,
+                                   step_repeats=3)
+    assert [m.key for m in quick] == [f"{PACKED_CACHED_KEY}{name}" for name in PACKED_FORMATS]
+    assert all(m.repeats == 3 for m in quick)
 
 
 @pytest.mark.parametrize("fmt", PACKED_FORMATS)
