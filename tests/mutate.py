@@ -255,11 +255,31 @@ cp "$kept" "$out"
 """
 
 
-def mutmut_environment() -> dict[str, str]:
-    """The environment of a mutmut run: hypothesis's "mutate" profile, and CC reusing native builds (REUSING_CC)
-    unless CC is set or no compiler is found."""
+# A pytest plugin (PYTEST_PLUGINS, from WORK on PYTHONPATH): a mutant's tests run in the order of the scope's `tests`
+# list, whatever order mutmut names them in (a set's). mutmut runs them with -x, so a scope that lists its fast
+# in-process tests first stops a killed mutant before any slow one (a P2P daemon, a model) starts. It is loaded
+# through the environment, not mutmut's pytest arguments: a change of those makes mutmut drop every verdict.
+ORDER_PLUGIN = """import json, os
+ORDER = json.loads(os.environ.get("HIVEKEEPER_MUTATE_ORDER", "[]"))
+def rank(item):
+    path = item.nodeid.removeprefix("mutants/")
+    return next((i for i, listed in enumerate(ORDER) if path == listed or path.startswith(listed + "::")),
+                len(ORDER))
+def pytest_collection_modifyitems(items):
+    items.sort(key=rank)
+"""
+
+
+def mutmut_environment(scope: dict | None = None) -> dict[str, str]:
+    """The environment of a mutmut run: hypothesis's "mutate" profile, the scope's test order (ORDER_PLUGIN), and
+    CC reusing native builds (REUSING_CC) unless CC is set or no compiler is found."""
     env = dict(os.environ)
     env.setdefault("HYPOTHESIS_PROFILE", "mutate")  # a failing property test is not shrunk (tests/conftest.py)
+    WORK.mkdir(parents=True, exist_ok=True)
+    (WORK / "hk_mutate_order.py").write_text(ORDER_PLUGIN)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORK), env.get("PYTHONPATH")]))
+    env["PYTEST_PLUGINS"] = ",".join(filter(None, ["hk_mutate_order", env.get("PYTEST_PLUGINS")]))
+    env["HIVEKEEPER_MUTATE_ORDER"] = json.dumps((scope or {}).get("tests", []))
     compiler = shutil.which("cc") or shutil.which("gcc")
     if "CC" in env or compiler is None:
         return env
@@ -271,14 +291,15 @@ def mutmut_environment() -> dict[str, str]:
     return env
 
 
-def run_mutmut(folder: Path, jobs: int, seconds: float, names: list[str] = ()) -> tuple[int | None, str]:
+def run_mutmut(folder: Path, jobs: int, seconds: float, names: list[str] = (), scope: dict | None = None) \
+        -> tuple[int | None, str]:
     """`mutmut run [names]` in folder, stopped (with its process group) at the deadline; (exit code or None,
     output). Named mutants are tested again even when the cache has a result for them."""
     log = folder / "run.log"
     with log.open("wb") as out:
         child = subprocess.Popen([str(BIN / "mutmut"), "run", "--max-children", str(jobs), *names], cwd=folder,
                                  stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env=mutmut_environment())
+                                 start_new_session=True, env=mutmut_environment(scope))
         try:
             code = child.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
@@ -351,7 +372,7 @@ def run_scope(name: str, shared: dict, scope: dict, args: argparse.Namespace) ->
     if not chosen and up_to_date(folder, scope):
         print(f"mutate: {name}: every mutant of the current code has a verdict; mutmut not run", file=sys.stderr)
         chosen = True
-    code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale, names) \
+    code, output = run_mutmut(folder, args.jobs, 60 * scope["minutes"] * args.minutes_scale, names, scope) \
         if names or not chosen else (0, "")
     if code not in (0, None):  # mutmut itself failed (a test failing without mutants, a setup error)
         print(f"mutate: mutmut failed in {folder} (exit {code}):\n{output[-3000:]}", file=sys.stderr)
