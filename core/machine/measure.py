@@ -349,7 +349,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
         runs[name] = (min(seconds), seconds, nbytes, config.num_layers)
         if name == "narrow":
             del runs["spans"]["narrow"]  # free it before the 4-row step
-    (t1, s1, b1, n1), (t2, _, b2, n2) = runs["wide"], runs["narrow"]
+    (t1, s1, b1, n1), (t2, s2, b2, n2) = runs["wide"], runs["narrow"]
     per_block, bandwidth = fit_bytes_and_blocks((t1, b1, n1), (t2, b2, n2))
     load = max(load, load_average())
     spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {t1 * 1e3:.3g} ms, {n2} of width "
@@ -361,12 +361,35 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
                     (max(s1) - min(s1)) / min(s1), len(s1), load,
                     f"one-row decode steps of random decoder blocks: {spans}; bandwidth and per-block cost fitted "
                     "to both", [b1 / max(s - n1 * per_block, 1e-9) for s in s1]),
-        Measurement(BLOCK_OVERHEAD_KEY, "fixed cost of a block in a decode step", per_block, "s", 0.0, len(s1),
-                    load, f"fitted to the two spans: {spans}"),
+        block_overhead(per_block, (s1, b1, n1), (s2, b2, n2), load, f"fitted to the two spans: {spans}"),
         Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", t4 / t1, "x",
                     (max(s4) - min(s4)) / min(s4), len(s4), load,
                     f"the width-{hidden} span with 4 rows takes {t4 / t1:.2f}x its one-row step"),
     ]
+
+
+def block_overhead(per_block: float, wide: tuple[list[float], float, int], narrow: tuple[list[float], float, int],
+                   load: float, detail: str) -> Measurement:
+    """The fixed cost of a block as measured: `per_block` (fit_bytes_and_blocks's, of the fastest steps: 0 where
+    the fit fell below the noise), with its spread measured, not assumed: the fit of each pair of repeats (the
+    fastest wide step with the fastest narrow one, the second with the second, ...) is a sample, and the spread is
+    their range over the fastest pair's fit. Each run is (seconds of every repeat, bytes, blocks)."""
+    (s1, b1, n1), (s2, b2, n2) = wide, narrow
+    fits = [block_fit((a, b1, n1), (b, b2, n2)) for a, b in zip(sorted(s1), sorted(s2))]
+    spread = (max(fits) - min(fits)) / abs(fits[0]) if fits and fits[0] else 0.0
+    if per_block <= 0 and fits:
+        detail += (f"; the fit came out at {fits[0] * 1e3:.3g} ms, which the noise of the steps does not resolve: "
+                   "not measured, plans take 0")
+    return Measurement(BLOCK_OVERHEAD_KEY, "fixed cost of a block in a decode step", per_block, "s", spread,
+                       len(fits), load, detail, fits)
+
+
+def block_fit(a: tuple[float, float, int], b: tuple[float, float, int]) -> float:
+    """Seconds per block with seconds = bytes / bandwidth + blocks x per-block for two runs (seconds, bytes,
+    blocks), as solved, whatever its sign (0 where the two runs cannot separate the terms)."""
+    (t1, b1, n1), (t2, b2, n2) = a, b
+    determinant = n2 * b1 - n1 * b2
+    return (t2 * b1 - t1 * b2) / determinant if determinant else 0.0
 
 
 def fit_bytes_and_blocks(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[float, float]:
@@ -374,8 +397,7 @@ def fit_bytes_and_blocks(a: tuple[float, float, int], b: tuple[float, float, int
     (seconds, bytes, blocks). Where noise makes the split meaningless (a negative cost, or a cost that explains
     a whole run), the per-block cost is 0 and the bandwidth is the faster run's bytes/s."""
     (t1, b1, n1), (t2, b2, n2) = a, b
-    determinant = n2 * b1 - n1 * b2
-    per_block = (t2 * b1 - t1 * b2) / determinant if determinant else 0.0
+    per_block = block_fit(a, b)
     if per_block <= 0 or per_block * n1 >= t1 * 0.9 or per_block * n2 >= t2 * 0.9:
         return 0.0, max(b1 / t1, b2 / t2)
     return per_block, b1 / (t1 - n1 * per_block)

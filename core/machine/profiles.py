@@ -283,6 +283,7 @@ class ComparisonRow:
     unit: str  # "B/s", "FLOP/s", "s", "bit/s"
     catalog_source: str
     spread: float | None  # of the measurement's repeats
+    key: str = ""  # the measurement's (core/machine/measurement.py), where one was made
 
 
 def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> list[ComparisonRow]:
@@ -291,7 +292,8 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
 
     def row(part, quantity, catalog, key, unit, source) -> ComparisonRow:
         m = measured.get(key)
-        return ComparisonRow(part, quantity, catalog, m.value if m else None, unit, source, m.spread if m else None)
+        return ComparisonRow(part, quantity, catalog, m.value if m else None, unit, source, m.spread if m else None,
+                             key)
 
     cpu = detected.cpu
     rows = [row("RAM", "read bandwidth", cpu.memory_bandwidth, "ram_read", "B/s",
@@ -337,8 +339,8 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
     for m in measured.values():
         if m.key.startswith("peer_rtt:"):
             rows.append(ComparisonRow("network", m.label, net.rtt_s, m.value, "s", net.sources.get("rtt_s", ""),
-                                      m.spread))
+                                      m.spread, m.key))
         elif m.key.startswith(("peer_upload:", "peer_download:")):
             catalog = net.upload_bps if m.key.startswith("peer_upload:") else net.download_bps
-            rows.append(ComparisonRow("network", m.label, catalog, m.value, "bit/s", "", m.spread))
+            rows.append(ComparisonRow("network", m.label, catalog, m.value, "bit/s", "", m.spread, m.key))
     return rows

@@ -15,6 +15,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QProgressBar, QPushButton, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget)
 
+from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, Measurement
 from hivekeeper.core.machine.profiles import ComparisonRow, MachineProfile, comparison_rows, load_machine_profile
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import GIB, HEADROOM_RULE, HardwareSpec, default_headroom
@@ -108,14 +109,30 @@ def format_quantity(value: float | None, unit: str) -> str:
     return f"{value:.4g} {unit}"
 
 
-def comparison_cells(row: ComparisonRow) -> tuple[str, str, str, str, str, str]:
-    """The cells of one measured-beside-catalog row."""
+def comparison_cells(row: ComparisonRow, m: Measurement | None = None) -> tuple[str, str, str, str, str, str]:
+    """The cells of one measured-beside-catalog row; `m` is its measurement, which says what a fitted number's
+    cells can honestly show (fitted_cells)."""
     ratio = ""
     if row.catalog and row.measured is not None:
         ratio = f"{row.measured / row.catalog:.2f}×"
+    measured = format_quantity(row.measured, row.unit)
     spread = "" if row.spread is None else f"{100 * row.spread:.0f}%"
-    return (row.part, row.quantity, format_quantity(row.catalog, row.unit), format_quantity(row.measured, row.unit),
-            ratio, spread)
+    if m is not None and m.key in FITTED_KEYS:
+        measured, ratio, spread = fitted_cells(m, measured, ratio, spread)
+    return row.part, row.quantity, format_quantity(row.catalog, row.unit), measured, ratio, spread
+
+
+FITTED_KEYS = (BLOCK_OVERHEAD_KEY,)  # measurements fitted to two kinds of run, not timed: they can fail to resolve
+NOT_MEASURED = "not measured"
+
+
+def fitted_cells(m: Measurement, measured: str, ratio: str, spread: str) -> tuple[str, str, str]:
+    """(measured, ratio, spread) of a fitted number: "not measured" where the fit fell below the noise (saved as
+    0, which plans take), and no spread where the profile kept no fits of its repeats (profiles saved before the
+    spread was measured held a constant 0)."""
+    if m.value <= 0:
+        return NOT_MEASURED, "", "–"
+    return measured, ratio, spread if m.samples else "–"
 
 
 def machine_rows(machine: MachineInfo) -> list[tuple[str, str, str, str, str]]:
@@ -126,6 +143,24 @@ def machine_rows(machine: MachineInfo) -> list[tuple[str, str, str, str, str]]:
         before = used  # a different machine shape (should not happen): no comparison
     return [(part, quantity, value, source, old_value if old_value != value else "")
             for (part, quantity, value, source), (_, _, old_value, _) in zip(used, before, strict=True)]
+
+
+def comparison_item(column: int, text: str, row: ComparisonRow, m: Measurement | None) -> QTableWidgetItem:
+    """One cell of the measured-beside-catalog table: the catalog figure grey with its source, the measured one
+    bold (unless not measured) with its measurement's story."""
+    item = QTableWidgetItem(text)
+    item.setFlags(Qt.ItemFlag.ItemIsEnabled)
+    if column in (3, 5) and m is not None:
+        item.setToolTip(f"{m.label}: {m.detail}" if m.detail else m.label)
+    if column == 2:
+        item.setToolTip(row.catalog_source or "")
+        item.setForeground(QColor("#9aa5b1"))
+    if column == 3 and text != NOT_MEASURED:
+        font = item.font()
+        font.setBold(True)
+        item.setFont(font)
+        item.setForeground(QColor(SOURCE_COLORS["measured"]))
+    return item
 
 
 class HardwarePage(QWidget):
@@ -286,18 +321,9 @@ class HardwarePage(QWidget):
                 f"{'; calibrated with hivekeeper profile' if self.profile.calibrated else ''})")
         self.compare_table.setRowCount(len(self.comparison))
         for r, row in enumerate(self.comparison):
-            for c, text in enumerate(comparison_cells(row)):
-                item = QTableWidgetItem(text)
-                item.setFlags(Qt.ItemFlag.ItemIsEnabled)
-                if c == 2:
-                    item.setToolTip(row.catalog_source or "")
-                    item.setForeground(QColor("#9aa5b1"))
-                if c == 3:
-                    font = item.font()
-                    font.setBold(True)
-                    item.setFont(font)
-                    item.setForeground(QColor(SOURCE_COLORS["measured"]))
-                self.compare_table.setItem(r, c, item)
+            m = self.profile.measurement(row.key) if self.profile is not None and row.key else None
+            for c, text in enumerate(comparison_cells(row, m)):
+                self.compare_table.setItem(r, c, comparison_item(c, text, row, m))
 
     def _on_machine(self, machine: MachineInfo) -> None:
         self.detect_button.setEnabled(True)
