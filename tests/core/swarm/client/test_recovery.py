@@ -139,6 +139,8 @@ def test_failover_after_a_rewind_replays_only_the_tokens_kept(servers, client, s
     with client.inference_session(max_length=MAX_LENGTH, batch=1) as session:
         check_step(session, cache, span, chunks[0], "prompt")
         check_step(session, cache, span, chunks[1], "one token")
+        with pytest.raises(InputError, match=r"hidden states must be \[1, tokens, hidden\], got \(1, 64\)"):
+            session.step(torch.randn(1, 64))  # the batch is right, the token axis missing
         with pytest.raises(InputError, match="cannot rewind the session to 6 tokens: it holds 5"):
             session.truncate(6)
         session.truncate(5)  # to where it is: nothing to forget
@@ -151,6 +153,7 @@ def test_failover_after_a_rewind_replays_only_the_tokens_kept(servers, client, s
         assert session.recoveries[0]["replayed_tokens"] == 4  # positions 0-3, not the forgotten 4th
         assert the_server_in_use(session) != failed and client.bans.banned(failed)
         check_record(session.recoveries[0], failed, (0, 2))
+        assert client.failovers == session.recoveries  # the client's list (the app's Swarm page) has the same record
         # the session counts from the rewind: 5 + 11 tokens fill max_length exactly, one more does not fit
         check_step(session, cache, span, chunks[3], "up to max_length, on the replacement")
         with pytest.raises(InputError, match="17 tokens exceed the session's max_length 16"):
