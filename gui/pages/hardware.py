@@ -84,12 +84,13 @@ def hardware_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:
 
 
 def kept_free_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:
-    """What plans leave free on each tier by default (planner.hardware.default_headroom), and why."""
+    """What plans leave free on each tier by default (planner.hardware.default_headroom), and why: a default (the
+    Plan page's Leave free adds to it), not a catalog figure."""
     kept = default_headroom(spec)
     parts = (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "Disk")) if spec.gpus else (("cpu", "RAM"), ("disk", "Disk"))
     in_use = {"cpu": spec.cpu.in_use_bytes, "gpu": spec.gpus[0].in_use_bytes if spec.gpus else 0, "disk": 0}
     return [(part, "kept free", f"{kept[tier] / 1e9:.3g} GB",
-             f"headroom: {HEADROOM_RULE_WORDS[tier]}" + (f" + {in_use[tier] / 1e9:.3g} GB other programs held"
+             f"default headroom: {HEADROOM_RULE_WORDS[tier]}" + (f" + {in_use[tier] / 1e9:.3g} GB other programs held"
                                                          if in_use[tier] else ""))
             for tier, part in parts]
 

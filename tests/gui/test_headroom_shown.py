@@ -20,6 +20,7 @@ def test_the_hardware_page_shows_what_plans_keep_free(app_window, qtbot):
     assert spec.cpu.in_use_bytes > 0
     row = next(r for r, values in enumerate(page.rows) if values[:2] == ("RAM", "kept free"))
     assert page.table.item(row, 2).text() == rows["RAM"][2]  # on screen, not only in the model
+    assert page.table.item(row, 3).text().startswith("default  ·  headroom: larger of")  # a default, not "catalog"
 
 
 def test_the_plan_page_plans_with_the_headroom(make_window, qtbot):
