@@ -4,7 +4,7 @@ Each block's weights live on one tier: resident on the compute device, in CPU RA
 on disk, where they stay in the checkpoint's files and are read on demand into the streamer's slots (streaming.py)
 by the block reader (weights.py). The KV cache gets a tier per block too (tiered_cache.py); batch and micro-batches
 follow the policy (each block's weights are fetched once per step and every micro-batch runs through them,
-FlexGen's block schedule; on a CPU a decode step runs the whole batch at once, see _decodes_whole_batch).
+FlexGen's block schedule; on a CPU a step with K/V kept runs the whole batch at once, see _runs_whole_batch).
 
     plan = place_model(config, policy, device="cpu", dtype=torch.float32, batch=1, max_length=256,
                        ram_budget_bytes=500e6)
@@ -33,7 +33,8 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 from hivekeeper.core.offload.block_variants import forward_with_attention_at_cache
 from hivekeeper.core.offload.packed_stream import PackedBlockReader, load_outside, release_mapped_pages
-from hivekeeper.core.offload.placement import EnginePlan, cpu_attention_dtype, micro_batch_rows
+from hivekeeper.core.offload.placement import (EnginePlan, cpu_attention_dtype, micro_batch_rows,
+                                                  workspace_bytes)
 from hivekeeper.core.offload.streaming import BlockStreamer, Slot
 from hivekeeper.core.offload.tiered_cache import RecomputeCache, TieredKVCache, keep_between_blocks
 from hivekeeper.core.offload.weights import BlockReader, empty_block
@@ -272,12 +273,18 @@ class OffloadedModel:
             slot.loaded.record(self._copy_stream)
             slot.block.layer_index, slot.block.self_attn.window = layer, self.config.window_of(layer)
 
-    def _decodes_whole_batch(self, tokens: int, cache: TieredKVCache | RecomputeCache) -> bool:
-        """Whether this step runs the batch as one micro-batch although the plan splits it: a decode step (one token
-        per row, K/V kept) on a CPU. The plan's micro-batches bound a prefill chunk's activations; a decode step's are
-        a few MB for the whole batch, and a CPU multiplies 128 rows in about the time of 32 (bf16, AMX: 8.5 against
-        6.9 ms for a 768 x 4096 product, docs/performance.md), so four products of 32 rows cost ~3x one of 128."""
-        return tokens == 1 and self.device.type == "cpu" and isinstance(cache, TieredKVCache)
+    def _runs_whole_batch(self, tokens: int, position: int, cache: TieredKVCache | RecomputeCache) -> bool:
+        """Whether this step runs the batch as one micro-batch although the plan splits it: on a CPU, with K/V kept.
+        There the plan's micro-batches bound nothing: the placement counts a CPU step's activations for the whole
+        batch (placement.workspace_bytes), and the attention scores of the whole batch are checked against that
+        here. And they cost: a CPU multiplies many rows at once far better than a few (bf16, AMX, one thread: a
+        block's four products take ~90 ms for 2176 rows and ~50 ms for each quarter of them; 128 rows take about
+        the time of 32). Prefill chunks and decode steps then read each block once and run it once."""
+        if self.device.type != "cpu" or not isinstance(cache, TieredKVCache):
+            return False
+        config = self.config
+        scores = cache.batch * config.num_heads * tokens * (position + tokens) * 4  # fp32 at most
+        return scores <= workspace_bytes(config, cache.batch, tokens, self.plan.dtype)
 
     def _micro_batches(self, batch: int) -> list[slice]:
         size = self.plan.micro_batch_size
@@ -322,7 +329,7 @@ class OffloadedModel:
         if native is not None:
             cache.length = position + t
             return native
-        rows = [slice(0, batch)] if self._decodes_whole_batch(t, cache) else self._micro_batches(batch)
+        rows = [slice(0, batch)] if self._runs_whole_batch(t, position, cache) else self._micro_batches(batch)
         # between blocks, each micro-batch's hidden states live where the plan says: the device or pinned RAM
         homes = [self.device if tier == "gpu" else torch.device("cpu")
                  for tier in self.plan.activation_tiers(len(rows))]

@@ -110,31 +110,47 @@ def test_the_reader_thread_keeps_the_policys_prefetch_depth_of_blocks_in_flight_
     assert read_threads and all(name.startswith("hivekeeper-reader") for name in read_threads), read_threads
 
 
-def test_on_a_cpu_the_prefill_runs_the_plans_micro_batches_and_a_decode_step_the_whole_batch(checkpoint):
-    """The micro-batches bound a prefill chunk's activations; a decode step's are small, and a CPU multiplies the
-    whole batch's rows in about the time of one micro-batch's, so decode runs the batch as one (same tokens)."""
+def stored_rows(model, prompts: list[list[int]], max_length: int) -> tuple[list, list]:
+    """Greedy-generate `prompts`; (prefill, decode): the (start, stop) rows of every block's K/V store, as the
+    cache's own store method is called."""
+    stored = []
+    original_allocate = model.span.allocate_cache
+
+    def allocate_and_watch(batch, length):
+        cache = original_allocate(batch, length)
+        store = cache.store
+
+        def store_and_note(index, position, tokens, rows=slice(None)):
+            stored.append((tokens, (rows.start, rows.stop)))
+            return store(index, position, tokens, rows)
+
+        cache.store = store_and_note
+        return cache
+
+    model.span.allocate_cache = allocate_and_watch
+    result = generate(model, prompts, max_new_tokens=max_length - len(prompts[0]), ignore_eos=True)
+    return result, [rows for tokens, rows in stored if tokens > 1], [rows for tokens, rows in stored if tokens == 1]
+
+
+def test_on_a_cpu_every_step_runs_the_whole_batch_when_its_attention_scores_fit_the_placed_workspace(checkpoint):
+    """On a CPU the placement counts a step's activations for the whole batch (workspace_bytes), so the plan's
+    micro-batches bound nothing there, and a CPU multiplies the whole batch's rows far better than a micro-batch's:
+    prefill and decode run the batch as one (same tokens). A prompt whose attention scores over the whole batch
+    would not fit that workspace (300 tokens here: 4 heads x 300^2 fp32 scores a row against ~1.2 MB) keeps them."""
     config = ModelConfig.from_folder(checkpoint)
     plan = place_model(config, throughput_policy(1, 1, 4), device="cpu", dtype=torch.float32,
                        batch=len(PROMPTS), max_length=MAX_LENGTH)
     with OffloadedModel(checkpoint, plan) as model:
-        stored = []  # (tokens, rows) of every block's K/V store, through the cache's own method
-        original_allocate = model.span.allocate_cache
-
-        def allocate_and_watch(batch, max_length):
-            cache = original_allocate(batch, max_length)
-            store = cache.store
-
-            def store_and_note(index, position, tokens, rows=slice(None)):
-                stored.append((tokens, (rows.start, rows.stop)))
-                return store(index, position, tokens, rows)
-
-            cache.store = store_and_note
-            return cache
-
-        model.span.allocate_cache = allocate_and_watch
-        result = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        result, prefill, decode = stored_rows(model, PROMPTS, len(PROMPTS[0]) + NEW_TOKENS)
     assert result.token_ids == [resident_greedy(checkpoint, prompt) for prompt in PROMPTS]
-    prefill = [rows for tokens, rows in stored if tokens > 1]
-    decode = [rows for tokens, rows in stored if tokens == 1]
-    assert prefill == [(i, i + 1) for i in range(len(PROMPTS))] * config.num_layers
+    assert prefill == [(0, len(PROMPTS))] * config.num_layers
     assert decode == [(0, len(PROMPTS))] * config.num_layers * (NEW_TOKENS - 1)
+
+    long_prompts = [[1] + [(p * 31 + 7 * i) % 500 + 2 for i in range(299)] for p in range(len(PROMPTS))]
+    plan = place_model(config, throughput_policy(1, 1, 4), device="cpu", dtype=torch.float32,
+                       batch=len(PROMPTS), max_length=302)
+    with OffloadedModel(checkpoint, plan) as model:
+        _, prefill, decode = stored_rows(model, long_prompts, 302)
+    # two prefill chunks (256 and 44 tokens; the second's scores reach back over 300 keys), each by micro-batch
+    assert prefill == [(i, i + 1) for i in range(len(PROMPTS))] * config.num_layers * 2
+    assert decode == [(0, len(PROMPTS))] * config.num_layers  # one decode step: its scores are one query a row
