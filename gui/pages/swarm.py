@@ -22,11 +22,13 @@ from hivekeeper.gui.services.coverage import CoverageService
 from hivekeeper.gui.services.node import STATE_WORDS, NodeLaunch, NodeService
 from hivekeeper.gui.settings import SwarmSettings
 from hivekeeper.gui.style import ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, fmt_rate, label, page_layout
+from hivekeeper.gui.widgets.chart import Chart
 from hivekeeper.gui.widgets.model_menu import model_menu
 
 
 
 BUSY_STATES = ("starting", "joining", "online", "moving", "paused", "leaving")  # a node in these is running
+NO_COVERAGE = "No coverage yet: once the node is online, each block's servers and their throughput show here."
 MODEL_COLUMNS = ("model", "servers", "covered", "weakest blocks", "you could serve")
 
 FIELD_CAPTIONS = {"span": "span", "servers": "servers online", "cache": "cache left (tokens)",
@@ -109,7 +111,7 @@ class SwarmPage(QWidget):
 
         chart_box = QGroupBox("Coverage: throughput of the servers covering each block")
         chart_layout = QVBoxLayout(chart_box)
-        self.coverage_plot = pg.PlotWidget()
+        self.coverage_plot = Chart()
         self.coverage_plot.setLabel("bottom", "block")
         self.coverage_plot.setLabel("left", "throughput (requests/s)")
         self.coverage_plot.showGrid(x=False, y=True, alpha=0.2)
@@ -126,7 +128,8 @@ class SwarmPage(QWidget):
                   f"<span style='color:{OTHERS}'>■</span> other servers &nbsp; "
                   f"<span style='color:{BAD}'>✕</span> no server")
         chart_layout.addWidget(label(legend, "small"))
-        self.coverage_note = label("The chart fills in once the node is online.", "small", wrap=True)
+        self.coverage_note = label("", "small", wrap=True)
+        self.coverage_plot.show_note(NO_COVERAGE)
         chart_layout.addWidget(self.coverage_plot, 1)
         chart_layout.addWidget(self.coverage_note)
         bottom = QHBoxLayout()  # the swarm's models beside the coverage of the one served
@@ -458,7 +461,8 @@ class SwarmPage(QWidget):
         self.others_bars.setOpts(x=empty, height=empty, y0=empty, width=0.8)
         self.mine_bars.setOpts(x=empty, height=empty, y0=empty, width=0.8)
         self.gap_marks.setData([], [])
-        self.coverage_note.setText("The chart fills in once the node is online.")
+        self.coverage_note.setText("")
+        self.coverage_plot.show_note(NO_COVERAGE)
         for key in FIELD_CAPTIONS:
             self.field_values[key] = ("–", "")
         self._render_fields()
@@ -470,6 +474,7 @@ class SwarmPage(QWidget):
             return  # a report the watcher read before it was stopped (the node left): stale now
         x, others, mine = coverage_arrays(report, self.node.peer_id)
         self.coverage_data = (x, others, mine)
+        self.coverage_plot.hide_note()
         self.others_bars.setOpts(x=x, height=others, y0=np.zeros_like(others), width=0.8)
         self.mine_bars.setOpts(x=x, height=mine, y0=others, width=0.8)
         if len(x) <= 48:  # whole block numbers under each bar

@@ -1,6 +1,7 @@
 """Review (issue 14, a new user's pass): the Plan page's three charts keep their x-axis labels at the app's 1280x800
 in the real window, even with a long warning above them: the results column scrolls rather than squeezing the charts
-under the window's edge; and "predicted vs measured" says why it is empty instead of showing bare 0-1 axes."""
+under the window's edge; and "predicted vs measured" (and the Swarm page's coverage, before a node is online) say why
+they are empty instead of showing bare 0-1 axes (the coverage's note giving way to bars and back: test_swarm.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QApplication
 
 from hivekeeper.gui.pages.plan import CHART_HEIGHT
+from hivekeeper.gui.pages.swarm import NO_COVERAGE
 
 
 def _plan(window, qtbot, model: str, hardware: str):
@@ -38,7 +40,7 @@ def test_the_charts_keep_their_axis_labels_under_a_long_warning(app_window, qtbo
             assert axis.label.isVisible() and axis.sceneBoundingRect().bottom() <= chart.height()
 
 
-def test_predicted_vs_measured_says_why_it_is_empty(app_window, qtbot):
+def test_empty_charts_say_why_they_are_empty(app_window, qtbot):
     app_window.show_page("Plan")  # on this machine, as the app opens: nothing measured until Run this plan runs
     chart = app_window.plan_page.run_box.plot
     assert chart.note.isVisible() and chart.note.text().startswith("Nothing measured yet: Run this plan runs it")
@@ -47,3 +49,7 @@ def test_predicted_vs_measured_says_why_it_is_empty(app_window, qtbot):
     assert chart.note.isVisible() and chart.note.text().startswith("No measurement for rtx-4090: it is a catalog")
     assert not left.isVisible() and not bottom.isVisible()  # no bare 0-1 axes
     assert chart.rect().contains(chart.note.geometry()) and plan.run_box.plot is chart
+    app_window.show_page("Swarm")
+    coverage = app_window.swarm_page.coverage_plot
+    assert coverage.note.isVisible() and coverage.note.text() == NO_COVERAGE
+    assert not coverage.getAxis("left").isVisible() and not coverage.getAxis("bottom").isVisible()

@@ -68,6 +68,7 @@ def test_join_and_leave_a_local_swarm(make_window, qtbot, demo_checkpoint):
         # the coverage chart: block 0 by the other server, block 1 by this node (highlighted)
         qtbot.waitUntil(lambda: page.coverage_data is not None and page.coverage_data[2][1] > 0, timeout=START_S)
         x, others, mine = page.coverage_data
+        assert not page.coverage_plot.note.isVisible() and page.coverage_plot.getAxis("bottom").isVisible()
         assert list(x) == [0, 1] and others[0] == 5.0 and mine[0] == 0.0 and others[1] == 0.0
         assert page.field_values["servers"][0] == "2"
         qtbot.waitUntil(lambda: len(monitor.buffers["node_requests"]) >= 1, timeout=30_000)  # stats lines
@@ -82,6 +83,7 @@ def test_join_and_leave_a_local_swarm(make_window, qtbot, demo_checkpoint):
         # nothing stale of the node that left (issue 14 item 10), and no "Restart the node" after a Leave
         assert page.restart_button.isHidden()
         assert page.coverage_data is None and len(page.mine_bars.opts["x"]) == 0
+        assert page.coverage_plot.note.isVisible() and page.coverage_note.text() == ""  # says why it is empty
         assert all(value == "–" for value, _ in page.field_values.values())
         assert page.address_box.toPlainText() == ""
 
