@@ -91,28 +91,13 @@ def resident_texts(path) -> list[str]:
     return result.texts
 
 
-BF16_CPU = "sse2 avx avx2 fma avx512f avx512_bf16"  # a CPU with native bf16 math (pinned, see tests/conftest.py)
-
-
 @pytest.mark.slow
-def test_a_bf16_plan_over_an_fp32_file_holds_its_budget(model_180mb, tmp_path, monkeypatch, cpu_flags):
+def test_a_bf16_plan_over_an_fp32_file_holds_its_budget(model_180mb, tmp_path, bf16_measured_cpu):
     """A CPU whose measurement chose bf16 runs a bf16 plan over the fp32 file: every tensor read is converted through
     a temporary of the file's dtype. Those freed temporaries stayed in glibc's heaps and the bf16 kernels' code came
     in after the baseline: 25% over this budget before weights.BlockReader read through one scratch buffer, the plan
     counted it (placement.sixteen_bit_cpu_transients), glibc's mmap threshold was fixed and the warm-up ran bf16."""
-    from hivekeeper.core.machine import cpu_dtype
-    from hivekeeper.core.machine.detect import detect_hardware
-    from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, Measurement
-    from hivekeeper.core.machine.profiles import new_profile, save_profile
-
-    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path / "config"))
-    cpu_flags(BF16_CPU)
-    profile = new_profile(detect_hardware())
-    profile.measured_at = 1.7e9
-    profile.measurements = [Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", 0.6, "x", 0.0, 3, 0.0,
-                                        "simulated")]
-    save_profile(profile)
-    cpu_dtype.forget()
+    bf16_measured_cpu()  # pinned flags with native bf16 and a profile that chose it (conftest.py)
     plan_file = tmp_path / "bf16.json"
     plan_file.write_text(json.dumps({"weight_format": "bf16", "weights": {"cpu": 1}, "kv_cache": {"cpu": 1},
                                      "prefetch_depth": 1}))

@@ -14,25 +14,6 @@ import torch
 from hivekeeper.core.offload.local_plan import plan_local_run
 from hivekeeper.core.runtime.model import ModelConfig
 
-BF16_CPU = "sse2 avx avx2 fma avx512f avx512_bf16"  # native bf16 math (pinned, see tests/conftest.py)
-
-
-def measured_bf16_faster(tmp_path, monkeypatch) -> None:
-    """This (pinned) CPU's profile says a bf16 decode step took 0.6x the time of fp32's."""
-    from hivekeeper.core.machine import cpu_dtype
-    from hivekeeper.core.machine.detect import detect_hardware
-    from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, Measurement
-    from hivekeeper.core.machine.profiles import new_profile, save_profile
-
-    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path / "config"))
-    profile = new_profile(detect_hardware())
-    profile.measured_at = 1.7e9
-    profile.measurements = [Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", 0.6, "x", 0.0, 3, 0.0,
-                                        "simulated")]
-    save_profile(profile)
-    cpu_dtype.forget()
-
-
 def batch_plan(path):
     config = ModelConfig.from_folder(path)
     return plan_local_run("auto", path, config, batch=16, prompt_len=8, max_new_tokens=8, max_length=32,
@@ -40,10 +21,9 @@ def batch_plan(path):
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_the_batch_plans_16_bit_format_is_the_dtype_the_engine_computes(tiny_checkpoint, tmp_path, monkeypatch,
-                                                                        cpu_flags, native_bf16):
-    cpu_flags(BF16_CPU if native_bf16 else "sse2 avx avx2 fma")
-    measured_bf16_faster(tmp_path, monkeypatch)
+def test_the_batch_plans_16_bit_format_is_the_dtype_the_engine_computes(tiny_checkpoint, bf16_measured_cpu,
+                                                                        native_bf16):
+    bf16_measured_cpu(native_bf16)  # the profile (conftest.py) says bf16 is faster; the flags say if it is native
     choice, plan = batch_plan(tiny_checkpoint)
     assert choice.source == "auto"
     if native_bf16:
