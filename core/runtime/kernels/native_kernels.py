@@ -54,6 +54,7 @@ OFF_VALUES = ("0", "off", "false", "no")
 ENABLED = True  # tests and benchmarks switch it off to run the numpy path in the same process
 DEFAULT_SPIN_SECONDS = 50e-6  # how long an idle pool worker spins before it sleeps (bench/decode_busy.py measures)
 MAX_ROWS = 8  # batch rows the kernels take (decode_kernels.c's MAX_ROWS); more are not memory-bound: BLAS's job
+QUANT_MAX_ROWS = 512  # rows one block-quantized product takes (decode_kernels.c's QUANT_MAX_ROWS): a prefill's prompt
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -225,7 +226,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "hk_span_decode_rows": ([ctypes.POINTER(Block), ctypes.POINTER(Cache), long, ctypes.POINTER(Token), void_p,
                                  long], integer),
         "hk_norm_gemv": ([void_p, ctypes.c_double, void_p, integer, void_p, void_p, long, long, long], integer),
-        "hk_quant_block_bytes": ([integer], long),
+        "hk_quant_block_bytes": ([integer], long), "hk_quant_max_rows": ([], long),
         "hk_qgemv": ([integer, void_p, void_p, void_p, void_p, long, long, long], integer),
         "hk_dequantize": ([integer, void_p, void_p, long, long], integer),
         "hk_pool_stalls": ([], long), "hk_pool_solo_left": ([], long), "hk_set_solo": ([long], long),

@@ -122,8 +122,8 @@ def test_packed_is_the_default_and_the_variable_turns_it_off(monkeypatch):
                          ids=["llama-q8_0", "llama-q4_0", "qwen2-q4_1"])
 def test_packed_small_file_matches_dequantized(tmp_path, family, kind):
     """A small model written as GGUF the way llama.cpp's converter does (permuted q/k for llama, biases for qwen2):
-    the packed span's prefill (more rows than the kernels take: the dequantized weight in torch) equals the
-    dequantized span's, and its decode step (one row, the quantized kernels) is within 5% of the largest logit."""
+    the packed span's prefill (more rows than a decode step: the quantized kernels too, all the prompt's rows in one
+    product) and its decode step (one row) are within 5% of the dequantized span's largest logit."""
     reference = reference_model(family)
     path = write_gguf(tmp_path / f"{family}.gguf", family, gguf_tensors(reference, family, kind),
                       sizes={"block_count": 2}, vocab=reference.config.vocab_size)
@@ -139,5 +139,5 @@ def test_packed_small_file_matches_dequantized(tmp_path, family, kind):
             first = head(span(embedding(torch.tensor([prompt])), cache))[0]
             results.append((first, head(span(embedding(torch.tensor([[7]])), cache))[0, -1]))
     (prefill, step), (prefill_ref, step_ref) = results
-    torch.testing.assert_close(prefill, prefill_ref, atol=1e-4, rtol=1e-4)
+    assert (prefill - prefill_ref).abs().max() <= 0.05 * prefill_ref.abs().max()
     assert (step - step_ref).abs().max() <= 0.05 * step_ref.abs().max()

@@ -963,6 +963,13 @@ int hk_span_decode_rows(const hk_block *blocks, const hk_cache *caches, long cou
  * whatever batch it is in. */
 enum { HK_Q4_0 = 2, HK_Q4_1 = 3, HK_Q8_0 = 8 }; /* GGML type ids */
 #define QK 32
+/* Activation rows one quantized product takes (a prefill's prompt tokens in one pass over the weights; a decode step
+   still takes up to MAX_ROWS). Each chunk of weight rows stays in L1/L2 while every activation row is multiplied
+   with it, so a prefill is integer dot products at the cores' speed, not a stream of weights per token; a row's
+   result is the same bits whatever batch it is in, so a prompt's products equal its tokens' decoded one by one.
+   hivekeeper.core.runtime.kernels.native_kernels.QUANT_MAX_ROWS must say the same. */
+#define QUANT_MAX_ROWS 512
+long hk_quant_max_rows(void) { return QUANT_MAX_ROWS; }
 /* Batch rows a 4-bit weight block is unpacked once for: as many as keep their accumulators (two chains, two offset
    chains each) in registers (AVX2 has 16 vector registers, AVX512VL 32; with VNNI, groups of 8 measured slower than
    4 on Q4_1: spills); a larger batch goes in groups. Q8_0 has its own (Q8_0_ROW_GROUP). */
@@ -1499,13 +1506,13 @@ static int reserve_quantized_x(long count) {
 }
 
 /* y [batch, outs] = x [batch, cols] w^T (+ bias), or y += that when accumulate; w [outs, cols] in block `format`
-   (a GGML type id: Q8_0, Q4_0 or Q4_1), rows contiguous; batch <= MAX_ROWS; call_lock held. Returns 0; -1 when
+   (a GGML type id: Q8_0, Q4_0 or Q4_1), rows contiguous; batch <= QUANT_MAX_ROWS; call_lock held. Returns 0; -1 when
    memory ran out; -2 for a format these kernels do not take, cols not a multiple of 32, or batch out of range (y
    unchanged). */
 static int qmatvec(int format, const void *w, const float *x, const float *bias, float *y, long outs, long cols,
                    long batch, int accumulate) {
     long block_bytes = hk_quant_block_bytes(format);
-    if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || batch < 1 || batch > MAX_ROWS || outs < 0) return -2;
+    if (block_bytes == 0 || cols <= 0 || cols % QK != 0 || batch < 1 || batch > QUANT_MAX_ROWS || outs < 0) return -2;
     if (reserve_quantized_x(batch * cols) != 0) return -1;
     long blocks = cols / QK, row_bytes = blocks * block_bytes, rows = CHUNK_BYTES / row_bytes / 4 * 4;
     quantize_activations(format, x, batch, cols, quantized_x, x_scales);

@@ -18,7 +18,7 @@ from hivekeeper.core.runtime.kernels import cpu_decode
 
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import linear, store_tall_linears_by_column
-from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
+from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, QuantizedMatrix
 from hivekeeper.core.runtime.quant.blocks import FORMATS
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
 from hivekeeper.core.offload.placement import place_model
@@ -406,7 +406,7 @@ def quantized_copies(span: Span, fmt: str) -> tuple[Span, Span]:
 def test_a_block_quantized_span_decodes_in_one_native_call(native, fmt, monkeypatch):
     """Every step of a span whose layers are Q8_0/Q4_0/Q4_1 runs natively in one call, and stays within the
     activations' int8 rounding (about 1% per product) of the fp32 span holding the same weights. Without the kernels
-    (and for prefills longer than MAX_ROWS) the layers multiply the dequantized weights in torch: that span's result."""
+    the layers multiply the dequantized weights in torch: that span's result."""
     span = random_span(CONFIGS["qwen2-window"])  # sizes in whole blocks of 32; biases; a sliding window
     quantized, reference = quantized_copies(span, fmt)
     x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
@@ -423,6 +423,29 @@ def test_a_block_quantized_span_decodes_in_one_native_call(native, fmt, monkeypa
     assert (out - expected).abs().max() <= 0.03 * scale
     assert (cache.k - expected_cache.k).abs().max() <= 0.03 * expected_cache.k.abs().max()
     assert not torch.equal(out, expected)  # the kernels' arithmetic, not the reference's, ran
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_quantized_spans_long_prompt_equals_its_tokens_decoded_one_by_one(native, fmt, monkeypatch):
+    """A prompt longer than a decode step's MAX_ROWS through a Q8_0/Q4_0/Q4_1 span multiplies on the int8 kernels too
+    (every product one call with all the prompt's rows): its outputs equal the same tokens decoded one at a time up to
+    fp32 rounding (a row's product is the same bits in any batch; only attention's and the norms' sums run in
+    another order), and are within the format's bound of the fp32 span holding the same weights."""
+    span = random_span(CONFIGS["qwen2-window"])
+    quantized, reference = quantized_copies(span, fmt)
+    x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
+    rows = []
+    real = QuantizedMatrix.matvec
+    monkeypatch.setattr(QuantizedMatrix, "matvec", lambda self, x, *a: rows.append(len(x)) or real(self, x, *a))
+    at_once, _ = decode(quantized, x, "native", monkeypatch, prompt=PROMPT + DECODE)
+    assert PROMPT + DECODE > native_kernels.MAX_ROWS
+    assert len(rows) == 4 * span.config.num_layers and set(rows) == {PROMPT + DECODE}
+    one_by_one, _ = decode(quantized, x, "native", monkeypatch, prompt=1)
+    expected, _ = decode(reference, x, "torch", monkeypatch, prompt=PROMPT + DECODE)
+    scale = expected.abs().max()
+    assert (at_once - one_by_one).abs().max() <= TOL * scale  # ~2e-7 of it measured: no int8 rounding flipped
+    assert (at_once - expected).abs().max() <= 0.03 * scale
+    assert not torch.equal(at_once, expected)  # the kernels' arithmetic, not the reference's, ran
 
 
 def test_concurrent_callers_get_their_own_results(native, monkeypatch):

@@ -108,9 +108,20 @@ def test_the_kernels_refuse_what_they_cannot_take(native):
     w = np.zeros((8, 64), dtype=np.uint8)
     x, y = np.ones((1, 64), dtype=np.float32), np.full((1, 8), 7.0, dtype=np.float32)
     for fmt, cols, batch in ((0, 64, 1), (FORMATS["q8_0"].ggml_type, 48, 1),
-                             (FORMATS["q8_0"].ggml_type, 64, native_kernels.MAX_ROWS + 1)):
+                             (FORMATS["q8_0"].ggml_type, 64, native_kernels.QUANT_MAX_ROWS + 1)):
         assert native.hk_qgemv(fmt, w.ctypes.data, x.ctypes.data, None, y.ctypes.data, 8, cols, batch) == -2
     assert (y == 7.0).all()
+    assert native.hk_quant_max_rows() == native_kernels.QUANT_MAX_ROWS  # the C and Python limits agree
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_prompts_rows_in_one_product_are_each_rows_alone(quant_native, name):
+    """A prefill's rows in one product (more than a decode step's MAX_ROWS, and more than one call's QUANT_MAX_ROWS:
+    two calls): each row's result equals, bit for bit, that row multiplied alone, as its token decoded would get."""
+    matrix = QuantizedMatrix.quantize(weights(40, 3 * BLOCK_WEIGHTS), name)
+    x = activations(native_kernels.QUANT_MAX_ROWS + 9, 3 * BLOCK_WEIGHTS, seed=5)
+    alone = np.stack([matrix.matvec(row) for row in x])
+    assert np.array_equal(matrix.matvec(x), alone)
 
 
 def test_any_thread_count_and_a_held_worker_give_the_same_product(native):
@@ -173,23 +184,28 @@ def test_dequantized_in_c_bit_for_bit_as_the_reference(native, name):
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_prefill_by_tiles_is_the_dequantized_product(native, name, monkeypatch):
-    """More rows than the int8 kernels take: QuantizedLinear multiplies tiles of the dequantized weight (tiles far
-    smaller than the weight here, and a last partial one) and gets fp32's product of the dequantized weight."""
+def test_a_prefill_multiplies_on_the_int8_kernels(native, name):
+    """More rows than a decode step's (a prompt): QuantizedLinear multiplies them on the int8 kernels in one product,
+    not on dequantized weights: each row's output is the kernels' (bit for bit), within the activations' rounding
+    bound of the dequantized weight's fp32 product, and not equal to that product."""
     import torch
 
     from hivekeeper.core.runtime.kernels import quant_kernels
 
-    monkeypatch.setattr(quant_kernels, "TILE_BYTES", 100 * COLS * 4)  # 100 rows a tile: 11 tiles of 1031 rows
-    bias = torch.from_numpy(np.random.default_rng(3).normal(0, 1, OUTS).astype(np.float32))
+    bias = np.random.default_rng(3).normal(0, 1, OUTS).astype(np.float32)
     matrix = QuantizedMatrix.quantize(weights(), name)
-    layer = quant_kernels.QuantizedLinear(matrix, bias)
-    x = torch.from_numpy(activations(2 * native_kernels.MAX_ROWS + 3)).view(1, -1, COLS)
+    layer = quant_kernels.QuantizedLinear(matrix, torch.from_numpy(bias))
+    rows = activations(2 * native_kernels.MAX_ROWS + 3)
     with torch.inference_mode():
-        y = layer(x)
-    expected = torch.nn.functional.linear(x, torch.from_numpy(matrix.dequantize()), bias)
+        y = layer(torch.from_numpy(rows).view(1, -1, COLS))
     assert y.shape == (1, 2 * native_kernels.MAX_ROWS + 3, OUTS)
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    y = y[0].numpy()
+    assert np.array_equal(y, np.stack([matrix.matvec(row, bias) for row in rows]))
+    reference = matrix.dequantize().astype(np.float64)
+    exact = rows.astype(np.float64) @ reference.T + bias
+    magnitude = np.abs(rows.astype(np.float64)) @ np.abs(reference).T + np.abs(bias)
+    assert (np.abs(y - exact) <= activation_error_bound(reference, rows) + FP32_SLACK * magnitude).all()
+    assert not np.allclose(y, exact, rtol=1e-6, atol=0)
 
 
 def test_a_compiler_without_vnni_falls_back_to_the_avx2_build(tmp_path, kernel_build, monkeypatch):
