@@ -186,7 +186,7 @@ def main() -> None:
 
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.measure import QUICK, TerminalProgress, run_benchmarks
-    from hivekeeper.core.machine.measurement import PACKED_KERNEL_KEY
+    from hivekeeper.core.machine.measurement import PACKED_CACHED_KEY, PACKED_KERNEL_KEY
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.profiling import denoise, measure_grid
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
@@ -247,8 +247,9 @@ def main() -> None:
                        loads)
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
     line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
-    line["measured"]["packed_gweights_per_s"] = {m.key[len(PACKED_KERNEL_KEY):]: round(m.value / 1e9, 2)
-                                                  for m in measurements if m.key.startswith(PACKED_KERNEL_KEY)}
+    line["measured"]["packed_gweights_per_s"] = {m.key[len("cpu_packed_"):]: round(m.value / 1e9, 2)
+                                                  for m in measurements
+                                                  if m.key.startswith((PACKED_KERNEL_KEY, PACKED_CACHED_KEY))}
     print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed, "machine": machine_line(args.kind)}))
 
 

@@ -15,7 +15,11 @@ The default model is planned and run as `generate` runs it: its Q4_1 blocks kept
 
 Goal: predicted decode tokens/s within 15% of the measured, for both models, uncalibrated (the median of the
 runs' ratios). Prints one JSON line per model: predicted and measured tokens/s and their ratio for every run, the
-medians, whether the goal is met, the plan's efficiency set and the load average before and after.
+medians, whether the goal is met, the plan's efficiency set and the load average before and after. Each run also
+says what its quick measurement found (`measured`: its seconds, the decode steps' RAM rate and fixed cost of a
+block, the packed kernels' rates) and, in a third child after `generate`, where a decode step's time went
+(`parts_ms`: the blocks, the LM head and the rest, i.e. embedding, sampling and the loop; medians over the steps of
+one more generation with the same plan), so a miss points at its part (issue 23).
 """
 
 from __future__ import annotations
@@ -36,20 +40,13 @@ CHILD_DEADLINE_S = 600
 
 def hivekeeper(*args: str, env: dict | None = None) -> dict:
     """One command's JSON; on failure or past the deadline, the output so far in the error."""
-    command = [sys.executable, "-m", "hivekeeper.core.cli.main", *args]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE_S, env=env)
-    except subprocess.TimeoutExpired as exc:  # run() killed the child at the deadline
-        raise SystemExit(f"{' '.join(args[:3])}: no answer in {CHILD_DEADLINE_S} s; output so far:\n"
-                         f"{exc.stdout or ''}{exc.stderr or ''}") from None
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(args[:3])} failed ({done.returncode}):\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_json([sys.executable, "-m", "hivekeeper.core.cli.main", *args], env)
 
 
 def one_run(model: str, prompt_len: int, new_tokens: int, no_measure: bool, packed: bool) -> tuple[dict, float]:
-    """(the plan, measured decode tokens/s): a first plan on a machine never measured, then the decode; a GGUF's
-    blocks packed as the runtime keeps them by default, or (packed=False) dequantized in both."""
+    """(the plan with its quick measurement's figures and the step's parts added, measured decode tokens/s): a
+    first plan on a machine never measured, then the decode; a GGUF's blocks packed as the runtime keeps them by
+    default, or (packed=False) dequantized in both."""
     with tempfile.TemporaryDirectory(prefix="hivekeeper-pvm-") as config:
         env = {**os.environ, "HIVEKEEPER_CONFIG_DIR": config, "HIVEKEEPER_GGUF_PACKED": "1" if packed else "0"}
         plan = hivekeeper("plan", "--model", model, "--hardware", "auto", "--prompt-len", str(prompt_len),
@@ -58,7 +55,83 @@ def one_run(model: str, prompt_len: int, new_tokens: int, no_measure: bool, pack
         prompt = " ".join(["the"] * prompt_len)  # about one token per word for both tokenizers
         measured = hivekeeper("generate", "--model", model, "--prompt", prompt, "--max-new-tokens", str(new_tokens),
                               "--ignore-eos", "--json", env=env)["tokens_per_s"]
+        plan["measured"] = quick_measurement(config)
+        plan["parts_ms"] = child_json([sys.executable, __file__, "--parts-of", model, "--prompt-len", str(prompt_len),
+                                       "--new-tokens", str(new_tokens)], env)
     return plan, measured
+
+
+def child_json(command: list[str], env: dict | None) -> dict:
+    """The last line of a child's stdout as JSON; on failure or past the deadline (run() kills the child), the
+    output so far in the error."""
+    what = " ".join(command[2:6])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE_S, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise SystemExit(f"{what}: no answer in {CHILD_DEADLINE_S} s; output so far:\n"
+                         f"{exc.stdout or ''}{exc.stderr or ''}") from None
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed ({done.returncode}):\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def quick_measurement(config: str) -> dict:
+    """What the run's automatic quick measurement saved in its config folder: decode steps' RAM rate (GB/s) and
+    fixed cost of a block (ms), the packed kernels' rates (G weights/s; in cache and streamed), its seconds."""
+    from pathlib import Path
+
+    profiles = list((Path(config) / "profiles").glob("*.json"))
+    if not profiles:
+        return {}
+    doc = json.loads(profiles[0].read_text())
+    values = {m["key"]: m["value"] for m in doc.get("measurements", [])}
+    packed = {key[len("cpu_packed_"):]: round(value / 1e9, 2) for key, value in values.items()
+              if key.startswith("cpu_packed_")}
+    return {"decode_stream_gbps": round(values.get("cpu_weight_stream", 0) / 1e9, 2),
+            "block_overhead_ms": round(values.get("cpu_decode_block_overhead", 0) * 1e3, 3),
+            "packed_gweights_per_s": packed}
+
+
+def step_parts(model: str, prompt_len: int, new_tokens: int) -> dict:
+    """Median milliseconds per decode step of one generation as `generate` runs it (its thread layout, the plan
+    for this machine): the blocks (the span's call), the LM head, and the rest of the step (embedding, sampling,
+    the loop), with the step itself."""
+    import time
+
+    from hivekeeper.core.cli.generate import set_threads
+    from hivekeeper.core.offload.local_plan import plan_local_run
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
+    from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
+    from hivekeeper.core.runtime.generation import generate
+
+    set_threads()
+    path = resolve_checkpoint(model)
+    config = load_config(path)
+    _, plan = plan_local_run("auto", path, config, batch=1, prompt_len=prompt_len, max_new_tokens=new_tokens,
+                             max_length=prompt_len + new_tokens)
+    runner = OffloadedModel(path, plan)
+    times: dict[str, list[float]] = {"blocks": [], "head": []}
+
+    class Timed:  # the runner's part, timed at each call
+        def __init__(self, name: str, part):
+            self.name, self.part = name, part
+
+        def __call__(self, *args, **kwargs):
+            started = time.perf_counter()
+            out = self.part(*args, **kwargs)
+            times[self.name].append(time.perf_counter() - started)
+            return out
+
+        def __getattr__(self, attribute):
+            return getattr(self.part, attribute)
+
+    runner.span, runner.head = Timed("blocks", runner.span), Timed("head", runner.head)
+    prompt = [1] + [(7 * i) % (config.vocab_size - 10) + 10 for i in range(prompt_len - 1)]
+    result = generate(runner, prompt, max_new_tokens=new_tokens, ignore_eos=True)
+    blocks, head = (statistics.median(times[name][1:]) * 1e3 for name in ("blocks", "head"))  # [0]: the prefill
+    step = result.decode_s / max(1, result.new_tokens - 1) * 1e3
+    return {"step": round(step, 2), "blocks": round(blocks, 2), "head": round(head, 2),
+            "rest": round(step - blocks - head, 2)}
 
 
 def compare(model: str, name: str, prompt_len: int, new_tokens: int, runs: int, no_measure: bool,
@@ -75,6 +148,8 @@ def compare(model: str, name: str, prompt_len: int, new_tokens: int, runs: int, 
             "ratios": [round(r, 3) for r in ratios], "ratio": round(median, 3) if median else None,
             "within_goal": median is not None and abs(median - 1) <= GOAL, "goal": GOAL,
             "efficiency": plan["efficiency"], "weight_format": plan["policy"]["weight_format"],
+            "measured_by_quick": [p.get("measured") for p, _ in results],
+            "parts_ms": [p.get("parts_ms") for p, _ in results],
             "prompt_len": prompt_len, "new_tokens": new_tokens,
             "loadavg_before": round(load_before, 2), "loadavg_after": round(os.getloadavg()[0], 2)}
 
@@ -86,7 +161,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-measure", action="store_true", help="plan with estimates where there is no profile")
     parser.add_argument("--dequantized", action="store_true", help="also the default model dequantized to fp32")
+    parser.add_argument("--parts-of", metavar="MODEL", help=argparse.SUPPRESS)  # the child that times the parts
     args = parser.parse_args()
+    if args.parts_of:
+        print(json.dumps(step_parts(args.parts_of, args.prompt_len, args.new_tokens)))
+        return
     models = [(str(demo_preset("100m")), "demo-100m", True), ("smollm2-135m-instruct", "smollm2-135m-instruct", True)]
     if args.dequantized:
         models.append(("smollm2-135m-instruct", "smollm2-135m-instruct (fp32)", False))

@@ -566,16 +566,25 @@ def measure_half_decode(hidden: int = 2048, total_bytes: int = 256 << 20, repeat
     kernel), timed in turn.
 
     Whether a CPU with native bf16 math (AVX512-BF16, AMX) should run 16-bit plans in bf16 depends on this, not on
-    the flag: core/machine/cpu_dtype.py."""
+    the flag: core/machine/cpu_dtype.py. Both run in the runtime's thread layout (use_blas_threads: torch on one
+    thread, fp32 products on the native kernels or numpy's BLAS over the cores): outside it, fp32 went through
+    torch too, and a bf16 step that generate runs ~2x slower than fp32 measured faster (issue 23: the demo then ran
+    in bf16 at a third of its predicted speed)."""
     load = load_average()
     fp32 = _layer_chain(hidden, total_bytes)
     bf16 = [weight.to(torch.bfloat16).contiguous() for weight in fp32]
-    fp32_s, bf16_s = _alternating_seconds([_chain(fp32, 1), _chain(bf16, 1)], repeats)
+    previous_threads = torch.get_num_threads()
+    use_blas_threads()
+    try:
+        fp32_s, bf16_s = _alternating_seconds([_chain(fp32, 1), _chain(bf16, 1)], repeats)
+        fp32_path = fp32_decode_path(min(w.numel() for w in fp32))
+    finally:
+        torch.set_num_threads(previous_threads)
     ratios = [b / f for f, b in zip(fp32_s, bf16_s)]
     ratio = min(bf16_s) / min(fp32_s)
     megabytes = sum(w.numel() for w in fp32) * 4 / 2**20
     detail = (f"{len(fp32)} matrices of width {hidden}, one row: fp32 ({megabytes:.0f} MiB, "
-              f"{fp32_decode_path(min(w.numel() for w in fp32))}) "
+              f"{fp32_path}) "
               f"{min(fp32_s) * 1e3:.3g} ms, bf16 ({megabytes / 2:.0f} MiB, torch) {min(bf16_s) * 1e3:.3g} ms")
     return Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x",
                        (max(ratios) - min(ratios)) / min(ratios), len(ratios), max(load, load_average()), detail,

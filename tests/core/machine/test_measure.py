@@ -166,6 +166,22 @@ def test_a_bf16_decode_step_is_measured_against_fp32_where_bf16_math_is_native(c
     assert HALF_DECODE_KEY in {m.key for m in run_benchmarks(cpu_only, gpu=False)}
 
 
+def test_the_bf16_step_is_measured_against_fp32_as_the_runtime_runs_fp32():
+    """In the runtime's thread layout: fp32 products on the native kernels or numpy's BLAS, not torch's (issue 23:
+    measured outside it, torch's fp32 lost to torch's bf16, and plans ran in bf16 at half the fp32 speed)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as a process that never set the runtime's layout (the app's, the CLI's measure)
+    try:
+        half = measure.measure_half_decode(512, 4 << 20, repeats=1)  # 512 x 512: large enough for the BLAS path
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    fp32_part = half.detail.split("fp32 (", 1)[1].split(")", 1)[0]
+    assert fp32_part.endswith(("the native kernels", "numpy's BLAS"))
+
+
 def test_terminal_progress_prints_one_line_per_step_when_not_a_terminal():
     stream = io.StringIO()
     bar = TerminalProgress("measure ", stream)
