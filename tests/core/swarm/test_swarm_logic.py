@@ -243,3 +243,31 @@ def test_a_server_sessions_input_history_grows_rewinds_and_follows_beams():
     assert torch.equal(session.history, expected)
     with pytest.raises(InputError, match="do not continue this session's batch of 2 rows"):
         session._remember(torch.randn(3, 1, 4), None, None)
+
+
+def test_a_server_sessions_answers_follow_its_inputs_and_a_reorder_unchecks_them():
+    """The outputs a session keeps for spot checks are rewound and reordered with its inputs; positions a spot check
+    confirmed stay confirmed up to a rewind, and none after a beam reorder (every row may now hold another's)."""
+    from types import SimpleNamespace
+
+    from hivekeeper.core.swarm.client.inference import _ServerSession
+
+    hop = SimpleNamespace(span=SimpleNamespace(info=SimpleNamespace(torch_dtype="float32")), start=0, end=2,
+                          peer_id="peer")
+    session = _ServerSession(client=None, hop=hop, max_length=100)
+    inputs, outputs = [torch.randn(2, 3, 4), torch.randn(2, 2, 4)], [torch.randn(2, 3, 4), torch.randn(2, 2, 4)]
+    for x, y in zip(inputs, outputs):
+        session._remember(x, None, None, y)
+    assert torch.equal(session.outputs, torch.cat(outputs, dim=1))
+    session.checked = 5  # a spot check confirmed every position
+    session._remember(torch.randn(2, 1, 4), None, None, torch.randn(2, 1, 4))
+    assert session.checked == 5  # a plain step keeps what was confirmed
+    last = torch.randn(2, 1, 4)
+    session._remember(torch.randn(2, 1, 4), None, 4, last)  # rewind to 4: positions 4 and 5 are new
+    assert session.checked == 4 and session.length == 5
+    assert torch.equal(session.outputs, torch.cat([torch.cat(outputs, dim=1)[:, :4], last], dim=1))
+    before = session.outputs.clone()
+    beam = torch.randn(2, 1, 4)
+    session._remember(torch.randn(2, 1, 4), torch.tensor([1, 1]), None, beam)
+    assert session.checked == 0
+    assert torch.equal(session.outputs, torch.cat([before[[1, 1]], beam], dim=1))

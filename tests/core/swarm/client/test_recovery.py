@@ -179,6 +179,8 @@ def test_failover_after_a_beam_reorder_replays_the_rows_in_their_new_order(serve
         check_step(session, cache, span, chunks[3], "the next step, on the replacement")
         assert [r["peer_id"] for r in session.recoveries] == [failed]
         assert session.recoveries[0]["replayed_tokens"] == 4
+        # the wire and the servers run float32; the caller gets its own dtype back
+        assert session.step(torch.randn(2, 1, 64, dtype=torch.float64)).dtype == torch.float64
 
 
 def test_a_two_server_chain_rewinds_and_reorders_like_a_local_cache(chain, span):
