@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
 from hivekeeper.core.runtime.library import human_bytes
 
 from hivekeeper.gui.services.models import ModelsService
+from hivekeeper.gui.style import label, page_layout
 from hivekeeper.gui.widgets.confirm_dialog import confirm_dialog
 from hivekeeper.gui.viewmodels.models_view import (COLUMNS, model_rows, progress_percent, progress_text,
                                                    pull_argv_args)
@@ -56,11 +57,10 @@ class ModelsPage(QWidget):
         self.progress.setRange(0, 100)
         self.progress_label = QLabel("")
 
-        layout = QVBoxLayout(self)
-        title = QLabel("Models on this machine: Hivekeeper's folder, the Hugging Face cache, Ollama and LM Studio "
-                       "(read in place), and the built-in model")
-        title.setWordWrap(True)
-        layout.addWidget(title)
+        layout = page_layout(self, QVBoxLayout, (24, 18), 10)  # as every page: styled background, margins, title
+        layout.addWidget(label("Models", "title"))
+        layout.addWidget(label("Models on this machine: Hivekeeper's folder, the Hugging Face cache, Ollama and LM "
+                               "Studio (read in place), and the built-in model.", "subtitle", wrap=True))
         layout.addWidget(self.table, 1)
         buttons = QHBoxLayout()
         buttons.addWidget(self.refresh_button)

@@ -34,7 +34,8 @@ class SettingsPage(QWidget):
         super().__init__(parent)
         self.settings = settings
         layout = page_layout(self, QVBoxLayout, (24, 18), 10)
-        layout.addWidget(label("Step aside for me", "title"))
+        layout.addWidget(label("Settings", "title"))
+        layout.addWidget(label("Step aside for me", "subtitle"))
         layout.addWidget(label("The node leaves the swarm gracefully while any of these holds (its clients move to "
                                "other servers without losing a token), frees its memory, and rejoins when none "
                                "does. Changes apply the next time the node starts.", "small", wrap=True))

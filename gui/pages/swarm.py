@@ -21,7 +21,8 @@ from hivekeeper.planner.swarm import ServerPlan
 from hivekeeper.gui.services.coverage import CoverageService
 from hivekeeper.gui.services.node import STATE_WORDS, NodeLaunch, NodeService
 from hivekeeper.gui.settings import SwarmSettings
-from hivekeeper.gui.style import ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, fmt_rate, label, page_layout
+from hivekeeper.gui.style import (ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, counted, fmt_rate, label,
+                                  page_layout)
 from hivekeeper.gui.widgets.chart import Chart
 from hivekeeper.gui.widgets.model_menu import model_menu
 
@@ -216,8 +217,8 @@ class SwarmPage(QWidget):
         self.models_table = QTableWidget(0, len(MODEL_COLUMNS))
         self.models_table.setHorizontalHeaderLabels(list(MODEL_COLUMNS))
         header = self.models_table.horizontalHeader()
-        for index in range(len(MODEL_COLUMNS)):  # names and spans share what the counts leave
-            fit = index in (1, 2)
+        for index in range(len(MODEL_COLUMNS)):  # the whole name; the spans share what it and the counts leave
+            fit = index in (0, 1, 2)
             header.setSectionResizeMode(index, QHeaderView.ResizeMode.ResizeToContents if fit else
                                         QHeaderView.ResizeMode.Stretch)
         self.models_table.verticalHeader().setVisible(False)
@@ -449,7 +450,7 @@ class SwarmPage(QWidget):
         if ev.get("cache_tokens_left") is not None:
             self.set_field("cache", f"{ev['cache_tokens_left']:,}")
         if ev.get("requests_served") is not None:
-            self.set_field("served", f"{ev['requests_served']:,}", f"{ev.get('sessions', 0)} open sessions")
+            self.set_field("served", f"{ev['requests_served']:,}", counted(ev.get("sessions", 0), "open session"))
         if ev.get("throughput") is not None:
             self.state_card.detail.setText(f"advertises {ev['throughput']:.3g} requests/s; peer "
                                            f"…{(node.peer_id or '')[-8:]}")
@@ -507,9 +508,7 @@ class SwarmPage(QWidget):
                 item.setToolTip(f"{row['repository']} (swarm prefix {row['dht_prefix']})" if c == 0 else text)
                 table.setItem(r, c, item)
         servers = sum(row["servers"] for row in rows)
-        models_words = "1 model" if len(rows) == 1 else f"{len(rows)} models"
-        servers_words = "1 server" if servers == 1 else f"{servers} servers"
-        self.directory_note.setText(f"{models_words} served by {servers_words}" if rows
+        self.directory_note.setText(f"{counted(len(rows), 'model')} served by {counted(servers, 'server')}" if rows
                                     else "No model is listed in this swarm's registry yet.")
         best = next((row for row in rows if row["dht_prefix"] == self.best_prefix), None)
         self.join_best_button.setEnabled(best is not None and self.node.state not in BUSY_STATES)
