@@ -99,6 +99,8 @@ def _hardware(arg: str, overrides: dict[str, float], measure: bool = True):
 
         hardware, efficiency = detect_or_load_profile()
         if efficiency is None and measure:
+            print("note: the first plan for this machine: measuring it quickly first (a few seconds, once)",
+                  file=sys.stderr, flush=True)
             print(measure_quickly(), file=sys.stderr)
             hardware, efficiency = detect_or_load_profile()
         return apply_host_overrides(hardware, where="command line", **overrides), efficiency

@@ -30,6 +30,8 @@ def test_the_first_plan_measures_this_machine_once(tmp_path, cli, monkeypatch):
     first = plan(tmp_path)
     assert first.returncode == 0, first.stderr
     assert "note: the first plan for this machine: measured it quickly" in first.stderr
+    # said before the measurement too, so that a terminal's wait is explained while it lasts
+    assert first.stderr.index("measuring it quickly first") < first.stderr.index("measured it quickly (")
     profiles = list((tmp_path / "profiles").glob("*.json"))
     assert len(profiles) == 1 and str(profiles[0]) in first.stderr
     saved = json.loads(profiles[0].read_text())
