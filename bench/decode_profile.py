@@ -5,6 +5,7 @@ run by run in one process (the same load for each).
     python bench/decode_profile.py                       # 2 threads; solo runs of 64 products (the default) vs none
     python bench/decode_profile.py --solo 64 16 0 --busy # the same beside one CPU-bound process
     python bench/decode_profile.py --solo 64 --attention-pool 16384 65536  # attention over the pool from which size
+    python bench/decode_profile.py --file ~/.cache/hivekeeper-bench/gguf/demo-1b-q4_0.gguf --tokens 16 --solo 64
 
 Why: issue 16's single-row decode trails llama.cpp's on the same file. The profiling build (HIVEKEEPER_NATIVE_PROFILE=1,
 decode_kernels.c's hk_profile) adds up the calling thread's CPU time per part of a step (each packed product, the
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-pool", type=int, nargs="+", default=[1 << 16],
                         help="batch x keys x heads x head_dim from which attention runs over the pool (0: always)")
     parser.add_argument("--busy", action="store_true", help="beside one CPU-bound process")
+    parser.add_argument("--file", default=None, help="a GGUF file (default: the built-in SmolLM2 Q4_1); e.g. the ~1B "
+                        "demo files bench/decode_vs_llamacpp.py writes into ~/.cache/hivekeeper-bench/gguf")
     return parser.parse_args(argv)
 
 
@@ -46,6 +49,7 @@ os.environ["HIVEKEEPER_NATIVE_PROFILE"] = "1"
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import hivekeeper.core  # noqa: E402,F401 - before numpy and torch: sets OpenBLAS's idle-thread timeout
 
@@ -87,7 +91,7 @@ def summary(runs: list[tuple[float, int, dict[str, float]]]) -> dict:
 def main() -> int:
     use_blas_threads()  # torch on one thread, as `hivekeeper generate` runs
     load_before = os.getloadavg()
-    path = resolve_default_model()
+    path = Path(args.file).expanduser() if args.file else resolve_default_model()
     embedding = load_embedding(path)
     model = (embedding, load_span(path, 0, load_config(path).num_layers, packed=True),
              load_head(path, embedding=embedding, packed=True))

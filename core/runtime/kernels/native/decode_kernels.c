@@ -1118,9 +1118,10 @@ typedef struct { __m256i lo, hi; __m128 dm; } pair_block;
 
 /* Software prefetch of `lines` cache lines from p on. The 4-bit kernels read a few rows side by side, each a short
    stream (a 2048-wide Q4_0 row is 18 lines), which the hardware prefetcher picks up too late: while a group of rows
-   is multiplied, the rows of the next group are prefetched at the same pace (the 1B demo's Q4_0 products streamed
-   ~1.3-1.5x faster, bench/quant_matvec.py-style A/B at load 9-11). A prefetch never faults, so one past the
-   weights' end is harmless. */
+   is multiplied, the rows of the next group are prefetched at the same pace (Q4_0 products of the 1B demo's shapes,
+   matrices larger than the L3: 1.1-1.65x less CPU time per streamed byte on one thread, 1.1-1.5x faster on two in
+   an alternating A/B at load 9-12; prefetching two or four groups ahead was no better). A prefetch never faults,
+   so one past the weights' end is harmless. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const char *p, int lines) {
     for (int i = 0; i < lines; i++) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
 }
@@ -1175,6 +1176,10 @@ static inline __attribute__((always_inline)) void pair_block_into(int format, co
    two chains (even and odd blocks), summed at the end (sum8). |q| times the activations with q's signs: unsigned
    times signed, as the dot product takes them. */
 #define Q8_0_ROW_GROUP 4 /* Q8_0's batch rows per pass over a weight row, in both builds (two accumulators each) */
+/* Q8_0's rows are read one after another, one forward stream, and still the hardware prefetcher left the product
+   waiting on memory: prefetching 4 KB ahead took 1.3-1.4x less CPU time per streamed byte (one thread, matrices
+   larger than the L3, 2048- and 8192-wide; 1 KB ahead 1.15x, 8 and 16 KB the same as 4). */
+#define Q8_0_PREFETCH_BYTES 4096
 
 /* Block w of a Q8_0 row times block b of activation rows 0 .. R-1 (x: row 0's block; ds: row 0's pair). */
 static inline __attribute__((always_inline)) void q8_0_block_into(int R, const block_q8_0 *w, const int8_t *x,
@@ -1197,6 +1202,7 @@ static inline __attribute__((always_inline)) void qdot_q8_0(int R, const qmatvec
     const float *ds = t->ds + 2 * r0;
     long b = 0, blocks = t->blocks, cols = t->cols, step = 2 * t->batch;
     for (; b + 2 <= blocks; b += 2, x += 2 * QK, ds += 2 * step) {
+        prefetch_ahead((const char *)(w + b) + Q8_0_PREFETCH_BYTES, 2);
         q8_0_block_into(R, w + b, x, cols, ds, even);
         q8_0_block_into(R, w + b + 1, x + QK, cols, ds + step, odd);
     }
@@ -1213,6 +1219,7 @@ static inline __attribute__((always_inline)) float qdot_q8_0_one(const qmatvec_t
     long step = 2 * t->batch, b = 0;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     for (; b + 2 <= t->blocks; b += 2) {
+        prefetch_ahead((const char *)(w + b) + Q8_0_PREFETCH_BYTES, 2); /* two blocks: 68 bytes */
         __m256i s0 = _mm256_loadu_si256((const __m256i *)w[b].qs);
         __m256i s1 = _mm256_loadu_si256((const __m256i *)w[b + 1].qs);
         __m256i x0 = _mm256_loadu_si256((const __m256i *)(q + b * QK));
