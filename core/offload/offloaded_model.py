@@ -21,6 +21,7 @@ block_variants.py; docs/local-inference.md has what runs where).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from pathlib import Path
@@ -43,15 +44,31 @@ from hivekeeper.core.runtime.checkpoint import (load_block, load_embedding, load
 from hivekeeper.core.runtime.gguf import GGUFBlockReader, GGUFCheckpoint, packed_by_default
 from hivekeeper.core.runtime.kernels import cpu_decode
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, pack_in_order, store_tall_linears_by_column,
-                                                        use_blas_threads)
+                                                        torch_threads, use_blas_threads)
+from hivekeeper.core.runtime.kernels.cpu_threads import physical_cores
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable, add_prompt
 from hivekeeper.core.runtime.quant.bnb import quantized_tensors
 from hivekeeper.core.runtime.quant.store import QuantStore
 
 
+# whether this process runs the runtime's thread layout (use_physical_cores), under which the engine gives torch every
+# core for a 16-bit prefill chunk (OffloadedModel._step_threads); otherwise torch's threads are the caller's
+runtime_layout_set = False
+
+
 def use_physical_cores() -> int:
     """Set the CPU thread layout for inference (see cpu_matmul.use_blas_threads); returns the matmul threads."""
+    global runtime_layout_set
+    runtime_layout_set = True
     return use_blas_threads()
+
+
+def sixteen_bit_prefill_threads() -> int:
+    """Torch's threads for a 16-bit prefill chunk on a CPU: every core under the runtime's layout (unless
+    OMP_NUM_THREADS is set), else torch's threads as the caller set them (OffloadedModel._step_threads)."""
+    if runtime_layout_set and "OMP_NUM_THREADS" not in os.environ:
+        return physical_cores()
+    return torch.get_num_threads()
 
 
 def warm_up_runtime() -> None:
@@ -64,7 +81,9 @@ def warm_up_runtime() -> None:
     keep_heap_small()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         if runs_natively_on_cpu(dtype):
-            _run_small_block(dtype)
+            threads = torch.get_num_threads() if dtype == torch.float32 else sixteen_bit_prefill_threads()
+            with torch_threads(threads):  # 16-bit: the prefill's threads exist before the baseline too
+                _run_small_block(dtype)
     _return_freed_memory()
 
 
@@ -286,6 +305,17 @@ class OffloadedModel:
         scores = cache.batch * config.num_heads * tokens * (position + tokens) * 4  # fp32 at most
         return scores <= workspace_bytes(config, cache.batch, tokens, self.plan.dtype)
 
+    def _step_threads(self, tokens: int) -> int:
+        """Torch's threads for one step of the block loop. Under the runtime's layout torch has one thread (numpy's
+        BLAS or the native pool multiply fp32 on every core); a 16-bit plan's matmuls are torch's own, so a prefill
+        chunk gets every core (its products are large: main-thread CPU of a batch-128 prefill 2.7-2.9 s on one
+        thread, 1.5-1.8 s on two, the process's total the same; busy machine, load 7-11). A decode step keeps one:
+        the reader thread converting the next streamed block needs the other core then. OMP_NUM_THREADS, when set,
+        is kept."""
+        if tokens == 1 or self.device.type != "cpu" or self.plan.dtype == torch.float32 or self.plan.quant != "none":
+            return torch.get_num_threads()
+        return sixteen_bit_prefill_threads()
+
     def _micro_batches(self, batch: int) -> list[slice]:
         size = self.plan.micro_batch_size
         if self.plan.num_micro_batches <= 1 or size >= batch:
@@ -334,24 +364,33 @@ class OffloadedModel:
         homes = [self.device if tier == "gpu" else torch.device("cpu")
                  for tier in self.plan.activation_tiers(len(rows))]
         parts = [keep_between_blocks(hidden[r], home) for r, home in zip(rows, homes)]
-        for layer in range(self.config.num_layers):
-            block = self.resident.get(layer)
-            streamed = block is None
-            if streamed:
-                block = self.streamer.acquire(layer)
-            try:
-                run = self._block_runner(layer, block, cache, position, rope)
-                for i, (r, home) in enumerate(zip(rows, homes)):
-                    x = parts[i].to(self.device, non_blocking=True)
-                    x = x if prompts is None else add_prompt(x, prompts[layer, r])
-                    parts[i] = keep_between_blocks(run(x, r), home)
-            finally:
-                if streamed:
-                    self.streamer.release(layer)
+        threads = self._step_threads(t)
+        with torch_threads(threads) if threads != torch.get_num_threads() else contextlib.nullcontext():
+            for layer in range(self.config.num_layers):
+                self._run_layer(layer, parts, rows, homes, cache, position, rope, prompts)
         cache.length = position + t
         if len(parts) == 1:
             return parts[0].to(self.device)
         return torch.cat([part.to(self.device, non_blocking=True) for part in parts])
+
+    def _run_layer(self, layer: int, parts: list[Tensor], rows: list[slice], homes: list[torch.device],
+                   cache: TieredKVCache | RecomputeCache, position: int, rope: tuple[Tensor, Tensor],
+                   prompts: Tensor | None) -> None:
+        """Block `layer` (resident, or acquired from the streamer) over every micro-batch's hidden states in
+        `parts`, replaced by its outputs: the zig-zag schedule's inner loop."""
+        block = self.resident.get(layer)
+        streamed = block is None
+        if streamed:
+            block = self.streamer.acquire(layer)
+        try:
+            run = self._block_runner(layer, block, cache, position, rope)
+            for i, (r, home) in enumerate(zip(rows, homes)):
+                x = parts[i].to(self.device, non_blocking=True)
+                x = x if prompts is None else add_prompt(x, prompts[layer, r])
+                parts[i] = keep_between_blocks(run(x, r), home)
+        finally:
+            if streamed:
+                self.streamer.release(layer)
 
     def _native_decode(self, hidden: Tensor, cache: TieredKVCache | RecomputeCache, position: int,
                        rope: tuple[Tensor, Tensor]) -> Tensor | None:
