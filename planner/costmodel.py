@@ -383,6 +383,8 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
         else:
             half_native = native and fmt.name == "bf16"
             gemv = gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU
+            if half_native and machine.acc.half_decode_ratio:  # measured: a bf16 step is that many fp32 steps
+                gemv = 4.0 * machine.acc.half_decode_ratio
             # without native half math the catalog lists the (much lower) rate of software-converted kernels
             peak = machine.acc.peak_flops(fmt.name) if fmt.name in machine.acc.flops else fp32_rate
         kv_factor = 1.0 if (native or fmt.name == "fp32") else HALF_AS_FP32_ON_CPU

@@ -57,6 +57,9 @@ class ComputeDevice:
     # step after step): the planner takes it for a model whose weights fit `cache_bytes` (costmodel.cached_share)
     packed_kernels_cached: dict[str, float] = field(default_factory=dict)
     cache_bytes: int | None = None  # a CPU's last-level cache (detected); None: unknown, every model streamed
+    # a CPU's bf16 decode step over its fp32 one, as measured (bf16 through torch, fp32 through the native kernels):
+    # the planner takes a one-row bf16 step at that many fp32 steps; None: not measured (half the fp32 bytes)
+    half_decode_ratio: float | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; falls back to fp32's rate (or the best known) when not listed."""

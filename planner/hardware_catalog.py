@@ -55,6 +55,7 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "pcie_lanes": (1, 32),
     "gweights_per_s": (0.001, 100_000.0),  # a CPU's packed-format kernels, billions of weights per second
     "cache_mib": (0.0625, 65_536.0),  # a CPU's last-level cache, MiB
+    "half_decode_ratio": (0.05, 16.0),  # a CPU's measured bf16 decode step over its fp32 one
 }
 
 # the end of a too-large value's error: a value 1000x too large is usually in the wrong unit
@@ -230,7 +231,7 @@ _GPU_KEYS = {"name", "memory_gb", "memory_gib", "memory_bandwidth_gbps", "flops_
              "pcie_gen", "pcie_lanes", "unified_memory", "in_use_gb"}
 _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w",
              "decode_streaming", "in_use_gb", "packed_kernels_gweights_per_s", "packed_kernels_cached_gweights_per_s",
-             "cache_mib"}
+             "cache_mib", "half_decode_ratio"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0)}  # issue 23: measured per-block cost of a decode step
@@ -324,6 +325,7 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         packed_kernels=_parse_packed_kernels(s),
         packed_kernels_cached=_parse_packed_kernels(s, "packed_kernels_cached_gweights_per_s"),
         cache_bytes=int(s.limited("cache_mib", "cache_mib") * (1 << 20)) if s.has("cache_mib") else None,
+        half_decode_ratio=s.limited("half_decode_ratio", "half_decode_ratio", required=False),
     )
 
 
@@ -644,6 +646,7 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                                                          for name, rate in cpu.packed_kernels_cached.items()}}
                if cpu.packed_kernels_cached else {}),
             **({"cache_mib": round(cpu.cache_bytes / (1 << 20), 4)} if cpu.cache_bytes else {}),
+            **({"half_decode_ratio": round(cpu.half_decode_ratio, 4)} if cpu.half_decode_ratio else {}),
             "sources": dict(cpu.sources),
         },
         "disk": {

@@ -231,6 +231,8 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
     streaming = decode_streaming(measurements)
     if streaming is not None:
         cpu = dataclasses.replace(cpu, decode_streaming=streaming)
+    if HALF_DECODE_KEY in by_key and by_key[HALF_DECODE_KEY].value > 0:  # a bf16 step / an fp32 one (cpu_dtype)
+        cpu = dataclasses.replace(cpu, half_decode_ratio=min(16.0, max(0.05, by_key[HALF_DECODE_KEY].value)))
     kernels, cached = packed_kernel_rates(measurements), packed_kernel_rates(measurements, PACKED_CACHED_KEY)
     if kernels or cached:
         cpu = dataclasses.replace(cpu, packed_kernels=kernels or cpu.packed_kernels,
