@@ -837,7 +837,7 @@ class BenchmarkSizes:
     stream_bytes: int = 384 << 20  # ...each of this many bytes or twice the last-level cache, the larger
     cache_bytes: int | None = None  # the last-level cache the spans must exceed (None: read from /sys)
     half_hidden: int = 2048  # bf16 against fp32 at decode: layer-shaped matrices of this width (weights large enough
-    half_bytes: int = 256 << 20  # for the runtime's fp32 kernels), this many fp32 bytes in all (beyond the caches)
+    half_bytes: int = 256 << 20  # for the runtime's fp32 kernels), this many fp32 bytes in all or twice the cache
     matmul_seconds: float = 1.0  # one prefill-shape multiply takes at most about this long (slow dtypes shrink)
     disk_bytes: int = 512 << 20
     link_bytes: int = 256 << 20
@@ -889,7 +889,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                                                      sizes.packed_streamed, sizes.step_repeats)))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
-                      lambda: [measure_half_decode(sizes.half_hidden, sizes.half_bytes, sizes.repeats)]))
+                      lambda: [measure_half_decode(sizes.half_hidden, max(sizes.half_bytes, beyond_cache),
+                                                   sizes.repeats)]))
     if disk_folder is not None:
         steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))
     if gpu and torch.cuda.is_available():

@@ -9,9 +9,8 @@ import pytest
 
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import fit_bytes_and_blocks, measure_decode_blocks
-from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY,
-                                                 WEIGHT_STREAM_KEY,
-                                                 Measurement)
+from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, Measurement, PACKED_KERNEL_KEY,
+                                                 SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY)
 from hivekeeper.core.machine.profiles import apply_measurements
 from hivekeeper.planner.calibration import measured_efficiency
 from hivekeeper.planner.costmodel import Placement, Policy, Workload, evaluate, model_numbers
@@ -124,6 +123,19 @@ def test_the_spans_exceed_twice_the_last_level_cache(monkeypatch):
     block = config.block_param_count() * 4  # whole blocks: the nearest count to the size asked
     assert abs(sum(p.numel() * 4 for p in span.parameters()) - (6 << 20)) <= block / 2 + 4096
     assert config.num_layers == len(span.blocks) == 2
+
+
+def test_the_bf16_against_fp32_step_reads_beyond_twice_the_cache_too(monkeypatch, cpu_flags):
+    """Issue 23: --quick's 64 MiB chain sat in a 105 MiB L3, where torch's bf16 kept up with the fp32 kernels, and
+    16-bit plans then ran in bf16 at a fraction of the fp32 speed from RAM."""
+    import dataclasses
+
+    cpu_flags("sse2 avx avx2 fma avx512f avx512_bf16")
+    asked = []
+    monkeypatch.setattr(measure, "measure_half_decode", lambda hidden, nbytes, repeats: asked.append(nbytes) or
+                        Measurement(HALF_DECODE_KEY, "bf16 / fp32", 1.5, "x", 0.0, 1, 0.0))
+    sizes = dataclasses.replace(measure.TINY, cache_bytes=2 << 20, half_bytes=1 << 20, dtypes=())
+    assert HALF_DECODE_KEY in {m.key for m in measure.run_benchmarks(sizes, gpu=False)} and asked == [4 << 20]
 
 
 def test_decode_steps_faster_than_the_ram_sum_raise_the_ram_bandwidth():
