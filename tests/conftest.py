@@ -97,12 +97,18 @@ def _watched_processes() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
+_KILLED: set[int] = set()  # leftovers the checks below killed: nobody else waits for them
+
+
 def _reap_adopted_zombies() -> None:
-    """Collect exit statuses of adopted orphans (p2pd of killed servers); tests only wait for their own children."""
+    """Collect exit statuses of adopted orphans (p2pd of killed servers) and of the leftovers the checks killed; tests
+    only wait for their own children. A killed leftover's own children (the cc1 of a compiler driver whose server was
+    killed mid-build) are adopted as zombies too: left there, they would be children of every later test."""
     for child in psutil.Process().children():
         try:
-            if child.status() == psutil.STATUS_ZOMBIE and child.name() == "p2pd":
+            if child.status() == psutil.STATUS_ZOMBIE and (child.name() == "p2pd" or child.pid in _KILLED):
                 os.waitpid(child.pid, os.WNOHANG)
+                _KILLED.discard(child.pid)
         except (psutil.NoSuchProcess, ChildProcessError):
             pass
 
@@ -146,7 +152,7 @@ def pytest_sessionfinish(session, exitstatus):
         _reap_adopted_zombies()
         time.sleep(0.2)
         leftovers = [pid for pid in _watched_processes() if _alive(pid)]
-    described = _kill_and_describe(leftovers)
+    described = kill_and_describe(leftovers)
     if described:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
@@ -155,16 +161,23 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def _kill_and_describe(pids) -> list[str]:
-    """Kill each process still there; one 'pid name command' line for each."""
+def kill_and_describe(pids) -> list[str]:
+    """Kill each process still there, and collect the exit statuses that come to this process (the subreaper) within a
+    few seconds; one 'pid name command' line for each."""
     described = []
     for pid in pids:
         try:
             proc = psutil.Process(pid)
             described.append(f"{pid} {proc.name()} {' '.join(proc.cmdline()[:4])}")
             proc.kill()
+            _KILLED.add(pid)
         except psutil.NoSuchProcess:
             pass
+    deadline = time.monotonic() + 5.0
+    while _KILLED & _watched_processes() and time.monotonic() < deadline:
+        _reap_adopted_zombies()
+        time.sleep(0.05)
+    _KILLED.intersection_update(_watched_processes())  # the others are gone, or reaped by their parents
     return described
 
 
@@ -197,7 +210,7 @@ def no_leftover_processes():
     while leftovers and time.monotonic() < deadline:
         time.sleep(0.1)
         leftovers = {pid for pid in leftovers if _alive(pid)}
-    described = _kill_and_describe(leftovers)
+    described = kill_and_describe(leftovers)
     if described:
         pytest.fail("processes left behind: " + "; ".join(described))
 

@@ -29,10 +29,13 @@ def test_the_status_bar_shows_the_node_and_its_menu_pauses_resumes_and_a_crash_r
     assert "Node: serving (online)" in tray.label.text() and tray.notifications[-1][0] == "Node joined"
     assert tray.pause_action.isEnabled() and not tray.resume_action.isEnabled()
 
+    asked = time.time()
     tray.pause_action.trigger()
     qtbot.waitUntil(lambda: window.node.state == "paused", timeout=30_000)
-    until = time.strftime("%H:%M", time.localtime(time.time() + 3600))
-    assert f"Node: paused — paused by you until {until}" in tray.label.text()
+    # an hour from when the pause was asked for; the minute may turn between asking and looking
+    text, minutes = tray.label.text(), _minutes_between(asked + 3600, time.time() + 3600)
+    until = next((minute for minute in minutes if f"Node: paused — paused by you until {minute}" in text), None)
+    assert until is not None, (minutes, text)
     assert tray.notifications[-1] == ("Node paused", f"The node stepped aside: paused by you until {until}.")
     assert "Node paused" in window.statusBar().currentMessage() and tray.resume_action.isEnabled()
 
@@ -45,3 +48,11 @@ def test_the_status_bar_shows_the_node_and_its_menu_pauses_resumes_and_a_crash_r
     assert "restarting in" in tray.label.text() and tray.notifications[-1][0] == "Node crashed"
     qtbot.waitUntil(lambda: window.node.state == "online", timeout=START_MS)  # started again by itself
     assert window.node.crashes == 1 and "Node: serving (online)" in tray.label.text()
+
+
+def _minutes_between(start: float, end: float) -> list[str]:
+    """Every local "HH:MM" from the time `start` to the time `end` (seconds since the epoch)."""
+    minutes = [time.strftime("%H:%M", time.localtime(start))]
+    for moment in range(int(start) - int(start) % 60 + 60, int(end) + 1, 60):
+        minutes.append(time.strftime("%H:%M", time.localtime(moment)))
+    return minutes
