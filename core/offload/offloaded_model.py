@@ -4,7 +4,8 @@ Each block's weights live on one tier: resident on the compute device, in CPU RA
 on disk, where they stay in the checkpoint's files and are read on demand into the streamer's slots (streaming.py)
 by the block reader (weights.py). The KV cache gets a tier per block too (tiered_cache.py); batch and micro-batches
 follow the policy (each block's weights are fetched once per step and every micro-batch runs through them,
-FlexGen's block schedule; on a CPU a step with K/V kept runs the whole batch at once, see _runs_whole_batch).
+FlexGen's block schedule; on a CPU with K/V kept, a decode step runs the whole batch at once and a prefill
+chunk larger parts, see _step_rows).
 
     plan = place_model(config, policy, device="cpu", dtype=torch.float32, batch=1, max_length=256,
                        ram_budget_bytes=500e6)
@@ -50,6 +51,9 @@ from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable, add_p
 from hivekeeper.core.runtime.quant.bnb import quantized_tensors
 from hivekeeper.core.runtime.quant.store import QuantStore
 
+
+# on a CPU, a prefill chunk's micro-batches are merged until a part holds this many token rows (_step_rows)
+CPU_PART_TOKENS = 1024
 
 # whether this process runs the runtime's thread layout (use_physical_cores), under which the engine gives torch every
 # core for a 16-bit prefill chunk (OffloadedModel._step_threads); otherwise torch's threads are the caller's
@@ -292,18 +296,27 @@ class OffloadedModel:
             slot.loaded.record(self._copy_stream)
             slot.block.layer_index, slot.block.self_attn.window = layer, self.config.window_of(layer)
 
-    def _runs_whole_batch(self, tokens: int, position: int, cache: TieredKVCache | RecomputeCache) -> bool:
-        """Whether this step runs the batch as one micro-batch although the plan splits it: on a CPU, with K/V kept.
-        There the plan's micro-batches bound nothing: the placement counts a CPU step's activations for the whole
-        batch (placement.workspace_bytes), and the attention scores of the whole batch are checked against that
-        here. And they cost: a CPU multiplies many rows at once far better than a few (bf16, AMX, one thread: a
-        block's four products take ~90 ms for 2176 rows and ~50 ms for each quarter of them; 128 rows take about
-        the time of 32). Prefill chunks and decode steps then read each block once and run it once."""
+    def _step_rows(self, batch: int, tokens: int, position: int, cache: TieredKVCache | RecomputeCache) -> list[slice]:
+        """The micro-batches one step runs through each block. On a GPU, or with recompute, the plan's. On a CPU with
+        K/V kept, a decode step runs the whole batch at once (its activations are a few MB; 128 rows multiply in
+        about the time of 32), and a prefill chunk merges the plan's micro-batches until each part holds at least
+        CPU_PART_TOKENS token rows: below that a CPU multiplies few rows poorly (bf16, AMX, one thread, a block of
+        the 350 MB bench model over 128 prompts of 17 tokens: 195 ms of CPU in 4 parts, 174 in 2, 176 in 1; busy
+        machine), above it a part only adds activations (the whole batch at once went 12.7% over that bench's RAM
+        budget, two parts stay within it). Only where the attention scores of a part's rows fit the activations the
+        placement counts for them (placement.workspace_bytes); else the plan's micro-batches."""
+        plan = self._micro_batches(batch)
         if self.device.type != "cpu" or not isinstance(cache, TieredKVCache):
-            return False
+            return plan
         config = self.config
-        scores = cache.batch * config.num_heads * tokens * (position + tokens) * 4  # fp32 at most
-        return scores <= workspace_bytes(config, cache.batch, tokens, self.plan.dtype)
+        scores = batch * config.num_heads * tokens * (position + tokens) * 4  # fp32 at most
+        if scores > workspace_bytes(config, batch, tokens, self.plan.dtype):
+            return plan
+        if tokens == 1:
+            return [slice(0, batch)]
+        rows = plan[0].stop - plan[0].start
+        rows *= -(-CPU_PART_TOKENS // (rows * tokens))  # whole micro-batches, at least CPU_PART_TOKENS token rows
+        return [slice(i, min(i + rows, batch)) for i in range(0, batch, rows)]
 
     def _step_threads(self, tokens: int) -> int:
         """Torch's threads for one step of the block loop. Under the runtime's layout torch has one thread (numpy's
@@ -359,7 +372,7 @@ class OffloadedModel:
         if native is not None:
             cache.length = position + t
             return native
-        rows = [slice(0, batch)] if self._runs_whole_batch(t, position, cache) else self._micro_batches(batch)
+        rows = self._step_rows(batch, t, position, cache)
         # between blocks, each micro-batch's hidden states live where the plan says: the device or pinned RAM
         homes = [self.device if tier == "gpu" else torch.device("cpu")
                  for tier in self.plan.activation_tiers(len(rows))]

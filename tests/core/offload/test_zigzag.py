@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hivekeeper.core.offload.offloaded_model import OffloadedModel
+from hivekeeper.core.offload.offloaded_model import CPU_PART_TOKENS, OffloadedModel
 from hivekeeper.core.offload.placement import block_bytes, place_model
 from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
@@ -132,25 +132,34 @@ def stored_rows(model, prompts: list[list[int]], max_length: int) -> tuple[list,
     return result, [rows for tokens, rows in stored if tokens > 1], [rows for tokens, rows in stored if tokens == 1]
 
 
-def test_on_a_cpu_every_step_runs_the_whole_batch_when_its_attention_scores_fit_the_placed_workspace(checkpoint):
-    """On a CPU the placement counts a step's activations for the whole batch (workspace_bytes), so the plan's
-    micro-batches bound nothing there, and a CPU multiplies the whole batch's rows far better than a micro-batch's:
-    prefill and decode run the batch as one (same tokens). A prompt whose attention scores over the whole batch
-    would not fit that workspace (300 tokens here: 4 heads x 300^2 fp32 scores a row against ~1.2 MB) keeps them."""
+def test_on_a_cpu_decode_runs_the_whole_batch_and_prefill_merges_micro_batches_up_to_a_part_size(checkpoint):
+    """On a CPU the placement counts a step's activations for the whole batch (workspace_bytes), and a CPU multiplies
+    many rows far better than a few: a decode step runs the batch as one, a prefill chunk merges the plan's
+    micro-batches until a part holds CPU_PART_TOKENS token rows (same tokens). A prompt whose attention scores would
+    not fit that workspace (300 tokens: 4 heads x 300^2 fp32 scores a row against ~1.2 MB) keeps the plan's."""
     config = ModelConfig.from_folder(checkpoint)
     plan = place_model(config, throughput_policy(1, 1, 4), device="cpu", dtype=torch.float32,
                        batch=len(PROMPTS), max_length=MAX_LENGTH)
     with OffloadedModel(checkpoint, plan) as model:
         result, prefill, decode = stored_rows(model, PROMPTS, len(PROMPTS[0]) + NEW_TOKENS)
     assert result.token_ids == [resident_greedy(checkpoint, prompt) for prompt in PROMPTS]
-    assert prefill == [(0, len(PROMPTS))] * config.num_layers
+    assert prefill == [(0, len(PROMPTS))] * config.num_layers  # 4 x 6 token rows: one part
     assert decode == [(0, len(PROMPTS))] * config.num_layers * (NEW_TOKENS - 1)
 
-    long_prompts = [[1] + [(p * 31 + 7 * i) % 500 + 2 for i in range(299)] for p in range(len(PROMPTS))]
+    def prompts(count: int, length: int) -> list[list[int]]:
+        return [[1] + [(p * 31 + 7 * i) % 500 + 2 for i in range(length - 1)] for p in range(count)]
+
+    assert CPU_PART_TOKENS == 1024  # 200-token prompts: parts of 6 rows (1200 token rows), then the rest
+    plan = place_model(config, throughput_policy(1, 1, 8), device="cpu", dtype=torch.float32, batch=8,
+                       max_length=202)
+    with OffloadedModel(checkpoint, plan) as model:
+        _, prefill, decode = stored_rows(model, prompts(8, 200), 202)
+    assert prefill == [(0, 6), (6, 8)] * config.num_layers and decode == [(0, 8)] * config.num_layers
+
     plan = place_model(config, throughput_policy(1, 1, 4), device="cpu", dtype=torch.float32,
                        batch=len(PROMPTS), max_length=302)
     with OffloadedModel(checkpoint, plan) as model:
-        _, prefill, decode = stored_rows(model, long_prompts, 302)
+        _, prefill, decode = stored_rows(model, prompts(len(PROMPTS), 300), 302)
     # two prefill chunks (256 and 44 tokens; the second's scores reach back over 300 keys), each by micro-batch
     assert prefill == [(i, i + 1) for i in range(len(PROMPTS))] * config.num_layers * 2
     assert decode == [(0, len(PROMPTS))] * config.num_layers  # one decode step: its scores are one query a row
