@@ -599,3 +599,17 @@ def test_the_reason_of_a_model_that_fits_nowhere_quotes_the_missing_memory_per_t
     # buffers, so every block's fp16 weights go to the 1 GB disk: 32 × (4·4096² + 3·4096·11008 + 2·4096) × 2 bytes
     assert missing["disk"] == 32 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096) * 2 - 10**9
     assert "gpu 1.85 GB, cpu 1.11 GB, disk 12 GB" in plan.reason  # 1.8405, 1.1048 and 11.95 GB, rounded up
+
+
+def test_a_plan_names_its_model_machine_and_efficiency_and_says_whether_the_swarm_can_run_what_does_not_fit():
+    workload = Workload(prompt_len=512, output_len=128)
+    fits = search(LLAMA2_7B, machine(gpu_gb=24), "chat", Constraints(quant="none"), workload, EFF)
+    grid = evaluate_grid(LLAMA2_7B, machine(gpu_gb=24), "chat", Constraints(quant="none"), workload, EFF)
+    assert (fits.model, fits.hardware, fits.efficiency) == (LLAMA2_7B.name, "test", EFF.name)
+    assert fits.candidates_evaluated == grid.score.size > 0  # what the search timed, after pruning
+    client_side = search(LLAMA2_7B, machine(gpu_gb=8, ram_gb=4, disk_gb=2), "chat", Constraints(quant="none"),
+                         workload, EFF)
+    assert client_side.reason.endswith(". The swarm can run it: this machine holds the client side.")
+    nothing = search(LLAMA2_7B, machine(gpu_gb=0.3, ram_gb=0.3, disk_gb=1), "chat", Constraints(quant="none"),
+                     workload, EFF)
+    assert nothing.reason.endswith(". This machine cannot even hold the client side (embeddings and LM head).")
