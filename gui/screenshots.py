@@ -6,7 +6,8 @@ detects and measures this machine (the Measure button, with HIVEKEEPER_MEASURE_S
 joins the swarm as the Join button does (the node fills blocks 22:30, and measures its speed in this run rather
 than take the one an earlier `serve` cached in the user's cache folder; the new one replaces it there), chats through
 the swarm so the node serves real requests, lets the monitor run, opens the Models page (which lists the library when
-first shown), then saves a PNG of every page (PAGE_FILES). Everything it started is stopped before it exits. Takes a few minutes on a small machine.
+first shown), then saves a PNG of every page (PAGE_FILES). Everything it started is stopped before it exits. Takes a
+few minutes on a small machine.
 """
 
 from __future__ import annotations
