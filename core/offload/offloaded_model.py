@@ -22,7 +22,6 @@ block_variants.py; docs/local-inference.md has what runs where).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 from pathlib import Path
@@ -45,8 +44,7 @@ from hivekeeper.core.runtime.checkpoint import (load_block, load_embedding, load
 from hivekeeper.core.runtime.gguf import GGUFBlockReader, GGUFCheckpoint, packed_by_default
 from hivekeeper.core.runtime.kernels import cpu_decode
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, pack_in_order, store_tall_linears_by_column,
-                                                        torch_threads, use_blas_threads)
-from hivekeeper.core.runtime.kernels.cpu_threads import physical_cores
+                                                        use_blas_threads)
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable, add_prompt
 from hivekeeper.core.runtime.quant.bnb import quantized_tensors
 from hivekeeper.core.runtime.quant.store import QuantStore
@@ -55,24 +53,9 @@ from hivekeeper.core.runtime.quant.store import QuantStore
 # on a CPU, a prefill chunk's micro-batches are merged until a part holds this many token rows (_step_rows)
 CPU_PART_TOKENS = 1024
 
-# whether this process runs the runtime's thread layout (use_physical_cores), under which the engine gives torch every
-# core for a 16-bit prefill chunk (OffloadedModel._step_threads); otherwise torch's threads are the caller's
-runtime_layout_set = False
-
-
 def use_physical_cores() -> int:
     """Set the CPU thread layout for inference (see cpu_matmul.use_blas_threads); returns the matmul threads."""
-    global runtime_layout_set
-    runtime_layout_set = True
     return use_blas_threads()
-
-
-def sixteen_bit_prefill_threads() -> int:
-    """Torch's threads for a 16-bit prefill chunk on a CPU: every core under the runtime's layout (unless
-    OMP_NUM_THREADS is set), else torch's threads as the caller set them (OffloadedModel._step_threads)."""
-    if runtime_layout_set and "OMP_NUM_THREADS" not in os.environ:
-        return physical_cores()
-    return torch.get_num_threads()
 
 
 def warm_up_runtime() -> None:
@@ -85,9 +68,7 @@ def warm_up_runtime() -> None:
     keep_heap_small()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         if runs_natively_on_cpu(dtype):
-            threads = torch.get_num_threads() if dtype == torch.float32 else sixteen_bit_prefill_threads()
-            with torch_threads(threads):  # 16-bit: the prefill's threads exist before the baseline too
-                _run_small_block(dtype)
+            _run_small_block(dtype)
     _return_freed_memory()
 
 
@@ -318,17 +299,6 @@ class OffloadedModel:
         rows *= -(-CPU_PART_TOKENS // (rows * tokens))  # whole micro-batches, at least CPU_PART_TOKENS token rows
         return [slice(i, min(i + rows, batch)) for i in range(0, batch, rows)]
 
-    def _step_threads(self, tokens: int) -> int:
-        """Torch's threads for one step of the block loop. Under the runtime's layout torch has one thread (numpy's
-        BLAS or the native pool multiply fp32 on every core); a 16-bit plan's matmuls are torch's own, so a prefill
-        chunk gets every core (its products are large: main-thread CPU of a batch-128 prefill 2.7-2.9 s on one
-        thread, 1.5-1.8 s on two, the process's total the same; busy machine, load 7-11). A decode step keeps one:
-        the reader thread converting the next streamed block needs the other core then. OMP_NUM_THREADS, when set,
-        is kept."""
-        if tokens == 1 or self.device.type != "cpu" or self.plan.dtype == torch.float32 or self.plan.quant != "none":
-            return torch.get_num_threads()
-        return sixteen_bit_prefill_threads()
-
     def _micro_batches(self, batch: int) -> list[slice]:
         size = self.plan.micro_batch_size
         if self.plan.num_micro_batches <= 1 or size >= batch:
@@ -377,10 +347,8 @@ class OffloadedModel:
         homes = [self.device if tier == "gpu" else torch.device("cpu")
                  for tier in self.plan.activation_tiers(len(rows))]
         parts = [keep_between_blocks(hidden[r], home) for r, home in zip(rows, homes)]
-        threads = self._step_threads(t)
-        with torch_threads(threads) if threads != torch.get_num_threads() else contextlib.nullcontext():
-            for layer in range(self.config.num_layers):
-                self._run_layer(layer, parts, rows, homes, cache, position, rope, prompts)
+        for layer in range(self.config.num_layers):
+            self._run_layer(layer, parts, rows, homes, cache, position, rope, prompts)
         cache.length = position + t
         if len(parts) == 1:
             return parts[0].to(self.device)
