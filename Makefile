@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/hivekeeper app
 
-# PYTEST_ARGS: more pytest options, e.g. PYTEST_ARGS="-n auto --dist loadfile" for pytest-xdist workers (docs/testing.md)
-PYTEST_ARGS ?=
+# PYTEST_ARGS: pytest options. By default the suite runs on pytest-xdist workers (-n auto: one per CPU, at most 4, none
+# on a one-CPU machine; --dist loadfile keeps a file's shared fixtures on one worker). PYTEST_ARGS= runs it in one
+# process (docs/testing.md, "Workers").
+PYTEST_ARGS ?= -n auto --dist loadfile
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
