@@ -254,8 +254,6 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
     ]
 
 
-
-
 def decode_span(hidden: int, total_bytes: int):
     """(config, span) of random fp32 decoder blocks of width `hidden` (head 64, 4:1 grouped KV, MLP 2.75x wide)
     repeated to about `total_bytes`, laid out as checkpoint.load_span lays out a loaded model (tall matrices

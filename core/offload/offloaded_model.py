@@ -53,6 +53,7 @@ from hivekeeper.core.runtime.quant.store import QuantStore
 # on a CPU, a prefill chunk's micro-batches are merged until a part holds this many token rows (_step_rows)
 CPU_PART_TOKENS = 1024
 
+
 def use_physical_cores() -> int:
     """Set the CPU thread layout for inference (see cpu_matmul.use_blas_threads); returns the matmul threads."""
     return use_blas_threads()
