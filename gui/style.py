@@ -136,7 +136,7 @@ def counted(count: int, noun: str) -> str:
 
 
 def fmt_rate(tokens_per_s: float | None) -> str:
-    """Tokens/s with sensible digits."""
+    """A rate (tokens/s, requests/s) with sensible digits: "2,034", "23.7", "4.56"."""
     if tokens_per_s is None:
         return "–"
     if tokens_per_s >= 100:

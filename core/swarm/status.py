@@ -5,8 +5,8 @@ and speed; the gaps and the bottleneck. `hivekeeper swarm status` prints it, the
 
 from __future__ import annotations
 
-from hivekeeper.core.swarm.dht import (ServerState, block_throughputs, live_peers, spans_of, with_confirmed,
-                                       without_peers)
+from hivekeeper.core.swarm.dht import (ServerState, block_throughputs, capped_claims, live_peers, spans_of,
+                                       with_confirmed, without_peers)
 
 
 async def read_swarm_status(client, dht_prefix: str) -> dict:
@@ -23,12 +23,15 @@ async def read_swarm_status(client, dht_prefix: str) -> dict:
 def swarm_status(blocks: list[dict], dht_prefix: str, rtts: dict[str, float | None] | None = None) -> dict:
     """The status report from per-block DHT records ({peer: ServerInfo} per block) and a probe of the servers
     (rtts: {peer: round-trip seconds, or None when it did not answer}; a peer left out was not probed). A server
-    that did not answer is "unreachable": it counts for no block's throughput, servers or gaps."""
+    that did not answer is "unreachable": it counts for no block's throughput, servers or gaps. Each server's
+    "counted_throughput" is what the blocks' throughput counts of its claim ("throughput"): capped as
+    `capped_claims` caps it, 0 for a server that is not counted."""
     rtts = rtts or {}
     live = (ServerState.JOINING, ServerState.ONLINE)
     silent = {peer for peer, rtt in rtts.items() if rtt is None}
     answering = without_peers(blocks, silent)
     throughputs = block_throughputs(answering)
+    counted = capped_claims(answering)
     all_states = (ServerState.OFFLINE, ServerState.JOINING, ServerState.ONLINE)
     spans = spans_of(blocks, states=all_states)
     per_block = [{
@@ -46,6 +49,7 @@ def swarm_status(blocks: list[dict], dht_prefix: str, rtts: dict[str, float | No
             "peer_id": peer_id, "state": "unreachable" if peer_id in silent and info.state in live else declared,
             "declared_state": declared, "public_name": info.public_name,
             "start": span.start, "end": span.end, "throughput": info.throughput,
+            "counted_throughput": counted.get(peer_id, 0.0),
             "inference_rps": info.inference_rps, "forward_rps": info.forward_rps, "network_rps": info.network_rps,
             "cache_tokens_left": info.cache_tokens_left, "torch_dtype": info.torch_dtype,
             "quant_type": info.quant_type, "version": info.version, "rtt": rtts.get(peer_id),

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFormLayout, QGroup
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_public
+from hivekeeper.core.swarm.dht import THROUGHPUT_CAP_FACTOR
 from hivekeeper.planner.swarm import ServerPlan
 
 from hivekeeper.gui.services.coverage import CoverageService
@@ -51,7 +52,7 @@ def model_cells(row: dict) -> list[str]:
     weakest = row.get("weakest") or {}
     if weakest:
         span = f"{weakest['start']}:{weakest['end']}"
-        weak = f"{span}: no server" if not weakest["throughput"] else f"{span}: {weakest['throughput']:.3g} req/s"
+        weak = f"{span}: no server" if not weakest["throughput"] else f"{span}: {fmt_rate(weakest['throughput'])} req/s"
     else:
         weak = "–"
     helps = row.get("help") or {}
@@ -70,17 +71,37 @@ def model_name(row: dict) -> str:
     return PurePath(repository).name if PurePath(repository).is_absolute() else repository
 
 
+def counted_rps(server: dict) -> float:
+    """What the swarm counts of a server's claim, in requests/s (core/swarm/status.py's "counted_throughput": the
+    claim capped at THROUGHPUT_CAP_FACTOR x the other servers' median); the claim itself in older reports."""
+    counted = server.get("counted_throughput")
+    return float(server.get("throughput") or 0.0) if counted is None else float(counted)
+
+
 def coverage_arrays(report: dict, my_peer_id: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(block indices, others' throughput, this node's throughput) per block, from a swarm status report."""
+    """(block indices, others' throughput, this node's throughput) per block, from a swarm status report: the
+    throughput the swarm counts (the blocks' totals), so this node's bar is what it counts, not what it claims."""
     n = int(report.get("num_blocks") or len(report.get("blocks", [])))
     mine, total = np.zeros(n), np.zeros(n)
     for block in report.get("blocks", []):
         total[block["index"]] = block.get("throughput") or 0.0
     for server in report.get("servers", []):
         if server.get("peer_id") == my_peer_id and server.get("state") in ("online", "joining"):
-            mine[server["start"]:server["end"]] += server.get("throughput") or 0.0
+            mine[server["start"]:server["end"]] += counted_rps(server)
     others = np.maximum(0.0, total - mine)
     return np.arange(n), others, np.minimum(mine, total) if total.any() else mine
+
+
+def advertised_words(advertised: float | None, counted: float | None) -> str:
+    """The node card's line on its speed: what it advertises and, where the swarm counts less (a claim far above
+    the other servers' is capped), what the swarm counts, which the coverage chart draws."""
+    if advertised is None:
+        return ""
+    words = f"advertises {fmt_rate(advertised)} requests/s"
+    if counted is not None and counted < 0.999 * advertised:
+        words += (f"; the swarm counts {fmt_rate(counted)} (at most {THROUGHPUT_CAP_FACTOR:g}x the other servers' "
+                  "median, as the chart draws)")
+    return words
 
 
 class SwarmPage(QWidget):
@@ -98,6 +119,7 @@ class SwarmPage(QWidget):
         self.joined_prefix: str | None = None  # the swarm model joined from the models list
         self.recommendation: ServerPlan | None = None
         self.coverage_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.counted_rps: float | None = None  # what the swarm counts of this node's throughput (last report)
         self._loading = False
 
         layout = page_layout(self, QVBoxLayout, (24, 18), spacing=10)
@@ -110,11 +132,11 @@ class SwarmPage(QWidget):
         top.addWidget(self.status_box, 1)
         layout.addLayout(top, 0)
 
-        chart_box = QGroupBox("Coverage: throughput of the servers covering each block")
+        chart_box = QGroupBox("Coverage: the throughput the swarm counts for each block")
         chart_layout = QVBoxLayout(chart_box)
         self.coverage_plot = Chart()
         self.coverage_plot.setLabel("bottom", "block")
-        self.coverage_plot.setLabel("left", "throughput (requests/s)")
+        self.coverage_plot.setLabel("left", "counted throughput (requests/s)")
         self.coverage_plot.showGrid(x=False, y=True, alpha=0.2)
         self.coverage_plot.setMenuEnabled(False)
         self.coverage_plot.setMinimumHeight(180)
@@ -452,12 +474,19 @@ class SwarmPage(QWidget):
         if ev.get("requests_served") is not None:
             self.set_field("served", f"{ev['requests_served']:,}", counted(ev.get("sessions", 0), "open session"))
         if ev.get("throughput") is not None:
-            self.state_card.detail.setText(f"advertises {ev['throughput']:.3g} requests/s; peer "
-                                           f"…{(node.peer_id or '')[-8:]}")
+            self._show_speed()
+
+    def _show_speed(self) -> None:
+        """The node card's line: what the node advertises (its status lines) beside what the swarm counts of it
+        (the last coverage report), and its peer id."""
+        node = self.node
+        counted = self.counted_rps if self.coverage_data is not None else None
+        self.state_card.detail.setText(f"{advertised_words(node.last_event.get('throughput'), counted)}; peer "
+                                       f"…{(node.peer_id or '')[-8:]}")
 
     def clear_swarm_view(self) -> None:
         """After Leave: no coverage, span, cache or request counts of a node that is gone (nothing stale)."""
-        self.coverage_data = None
+        self.coverage_data, self.counted_rps = None, None
         empty = np.zeros(0)
         self.others_bars.setOpts(x=empty, height=empty, y0=empty, width=0.8)
         self.mine_bars.setOpts(x=empty, height=empty, y0=empty, width=0.8)
@@ -475,6 +504,10 @@ class SwarmPage(QWidget):
             return  # a report the watcher read before it was stopped (the node left): stale now
         x, others, mine = coverage_arrays(report, self.node.peer_id)
         self.coverage_data = (x, others, mine)
+        me = [s for s in report.get("servers", []) if s.get("peer_id") == self.node.peer_id]
+        self.counted_rps = counted_rps(me[0]) if me else None
+        if self.node.last_event.get("throughput") is not None:
+            self._show_speed()
         self.coverage_plot.hide_note()
         self.others_bars.setOpts(x=x, height=others, y0=np.zeros_like(others), width=0.8)
         self.mine_bars.setOpts(x=x, height=mine, y0=others, width=0.8)
@@ -492,7 +525,7 @@ class SwarmPage(QWidget):
         bottleneck = report.get("bottleneck")
         note = f"{report.get('num_blocks', 0)} blocks, {online} servers online"
         if bottleneck:
-            note += f"; weakest block {bottleneck['block']} ({bottleneck['throughput']:.3g} requests/s)"
+            note += f"; weakest block {bottleneck['block']} ({fmt_rate(bottleneck['throughput'])} requests/s)"
         if gaps:
             note += f"; no server for blocks {', '.join(map(str, gaps))}"
         self.coverage_note.setText(note)

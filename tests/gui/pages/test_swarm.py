@@ -14,8 +14,9 @@ import time
 import psutil
 import pytest
 
-from hivekeeper.core.swarm.dht import ServerState, dht_prefix_for, read_blocks
+from hivekeeper.core.swarm.dht import THROUGHPUT_CAP_FACTOR, ServerState, dht_prefix_for, read_blocks
 from hivekeeper.gui.settings import Settings
+from hivekeeper.gui.style import fmt_rate
 
 from ...core.swarm.client.servers import InProcessServers
 
@@ -71,6 +72,15 @@ def test_join_and_leave_a_local_swarm(make_window, qtbot, demo_checkpoint):
         assert not page.coverage_plot.note.isVisible() and page.coverage_plot.getAxis("bottom").isVisible()
         assert list(x) == [0, 1] and others[0] == 5.0 and mine[0] == 0.0 and others[1] == 0.0
         assert page.field_values["servers"][0] == "2"
+        # the node card and the chart agree: the card says what the node advertises and, where its claim is above
+        # 10x the other server's 5 requests/s, the 50 the swarm counts, which is the bar the chart draws (issue 14)
+        advertised = window.node.last_event["throughput"]
+        counted = min(advertised, THROUGHPUT_CAP_FACTOR * 5.0)
+        assert mine[1] == pytest.approx(counted)
+        qtbot.waitUntil(lambda: page.counted_rps is not None, timeout=30_000)
+        card = page.state_card.detail.text()
+        assert f"advertises {fmt_rate(advertised)} requests/s" in card, card
+        assert "e+" not in card and (f"the swarm counts {fmt_rate(counted)} " in card) == (counted < advertised)
         qtbot.waitUntil(lambda: len(monitor.buffers["node_requests"]) >= 1, timeout=30_000)  # stats lines
         peer_id = window.node.peer_id
 
