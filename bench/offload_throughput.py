@@ -1,6 +1,10 @@
 """Offloaded batch throughput with a RAM budget smaller than the model: our engine at the planner's policy (its
 batch, micro-batches, placement and prefetch depth; zig-zag block order) against transformers + accelerate disk
-offload (device_map from max_memory, offload_folder) at its best batch, in one run with the same budget.
+offload (device_map from max_memory, offload_folder), in one run with the same budget. Accelerate's max_memory
+places weights only, so its peak RSS grows with its batch: each of its runs reports its peak RSS against the budget,
+and the issue's ratio (`speedup_vs_accelerate_at_budget`) is against its fastest run that held the budget (peak RSS
+over baseline <= budget + 10%), or the run closest to it where none did (`accelerate_held_budget`: false); its
+fastest run overall is reported beside it (`speedup_vs_accelerate_best`).
 
     python bench/offload_throughput.py                    # a ~350 MB demo model (12 layers, hidden 768), budget 0.5
     python bench/offload_throughput.py --max-batch 32 --hf-batches 1 4 16 --new-tokens 8
@@ -158,17 +162,30 @@ def our_figures(warm: dict, cold: dict, peak: int, disk_bps: float) -> dict:
     }
 
 
-def accelerate_figures(runs: list[dict], disk_bps: float) -> dict:
+# a run "holds" a RAM budget when its peak RSS over its baseline is at most this much over the budget (issue 22)
+BUDGET_TOLERANCE = 1.10
+
+
+def accelerate_figures(runs: list[dict], disk_bps: float, budget: int) -> dict:
+    """Accelerate's runs with their disk bound and whether each held the budget (peak RSS over baseline <= budget +
+    10%). `at_budget` is the issue's comparison: the fastest run that held it, or, where none did, the run closest
+    to it (smallest peak) with `held_budget` false; `best` is the fastest run whatever its memory."""
     for run in runs:
         per_step = run["disk_module_bytes_per_step"]
         run["disk_bound_tokens_per_s"] = round(run["batch"] * disk_bps / per_step, 4) if per_step else None
         run["fraction_of_disk_bound"] = (round(run["throughput_tokens_per_s"] / run["disk_bound_tokens_per_s"], 3)
                                          if per_step else None)
         run["disk_bytes_per_token"] = int(per_step / run["batch"])
+        run["peak_over_budget"] = round(run["peak_over_baseline_bytes"] / budget, 3)
+        run["held_budget"] = run["peak_over_baseline_bytes"] <= BUDGET_TOLERANCE * budget
     best = max(runs, key=lambda r: r["throughput_tokens_per_s"])
     offloaded = [r for r in runs if r["disk_module_bytes_per_step"]]
     best_offloaded = max(offloaded, key=lambda r: r["throughput_tokens_per_s"]) if offloaded else None
-    return {"best": best, "best_offloading": best_offloaded, "by_batch": runs}
+    held = [r for r in runs if r["held_budget"]]
+    at_budget = max(held, key=lambda r: r["throughput_tokens_per_s"]) if held else \
+        min(runs, key=lambda r: r["peak_over_baseline_bytes"])
+    return {"at_budget": at_budget, "any_run_held_budget": bool(held), "best": best,
+            "best_offloading": best_offloaded, "by_batch": runs}
 
 
 def packed_gguf(path: Path, budget_fraction: float, prompt_tokens: int, new_tokens: int, disk_bps: float) -> dict:
@@ -221,9 +238,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=None, help="cap on the planner's batch (default: none)")
-    parser.add_argument("--hf-batches", type=int, nargs="+", default=[128, 256, 512],
-                        help="accelerate's batches (its best run is compared; it holds no RAM budget, so its "
-                             "throughput still grows past 128 here: 44 against 30 tokens/s at 256, session 10)")
+    parser.add_argument("--hf-batches", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512],
+                        help="accelerate's batches: its fastest run within the budget + 10%% is the issue's "
+                             "comparison, its fastest overall is reported beside it (accelerate's max_memory places "
+                             "weights only, so its peak RSS grows with the batch)")
     parser.add_argument("--hf-dtypes", choices=("same", "float32", "bfloat16"), nargs="+", default=["same", "float32"],
                         help="accelerate's weight dtypes (same: the dtype our engine computes in)")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -273,10 +291,15 @@ def main() -> None:
                 for dtype in dtypes for b in args.hf_batches]
         for report, peak in runs:
             report["peak_over_baseline_bytes"] = peak - report.pop("baseline_rss_bytes")
-        hf = accelerate_figures([report for report, _ in runs], disk_read)
+        hf = accelerate_figures([report for report, _ in runs], disk_read, budget)
         result["transformers_accelerate"] = hf
-        result["speedup_vs_accelerate_best"] = round(
-            result["ours"]["throughput_tokens_per_s"] / hf["best"]["throughput_tokens_per_s"], 3)
+        mine = result["ours"]["throughput_tokens_per_s"]
+        result["ours"]["held_budget"] = result["ours"]["peak_over_baseline_bytes"] <= BUDGET_TOLERANCE * budget
+        # the issue's ratio: against accelerate at the same RAM budget (its fastest run within budget + 10%, or the
+        # one closest to the budget where none held it: "accelerate_held_budget" false)
+        result["speedup_vs_accelerate_at_budget"] = round(mine / hf["at_budget"]["throughput_tokens_per_s"], 3)
+        result["accelerate_held_budget"] = hf["any_run_held_budget"]
+        result["speedup_vs_accelerate_best"] = round(mine / hf["best"]["throughput_tokens_per_s"], 3)
         if hf["best_offloading"] is not None:  # accelerate's best run that did read weights from its offload folder
             result["speedup_vs_accelerate_best_offloading"] = round(
                 result["ours"]["throughput_tokens_per_s"] / hf["best_offloading"]["throughput_tokens_per_s"], 3)
