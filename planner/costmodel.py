@@ -247,6 +247,18 @@ def packed_cached_rate(cpu: ComputeDevice, weight_format: str) -> float:
     return float(cpu.packed_kernels_cached.get(weight_format) or packed_kernel_rate(cpu, weight_format)[0])
 
 
+def packed_prefill_rate(cpu: ComputeDevice, weight_format: str) -> tuple[float, bool]:
+    """(FLOP/s of the packed format's kernels on many rows, whether measured): a prefill (or a batch of more than
+    PACKED_KERNEL_ROWS rows) multiplies up to PACKED_PREFILL_ROWS rows per pass over each packed weight chunk with
+    the int8 kernels. `hivekeeper measure` times a prefill through a packed span (ComputeDevice.packed_prefill:
+    row-weight products/s, 2 FLOPs each); unmeasured, the fp32 rate stands in (the rate of the dequantize-and-BLAS
+    path the kernels replaced)."""
+    measured = cpu.packed_prefill.get(weight_format)
+    if measured:
+        return 2.0 * float(measured), True
+    return float(cpu.peak_flops("fp32")), False
+
+
 def cached_share(working_bytes, cache_bytes: int | None):
     """The share of a decode step's weights read from the last-level cache rather than RAM, for a step that reads
     `working_bytes` of weights in turn: all of them where they fit the cache, none from twice its size (a span
@@ -400,16 +412,16 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
 
 def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
     """A GGUF block format on a CPU: a decode step reads the packed bytes once and the native kernels unpack and
-    multiply them at packed_kernel_rate, the two overlapped; a prefill dequantizes tiles in cache and multiplies
-    them with BLAS at the fp32 rate; the KV cache, norms and embeddings stay fp32; the head is packed Q8_0."""
+    multiply them at packed_kernel_rate, the two overlapped; a prefill (and a batch beyond PACKED_KERNEL_ROWS) runs
+    the int8 kernels too, each packed weight read once per PACKED_PREFILL_ROWS rows, at packed_prefill_rate; the
+    KV cache, norms and embeddings stay fp32; the head is packed Q8_0."""
     if machine.acc.kind != "cpu":
         raise InputError(f"{fmt.name} is a CPU format (hivekeeper's native kernels); a GPU runs GGUF weights "
                          f"dequantized to 16 bits (--quant none) or bitsandbytes int8/nf4")
     cpu, stored = machine.acc, fmt.bytes_per_param
-    fp32_rate = cpu.peak_flops("fp32")
     head_rate, _ = packed_kernel_rate(cpu, PACKED_HEAD_FORMAT)
-    return FormatTraits(fmt, stored, read_bytes_gemv=stored, read_bytes_gemm=stored + 4.0, vector_bytes=4.0,
-                        kv_bytes=4.0, kv_read_factor=1.0, peak_flops=float(fp32_rate),
+    return FormatTraits(fmt, stored, read_bytes_gemv=stored, read_bytes_gemm=stored, vector_bytes=4.0,
+                        kv_bytes=4.0, kv_read_factor=1.0, peak_flops=packed_prefill_rate(cpu, fmt.name)[0],
                         gemv_flops=2.0 * packed_kernel_rate(cpu, fmt.name)[0], overlapped=True,
                         head_bytes=get_format(PACKED_HEAD_FORMAT).bytes_per_param, head_flops=2.0 * head_rate,
                         gemv_flops_cached=2.0 * packed_cached_rate(cpu, fmt.name),
@@ -689,6 +701,13 @@ def weight_reads(grid: CandidateArrays, rows):
     return np.where(rows <= 1, 1.0, grid.acc_eff.weight_reread_rows)
 
 
+def format_reads(grid: CandidateArrays, rows):
+    """How many times a matmul of `rows` rows reads its weights in each candidate's format: a packed format's
+    kernels once per PACKED_PREFILL_ROWS rows (each weight chunk serves every row while it is in cache), others
+    weight_reads."""
+    return np.where(grid.overlapped, np.ceil(rows / PACKED_PREFILL_ROWS), weight_reads(grid, rows))
+
+
 def accelerator_work(grid: CandidateArrays, nbytes, bytes_min, flops, peak=None) -> AcceleratorWork:
     """`nbytes` read from accelerator memory (`bytes_min` without re-reads and conversions) and `flops` computed
     (at `peak` FLOP/s, default the format's)."""
@@ -739,7 +758,7 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     here; matmul and attention FLOPs, and the K, V projections again when recomputing them."""
     numbers, rows = grid.numbers, grid.micro_batch
     touched = touched_matrices(numbers, rows)
-    read_per_param = np.where(rows <= 1, grid.gemv_bytes, grid.gemm_bytes) * weight_reads(grid, rows)
+    read_per_param = np.where(rows <= 1, grid.gemv_bytes, grid.gemm_bytes) * format_reads(grid, rows)
     vectors = numbers.vector_params * grid.vector_bytes
     cache = grid.batch * context * grid.cached_per_token * grid.attention_on_acc
     nbytes = grid.micro_batches * (touched * read_per_param + vectors) + cache * grid.kv_read_factor
@@ -759,7 +778,8 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
                            work.bound_s)
 
 
-PACKED_KERNEL_ROWS = 8  # rows the packed kernels take at once (native_kernels.MAX_ROWS); more go through BLAS
+PACKED_KERNEL_ROWS = 8  # rows the decode kernels take at once (native_kernels.MAX_ROWS); more: packed_prefill_rate
+PACKED_PREFILL_ROWS = 512  # rows one pass over a packed weight serves in a prefill (native_kernels.QUANT_MAX_ROWS)
 
 
 def kernel_peak(grid: CandidateArrays, flops):
@@ -832,7 +852,7 @@ def lm_head(grid: CandidateArrays) -> AcceleratorWork:
     nbytes = grid.numbers.head_params * grid.head_bytes
     flops = grid.batch * 2.0 * grid.numbers.head_params
     kernel_rows = grid.overlapped & (grid.batch <= PACKED_KERNEL_ROWS)
-    reads = nbytes * weight_reads(grid, grid.batch) * np.where(kernel_rows, 1.0 - grid.cached_share, 1.0)
+    reads = nbytes * format_reads(grid, grid.batch) * np.where(kernel_rows, 1.0 - grid.cached_share, 1.0)
     work = accelerator_work(grid, reads, nbytes, flops,
                             np.where(kernel_rows, kernel_peak(grid, grid.head_flops), grid.peak_flops))
     return overlap(work, kernel_rows) if kernel_rows.any() else work
@@ -856,7 +876,7 @@ def prefill_accelerator(grid: CandidateArrays, prompt_len: float) -> Accelerator
     vectors = numbers.vector_params * grid.vector_bytes
     new_cache = grid.batch * p * grid.cached_per_token
     nbytes = grid.micro_batches * (touched * np.where(rows <= 1, grid.gemv_bytes, grid.gemm_bytes)
-                                   * weight_reads(grid, rows) + vectors) + new_cache
+                                   * format_reads(grid, rows) + vectors) + new_cache
     bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + new_cache
     flops = grid.batch * p * numbers.flops_per_token + 4.0 * numbers.q_dim * p * (p + 1.0) / 2.0 * grid.batch
     return accelerator_work(grid, nbytes, bytes_min, flops)

@@ -56,6 +56,10 @@ class ComputeDevice:
     # the same kernels' rate where a decode step's weights stay in the last-level cache (a span smaller than it, timed
     # step after step): the planner takes it for a model whose weights fit `cache_bytes` (costmodel.cached_share)
     packed_kernels_cached: dict[str, float] = field(default_factory=dict)
+    # the same kernels on many rows (a prefill: the int8 kernels, up to 512 rows per pass over a weight), as `hivekeeper
+    # measure` timed a prefill through a packed span: format -> row-weight products per second (2 FLOPs each); empty:
+    # not measured (costmodel.packed_prefill_rate then takes the fp32 FLOP/s)
+    packed_prefill: dict[str, float] = field(default_factory=dict)
     cache_bytes: int | None = None  # a CPU's last-level cache (detected); None: unknown, every model streamed
     # a CPU's bf16 decode step over its fp32 one, as measured (bf16 through torch, fp32 through the native kernels):
     # the planner takes a one-row bf16 step at that many fp32 steps; None: not measured (half the fp32 bytes)

@@ -231,7 +231,7 @@ _GPU_KEYS = {"name", "memory_gb", "memory_gib", "memory_bandwidth_gbps", "flops_
              "pcie_gen", "pcie_lanes", "unified_memory", "in_use_gb"}
 _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w",
              "decode_streaming", "in_use_gb", "packed_kernels_gweights_per_s", "packed_kernels_cached_gweights_per_s",
-             "cache_mib", "half_decode_ratio"}
+             "packed_prefill_gweights_per_s", "cache_mib", "half_decode_ratio"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0)}  # issue 23: measured per-block cost of a decode step
@@ -255,7 +255,8 @@ def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
 def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s") -> dict[str, float]:
     """The cpu section's optional "packed_kernels_gweights_per_s": {"q4_0": 6.1, ...} (measured rates of the packed
     formats' kernels, hardware.ComputeDevice.packed_kernels) in weights/s; or, with key
-    "packed_kernels_cached_gweights_per_s", their rates with the weights in the last-level cache."""
+    "packed_kernels_cached_gweights_per_s", their rates with the weights in the last-level cache; with
+    "packed_prefill_gweights_per_s", their row-weight products/s in a prefill (ComputeDevice.packed_prefill)."""
     table = s.doc.get(key)
     if table is None:
         return {}
@@ -324,6 +325,7 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         in_use_bytes=in_use_bytes(s, s.size_gb("ram", "ram_gb")),
         packed_kernels=_parse_packed_kernels(s),
         packed_kernels_cached=_parse_packed_kernels(s, "packed_kernels_cached_gweights_per_s"),
+        packed_prefill=_parse_packed_kernels(s, "packed_prefill_gweights_per_s"),
         cache_bytes=int(s.limited("cache_mib", "cache_mib") * (1 << 20)) if s.has("cache_mib") else None,
         half_decode_ratio=s.limited("half_decode_ratio", "half_decode_ratio", required=False),
     )
@@ -645,6 +647,8 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
             **({"packed_kernels_cached_gweights_per_s": {name: _unit(rate, 1e9)
                                                          for name, rate in cpu.packed_kernels_cached.items()}}
                if cpu.packed_kernels_cached else {}),
+            **({"packed_prefill_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_prefill.items()}}
+               if cpu.packed_prefill else {}),
             **({"cache_mib": round(cpu.cache_bytes / (1 << 20), 4)} if cpu.cache_bytes else {}),
             **({"half_decode_ratio": round(cpu.half_decode_ratio, 4)} if cpu.half_decode_ratio else {}),
             "sources": dict(cpu.sources),
