@@ -27,3 +27,28 @@ def test_a_killed_orphan_and_its_child_leave_no_zombie(pytestconfig):
 
     assert [line.split()[1] for line in described] == ["sh", "sleep"]
     assert {driver.pid, worker.pid}.isdisjoint(child.pid for child in psutil.Process().children(recursive=True))
+
+
+def test_descendants_are_found_under_a_live_child_and_a_zombie_child_is_not_reaped_by_the_look(pytestconfig):
+    """The check lists descendants only when the process has a child (one waitid call instead of reading every
+    process's /proc entry, twice per test): a grandchild under a live child, and a zombie child, are both still seen."""
+    checks = pytestconfig.pluginmanager.get_plugin(str(Path(__file__).with_name("conftest.py")))
+    before = checks.watched_processes()
+    assert before == {child.pid for child in psutil.Process().children(recursive=True)}
+    parent = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    try:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (grandchild,) = psutil.Process(parent.pid).children()
+        assert checks.watched_processes() - before == {parent.pid, grandchild.pid}
+        grandchild.kill()
+        grandchild.wait(10)  # reaped by the shell, which then exits: a zombie until we wait for it
+        deadline = time.monotonic() + 30
+        while psutil.Process(parent.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert parent.pid in checks.watched_processes()  # a zombie is still a child: the listing is not skipped
+    finally:
+        parent.kill()
+        parent.wait(10)
+    assert checks.watched_processes() == before
