@@ -37,6 +37,7 @@ from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, Measurement
 from hivekeeper.core.machine.profile_files import machine_fingerprint, profile_path, saved_measurements
 
 SIXTEEN_BIT = ("bf16", "fp16")
+CHOICE_WORDS = "CPU 16-bit plans: "  # opens the decision's line, which with_choice appends to the FLOP/s source
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class SixteenBitChoice:
     reason: str
 
     def line(self) -> str:
-        return f"CPU 16-bit plans: {self.dtype} ({self.reason})"
+        return f"{CHOICE_WORDS}{self.dtype} ({self.reason})"
 
 
 def half_math_names() -> str:

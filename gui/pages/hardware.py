@@ -15,10 +15,12 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QProgressBar, QPushButton, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget)
 
+from hivekeeper.core.machine.cpu_dtype_rule import CHOICE_WORDS, SIXTEEN_BIT
 from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, Measurement
 from hivekeeper.core.machine.profiles import ComparisonRow, MachineProfile, comparison_rows, load_machine_profile
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import GIB, HEADROOM_RULE, HardwareSpec, default_headroom
+from hivekeeper.planner.hardware_catalog import CPU_SOFTWARE_HALF_SLOWDOWN
 
 from hivekeeper.gui.services.hardware import DetectService, MachineInfo
 from hivekeeper.gui.services.measure import MeasureService
@@ -44,13 +46,49 @@ HEADROOM_RULE_WORDS = {tier: f"larger of {minimum / GIB:g} GiB and {fraction:.0%
                        for tier, (minimum, fraction) in HEADROOM_RULE.items()}
 
 
+def digits(x: float) -> str:
+    """Three significant digits, never in exponent form: "0.142", "36.6", "1,008"."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
 def _gbps(x: float | None) -> str:
-    return "–" if not x else f"{x / 1e9:.3g} GB/s"
+    return "–" if not x else f"{digits(x / 1e9)} GB/s"
 
 
-def _tflops(flops: dict[str, float]) -> str:
-    order = [d for d in ("fp16", "bf16", "fp32", "int8") if d in flops]
-    return ", ".join(f"{flops[d] / 1e12:.3g} {d}" for d in order) + " TFLOP/s"
+FLOPS_ORDER = ("fp32", "bf16", "fp16", "int8")
+ESTIMATED_PEAK = ("estimated: a theoretical peak (cores x clock x operations per cycle of the CPU's instructions), "
+                  "not a rate any matmul was seen to reach; Measure replaces it")
+
+
+def compute_rows(part: str, device) -> list[tuple[str, str, str, str]]:
+    """One row per dtype of a device's FLOP/s table, each in its own unit (GFLOP/s or TFLOP/s) with where it came
+    from: a spec sheet's or the CPU's theoretical peak, a measured matmul rate, or the rate the planner charges
+    16-bit matmuls on a CPU that computes 16-bit plans in fp32 (core/machine/cpu_dtype_rule.with_choice)."""
+    flops, source = device.flops, device.sources.get("flops", "")
+    return [(part, f"{dtype} matmul", format_quantity(flops[dtype], "FLOP/s"), compute_source(dtype, flops, source))
+            for dtype in sorted(flops, key=lambda d: FLOPS_ORDER.index(d) if d in FLOPS_ORDER else 9)]
+
+
+def compute_source(dtype: str, flops: dict[str, float], source: str) -> str:
+    """Where one dtype's FLOP/s figure comes from, in words that say what kind of number it is; the CPU's 16-bit
+    decision (appended to the source by with_choice) goes with the 16-bit rows only."""
+    base, _, choice = source.partition(f"; {CHOICE_WORDS}")
+    choice = f"{CHOICE_WORDS}{choice}" if choice else ""
+    fp32 = flops.get("fp32", 0.0)  # (a spec read back from JSON holds 6 digits: 1e-3 tells the 1/7 apart)
+    if dtype in SIXTEEN_BIT and fp32 > 0 and abs(flops[dtype] * CPU_SOFTWARE_HALF_SLOWDOWN - fp32) < 1e-3 * fp32:
+        return (f"derived: 1/{CPU_SOFTWARE_HALF_SLOWDOWN:g} of the fp32 rate, what the planner charges {dtype} "
+                f"matmuls where 16-bit plans compute in fp32, not a rate of the {dtype} instructions"
+                f"{f' ({choice})' if choice else ''}; the fp32 rate: {base}")
+    kind, detail = split_source(base)
+    if kind == "estimated" and dtype != "fp32" and fp32 > 0:
+        words = f"{ESTIMATED_PEAK}: {flops[dtype] / fp32:.3g}x the fp32 peak ({detail}) for its {dtype} instructions"
+    elif kind == "estimated":
+        words = f"{ESTIMATED_PEAK} ({detail})"
+    elif kind == "catalog":
+        words = f"catalog: the spec sheet's peak ({detail})"
+    else:
+        words = base
+    return f"{words}; {choice}" if choice and dtype in SIXTEEN_BIT else words
 
 
 def hardware_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:
@@ -62,7 +100,7 @@ def hardware_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:
         rows += [
             (part, "memory", f"{gpu.memory_bytes / 1e9:.3g} GB", src.get("memory_bytes", "")),
             (part, "memory bandwidth", _gbps(gpu.memory_bandwidth), src.get("memory_bandwidth", "")),
-            (part, "peak compute", _tflops(gpu.flops), src.get("flops", "")),
+            *compute_rows(part, gpu),
             (part, "host link", "unified memory" if gpu.unified_memory else _gbps(gpu.host_link_bandwidth),
              src.get("host_link_bandwidth", "")),
             (part, "power", f"{gpu.power_watts:.0f} W", src.get("power_watts", "")),
@@ -70,7 +108,7 @@ def hardware_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:
     cpu, disk, net = spec.cpu, spec.disk, spec.network
     rows += [
         (f"CPU: {cpu.name}", "cores", str(cpu.cores or "–"), cpu.sources.get("cores", "")),
-        (f"CPU: {cpu.name}", "peak compute", _tflops(cpu.flops), cpu.sources.get("flops", "")),
+        *compute_rows(f"CPU: {cpu.name}", cpu),
         ("RAM", "size", f"{cpu.memory_bytes / 1e9:.3g} GB", cpu.sources.get("memory_bytes", "")),
         ("RAM", "bandwidth", _gbps(cpu.memory_bandwidth), cpu.sources.get("memory_bandwidth", "")),
         ("Disk", "capacity", f"{disk.capacity_bytes / 1e9:.4g} GB", disk.sources.get("capacity_bytes", "")),
@@ -100,9 +138,9 @@ def format_quantity(value: float | None, unit: str) -> str:
     if value is None:
         return "–"
     if unit == "B/s":
-        return f"{value / 1e9:.3g} GB/s"
+        return _gbps(value)
     if unit == "FLOP/s":
-        return f"{value / 1e12:.3g} TFLOP/s" if value >= 1e12 else f"{value / 1e9:.3g} GFLOP/s"
+        return f"{digits(value / 1e12)} TFLOP/s" if value >= 1e12 else f"{digits(value / 1e9)} GFLOP/s"
     if unit == "s":
         return f"{value * 1e3:.3g} ms"
     if unit == "bit/s":
@@ -139,11 +177,12 @@ def fitted_cells(m: Measurement, measured: str, ratio: str, spread: str) -> tupl
 def machine_rows(machine: MachineInfo) -> list[tuple[str, str, str, str, str]]:
     """The rows of the machine as the planner uses it, with the detected (catalog or estimated) value beside each
     number that a measurement replaced."""
-    used, before = hardware_rows(machine.hardware), hardware_rows(machine.detected)
-    if len(used) != len(before):
-        before = used  # a different machine shape (should not happen): no comparison
-    return [(part, quantity, value, source, old_value if old_value != value else "")
-            for (part, quantity, value, source), (_, _, old_value, _) in zip(used, before, strict=True)]
+    before = {(part, quantity): value for part, quantity, value, _ in hardware_rows(machine.detected)}
+    rows = []
+    for part, quantity, value, source in hardware_rows(machine.hardware):
+        old_value = before.get((part, quantity), "")
+        rows.append((part, quantity, value, source, old_value if old_value != value else ""))
+    return rows
 
 
 def comparison_item(column: int, text: str, row: ComparisonRow, m: Measurement | None) -> QTableWidgetItem:
@@ -234,7 +273,7 @@ class HardwarePage(QWidget):
         self.compare_title.hide()
         self.compare_table.hide()
         layout.addWidget(label("Sources: catalog = published spec sheets; detected = read from this system; "
-                               "derived = computed from what the driver reports; estimated/default = a guess until "
+                               "derived = computed from other numbers; estimated/default = a guess until "
                                "measured; measured = the Measure button or `hivekeeper measure` (hover a source for "
                                "the whole story).", "small", wrap=True))
 

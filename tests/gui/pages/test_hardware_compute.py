@@ -1,0 +1,81 @@
+"""Issue 14 (session 11): the Hardware page showed "peak compute 0.0147 bf16, ... TFLOP/s" beside "bf16 matmul 389
+GFLOP/s measured", and "8.19 int8 TFLOP/s" for a 2-core VM. Those were the rate the planner charges bf16 matmuls on a
+CPU whose 16-bit plans compute in fp32 (1/7 of the measured fp32 rate), and the theoretical AMX peak of the CPU's
+flags, both in one line in TFLOP/s. Now each dtype has its own row, in its own unit, saying what kind of number it
+is. Through the real window: the CPU's flags pinned to a Sapphire Rapids' (AMX) before the app starts and detects,
+then a profile with measured matmuls saved as `hivekeeper measure` saves it, and "Detect again"."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt
+
+from hivekeeper.planner.hardware_catalog import CPU_SOFTWARE_HALF_SLOWDOWN, get_hardware
+
+from hivekeeper.core.machine.measurement import Measurement
+from hivekeeper.core.machine.profiles import new_profile, save_profile
+
+AMX = "sse2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"
+
+
+@pytest.fixture
+def amx(cpu_flags):
+    """The CPU's flags, pinned before the app starts (and detects this machine): requested before app_window."""
+    cpu_flags(AMX)
+
+
+def _compute_rows(page) -> dict[str, tuple[str, str, int]]:
+    """The CPU's compute rows as {quantity: (value, source, table row)}."""
+    assert not any(quantity == "peak compute" for _, quantity, *_ in page.rows)
+    return {quantity: (value, source, r) for r, (part, quantity, value, source, _) in enumerate(page.rows)
+            if part.startswith("CPU") and quantity.endswith(" matmul")}
+
+
+def _detect_again(page, qtbot) -> dict[str, tuple[str, str, int]]:
+    """Click "Detect again"; the CPU's compute rows as {quantity: (value, source, table row)}."""
+    before = page.machine
+    qtbot.mouseClick(page.detect_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: page.machine is not before and page.detect_button.isEnabled(), timeout=120_000)
+    return _compute_rows(page)
+
+
+def _matmul(dtype: str, flops: float) -> Measurement:
+    return Measurement(f"cpu_matmul_{dtype}_prefill", f"{dtype} matmul", flops, "FLOP/s", 0.02, 3, 1.0,
+                       "[256, 1024] x [1024, 1024] (test figures)")
+
+
+def test_each_compute_figure_has_its_unit_and_says_what_kind_of_number_it_is(amx, app_window, qtbot):
+    page = app_window.hardware_page
+    qtbot.waitUntil(lambda: page.machine is not None and page.detect_button.isEnabled(), timeout=120_000)
+    rows = _compute_rows(page)
+    assert set(rows) >= {"fp32 matmul", "bf16 matmul", "int8 matmul"}, rows
+    int8_value, int8_source, r = rows["int8 matmul"]
+    assert int8_value.endswith(("GFLOP/s", "TFLOP/s")) and "e+" not in int8_value
+    assert int8_source.startswith("estimated: a theoretical peak") and "x the fp32 peak" in int8_source
+    assert page.table.item(r, 3).text().startswith("estimated  ·  a theoretical peak")  # on screen
+    # no measurement says bf16 decodes faster: 16-bit plans compute in fp32, which the bf16 row says
+    assert rows["bf16 matmul"][1].startswith("derived: 1/7 of the fp32 rate") and "CPU 16-bit plans: fp32" in \
+        rows["bf16 matmul"][1]
+    assert "CPU 16-bit plans" not in rows["fp32 matmul"][1] + int8_source
+
+    profile = new_profile(page.machine.detected)
+    profile.measurements = [_matmul("fp32", 100e9), _matmul("bf16", 389e9)]
+    save_profile(profile)
+    rows = _detect_again(page, qtbot)
+    assert set(rows) == {"fp32 matmul", "bf16 matmul"}  # measured dtypes only: one table, one source
+    assert rows["fp32 matmul"][0] == "100 GFLOP/s" and rows["fp32 matmul"][1].startswith("measured")
+    value, source, r = rows["bf16 matmul"]
+    assert value == f"{100 / CPU_SOFTWARE_HALF_SLOWDOWN:.3g} GFLOP/s"  # what plans are charged, in GFLOP/s
+    assert source.startswith("derived: 1/7 of the fp32 rate") and "bf16 389 GFLOP/s" in source
+    assert page.table.item(r, 2).text() == value and page.table.item(r, 3).text().startswith("derived")
+    compare = {page.compare_table.item(i, 1).text(): page.compare_table.item(i, 3).text()
+               for i in range(page.compare_table.rowCount())}
+    assert compare["bf16 matmul"] == "389 GFLOP/s"  # the measured rate itself, below
+
+
+def test_large_figures_are_written_without_an_exponent():
+    """"1.01e+03 GB/s" was an RTX 4090's memory bandwidth on the page; an H100's int8 peak read "1.98e+03 TFLOP/s"."""
+    from hivekeeper.gui.pages.hardware import hardware_rows
+
+    values = {quantity: value for _, quantity, value, _ in hardware_rows(get_hardware("h100-sxm"))}
+    assert values["memory bandwidth"] == "3,350 GB/s" and values["int8 matmul"] == "1,979 TFLOP/s", values
