@@ -43,8 +43,9 @@ FIT_COLORS = {"local": GOOD, "swarm": WARN, "none": BAD}
 FIT_MARKS = {"local": "✓", "swarm": "☁", "none": "✗"}
 CARD_HEIGHT = 112  # the top cards' least height (pixels); the bottleneck's text may need more
 # the charts' least height: with a two-line warning above them they still fit a 1280x800 window whole (axis labels
-# included); the results scroll where more text than that needs room, never squeezing a chart into a clipped one
-CHART_HEIGHT = 170
+# included); the results scroll where more text than that needs room, never squeezing a chart into a clipped one;
+# the legends take a row or two under the axis label (Chart.legend_below)
+CHART_HEIGHT = 180
 GOAL_LABELS = {"chat": "chat (one fast stream)", "batch": "batch (most tokens/s)", "serve": "serve (swarm node)"}
 
 
@@ -332,12 +333,11 @@ class PlanPage(QWidget):
             plot.setLabel("left", "tokens/s")
             plot.showGrid(x=True, y=True, alpha=0.2)
             plot.setMenuEnabled(False)
-            plot.addLegend(offset=(8, 4), labelTextSize="8pt")
+            plot.legend_below()
             plot.getAxis("left").enableAutoSIPrefix(False)
             plot.setLimits(yMin=0)  # tokens/s: the axis never shows negative rates
             charts.addWidget(plot, 1)
         self.batch_plot.setLogMode(x=True, y=False)
-        self.budget_plot.plotItem.legend.setOffset((-10, -40))  # bottom right: a rising curve leaves it empty
         self.batch_curve = self.batch_plot.plot([], [], pen=pg.mkPen(ACCENT, width=2), name="throughput",
                                                 symbol="o", symbolSize=5, symbolBrush=ACCENT)
         self.batch_decode = self.batch_plot.plot([], [], pen=pg.mkPen("#9b51e0", width=1, style=Qt.PenStyle.DashLine),

@@ -7,6 +7,9 @@ below the window's edge. `Chart` asks for its minimum height and takes whatever 
 
 `show_note(text)` replaces empty axes (a meaningless 0-1 grid) with a sentence; `hide_note()` brings the axes back
 when there is data.
+
+`legend_below()` puts the legend under the x-axis label, outside the plotted area: a legend inside it (pyqtgraph's
+addLegend) covers whatever curve passes under it, and on the Plan page's narrow charts every corner had one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from PySide6.QtWidgets import QLabel
 from hivekeeper.gui.style import MUTED
 
 NOTE_MARGIN = 12  # pixels between the note and the chart's edges
+LEGEND_ROW = 4  # of a PlotItem's grid: 0 title, 1 top axis, 2 the plot, 3 the bottom axis and its label
 
 
 class Chart(pg.PlotWidget):
@@ -32,6 +36,14 @@ class Chart(pg.PlotWidget):
         self.note.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.note.setStyleSheet(f"color: {MUTED};")
         self.note.hide()
+
+    def legend_below(self, columns: int = 2) -> pg.LegendItem:
+        """A legend in its own row under the x-axis label (never over the curves); plot(name=...) adds to it."""
+        item = self.getPlotItem()
+        legend = pg.LegendItem(labelTextSize="8pt", colCount=columns, frame=False, verSpacing=-6, horSpacing=2)
+        item.legend = legend
+        item.layout.addItem(legend, LEGEND_ROW, 0, 1, 3)  # the whole width: the left axis' column too
+        return legend
 
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt's name
         return QSize(super().sizeHint().width(), self.minimumHeight())

@@ -96,10 +96,10 @@ class RunPlanBox(QGroupBox):
         self.plot.setLabel("left", "tokens/s")
         self.plot.showGrid(x=True, y=True, alpha=0.2)
         self.plot.setMenuEnabled(False)
-        self.plot.setMinimumHeight(190)
+        self.plot.setMinimumHeight(180)
         self.plot.setLimits(yMin=0)
         self.plot.getAxis("left").enableAutoSIPrefix(False)
-        self.plot.addLegend(offset=(-10, -40), labelTextSize="8pt")  # bottom right: the measured curve rises
+        self.plot.legend_below()
         self.predicted_curve = self.plot.plot([], [], pen=pg.mkPen(BAD, width=1, style=Qt.PenStyle.DashLine),
                                               name="predicted")
         self.measured_curve = self.plot.plot([], [], pen=pg.mkPen(ACCENT, width=2), name="measured",

@@ -53,3 +53,27 @@ def test_empty_charts_say_why_they_are_empty(app_window, qtbot):
     coverage = app_window.swarm_page.coverage_plot
     assert coverage.note.isVisible() and coverage.note.text() == NO_COVERAGE
     assert not coverage.getAxis("left").isVisible() and not coverage.getAxis("bottom").isVisible()
+
+
+def test_the_legends_sit_under_the_charts_not_over_the_curves(app_window, qtbot):
+    """Issue 14 (session 11): each legend was drawn inside its chart's plotted area, over the curves (the batch
+    chart's over its rising throughput, the memory chart's over its flat top). Each now has its own row under the
+    x-axis label, whole within the chart's width."""
+    plan = _plan(app_window, qtbot, "meta-llama/Meta-Llama-3.1-8B-Instruct", "rtx-4090")
+    qtbot.waitUntil(lambda: plan.batch_curve.xData is not None and len(plan.batch_curve.xData) > 3, timeout=20_000)
+    QApplication.processEvents()
+    for chart in (plan.batch_plot, plan.budget_plot, plan.run_box.plot):
+        item = chart.getPlotItem()
+        legend, view = item.legend, item.vb
+        assert legend.parentItem() is not view  # not an overlay of the plotted area
+        if chart is plan.run_box.plot:
+            continue  # empty here (its note stands in for axes and legend): the same Chart.legend_below
+        names = [text.text for _, text in legend.items]
+        assert len(names) >= 2 and legend.isVisible(), names
+        area = view.sceneBoundingRect()
+        for sample, text in legend.items:
+            for part in (sample, text):
+                box = part.sceneBoundingRect()
+                assert not box.intersects(area), (names, box, area)
+                assert box.top() >= chart.getAxis("bottom").sceneBoundingRect().bottom() - 1  # under the label
+                assert box.left() >= 0 and box.right() <= chart.width(), (names, box, chart.width())  # not clipped
