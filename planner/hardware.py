@@ -31,6 +31,7 @@ class DecodeStreaming:
     small_row_reads: float
     matmul_start_s: float
     block_overhead_s: float | None = None  # measured per-block cost of a step; replaces the per-matmul start-up
+    prefill_block_overhead_s: float | None = None  # measured per-block cost of a prefill beyond its FLOPs (None: not)
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,8 @@ _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_
              "packed_prefill_gweights_per_s", "cache_mib", "half_decode_ratio"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
-_STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0)}  # issue 23: measured per-block cost of a decode step
+_STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0),  # issue 23: measured per-block cost of a decode step
+                       "prefill_block_overhead_ms": (0.0, 500.0)}  # ... and of a prefill (session 11)
 
 
 def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
@@ -246,10 +247,10 @@ def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
                          f"{', '.join(_STREAMING_FIELDS)} (and optionally {', '.join(_STREAMING_OPTIONAL)}), "
                          f"got {doc!r}")
     values = {key: s.number(key, low, high) for key, (low, high) in _STREAMING_FIELDS.items()}
-    block = s.number("block_overhead_ms", *_STREAMING_OPTIONAL["block_overhead_ms"]) if "block_overhead_ms" in doc \
-        else None
+    block, prefill = (s.number(key, *_STREAMING_OPTIONAL[key]) / 1e3 if key in doc else None
+                      for key in ("block_overhead_ms", "prefill_block_overhead_ms"))
     return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3,
-                           block / 1e3 if block is not None else None)
+                           block, prefill)
 
 
 def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s") -> dict[str, float]:
@@ -639,7 +640,9 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                 "small_row_reads": round(cpu.decode_streaming.small_row_reads, 4),
                 "matmul_start_ms": round(cpu.decode_streaming.matmul_start_s * 1e3, 4),
                 **({"block_overhead_ms": round(cpu.decode_streaming.block_overhead_s * 1e3, 4)}
-                   if cpu.decode_streaming.block_overhead_s is not None else {})}}
+                   if cpu.decode_streaming.block_overhead_s is not None else {}),
+                **({"prefill_block_overhead_ms": round(cpu.decode_streaming.prefill_block_overhead_s * 1e3, 4)}
+                   if cpu.decode_streaming.prefill_block_overhead_s is not None else {})}}
                if cpu.decode_streaming is not None else {}),
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
             **({"packed_kernels_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_kernels.items()}}

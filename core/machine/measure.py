@@ -28,8 +28,8 @@ from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY,
-    WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, PACKED_PREFILL_KEY,
+    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (BLAS_MIN_WEIGHT_ELEMENTS, blas_active, linear,
                                                         physical_cores, store_tall_by_column, torch_threads,
@@ -106,6 +106,30 @@ def _rate_measurement(key: str, label: str, unit: str, amount: float, seconds: l
     best = max(rates)
     return Measurement(key, label, best, unit, (best - min(rates)) / best if best > 0 else 0.0, len(rates),
                        max(load_before, load_average()), detail, rates)
+
+
+def median_and_spread(samples: list[float]) -> tuple[float, float]:
+    """(median, (largest - smallest) / median) of repeated readings of one quantity (0 spread for one reading).
+
+    The machine's own speed moves between repeats (this project's 2-core VM: its memory bandwidth ±35% minute to
+    minute at load ~1), so a measurement the planner predicts from keeps the median of repeats spread over the
+    measurement, not the fastest (one lucky instant), and records how far they ranged."""
+    if not samples:
+        raise ValueError("no readings")
+    ordered = sorted(samples)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return median, (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
+
+
+def _median_rate_measurement(key: str, label: str, unit: str, amount: float, seconds: list[float],
+                             load_before: float, detail: str) -> Measurement:
+    """A rate (amount per second) from repeats timed in turn with other runs: value = the median repeat's rate,
+    spread = the rates' range over it (median_and_spread)."""
+    rates = [amount / s for s in seconds]
+    median, spread = median_and_spread(rates)
+    return Measurement(key, label, median, unit, spread, len(rates), max(load_before, load_average()),
+                       f"{detail}; the median of {len(rates)} repeats", rates)
 
 
 # ---- RAM and device memory ------------------------------------------------------------------------------------------
@@ -335,35 +359,87 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     load = load_average()
     size = max(total_bytes, 2 * cache_bytes)
     narrow_hidden = max(64, hidden * 3 // 8 // 64 * 64)
-    runs = {}
-    for name, width, rows in (("wide", hidden, 1), ("narrow", narrow_hidden, 1), ("wide4", hidden, 4)):
-        if name != "wide4":
-            config, span = decode_span(width, size)
-            spans = runs.setdefault("spans", {})
-            spans[name] = (config, span, sum(p.numel() * 4 for p in span.parameters()))
-        config, span, nbytes = runs["spans"][name.rstrip("4")]
-        step = decode_steps(config, span, rows)
-        seconds = _timings(step, repeats, torch.device("cpu"))
-        runs[name] = (min(seconds), seconds, nbytes, config.num_layers)
-        if name == "narrow":
-            del runs["spans"]["narrow"]  # free it before the 4-row step
-    (t1, s1, b1, n1), (t2, s2, b2, n2) = runs["wide"], runs["narrow"]
-    per_block, bandwidth = fit_bytes_and_blocks((t1, b1, n1), (t2, b2, n2))
+    (wide_config, wide), (narrow_config, narrow) = decode_span(hidden, size), decode_span(narrow_hidden, size)
+    b1, b2 = (sum(p.numel() * 4 for p in span.parameters()) for span in (wide, narrow))
+    n1, n2 = wide_config.num_layers, narrow_config.num_layers
+    # the two spans' one-row steps in turn (a, b, a, b, ...): the pair of each repeat sees the same moment
+    s1, s2 = _alternating_seconds([decode_steps(wide_config, wide, 1), decode_steps(narrow_config, narrow, 1)],
+                                  repeats)
+    prefills = [prefill_pass(wide_config, wide), prefill_pass(narrow_config, narrow)]
+    p1, p2 = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
+    del narrow  # free it before the 4-row step
+    s4 = _timings(decode_steps(wide_config, wide, 4), repeats, torch.device("cpu"))
+    per_block, bandwidth = fit_bytes_and_blocks((median_and_spread(s1)[0], b1, n1), (median_and_spread(s2)[0], b2, n2))
     load = max(load, load_average())
-    spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {t1 * 1e3:.3g} ms, {n2} of width "
-             f"{narrow_hidden} ({b2 / 2**20:.0f} MiB) {t2 * 1e3:.3g} ms, last-level cache {cache_bytes / 2**20:.0f} "
-             f"MiB, through {decode_path_name()}")
-    t4, s4, _, _ = runs["wide4"]
+    spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {median_and_spread(s1)[0] * 1e3:.3g} ms, {n2} of "
+             f"width {narrow_hidden} ({b2 / 2**20:.0f} MiB) {median_and_spread(s2)[0] * 1e3:.3g} ms (medians), "
+             f"last-level cache {cache_bytes / 2**20:.0f} MiB, through {decode_path_name()}")
+    stream_rates = [b1 / max(s - n1 * per_block, 1e-9) for s in s1]
+    small_rows = median_and_spread(s4)[0] / median_and_spread(s1)[0]
     return [
         Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", bandwidth, "B/s",
-                    (max(s1) - min(s1)) / min(s1), len(s1), load,
+                    median_and_spread(stream_rates)[1], len(s1), load,
                     f"one-row decode steps of random decoder blocks: {spans}; bandwidth and per-block cost fitted "
-                    "to both", [b1 / max(s - n1 * per_block, 1e-9) for s in s1]),
+                    f"to both spans' median steps ({len(s1)} repeats timed in turn)", stream_rates),
         block_overhead(per_block, (s1, b1, n1), (s2, b2, n2), load, f"fitted to the two spans: {spans}"),
-        Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", t4 / t1, "x",
-                    (max(s4) - min(s4)) / min(s4), len(s4), load,
-                    f"the width-{hidden} span with 4 rows takes {t4 / t1:.2f}x its one-row step"),
+        Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", small_rows, "x",
+                    median_and_spread(s4)[1], len(s4), load,
+                    f"the width-{hidden} span with 4 rows takes {small_rows:.2f}x its one-row step (medians)"),
+        *prefill_measurements((p1, prefills[0][1], prefills[0][2]), (p2, prefills[1][1], prefills[1][2]), load,
+                              f"widths {hidden} and {narrow_hidden}"),
     ]
+
+
+# A prefill pass: PREFILL_SEQUENCES prompts of PREFILL_TOKENS tokens (rows per product: their product) through the
+# first blocks of a span holding about PREFILL_WEIGHTS weights (compute-bound: it needs no span beyond the caches),
+# timed PREFILL_REPEATS times in turn with the other span's
+PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 24_000_000, 3
+
+
+def block_weights(block) -> int:
+    """Matrix weights of one decoder block (its four linears, fp32 or packed)."""
+    return sum(getattr(getattr(block, parent), child).in_features * getattr(getattr(block, parent), child).out_features
+               for parent, child in PACKED_LINEARS)
+
+
+def prefill_pass(config, span) -> tuple[Callable[[], None], float, int]:
+    """(a prefill through the span's first blocks, its FLOPs, its blocks): PREFILL_SEQUENCES prompts of
+    PREFILL_TOKENS tokens from position 0 through the runtime's prefill path (Span.forward, block by block: the
+    products of many rows on OpenBLAS for fp32, on the int8 kernels for packed linears)."""
+    from hivekeeper.core.runtime.model import KVCache, Span
+
+    per_block = block_weights(span.blocks[0])
+    blocks = max(1, min(len(span.blocks), round(PREFILL_WEIGHTS / per_block)))
+    part = Span(replace(config, num_layers=blocks), 0, blocks, list(span.blocks[:blocks]))
+    cache = KVCache.allocate(config, blocks, PREFILL_SEQUENCES, DECODE_SPAN_POSITIONS)
+    hidden = torch.randn(PREFILL_SEQUENCES, PREFILL_TOKENS, config.hidden_size) * 0.1
+    rows = PREFILL_SEQUENCES * PREFILL_TOKENS
+    attention = 4.0 * config.hidden_size * PREFILL_TOKENS * (PREFILL_TOKENS + 1) / 2 * PREFILL_SEQUENCES
+    flops = blocks * (2.0 * rows * per_block + attention)
+
+    def run() -> None:
+        cache.length = 0
+        with torch.inference_mode():
+            part(hidden, cache)
+
+    return run, flops, blocks
+
+
+def prefill_measurements(wide: tuple[list[float], float, int], narrow: tuple[list[float], float, int], load: float,
+                         spans: str) -> list[Measurement]:
+    """The fp32 prefill rate (PREFILL_FLOPS_KEY) and a block's fixed cost in a prefill (PREFILL_BLOCK_KEY), fitted as
+    seconds = FLOPs / rate + blocks x cost to two prefill passes (seconds of each repeat, FLOPs, blocks) of few wide
+    and many narrow blocks, on their median times."""
+    (s1, f1, n1), (s2, f2, n2) = wide, narrow
+    per_block, rate = fit_bytes_and_blocks((median_and_spread(s1)[0], f1, n1), (median_and_spread(s2)[0], f2, n2))
+    rates = [f1 / max(s - n1 * per_block, 1e-9) for s in s1]
+    detail = (f"prefill passes ({PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens) through {n1} and {n2} random fp32 "
+              f"blocks ({spans}), {median_and_spread(s1)[0] * 1e3:.3g} and {median_and_spread(s2)[0] * 1e3:.3g} ms "
+              f"(medians of {len(s1)} in turn), through the runtime's prefill path")
+    return [Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", rate, "FLOP/s",
+                        median_and_spread(rates)[1], len(s1), load, detail, rates),
+            Measurement(PREFILL_BLOCK_KEY, "fixed cost of a block in a prefill", per_block, "s", 0.0, len(s1), load,
+                        f"fitted with the rate: {detail}")]
 
 
 def block_overhead(per_block: float, wide: tuple[list[float], float, int], narrow: tuple[list[float], float, int],
@@ -495,7 +571,8 @@ def packed_span(fmt: str, hidden: int, total_bytes: int):
 
 def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_bytes: int = 384 << 20,
                            cache_bytes: int | None = None, block_overhead_s: float = 0.0,
-                           streamed: bool = True, step_repeats: int = STEP_REPEATS) -> list[Measurement]:
+                           streamed: bool = True, step_repeats: int = STEP_REPEATS,
+                           prefill_block_s: float = 0.0) -> list[Measurement]:
     """Weights/s of each packed format (GGUF Q8_0/Q4_0/Q4_1) in a decode step as a packed model takes it: one-row
     steps through spans of `hidden`-wide random packed blocks (packed_span), on the runtime's own decode path (the
     native kernels' whole-span step, or numpy's dequantized products where they are missing), in two regimes:
@@ -511,8 +588,13 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
     step these spans took. The planner takes the cached rate for a model whose weights fit the cache, the streamed
     one for a model twice its size, and blends between (costmodel.cached_share).
 
-    The spans are timed in turn (q8_0, q4_0, q4_1, q8_0, ...), at least `step_repeats` times each, and each keeps its
-    fastest: on a shared machine a busy spell hits every format alike rather than one of them."""
+    The spans are timed in turn (q8_0, q4_0, q4_1, q8_0, ...), at least `step_repeats` times each, and each keeps the
+    median of its repeats (median_and_spread): on a shared machine a busy spell hits every format alike rather than
+    one of them, and the rate is the machine's typical one, not its luckiest instant.
+
+    A prefill pass through each cached span's first blocks (prefill_pass, in turn) gives PACKED_PREFILL_KEY: row-weight
+    products/s of the int8 kernels on many rows, less `prefill_block_s` a block (the fixed cost of a block in a
+    prefill that measure_decode_blocks fitted, which the planner adds itself)."""
     from hivekeeper.core.runtime.quant.blocks import FORMATS
 
     cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
@@ -526,6 +608,9 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
         spans = {(key, name): packed_span(name, hidden, size) for key, size in sizes.items() for name in FORMATS}
         steps = [decode_steps(config, span, 1) for config, span, _ in spans.values()]
         timed = _alternating_seconds(steps, max(repeats, step_repeats))
+        prefills = {name: prefill_pass(config, span) for (key, name), (config, span, _) in spans.items()
+                    if key == PACKED_CACHED_KEY}
+        prefill_timed = _alternating_seconds([run for run, _, _ in prefills.values()], PREFILL_REPEATS)
     finally:
         torch.set_num_threads(previous_threads)
     path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
@@ -533,13 +618,21 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
     for ((key, name), (config, _, weights)), seconds in zip(spans.items(), timed):
         kernel_seconds = [packed_kernel_seconds(s, config.num_layers, block_overhead_s) for s in seconds]
         where = "in the last-level cache" if key == PACKED_CACHED_KEY else "beyond the caches"
-        results.append(_rate_measurement(
+        results.append(_median_rate_measurement(
             f"{key}{name}", f"CPU {name} decode step (one row, {where})", WEIGHTS_PER_S, float(weights),
             kernel_seconds, load,
             f"one-row decode steps of {config.num_layers} random {name} blocks of width {hidden} "
             f"({weights * format_bytes(name) / 2**20:.0f} MiB packed, {where}: {cache / 2**20:.0f} MiB), {path}, "
-            f"fastest {min(seconds) * 1e3:.3g} ms less {block_overhead_s * 1e3:.3g} ms a block; the spans timed in "
-            "turn"))
+            f"median {median_and_spread(seconds)[0] * 1e3:.3g} ms less {block_overhead_s * 1e3:.3g} ms a block; "
+            "the spans timed in turn"))
+    for (name, (_, flops, blocks)), seconds in zip(prefills.items(), prefill_timed):
+        products = flops / 2.0  # row-weight products (attention's few aside)
+        results.append(_median_rate_measurement(
+            f"{PACKED_PREFILL_KEY}{name}", f"CPU {name} prefill ({PREFILL_SEQUENCES * PREFILL_TOKENS} rows)",
+            WEIGHTS_PER_S, products, [packed_kernel_seconds(s, blocks, prefill_block_s) for s in seconds], load,
+            f"prefill passes of {PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens through {blocks} random {name} blocks "
+            f"of width {hidden}, {path}, median {median_and_spread(seconds)[0] * 1e3:.3g} ms less "
+            f"{prefill_block_s * 1e3:.3g} ms a block; the formats timed in turn"))
     return results
 
 
@@ -884,7 +977,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU packed-format decode steps",
                       lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
                                                      sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY),
-                                                     sizes.packed_streamed, sizes.step_repeats)))
+                                                     sizes.packed_streamed, sizes.step_repeats,
+                                                     measured_value(results, PREFILL_BLOCK_KEY))))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, max(sizes.half_bytes, beyond_cache),

@@ -18,6 +18,13 @@ SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
 PACKED_KERNEL_KEY = "cpu_packed_kernel_"
 # ... and with the span's weights in the last-level cache: key PACKED_CACHED_KEY + format, weights/s
 PACKED_CACHED_KEY = "cpu_packed_cached_"
+# ... and a prefill through such a cached span (the int8 kernels on many rows): key PACKED_PREFILL_KEY + format, in
+# row-weight products per second (WEIGHTS_PER_S; 2 FLOPs each)
+PACKED_PREFILL_KEY = "cpu_packed_prefill_"
+# measure.measure_decode_blocks's prefill passes through the same fp32 spans (the runtime's own prefill path): the
+# FLOP/s of their products and the fixed cost of a block in a prefill
+PREFILL_FLOPS_KEY = "cpu_prefill_fp32"
+PREFILL_BLOCK_KEY = "cpu_prefill_block_overhead"
 WEIGHTS_PER_S = "weights/s"  # its unit
 # measure.measure_half_decode's result (bf16 step time / fp32 step time), read by cpu_dtype to pick a CPU's 16-bit dtype
 HALF_DECODE_KEY = "cpu_decode_bf16_vs_fp32"
@@ -29,7 +36,7 @@ class Measurement:
 
     key: str  # stable name, e.g. "ram_read", "cpu_matmul_fp32_prefill", "disk_read", "gpu0_h2d_pinned"
     label: str  # for people
-    value: float  # best (fastest) of the repeats
+    value: float  # best (fastest) of the repeats, or their median where `detail` says so (the decode steps' rates)
     unit: str  # "B/s", "FLOP/s", "s" or "bit/s"
     spread: float  # (worst - best) / best over the repeats
     repeats: int

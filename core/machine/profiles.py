@@ -34,7 +34,8 @@ from hivekeeper.planner.hardware_catalog import clamp_to_limit
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, SMALL_ROWS_READS_KEY,
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, PACKED_PREFILL_KEY,
+    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, SMALL_ROWS_READS_KEY,
     WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
@@ -163,10 +164,13 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                                                                 MATMUL_START_KEY, BLOCK_OVERHEAD_KEY))
     if stream is None or ram is None or reads is None or (start is None and block is None) or ram.value <= 0:
         return None
+    prefill_block = by_key.get(PREFILL_BLOCK_KEY)
     return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram_bandwidth(measurements))),
                            small_row_reads=min(16.0, max(1.0, reads.value)),
                            matmul_start_s=min(0.1, max(0.0, start.value)) if start is not None else 0.0,
-                           block_overhead_s=min(0.1, max(0.0, block.value)) if block is not None else None)
+                           block_overhead_s=min(0.1, max(0.0, block.value)) if block is not None else None,
+                           prefill_block_overhead_s=(min(0.5, max(0.0, prefill_block.value))
+                                                     if prefill_block is not None else None))
 
 
 def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KERNEL_KEY) -> dict[str, float]:
@@ -226,6 +230,8 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
         cpu = dataclasses.replace(cpu, memory_bandwidth=bandwidth,
                                   sources={**cpu.sources, "memory_bandwidth": source})
     cpu_rates = _matmul_rates(measurements, "cpu")
+    if PREFILL_FLOPS_KEY in by_key and by_key[PREFILL_FLOPS_KEY].value > 0:  # the runtime's own prefill path
+        cpu_rates["fp32"] = by_key[PREFILL_FLOPS_KEY]
     if cpu_rates:  # measured rates, as the planner must see them under this machine's 16-bit decision
         cpu = with_choice(_with_flops(cpu, cpu_rates, when), choose(measurements))
     streaming = decode_streaming(measurements)
@@ -234,9 +240,11 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
     if HALF_DECODE_KEY in by_key and by_key[HALF_DECODE_KEY].value > 0:  # a bf16 step / an fp32 one (cpu_dtype)
         cpu = dataclasses.replace(cpu, half_decode_ratio=min(16.0, max(0.05, by_key[HALF_DECODE_KEY].value)))
     kernels, cached = packed_kernel_rates(measurements), packed_kernel_rates(measurements, PACKED_CACHED_KEY)
-    if kernels or cached:
+    prefill = packed_kernel_rates(measurements, PACKED_PREFILL_KEY)
+    if kernels or cached or prefill:
         cpu = dataclasses.replace(cpu, packed_kernels=kernels or cpu.packed_kernels,
-                                  packed_kernels_cached=cached or cpu.packed_kernels_cached)
+                                  packed_kernels_cached=cached or cpu.packed_kernels_cached,
+                                  packed_prefill=prefill or cpu.packed_prefill)
 
     disk_changes, disk_sources = {}, dict(disk.sources)
     for key, attr in (("disk_read", "read_bandwidth"), ("disk_write", "write_bandwidth")):

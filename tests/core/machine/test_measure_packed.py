@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from hivekeeper.core.machine import measure
-from hivekeeper.core.machine.measure import (STEP_REPEATS, format_bytes, measure_packed_kernels, packed_kernel_seconds,
-                                             packed_span, random_packed_matrix)
+from hivekeeper.core.machine.measure import (PREFILL_REPEATS, STEP_REPEATS, format_bytes, measure_packed_kernels,
+                                             median_and_spread, packed_kernel_seconds, packed_span,
+                                             random_packed_matrix)
 from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-                                                 SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+                                                 PACKED_PREFILL_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
+                                                 WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profiles import apply_measurements, comparison_rows, packed_kernel_rates
 from hivekeeper.planner.calibration import measured_efficiency
 from hivekeeper.planner.costmodel import Placement, Policy, Workload, evaluate, model_numbers
@@ -58,11 +60,14 @@ def test_one_rate_per_format_from_whole_packed_decode_steps(monkeypatch):
     spans, real_span = [], measure.packed_span
     monkeypatch.setattr(measure, "packed_span", lambda *a: spans.append(real_span(*a)) or spans[-1])
     results = measure_packed_kernels(repeats=2, **{**TINY_SPAN, "cache_bytes": 96 << 10})
-    assert [m.key for m in results] == [f"{key}{name}" for key in (PACKED_CACHED_KEY, PACKED_KERNEL_KEY)
-                                        for name in PACKED_FORMATS]
+    assert [m.key for m in results] == [f"{key}{name}" for key in (PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
+                                                                   PACKED_PREFILL_KEY) for name in PACKED_FORMATS]
     for m in results:
-        assert m.unit == WEIGHTS_PER_S and m.value > 0 and m.repeats == len(m.samples) == STEP_REPEATS
-        assert m.value == max(m.samples) and "blocks of width 64" in m.detail and "in turn" in m.detail
+        repeats = PREFILL_REPEATS if m.key.startswith(PACKED_PREFILL_KEY) else STEP_REPEATS
+        assert m.unit == WEIGHTS_PER_S and m.value > 0 and m.repeats == len(m.samples) == repeats
+        # the median repeat's rate (the machine's typical speed, not its luckiest instant), with the range
+        assert (m.value, m.spread) == pytest.approx(median_and_spread(m.samples))
+        assert "blocks of width 64" in m.detail and "in turn" in m.detail and "median" in m.detail
     # the cached spans a third of the last-level cache, the streamed ones beyond twice it
     packed = [weights * format_bytes(fmt) for (_, _, weights), fmt in zip(spans, [*PACKED_FORMATS, *PACKED_FORMATS])]
     assert all(size < (96 << 10) / 2 for size in packed[:3]) and all(size > 1.5 * (96 << 10) for size in packed[3:])
@@ -73,7 +78,8 @@ def test_one_rate_per_format_from_whole_packed_decode_steps(monkeypatch):
     # `measure --quick`: only the cached spans, fewer timings
     quick = measure_packed_kernels(repeats=2, **{**TINY_SPAN, "cache_bytes": 96 << 10}, streamed=False,
                                    step_repeats=3)
-    assert [m.key for m in quick] == [f"{PACKED_CACHED_KEY}{name}" for name in PACKED_FORMATS]
+    assert [m.key for m in quick] == [f"{key}{name}" for key in (PACKED_CACHED_KEY, PACKED_PREFILL_KEY)
+                                      for name in PACKED_FORMATS]
     assert all(m.repeats == 3 for m in quick)
 
 
