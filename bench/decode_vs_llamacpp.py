@@ -7,15 +7,16 @@ batch 1, the same thread count, greedy tokens; each alone and beside one CPU-bou
 
 Why: issue 16's goal is decode at least as fast as llama.cpp on its own files, and keeping at least the fraction of
 its speed llama.cpp keeps when another process takes a core. Ours runs `packed` (the files' Q8_0/Q4_0/Q4_1
-linears and LM head kept as block bytes on the native quantized kernels: the default for a GGUF on the CPU) and,
-for SmolLM2, `dequantized` (every weight fp32, HIVEKEEPER_GGUF_PACKED=0's path). llama-cpp-python is not a project
-dependency: the bench runs it in a child process with the Python of the venv it was built into (--llama-python,
-default ~/.cache/hivekeeper-bench/llama_cpp_venv/bin/python: `python -m venv` there, then `pip install
-llama-cpp-python`, ~5 min on 2 quiet cores, far longer on a busy machine; on a CPU that reports AMX, build with
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON": the native build crashed in
-its AMX product in this project's VM), or reports it as skipped with the reason. Prints one JSON line: tokens/s
-per file, side and load (median of the runs, and every run), the ratios, and the load average before and after
-(the machine may be shared: the numbers are only as quiet as it was).
+linears and LM head kept as block bytes on the native quantized kernels: the default for a GGUF on the CPU) and
+`dequantized` (every weight fp32, HIVEKEEPER_GGUF_PACKED=0's path; for the 1B files a 4.3 GB copy, decoded for a
+few tokens: issue 16 item 2 compares its prefill with the packed one's; --no-dequantized skips it).
+llama-cpp-python is not a project dependency: the bench runs it in a child process with the Python of the venv it
+was built into (--llama-python, default ~/.cache/hivekeeper-bench/llama_cpp_venv/bin/python: `python -m venv`
+there, then `pip install llama-cpp-python`, ~5 min on 2 quiet cores, far longer on a busy machine; on a CPU that
+reports AMX, build with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON": the
+native build crashed in its AMX product in this project's VM), or reports it as skipped with the reason. Prints one
+JSON line: tokens/s per file, side and load (median of the runs, and every run), the ratios, and the load average
+before and after (the machine may be shared: the numbers are only as quiet as it was).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--files", default=",".join(FILES), help=f"comma-separated, of {', '.join(FILES)}")
     parser.add_argument("--no-busy", dest="busy", action="store_false", help="skip the runs beside a CPU hog")
+    parser.add_argument("--no-dequantized", dest="dequantized", action="store_false",
+                        help="skip our dequantized-fp32 runs (the 1B files' copy is 4.3 GB of RAM)")
     parser.add_argument("--llama-python", default=str(LLAMA_PYTHON), help="the Python llama-cpp-python is in")
     return parser.parse_args(argv)
 
@@ -140,8 +143,12 @@ def ratio(a: dict | str, b: dict | str, key: str) -> float | None:
     return round(a[key] / b[key], 2) if isinstance(a, dict) and isinstance(b, dict) else None
 
 
-def bench_file(name: str, prompt_tokens: int, tokens: int, runs: int, busy: bool) -> dict:
-    """Every side on one file, quiet then (with busy) beside a CPU hog."""
+DEQUANTIZED_1B_TOKENS = 8  # the 1B files' fp32 decode streams 4.3 GB a token: a few tokens say its rate
+
+
+def bench_file(name: str, prompt_tokens: int, tokens: int, runs: int, busy: bool, dequantized: bool) -> dict:
+    """Every side on one file, quiet then (with busy) beside a CPU hog; with `dequantized`, ours on the file's
+    weights dequantized to fp32 too (quiet only; the 1B files with at most DEQUANTIZED_1B_TOKENS new tokens)."""
     path = gguf_file(name)
     prompt = fixed_prompt(load_config(path).vocab_size, prompt_tokens)
     loads = ["quiet", "busy"] if busy else ["quiet"]
@@ -150,10 +157,13 @@ def bench_file(name: str, prompt_tokens: int, tokens: int, runs: int, busy: bool
     for load in loads:
         out[f"ours_packed_{load}"] = ours(packed, prompt, tokens, runs, load == "busy")
     del packed
-    if name.startswith("smollm2"):  # the 1B files' fp32 copy (4.3 GB) is left out: it would only be slower
-        dequantized = load_ours(path, False)
-        out["ours_dequantized_fp32_quiet"] = ours(dequantized, prompt, tokens, runs, False)
-        del dequantized
+    if dequantized:  # issue 16 item 2: packed prefill against the same weights dequantized to fp32, in one run
+        fp32 = load_ours(path, False)
+        fp32_tokens = tokens if name.startswith("smollm2") else min(tokens, DEQUANTIZED_1B_TOKENS)
+        out["ours_dequantized_fp32_quiet"] = {"new_tokens": fp32_tokens, **ours(fp32, prompt, fp32_tokens, runs, False)}
+        del fp32
+        out["prefill_packed_vs_dequantized_fp32"] = ratio(out["ours_packed_quiet"], out["ours_dequantized_fp32_quiet"],
+                                                          "prefill_tok_s")
     for load in loads:
         out[f"llama_cpp_{load}"] = llama_cpp(Path(args.llama_python), path, prompt, tokens, runs, load == "busy")
     for load in loads:
@@ -175,7 +185,8 @@ def main() -> int:
     if unknown:
         print(f"unknown file {unknown[0]!r}: choose from {', '.join(FILES)}", file=sys.stderr)
         return 2
-    results = {name: bench_file(name, args.prompt_tokens, args.tokens, args.runs, args.busy) for name in files}
+    results = {name: bench_file(name, args.prompt_tokens, args.tokens, args.runs, args.busy, args.dequantized)
+               for name in files}
     line = {"bench": "decode_vs_llamacpp", "threads": args.threads, "batch": 1, "new_tokens": args.tokens,
             "prompt_tokens": args.prompt_tokens, "runs": args.runs, "native_kernels": native_kernels.status(),
             "files": results, "load_average_before": [round(x, 2) for x in load_before],
