@@ -137,15 +137,18 @@ def overall(errors: dict, phase: str, form: str) -> float:
 
 def default_model_decode(spec, hardware, points, policies, efficiencies: dict) -> dict:
     """The default model's decode tokens/s at batch 1 (median over the evaluation's prompt lengths): measured, and
-    predicted by each form."""
+    predicted by each form; and each form's prefill tokens/s over the measured one (`<form>_prefill_ratio`)."""
     from hivekeeper.planner.calibration import cost_model_predictions
 
     chosen = [pt for pt in points if pt.batch_size == 1 and pt.step_s]
-    result = {"measured": round(float(np.median([1.0 / pt.step_s for pt in chosen])), 2)}
+    result = {"measured": round(float(np.median([1.0 / pt.step_s for pt in chosen])), 2),
+              "prefill_measured": round(float(np.median([pt.prompt_len / pt.prefill_s for pt in chosen])), 1)}
     for name, eff in efficiencies.items():
-        predicted = cost_model_predictions(spec, hardware, chosen, policies, eff).step_s
-        result[name] = round(float(np.median(1.0 / predicted)), 2)
+        predicted = cost_model_predictions(spec, hardware, chosen, policies, eff)
+        result[name] = round(float(np.median(1.0 / predicted.step_s)), 2)
         result[f"{name}_ratio"] = round(result[name] / result["measured"], 3)
+        prefill = float(np.median([pt.prompt_len / s for pt, s in zip(chosen, predicted.prefill_s)]))
+        result[f"{name}_prefill_ratio"] = round(prefill / result["prefill_measured"], 3)
     return result
 
 
@@ -186,7 +189,6 @@ def main() -> None:
 
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.measure import QUICK, TerminalProgress, run_benchmarks
-    from hivekeeper.core.machine.measurement import PACKED_CACHED_KEY, PACKED_KERNEL_KEY
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.profiling import denoise, measure_grid
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
@@ -248,8 +250,7 @@ def main() -> None:
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
     line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
     line["measured"]["packed_gweights_per_s"] = {m.key[len("cpu_packed_"):]: round(m.value / 1e9, 2)
-                                                  for m in measurements
-                                                  if m.key.startswith((PACKED_KERNEL_KEY, PACKED_CACHED_KEY))}
+                                                  for m in measurements if m.key.startswith("cpu_packed_")}
     print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed, "machine": machine_line(args.kind)}))
 
 
@@ -262,10 +263,12 @@ def default_model_goal(default: dict, packed: dict) -> bool:
 
 def result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
                 loads) -> dict:
+    from hivekeeper.core.machine.measurement import PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY
+
     def factors(eff) -> dict:
         return {k: float(f"{getattr(eff.accelerator, k):.4g}")
                 for k in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
-                          "weight_reread_rows")}
+                          "weight_reread_rows", "prefill_layer_overhead_s")}
 
     by_key = {m.key: m for m in measurements}
     summary = {f"{phase}_mape_{form}_pct": overall(errors, phase, form)
@@ -279,8 +282,12 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
         "uncalibrated": factors(base), "fitted": factors(calibration),
         "measured": {"ram_read_gbps": round(by_key["ram_read"].value / 1e9, 2),
                      "decode_stream_gbps": round(by_key["cpu_weight_stream"].value / 1e9, 2),
+                     "decode_stream_spread": round(by_key["cpu_weight_stream"].spread, 3),
                      "block_overhead_ms": round(by_key["cpu_decode_block_overhead"].value * 1e3, 3),
-                     "fp32_matmul_gflops": round(by_key["cpu_matmul_fp32_prefill"].value / 1e9, 1)},
+                     "fp32_matmul_gflops": round(by_key["cpu_matmul_fp32_prefill"].value / 1e9, 1),
+                     **({"fp32_prefill_gflops": round(by_key[PREFILL_FLOPS_KEY].value / 1e9, 1),
+                         "prefill_block_overhead_ms": round(by_key[PREFILL_BLOCK_KEY].value * 1e3, 3)}
+                        if PREFILL_FLOPS_KEY in by_key else {})},
         "median_spread_pct": round(100 * float(np.median([pt.spread for pts in evaluated.values() for pt in pts])), 1),
         "loadavg": loads,
         "goals_pct": {k: 100 * v for k, v in GOALS.items()},
