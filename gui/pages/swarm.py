@@ -16,7 +16,6 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFormLayout, QGroup
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_public
-from hivekeeper.core.swarm.dht import THROUGHPUT_CAP_FACTOR
 from hivekeeper.planner.swarm import ServerPlan
 
 from hivekeeper.gui.services.coverage import CoverageService
@@ -99,8 +98,8 @@ def advertised_words(advertised: float | None, counted: float | None) -> str:
         return ""
     words = f"advertises {fmt_rate(advertised)} requests/s"
     if counted is not None and counted < 0.999 * advertised:
-        words += (f"; the swarm counts {fmt_rate(counted)} (at most {THROUGHPUT_CAP_FACTOR:g}x the other servers' "
-                  "median, as the chart draws)")
+        words += (f"; the swarm counts {fmt_rate(counted)} of it (a claim far above the other servers' is capped), "
+                  "as the chart draws")
     return words
 
 
