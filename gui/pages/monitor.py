@@ -22,6 +22,8 @@ from hivekeeper.gui.widgets.contribution_panel import ContributionPanel
 
 WINDOW_S = 120.0  # seconds shown
 PERCENT_TOP = 110  # the top of the "Machine use" chart (%)
+# ... and its bottom, a little below 0: pyqtgraph draws no tick (nor its "0") exactly on the chart's edge
+PERCENT_BOTTOM = -3
 SERIES = {
     "chat_tps": ("chat tokens/s", ACCENT),
     "node_rps": ("node requests/s", GOOD),
@@ -90,7 +92,7 @@ class MonitorPage(QWidget):
             plot.setXRange(-WINDOW_S, 0, padding=0)
             plot.addLegend(offset=(8, 8), labelTextSize="8pt")
             if unit == "%":  # a fixed range, headroom above 100% so a full CPU's line is not on the edge
-                plot.setYRange(0, PERCENT_TOP, padding=0)
+                plot.setYRange(PERCENT_BOTTOM, PERCENT_TOP, padding=0)
             for name in names:
                 if name == "gpu" and not self.usage.has_gpu:
                     continue
