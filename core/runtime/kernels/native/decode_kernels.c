@@ -1413,10 +1413,10 @@ static inline __attribute__((always_inline)) void quad_block_into(const quad_blo
 }
 
 /* Four weight rows of a 4-bit format (rows[], repeated for a tail) times activation rows r0 .. r0 + R - 1 into
-   out[r][i]. */
+   out[r][i]; their blocks unpacked here, or taken from `unpacked` (unpack_quads: a prefill's many groups of rows). */
 static inline __attribute__((always_inline)) void qdot_quad(int format, int R, const qmatvec_task *t,
-                                                            const uint8_t *const *rows, long r0,
-                                                            float out[4][ROW_GROUP]) {
+                                                            const uint8_t *const *rows, const quad_block *unpacked,
+                                                            long r0, float out[4][ROW_GROUP]) {
     __m512 acc0[ROW_GROUP], acc1[ROW_GROUP];
     __m256 offset0[ROW_GROUP], offset1[ROW_GROUP];
     for (int i = 0; i < R; i++)
@@ -1427,15 +1427,20 @@ static inline __attribute__((always_inline)) void qdot_quad(int format, int R, c
     const char *next = (const char *)rows[0] + 4 * t->row_bytes; /* the next quad's rows, prefetched as we go */
     long size = format == HK_Q4_0 ? (long)sizeof(block_q4_0) : (long)sizeof(block_q4_1);
     for (; b + 2 <= t->blocks; b += 2) {
-        prefetch_ahead(next + b * 4 * size, 3); /* two blocks of four rows: 144 or 160 bytes */
-        quad_block even = unpack_quad(format, rows, b), odd = unpack_quad(format, rows, b + 1);
+        quad_block even, odd;
+        if (unpacked) {
+            even = unpacked[b], odd = unpacked[b + 1];
+        } else {
+            prefetch_ahead(next + b * 4 * size, 3); /* two blocks of four rows: 144 or 160 bytes */
+            even = unpack_quad(format, rows, b), odd = unpack_quad(format, rows, b + 1);
+        }
         for (int i = 0; i < R; i++) {
             quad_block_into(&even, x + i * cols + b * QK, ds + b * step + 2 * i, &acc0[i], &offset0[i]);
             quad_block_into(&odd, x + i * cols + (b + 1) * QK, ds + (b + 1) * step + 2 * i, &acc1[i], &offset1[i]);
         }
     }
     if (b < t->blocks) {
-        quad_block last = unpack_quad(format, rows, b);
+        quad_block last = unpacked ? unpacked[b] : unpack_quad(format, rows, b);
         for (int i = 0; i < R; i++)
             quad_block_into(&last, x + i * cols + b * QK, ds + b * step + 2 * i, &acc0[i], &offset0[i]);
     }
@@ -1501,16 +1506,36 @@ static inline __attribute__((always_inline)) void qdot_rows(int format, int R, c
 /* Output rows [o0, o1) for every batch row, the batch in groups of up to ROW_GROUP rows: the weight rows (a few
    hundred bytes each) stay in L1 for every group. AVX2: the 4-bit formats' rows a pair at a time, Q8_0's one. */
 #if HK_VNNI
+/* A quad's blocks unpacked once for a prefill's many groups of activation rows (a thread's own buffer, grown as
+   needed): unpacking per group of ROW_GROUP rows cost as much as the group's dot products. The same blocks, so the
+   same bits. Returns NULL when no memory was found (the groups then unpack as they go). */
+static _Thread_local quad_block *quad_scratch;
+static _Thread_local long quad_scratch_blocks;
+
+static quad_block *unpack_quads(int format, const qmatvec_task *t, const uint8_t *const *rows) {
+    if (t->blocks > quad_scratch_blocks) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, (size_t)t->blocks * sizeof(quad_block)) != 0) return NULL;
+        free(quad_scratch);
+        quad_scratch = grown;
+        quad_scratch_blocks = t->blocks;
+    }
+    for (long b = 0; b < t->blocks; b++) quad_scratch[b] = unpack_quad(format, rows, b);
+    return quad_scratch;
+}
+
 /* The 4-bit formats' rows four at a time (a tail repeats the last row). */
 static inline __attribute__((always_inline)) void qmatvec_quads(int format, const qmatvec_task *t, long o0, long o1) {
     float s[4][ROW_GROUP];
     for (long o = o0; o < o1; o += 4) {
         const uint8_t *rows[4];
         for (int r = 0; r < 4; r++) rows[r] = t->w + (o + r < o1 ? o + r : o1 - 1) * t->row_bytes;
+        const quad_block *unpacked = t->batch > ROW_GROUP ? unpack_quads(format, t, rows) : NULL;
         for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
             long n = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
             switch (n) { /* a constant R in each: the accumulators stay in registers */
-#define HK_ROWS_CASE(R) case R: qdot_quad(format, R, t, rows, r0, s); break;
+#define HK_ROWS_CASE(R) case R: unpacked ? qdot_quad(format, R, t, rows, unpacked, r0, s) \
+                                         : qdot_quad(format, R, t, rows, NULL, r0, s); break;
             HK_ROWS_CASE(1) HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
 #undef HK_ROWS_CASE
             }
