@@ -252,7 +252,8 @@ def packed_prefill_rate(cpu: ComputeDevice, weight_format: str) -> tuple[float, 
     PACKED_KERNEL_ROWS rows) multiplies up to PACKED_PREFILL_ROWS rows per pass over each packed weight chunk with
     the int8 kernels. `hivekeeper measure` times a prefill through a packed span (ComputeDevice.packed_prefill:
     row-weight products/s, 2 FLOPs each); unmeasured, the fp32 rate stands in (the rate of the dequantize-and-BLAS
-    path the kernels replaced)."""
+    path the kernels replaced). The measured rate is whole prefill passes through packed blocks, their per-block
+    costs included, so a prefill priced at it pays no Efficiency.prefill_layer_overhead_s (FormatTraits)."""
     measured = cpu.packed_prefill.get(weight_format)
     if measured:
         return 2.0 * float(measured), True
@@ -374,6 +375,8 @@ class FormatTraits:
     # packed formats: the kernels' FLOP/s with the weights in the last-level cache (0: as gemv_flops / head_flops)
     gemv_flops_cached: float = 0.0
     head_flops_cached: float = 0.0
+    # 1: a prefill pays Efficiency.prefill_layer_overhead_s a block; 0: the format's measured prefill rate holds it
+    prefill_overhead: float = 1.0
 
 
 def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
@@ -425,7 +428,8 @@ def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
                         gemv_flops=2.0 * packed_kernel_rate(cpu, fmt.name)[0], overlapped=True,
                         head_bytes=get_format(PACKED_HEAD_FORMAT).bytes_per_param, head_flops=2.0 * head_rate,
                         gemv_flops_cached=2.0 * packed_cached_rate(cpu, fmt.name),
-                        head_flops_cached=2.0 * packed_cached_rate(cpu, PACKED_HEAD_FORMAT))
+                        head_flops_cached=2.0 * packed_cached_rate(cpu, PACKED_HEAD_FORMAT),
+                        prefill_overhead=0.0 if packed_prefill_rate(cpu, fmt.name)[1] else 1.0)
 
 
 def sixteen_bit_format(model: ModelSpec, machine: Machine) -> str:
@@ -447,6 +451,19 @@ def cpu_native_bf16_only(cpu: ComputeDevice) -> bool:
     """Whether a CPU lists bf16 at or above its fp32 rate (native bf16 math) and fp16 at none (no native fp16)."""
     fp32 = cpu.flops.get("fp32", 0.0)
     return "fp16" not in cpu.flops and cpu.flops.get("bf16", 0.0) >= fp32 > 0
+
+
+# On a CPU the engine runs a prefill chunk in parts of whole micro-batches of at least this many token rows (a CPU
+# multiplies few rows poorly) and a decode step as the whole batch (core/offload/offloaded_model.py, _step_rows); its
+# head leaves fp32 logits and two temporaries of their size for the whole batch.
+CPU_PART_TOKENS = 1024
+LOGIT_COPIES = 3
+
+
+def cpu_part_sequences(batch, micro_batch, tokens):
+    """Sequences in one part of a CPU prefill chunk of `tokens` tokens a sequence: whole micro-batches until the part
+    holds CPU_PART_TOKENS token rows, at most the batch (numbers or numpy arrays)."""
+    return np.minimum(batch, micro_batch * np.ceil(CPU_PART_TOKENS / np.maximum(micro_batch * tokens, 1)))
 
 
 # ---- the vectorized core ----------------------------------------------------------------------------------------
@@ -487,7 +504,14 @@ def fixed_memory(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency
     cache_buffers = np.where(c["cattn"] > 0, 0.0, (1.0 + d) * b * ctx * per_token * off_acc_cache)
     hidden_states = 2.0 * batch * p * numbers.hidden * kvb  # inputs and outputs of a block, all micro-batches
     workspace = b * p * numbers.workspace_values_per_token * kvb + b * numbers.vocab * 4.0  # + fp32 logits
-    acc = outside + c["ca"] * cache_all + cache_buffers + (1.0 - c["ah"]) * hidden_states + workspace \
+    on_acc = 1.0 - c["ah"]
+    if machine.acc.kind == "cpu":  # the engine's CPU steps: the batch's hidden states (replaced part by part), one
+        # part's output and workspace (the plan's micro-batch when recomputing), the whole batch's logits
+        part = np.where(c["rec"] > 0, b, cpu_part_sequences(batch, b, p))
+        hidden_states = (batch + part) * p * numbers.hidden * kvb
+        workspace = part * p * numbers.workspace_values_per_token * kvb + LOGIT_COPIES * batch * numbers.vocab * 4.0
+        on_acc = 1.0  # one memory: hidden states "on the host" are in it too
+    acc = outside + c["ca"] * cache_all + cache_buffers + on_acc * hidden_states + workspace \
         + eff.accelerator.runtime_bytes
     disk = c["cd"] * cache_all
     if machine.has_host_tier:
@@ -597,6 +621,7 @@ class CandidateArrays:
     head_bytes: np.ndarray  # bytes per LM head parameter read
     head_flops: np.ndarray
     cached_share: np.ndarray  # packed formats: the share of a step's weights read from the last-level cache
+    prefill_overhead: np.ndarray  # FormatTraits.prefill_overhead
     block_bytes: np.ndarray  # one block's weights at rest
     kv_token: np.ndarray  # one token of one block's K and V
     cached_per_token: np.ndarray  # what is kept per token and block: K and V, or the block's input when recomputing
@@ -622,7 +647,8 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         stored_bytes=stored, gemv_bytes=trait("read_bytes_gemv"), gemm_bytes=trait("read_bytes_gemm"),
         vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"), peak_flops=trait("peak_flops"),
         gemv_flops=gemv_flops, overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
-        head_flops=head_flops, cached_share=share, block_bytes=block_bytes, kv_token=kv_token,
+        head_flops=head_flops, cached_share=share, prefill_overhead=trait("prefill_overhead"),
+        block_bytes=block_bytes, kv_token=kv_token,
         cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
         attention_on_acc=c["ca"] + off * (~cpu_attention),
     )
@@ -863,7 +889,7 @@ def prefill_block(grid: CandidateArrays, prompt_len: float) -> BlockPass:
     """One block's share of the prefill of `prompt_len` tokens per sequence (no CPU attention: the new cache is
     computed on the accelerator)."""
     return block_pass(grid, prefill_accelerator(grid, prompt_len),
-                      grid.micro_batches * grid.acc_eff.prefill_layer_overhead_s, idle(grid),
+                      grid.micro_batches * grid.acc_eff.prefill_layer_overhead_s * grid.prefill_overhead, idle(grid),
                       prefill_link(grid, prompt_len), prefill_disk(grid, prompt_len))
 
 

@@ -32,10 +32,11 @@ from torch import Tensor
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
+from hivekeeper.core.offload import half_store
 from hivekeeper.core.offload.block_variants import forward_with_attention_at_cache
 from hivekeeper.core.offload.packed_stream import PackedBlockReader, load_outside, release_mapped_pages
-from hivekeeper.core.offload.placement import (EnginePlan, cpu_attention_dtype, micro_batch_rows,
-                                                  workspace_bytes)
+from hivekeeper.core.offload.placement import (EnginePlan, cpu_attention_dtype, cpu_step_part,
+                                                  micro_batch_rows, workspace_bytes)
 from hivekeeper.core.offload.streaming import BlockStreamer, Slot
 from hivekeeper.core.offload.tiered_cache import RecomputeCache, TieredKVCache, keep_between_blocks
 from hivekeeper.core.offload.weights import BlockReader, empty_block
@@ -48,10 +49,6 @@ from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, pack_in_order, s
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable, add_prompt
 from hivekeeper.core.runtime.quant.bnb import quantized_tensors
 from hivekeeper.core.runtime.quant.store import QuantStore
-
-
-# on a CPU, a prefill chunk's micro-batches are merged until a part holds this many token rows (_step_rows)
-CPU_PART_TOKENS = 1024
 
 
 def use_physical_cores() -> int:
@@ -167,6 +164,7 @@ class OffloadedModel:
         self.streamer: BlockStreamer | None = None
         self.bytes_streamed = 0  # weight bytes read from disk for streamed blocks (the reader thread adds)
         self.quant_store = None  # int8/nf4 blocks come from their quantized copies (see below)
+        self.half_store = None  # a 16-bit plan's streamed blocks over an fp32 file: their 16-bit copies (half_store)
         self._stream_reader = self.reader
         self.rotary = RotaryTable(config)
         # a GGUF kept packed (CPU fp32): resident blocks, slots, head and embedding hold the file's packed bytes,
@@ -186,6 +184,11 @@ class OffloadedModel:
                                                    root=quant_store_dir, drop_page_cache=drop_page_cache)
                 if plan.streamed_blocks:
                     self._stream_reader = self.quant_store
+            if (plan.streamed_blocks and plan.quant == "none" and isinstance(self.reader, BlockReader)
+                    and half_store.wanted(self.checkpoint, dtype)):  # a 16-bit plan over an fp32 file
+                self.half_store = half_store.HalfStore.open(self.checkpoint, dtype, plan.streamed_blocks,
+                                                            drop_page_cache=drop_page_cache)
+                self._stream_reader = self.half_store
             outside = load_outside(self.packed_reader) if self.packed_reader is not None else None
             if outside is not None:
                 self.embedding, self.head = outside
@@ -282,23 +285,20 @@ class OffloadedModel:
         """The micro-batches one step runs through each block. On a GPU, or with recompute, the plan's. On a CPU with
         K/V kept, a decode step runs the whole batch at once (its activations are a few MB; 128 rows multiply in
         about the time of 32), and a prefill chunk merges the plan's micro-batches until each part holds at least
-        CPU_PART_TOKENS token rows: below that a CPU multiplies few rows poorly (bf16, AMX, one thread, a block of
-        the 350 MB bench model over 128 prompts of 17 tokens: 195 ms of CPU in 4 parts, 174 in 2, 176 in 1; busy
-        machine), above it a part only adds activations (the whole batch at once went 12.7% over that bench's RAM
-        budget, two parts stay within it). Only where the attention scores of a part's rows fit the activations the
-        placement counts for them (placement.workspace_bytes); else the plan's micro-batches."""
+        CPU_PART_TOKENS token rows (placement.cpu_step_part): below that a CPU multiplies few rows poorly (bf16, AMX,
+        one thread, a block of the 350 MB bench model over 128 prompts of 17 tokens: 195 ms of CPU in 4 parts, 174
+        in 2, 176 in 1; busy machine), above it a part only adds activations (the whole batch at once went 12.7%
+        over that bench's RAM budget, two parts stay within it). Only where the attention scores of a part's rows
+        fit the activations the placement counts for that part (placement.workspace_bytes); else the plan's."""
         plan = self._micro_batches(batch)
         if self.device.type != "cpu" or not isinstance(cache, TieredKVCache):
             return plan
         config = self.config
-        scores = batch * config.num_heads * tokens * (position + tokens) * 4  # fp32 at most
-        if scores > workspace_bytes(config, batch, tokens, self.plan.dtype):
+        part = cpu_step_part(batch, plan[0].stop - plan[0].start, tokens)
+        scores = part * config.num_heads * tokens * (position + tokens) * 4  # fp32 at most
+        if scores > workspace_bytes(config, batch, tokens, self.plan.dtype, part):
             return plan
-        if tokens == 1:
-            return [slice(0, batch)]
-        rows = plan[0].stop - plan[0].start
-        rows *= -(-CPU_PART_TOKENS // (rows * tokens))  # whole micro-batches, at least CPU_PART_TOKENS token rows
-        return [slice(i, min(i + rows, batch)) for i in range(0, batch, rows)]
+        return [slice(i, min(i + part, batch)) for i in range(0, batch, part)]
 
     def _micro_batches(self, batch: int) -> list[slice]:
         size = self.plan.micro_batch_size
@@ -400,6 +400,8 @@ class OffloadedModel:
             self.quant_store.close()
         if getattr(self, "packed_reader", None) is not None:
             self.packed_reader.close()
+        if getattr(self, "half_store", None) is not None:
+            self.half_store.close()
         self.reader.close()
         self.checkpoint.close()
 

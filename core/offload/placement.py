@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hivekeeper.planner.costmodel import TIERS, Policy
+from hivekeeper.planner.costmodel import LOGIT_COPIES, TIERS, Policy, cpu_part_sequences
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
@@ -198,10 +198,22 @@ def _split_activations(fraction_in_ram: float, parts: int) -> list[str]:
     return ["gpu"] * counts["gpu"] + ["cpu"] * counts["cpu"]
 
 
-def workspace_bytes(config: ModelConfig, batch: int, tokens: int, dtype: torch.dtype) -> int:
-    """Activations alive inside one block for `tokens` new tokens per sequence, plus fp32 logits of the last ones."""
+def workspace_bytes(config: ModelConfig, batch: int, tokens: int, dtype: torch.dtype, part: int | None = None) -> int:
+    """Activations of a step of `tokens` new tokens a sequence over `batch` sequences run `part` of them at a time
+    through each block (None: all at once): what is alive inside a block for one part, the other parts' hidden
+    states between blocks, and fp32 logits of every sequence's last token (LOGIT_COPIES: with the head's temporaries)."""
+    part = batch if part is None else max(1, min(part, batch))
     per_token = 4 * config.hidden_size + config.q_dim + 2 * config.kv_dim + 3 * config.intermediate_size
-    return batch * tokens * per_token * itemsize(dtype) + 3 * batch * config.vocab_size * 4
+    size = itemsize(dtype)
+    return (part * tokens * per_token * size + (batch - part) * tokens * config.hidden_size * size
+            + LOGIT_COPIES * batch * config.vocab_size * 4)
+
+
+def cpu_step_part(batch: int, micro_batch_rows: int, tokens: int) -> int:
+    """Sequences a CPU step with K/V kept runs through a block at once (OffloadedModel._step_rows): a decode step the
+    whole batch, a prefill chunk whole micro-batches until a part holds CPU_PART_TOKENS token rows (planner's rule,
+    costmodel.cpu_part_sequences, so that plan and engine count the same activations)."""
+    return batch if tokens == 1 else int(cpu_part_sequences(batch, micro_batch_rows, tokens))
 
 
 def _counts(fractions: dict[str, float], total: int, tiers: tuple[str, ...]) -> dict[str, int]:
@@ -266,7 +278,9 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
     if not on_gpu:
         fixed["embedding_and_head"] = outside_bytes(config, dtype) if held_outside_bytes is None \
             else int(held_outside_bytes)
-        fixed["activations"] = workspace_bytes(config, batch, min(prefill_tokens, max_length), dtype)
+        tokens = min(prefill_tokens, max_length)  # a prefill chunk, in parts (recompute: the plan's micro-batches)
+        part = rows if recompute else cpu_step_part(batch, rows, tokens)
+        fixed["activations"] = workspace_bytes(config, batch, tokens, dtype, part)
         if quant == "none" and dtype != torch.float32:
             fixed["conversion_buffers"] = sixteen_bit_cpu_transients(config, dtype)
         if recompute:

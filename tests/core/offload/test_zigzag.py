@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hivekeeper.core.offload.offloaded_model import CPU_PART_TOKENS, OffloadedModel
+from hivekeeper.core.offload.offloaded_model import OffloadedModel
 from hivekeeper.core.offload.placement import block_bytes, place_model
 from hivekeeper.core.runtime.checkpoint import load_embedding, load_head, load_span
 from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 from hivekeeper.core.runtime.generation import generate
 from hivekeeper.core.runtime.model import KVCache, ModelConfig
-from hivekeeper.planner.costmodel import Placement, Policy
+from hivekeeper.planner.costmodel import CPU_PART_TOKENS, Placement, Policy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -133,7 +133,7 @@ def stored_rows(model, prompts: list[list[int]], max_length: int) -> tuple[list,
 
 
 def test_on_a_cpu_decode_runs_the_whole_batch_and_prefill_merges_micro_batches_up_to_a_part_size(checkpoint):
-    """On a CPU the placement counts a step's activations for the whole batch (workspace_bytes), and a CPU multiplies
+    """On a CPU the placement counts a step's activations by part (workspace_bytes), and a CPU multiplies
     many rows far better than a few: a decode step runs the batch as one, a prefill chunk merges the plan's
     micro-batches until a part holds CPU_PART_TOKENS token rows (same tokens). A prompt whose attention scores would
     not fit that workspace (300 tokens: 4 heads x 300^2 fp32 scores a row against ~1.2 MB) keeps the plan's."""
