@@ -114,16 +114,13 @@ def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_
 def planner_batch(path: Path, budget: int, prompt_tokens: int, new_tokens: int, max_batch: int) -> tuple[int, int]:
     """(the planner's batch for goal "batch" with this RAM budget, the batch used: the best one under max_batch)."""
     from hivekeeper.planner.costmodel import Workload
-    from hivekeeper.planner.efficiency import default_efficiency
-    from hivekeeper.planner.hardware_catalog import GIB, apply_host_overrides
     from hivekeeper.planner.model_catalog import load_model_spec
     from hivekeeper.planner.policy import Constraints, batch_curve, search
 
     from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.offload.local_plan import with_ram_budget
 
-    hardware = detect_hardware()
-    runtime = default_efficiency(hardware).accelerator.runtime_bytes  # as local_plan.search_policy does
-    hardware = apply_host_overrides(hardware, ram_gb=(budget + runtime) / GIB)
+    hardware = with_ram_budget(detect_hardware(), budget)  # as local_plan.search_policy does
     spec, workload = load_model_spec(str(path)), Workload(prompt_len=prompt_tokens, output_len=new_tokens)
     plan = search(spec, hardware, "batch", Constraints(quant="none"), workload)
     if plan.prediction is None:

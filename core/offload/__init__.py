@@ -6,6 +6,8 @@
 - `offloaded_model`  OffloadedModel: the blocks run where the plan puts them, streaming what does not fit.
 - `weights`          the block reader: a layer's tensors from the checkpoint's files into a reused Block.
 - `streaming`        the slots that load the next streamed blocks while the current one computes.
+- `half_store`       a 16-bit plan's streamed blocks of an fp32 checkpoint, written once in that dtype and streamed
+                     from there (half the bytes, no conversion while reading).
 - `packed_stream`    a GGUF kept packed: its Q8_0/Q4_0/Q4_1 bytes read with pread into slots, resident blocks, head
                      and embedding (none through the memory map), and their sizes for a RAM budget's placement.
 - `tiered_cache`     KV caches (or recompute inputs) with a tier per block.

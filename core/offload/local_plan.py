@@ -22,7 +22,6 @@ from pathlib import Path
 from hivekeeper.planner.costmodel import TIERS, Placement, Policy, Workload
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.fields import Fields
-from hivekeeper.planner.hardware_catalog import GIB
 
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 
@@ -148,6 +147,19 @@ class DoesNotFit(InputError):
     """The planner found no local plan for this model on this machine (search_policy with fallback=False)."""
 
 
+def with_ram_budget(hardware, ram_budget_bytes: float, efficiency=None):
+    """The planner's HardwareSpec with RAM for the model of `ram_budget_bytes` on top of the runtime the planner
+    reserves itself (efficiency's runtime_bytes). apply_host_overrides takes decimal GB: dividing by GiB (as until
+    session 11) gave the planner 7% less RAM than budget + runtime, 123 MB of the 176 MB left for the model at the
+    offload bench's budget, so it planned nearly every block on disk and no batch above 128."""
+    from hivekeeper.planner.efficiency import default_efficiency
+    from hivekeeper.planner.hardware_catalog import apply_host_overrides
+
+    eff = efficiency or default_efficiency(hardware)
+    runtime = (eff.host if hardware.has_gpu else eff.accelerator).runtime_bytes
+    return apply_host_overrides(hardware, ram_gb=(ram_budget_bytes + runtime) / 1e9)
+
+
 def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
                   ram_budget_bytes: float | None = None, quant: str = "none", hardware=None, efficiency=None,
                   fallback: bool = True) -> PolicyChoice:
@@ -159,8 +171,6 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
     it reserves itself. When nothing fits, `fallback` streams what RAM cannot hold (fallback_policy); without it,
     DoesNotFit says why.
     """
-    from hivekeeper.planner.efficiency import default_efficiency
-    from hivekeeper.planner.hardware_catalog import apply_host_overrides
     from hivekeeper.planner.model_catalog import load_model_spec
     from hivekeeper.planner.policy import Constraints, search
 
@@ -169,9 +179,7 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
     hardware = hardware if hardware is not None else detect_hardware()
     spec = load_model_spec(str(model_path))
     if ram_budget_bytes is not None:
-        eff = efficiency or default_efficiency(hardware)
-        runtime = (eff.host if hardware.has_gpu else eff.accelerator).runtime_bytes
-        hardware = apply_host_overrides(hardware, ram_gb=(ram_budget_bytes + runtime) / GIB)
+        hardware = with_ram_budget(hardware, ram_budget_bytes, efficiency)
     goal = "batch" if batch > 1 else "chat"
     packed = packed_choice(model_path, quant, hardware)  # a GGUF the runtime keeps packed: plan what runs
     plan = search(spec, hardware, goal, Constraints(quant=packed.quant, batch_size=batch,
