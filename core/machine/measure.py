@@ -571,8 +571,7 @@ def packed_span(fmt: str, hidden: int, total_bytes: int):
 
 def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_bytes: int = 384 << 20,
                            cache_bytes: int | None = None, block_overhead_s: float = 0.0,
-                           streamed: bool = True, step_repeats: int = STEP_REPEATS,
-                           prefill_block_s: float = 0.0) -> list[Measurement]:
+                           streamed: bool = True, step_repeats: int = STEP_REPEATS) -> list[Measurement]:
     """Weights/s of each packed format (GGUF Q8_0/Q4_0/Q4_1) in a decode step as a packed model takes it: one-row
     steps through spans of `hidden`-wide random packed blocks (packed_span), on the runtime's own decode path (the
     native kernels' whole-span step, or numpy's dequantized products where they are missing), in two regimes:
@@ -593,8 +592,8 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
     one of them, and the rate is the machine's typical one, not its luckiest instant.
 
     A prefill pass through each cached span's first blocks (prefill_pass, in turn) gives PACKED_PREFILL_KEY: row-weight
-    products/s of the int8 kernels on many rows, less `prefill_block_s` a block (the fixed cost of a block in a
-    prefill that measure_decode_blocks fitted, which the planner adds itself)."""
+    products/s of the int8 kernels on many rows, the blocks' own costs included (the planner adds no per-block
+    prefill cost beside it: the fp32 spans' fitted one is mostly OpenBLAS's thin GEMMs, which packed blocks skip)."""
     from hivekeeper.core.runtime.quant.blocks import FORMATS
 
     cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
@@ -629,10 +628,10 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
         products = flops / 2.0  # row-weight products (attention's few aside)
         results.append(_median_rate_measurement(
             f"{PACKED_PREFILL_KEY}{name}", f"CPU {name} prefill ({PREFILL_SEQUENCES * PREFILL_TOKENS} rows)",
-            WEIGHTS_PER_S, products, [packed_kernel_seconds(s, blocks, prefill_block_s) for s in seconds], load,
+            WEIGHTS_PER_S, products, seconds, load,
             f"prefill passes of {PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens through {blocks} random {name} blocks "
-            f"of width {hidden}, {path}, median {median_and_spread(seconds)[0] * 1e3:.3g} ms less "
-            f"{prefill_block_s * 1e3:.3g} ms a block; the formats timed in turn"))
+            f"of width {hidden}, {path}, median {median_and_spread(seconds)[0] * 1e3:.3g} ms; the formats timed in "
+            "turn"))
     return results
 
 
@@ -977,8 +976,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU packed-format decode steps",
                       lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
                                                      sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY),
-                                                     sizes.packed_streamed, sizes.step_repeats,
-                                                     measured_value(results, PREFILL_BLOCK_KEY))))
+                                                     sizes.packed_streamed, sizes.step_repeats)))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, max(sizes.half_bytes, beyond_cache),

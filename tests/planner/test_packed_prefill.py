@@ -73,3 +73,23 @@ def test_the_packed_prefill_rate_goes_through_a_hardware_file_and_back():
     doc = hardware_to_json(spec)
     assert doc["cpu"]["packed_prefill_gweights_per_s"] == {"q4_1": 12.5, "q8_0": 9.0}
     assert hardware_from_dict(doc).cpu.packed_prefill == {"q4_1": 12.5e9, "q8_0": 9e9}
+
+
+def test_a_measured_packed_prefill_pays_no_per_block_prefill_cost_beside_its_rate():
+    """The measured rate is whole prefill passes through packed blocks (their own costs in it); the fp32 spans'
+    per-block prefill cost (mostly OpenBLAS on thin matrices, which packed blocks skip) is not added again. An
+    unmeasured packed prefill, priced at the fp32 rate, pays it as fp32 does."""
+    from hivekeeper.planner.efficiency import DEFAULTS, MachineEfficiency, with_overrides
+
+    def with_cost(cost_s: float) -> MachineEfficiency:
+        cpu = with_overrides(DEFAULTS["cpu"], prefill_layer_overhead_s=cost_s)
+        return MachineEfficiency(cpu, cpu)
+
+    def prefill(hardware: HardwareSpec, cost_s: float, weight_format: str = "q4_1") -> float:
+        return evaluate(THIN, hardware, Policy(weight_format=weight_format, **RESIDENT),
+                        Workload(prompt_len=32, output_len=2), with_cost(cost_s)).prefill_s
+
+    measured, unmeasured = machine({"q4_1": 10e9}), machine()
+    assert prefill(measured, 0.05) == pytest.approx(prefill(measured, 0.0), rel=1e-9)
+    assert prefill(unmeasured, 0.05) - prefill(unmeasured, 0.0) == pytest.approx(THIN.num_layers * 0.05)
+    assert prefill(measured, 0.05, "fp32") - prefill(measured, 0.0, "fp32") == pytest.approx(THIN.num_layers * 0.05)
