@@ -393,7 +393,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
 # A prefill pass: PREFILL_SEQUENCES prompts of PREFILL_TOKENS tokens (rows per product: their product) through the
 # first blocks of a span holding about PREFILL_WEIGHTS weights (compute-bound: it needs no span beyond the caches),
 # timed PREFILL_REPEATS times in turn with the other span's
-PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 24_000_000, 3
+PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 12_000_000, 3
 
 
 def block_weights(block) -> int:
