@@ -1246,26 +1246,38 @@ static inline __attribute__((always_inline)) float qdot_q8_0_one(const qmatvec_t
    byte sign instruction). Per row it is qdot_q8_0's arithmetic lane for lane (the same exact integers, scales,
    chains and final sums), so the same bits; a 64-row product ran at 24.5 G multiply-adds a second on one core,
    against 16.5 one row at a time (matrices in cache, CPU time). */
-static inline __attribute__((always_inline)) void q8_0_pair_block_into(int R, const block_q8_0 *w0,
-                                                                       const block_q8_0 *w1, const int8_t *x,
-                                                                       long cols, const float *ds, __m512 *acc) {
+/* A block of each of the two rows, unpacked: |q| (lanes 0-7 the first row's), q's signs, the scales. */
+typedef struct { __m512i codes; __m512 d; __mmask64 negative; } q8_0_pair_block;
+
+static inline __attribute__((always_inline)) q8_0_pair_block unpack_q8_0_pair(const block_q8_0 *w0,
+                                                                              const block_q8_0 *w1) {
+    q8_0_pair_block u;
     __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)w0->qs)),
                                       _mm256_loadu_si256((const __m256i *)w1->qs), 1);
-    __m512i codes = _mm512_abs_epi8(both);
-    __mmask64 negative = _mm512_movepi8_mask(both);
-    __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(half_to_float(w0->d))),
-                                                   _mm256_castps_pd(_mm256_set1_ps(half_to_float(w1->d))), 1));
+    u.codes = _mm512_abs_epi8(both);
+    u.negative = _mm512_movepi8_mask(both);
+    u.d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(half_to_float(w0->d))),
+                                              _mm256_castps_pd(_mm256_set1_ps(half_to_float(w1->d))), 1));
+    return u;
+}
+
+static inline __attribute__((always_inline)) void q8_0_pair_block_into(int R, const q8_0_pair_block *u,
+                                                                       const int8_t *x, long cols, const float *ds,
+                                                                       __m512 *acc) {
     for (int i = 0; i < R; i++) {
         __m512i xs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x + i * cols)));
-        __m512i signed_x = _mm512_mask_sub_epi8(xs, negative, _mm512_setzero_si512(), xs);
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, signed_x);
-        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(ds[2 * i])), _mm512_cvtepi32_ps(dot), acc[i]);
+        __m512i signed_x = _mm512_mask_sub_epi8(xs, u->negative, _mm512_setzero_si512(), xs);
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u->codes, signed_x);
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(u->d, _mm512_set1_ps(ds[2 * i])), _mm512_cvtepi32_ps(dot), acc[i]);
     }
 }
 
+/* Rows row0 and row1 times activation rows r0 .. r0 + R - 1; their blocks unpacked here, or taken from `unpacked`
+   (unpack_q8_0_pairs: a prefill's many groups of rows). */
 static inline __attribute__((always_inline)) void qdot_q8_0_pair(int R, const qmatvec_task *t, const uint8_t *row0,
-                                                                 const uint8_t *row1, long r0, float *out0,
-                                                                 float *out1) {
+                                                                 const uint8_t *row1,
+                                                                 const q8_0_pair_block *unpacked, long r0,
+                                                                 float *out0, float *out1) {
     __m512 even[Q8_0_ROW_GROUP], odd[Q8_0_ROW_GROUP];
     for (int i = 0; i < R; i++) even[i] = odd[i] = _mm512_setzero_ps();
     const block_q8_0 *w0 = (const block_q8_0 *)row0, *w1 = (const block_q8_0 *)row1;
@@ -1273,12 +1285,21 @@ static inline __attribute__((always_inline)) void qdot_q8_0_pair(int R, const qm
     const float *ds = t->ds + 2 * r0;
     long b = 0, blocks = t->blocks, cols = t->cols, step = 2 * t->batch;
     for (; b + 2 <= blocks; b += 2, x += 2 * QK, ds += 2 * step) {
-        prefetch_ahead((const char *)(w0 + b) + Q8_0_PREFETCH_BYTES, 2);
-        prefetch_ahead((const char *)(w1 + b) + Q8_0_PREFETCH_BYTES, 2);
-        q8_0_pair_block_into(R, w0 + b, w1 + b, x, cols, ds, even);
-        q8_0_pair_block_into(R, w0 + b + 1, w1 + b + 1, x + QK, cols, ds + step, odd);
+        q8_0_pair_block u0, u1;
+        if (unpacked) {
+            u0 = unpacked[b], u1 = unpacked[b + 1];
+        } else {
+            prefetch_ahead((const char *)(w0 + b) + Q8_0_PREFETCH_BYTES, 2);
+            prefetch_ahead((const char *)(w1 + b) + Q8_0_PREFETCH_BYTES, 2);
+            u0 = unpack_q8_0_pair(w0 + b, w1 + b), u1 = unpack_q8_0_pair(w0 + b + 1, w1 + b + 1);
+        }
+        q8_0_pair_block_into(R, &u0, x, cols, ds, even);
+        q8_0_pair_block_into(R, &u1, x + QK, cols, ds + step, odd);
     }
-    if (b < blocks) q8_0_pair_block_into(R, w0 + b, w1 + b, x, cols, ds, even);
+    if (b < blocks) {
+        q8_0_pair_block last = unpacked ? unpacked[b] : unpack_q8_0_pair(w0 + b, w1 + b);
+        q8_0_pair_block_into(R, &last, x, cols, ds, even);
+    }
     for (int i = 0; i < R; i++) {
         __m512 sum = _mm512_add_ps(even[i], odd[i]);
         out0[i] = sum8(_mm512_castps512_ps256(sum));
@@ -1286,17 +1307,38 @@ static inline __attribute__((always_inline)) void qdot_q8_0_pair(int R, const qm
     }
 }
 
+/* A pair's blocks unpacked once for a prefill's many groups of rows (a thread's own buffer, grown as needed; as the
+   4-bit quads' unpack_quads: the same blocks, so the same bits). NULL when no memory was found. */
+static _Thread_local q8_0_pair_block *q8_0_scratch;
+static _Thread_local long q8_0_scratch_blocks;
+
+static q8_0_pair_block *unpack_q8_0_pairs(const qmatvec_task *t, const uint8_t *row0, const uint8_t *row1) {
+    if (t->blocks > q8_0_scratch_blocks) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, (size_t)t->blocks * sizeof(q8_0_pair_block)) != 0) return NULL;
+        free(q8_0_scratch);
+        q8_0_scratch = grown;
+        q8_0_scratch_blocks = t->blocks;
+    }
+    const block_q8_0 *w0 = (const block_q8_0 *)row0, *w1 = (const block_q8_0 *)row1;
+    for (long b = 0; b < t->blocks; b++) q8_0_scratch[b] = unpack_q8_0_pair(w0 + b, w1 + b);
+    return q8_0_scratch;
+}
+
 static inline __attribute__((always_inline)) void qmatvec_q8_0_pairs(const qmatvec_task *t, long o0, long o1) {
     float s0[Q8_0_ROW_GROUP], s1[Q8_0_ROW_GROUP];
     for (long o = o0; o < o1; o += 2) {
         const uint8_t *row0 = t->w + o * t->row_bytes, *row1 = o + 1 < o1 ? row0 + t->row_bytes : row0;
+        const q8_0_pair_block *u = t->batch > Q8_0_ROW_GROUP ? unpack_q8_0_pairs(t, row0, row1) : NULL;
         for (long r0 = 0; r0 < t->batch; r0 += Q8_0_ROW_GROUP) {
             long n = t->batch - r0 < Q8_0_ROW_GROUP ? t->batch - r0 : Q8_0_ROW_GROUP;
             switch (n) { /* a constant R in each: the accumulators stay in registers */
-            case 1: qdot_q8_0_pair(1, t, row0, row1, r0, s0, s1); break;
-            case 2: qdot_q8_0_pair(2, t, row0, row1, r0, s0, s1); break;
-            case 3: qdot_q8_0_pair(3, t, row0, row1, r0, s0, s1); break;
-            default: qdot_q8_0_pair(4, t, row0, row1, r0, s0, s1); break;
+#define HK_ROWS_CASE(R) case R: u ? qdot_q8_0_pair(R, t, row0, row1, u, r0, s0, s1) \
+                                  : qdot_q8_0_pair(R, t, row0, row1, NULL, r0, s0, s1); break;
+            HK_ROWS_CASE(1) HK_ROWS_CASE(2) HK_ROWS_CASE(3)
+#undef HK_ROWS_CASE
+            default: u ? qdot_q8_0_pair(4, t, row0, row1, u, r0, s0, s1)
+                       : qdot_q8_0_pair(4, t, row0, row1, NULL, r0, s0, s1); break;
             }
             for (long i = 0; i < n; i++) {
                 put_q(t, r0 + i, o, s0[i]);
