@@ -7,7 +7,11 @@ expectation worked out here by hand from round numbers, not read back from the p
 - the host link carries the busier of its two directions: the new K, V and CPU attention's outputs when they go out
   more than comes in;
 - attention on the CPU reads the off-accelerator cache once on a CPU with native 16-bit math (no fp32 copy), and
-  costs nothing where attention runs on the GPU.
+  costs nothing where attention runs on the GPU;
+- a prefill over a slow link takes the busier direction too (the streamed weights in, or the new cache out), and its
+  tokens per second are the prompt tokens over its seconds;
+- the bottleneck's sentence quotes the bytes and FLOPs of a decode step: the weights and cache streamed over the
+  link, the cache CPU attention reads, the GPU's FLOPs.
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ EFF = MachineEfficiency(
 )
 
 
-def gpu_machine(cpu_flops: dict[str, float]) -> HardwareSpec:
+def gpu_machine(cpu_flops: dict[str, float], link_bps: float = LINK_BPS, tflops: float = 100) -> HardwareSpec:
     """A 40 GB GPU (100 GB/s, 100 TFLOP/s), 16 GB/s link, 200 GB of RAM at 40 GB/s, a CPU computing `cpu_flops`."""
     gpu = ComputeDevice(kind="gpu", name="GPU", memory_bytes=40 * 10**9, memory_bandwidth=100e9,
-                        flops={"fp16": 100e12, "bf16": 100e12, "fp32": 10e12}, power_watts=300.0,
-                        host_link_bandwidth=LINK_BPS)
+                        flops={"fp16": tflops * 1e12, "bf16": tflops * 1e12, "fp32": 10e12}, power_watts=300.0,
+                        host_link_bandwidth=link_bps)
     cpu = ComputeDevice(kind="cpu", name="CPU", memory_bytes=200 * 10**9, memory_bandwidth=CPU_BPS,
                         flops=cpu_flops, power_watts=100.0)
     disk = DiskSpec(capacity_bytes=2000 * 10**9, read_bandwidth=1e9, write_bandwidth=1e9)
@@ -139,3 +143,60 @@ def test_attention_on_the_gpu_costs_the_cpu_nothing_and_streams_the_cache_in():
     assert pred.step_breakdown_s["cpu attention"] == 0.0
     link_in = 4 * 110 * KV_TOKEN + 4 * 4096 * 2
     assert pred.step_breakdown_s["host link"] == pytest.approx(32 * link_in / (LINK_BPS * 0.5), rel=1e-9)
+
+
+# ---- the prefill over the link; the bottleneck's numbers -----------------------------------------------------------
+MATRICES = 4 * 4096 * 4096 + 3 * 4096 * 11008  # one block's matrix parameters: q, k, v, o, gate, up, down
+BLOCK = MATRICES * 2 + 2 * 4096 * 2  # bf16 matrices and two norms
+HEAD_BYTES, HEAD_FLOPS = 32000 * 4096 * 2, 2 * 32000 * 4096  # the untied LM head, per sequence
+
+
+@pytest.mark.parametrize("prompt, busier", [(100, "in"), (4000, "out")])
+def test_a_prefill_over_a_slow_link_takes_its_busier_direction(prompt, busier):
+    """Half the weights in RAM, the KV cache and the activations too, over a 1 GB/s link (used at half of it), depth
+    2. Per block the link brings in half the block and the activations (4 sequences × prompt × 4096 bf16 values),
+    and takes out the new cache (4 × prompt × 16 KB) and the activations: a short prompt is bound by what comes in,
+    a long one by what goes out. The link outlasts the GPU's work, so each block takes the link's time; the head
+    runs on the last position of each sequence."""
+    policy = Policy("bf16", weights=Placement(0.5, 0.5, 0.0), kv_cache=Placement(0.0, 1.0, 0.0),
+                    activations=Placement(0.0, 1.0, 0.0), micro_batch_size=4, prefetch_depth=2)
+    pred = evaluate(MODEL, gpu_machine({"fp32": 1e12}, link_bps=1e9), policy, Workload(prompt, 20), EFF)
+    activations = 4 * prompt * 4096 * 2
+    link_in, link_out = 0.5 * BLOCK + activations, 4 * prompt * KV_TOKEN + activations
+    assert (link_in > link_out) == (busier == "in")
+    head = HEAD_BYTES / (100e9 * 0.8) + 4 * HEAD_FLOPS / (100e12 * 0.5)
+    assert pred.prefill_s == pytest.approx(32 * max(link_in, link_out) / 0.5e9 + head, rel=1e-9)
+    assert pred.prefill_tokens_per_s == pytest.approx(4 * prompt / pred.prefill_s, rel=1e-9)
+
+
+def test_a_link_bound_step_names_the_weights_and_cache_it_streams():
+    """Half the weights and half the cache in RAM, attention on the GPU, depth 2: per step the link streams 32 half
+    blocks and half of each block's cache (4 × 110 tokens)."""
+    policy = Policy("bf16", weights=Placement(0.5, 0.5, 0.0), kv_cache=Placement(0.5, 0.5, 0.0), micro_batch_size=4,
+                    prefetch_depth=2)
+    pred = evaluate(MODEL, gpu_machine({"fp32": 1e12}), policy, Workload(100, 20), EFF)
+    weights, cache = 32 * 0.5 * BLOCK, 32 * 0.5 * 4 * 110 * KV_TOKEN
+    assert pred.bottleneck == "host link"
+    assert pred.bottleneck_detail == (f"host→GPU link: streaming 50% of the weights ({weights / 1e9:.3g} GB) and the "
+                                      f"off-GPU KV cache ({cache / 1e9:.3g} GB) per decode step at 16 GB/s")
+
+
+def test_a_cpu_attention_bound_step_quotes_the_cache_it_reads():
+    """16 sequences of 2000 + 20 tokens with their cache in RAM and attention on the CPU: per step the CPU reads
+    32 blocks × 16 × 2010 tokens × 16 KB, more slowly (fp32 copies) than the GPU reads its weights."""
+    policy = spread(micro_batch_size=16)
+    pred = evaluate(MODEL, gpu_machine({"fp32": 1e12}), policy, Workload(2000, 20), EFF)
+    assert pred.bottleneck == "cpu attention"
+    read = 32 * 16 * 2010 * KV_TOKEN
+    assert pred.bottleneck_detail == (f"CPU attention over the KV cache in RAM: {read / 1e9:.3g} GB per decode step "
+                                      f"at 40 GB/s RAM bandwidth")
+
+
+def test_a_compute_bound_step_quotes_its_flops():
+    """128 sequences on a 10 TFLOP/s GPU: per block 2 FLOPs per matrix weight and sequence, and attention's 4 ×
+    4096 × context per sequence (context 11: prompts of 10, 2 tokens out)."""
+    policy = Policy("bf16", micro_batch_size=128)
+    pred = evaluate(MODEL, gpu_machine({"fp32": 1e12}, tflops=10), policy, Workload(10, 2), EFF)
+    flops = 32 * 128 * (2 * MATRICES + 4 * 4096 * 11)
+    assert pred.bottleneck == "gpu compute"
+    assert pred.bottleneck_detail == f"GPU compute: {flops / 1e12:.3g} TFLOP per decode step for 128 sequences"
