@@ -112,7 +112,7 @@ def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_
 
 
 def planner_batch(path: Path, budget: int, prompt_tokens: int, new_tokens: int, max_batch: int) -> tuple[int, int]:
-    """(the planner's batch for goal "batch" with this RAM budget, the batch used: the best one under max_batch)."""
+    """(the planner's batch for goal "batch" with this RAM budget, the batch to run: the best one under max_batch)."""
     from hivekeeper.planner.costmodel import Workload
     from hivekeeper.planner.model_catalog import load_model_spec
     from hivekeeper.planner.policy import Constraints, batch_curve, search
@@ -131,6 +131,20 @@ def planner_batch(path: Path, budget: int, prompt_tokens: int, new_tokens: int, 
     points = [p for p in batch_curve(spec, hardware, workload, Constraints(quant="none"))
               if p.batch_size <= max_batch and p.throughput_tokens_per_s]
     return chosen, max(points, key=lambda p: p.throughput_tokens_per_s).batch_size if points else max_batch
+
+
+def ours_at_a_batch_that_fits(path: Path, budget: int, batch: int, prompt_tokens: int,
+                              new_tokens: int) -> tuple[int, dict, int]:
+    """(batch, report, peak RSS) of `generate` at `batch`, halved while generate refuses the budget: the planner
+    counts a block's activations by phase, the engine's placement by their sum (placement.workspace_bytes), so at
+    the largest batches the planner may choose one the engine does not place within the budget."""
+    while True:
+        try:
+            return (batch, *ours(path, budget, batch, prompt_tokens, new_tokens))
+        except SystemExit:
+            if batch == 1:
+                raise
+            batch //= 2
 
 
 def ours(path: Path, budget: int, batch: int, prompt_tokens: int, new_tokens: int, *extra: str) -> tuple[dict, int]:
@@ -278,13 +292,13 @@ def main() -> None:
     budget = int(args.budget_fraction * model_bytes)
     _, disk_read, cache_bypassed = disk_bandwidth(path)
     chosen, batch = planner_batch(path, budget, args.prompt_tokens, args.new_tokens, args.max_batch or 1 << 16)
-    warm, warm_peak = ours(path, budget, batch, args.prompt_tokens, args.new_tokens)
+    batch, warm, warm_peak = ours_at_a_batch_that_fits(path, budget, batch, args.prompt_tokens, args.new_tokens)
     cold, cold_peak = ours(path, budget, batch, args.prompt_tokens, args.new_tokens, "--drop-page-cache")
     result = {
         "bench": "offload_throughput", "model": args.model or "demo-350mb", "weight_bytes": model_bytes,
         "ram_budget_bytes": budget, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "disk_read_bps": int(disk_read), "disk_cache_bypassed": cache_bypassed,
-        "planner_batch": chosen, "max_batch": args.max_batch,
+        "planner_batch": chosen, "batch_run": batch, "max_batch": args.max_batch,
         "ours": our_figures(warm, cold, max(warm_peak, cold_peak), disk_read),
     }
     if not args.skip_transformers:

@@ -370,6 +370,7 @@ class OffloadedModel:
                 x = parts[i].to(self.device, non_blocking=True)
                 x = x if prompts is None else add_prompt(x, prompts[layer, r])
                 parts[i] = keep_between_blocks(run(x, r), home)
+            cache.release(layer)  # a disk-tier cache leaves RSS after its block's turn
         finally:
             if streamed:
                 self.streamer.release(layer)

@@ -21,8 +21,6 @@ tells the placement what these hold, so a RAM budget is planned with the bytes t
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import threading
 from collections import Counter
@@ -30,6 +28,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from hivekeeper.core.offload.tiered_cache import drop_mapped_pages
 from hivekeeper.core.runtime.block_tensors import block_tensor_names, expected_block_shapes
 from hivekeeper.core.runtime.checkpoint import EMBEDDING_TENSOR, FINAL_NORM_TENSOR, LM_HEAD_TENSOR
 from hivekeeper.core.runtime.gguf import (FUSED_LINEARS, GGUFCheckpoint, PackedHead, load_packed_block, packs,
@@ -294,15 +293,8 @@ def release_mapped_pages(checkpoint: GGUFCheckpoint) -> None:
     this process (madvise MADV_DONTNEED: a read-only shared map refaults them from the page cache when read again),
     so that they leave its RSS. Nothing where madvise is not available."""
     data = getattr(checkpoint.reader, "data", None)
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if not isinstance(data, np.ndarray) or advice is None or data.nbytes == 0:
-        return
-    page, start = mmap.PAGESIZE, data.ctypes.data
-    first = -(-start // page) * page  # whole pages of this map only
-    length = (start + data.nbytes - first) // page * page
-    if length > 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), ctypes.c_int(advice))
+    if isinstance(data, np.ndarray):
+        drop_mapped_pages(data.ctypes.data, data.nbytes)
 
 
 def packed_sizes(model_path, device, dtype: torch.dtype, quant: str) -> dict[str, int]:

@@ -274,6 +274,8 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
     recompute = policy.kv_recompute
     cache_ram = cache["cpu"] * cache_bytes_per_block(config, batch, max_length, dtype, recompute)
     fixed = {"kv_cache": cache_ram}
+    if cache["disk"]:  # a disk-tier block's cache is mapped in for its turn (tiered_cache releases it after)
+        fixed["kv_cache_in_turn"] = cache_bytes_per_block(config, batch, max_length, dtype, recompute)
     rows = micro_batch_rows(batch, policy.micro_batch_size, policy.num_micro_batches)
     if not on_gpu:
         fixed["embedding_and_head"] = outside_bytes(config, dtype) if held_outside_bytes is None \

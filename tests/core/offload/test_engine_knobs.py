@@ -120,9 +120,11 @@ def test_recompute_cache_holds_block_inputs_and_the_plan_counts_its_real_size(mh
     # hidden 64 per token instead of K and V (2 x 64): half the keeping cache's RAM here
     assert 2 * plan.ram_breakdown["kv_cache"] == keep.ram_breakdown["kv_cache"]
     assert "recompute_buffers" not in keep.ram_breakdown
-    # the total a RAM budget is checked against includes both
-    assert plan.ram_bytes == keep.ram_bytes - keep.ram_breakdown["kv_cache"] // 2 \
-        + plan.ram_breakdown["recompute_buffers"]
+    # the total a RAM budget is checked against includes both (and the disk block's cache mapped in for its turn,
+    # also half the size)
+    assert 2 * plan.ram_breakdown["kv_cache_in_turn"] == keep.ram_breakdown["kv_cache_in_turn"] > 0
+    assert plan.ram_bytes == keep.ram_bytes - (keep.ram_breakdown["kv_cache"] + keep.ram_breakdown["kv_cache_in_turn"]) \
+        // 2 + plan.ram_breakdown["recompute_buffers"]
 
 
 # ---- attention where the cache lives --------------------------------------------------------------------------------
