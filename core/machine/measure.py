@@ -505,6 +505,10 @@ def fp32_decode_path(elements: int) -> str:
 
 
 # ---- the packed formats' kernels -----------------------------------------------------------------------------------
+# the packed spans' steps take milliseconds: at least this many repeats each, so that their median spans more of the
+# host's swings than a fraction of a second (a busy check: two quick measurements a minute apart read the cached q4_1
+# rate at 4.9 and 16.2 G weights/s with 4 repeats each)
+PACKED_STEP_REPEATS = 9
 PACKED_HIDDEN = 768  # the packed spans' width: a thin model's blocks (SmolLM2's are 576 wide, a 7B model's 4096)
 PACKED_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
@@ -976,7 +980,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU packed-format decode steps",
                       lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
                                                      sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY),
-                                                     sizes.packed_streamed, sizes.step_repeats)))
+                                                     sizes.packed_streamed,
+                                                     max(sizes.step_repeats, PACKED_STEP_REPEATS))))
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, max(sizes.half_bytes, beyond_cache),
