@@ -20,6 +20,10 @@ import argparse
 import json
 import sys
 
+# said when every sequence ended before its first word (a chat model given a bare question often does)
+ENDED_AT_ONCE = ("note: the model ended the text at once (end of sequence): generate continues the prompt as written; "
+                 "a chat model answers a question in `hivekeeper chat`, which wraps it in the model's chat template")
+
 
 # ---- arguments shared with `hivekeeper chat` -----------------------------------------------------------------------
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -389,4 +393,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"failover: {describe_failover(failover)}")
     if runner.is_demo:
         print("note: this is a demo checkpoint with RANDOM weights, so the text is gibberish", file=sys.stderr)
+    elif not any(text.strip() for text in result.texts) and set(result.finish_reasons) == {"eos"}:
+        print(ENDED_AT_ONCE, file=sys.stderr)
     return 0
