@@ -241,12 +241,17 @@ static uint64_t next_generation(uint64_t seen) {
     return current;
 }
 
+static void free_thread_scratch(void);
+
 static void *worker_main(void *arg) {
     int index = (int)(intptr_t)arg;
     uint64_t seen = pool.start_generation; /* not the ticket now: a task, or the stop, may be out before we run */
     for (;;) {
         seen = next_generation(seen);
-        if (atomic_load(&pool.stop)) return NULL;
+        if (atomic_load(&pool.stop)) {
+            free_thread_scratch();
+            return NULL;
+        }
         held_back_if_asked(index, HOLD_BEFORE_CLAIM);
         claim_chunks(seen, index);
         left_claim_loop(index);
@@ -1566,6 +1571,14 @@ static quad_block *unpack_quads(int format, const qmatvec_task *t, const uint8_t
     return quad_scratch;
 }
 
+/* A worker's unpacked blocks go with it (the pool restarts when its thread count changes). */
+static void free_thread_scratch(void) {
+    free(quad_scratch);
+    free(q8_0_scratch);
+    quad_scratch = NULL, q8_0_scratch = NULL;
+    quad_scratch_blocks = q8_0_scratch_blocks = 0;
+}
+
 /* The 4-bit formats' rows four at a time (a tail repeats the last row). */
 static inline __attribute__((always_inline)) void qmatvec_quads(int format, const qmatvec_task *t, long o0, long o1) {
     float s[4][ROW_GROUP];
@@ -1624,6 +1637,10 @@ static inline __attribute__((always_inline)) void qmatvec_rows(int format, const
         }
     }
 }
+#endif
+
+#if !HK_VNNI
+static void free_thread_scratch(void) {} /* only the avx512vnni build unpacks into buffers */
 #endif
 
 /* A chunk of output rows. */
