@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID
 from hivekeeper.core.swarm.server.pause import parse_hours
 from hivekeeper.planner.costmodel import TIERS
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.fields import Fields
 from hivekeeper.planner.policy import QUANTS  # the Plan page's weight format: any --quant value
 
-DEFAULT_MODEL = "meta-llama/Meta-Llama-3.1-8B-Instruct"
 GOALS = ("chat", "batch", "serve")
 
 
@@ -37,7 +37,8 @@ def config_dir() -> Path:
 # ---- the settings --------------------------------------------------------------------------------------------------
 @dataclass
 class PlanSettings:
-    model: str = DEFAULT_MODEL  # catalog id, hub id in the local cache, or a checkpoint folder
+    # catalog id, hub id in the local cache, or a checkpoint folder; first the built-in model (Chat's default too)
+    model: str = DEFAULT_MODEL_ID
     hardware: str = "detected"  # "detected" (this machine) or a catalog machine id
     goal: str = "chat"
     quant: str = "auto"

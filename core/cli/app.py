@@ -7,11 +7,12 @@ import importlib.util
 import os
 import sys
 
-DEFAULT_MODEL = "meta-llama/Meta-Llama-3.1-8B-Instruct"
+from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model to plan for when no display is available")
+    parser.add_argument("--model", default=DEFAULT_MODEL_ID,
+                        help="model to plan for when no display is available (default: the built-in model)")
 
 
 def _has_display() -> bool:

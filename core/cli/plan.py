@@ -23,7 +23,7 @@ from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
 from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Plan, plan_to_dict, search
 
-from hivekeeper.core.runtime.default_model import model_path_or_id
+from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, model_path_or_id
 
 HOST_OVERRIDES = {  # option -> (keyword of resolve_hardware, limit)
     "ram_gb": ("ram_gb", 65_536.0),
@@ -35,8 +35,9 @@ HOST_OVERRIDES = {  # option -> (keyword of resolve_hardware, limit)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="catalog id (e.g. meta-llama/Llama-2-7b-hf), config.json, a GGUF file, or a "
-                                        "folder with one of them; smollm2-135m-instruct: the installed default model")
+    parser.add_argument("--model", default=DEFAULT_MODEL_ID,
+                        help="catalog id (e.g. meta-llama/Llama-2-7b-hf), config.json, a GGUF file, or a folder with "
+                             f"one of them; default {DEFAULT_MODEL_ID}, the built-in model (as chat and generate)")
     parser.add_argument("--hardware", default="auto",
                         help="catalog id, hardware JSON file, or auto (detect this machine)")
     parser.add_argument("--goal", default="chat", help="chat (one stream's latency), batch (throughput) or serve "

@@ -28,6 +28,8 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec, default_headroom
 from hivekeeper.planner.models import ModelSpec
 
+from hivekeeper.core.runtime.default_model import model_path_or_id
+
 from hivekeeper.gui.viewmodels import plan_view
 from hivekeeper.gui.widgets.chart import Chart
 from hivekeeper.gui.widgets.memory_bars import MemoryBars
@@ -458,8 +460,9 @@ class PlanPage(QWidget):
         self._debounce.start()
 
     def _model_spec(self, model: str) -> ModelSpec:
+        """The model's spec; the built-in model's name means its installed GGUF file (as the CLI reads it)."""
         if model not in self._models:
-            self._models[model] = model_catalog.load_model_spec(model)
+            self._models[model] = model_catalog.load_model_spec(model_path_or_id(model))
         return self._models[model]
 
     # ---- hardware ----------------------------------------------------------------------------------------------------
