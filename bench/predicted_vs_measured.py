@@ -176,6 +176,7 @@ def model_line(name: str, results: list[tuple[dict, float]], prompt_len: int, ne
     return {"bench": "predicted_vs_measured", "model": name, "predicted_tokens_per_s": predicted,
             "measured_tokens_per_s": measured, **summary(predicted, measured, stream),
             "efficiency": plan["efficiency"], "weight_format": plan["policy"]["weight_format"],
+            "weight_formats": [p["policy"]["weight_format"] for p, _ in results],  # per run (bf16 is measured)
             "measured_by_quick": [p.get("measured") for p, _ in results],
             "parts_ms": [p.get("parts_ms") for p, _ in results],
             "prompt_len": prompt_len, "new_tokens": new_tokens,
