@@ -193,6 +193,13 @@ def test_quantized_linear_follows_the_input_dtype_and_autograd():
     torch.testing.assert_close(x.grad, weight.sum(0).expand(2, 64))
 
 
+def test_without_a_bias_the_torch_path_adds_none():
+    """A layer without a bias on the dequantized torch path (a float64 input): F.linear of the weight alone."""
+    layer, weight, _ = linear_pair("q8_0", bias=False)
+    x = torch.randn(2, 64, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), F.linear(x, weight.double()))
+
+
 def test_quantized_linear_keeps_its_bias_in_fp32_without_gradients():
     matrix = QuantizedMatrix.quantize(weights(8, 32), "q8_0")
     layer = QuantizedLinear(matrix, torch.arange(8, dtype=torch.float16))
