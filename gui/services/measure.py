@@ -167,8 +167,7 @@ class FirstMeasure(QObject):
         if self.started_at is None or self.message != MEASURING_QUICK:
             return
         self._say(f"Measured this machine quickly in {time.time() - self.started_at:.1f} s"
-                  f"{measured_summary(doc)}: plans for it now use the measured numbers (the Hardware page's "
-                  "Measure button measures it fully).", 30_000)
+                  f"{measured_summary(doc)}: plans now use the measured numbers.", 30_000)  # fits at 1280 px
 
     def _on_failed(self, message: str) -> None:
         if self.started_at is not None and self.message == MEASURING_QUICK:

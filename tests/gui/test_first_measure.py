@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 
+from PySide6.QtCore import QPoint
+
 from hivekeeper.gui.services import measure as measure_service
 from hivekeeper.gui.services.measure import FIRST_MEASURE_ENV, MEASURING_QUICK, SIZES_ENV
 
@@ -26,6 +28,9 @@ def test_the_app_measures_a_new_machine_quickly_and_says_so(app_window, qtbot, c
                     timeout=120_000)
     done = next(text for text in seen if text.startswith("Measured this machine quickly"))
     assert "RAM" in done and "GB/s" in done and "measured numbers" in done
+    bar = window.statusBar()  # whole beside the node's status at 1280 px (its end was cut off: session 11)
+    node_left = window.node_status.mapTo(window, QPoint(0, 0)).x()  # the node's status sits at the bar's right
+    assert bar.fontMetrics().horizontalAdvance(done) < node_left - bar.mapTo(window, QPoint(0, 0)).x() - 20, done
     assert threads and threads[0] is not threading.main_thread()  # on the worker
     machine = window.hardware_page.machine
     assert machine.measured_at is not None and (config_dir / "profiles").is_dir()
