@@ -1386,8 +1386,9 @@ static inline __attribute__((always_inline)) void qmatvec_q8_0_rows(const qmatve
    r0 .. r0 + R - 1 into out0[i], out1[i]. Each block of the pair is unpacked once for the R rows. Inlined with a
    constant format and R into each caller, so the loops have no tests and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void qdot_pair(int format, int R, const qmatvec_task *t,
-                                                            const uint8_t *row0, const uint8_t *row1, long r0,
-                                                            float *out0, float *out1) {
+                                                            const uint8_t *row0, const uint8_t *row1,
+                                                            const pair_block *unpacked, long r0, float *out0,
+                                                            float *out1) {
     __m256 acc0[ROW_GROUP], acc1[ROW_GROUP];
     __m128 offset0[ROW_GROUP], offset1[ROW_GROUP];
     for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps(), offset0[i] = offset1[i] = _mm_setzero_ps();
@@ -1397,8 +1398,13 @@ static inline __attribute__((always_inline)) void qdot_pair(int format, int R, c
     const char *next = (const char *)row0 + 4 * t->row_bytes; /* the rows two pairs on, prefetched as we go */
     long size = format == HK_Q4_0 ? (long)sizeof(block_q4_0) : (long)sizeof(block_q4_1);
     for (; b + 2 <= t->blocks; b += 2) {
-        prefetch_ahead(next + b * 2 * size, 2); /* two blocks of two rows: 72 or 80 bytes */
-        pair_block even = unpack_pair(format, row0, row1, b), odd = unpack_pair(format, row0, row1, b + 1);
+        pair_block even, odd;
+        if (unpacked) {
+            even = unpacked[b], odd = unpacked[b + 1];
+        } else {
+            prefetch_ahead(next + b * 2 * size, 2); /* two blocks of two rows: 72 or 80 bytes */
+            even = unpack_pair(format, row0, row1, b), odd = unpack_pair(format, row0, row1, b + 1);
+        }
         for (int i = 0; i < R; i++) {
             pair_block_into(format, &even, x + i * cols + b * QK, ds + b * step + 2 * i, &acc0[i], &offset0[i]);
             pair_block_into(format, &odd, x + i * cols + (b + 1) * QK, ds + (b + 1) * step + 2 * i, &acc1[i],
@@ -1406,7 +1412,7 @@ static inline __attribute__((always_inline)) void qdot_pair(int format, int R, c
         }
     }
     if (b < t->blocks) {
-        pair_block last = unpack_pair(format, row0, row1, b);
+        pair_block last = unpacked ? unpacked[b] : unpack_pair(format, row0, row1, b);
         for (int i = 0; i < R; i++)
             pair_block_into(format, &last, x + i * cols + b * QK, ds + b * step + 2 * i, &acc0[i], &offset0[i]);
     }
@@ -1418,6 +1424,24 @@ static inline __attribute__((always_inline)) void qdot_pair(int format, int R, c
         out1[i] = ((a[4] + a[5]) + (a[6] + a[7])) + o[3];
     }
 }
+/* A pair's blocks unpacked once for a prefill's many groups of rows (the avx2 build; the thread's own buffer, grown as
+   needed): the same blocks, so the same bits. NULL when no memory was found (the groups then unpack as they go). */
+static _Thread_local pair_block *pair_scratch;
+static _Thread_local long pair_scratch_blocks;
+
+__attribute__((unused)) static pair_block *unpack_pairs(int format, const qmatvec_task *t, const uint8_t *row0,
+                                                         const uint8_t *row1) {
+    if (t->blocks > pair_scratch_blocks) {
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, (size_t)t->blocks * sizeof(pair_block)) != 0) return NULL;
+        free(pair_scratch);
+        pair_scratch = grown;
+        pair_scratch_blocks = t->blocks;
+    }
+    for (long b = 0; b < t->blocks; b++) pair_scratch[b] = unpack_pair(format, row0, row1, b);
+    return pair_scratch;
+}
+
 #if HK_VNNI
 /* The avx512vnni build takes 4-bit weight rows four at a time in 512-bit vectors (lanes 4r..4r+3: row r): per
    lane the pair kernel's arithmetic above (the same integers, scale products, chains and final sums), so the same
@@ -1571,14 +1595,6 @@ static quad_block *unpack_quads(int format, const qmatvec_task *t, const uint8_t
     return quad_scratch;
 }
 
-/* A worker's unpacked blocks go with it (the pool restarts when its thread count changes). */
-static void free_thread_scratch(void) {
-    free(quad_scratch);
-    free(q8_0_scratch);
-    quad_scratch = NULL, q8_0_scratch = NULL;
-    quad_scratch_blocks = q8_0_scratch_blocks = 0;
-}
-
 /* The 4-bit formats' rows four at a time (a tail repeats the last row). */
 static inline __attribute__((always_inline)) void qmatvec_quads(int format, const qmatvec_task *t, long o0, long o1) {
     float s[4][ROW_GROUP];
@@ -1613,10 +1629,15 @@ static inline __attribute__((always_inline)) void qmatvec_rows(int format, const
     float s0[ROW_GROUP], s1[ROW_GROUP];
     for (long o = o0; o < o1; o += 2) {
         const uint8_t *row0 = t->w + o * t->row_bytes, *row1 = o + 1 < o1 ? row0 + t->row_bytes : row0;
+        const pair_block *u = t->batch > ROW_GROUP ? unpack_pairs(format, t, row0, row1) : NULL;
         for (long r0 = 0; r0 < t->batch; r0 += ROW_GROUP) {
             long rows = t->batch - r0 < ROW_GROUP ? t->batch - r0 : ROW_GROUP;
-            if (rows == 1) qdot_pair(format, 1, t, row0, row1, r0, s0, s1); /* a constant R: registers */
-            else qdot_pair(format, 2, t, row0, row1, r0, s0, s1);
+            if (rows == 1) /* a constant R: registers */
+                u ? qdot_pair(format, 1, t, row0, row1, u, r0, s0, s1)
+                  : qdot_pair(format, 1, t, row0, row1, NULL, r0, s0, s1);
+            else
+                u ? qdot_pair(format, 2, t, row0, row1, u, r0, s0, s1)
+                  : qdot_pair(format, 2, t, row0, row1, NULL, r0, s0, s1);
             for (long i = 0; i < rows; i++) {
                 put_q(t, r0 + i, o, s0[i]);
                 if (o + 1 < o1) put_q(t, r0 + i, o + 1, s1[i]);
@@ -1639,8 +1660,20 @@ static inline __attribute__((always_inline)) void qmatvec_rows(int format, const
 }
 #endif
 
-#if !HK_VNNI
-static void free_thread_scratch(void) {} /* only the avx512vnni build unpacks into buffers */
+#if HK_AVX2
+/* A worker's unpacked blocks go with it (the pool restarts when its thread count changes). */
+static void free_thread_scratch(void) {
+    free(pair_scratch);
+    pair_scratch = NULL, pair_scratch_blocks = 0;
+#if HK_VNNI
+    free(quad_scratch);
+    free(q8_0_scratch);
+    quad_scratch = NULL, q8_0_scratch = NULL;
+    quad_scratch_blocks = q8_0_scratch_blocks = 0;
+#endif
+}
+#else
+static void free_thread_scratch(void) {} /* the portable build unpacks into no buffers */
 #endif
 
 /* A chunk of output rows. */
