@@ -22,7 +22,16 @@ transformers = pytest.importorskip("transformers")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-bnb = pytest.importorskip("bitsandbytes")
+bnb = None  # bitsandbytes, imported by the fixture below when this module's tests run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bitsandbytes_imported():
+    """Import bitsandbytes (or skip the module) when these tests run, not when the suite is collected: its import
+    cost every pytest-xdist worker ~6 s of CPU (the largest of the whole collection), and only one runs them."""
+    global bnb
+    bnb = pytest.importorskip("bitsandbytes")
+
 
 RELATIVE_BOUND = {"int8": 0.04, "nf4": 0.4}
 

@@ -27,8 +27,16 @@ from hivekeeper.core.runtime.quant.bnb import quantized_block_bytes, quantized_t
 from hivekeeper.planner.costmodel import Placement, Policy
 from hivekeeper.planner.errors import InputError
 
-bnb = pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+bnb = None  # bitsandbytes, imported by the fixture below when this module's tests run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bitsandbytes_imported():
+    """Import bitsandbytes (or skip the module) when these tests run, not when the suite is collected: its import
+    cost every pytest-xdist worker ~6 s of CPU (the largest of the whole collection), and only one runs them."""
+    global bnb
+    bnb = pytest.importorskip("bitsandbytes")
 
 PROMPT = [[1, 17, 42, 99, 7, 250]]
 NEW_TOKENS = 5
