@@ -83,6 +83,15 @@ def _dspin(low: float, high: float, value: float, suffix: str = "", decimals: in
     return box
 
 
+def from_zero(plot: Chart, series) -> None:
+    """A tokens/s axis from 0 to a little above the highest value: a flat curve is a flat line, not a zoom into its
+    rounding (the memory chart of a model that fits in the least memory drew 29.0-29.6 tokens/s)."""
+    finite = [v[np.isfinite(v)] for v in series]
+    top = max((float(v.max()) for v in finite if v.size), default=0.0)
+    if top > 0:
+        plot.setYRange(0, top * 1.08, padding=0)
+
+
 class PlanPage(QWidget):
     """The plan for the chosen model and knobs. `planChanged(PlanResult)` after each recompute."""
 
@@ -709,6 +718,8 @@ class PlanPage(QWidget):
         else:
             self.budget_mark.setData([], [])
         self.budget_plot.setLabel("bottom", "GPU memory (GB)" if data.budget_tier == "gpu" else "RAM (GB)")
+        for plot, values in ((self.batch_plot, (b.throughput, b.decode)), (self.budget_plot, (m.throughput,))):
+            from_zero(plot, values)
 
     # ---- fits of the catalog (worker) --------------------------------------------------------------------------------
     def _compute_fits(self) -> None:

@@ -77,3 +77,20 @@ def test_the_legends_sit_under_the_charts_not_over_the_curves(app_window, qtbot)
                 assert not box.intersects(area), (names, box, area)
                 assert box.top() >= chart.getAxis("bottom").sceneBoundingRect().bottom() - 1  # under the label
                 assert box.left() >= 0 and box.right() <= chart.width(), (names, box, chart.width())  # not clipped
+
+
+def test_a_flat_curve_is_drawn_from_zero(app_window, qtbot):
+    """The built-in model fits in the least memory the chart tries: its tokens/s by memory is flat, and the axis
+    zoomed into the flat line's rounding (29.0-29.6). Tokens/s axes start at 0 (session 11)."""
+    app_window.show_page("Plan")  # a new user's model: the built-in one (test_new_user_model.py)
+    plan = app_window.plan_page
+    plan.hardware_combo.setCurrentIndex(plan.hardware_combo.findData("cpu-generic"))
+    qtbot.waitUntil(lambda: plan.result is not None and plan.headline.text().endswith("on cpu-generic")
+                    and plan.charts is not None and plan.budget_curve.yData is not None, timeout=20_000)
+    QApplication.processEvents()
+    values = plan.budget_curve.yData
+    assert values.max() - values.min() < 0.05 * values.max()  # flat
+    for chart in (plan.batch_plot, plan.budget_plot):
+        low, high = chart.getViewBox().viewRange()[1]
+        assert low == 0 and high >= max(curve.yData.max() for curve in chart.getPlotItem().listDataItems()
+                                        if curve.yData is not None and len(curve.yData)), (low, high)
