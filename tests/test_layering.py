@@ -7,6 +7,7 @@ cycle is still a dependency), so these checks import nothing of the project and 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,11 @@ def absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-TREES = {module: ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) for module, path in MODULES.items()}
+@functools.cache
+def project_trees() -> dict[str, ast.AST]:
+    """Every project module's syntax tree, parsed when a check first needs it: parsed at import, it cost each
+    pytest-xdist worker ~3 s of CPU while collecting the suite, and only one worker runs these checks."""
+    return {module: ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) for module, path in MODULES.items()}
 
 
 def imports_in(tree: ast.AST, module: str, is_package: bool, known) -> list[tuple[str, str | None, int]]:
@@ -65,8 +70,12 @@ def imports_in(tree: ast.AST, module: str, is_package: bool, known) -> list[tupl
     return found
 
 
-IMPORTS = {module: imports_in(TREES[module], module, MODULES[module].name == "__init__.py", MODULES)
-           for module in MODULES}
+@functools.cache
+def project_imports() -> dict[str, list[tuple[str, str | None, int]]]:
+    """Every project module's imports (imports_in), read once."""
+    trees = project_trees()
+    return {module: imports_in(trees[module], module, MODULES[module].name == "__init__.py", MODULES)
+            for module in MODULES}
 
 
 def project_target(name: str, known: set[str] | dict = MODULES) -> str | None:
@@ -77,7 +86,8 @@ def project_target(name: str, known: set[str] | dict = MODULES) -> str | None:
 
 
 def violations(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
-    return [f"{module}:{line} imports {target}" for module, found in IMPORTS.items() if module.startswith(prefix)
+    return [f"{module}:{line} imports {target}" for module, found in project_imports().items()
+            if module.startswith(prefix)
             for target, _, line in found if any(target == f or target.startswith(f + ".") for f in forbidden)
             and (module, target) not in ENTRY_POINTS]
 
@@ -91,8 +101,10 @@ def test_imports_flow_gui_core_planner(prefix, forbidden):
     assert violations(prefix, forbidden) == []
 
 
-def module_graph(imports: dict[str, list] = IMPORTS) -> dict[str, set[str]]:
-    """Module -> the project modules it imports (a package's __init__ counts only where it is named itself)."""
+def module_graph(imports: dict[str, list] | None = None) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a package's __init__ counts only where it is named itself); the
+    project's own by default."""
+    imports = project_imports() if imports is None else imports
     graph = {}
     for module, found in imports.items():
         targets = {project_target(target, imports) for target, _, _ in found}
@@ -158,7 +170,7 @@ def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
 
 
 def test_no_private_names_across_modules():
-    private = [f"{module}:{line} imports {name} from {target}" for module, found in IMPORTS.items()
+    private = [f"{module}:{line} imports {name} from {target}" for module, found in project_imports().items()
                for target, name, line in found
                if name is not None and name.startswith("_") and not name.startswith("__")
                and project_target(target) is not None and project_target(target) != module]
@@ -199,7 +211,7 @@ def private_reads(trees: dict[str, ast.AST]) -> list[str]:
 def test_private_attributes_of_other_modules_objects_are_not_read():
     """`cache._off_device(...)`: a private attribute that another module defines, read on something other than
     `self`/`cls`, is a private name crossing modules too."""
-    assert private_reads(TREES) == []
+    assert private_reads(project_trees()) == []
 
 
 def test_the_private_read_finder_finds_one():
