@@ -92,7 +92,8 @@ def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_
                                        no_split_module_classes=["LlamaDecoderLayer"], dtype=dtype)
     sizes = {name: p.numel() * p.element_size() for name, p in skeleton.named_parameters()}
     on_disk = [name for name, where in device_map.items() if where == "disk"]
-    disk_bytes = sum(n for name, n in sizes.items() if any(name == m or name.startswith(m + ".") for m in on_disk))
+    disk_bytes = sum(n for name, n in sizes.items()  # module "" is the whole model (max_memory too small for any)
+                     if any(m == "" or name == m or name.startswith(m + ".") for m in on_disk))
     with tempfile.TemporaryDirectory(prefix="hivekeeper-accelerate-") as offload:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             model, dtype=dtype, device_map=device_map, offload_folder=offload).eval()
