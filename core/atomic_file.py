@@ -1,8 +1,9 @@
 """Atomic file writes (JSON and bytes): settings, profiles, chat history, caches and installed desktop files are
-never left half-written."""
+never left half-written; and the lock file a folder of such files is changed under (the block stores)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -52,3 +53,20 @@ def _replace_atomic(path: str | Path, fill: Callable[[IO], Any], open_mode: str,
         if isinstance(exc, OSError):
             raise InputError(f"{path}: cannot write ({exc.strerror or exc})") from None
         raise
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """Hold `folder`/.lock exclusively while the folder's files change (another process may write them too). Where
+    there is no flock (Windows) it holds nothing: concurrent writers only waste work, and renames stay atomic."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(Path(folder) / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

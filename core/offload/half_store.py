@@ -18,7 +18,6 @@ files is rebuilt, and a block file of the wrong size or tensors is rewritten. `H
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ import torch
 
 from hivekeeper.planner.errors import InputError
 
-from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.core.atomic_file import folder_lock, write_json_atomic
 from hivekeeper.core.offload.weights import BlockReader, empty_block
 from hivekeeper.core.runtime.checkpoint import Checkpoint
 from hivekeeper.core.runtime.model import Block, RotaryTable
@@ -58,22 +57,6 @@ def wanted(checkpoint: Checkpoint, dtype: torch.dtype) -> bool:
     finally:
         handle.close()
     return stored is not None and stored != dtype
-
-
-@contextlib.contextmanager
-def _locked(folder: Path):
-    """Hold the store's lock file while its files change (another process may build the same store)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): concurrent builds only waste work, renames stay atomic
-        yield
-        return
-    with open(folder / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class HalfStore:
@@ -105,7 +88,7 @@ class HalfStore:
             raise InputError(f"{folder}: cannot create the 16-bit block store ({exc.strerror or exc})") from None
         store = cls(checkpoint, dtype, folder, drop_page_cache)
         try:
-            with _locked(folder):
+            with folder_lock(folder):
                 store._load_manifest()
                 missing = [layer for layer in layers if not store._usable(layer)]
                 if missing:

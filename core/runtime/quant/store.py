@@ -23,7 +23,6 @@ whose checkpoint folder no longer exists.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -39,7 +38,7 @@ import torch
 
 from hivekeeper.planner.errors import InputError
 
-from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.core.atomic_file import folder_lock, write_json_atomic
 from hivekeeper.core.runtime.checkpoint import INDEX_FILE, Checkpoint, load_block
 from hivekeeper.core.runtime.model import Block, RotaryTable
 from hivekeeper.core.runtime.quant.bnb import check_quant, empty_quantized_block, quantized_layout, quantized_tensors
@@ -109,22 +108,6 @@ def _data_crc(handle: StoreFile) -> int:
     return crc
 
 
-@contextlib.contextmanager
-def _exclusive(folder: Path):
-    """Hold the store's lock file while the manifest or block files change (another process may build too)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): concurrent builds only waste work, renames stay atomic
-        yield
-        return
-    with open(folder / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def remove_orphaned_stores(root: Path, keep: Path) -> list[Path]:
     """Delete the stores under `root` whose checkpoint folder is gone (moved, deleted, an evicted hub cache): nothing
     could ever read them again. Stores whose manifest cannot be read are left alone. Returns what was removed."""
@@ -139,7 +122,7 @@ def remove_orphaned_stores(root: Path, keep: Path) -> list[Path]:
             continue
         if (source / "config.json").is_file():
             continue
-        with _exclusive(folder):  # not while another process writes it
+        with folder_lock(folder):  # not while another process writes it
             shutil.rmtree(folder, ignore_errors=True)
         log.warning("removed the quantized store %s: its checkpoint %s is gone", folder, source)
         removed.append(folder)
@@ -181,7 +164,7 @@ class QuantStore:
         store = cls(checkpoint, quant, dtype, folder)
         store.drop_page_cache = drop_page_cache
         try:
-            with _exclusive(folder):
+            with folder_lock(folder):
                 store._load_manifest()
                 missing = [layer for layer in layers if not store._usable(layer)]
                 if missing:
@@ -331,7 +314,7 @@ class QuantStore:
             handle = self._files.pop(layer, None)
         if handle is not None:
             handle.close()
-        with _exclusive(self.folder):
+        with folder_lock(self.folder):
             entry = self.manifest["blocks"].pop(str(layer), None)
             write_json_atomic(self.manifest_path, self.manifest)
             if entry is not None:
