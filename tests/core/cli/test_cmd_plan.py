@@ -98,7 +98,8 @@ BAD_INPUTS = [
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--quant", "fp8"], "--quant"),
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--goal", "fastest"], "--goal"),
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--price-per-hour", "nan"], "--price-per-hour"),
-    (["--hardware", "t4"], "--model"),
+    # no --model plans the built-in model (test_plan_default_model.py); an empty one is bad input
+    (["--model", "", "--hardware", "t4"], "--model"),
 ]
 
 
