@@ -21,16 +21,7 @@ from hivekeeper.planner.formats import get_format
 transformers = pytest.importorskip("transformers")
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-bnb = None  # bitsandbytes, imported by the fixture below when this module's tests run
-
-
-@pytest.fixture(scope="module", autouse=True)
-def bitsandbytes_imported():
-    """Import bitsandbytes (or skip the module) when these tests run, not when the suite is collected: its import
-    cost every pytest-xdist worker ~6 s of CPU (the largest of the whole collection), and only one runs them."""
-    global bnb
-    bnb = pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "bnb")  # bnb: conftest.py, skips without it
 
 
 RELATIVE_BOUND = {"int8": 0.04, "nf4": 0.4}
@@ -46,7 +37,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def dequantized(linear: nn.Module) -> torch.Tensor:
+def dequantized(linear: nn.Module, bnb) -> torch.Tensor:
     """The fp32 weight a bitsandbytes linear actually multiplies by."""
     weight = linear.weight
     if isinstance(linear, bnb.nn.Linear4bit):
@@ -64,7 +55,7 @@ def run(span, hidden):
 
 
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
-def test_quantized_span_matches_its_dequantized_weights_and_is_close_to_fp32(checkpoint, quant):
+def test_quantized_span_matches_its_dequantized_weights_and_is_close_to_fp32(checkpoint, quant, bnb):
     fp32 = load_span(checkpoint, 1, 3)
     quantized = load_span(checkpoint, 1, 3, quant=quant)
     linears = {name: m for name, m in quantized.named_modules() if isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))}
@@ -76,7 +67,7 @@ def test_quantized_span_matches_its_dequantized_weights_and_is_close_to_fp32(che
     with torch.no_grad():
         for name, module in reference.named_modules():
             if name in linears:
-                module.weight.copy_(dequantized(linears[name]))
+                module.weight.copy_(dequantized(linears[name], bnb))
     torch.manual_seed(2)
     hidden = torch.randn(2, 10, 128)
     out, exact, original = run(quantized, hidden), run(reference, hidden), run(fp32, hidden)

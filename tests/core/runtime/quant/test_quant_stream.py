@@ -27,16 +27,7 @@ from hivekeeper.core.runtime.quant.bnb import quantized_block_bytes, quantized_t
 from hivekeeper.planner.costmodel import Placement, Policy
 from hivekeeper.planner.errors import InputError
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-bnb = None  # bitsandbytes, imported by the fixture below when this module's tests run
-
-
-@pytest.fixture(scope="module", autouse=True)
-def bitsandbytes_imported():
-    """Import bitsandbytes (or skip the module) when these tests run, not when the suite is collected: its import
-    cost every pytest-xdist worker ~6 s of CPU (the largest of the whole collection), and only one runs them."""
-    global bnb
-    bnb = pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "bnb")  # bnb: conftest.py, skips without it
 
 PROMPT = [[1, 17, 42, 99, 7, 250]]
 NEW_TOKENS = 5
@@ -118,7 +109,7 @@ def store_files(store_dir) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("quant", ["int8", "nf4"])
-def test_streamed_quantized_blocks_match_the_all_resident_plan(checkpoint, resident, quant, tmp_path):
+def test_streamed_quantized_blocks_match_the_all_resident_plan(checkpoint, resident, quant, tmp_path, bnb):
     ref_tokens, ref_logits = resident[quant]
     # quantization is real: the quantized model's logits are not the fp32 model's
     assert (ref_logits - resident["fp32"][1]).abs().max().item() > 1e-3
