@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import socketserver
+import statistics
 import struct
 import sys
 import tempfile
@@ -116,10 +117,8 @@ def median_and_spread(samples: list[float]) -> tuple[float, float]:
     measurement, not the fastest (one lucky instant), and records how far they ranged."""
     if not samples:
         raise ValueError("no readings")
-    ordered = sorted(samples)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    return median, (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
+    median = statistics.median(samples)
+    return median, (max(samples) - min(samples)) / median if median > 0 else 0.0
 
 
 def _median_rate_measurement(key: str, label: str, unit: str, amount: float, seconds: list[float],
@@ -369,13 +368,14 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     p1, p2 = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
     del narrow  # free it before the 4-row step
     s4 = _timings(decode_steps(wide_config, wide, 4), repeats, torch.device("cpu"))
-    per_block, bandwidth = fit_bytes_and_blocks((median_and_spread(s1)[0], b1, n1), (median_and_spread(s2)[0], b2, n2))
+    (m1, _), (m2, _), (m4, spread4) = (median_and_spread(s) for s in (s1, s2, s4))
+    per_block, bandwidth = fit_bytes_and_blocks((m1, b1, n1), (m2, b2, n2))
     load = max(load, load_average())
-    spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {median_and_spread(s1)[0] * 1e3:.3g} ms, {n2} of "
-             f"width {narrow_hidden} ({b2 / 2**20:.0f} MiB) {median_and_spread(s2)[0] * 1e3:.3g} ms (medians), "
+    spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {m1 * 1e3:.3g} ms, {n2} of "
+             f"width {narrow_hidden} ({b2 / 2**20:.0f} MiB) {m2 * 1e3:.3g} ms (medians), "
              f"last-level cache {cache_bytes / 2**20:.0f} MiB, through {decode_path_name()}")
     stream_rates = [b1 / max(s - n1 * per_block, 1e-9) for s in s1]
-    small_rows = median_and_spread(s4)[0] / median_and_spread(s1)[0]
+    small_rows = m4 / m1
     return [
         Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", bandwidth, "B/s",
                     median_and_spread(stream_rates)[1], len(s1), load,
@@ -383,7 +383,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
                     f"to both spans' median steps ({len(s1)} repeats timed in turn)", stream_rates),
         block_overhead(per_block, (s1, b1, n1), (s2, b2, n2), load, f"fitted to the two spans: {spans}"),
         Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", small_rows, "x",
-                    median_and_spread(s4)[1], len(s4), load,
+                    spread4, len(s4), load,
                     f"the width-{hidden} span with 4 rows takes {small_rows:.2f}x its one-row step (medians)"),
         *prefill_measurements((p1, prefills[0][1], prefills[0][2]), (p2, prefills[1][1], prefills[1][2]), load,
                               f"widths {hidden} and {narrow_hidden}"),
@@ -431,10 +431,11 @@ def prefill_measurements(wide: tuple[list[float], float, int], narrow: tuple[lis
     seconds = FLOPs / rate + blocks x cost to two prefill passes (seconds of each repeat, FLOPs, blocks) of few wide
     and many narrow blocks, on their median times."""
     (s1, f1, n1), (s2, f2, n2) = wide, narrow
-    per_block, rate = fit_bytes_and_blocks((median_and_spread(s1)[0], f1, n1), (median_and_spread(s2)[0], f2, n2))
+    (m1, _), (m2, _) = median_and_spread(s1), median_and_spread(s2)
+    per_block, rate = fit_bytes_and_blocks((m1, f1, n1), (m2, f2, n2))
     rates = [f1 / max(s - n1 * per_block, 1e-9) for s in s1]
     detail = (f"prefill passes ({PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens) through {n1} and {n2} random fp32 "
-              f"blocks ({spans}), {median_and_spread(s1)[0] * 1e3:.3g} and {median_and_spread(s2)[0] * 1e3:.3g} ms "
+              f"blocks ({spans}), {m1 * 1e3:.3g} and {m2 * 1e3:.3g} ms "
               f"(medians of {len(s1)} in turn), through the runtime's prefill path")
     return [Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", rate, "FLOP/s",
                         median_and_spread(rates)[1], len(s1), load, detail, rates),
