@@ -21,9 +21,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hivekeeper.planner.costmodel import Placement, Policy, Workload, evaluate, machine_view, solve_weight_placement
+from hivekeeper.planner.costmodel import (Placement, Policy, Workload, candidate_arrays, evaluate, format_traits, lm_head,
+                                          machine_view, model_numbers, policy_columns, solve_weight_placement)
 from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency
-from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
+from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.models import ModelSpec
 
 # a 7B-shaped model (MHA: K and V as wide as the hidden state) with a bf16 checkpoint
@@ -200,3 +201,132 @@ def test_a_compute_bound_step_quotes_its_flops():
     flops = 32 * 128 * (2 * MATRICES + 4 * 4096 * 11)
     assert pred.bottleneck == "gpu compute"
     assert pred.bottleneck_detail == f"GPU compute: {flops / 1e12:.3g} TFLOP per decode step for 128 sequences"
+
+
+# ---- session 12: the survivors in the functions issues 22 and 23 changed --------------------------------------------
+CPU_EFF = Efficiency("cpu", matmul_fraction=0.25, bandwidth_fraction=0.5, link_fraction=1.0, disk_fraction=1.0,
+                     layer_overhead_s=0.0, step_overhead_s=0.0, prefill_layer_overhead_s=0.0, runtime_bytes=10**9)
+FP32_KV_TOKEN = 2 * 4096 * 4  # one token of one block's K and V in fp32
+ON_CPU = dict(weights=Placement(0.0, 1.0, 0.0), kv_cache=Placement(0.0, 1.0, 0.0),
+              activations=Placement(0.0, 1.0, 0.0))
+
+
+def cpu_machine(streaming=None, **cpu_fields) -> HardwareSpec:
+    """A CPU-only machine: 200 GB of RAM at 40 GB/s, 1 TFLOP/s fp32 (no native 16-bit math), a 1 GB/s disk."""
+    fields = dict(kind="cpu", name="CPU", memory_bytes=200 * 10**9, memory_bandwidth=CPU_BPS, flops={"fp32": 1e12},
+                  power_watts=100.0, cores=8, decode_streaming=streaming)
+    cpu = ComputeDevice(**{**fields, **cpu_fields})
+    return HardwareSpec(id="mutants-cpu", gpus=(), cpu=cpu, disk=DiskSpec(2000 * 10**9, 1e9, 1e9),
+                        network=NetworkSpec(upload_bps=1e9, download_bps=1e9, rtt_s=0.01))
+
+
+def fp32_block_decode(batch: int, context: float) -> tuple[float, float]:
+    """(memory, compute) seconds of one fp32 block's decode step on cpu_machine with CPU_EFF: every matrix and norm
+    weight read once (4 bytes), the batch's cache (context tokens of K and V each), at half the RAM bandwidth; 2
+    FLOPs per matrix weight and sequence plus attention's 4 × q_dim × context per sequence, at a quarter of 1 TFLOP/s."""
+    nbytes = MATRICES * 4 + 2 * 4096 * 4 + batch * context * FP32_KV_TOKEN
+    flops = batch * (2 * MATRICES + 4 * 4096 * context)
+    return nbytes / (CPU_BPS * 0.5), flops / (1e12 * 0.25)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_measured_cpu_steps_take_the_longer_of_reads_and_flops_not_their_sum(batch):
+    """A CPU whose decode rate came from whole measured decode steps (`block_overhead_s` set) overlaps each block's
+    reads and FLOPs: its step is max(reads, FLOPs) a block, the FLOPs reported only where they outlast the reads (0
+    at batch 1, memory-bound; their excess at batch 64, compute-bound). Unmeasured, the two add up. The fp32 head
+    (batch rows of the 32000 × 4096 untied head) is not a measured block: its reads and FLOPs add up either way."""
+    memory, compute = fp32_block_decode(batch, 110.0)
+    head_memory, head_compute = 32000 * 4096 * 4 / (CPU_BPS * 0.5), batch * HEAD_FLOPS / (1e12 * 0.25)
+    assert (memory > compute) == (batch == 1)
+    measured = DecodeStreaming(bandwidth_fraction=0.5, small_row_reads=1.0, matmul_start_s=0.0, block_overhead_s=1e-4)
+    cpu_eff = MachineEfficiency(CPU_EFF, CPU_EFF)
+    policy = Policy("fp32", micro_batch_size=batch, **ON_CPU)
+    steps = evaluate(MODEL, cpu_machine(measured), policy, Workload(prompt_len=100, output_len=20), cpu_eff)
+    assert steps.step_breakdown_s["accelerator memory"] == pytest.approx(32 * memory + head_memory, rel=1e-9)
+    assert steps.step_breakdown_s["accelerator compute"] == pytest.approx(
+        32 * max(0.0, compute - memory) + head_compute, rel=1e-9)
+    assert steps.decode_step_s == pytest.approx(32 * max(memory, compute) + head_memory + head_compute, rel=1e-9)
+    summed = evaluate(MODEL, cpu_machine(), policy, Workload(prompt_len=100, output_len=20), cpu_eff)
+    assert summed.decode_step_s == pytest.approx(32 * (memory + compute) + head_memory + head_compute, rel=1e-9)
+
+
+def test_only_unified_memory_adds_the_hosts_runtime_to_the_accelerator():
+    """The host's framework memory (Efficiency.runtime_bytes of the host) counts on a unified-memory GPU, whose memory
+    is the process's own, but not on a CPU-only machine, where the CPU is the accelerator and its runtime is counted
+    once, as the accelerator's. Raising the host's runtime by 4 GB raises the unified GPU's peak by 4 GB, the CPU's
+    by nothing."""
+    apple = ComputeDevice(kind="gpu", name="Unified GPU", memory_bytes=64 * 10**9, memory_bandwidth=400e9,
+                          flops={"fp16": 20e12, "fp32": 10e12}, power_watts=60.0, unified_memory=True)
+    unified = dataclasses.replace(cpu_machine(), gpus=(apple,))
+    gpu_policy = Policy("bf16")
+    for hardware, policy, tier, grown in ((unified, gpu_policy, "gpu", 4 * 10**9),
+                                          (cpu_machine(), Policy("fp32", **ON_CPU), "cpu", 0)):
+        peaks = [evaluate(MODEL, hardware, policy, Workload(100, 20),
+                          MachineEfficiency(EFF.accelerator, dataclasses.replace(EFF.host, runtime_bytes=runtime)))
+                 .peak_memory_bytes[tier] for runtime in (10**9, 5 * 10**9)]
+        assert peaks[1] - peaks[0] == grown
+
+
+INT8_STORED = 1.0025  # bytes per int8 weight at rest (its scales included)
+
+
+@pytest.mark.parametrize("micro_batch, prompt", [(1, 1), (1, 2), (4, 100)])
+def test_a_resident_gpu_prefill_reads_int8_weights_as_dequantized_copies_from_two_rows_on(micro_batch, prompt):
+    """int8 weights on the GPU: one row (a 1-token prompt) is a fused kernel reading each stored weight once; from two
+    rows on bitsandbytes dequantizes each matrix to 16 bits first (write and read back: 4 bytes more a weight). Each
+    block also reads its two bf16 norms and writes the new K, V of every prompt token (16 KB each). FLOPs: 2 a matrix
+    weight per token, and causal attention's 4 × q_dim × (1 + ... + p) per sequence, at half the fp16 peak; the
+    untied bf16 head runs on the last position of each sequence. Nothing streams, so the prefill is the blocks'
+    reads, FLOPs and fixed cost (EFF's default 0.3 ms a block) one after the other, and the head. Its roofline (spec rates, each weight read once as stored)
+    is the larger of the same bytes and FLOPs at full rate: the reads, for so short a prompt."""
+    batch, rows = micro_batch, micro_batch * prompt
+    per_weight = INT8_STORED if rows == 1 else INT8_STORED + 4.0
+    new_cache = batch * prompt * KV_TOKEN
+    block_bytes = MATRICES * per_weight + 2 * 4096 * 2 + new_cache
+    block_flops = batch * prompt * 2 * MATRICES + 4 * 4096 * prompt * (prompt + 1) / 2 * batch
+    head_bytes, head_flops = 32000 * 4096 * 2, batch * HEAD_FLOPS
+    policy = Policy("int8", micro_batch_size=micro_batch)
+    pred = evaluate(MODEL, gpu_machine({"fp32": 1e12}), policy, Workload(prompt, 20), EFF)
+    blocks = 32 * (block_bytes / (100e9 * 0.8) + block_flops / (100e12 * 0.5) + 0.3e-3)
+    head = head_bytes / (100e9 * 0.8) + head_flops / (100e12 * 0.5)
+    assert pred.prefill_s == pytest.approx(blocks + head, rel=1e-9)
+    if rows <= 2:
+        least_bytes = 32 * (MATRICES * INT8_STORED + 2 * 4096 * 2 + new_cache) + head_bytes
+        assert 32 * block_flops / 100e12 < least_bytes / 100e9
+        assert pred.roofline_prefill_tokens_per_s == pytest.approx(batch * prompt / (least_bytes / 100e9), rel=1e-9)
+
+
+STREAMED_WPS, CACHED_WPS, PREFILL_PRODUCTS = 40e9, 120e9, 50e9  # the packed kernels: weights/s, row-weight products/s
+
+
+@pytest.mark.parametrize("batch", [1, 8, 9])
+def test_a_packed_head_overlaps_reads_and_kernels_up_to_eight_rows_and_reads_from_the_cache_what_fits(batch):
+    """A q4_0 model's head is Q8_0 (1.0625 bytes a weight). Up to 8 rows (the decode kernels' PACKED_KERNEL_ROWS) it
+    runs on the decode kernels: its reads and kernel time overlap (the longer one is reported, the other 0), the part
+    of the step's weights that sits in the last-level cache is not read from RAM, and the kernels run at the blend of
+    their streamed and in-cache rates by that share. With a cache of 2/3 of the step's weights (blocks in q4_0 with
+    fp32 norms, and the head) the share is (2 × cache - weights) / cache, about half: 1 row waits for the RAM, 8 rows
+    for the kernels. 9 rows take the prefill's int8 kernels (2 FLOPs a row-weight product, at a quarter of their
+    rate: CPU_EFF's matmul fraction) after reading the whole head from RAM, one after the other."""
+    hardware = cpu_machine(packed_kernels={"q4_0": STREAMED_WPS, "q8_0": STREAMED_WPS},
+                           packed_kernels_cached={"q4_0": CACHED_WPS, "q8_0": CACHED_WPS},
+                           packed_prefill={"q4_0": PREFILL_PRODUCTS, "q8_0": PREFILL_PRODUCTS})
+    head_params = 32000 * 4096
+    weights = 32 * (MATRICES * 0.5625 + 2 * 4096 * 4) + head_params * 1.0625
+    cache = int(weights * 2 / 3)
+    hardware = dataclasses.replace(hardware, cpu=dataclasses.replace(hardware.cpu, cache_bytes=cache))
+    share = (2 * cache - weights) / cache
+    machine = machine_view(hardware)
+    columns = policy_columns(machine, Policy("q4_0", micro_batch_size=batch, **ON_CPU))
+    grid = candidate_arrays(model_numbers(MODEL), machine, MachineEfficiency(CPU_EFF, CPU_EFF),
+                            [format_traits(machine, "q4_0")], columns)
+    head = lm_head(grid)
+    ram_s = head_params * 1.0625 / (CPU_BPS * 0.5)
+    if batch <= 8:
+        kernels_s = batch * 2 * head_params / (1 / (share / (2 * CACHED_WPS) + (1 - share) / (2 * STREAMED_WPS)))
+        reads_s = ram_s * (1 - share)
+        expected = (reads_s, 0.0) if reads_s > kernels_s else (0.0, kernels_s)
+        assert (reads_s > kernels_s) == (batch == 1)
+    else:
+        expected = (ram_s, batch * 2 * head_params / (2 * PREFILL_PRODUCTS * 0.25))
+    assert (head.memory_s[0], head.compute_s[0]) == pytest.approx(expected, rel=1e-9)
