@@ -88,6 +88,8 @@ def quick_measurement(config: str) -> dict:
     the packed kernels' rates (G weights/s; in cache, streamed, prefill)."""
     from pathlib import Path
 
+    from hivekeeper.core.machine.measurement import HALF_DECODE_KEY
+
     profiles = list((Path(config) / "profiles").glob("*.json"))
     if not profiles:
         return {}
@@ -102,7 +104,7 @@ def quick_measurement(config: str) -> dict:
             if stream_samples else [],
             "block_overhead_ms": round(values.get("cpu_decode_block_overhead", 0) * 1e3, 3),
             "prefill_gflops": round(values.get("cpu_prefill_fp32", 0) / 1e9, 1),
-            "bf16_vs_fp32_step": round(values.get("cpu_decode_bf16_vs_fp32", 0), 3),
+            "bf16_vs_fp32_step": round(values.get(HALF_DECODE_KEY, 0), 3),
             "packed_gweights_per_s": packed}
 
 

@@ -9,9 +9,11 @@ with torch on both cores), although bf16 reads half the bytes; with the two core
 24. So:
 
 - a CPU without native bf16 math computes 16-bit plans in fp32 (16-bit GEMMs would be emulated, prefill ~100x slower);
-- with it, bf16 is used only where `hivekeeper measure` saved a measurement (measure.measure_half_decode: the same
-  decode-shaped chain of layer matrices in bf16 and in fp32, each through the kernel the runtime uses) that says a
-  bf16 step is faster; without one, fp32;
+- with it, bf16 is used only where `hivekeeper measure` saved a measurement (measure.measure_half_decode: whole
+  decode steps of the same random blocks in bf16 and in fp32, each through the runtime's own decode path, timed in
+  turn) that says a bf16 step is faster; without one, fp32. A chain of bf16 matmuls alone is not enough: it read
+  bf16 at 0.9x of fp32 on this project's AMX VM, where the demo model's bf16 steps (norms, rotary, attention and
+  conversions in torch too) decoded at 14-16 tokens/s against fp32's 23.5;
 - fp16 has no native path on these CPUs (AVX512-BF16 is bf16 only): fp16 plans compute in fp32 on a CPU.
 
 The answer is as good as the conditions of the measurement: on a machine busy with other work the native kernels'

@@ -32,8 +32,7 @@ from hivekeeper.core.machine.measurement import (  # torch-free, so that saved p
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, PACKED_PREFILL_KEY,
     PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
-from hivekeeper.core.runtime.kernels.cpu_matmul import (BLAS_MIN_WEIGHT_ELEMENTS, blas_active, linear,
-                                                        physical_cores, store_tall_by_column, torch_threads,
+from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_tall_by_column, torch_threads,
                                                         use_blas_threads)
 
 Progress = Callable[[float, str], None]
@@ -313,12 +312,13 @@ DECODE_SPAN_POSITIONS = 64  # a short context: the step is the weights' reads, n
 STEP_REPEATS = 7
 
 
-def decode_steps(config, span, rows: int) -> Callable[[], None]:
+def decode_steps(config, span, rows: int, dtype: torch.dtype = torch.float32) -> Callable[[], None]:
     """One decode step of `rows` sequences through the span (Span.forward: the C kernels for one row where they
-    are built, numpy for several), at position 8 of a zeroed cache each time."""
+    are built, numpy for several; torch block by block for a bf16 span), at position 8 of a zeroed cache (in
+    `dtype`, the span's) each time."""
     from hivekeeper.core.runtime.model import KVCache
 
-    cache = KVCache.allocate(config, config.num_layers, rows, DECODE_SPAN_POSITIONS)
+    cache = KVCache.allocate(config, config.num_layers, rows, DECODE_SPAN_POSITIONS, dtype)
     cache.k.zero_()
     cache.v.zero_()
     hidden = torch.randn(rows, 1, config.hidden_size) * 0.1
@@ -497,14 +497,6 @@ def _alternating_seconds(runs: list[Callable[[], None]], repeats: int) -> list[l
     return seconds
 
 
-def fp32_decode_path(elements: int) -> str:
-    """How the runtime multiplies one row by an fp32 weight of `elements` values here (cpu_matmul.linear): the
-    native kernels, numpy's BLAS or torch."""
-    if not blas_active() or elements < BLAS_MIN_WEIGHT_ELEMENTS:
-        return "torch"
-    return "the native kernels" if native_kernels.library() is not None else "numpy's BLAS"
-
-
 # ---- the packed formats' kernels -----------------------------------------------------------------------------------
 # the packed spans' steps take milliseconds: at least this many repeats each, so that their median spans more of the
 # host's swings than a fraction of a second (a busy check: two quick measurements a minute apart read the cached q4_1
@@ -654,36 +646,57 @@ def format_bytes(fmt: str) -> float:
     return format_named(fmt).block_bytes / BLOCK_WEIGHTS
 
 
-def measure_half_decode(hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 5) -> Measurement:
-    """A decode-shaped step in bf16 against the same step in fp32 (HALF_DECODE_KEY: bf16 time / fp32 time; below 1
-    bf16 is faster): one-row matmuls over a chain of layer-shaped matrices, fp32 stored and multiplied as the
-    runtime does (tall ones column-major, the native kernels where they run), bf16 as nn.Linear keeps them (torch's
-    kernel), timed in turn.
+def measure_half_decode(hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 5,
+                        step_repeats: int = STEP_REPEATS) -> Measurement:
+    """Whole decode steps in bf16 against the same steps in fp32 (HALF_DECODE_KEY: bf16 time / fp32 time; below 1
+    bf16 is faster), through the runtime's own decode path (Span.forward, as `generate` runs a span): one row
+    through random decoder blocks of width `hidden` (decode_span: about `total_bytes` of fp32 weights), fp32 laid
+    out as a loaded model (the native kernels' whole-span step where they are built), and a bf16 copy laid out as
+    a bf16 checkpoint loads (torch's kernels block by block: norms, rotary, attention, the products and the
+    conversions). The steps are timed in turn (fp32, bf16, fp32, ...) and the value is the median of the pairs'
+    ratios, so a swing of the host hits both sides of each pair.
 
     Whether a CPU with native bf16 math (AVX512-BF16, AMX) should run 16-bit plans in bf16 depends on this, not on
-    the flag: core/machine/cpu_dtype.py. Both run in the runtime's thread layout (use_blas_threads: torch on one
-    thread, fp32 products on the native kernels or numpy's BLAS over the cores): outside it, fp32 went through
-    torch too, and a bf16 step that generate runs ~2x slower than fp32 measured faster (issue 23: the demo then ran
-    in bf16 at a third of its predicted speed)."""
+    the flag: core/machine/cpu_dtype.py. It must time what runs: a chain of bf16 matmuls alone (session 11's
+    measurement) read bf16 at 0.89-0.93x of fp32, while whole bf16 steps of the demo model decoded at 13.9-16
+    tokens/s against fp32's 23.5. Both run in the runtime's thread layout (use_blas_threads)."""
     load = load_average()
-    fp32 = _layer_chain(hidden, total_bytes)
-    bf16 = [weight.to(torch.bfloat16).contiguous() for weight in fp32]
     previous_threads = torch.get_num_threads()
     use_blas_threads()
     try:
-        fp32_s, bf16_s = _alternating_seconds([_chain(fp32, 1), _chain(bf16, 1)], repeats)
-        fp32_path = fp32_decode_path(min(w.numel() for w in fp32))
+        config, fp32 = decode_span(hidden, total_bytes)
+        bf16 = half_span(config, fp32)
+        fp32_s, bf16_s = _alternating_seconds([decode_steps(config, fp32, 1),
+                                               decode_steps(config, bf16, 1, torch.bfloat16)],
+                                              max(repeats, step_repeats))
     finally:
         torch.set_num_threads(previous_threads)
     ratios = [b / f for f, b in zip(fp32_s, bf16_s)]
-    ratio = min(bf16_s) / min(fp32_s)
-    megabytes = sum(w.numel() for w in fp32) * 4 / 2**20
-    detail = (f"{len(fp32)} matrices of width {hidden}, one row: fp32 ({megabytes:.0f} MiB, "
-              f"{fp32_path}) "
-              f"{min(fp32_s) * 1e3:.3g} ms, bf16 ({megabytes / 2:.0f} MiB, torch) {min(bf16_s) * 1e3:.3g} ms")
-    return Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x",
-                       (max(ratios) - min(ratios)) / min(ratios), len(ratios), max(load, load_average()), detail,
-                       ratios)
+    ratio, spread = median_and_spread(ratios)
+    megabytes = sum(p.numel() for p in fp32.parameters()) * 4 / 2**20
+    detail = (f"one-row decode steps through {config.num_layers} random blocks of width {hidden}: fp32 "
+              f"({megabytes:.0f} MiB, {decode_path_name()}) {statistics.median(fp32_s) * 1e3:.3g} ms, bf16 "
+              f"({megabytes / 2:.0f} MiB, torch block by block) {statistics.median(bf16_s) * 1e3:.3g} ms (medians of "
+              f"{len(ratios)} timed in turn; the value is the median pair's ratio)")
+    return Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x", spread, len(ratios),
+                       max(load, load_average()), detail, ratios)
+
+
+def half_span(config, span):
+    """A bf16 copy of a decode_span span, laid out as checkpoint.load_block loads a bf16 checkpoint: each weight
+    its own row-major tensor (the fp32 layout's column-major tall matrices and one packed buffer are fp32 only)."""
+    from hivekeeper.core.runtime.model import RotaryTable, Span
+
+    with torch.device("meta"):
+        half = Span(config, 0, config.num_layers)
+    half = half.to_empty(device="cpu").requires_grad_(False)
+    with torch.no_grad():
+        for target, source in zip(half.parameters(), span.parameters()):
+            target.data = source.detach().to(torch.bfloat16, memory_format=torch.contiguous_format)
+    half.rotary = RotaryTable(config)
+    for block in half.blocks:
+        block.rotary = half.rotary
+    return half
 
 
 def _fitting_shape(shape: MatmulShape, dtype: str, device: torch.device, seconds_budget: float) -> MatmulShape:
