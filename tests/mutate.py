@@ -206,31 +206,52 @@ print(json.dumps(found))
 """
 
 
-def up_to_date(folder: Path, scope: dict) -> bool:
-    """True when the folder's verdicts (mutmut's, or those restored from the tracked .jsonl) decide every mutant of
-    the scope's current code: same function hashes, no mutant untested. A warm run then skips mutmut, whose setup
-    alone (coverage and a clean run of the scope's tests) takes minutes per scope on a busy machine."""
+def current_mutants(folder: Path, scope: dict) -> dict[str, bool] | None:
+    """Each mutant of the scope's current code (by mutmut's full name) and whether the folder's verdicts (mutmut's,
+    or those restored from the tracked .jsonl) decide it: a verdict recorded while its function's hash was the
+    same. None where mutmut's generator could not tell."""
     paths = [f"src/hivekeeper/{file}" for file in scope["files"]]
     try:
         found = subprocess.run([sys.executable, "-c", CURRENT_MUTANTS, *paths], cwd=folder, capture_output=True,
                                text=True, timeout=300)
     except subprocess.TimeoutExpired:
-        return False  # undecided: let mutmut run the scope
+        return None
     if found.returncode != 0:
-        return False
+        return None
+    decided = {}
     for path, current in json.loads(found.stdout).items():
         meta_path = folder / "mutants" / f"{path}.meta"
-        if not meta_path.is_file():
-            return False
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
         module = path.removeprefix("src/").removesuffix(".py").replace("/", ".")
-        codes = meta["exit_code_by_key"]
-        mutated = {name.rsplit("__mutmut_", 1)[0] for name in current["names"]}
-        if any(meta["hash_by_function_name"].get(function) != current["hashes"].get(function) for function in mutated):
-            return False
-        if any(codes.get(f"{module}.{name}") is None for name in current["names"]):
-            return False
-    return True
+        codes, hashes = meta.get("exit_code_by_key", {}), meta.get("hash_by_function_name", {})
+        for name in current["names"]:
+            function = name.rsplit("__mutmut_", 1)[0]
+            decided[f"{module}.{name}"] = hashes.get(function) == current["hashes"].get(function) \
+                and codes.get(f"{module}.{name}") is not None
+    return decided
+
+
+def up_to_date(folder: Path, scope: dict) -> bool:
+    """True when the folder's verdicts decide every mutant of the scope's current code: same function hashes, no
+    mutant untested. A warm run then skips mutmut, whose setup alone (coverage and a clean run of the scope's tests)
+    takes minutes per scope on a busy machine."""
+    decided = current_mutants(folder, scope)
+    return decided is not None and all(decided.values())
+
+
+def survivors_and_undecided(folder: Path, scope: dict, patterns: list[str]) -> list[str]:
+    """What a `--survivors` run tests: the survivors of the current code and, in the same mutmut run (one setup of
+    minutes instead of two), the mutants it has no verdict for (functions changed or added since), each matching one
+    of `patterns` if any are given."""
+    cached = results(folder)
+    decided = current_mutants(folder, scope)
+    survivors = cached.get("survived", []) + cached.get("no tests", [])
+    if decided is None:  # the generator failed: the survivors only, as the cache names them
+        names = survivors
+    else:
+        names = [name for name in survivors if decided.get(name)] + [name for name, ok in decided.items() if not ok]
+    return [name for name in dict.fromkeys(names)
+            if not patterns or any(fnmatch.fnmatch(name, pattern) for pattern in patterns)]
 
 
 # Each mutant's test run is a pytest session of its own, and tests/conftest.py gives every session a fresh cache
@@ -342,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
     parser.add_argument("--minutes-scale", type=float, default=1.0, help="multiply every scope's time limit")
     parser.add_argument("--survivors", action="store_true",
-                        help="test again only the mutants that survived (after tests were added: mutmut's cache "
-                             "keeps a verdict until the function changes)")
+                        help="test again the mutants that survived (after tests were added: mutmut's cache "
+                             "keeps a verdict until the function changes), and those of functions changed since")
     parser.add_argument("--mutants", nargs="+", default=[], metavar="PATTERN",
                         help="test again only the mutants whose names match these fnmatch patterns (after the "
                              "scopes: SCOPE --mutants '*BanList*'); with --survivors, the survivors that match")
@@ -365,9 +386,7 @@ def run_scope(name: str, shared: dict, scope: dict, args: argparse.Namespace) ->
         print(f"mutate: {name}: {restored} verdicts from {VERDICTS.relative_to(ROOT)}/{name}.jsonl", file=sys.stderr)
     names, chosen = list(args.mutants), args.survivors or bool(args.mutants)
     if args.survivors:
-        cached = results(folder)
-        names = [mutant for mutant in cached.get("survived", []) + cached.get("no tests", [])
-                 if not args.mutants or any(fnmatch.fnmatch(mutant, pattern) for pattern in args.mutants)]
+        names = survivors_and_undecided(folder, scope, args.mutants)
     started = time.monotonic()
     if not chosen and up_to_date(folder, scope):
         print(f"mutate: {name}: every mutant of the current code has a verdict; mutmut not run", file=sys.stderr)

@@ -49,17 +49,22 @@ def mutate(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "ROOT", root)
     monkeypatch.setattr(module, "WORK", root / "build" / "mutate")
     monkeypatch.setattr(module, "VERDICTS", root / "tests" / "mutation_verdicts")
-    module.calls = []
+    module.calls, module.named, module.survivor_left = [], [], True
 
     def mutmut_stand_in(folder, jobs, seconds, names=(), scope=None):
-        """What `mutmut run` leaves: every current mutant of the scope's file killed (exit code 1)."""
+        """What `mutmut run` leaves: a verdict for every current mutant of the scope's file."""
         from mutmut.mutation.file_mutation import mutate_file_contents
 
         module.calls.append(folder)
+        module.named.append(sorted(names))
         monkeypatch.chdir(folder)
         path = "src/hivekeeper/planner/toy.py"
         mutated = mutate_file_contents(path, (folder / path).read_text())
-        meta = {"exit_code_by_key": {f"hivekeeper.planner.toy.{name}": 1 for name in mutated.mutant_names},
+        # every mutant killed (exit code 1) but double's first, which survives (0) until a test is added for it
+        survivor = "hivekeeper.planner.toy.x_double__mutmut_1"
+        meta = {"exit_code_by_key": {f"hivekeeper.planner.toy.{name}": int(not module.survivor_left or
+                                                                           f"hivekeeper.planner.toy.{name}" != survivor)
+                                     for name in mutated.mutant_names},
                 "hash_by_function_name": dict(mutated.hash_by_function_name), "type_check_error_by_key": {},
                 "durations_by_key": {}, "estimated_durations_by_key": {}}
         (folder / "mutants" / f"{path}.meta").parent.mkdir(parents=True, exist_ok=True)
@@ -81,14 +86,14 @@ def fresh_clone_run(mutate, capsys) -> tuple[dict, str]:
 
 def test_a_fresh_clone_with_complete_verdicts_skips_mutmut_and_a_changed_function_runs_it(mutate, capsys):
     first, _ = fresh_clone_run(mutate, capsys)  # no verdicts yet: mutmut runs and its verdicts are tracked
-    assert len(mutate.calls) == 1 and first["killed"] == first["mutants"] > 4 and first["score"] == 1.0
+    assert len(mutate.calls) == 1 and first["killed"] == first["mutants"] - 1 > 4 and first["survived"] == 1
     tracked = (mutate.VERDICTS / "toy.jsonl").read_text()
     assert "x_double" in tracked and "x_clamp" in tracked
 
     again, err = fresh_clone_run(mutate, capsys)
     assert len(mutate.calls) == 1, "mutmut ran although every mutant had a verdict"
     assert "every mutant of the current code has a verdict; mutmut not run" in err
-    assert again["killed"] == first["mutants"] and again["score"] == 1.0
+    assert again["killed"] == first["killed"] and again["survived_names"] == first["survived_names"]
 
     toy = mutate.ROOT / "planner" / "toy.py"
     toy.write_text(TOY.replace("max(low, min(x, high))", "min(high, max(x, low))"))  # clamp changed
@@ -108,3 +113,19 @@ def test_a_mutant_without_a_verdict_makes_mutmut_run(mutate, capsys):
     verdicts.write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
     fresh_clone_run(mutate, capsys)
     assert len(mutate.calls) == 2
+
+
+def test_a_survivors_run_tests_the_survivors_and_the_changed_functions_mutants_in_one_mutmut_run(mutate, capsys):
+    """After new tests and a code change (clamp), `--survivors` hands mutmut both: double's survivor, and every mutant
+    of clamp (whose verdicts went stale with its hash), not double's killed mutants."""
+    fresh_clone_run(mutate, capsys)
+    toy = mutate.ROOT / "planner" / "toy.py"
+    toy.write_text(TOY.replace("max(low, min(x, high))", "min(high, max(x, low))"))
+    mutate.survivor_left = False  # the new test kills it
+    assert mutate.main(["toy", "--survivors"]) == 0
+    named = mutate.named[-1]
+    assert "hivekeeper.planner.toy.x_double__mutmut_1" in named
+    assert not [name for name in named if "x_double" in name and not name.endswith("__mutmut_1")]
+    clamp = [name for name in named if "x_clamp__mutmut_" in name]
+    assert len(clamp) > 3 and len(named) == len(clamp) + 1
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]).get("survived", 0) == 0
