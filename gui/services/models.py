@@ -17,7 +17,7 @@ from PySide6.QtCore import QObject, Signal
 from hivekeeper.core.child_argv import hivekeeper_command
 
 from hivekeeper.gui.services.child_process import JsonLinesProcess
-from hivekeeper.gui.services.workers import WorkerThread
+from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
 
 LAST_LISTING: list = []  # library.LibraryModel objects of the last listing, for the pickers
 
@@ -69,10 +69,8 @@ class ModelsService(QObject):
         if self.listing is not None and not self.listing.worker.done:
             return
         hardware = self.hardware()
-        self.listing = WorkerThread(lambda report, should_stop: list_with_fits(hardware, should_stop))
-        self.listing.worker.returned.connect(self._listed)
-        self.listing.worker.errored.connect(self.failed)
-        self.listing.start()
+        self.listing = run_in_thread(lambda report, should_stop: list_with_fits(hardware, should_stop),
+                                     on_return=self._listed, on_error=self.failed.emit)
 
     def _listed(self, models: list) -> None:
         LAST_LISTING[:] = models
@@ -81,10 +79,9 @@ class ModelsService(QObject):
     def remove(self, model) -> None:
         from hivekeeper.core.runtime.library import remove_model
 
-        self.removing = WorkerThread(lambda report, should_stop: remove_model(model))
-        self.removing.worker.returned.connect(lambda freed: self._removed(model.id, freed))
-        self.removing.worker.errored.connect(self.failed)
-        self.removing.start()
+        # the callbacks run on the GUI thread (run_in_thread), so the listing that follows starts there
+        self.removing = run_in_thread(lambda report, should_stop: remove_model(model),
+                                      on_return=lambda freed: self._removed(model.id, freed), on_error=self.failed.emit)
 
     def _removed(self, model_id: str, freed: int) -> None:
         self.removed.emit(model_id, freed)

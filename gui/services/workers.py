@@ -4,6 +4,12 @@ The worker shape follows superqt/napari workers: `started`, `yielded(value)` for
 `returned(value)` when the function completes, `errored(message)` when it raises, and `finished` always last.
 The function is called as `func(report, should_stop)`: `report(value)` emits `yielded`, `should_stop()` is the
 abort flag, which long loops check between steps (between tokens, between benchmarks).
+
+The callbacks given to `run_in_thread` always run on the GUI thread, whatever they are: PySide queues a signal to
+a bound method of a QObject, but calls a lambda or a plain function on the emitting (worker) thread, where touching
+a widget starts its timers from the wrong thread ("QBasicTimer::start: Timers cannot be started from another
+thread"). So the worker's signals reach the callbacks through a `_Relay` QObject made on the GUI thread. Workers
+are started from the GUI thread only (`start` raises otherwise), so their QObjects belong to it.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable
 
-from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
+from PySide6.QtCore import QCoreApplication, QObject, Qt, QThread, Signal, Slot
 
 from hivekeeper.planner.errors import InputError
 
@@ -67,6 +73,7 @@ class WorkerThread:
 
     def __init__(self, func: Callable[[Report, ShouldStop], Any]):
         self.worker = Worker(func)
+        self.relay: QObject | None = None  # run_in_thread's _Relay, which calls the callbacks on the GUI thread
         self.thread = QThread()
         self.worker.moveToThread(self.thread)
         self.thread.started.connect(self.worker.run)
@@ -74,6 +81,9 @@ class WorkerThread:
         self.worker.finished.connect(self.thread.quit, Qt.ConnectionType.DirectConnection)
 
     def start(self) -> "WorkerThread":
+        app = QCoreApplication.instance()
+        if app is not None and QThread.currentThread() is not app.thread():
+            raise RuntimeError("a worker is started from the GUI thread only (its callbacks and QObjects live there)")
         # Drop handles of threads that have fully ended. (Dropping one from its own `finished` signal would
         # destroy the QThread while it is still winding down, which Qt reports and may crash on.)
         WorkerThread._alive -= {h for h in WorkerThread._alive if h.thread.isFinished()}
@@ -100,16 +110,45 @@ class WorkerThread:
         return all(handle.wait(ms) for handle in list(cls._alive))
 
 
+class _Relay(QObject):
+    """Calls a worker's callbacks on the thread it was made on (the GUI thread): its slots are bound methods of a
+    QObject, so the worker's signals are queued to them. It keeps itself alive until `finished` (the last signal)
+    has been delivered, so no queued callback is lost when its handle is dropped first."""
+
+    _pending: set["_Relay"] = set()
+
+    def __init__(self, handle: WorkerThread, on_yield, on_return, on_error, on_finish):
+        super().__init__()
+        _Relay._pending.add(self)
+        self._callbacks = {"yield": on_yield, "return": on_return, "error": on_error, "finish": on_finish}
+        worker = handle.worker
+        if on_yield is not None:
+            worker.yielded.connect(self._yielded)
+        if on_return is not None:
+            worker.returned.connect(self._returned)
+        if on_error is not None:
+            worker.errored.connect(self._errored)
+        worker.finished.connect(self._finished)
+
+    def _yielded(self, value) -> None:
+        self._callbacks["yield"](value)
+
+    def _returned(self, value) -> None:
+        self._callbacks["return"](value)
+
+    def _errored(self, message: str) -> None:
+        self._callbacks["error"](message)
+
+    def _finished(self) -> None:
+        _Relay._pending.discard(self)
+        if self._callbacks["finish"] is not None:
+            self._callbacks["finish"]()
+
+
 def run_in_thread(func: Callable[[Report, ShouldStop], Any], *, on_yield=None, on_return=None, on_error=None,
                   on_finish=None) -> WorkerThread:
-    """Start func on a worker thread with the given callbacks (called on the GUI thread via queued signals)."""
+    """Start func on a worker thread with the given callbacks, called on the GUI thread (any callable: a lambda
+    too) through the handle's `_Relay`."""
     handle = WorkerThread(func)
-    if on_yield is not None:
-        handle.worker.yielded.connect(on_yield)
-    if on_return is not None:
-        handle.worker.returned.connect(on_return)
-    if on_error is not None:
-        handle.worker.errored.connect(on_error)
-    if on_finish is not None:
-        handle.worker.finished.connect(on_finish)
+    handle.relay = _Relay(handle, on_yield, on_return, on_error, on_finish)
     return handle.start()

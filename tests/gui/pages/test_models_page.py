@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+from PySide6.QtCore import QCoreApplication
 from PySide6.QtWidgets import QDialogButtonBox, QMenu
 
 from hivekeeper.core.runtime.library import scan_library
@@ -89,6 +90,9 @@ def test_the_page_and_the_pickers_list_the_library_and_remove_asks_first(library
     remove.click()
     qtbot.waitUntil(lambda: "mine-f16.gguf" not in table_ids(page), timeout=60_000)
     assert not (models / "mine-f16.gguf").exists() and "Removed mine-f16.gguf" in page.status.text()
+    # the listing that follows a removal was started on the GUI thread (the removal's callback runs there,
+    # workers.run_in_thread), not on the removal's worker thread, which made its QObjects there
+    assert page.service.listing.thread.thread() is QCoreApplication.instance().thread()
 
 
 def test_pull_shows_progress_and_stop_keeps_the_partial_file(library, app_window, qtbot, repos):
