@@ -12,6 +12,13 @@ expectation worked out here by hand from round numbers, not read back from the p
   tokens per second are the prompt tokens over its seconds;
 - the bottleneck's sentence quotes the bytes and FLOPs of a decode step: the weights and cache streamed over the
   link, the cache CPU attention reads, the GPU's FLOPs.
+
+Session 12, the survivors in the functions issues 22 and 23 changed:
+- a CPU whose decode steps were measured whole takes each block's step as the longer of its reads and FLOPs;
+- the host's runtime memory counts on a unified-memory GPU, not on a CPU-only machine;
+- a GPU prefill of two or more rows reads int8 weights as dequantized 16-bit copies, and a short prompt's roofline is
+  its least bytes (weights once as stored, norms, the new cache) at the spec bandwidth;
+- a packed head on up to 8 rows overlaps its reads with its kernels and reads from RAM only what the cache misses.
 """
 
 from __future__ import annotations
