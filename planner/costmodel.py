@@ -774,9 +774,20 @@ def decode_block(grid: CandidateArrays, context: float) -> BlockPass:
     """One block's share of a decode step at a context length (the mean over the decode steps)."""
     attention_flops = 4.0 * grid.numbers.q_dim * context * grid.batch
     return block_pass(grid, decode_accelerator(grid, context, attention_flops),
-                      grid.micro_batches * grid.acc_eff.layer_overhead_s,
+                      grid.micro_batches * decode_block_overhead(grid),
                       decode_cpu_attention(grid, context, attention_flops), decode_link(grid, context),
                       decode_disk(grid, context))
+
+
+def decode_block_overhead(grid: CandidateArrays):
+    """A block's fixed cost in one micro-batch of a decode step: Efficiency.layer_overhead_s, what the native
+    kernels' whole-span call pays a block (up to PACKED_KERNEL_ROWS rows). On a CPU a micro-batch of more rows runs
+    block by block through torch and BLAS, as a prefill does (core/runtime/model.Span.forward), so its blocks pay the
+    prefill's fixed cost (prefill_block's; issue 23: at the kernels' per-block cost a thin model's batch-64 decode,
+    30 blocks, was predicted several times faster than it ran at load 8)."""
+    torch_rows = (grid.machine.acc.kind == "cpu") & (grid.micro_batch > PACKED_KERNEL_ROWS)
+    return np.where(torch_rows, grid.acc_eff.prefill_layer_overhead_s * grid.prefill_overhead,
+                    grid.acc_eff.layer_overhead_s)
 
 
 def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -> AcceleratorWork:
