@@ -14,8 +14,6 @@ import pytest
 from hivekeeper.core.cli.api import open_server
 from hivekeeper.core.cli.main import build_parser, main
 
-openai = pytest.importorskip("openai")
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KEY = "sesame"
 PROMPTS = ["hello there", "the cat sat on the mat and", "one two", "a b c d e f g h i j"]
@@ -52,7 +50,7 @@ def api(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def client(api):
+def client(api, openai):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key=KEY, timeout=DEADLINE_S, max_retries=0)
 
 
@@ -146,7 +144,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(api, client):
     assert complete(client, PROMPTS[0]).usage.completion_tokens == NEW_TOKENS
 
 
-def test_errors_arrive_as_the_clients_own_error_types(api, client):
+def test_errors_arrive_as_the_clients_own_error_types(api, client, openai):
     wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()

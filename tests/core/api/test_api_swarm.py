@@ -12,8 +12,6 @@ from hivekeeper.core.cli.api import open_server
 from hivekeeper.core.cli.main import build_parser
 from hivekeeper.core.swarm.local import LocalSwarm
 
-openai = pytest.importorskip("openai")
-
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 HTTP_TIMEOUT_S = 120
 BODY = {"prompt": "hello there", "max_tokens": 6, "temperature": 0}
@@ -32,7 +30,7 @@ def stop(api) -> None:
     api.service.close()
 
 
-def completion(api, body: dict) -> tuple[int, str]:
+def completion(openai, api, body: dict) -> tuple[int, str]:
     """(200, text) of a completion through the official `openai` client, streamed or not."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{api.port}/v1", api_key="unused", timeout=HTTP_TIMEOUT_S,
                            max_retries=0)
@@ -43,10 +41,10 @@ def completion(api, body: dict) -> tuple[int, str]:
     return 200, "".join(chunk.choices[0].text for chunk in reply if chunk.choices)
 
 
-def test_the_api_through_a_swarm_answers_like_the_local_model(tiny_checkpoint, tmp_path):
+def test_the_api_through_a_swarm_answers_like_the_local_model(tiny_checkpoint, tmp_path, openai):
     local = serving(["--model", str(tiny_checkpoint)])
     try:
-        expected = completion(local, BODY)
+        expected = completion(openai, local, BODY)
     finally:
         stop(local)
     assert expected[0] == 200 and expected[1]
@@ -54,7 +52,7 @@ def test_the_api_through_a_swarm_answers_like_the_local_model(tiny_checkpoint, t
         swarm.start(timeout=120)
         remote = serving(["--model", str(tiny_checkpoint), "--swarm", "--initial-peers", *swarm.initial_peers])
         try:
-            assert completion(remote, BODY) == expected
-            assert completion(remote, {**BODY, "stream": True}) == expected
+            assert completion(openai, remote, BODY) == expected
+            assert completion(openai, remote, {**BODY, "stream": True}) == expected
         finally:
             stop(remote)
