@@ -108,11 +108,22 @@ def resolve_model(args: argparse.Namespace):
     return path, load_tokenizer(path), load_config(path)
 
 
+def prepare_kernels() -> None:
+    """Load the CPU decode kernels now, saying so on stderr first when they have to be compiled (the first run
+    after an install waits seconds for the compiler, before any token)."""
+    from hivekeeper.core.runtime.kernels import native_kernels
+
+    seconds = native_kernels.load_saying(lambda words: print(words, file=sys.stderr, flush=True))
+    if seconds is not None:
+        print(f"kernels {native_kernels.status()} after {seconds:.0f} s", file=sys.stderr, flush=True)
+
+
 def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int, prompt_len: int,
                 max_length: int, ram_budget: float | None, drop_page_cache: bool = False) -> Runner:
     """Load the model for this run: the engine with a plan, or a swarm client."""
     from hivekeeper.core.offload.local_plan import plan_local_run
 
+    prepare_kernels()
     is_demo = _is_demo(path)
     if args.swarm:
         from hivekeeper.planner.errors import InputError

@@ -94,6 +94,7 @@ class ChatPage(QWidget):
         service.yielded.connect(self._on_piece)
         service.finished.connect(self._on_finished)
         service.errored.connect(self._on_error)
+        service.kernels.connect(self._on_kernels)
         self._load_settings()
         self.refresh_list()
         if settings.conversation_id:
@@ -404,6 +405,14 @@ class ChatPage(QWidget):
             self.placement_label.setText(f"Placement: {words}")
         else:
             self.status_label.setText(words)
+
+    def _on_kernels(self, words: str) -> None:
+        if words and not self.replying:  # a reply's own status says the same while it waits for the compile
+            self.status_label.setText(words)
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self.service.prepare_kernels()  # the first reply then starts without the compile's wait (once per app run)
 
     def _on_piece(self, text: str) -> None:
         if not self.reply_text:

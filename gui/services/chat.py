@@ -23,6 +23,7 @@ class ChatService(QObject):
     yielded = Signal(str)  # a piece of the reply, final (never retracted)
     finished = Signal(dict)  # stats of the reply: tokens, tokens_per_s, finish_reason, ...
     errored = Signal(str)
+    kernels = Signal(str)  # the CPU kernels' warm-up (prepare_kernels): its COMPILING words, then how long it took
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
@@ -31,6 +32,7 @@ class ChatService(QObject):
         self._backend = None  # lives on worker threads; only one reply runs at a time
         self._stop = threading.Event()
         self._job: WorkerThread | None = None
+        self._kernels_job: WorkerThread | None = None
         self.placement = ""
 
     @property
@@ -68,6 +70,22 @@ class ChatService(QObject):
         self._job = run_in_thread(work, on_yield=self._on_yield, on_return=self._on_return, on_error=self._on_error)
         self.started.emit()
 
+    def prepare_kernels(self) -> None:
+        """Compile (the first run after an install: 10-20 s) and load the CPU decode kernels on a worker, once,
+        before the first reply waits for them; `kernels` says what happens. A reply sent meanwhile waits for the
+        same compile (native_kernels' lock) and says so in its status."""
+        if self._kernels_job is not None:
+            return
+
+        def work(report, should_stop) -> str:
+            from hivekeeper.core.runtime.kernels.native_kernels import load_saying
+
+            seconds = load_saying(report)
+            return "" if seconds is None else f"CPU decode kernels compiled in {seconds:.0f} s."
+
+        self._kernels_job = run_in_thread(work, on_yield=self.kernels.emit, on_return=self.kernels.emit,
+                                          on_error=self.kernels.emit)
+
     def stop(self) -> None:
         """Stop the running reply after the current token."""
         self._stop.set()
@@ -81,6 +99,8 @@ class ChatService(QObject):
         """Stop any reply and free the model (its p2pd too, for the swarm backend)."""
         self.stop()
         self.wait()
+        if self._kernels_job is not None:
+            self._kernels_job.wait(120_000)  # a compile cannot be stopped; it ends within seconds
         backend, self._backend = self._backend, None
         if backend is not None:
             backend.close()

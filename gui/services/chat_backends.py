@@ -50,6 +50,7 @@ class ChatBackend:
 
         from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
         from hivekeeper.core.runtime.generation import conversation_cache
+        from hivekeeper.core.runtime.kernels.native_kernels import load_saying
         from hivekeeper.core.runtime.tokenizer import load_tokenizer
 
         self.key = key
@@ -57,6 +58,7 @@ class ChatBackend:
         self.prompt_cache = None
         self.conversation_id = ""
         self.skipped_messages = 0
+        load_saying(describe)  # compiled on the Chat page's first showing (ChatService.prepare_kernels), else now
         describe("finding the checkpoint…")
         if key.mode == "swarm":
             if not key.initial_peers:

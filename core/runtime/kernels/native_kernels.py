@@ -9,7 +9,8 @@ intrinsics) and "portable" (plain C for any CPU). The best one the CPU flags (HI
 the real CPU allow is chosen; HIVEKEEPER_NATIVE=<build> asks for one (the tests run each the CPU runs);
 HIVEKEEPER_NATIVE_PROFILE=1 builds it with -DHK_PROFILE, which times a decode step's parts (`step_profile`).
 Without a compiler, or with HIVEKEEPER_NATIVE=0, `library()` is None and decoding runs the numpy path
-(core/runtime/kernels/cpu_decode.py); `status()` says which and why.
+(core/runtime/kernels/cpu_decode.py); `status()` says which and why. The first build takes seconds (COMPILING):
+`needs_build()` tells beforehand and `load_saying(say)` says so, for `chat`, `generate` and the app's Chat page.
 
 The kernels' pool hands work out in chunks that any awake thread claims, and never waits for a worker that has not
 started (a worker the OS took off its core, on a busy machine); `hk_test_hold_worker` holds one back on purpose for
@@ -28,7 +29,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 from hivekeeper.core.machine.cpu_features import FLAGS_ENV, cpu_flags, native_kernel_flags_missing, pinned_flags
 from hivekeeper.core.runtime.kernels.cpu_threads import blas_threads, physical_cores
@@ -55,6 +58,9 @@ ENABLED = True  # tests and benchmarks switch it off to run the numpy path in th
 DEFAULT_SPIN_SECONDS = 50e-6  # how long an idle pool worker spins before it sleeps (bench/decode_busy.py measures)
 MAX_ROWS = 8  # batch rows the kernels take (decode_kernels.c's MAX_ROWS); more are not memory-bound: BLAS's job
 QUANT_MAX_ROWS = 512  # rows one block-quantized product takes (decode_kernels.c's QUANT_MAX_ROWS): a prefill's prompt
+
+# what a command or the app says while the first library() call compiles (8 s on a quiet 2-core VM, 9-18 s busy)
+COMPILING = "compiling the CPU decode kernels for this machine (once per install, 10-20 s)…"
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -138,10 +144,8 @@ def build(compiler: str, out_dir: Path, variant: str = "avx2", profile: bool = F
     """Compile the kernels' `variant` build with `compiler` into out_dir (reused when already built); `profile`: the
     build that times a decode step's parts (hk_profile). Raises RuntimeError with the compiler's message when the
     build fails."""
-    source = SOURCE.read_bytes()
-    flags = (*FLAGS, *VARIANTS[variant], *(("-DHK_PROFILE",) if profile else ()))
-    key = hashlib.sha256(source + "\0".join((*flags, _compiler_identity(compiler))).encode()).hexdigest()[:16]
-    target = out_dir / f"decode_kernels-{variant}{'-profile' if profile else ''}-{key}.so"
+    flags = _flags(variant, profile)
+    target = _target(compiler, out_dir, variant, profile)
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +164,42 @@ def build(compiler: str, out_dir: Path, variant: str = "avx2", profile: bool = F
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def _flags(variant: str, profile: bool) -> tuple[str, ...]:
+    return (*FLAGS, *VARIANTS[variant], *(("-DHK_PROFILE",) if profile else ()))
+
+
+def _target(compiler: str, out_dir: Path, variant: str, profile: bool) -> Path:
+    """Where `build` puts the variant's library: the name carries a hash of the source, flags and compiler."""
+    flags = _flags(variant, profile)
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((*flags, _compiler_identity(compiler))).encode()).hexdigest()
+    return out_dir / f"decode_kernels-{variant}{'-profile' if profile else ''}-{key[:16]}.so"
+
+
+def needs_build() -> bool:
+    """Whether the first `library()` call of this process will compile the kernels (COMPILING: seconds), so that a
+    command or the app can say so first. False once decided, when switched off or without a compiler, and when the
+    chosen build is already in the cache."""
+    if _status is not None:
+        return False
+    variant, _ = chosen_variant()
+    compiler = _compiler()
+    if variant is None or compiler is None:
+        return False
+    return not _target(compiler, _cache_dir(), variant, profiling()).is_file()
+
+
+def load_saying(say: Callable[[str], None]) -> float | None:
+    """Load the kernels (`library`); when that compiles them, call say(COMPILING) first and return the seconds the
+    compile took (None when nothing was compiled)."""
+    if not needs_build():
+        library()
+        return None
+    say(COMPILING)
+    started = time.perf_counter()
+    library()
+    return time.perf_counter() - started
 
 
 def chosen_variant() -> tuple[str | None, str]:
