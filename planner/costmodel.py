@@ -171,6 +171,8 @@ class ModelNumbers:
     head_params: int  # the LM head matmul (vocab × embedding width), tied or not
     flops_per_token: float  # matmul FLOPs of one block for one token (active experts)
     workspace_values_per_token: int  # activations alive inside one block, per token
+    cpu_step_values_per_token: int  # the same in a CPU step as the engine holds them (cpu_step_values)
+    largest_matrix_params: int  # the largest weight matrix the engine multiplies in a block (fused q, k, v or MLP)
 
     @property
     def matrix_params(self) -> int:
@@ -196,6 +198,9 @@ def model_numbers(model: ModelSpec) -> ModelNumbers:
         shared_matrix_params=attention + router, expert_matrix_params=expert, vector_params=max(0, vector),
         outside_params=model.outside_block_params(), head_params=model.vocab_size * model.embedding_dim,
         flops_per_token=float(model.block_matmul_flops_per_token()), workspace_values_per_token=workspace,
+        cpu_step_values_per_token=cpu_step_values(h, model.q_dim, model.kv_dim,
+                                                  model.intermediate_size * active_experts),
+        largest_matrix_params=largest_matrix_params(h, model.q_dim, model.kv_dim, model.intermediate_size),
     )
 
 
@@ -460,6 +465,34 @@ CPU_PART_TOKENS = 1024
 LOGIT_COPIES = 3
 
 
+def cpu_step_values(hidden: int, q_dim: int, kv_dim: int, intermediate: int) -> int:
+    """Values a token holds inside a block during a CPU step, all at once as the engine's torch code leaves them
+    (its input, residual, normed input and output; q, k and v; the MLP's gate, up and their product): one count for
+    the planner and the engine's placement (core/offload/placement.workspace_bytes)."""
+    return 4 * hidden + q_dim + 2 * kv_dim + 3 * intermediate
+
+
+def cpu_step_activation_bytes(values_per_token, hidden, vocab, batch, part, tokens, value_bytes):
+    """A CPU step's activations over `batch` sequences of `tokens` new tokens run `part` of them at a time through
+    each block: one part's values inside the block (cpu_step_values), the other parts' hidden states between blocks,
+    and fp32 logits of every sequence's last token with the head's temporaries (LOGIT_COPIES). The one rule the
+    planner and the engine's placement both use (numbers or numpy arrays)."""
+    return (part * tokens * values_per_token * value_bytes + (batch - part) * tokens * hidden * value_bytes
+            + LOGIT_COPIES * batch * vocab * 4.0)
+
+
+def largest_matrix_params(hidden: int, q_dim: int, kv_dim: int, intermediate: int) -> int:
+    """Parameters of a block's largest matrix as the engine multiplies it: one MLP matrix or the fused q, k, v."""
+    return max(intermediate * hidden, (q_dim + 2 * kv_dim) * hidden)
+
+
+def sixteen_bit_cpu_transient_bytes(largest_params: int, value_bytes: int) -> int:
+    """What a 16-bit plan computed on a CPU holds beyond its tensors for the largest matrix of a block: the block
+    reader's fp32 scratch (it converts an fp32 file through it) and the matmul library's reordered copy of the
+    weight during a 16-bit matmul (oneDNN). The planner's and the engine's placement's one count."""
+    return largest_params * (4 + value_bytes)
+
+
 def cpu_part_sequences(batch, micro_batch, tokens):
     """Sequences in one part of a CPU prefill chunk of `tokens` tokens a sequence: whole micro-batches until the part
     holds CPU_PART_TOKENS token rows, at most the batch (numbers or numpy arrays)."""
@@ -505,11 +538,17 @@ def fixed_memory(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency
     hidden_states = 2.0 * batch * p * numbers.hidden * kvb  # inputs and outputs of a block, all micro-batches
     workspace = b * p * numbers.workspace_values_per_token * kvb + b * numbers.vocab * 4.0  # + fp32 logits
     on_acc = 1.0 - c["ah"]
-    if machine.acc.kind == "cpu":  # the engine's CPU steps: the batch's hidden states (replaced part by part), one
-        # part's output and workspace (the plan's micro-batch when recomputing), the whole batch's logits
+    if machine.acc.kind == "cpu":  # the engine's CPU steps, counted as its placement counts them: one part of the
+        # batch inside a block (the plan's micro-batch when recomputing), the other parts' hidden states, the logits
         part = np.where(c["rec"] > 0, b, cpu_part_sequences(batch, b, p))
-        hidden_states = (batch + part) * p * numbers.hidden * kvb
-        workspace = part * p * numbers.workspace_values_per_token * kvb + LOGIT_COPIES * batch * numbers.vocab * 4.0
+        hidden_states = 0.0  # in cpu_step_activation_bytes
+        workspace = cpu_step_activation_bytes(numbers.cpu_step_values_per_token, numbers.hidden, numbers.vocab,
+                                              batch, part, p, kvb)
+        # a disk-tier block's cache is mapped in for its turn, the whole batch's (core/offload/tiered_cache)
+        workspace = workspace + np.where(c["cd"] > 0, batch * ctx * per_token, 0.0)
+        sixteen_bit = np.array([t.fmt.name in ("bf16", "fp16") for t in traits])[f]
+        workspace = workspace + np.where(sixteen_bit, sixteen_bit_cpu_transient_bytes(
+            numbers.largest_matrix_params, 2), 0.0)
         on_acc = 1.0  # one memory: hidden states "on the host" are in it too
     acc = outside + c["ca"] * cache_all + cache_buffers + on_acc * hidden_states + workspace \
         + eff.accelerator.runtime_bytes

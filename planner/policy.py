@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .costmodel import (TIERS, Machine, Placement, Policy, Prediction, Workload, evaluate_arrays, fixed_memory,
-                        format_traits, machine_view, model_numbers, peak_memory, prediction_from_arrays,
+from .costmodel import (TIERS, Machine, Placement, Policy, Prediction, Workload, cpu_native_half, evaluate_arrays,
+                        fixed_memory, format_traits, machine_view, model_numbers, peak_memory, prediction_from_arrays,
                         sixteen_bit_format, solve_weight_placement)
 from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
@@ -82,7 +82,9 @@ def candidate_formats(model: ModelSpec, machine: Machine, quant: str, packed: tu
         return [quant]
     formats = [sixteen_bit_format(model, machine)]
     if machine.acc.kind == "cpu":
-        formats.append("fp32")  # a CPU without 16-bit math converts every 16-bit value it reads
+        # a CPU without 16-bit math computes a 16-bit plan in fp32 (core/offload/local_plan.compute_dtype), holding
+        # 4 bytes a weight where the 16-bit format would count 2: only fp32 is what runs there
+        formats = ["fp32"] if not cpu_native_half(machine.acc) else [*formats, "fp32"]
         if quant == "auto":
             formats += [name for name in packed if name not in formats]
     elif quant == "auto":

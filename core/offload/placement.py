@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hivekeeper.planner.costmodel import LOGIT_COPIES, TIERS, Policy, cpu_part_sequences
+from hivekeeper.planner.costmodel import (TIERS, Policy, cpu_part_sequences, cpu_step_activation_bytes,
+                                         cpu_step_values, largest_matrix_params, sixteen_bit_cpu_transient_bytes)
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
@@ -177,13 +178,11 @@ def micro_batch_rows(batch: int, micro_batch_size: int, num_micro_batches: int) 
 
 
 def sixteen_bit_cpu_transients(config: ModelConfig, dtype: torch.dtype) -> int:
-    """What a 16-bit plan computed on the CPU holds beyond its tensors, for the largest matrix of a block: the block
-    reader's scratch buffer in an fp32 file's dtype (weights.BlockReader converts through it) and the matmul
-    library's reordered copy of a weight during a bf16 matmul (oneDNN). Measured: a bf16 plan over the fp32 file of a
-    190 MB model (hidden 512, intermediate 2048) went ~9 MB past what the other terms count."""
-    fused_qkv = (config.q_dim + 2 * config.kv_dim) * config.hidden_size
-    largest = max(config.intermediate_size * config.hidden_size, fused_qkv)
-    return largest * (4 + itemsize(dtype))
+    """What a 16-bit plan computed on the CPU holds beyond its tensors (costmodel.sixteen_bit_cpu_transient_bytes,
+    the planner's count). Measured: a bf16 plan over the fp32 file of a 190 MB model (hidden 512, intermediate
+    2048) went ~9 MB past what the other terms count."""
+    largest = largest_matrix_params(config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size)
+    return sixteen_bit_cpu_transient_bytes(largest, itemsize(dtype))
 
 
 def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype | None:
@@ -201,12 +200,12 @@ def _split_activations(fraction_in_ram: float, parts: int) -> list[str]:
 def workspace_bytes(config: ModelConfig, batch: int, tokens: int, dtype: torch.dtype, part: int | None = None) -> int:
     """Activations of a step of `tokens` new tokens a sequence over `batch` sequences run `part` of them at a time
     through each block (None: all at once): what is alive inside a block for one part, the other parts' hidden
-    states between blocks, and fp32 logits of every sequence's last token (LOGIT_COPIES: with the head's temporaries)."""
+    states between blocks, and fp32 logits of every sequence's last token (LOGIT_COPIES: with the head's temporaries):
+    the planner's own rule (costmodel.cpu_step_activation_bytes), so that the batch it picks is the batch placed."""
     part = batch if part is None else max(1, min(part, batch))
-    per_token = 4 * config.hidden_size + config.q_dim + 2 * config.kv_dim + 3 * config.intermediate_size
-    size = itemsize(dtype)
-    return (part * tokens * per_token * size + (batch - part) * tokens * config.hidden_size * size
-            + LOGIT_COPIES * batch * config.vocab_size * 4)
+    values = cpu_step_values(config.hidden_size, config.q_dim, config.kv_dim, config.intermediate_size)
+    return int(cpu_step_activation_bytes(values, config.hidden_size, config.vocab_size, batch, part, tokens,
+                                         itemsize(dtype)))
 
 
 def cpu_step_part(batch: int, micro_batch_rows: int, tokens: int) -> int:

@@ -54,12 +54,14 @@ def test_micro_batches_the_engine_merges_into_the_same_parts_need_the_same_memor
 
 
 def test_a_larger_batch_adds_its_hidden_states_and_logits_not_its_whole_workspace():
-    """Batch 256 against 128, both in parts of 64: only the hidden states of the other parts and the logits grow."""
+    """Batch 256 against 128, both in parts of 64: only the hidden states of the other parts, the logits and the
+    disk-tier block's cache mapped in for its turn (the whole batch's) grow."""
     numbers = model_numbers(MODEL)
-    on_disk = {"ca": 0.0, "cd": 1.0}  # the KV cache on disk: one micro-batch's staging, the same for both
+    on_disk = {"ca": 0.0, "cd": 1.0}  # the KV cache on disk: one block's is in RAM during its turn
     grown = acc_bytes(b=64, n=4, **on_disk) - acc_bytes(b=64, n=2, **on_disk)
     hidden_and_logits = 128 * (PROMPT * numbers.hidden * 2.0 + LOGIT_COPIES * numbers.vocab * 4.0)
-    assert grown == hidden_and_logits
+    cache_in_turn = 128 * (PROMPT + 8) * 2 * numbers.kv_dim * 2.0
+    assert grown == hidden_and_logits + cache_in_turn
     assert grown < 128 * PROMPT * numbers.workspace_values_per_token * 2.0  # the whole batch's workspace would
 
 

@@ -61,15 +61,15 @@ def test_nf4_on_a_gpu_is_not_called_cpu_dequantization(cli):
 @pytest.mark.parametrize("goal", ["batch"])
 def test_a_plan_streaming_most_weights_from_disk_says_so(goal, tmp_path, cli):
     data = plan_json("--model", "meta-llama/Meta-Llama-3.1-8B-Instruct", "--hardware", "cpu-generic", "--ram-gb",
-                     "8", "--goal", goal, cli=cli)
+                     "16", "--goal", goal, cli=cli)
     disk = data["policy"]["weights"]["disk"]
     assert disk > MOSTLY_ON_DISK
     assert any(w.startswith(f"streams {100 * disk:.0f}% of the weights from disk") for w in data["warnings"])
 
 
 def test_the_batch_goal_labels_what_each_number_covers(cli):
-    args = ("--model", "meta-llama/Meta-Llama-3.1-8B-Instruct", "--hardware", "cpu-generic", "--ram-gb", "8",
-            "--goal", "batch")
+    args = ("--model", "meta-llama/Meta-Llama-3.1-8B-Instruct", "--hardware", "cpu-generic", "--ram-gb", "16",
+            "--goal", "batch")  # fp32 (no 16-bit math: what the engine runs), which needs more than 8 GB
     data = plan_json(*args, cli=cli)
     batch = data["policy"]["batch_size"]
     assert batch > 1
