@@ -201,14 +201,20 @@ def _matmul_rates(measurements: list[Measurement], prefix: str) -> dict[str, Mea
     return rates
 
 
+def _rate_words(m: Measurement) -> str:
+    """What a FLOP/s measurement timed: the runtime's own prefill passes (fp32) or one matmul at a prefill shape."""
+    return "the runtime's prefill passes through decoder blocks" if m.key == PREFILL_FLOPS_KEY else \
+        "a matmul at the prefill shape"
+
+
 def _with_flops(device: ComputeDevice, rates: dict[str, Measurement], when: float | None) -> ComputeDevice:
     """A device whose FLOP/s table is the measured rates (dtypes not measured are dropped: one table, one source)."""
     if not rates:
         return device
     flops = {dtype: clamp_to_limit(m.value / 1e12, "tflops") * 1e12 for dtype, m in rates.items()}
     first = rates.get("fp32") or next(iter(rates.values()))
-    listed = ", ".join(f"{d} {m.value / 1e9:.3g} GFLOP/s" for d, m in rates.items())
-    source = (f"{_measured_on(when)}: matmul at the prefill shape ({listed}), best of {first.repeats} "
+    listed = ", ".join(f"{d} {m.value / 1e9:.3g} GFLOP/s ({_rate_words(m)})" for d, m in rates.items())
+    source = (f"{_measured_on(when)}: {listed}; {first.label}: {first.repeats} repeats "
               f"(load {first.loadavg:.1f}); {first.detail}")
     return dataclasses.replace(device, flops=flops, sources={**device.sources, "flops": source})
 

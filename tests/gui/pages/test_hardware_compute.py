@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 
 from hivekeeper.planner.hardware_catalog import CPU_SOFTWARE_HALF_SLOWDOWN, get_hardware
 
-from hivekeeper.core.machine.measurement import Measurement
+from hivekeeper.core.machine.measurement import PREFILL_FLOPS_KEY, Measurement
 from hivekeeper.core.machine.profiles import new_profile, save_profile
 
 AMX = "sse2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"
@@ -59,14 +59,19 @@ def test_each_compute_figure_has_its_unit_and_says_what_kind_of_number_it_is(amx
     assert "CPU 16-bit plans" not in rows["fp32 matmul"][1] + int8_source
 
     profile = new_profile(page.machine.detected)
-    profile.measurements = [_matmul("fp32", 100e9), _matmul("bf16", 389e9)]
+    # the fp32 rate plans use is the runtime's own prefill passes (measure since session 11), not the fp32 matmul
+    prefill = Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", 80e9, "FLOP/s", 0.1, 5, 1.0,
+                          "prefill passes (test figures)")
+    profile.measurements = [_matmul("fp32", 100e9), _matmul("bf16", 389e9), prefill]
     save_profile(profile)
     rows = _detect_again(page, qtbot)
     assert set(rows) == {"fp32 matmul", "bf16 matmul"}  # measured dtypes only: one table, one source
-    assert rows["fp32 matmul"][0] == "100 GFLOP/s" and rows["fp32 matmul"][1].startswith("measured")
+    assert rows["fp32 matmul"][0] == "80 GFLOP/s" and rows["fp32 matmul"][1].startswith("measured")
+    # each figure says what was timed (the fp32 one read "matmul at the prefill shape")
+    assert "fp32 80 GFLOP/s (the runtime's prefill passes through decoder blocks)" in rows["fp32 matmul"][1]
     value, source, r = rows["bf16 matmul"]
-    assert value == f"{100 / CPU_SOFTWARE_HALF_SLOWDOWN:.3g} GFLOP/s"  # what plans are charged, in GFLOP/s
-    assert source.startswith("derived: 1/7 of the fp32 rate") and "bf16 389 GFLOP/s" in source
+    assert value == f"{80 / CPU_SOFTWARE_HALF_SLOWDOWN:.3g} GFLOP/s"  # what plans are charged, in GFLOP/s
+    assert source.startswith("derived: 1/7 of the fp32 rate") and "bf16 389 GFLOP/s (a matmul at the prefill shape)" in source
     assert page.table.item(r, 2).text() == value and page.table.item(r, 3).text().startswith("derived")
     compare = {page.compare_table.item(i, 1).text(): page.compare_table.item(i, 3).text()
                for i in range(page.compare_table.rowCount())}
