@@ -8,12 +8,16 @@ positioned reads straight into the streaming slots: half the bytes, no conversio
 
     <data dir>/half-blocks/<model>-<hash of its path>-half-<dtype>/
         manifest.json               the checkpoint's files (size, mtime) it was made from, and each block file's size
+                                    and CRC-32 of its tensor bytes
         block-00003.safetensors     layer 3's tensors under the Block's own names
 
 Files are written with the project's safetensors writer (safetensors.torch.save_file, as the quantized store does)
 to a temp file and renamed into place, the manifest after each block, under a lock file; a store made from other
-files is rebuilt, and a block file of the wrong size or tensors is rewritten. `HIVEKEEPER_HALF_STORE=0` turns it off
-(the engine then converts as it reads, for an A/B).
+files is rebuilt, and a block file of the wrong size or tensors is rewritten. A block whose bytes do not match its
+CRC-32 (checked the first time a process reads it, as it is read) is never used: that read is redone from the
+checkpoint and the file rewritten from it, with a warning. Opening a store removes the other 16-bit stores whose
+checkpoint is gone or whose files changed (quant.store.remove_orphaned_stores). `HIVEKEEPER_HALF_STORE=0` turns it
+off (the engine then converts as it reads, for an A/B).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import os
 import tempfile
 import threading
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -34,13 +39,13 @@ from hivekeeper.core.atomic_file import folder_lock, write_json_atomic
 from hivekeeper.core.offload.weights import BlockReader, empty_block
 from hivekeeper.core.runtime.checkpoint import Checkpoint
 from hivekeeper.core.runtime.model import Block, RotaryTable
-from hivekeeper.core.runtime.quant.store import source_identity, store_folder
+from hivekeeper.core.runtime.quant.store import data_crc, remove_orphaned_stores, source_identity, store_folder
 from hivekeeper.core.runtime.safetensors_file import SafetensorsFile
 
 log = logging.getLogger(__name__)
 
 HALF_STORE_ENV = "HIVEKEEPER_HALF_STORE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each block's CRC-32 (session 12); a version-1 store is rebuilt
 MANIFEST = "manifest.json"
 
 
@@ -68,9 +73,12 @@ class HalfStore:
         self.drop_page_cache = drop_page_cache
         self.manifest: dict = {}
         self.built: list[int] = []  # layers this process wrote (none when the store was reused)
+        self.rebuilt: list[int] = []  # layers whose file failed its CRC-32 when read, and were written again
         self.bytes_read = 0
         self.reads: Counter[int] = Counter()
         self._files: dict[int, SafetensorsFile] = {}
+        self._verified: set[int] = set()
+        self._reader: BlockReader | None = None  # the checkpoint's, for a block that failed its check
         self._lock = threading.Lock()
 
     @classmethod
@@ -86,6 +94,7 @@ class HalfStore:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise InputError(f"{folder}: cannot create the 16-bit block store ({exc.strerror or exc})") from None
+        remove_orphaned_stores(folder.parent, keep=folder, what="16-bit block")
         store = cls(checkpoint, dtype, folder, drop_page_cache)
         try:
             with folder_lock(folder):
@@ -122,7 +131,7 @@ class HalfStore:
     def _usable(self, layer: int) -> bool:
         """Whether layer's file is there with the manifest's size and a block's tensors in this dtype."""
         entry = self.manifest["blocks"].get(str(layer))
-        if not isinstance(entry, dict):
+        if not isinstance(entry, dict) or not isinstance(entry.get("crc32"), int):
             return False
         path = self.folder / str(entry.get("file"))
         shapes = {name: (self.dtype, tuple(p.shape)) for name, p in self._shape_block().named_parameters()}
@@ -147,39 +156,63 @@ class HalfStore:
         return self._meta_block
 
     def _build(self, layers: list[int]) -> None:
-        """Read each layer from the checkpoint in this dtype (one reused block) and write it: temp file, rename,
-        then the manifest."""
-        from safetensors.torch import save_file
-
+        """Read each layer from the checkpoint in this dtype (one reused block) and write it."""
         reader = BlockReader(self.checkpoint)
         block = empty_block(self.config, RotaryTable(self.config), self.dtype, "cpu")
         try:
             for layer in layers:
                 reader.fill(block, layer)
-                path = self.folder / f"block-{layer:05d}.safetensors"
-                handle, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{path.stem}.", suffix=".tmp")
-                os.close(handle)
-                try:
-                    save_file({name: p.detach() for name, p in block.named_parameters()}, tmp,
-                              metadata={"layer": str(layer)})
-                    os.replace(tmp, path)
-                except OSError as exc:
-                    raise InputError(f"{path}: cannot write the 16-bit block ({exc.strerror or exc})") from None
-                finally:
-                    Path(tmp).unlink(missing_ok=True)
-                self.manifest["blocks"][str(layer)] = {"file": path.name, "bytes": path.stat().st_size}
-                write_json_atomic(self.folder / MANIFEST, self.manifest)
-                self._files[layer] = SafetensorsFile(path)
+                self._write(block, layer)
                 self.built.append(layer)
         finally:
             reader.close()
 
+    def _write(self, block: Block, layer: int) -> None:
+        """Write `block` as layer's file: temp file, its CRC-32 read back from it, rename, then the manifest."""
+        from safetensors.torch import save_file
+
+        path = self.folder / f"block-{layer:05d}.safetensors"
+        handle, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{path.stem}.", suffix=".tmp")
+        os.close(handle)
+        try:
+            save_file({name: p.detach() for name, p in block.named_parameters()}, tmp, metadata={"layer": str(layer)})
+            written = SafetensorsFile(Path(tmp))
+            try:
+                crc, size = data_crc(written), os.fstat(written.fd).st_size
+            finally:
+                written.close()
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot write the 16-bit block ({exc.strerror or exc})") from None
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        self.manifest["blocks"][str(layer)] = {"file": path.name, "bytes": size, "crc32": crc}
+        write_json_atomic(self.folder / MANIFEST, self.manifest)
+        with self._lock:
+            old = self._files.pop(layer, None)
+            self._files[layer] = SafetensorsFile(path)
+            self._verified.add(layer)  # just read back
+        if old is not None:
+            old.close()
+
     def fill(self, block: Block, layer: int) -> int:
-        """Read layer `layer` into `block` (a block of this dtype); returns the bytes read."""
+        """Read layer `layer` into `block` (a block of this dtype); returns the bytes read. The first read of a
+        layer in this process checks its CRC-32: a mismatch is read again from the checkpoint and rewritten."""
         handle = self._files.get(layer)
         if handle is None:
             raise InputError(f"{self.folder}: block {layer} is not in the 16-bit store (it was not opened for it)")
-        total = sum(handle.read_into(name, param) for name, param in block.named_parameters())
+        params = dict(block.named_parameters())
+        verify = layer not in self._verified
+        crc, total = 0, 0
+        for name in sorted(params, key=lambda n: handle.entries[n][2]):  # file order: the CRC's order
+            total += handle.read_into(name, params[name])
+            if verify:
+                crc = zlib.crc32(params[name].detach().reshape(-1).view(torch.uint8).numpy(), crc)
+        if verify and crc != self.manifest["blocks"][str(layer)]["crc32"]:
+            total = self._rebuild(block, layer, handle.path)
+        elif verify:
+            with self._lock:
+                self._verified.add(layer)
         if self.drop_page_cache:
             handle.drop_from_page_cache(list(handle.entries))
         block.layer_index = layer
@@ -189,8 +222,26 @@ class HalfStore:
             self.reads[layer] += 1
         return total
 
+    def _rebuild(self, block: Block, layer: int, path: Path) -> int:
+        """Layer's file failed its CRC-32: fill `block` from the checkpoint instead and write the file again from it.
+        Returns the bytes read from the checkpoint."""
+        log.warning("%s: damaged 16-bit block (CRC-32 mismatch); reading layer %d from the checkpoint and writing the "
+                    "block again", path, layer)
+        with self._lock:
+            if self._reader is None:
+                self._reader = BlockReader(self.checkpoint)
+            reader = self._reader
+        total = reader.fill(block, layer)
+        with folder_lock(self.folder):
+            self._write(block, layer)
+        self.rebuilt.append(layer)
+        return total
+
     def close(self) -> None:
         with self._lock:
             for handle in self._files.values():
                 handle.close()
             self._files.clear()
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None

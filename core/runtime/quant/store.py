@@ -18,7 +18,7 @@ interrupted build keeps what it finished. A store made from other files (the che
 bitsandbytes is rebuilt. A block file that is missing, of the wrong size or with a bad header is re-quantized when
 the store opens (with a warning); one whose bytes do not match its CRC-32 (checked the first time a process reads
 it) raises InputError and is removed, so the next run re-quantizes it. Opening a store removes the other stores
-whose checkpoint folder no longer exists.
+whose checkpoint folder no longer exists or whose checkpoint files changed.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ def _bitsandbytes_version() -> str:
     return str(getattr(bitsandbytes, "__version__", "unknown"))
 
 
-def _data_crc(handle: StoreFile) -> int:
-    """CRC-32 of a file's tensor bytes, tensor after tensor in file order (what `fill` checks as it reads)."""
+def data_crc(handle: SafetensorsFile) -> int:
+    """CRC-32 of a file's tensor bytes, tensor after tensor in file order (what `fill` checks as it reads; the 16-bit
+    half store, core/offload/half_store.py, uses it too)."""
     crc = 0
     for _, _, start, end in sorted(handle.entries.values(), key=lambda entry: entry[2]):
         offset = start
@@ -108,25 +109,44 @@ def _data_crc(handle: StoreFile) -> int:
     return crc
 
 
-def remove_orphaned_stores(root: Path, keep: Path) -> list[Path]:
-    """Delete the stores under `root` whose checkpoint folder is gone (moved, deleted, an evicted hub cache): nothing
-    could ever read them again. Stores whose manifest cannot be read are left alone. Returns what was removed."""
+def remove_orphaned_stores(root: Path, keep: Path, what: str = "quantized") -> list[Path]:
+    """Delete the stores under `root` whose checkpoint folder is gone (moved, deleted, an evicted hub cache) or whose
+    checkpoint files changed since the store was made from them (source_identity): nothing could ever read them
+    again, and the one that would be rebuilt in place. Stores whose manifest cannot be read are left alone. Returns
+    what was removed; `what` names the kind of store in the warning."""
     removed = []
     for manifest in sorted(root.glob(f"*/{MANIFEST}")):
         folder = manifest.parent
         if folder == keep:
             continue
         try:
-            source = Path(json.loads(manifest.read_text(encoding="utf-8"))["source"]["path"])
+            source = json.loads(manifest.read_text(encoding="utf-8"))["source"]
+            path, files = Path(source["path"]), dict(source["files"])
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
             continue
-        if (source / "config.json").is_file():
+        why = stale_reason(path, files)
+        if why is None:
             continue
         with folder_lock(folder):  # not while another process writes it
             shutil.rmtree(folder, ignore_errors=True)
-        log.warning("removed the quantized store %s: its checkpoint %s is gone", folder, source)
+        log.warning("removed the %s store %s: %s", what, folder, why)
         removed.append(folder)
     return removed
+
+
+def stale_reason(path: Path, files: dict) -> str | None:
+    """Why a store made from checkpoint `path` with `files` ({name: [size, mtime_ns]}, source_identity) can no
+    longer be read, or None while the checkpoint is as it was."""
+    if not (path / "config.json").is_file():
+        return f"its checkpoint {path} is gone"
+    for name, seen in files.items():
+        try:
+            stat = (path / name).stat()
+        except OSError:
+            return f"its checkpoint's file {path / name} is gone"
+        if [stat.st_size, stat.st_mtime_ns] != list(seen):
+            return f"its checkpoint's file {path / name} changed since the store was made"
+    return None
 
 
 class QuantStore:
@@ -257,7 +277,7 @@ class QuantStore:
                 os.fsync(written.fileno())
             check = StoreFile(Path(tmp))
             try:
-                crc, size = _data_crc(check), os.fstat(check.fd).st_size
+                crc, size = data_crc(check), os.fstat(check.fd).st_size
             finally:
                 check.close()
             os.replace(tmp, path)

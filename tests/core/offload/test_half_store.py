@@ -64,3 +64,61 @@ def test_a_damaged_block_file_is_rewritten_when_the_store_opens(checkpoint, monk
         assert store.built == [1, 2]
     finally:
         source.close()
+
+
+def flip_a_byte_inside_a_tensor(path) -> None:
+    """Damage a block file without changing its size or header: one byte in the middle of its tensor data."""
+    from hivekeeper.core.runtime.safetensors_file import SafetensorsFile
+
+    handle = SafetensorsFile(path)
+    _, _, start, end = max(handle.entries.values(), key=lambda entry: entry[3] - entry[2])
+    handle.close()
+    data = bytearray(path.read_bytes())
+    data[(start + end) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_block_failing_its_crc_is_read_from_the_checkpoint_and_rewritten(checkpoint, monkeypatch, tmp_path):
+    """Same size, same header, one byte changed: never read silently. The run's tokens are the converting
+    reader's, the file is written again, and the next run reads it without rebuilding."""
+    monkeypatch.setenv("HIVEKEEPER_DATA_DIR", str(tmp_path))
+    converted, _, _ = run(checkpoint, monkeypatch, store_on=False)
+    _, _, store = run(checkpoint, monkeypatch, store_on=True)  # builds the store
+    damaged = store.folder / "block-00001.safetensors"
+    flip_a_byte_inside_a_tensor(damaged)
+    tokens, _, store = run(checkpoint, monkeypatch, store_on=True)
+    assert tokens == converted
+    assert store.built == [] and store.rebuilt == [1]  # found when read, not when opened (size and header fine)
+    again, _, store = run(checkpoint, monkeypatch, store_on=True)
+    assert again == converted and store.rebuilt == [] and store.built == []
+
+
+def test_stores_whose_checkpoint_is_gone_or_changed_are_removed(checkpoint, tmp_path, caplog):
+    import logging
+    import os
+    import shutil
+
+    root = tmp_path / "half-blocks"
+    folders = {}
+    for name in ("gone", "changed", "kept"):
+        other = make_demo_checkpoint(tmp_path / name, layers=1, seed=3)
+        source = open_checkpoint(other)
+        try:
+            store = HalfStore.open(source, torch.bfloat16, [0], root=root)
+            store.close()
+        finally:
+            source.close()
+        folders[name] = store.folder
+    shutil.rmtree(tmp_path / "gone")  # deleted (or an evicted hub cache)
+    weights = tmp_path / "changed" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # rewritten since
+    source = open_checkpoint(checkpoint)
+    try:
+        with caplog.at_level(logging.WARNING):
+            HalfStore.open(source, torch.bfloat16, [0], root=root).close()
+    finally:
+        source.close()
+    assert not folders["gone"].exists() and not folders["changed"].exists()
+    assert (folders["kept"] / "block-00000.safetensors").is_file()
+    messages = [r.getMessage() for r in caplog.records if "removed the 16-bit block store" in r.getMessage()]
+    assert any("is gone" in m for m in messages) and any("changed since the store was made" in m for m in messages)
