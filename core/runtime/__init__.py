@@ -3,6 +3,7 @@
 - `model`         Llama-family blocks (Llama, Mistral, Qwen2) and the caller-owned KV cache; imports nothing of ours
                   but the kernels it is sped up by.
 - `checkpoint`    Hugging Face checkpoint folders, read a block range at a time; hub ids resolved to folders.
+- `checkpoint_files`  the file names of such a folder (torch-free, for `models pull`).
 - `tokenizer`     tokenizer and chat template of a checkpoint.
 - `gguf`, `gguf_tokenizer`  GGUF files (llama.cpp, Ollama, LM Studio) as checkpoints: weights dequantized from the
                   memory map, the tokenizer rebuilt from the metadata (the torch-free part: planner/gguf_metadata.py).

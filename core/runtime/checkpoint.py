@@ -25,6 +25,7 @@ from hivekeeper.planner.gguf_metadata import SUFFIX as GGUF_SUFFIX
 from hivekeeper.planner.gguf_metadata import find_gguf
 
 from hivekeeper.core.runtime.block_tensors import block_tensor_names, read_block_tensors
+from hivekeeper.core.runtime.checkpoint_files import INDEX_FILE, SIDE_FILES, SINGLE_FILE
 from hivekeeper.core.runtime.default_model import is_default_model_id, resolve_default_model
 from hivekeeper.core.runtime.gguf import GGUFCheckpoint, load_packed_block, load_packed_head, packed_by_default
 from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_by_column, store_tall_linears_by_column
@@ -33,13 +34,9 @@ from hivekeeper.core.runtime.quant.bnb import check_quant, quantize_block
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 EMBEDDING_TENSOR = "model.embed_tokens.weight"
 FINAL_NORM_TENSOR = "model.norm.weight"
 LM_HEAD_TENSOR = "lm_head.weight"
-# small files a client wants next to the weights (tokenizer, chat template, generation defaults)
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}

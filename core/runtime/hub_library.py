@@ -217,7 +217,7 @@ def pull_files(repo_id: str, sizes: dict[str, int], gguf_file: str | None) -> tu
     """(the files to fetch, the GGUF file when it is one): the named GGUF; a safetensors checkpoint, as
     resolve_checkpoint would fetch it, config.json last (a folder is a checkpoint once config.json is in it);
     or the repo's only GGUF file."""
-    from hivekeeper.core.runtime.checkpoint import INDEX_FILE, SIDE_FILES
+    from hivekeeper.core.runtime.checkpoint_files import INDEX_FILE, SIDE_FILES
 
     ggufs = sorted(n for n in sizes if n.lower().endswith(".gguf"))
     listing = f"its GGUF files: {', '.join(ggufs[:12])}" if ggufs else "it has no GGUF file"

@@ -38,3 +38,21 @@ def test_a_command_imports_its_module_only_and_help_lists_them_all():
         assert f"\n    {command} " in printed or f"\n    {command}\n" in printed, printed
     code, modules, _ = probe("no-such-command")
     assert code == 2 and modules == ["hivekeeper.core.cli.main"]
+
+
+PULL_PROBE = """
+import json, sys
+from hivekeeper.core.runtime.hub_library import pull_files
+checkpoint = pull_files("org/llama", {"config.json": 1, "model.safetensors": 2, "tokenizer.json": 3}, None)
+single = pull_files("org/gguf", {"a-Q8_0.gguf": 1, "README.md": 2}, None)
+print(json.dumps({"checkpoint": checkpoint, "single": single, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_models_pull_chooses_a_repos_files_without_importing_torch():
+    """`models pull` picks the files as a checkpoint load would read them (the side files, the weights, config.json
+    last) without importing torch: it cost each pull seconds of start-up on a loaded machine."""
+    found = json.loads(run([sys.executable, "-c", PULL_PROBE], timeout=120).stdout)
+    assert found["checkpoint"] == [["tokenizer.json", "model.safetensors", "config.json"], None]
+    assert found["single"] == [["a-Q8_0.gguf"], "a-Q8_0.gguf"]
+    assert found["torch"] is False
