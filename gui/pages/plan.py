@@ -549,6 +549,14 @@ class PlanPage(QWidget):
             self.settings.quant = self.quant_combo.currentData()
             self.settingsChanged.emit()
 
+    def _fit_label_height(self) -> None:
+        """Three lines, or as many as the fit line needs at the label's width (a layout pass only then)."""
+        lines = 3 * self.fit_label.fontMetrics().lineSpacing() + 4
+        width = self.fit_label.width()
+        needed = self.fit_label.heightForWidth(width) if width > 50 else lines
+        if self.fit_label.height() != max(lines, needed):
+            self.fit_label.setFixedHeight(max(lines, needed))
+
     def _show_error(self, message: str) -> None:
         self.error = message
         self.error_label.setText(message)
@@ -570,7 +578,8 @@ class PlanPage(QWidget):
         self.warning_label.setVisible(bool(plan.warnings))
         prefix = "Your placement: " if result.overridden else ""
         self.fit_label.setText(f"<b style='color:{FIT_COLORS[plan.fit]}'>{FIT_MARKS[plan.fit]} {prefix}{fit_words}"
-                               f"</b> — {plan.reason}")
+                               f"</b> — {plan_view.fit_reason(plan)}")
+        self.fit_label.setToolTip(plan.reason)
         decode, prefill = n.get("decode_tokens_per_s"), n.get("prefill_tokens_per_s")
         roof_d, roof_p = n.get("roofline_decode_tokens_per_s"), n.get("roofline_prefill_tokens_per_s")
         self.decode_card.set(fmt_rate(decode), f"roofline bound {fmt_rate(roof_d)}" if roof_d else "")
@@ -617,7 +626,9 @@ class PlanPage(QWidget):
         self.fit_cards()
 
     def fit_cards(self) -> None:
-        """The top cards as tall as the bottleneck's text needs (at least CARD_HEIGHT): never clipped."""
+        """The top cards as tall as the bottleneck's text needs (at least CARD_HEIGHT), and the fit line as tall as
+        its text: never clipped."""
+        self._fit_label_height()
         card = self.bottleneck_card
         needed = card.heightForWidth(card.width()) if card.width() > 0 else CARD_HEIGHT
         height = max(CARD_HEIGHT, needed)

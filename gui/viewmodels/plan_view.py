@@ -287,6 +287,14 @@ def model_fit(model: ModelSpec, hardware: HardwareSpec, model_id: str | None = N
     return ModelFit(model_id or model.name, plan.fit, fit_words(plan), plan.reason)
 
 
+def fit_reason(plan: planner_policy.Plan) -> str:
+    """The plan's reason for the fit line, without the bottleneck's explanation it opens with (the Bottleneck card
+    shows that): what remains is where the weights and KV cache go, or why it does not fit."""
+    detail = plan.prediction.bottleneck_detail if plan.prediction is not None else ""
+    lead = f"{detail}. "
+    return plan.reason[len(lead):] if detail and plan.reason.startswith(lead) else plan.reason
+
+
 def fit_words(plan: planner_policy.Plan) -> str:
     """FIT_WORDS for the plan's fit, except that a local plan streaming most of its weights from disk says so
     rather than "fits here"."""
