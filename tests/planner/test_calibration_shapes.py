@@ -3,12 +3,18 @@ calibration on one model may change for another; every figure is fed in (nothing
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
                                                  Measurement, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY)
 from hivekeeper.core.machine.profiles import apply_measurements
-from hivekeeper.planner.calibration import measured_efficiency
+from hivekeeper.planner.calibration import (CPU_FIT_FACTORS, DECODE_TIME, DEFAULT_FIT_FACTORS,
+                                            MEASURED_STEPS_FIT_FACTORS, ProfilePoint, default_fit_factors,
+                                            fit_efficiency, measured_efficiency, predict_points, scaled_decode_time)
+from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS, Placement, Policy, Workload, evaluate
 from hivekeeper.planner.hardware_catalog import get_hardware
 from hivekeeper.planner.models import ModelSpec
@@ -53,3 +59,73 @@ def test_a_decode_of_more_rows_than_the_kernels_take_pays_the_prefills_block_cos
     assert step_seconds(model, slow_blocks, 1) - step_seconds(model, cheap, 1) == pytest.approx(
         model.num_layers * 0.5e-3, rel=1e-6)
     assert step_seconds(model, slow_blocks, many) == pytest.approx(step_seconds(model, cheap, many), rel=1e-9)
+
+
+RESIDENT = Policy("fp32", weights=Placement(0.0, 1.0, 0.0), kv_cache=Placement(0.0, 1.0, 0.0),
+                  activations=Placement(0.0, 1.0, 0.0), prefetch_depth=0)
+
+
+def profile_of(model: ModelSpec, hardware, truth: MachineEfficiency, noise: float = 0.0,
+               seed: int = 0) -> list[ProfilePoint]:
+    """The calibration grid of calibration_accuracy --fast, its times from the cost model with the `truth` factors,
+    times multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    shells = [ProfilePoint(p, o, b, prefill_s=1.0, step_s=1.0 if o > 1 else None, runtime_s=1.0)
+              for p in (16, 96) for o in (1, 8) for b in (1, 2, 4)]
+    prefill, step = predict_points(model, hardware, shells, {"resident": RESIDENT}, truth)
+    prefill = prefill * (1 + noise * rng.standard_normal(len(shells)))
+    step = step * (1 + noise * rng.standard_normal(len(shells)))
+    return [dataclasses.replace(pt, prefill_s=pre, step_s=st if pt.step_s else None, runtime_s=pre)
+            for pt, pre, st in zip(shells, prefill, step)]
+
+
+def fitted_steps(hardware, truth: MachineEfficiency, fitted: MachineEfficiency, model: ModelSpec) -> list[tuple]:
+    shells = [ProfilePoint(32, 8, b, prefill_s=1.0, step_s=1.0, runtime_s=1.0) for b in (1, 4)]
+    return [(float(t), float(f)) for t, f in zip(predict_points(model, hardware, shells, {"resident": RESIDENT},
+                                                                truth)[1],
+                                                 predict_points(model, hardware, shells, {"resident": RESIDENT},
+                                                                fitted)[1])]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_calibration_on_the_thin_model_scales_the_measured_steps_and_the_wide_model_follows(seed):
+    """The machine decodes 1.3x as slowly while the thin model is profiled (3% noise on every time) as while it was
+    measured. The fit scales the measured step as a whole, reads and blocks' fixed cost together, and the wide
+    model's steps (one row and four) follow within 5%. Fitting the bandwidth, the block cost and the step overhead
+    apart on the same points (CPU_FIT_FACTORS) put the wide model's steps 9-17% slow for these seeds: the noise
+    moved cost between terms that the thin model's 30 alike blocks pay together and the wide model's 2 do not."""
+    hardware = measured_cpu(prefill_block_s=2e-3)
+    assert default_fit_factors(hardware) == MEASURED_STEPS_FIT_FACTORS
+    base = measured_efficiency(hardware)
+    truth_set = dataclasses.replace(base.accelerator, **scaled_decode_time(base.accelerator, 1.3))
+    truth = MachineEfficiency(truth_set, truth_set)
+    fit = fit_efficiency(THIN, hardware, profile_of(THIN, hardware, truth, 0.03, seed), {"resident": RESIDENT}, base)
+    got = fit.efficiency.accelerator
+    assert got.layer_overhead_s / base.accelerator.layer_overhead_s == pytest.approx(
+        base.accelerator.bandwidth_fraction / got.bandwidth_fraction, rel=1e-9)  # the split kept
+    assert got.step_overhead_s == base.accelerator.step_overhead_s
+    for want, have in fitted_steps(hardware, truth, fit.efficiency, WIDE):
+        assert have == pytest.approx(want, rel=0.05)
+
+
+def test_a_bandwidth_fraction_stays_at_most_one_when_the_profile_runs_faster():
+    """Decode steps measured at 11 of 12 GB/s, then the profile runs 15% faster: the fit holds the fraction at 1
+    (the scale at 11/12), never above."""
+    hardware = measured_cpu(prefill_block_s=2e-3)
+    base = measured_efficiency(hardware)
+    truth_set = dataclasses.replace(base.accelerator, **scaled_decode_time(base.accelerator, 0.85))
+    fit = fit_efficiency(THIN, hardware, profile_of(THIN, hardware, MachineEfficiency(truth_set, truth_set)),
+                         {"resident": RESIDENT}, base)
+    got = fit.efficiency.accelerator
+    assert got.bandwidth_fraction == 1.0
+    assert got.layer_overhead_s == pytest.approx(base.accelerator.layer_overhead_s * 11 / 12, rel=1e-6)
+
+
+def test_profiles_without_measured_steps_and_gpus_fit_the_factors_they_did():
+    old = get_hardware("cpu-generic")  # no decode steps measured: bandwidth and block cost fitted apart
+    assert default_fit_factors(old) == CPU_FIT_FACTORS and DECODE_TIME not in CPU_FIT_FACTORS
+    assert default_fit_factors(get_hardware("t4")) == DEFAULT_FIT_FACTORS
+    eff = measured_efficiency(measured_cpu(prefill_block_s=2e-3)).accelerator
+    assert scaled_decode_time(eff, 2.0) == {"bandwidth_fraction": pytest.approx(eff.bandwidth_fraction / 2),
+                                            "layer_overhead_s": pytest.approx(eff.layer_overhead_s * 2)}
+    assert scaled_decode_time(eff, 0.5)["bandwidth_fraction"] == 1.0
