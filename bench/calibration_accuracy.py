@@ -113,19 +113,33 @@ def run_points(path, evaluation_grids, label: str):
     return points, policies
 
 
-def shape_errors(spec, hardware, points, policies, efficiencies: dict) -> dict:
-    """{"b1": {"decode": {"calibrated": %, "uncalibrated": %}, "prefill": {...}}, ...} (MAPE per batch size)."""
+def shape_errors(spec, hardware, points, policies, efficiencies: dict) -> tuple[dict, dict]:
+    """({"b1": {"decode": {"calibrated": %, "uncalibrated": %}, "prefill": {...}}, ...} (MAPE per batch size), the
+    same table of median predicted / measured time: above 1 predicted slow, below 1 fast, so a miss says its side)."""
     from hivekeeper.planner.calibration import cost_model_predictions, form_accuracy
 
     table: dict = {}
+    ratios: dict = {}
     for batch in sorted({pt.batch_size for pt in points}):
         chosen = [pt for pt in points if pt.batch_size == batch]
         for name, eff in efficiencies.items():
-            acc = form_accuracy(chosen, cost_model_predictions(spec, hardware, chosen, policies, eff))
+            predicted = cost_model_predictions(spec, hardware, chosen, policies, eff)
+            acc = form_accuracy(chosen, predicted)
             for phase in ("decode", "prefill"):
                 if phase in acc:
                     table.setdefault(f"b{batch}", {}).setdefault(phase, {})[name] = round(100 * acc[phase].mape, 1)
-    return table
+                    ratios.setdefault(f"b{batch}", {}).setdefault(phase, {})[name] = time_ratio(chosen, predicted,
+                                                                                                 phase)
+    return table, ratios
+
+
+def time_ratio(points, predicted, phase: str) -> float:
+    """The median of predicted / measured seconds of one phase (decode steps or prefills) over the points."""
+    if phase == "decode":
+        pairs = [(s, pt.step_s) for pt, s in zip(points, predicted.step_s) if pt.step_s]
+    else:
+        pairs = [(s, pt.prefill_s) for pt, s in zip(points, predicted.prefill_s)]
+    return round(float(np.median([p / m for p, m in pairs])), 3)
 
 
 def overall(errors: dict, phase: str, form: str) -> float:
@@ -229,12 +243,12 @@ def main() -> None:
     efficiencies = {"calibrated": calibration.efficiency, "uncalibrated": base}
 
     # ---- evaluation: both models, batch 1, 4 and 64 ----------------------------------------------------------------
-    errors, evaluated, default, packed = {}, {}, None, {}
+    errors, ratios, evaluated, default, packed = {}, {}, {}, None, {}
     for name, path in models.items():
         stage_started = time.perf_counter()
         points, model_policies = run_points(path, evaluation_grids, f"evaluate {name} ")
         evaluated[name] = points
-        errors[name] = shape_errors(specs[name], hardware, points, model_policies, efficiencies)
+        errors[name], ratios[name] = shape_errors(specs[name], hardware, points, model_policies, efficiencies)
         if name == thin_name:
             default = default_model_decode(specs[name], hardware, points, model_policies, efficiencies)
             packed = {} if args.quick else packed_default_decode(path, specs[name], hardware, evaluation_grids[0],
@@ -248,6 +262,7 @@ def main() -> None:
     line = result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
                        loads)
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
+    line["per_shape_time_ratio"] = ratios
     line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
     line["measured"]["packed_gweights_per_s"] = {m.key[len("cpu_packed_"):]: round(m.value / 1e9, 2)
                                                   for m in measurements if m.key.startswith("cpu_packed_")}
