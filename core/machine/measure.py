@@ -310,6 +310,9 @@ DECODE_SPAN_POSITIONS = 64  # a short context: the step is the weights' reads, n
 # a step takes milliseconds: at least this many timings of each, so that on a shared machine the fastest (the one
 # least disturbed) is found even with --quick's 2 repeats
 STEP_REPEATS = 7
+# bf16 against fp32 decode steps (measure_half_decode): a thin model's blocks (the demo's 768, SmolLM2's 576) and a
+# wide one's (a 1B model's 2048), where torch's per-block work and halved bytes weigh differently
+HALF_THIN, HALF_WIDE = 768, 2048
 
 
 def decode_steps(config, span, rows: int, dtype: torch.dtype = torch.float32) -> Callable[[], None]:
@@ -646,40 +649,55 @@ def format_bytes(fmt: str) -> float:
     return format_named(fmt).block_bytes / BLOCK_WEIGHTS
 
 
-def measure_half_decode(hidden: int = 2048, total_bytes: int = 256 << 20, repeats: int = 5,
-                        step_repeats: int = STEP_REPEATS) -> Measurement:
+def measure_half_decode(hidden: int = HALF_THIN, total_bytes: int = 256 << 20, repeats: int = 5,
+                        step_repeats: int = STEP_REPEATS, wide: int | None = None) -> Measurement:
     """Whole decode steps in bf16 against the same steps in fp32 (HALF_DECODE_KEY: bf16 time / fp32 time; below 1
     bf16 is faster), through the runtime's own decode path (Span.forward, as `generate` runs a span): one row
     through random decoder blocks of width `hidden` (decode_span: about `total_bytes` of fp32 weights), fp32 laid
     out as a loaded model (the native kernels' whole-span step where they are built), and a bf16 copy laid out as
     a bf16 checkpoint loads (torch's kernels block by block: norms, rotary, attention, the products and the
-    conversions). The steps are timed in turn (fp32, bf16, fp32, ...) and the value is the median of the pairs'
-    ratios, so a swing of the host hits both sides of each pair.
+    conversions). The steps are timed in turn (fp32, bf16, fp32, ...); a width's ratio is the median of its pairs'
+    ratios, so a swing of the host hits both sides of each pair. With `wide`, blocks of that width are timed too
+    and the larger ratio counts: bf16 must beat fp32 at both widths.
 
     Whether a CPU with native bf16 math (AVX512-BF16, AMX) should run 16-bit plans in bf16 depends on this, not on
     the flag: core/machine/cpu_dtype.py. It must time what runs: a chain of bf16 matmuls alone (session 11's
     measurement) read bf16 at 0.89-0.93x of fp32, while whole bf16 steps of the demo model decoded at 13.9-16
-    tokens/s against fp32's 23.5. Both run in the runtime's thread layout (use_blas_threads)."""
+    tokens/s against fp32's 23.5. And the answer depends on the model's shape: on this project's 2-core AMX VM
+    (load ~12) whole bf16 steps took 1.3x fp32's through 768-wide blocks (torch's per-block work) and 0.75x through
+    one 2048-wide block (half the bytes); the decision is one per machine, so it holds for both. Both dtypes run in
+    the runtime's thread layout (use_blas_threads)."""
     load = load_average()
     previous_threads = torch.get_num_threads()
     use_blas_threads()
     try:
-        config, fp32 = decode_span(hidden, total_bytes)
-        bf16 = half_span(config, fp32)
-        fp32_s, bf16_s = _alternating_seconds([decode_steps(config, fp32, 1),
-                                               decode_steps(config, bf16, 1, torch.bfloat16)],
-                                              max(repeats, step_repeats))
+        widths = [half_decode_width(width, total_bytes, max(repeats, step_repeats))
+                  for width in (hidden, *([wide] if wide else []))]
     finally:
         torch.set_num_threads(previous_threads)
+    ratio, spread, ratios, _ = max(widths)
+    detail = ("; ".join(part for _, _, _, part in widths)
+              + f" (steps timed in turn; a width's value is its median pair's ratio"
+              + ("; the larger of the widths' ratios counts)" if len(widths) > 1 else ")"))
+    return Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x", spread, len(ratios),
+                       max(load, load_average()), detail, ratios)
+
+
+def half_decode_width(hidden: int, total_bytes: int, repeats: int) -> tuple[float, float, list[float], str]:
+    """(median ratio, its spread, each pair's ratio, in words) of bf16 against fp32 one-row decode steps through
+    random blocks of width `hidden`, in the thread layout set."""
+    config, fp32 = decode_span(hidden, total_bytes)
+    bf16 = half_span(config, fp32)
+    fp32_s, bf16_s = _alternating_seconds([decode_steps(config, fp32, 1),
+                                           decode_steps(config, bf16, 1, torch.bfloat16)], repeats)
     ratios = [b / f for f, b in zip(fp32_s, bf16_s)]
     ratio, spread = median_and_spread(ratios)
     megabytes = sum(p.numel() for p in fp32.parameters()) * 4 / 2**20
-    detail = (f"one-row decode steps through {config.num_layers} random blocks of width {hidden}: fp32 "
-              f"({megabytes:.0f} MiB, {decode_path_name()}) {statistics.median(fp32_s) * 1e3:.3g} ms, bf16 "
-              f"({megabytes / 2:.0f} MiB, torch block by block) {statistics.median(bf16_s) * 1e3:.3g} ms (medians of "
-              f"{len(ratios)} timed in turn; the value is the median pair's ratio)")
-    return Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x", spread, len(ratios),
-                       max(load, load_average()), detail, ratios)
+    words = (f"one-row decode steps through {config.num_layers} random blocks of width {hidden}: fp32 "
+             f"({megabytes:.0f} MiB, {decode_path_name()}) {statistics.median(fp32_s) * 1e3:.3g} ms, bf16 "
+             f"({megabytes / 2:.0f} MiB, torch block by block) {statistics.median(bf16_s) * 1e3:.3g} ms, "
+             f"{ratio:.2f}x (medians of {len(ratios)})")
+    return ratio, spread, ratios, words
 
 
 def half_span(config, span):
@@ -944,8 +962,9 @@ class BenchmarkSizes:
     stream_hidden: int = 2048  # decode steps: a span of random decoder blocks this wide and one 3/8 as wide...
     stream_bytes: int = 384 << 20  # ...each of this many bytes or twice the last-level cache, the larger
     cache_bytes: int | None = None  # the last-level cache the spans must exceed (None: read from /sys)
-    half_hidden: int = 2048  # bf16 against fp32 at decode: layer-shaped matrices of this width (weights large enough
-    half_bytes: int = 256 << 20  # for the runtime's fp32 kernels), this many fp32 bytes in all or twice the cache
+    half_hidden: int = HALF_THIN  # bf16 against fp32 at decode: whole steps through blocks of this width and (the
+    half_wide: int | None = HALF_WIDE  # full measure) this one, each span of this many fp32 bytes or twice the
+    half_bytes: int = 256 << 20  # cache
     matmul_seconds: float = 1.0  # one prefill-shape multiply takes at most about this long (slow dtypes shrink)
     disk_bytes: int = 512 << 20
     link_bytes: int = 256 << 20
@@ -960,16 +979,16 @@ class BenchmarkSizes:
 
 # QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads)
 QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill_rows=128, matmul_seconds=0.05,
-                       stream_hidden=1024, stream_bytes=64 << 20, half_hidden=768, half_bytes=64 << 20,
+                       stream_hidden=1024, stream_bytes=64 << 20, half_wide=None, half_bytes=64 << 20,
                        disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"),
                        packed_streamed=False, step_repeats=4)
 
 
 # a few megabytes, the caches ignored: for tests and screenshots, where the numbers do not matter
 TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
-                      stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_bytes=4 << 20,
-                      disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2, dtypes=("fp32", "bf16"),
-                      packed_hidden=None)
+                      stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_wide=None,
+                      half_bytes=4 << 20, disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2,
+                      dtypes=("fp32", "bf16"), packed_hidden=None)
 
 
 def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str | os.PathLike | None = None,
@@ -999,7 +1018,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, max(sizes.half_bytes, beyond_cache),
-                                                   sizes.repeats)]))
+                                                   sizes.repeats, wide=sizes.half_wide)]))
     if disk_folder is not None:
         steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))
     if gpu and torch.cuda.is_available():

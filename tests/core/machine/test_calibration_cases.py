@@ -132,7 +132,7 @@ def test_the_bf16_against_fp32_step_reads_beyond_twice_the_cache_too(monkeypatch
 
     cpu_flags("sse2 avx avx2 fma avx512f avx512_bf16")
     asked = []
-    monkeypatch.setattr(measure, "measure_half_decode", lambda hidden, nbytes, repeats: asked.append(nbytes) or
+    monkeypatch.setattr(measure, "measure_half_decode", lambda hidden, nbytes, repeats, wide: asked.append(nbytes) or
                         Measurement(HALF_DECODE_KEY, "bf16 / fp32", 1.5, "x", 0.0, 1, 0.0))
     sizes = dataclasses.replace(measure.TINY, cache_bytes=2 << 20, half_bytes=1 << 20, dtypes=())
     assert HALF_DECODE_KEY in {m.key for m in measure.run_benchmarks(sizes, gpu=False)} and asked == [4 << 20]

@@ -184,6 +184,18 @@ def test_the_bf16_step_is_whole_decode_steps_as_the_runtime_runs_them():
     assert "torch block by block" in half.detail and "decode steps through" in half.detail
 
 
+def test_with_a_wide_width_too_the_larger_ratio_decides():
+    """bf16 must beat fp32 at both widths: on the project's AMX VM whole bf16 steps took 1.3x fp32's through
+    768-wide blocks and 0.75x through a 2048-wide one, and the one machine-wide decision must not slow thin models."""
+    import re
+
+    half = measure.measure_half_decode(128, 1 << 20, repeats=2, step_repeats=2, wide=256)
+    widths = re.findall(r"blocks of width (\d+):.*?, ([0-9.]+)x \(medians of 2\)", half.detail)
+    assert [w for w, _ in widths] == ["128", "256"] and "the larger of the widths' ratios counts" in half.detail
+    assert f"{half.value:.2f}" == max((ratio for _, ratio in widths), key=float)
+    assert len(half.samples) == 2
+
+
 def test_the_bf16_span_is_the_same_model_as_the_fp32_one():
     """half_span copies every weight of the fp32 span (laid out for the native kernels) into a bf16 span: one
     decode step of both agrees to bf16's precision, so the two timings run the same model."""
