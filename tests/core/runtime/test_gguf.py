@@ -275,8 +275,9 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a ha
 
 @needs_smollm2
 def test_smollm2_greedy_tokens_equal_transformers(smollm2, smollm2_model, smollm2_parsed_once):
-    """48 greedy tokens of our runtime on the dequantized weights are transformers' own greedy choices: its GGUF
-    loader, run teacher-forced on the same sequence, picks every one of them."""
+    """24 greedy tokens of our runtime on the dequantized weights are transformers' own greedy choices: its GGUF
+    loader, run teacher-forced on the same sequence, picks every one of them (24, not 48: our 144 decode steps
+    were ~40% of the test's time under a profiler, and each prompt's answer is well begun by 24)."""
     transformers = pytest.importorskip("transformers")
     path = smollm2_path()
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -285,7 +286,7 @@ def test_smollm2_greedy_tokens_equal_transformers(smollm2, smollm2_model, smollm
     tokenizer = smollm2.tokenizer()
     for prompt in PROMPTS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        ours = greedy(model, ids, 48)
+        ours = greedy(model, ids, 24)
         with torch.inference_mode():
             logits = reference(torch.tensor([ids + ours])).logits[0, len(ids) - 1 : -1]
         assert logits.argmax(-1).tolist() == ours, prompt
