@@ -100,8 +100,10 @@ def _hardware(arg: str, overrides: dict[str, float], measure: bool = True):
 
         hardware, efficiency = detect_or_load_profile()
         if efficiency is None and measure:
-            print("note: the first plan for this machine: measuring it quickly first (a few seconds, once)",
-                  file=sys.stderr, flush=True)
+            from hivekeeper.core.machine.measurement import QUICK_TAKES
+
+            print(f"note: the first plan for this machine: measuring it quickly first (once, {QUICK_TAKES}; "
+                  f"`--no-measure` plans with estimates)", file=sys.stderr, flush=True)
             print(measure_quickly(), file=sys.stderr)
             hardware, efficiency = detect_or_load_profile()
         return apply_host_overrides(hardware, where="command line", **overrides), efficiency
@@ -137,7 +139,7 @@ def measure_quickly() -> str:
     detected = detect_hardware()
     started = time.time()
     folder = default_data_dir()
-    measurements = run_benchmarks(QUICK, disk_folder=folder if folder.is_dir() else None)
+    measurements = run_benchmarks(QUICK, disk_folder=folder if folder.is_dir() else None, progress=_say_step)
     profile = new_profile(detected)
     profile.measurements, profile.measured_at = measurements, started
     path = save_profile(profile)
@@ -145,6 +147,11 @@ def measure_quickly() -> str:
     return (f"note: the first plan for this machine: measured it quickly ({time.time() - started:.1f} s, like "
             f"`hivekeeper measure --quick`), saved to {path}; `hivekeeper measure` measures it fully "
             f"(--no-measure plans with estimates)")
+
+
+def _say_step(fraction: float, label: str) -> None:
+    """The quick measurement's progress on stderr, a line a step."""
+    print(f"  {100 * fraction:3.0f}%  {label}", file=sys.stderr, flush=True)
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object, FormatChoice]:

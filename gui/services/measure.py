@@ -6,8 +6,8 @@ worker when the user asks, never at app start. The result is the hardware probe'
 the Hardware and Plan pages take it the same way as a detection.
 
 The button's sizes are `hivekeeper measure`'s defaults (about a minute on a laptop). The first plan for a machine
-that was never measured needs its numbers, so the app measures it once by itself with `--quick` sizes (seconds:
-`start(quick=True)`, issue 14 item 12). HIVEKEEPER_MEASURE_SIZES overrides both: "full", "quick", or "tiny" (a few
+that was never measured needs its numbers, so the app measures it once by itself with `--quick` sizes
+(measurement.QUICK_TAKES, each step shown in the status bar: `start(quick=True)`, issue 14 item 12). HIVEKEEPER_MEASURE_SIZES overrides both: "full", "quick", or "tiny" (a few
 megabytes, ignoring the caches: tests and screenshots, where only the wiring matters). The disk benchmark runs in the
 data folder, where models are kept.
 """
@@ -22,6 +22,8 @@ from PySide6.QtCore import QObject, Signal
 
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
+
+from hivekeeper.core.machine.measurement import QUICK_TAKES
 
 from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
 
@@ -122,7 +124,7 @@ class MeasureService(QObject):
         self.runningChanged.emit(False)
 
 
-MEASURING_QUICK = "Measuring this machine (quick)…"
+MEASURING_QUICK = f"Measuring this machine once, quickly ({QUICK_TAKES})…"  # then each step and how far
 FIRST_MEASURE_ENV = "HIVEKEEPER_FIRST_MEASURE"  # "0": the app never measures by itself (the GUI tests' default)
 
 
@@ -141,6 +143,8 @@ class FirstMeasure(QObject):
         self.measure, self.status_bar = measure, status_bar
         self.started_at: float | None = None  # when it started (None: not yet, this run of the app)
         self.message = ""  # what the status bar was last told
+        self.quick = False  # the quick measurement runs (its progress goes to the status bar)
+        measure.progress.connect(self._on_progress)
         measure.measured.connect(self._on_measured)
         measure.failed.connect(self._on_failed)
         measure.runningChanged.connect(self._on_running)
@@ -155,6 +159,7 @@ class FirstMeasure(QObject):
         if machine.measured_at is not None or self.started_at is not None or self.measure.running:
             return False
         self.started_at = time.time()
+        self.quick = True
         self._say(MEASURING_QUICK, 0)
         self.measure.start(machine.detected, quick=True)
         return True
@@ -163,18 +168,25 @@ class FirstMeasure(QObject):
         self.message = text
         self.status_bar.showMessage(text, ms)
 
+    def _on_progress(self, fraction: float, label: str) -> None:
+        if self.quick:
+            self._say(f"{MEASURING_QUICK} {label}, {100 * fraction:.0f}%", 0)
+
     def _on_measured(self, doc: dict) -> None:
-        if self.started_at is None or self.message != MEASURING_QUICK:
+        if not self.quick:
             return
+        self.quick = False
         self._say(f"Measured this machine quickly in {time.time() - self.started_at:.1f} s"
                   f"{measured_summary(doc)}: plans now use the measured numbers.", 30_000)  # fits at 1280 px
 
     def _on_failed(self, message: str) -> None:
-        if self.started_at is not None and self.message == MEASURING_QUICK:
+        if self.quick:
+            self.quick = False
             self._say(f"Quick measurement of this machine failed: {message}", 30_000)
 
     def _on_running(self, running: bool) -> None:
-        if not running and self.message == MEASURING_QUICK:  # cancelled: neither measured nor failed
+        if not running and self.quick:  # cancelled: neither measured nor failed
+            self.quick = False
             self._say("Quick measurement of this machine cancelled: plans use estimates.", 15_000)
 
 

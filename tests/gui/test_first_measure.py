@@ -28,9 +28,14 @@ def test_the_app_measures_a_new_machine_quickly_and_says_so(app_window, qtbot, c
                     timeout=120_000)
     done = next(text for text in seen if text.startswith("Measured this machine quickly"))
     assert "RAM" in done and "GB/s" in done and "measured numbers" in done
+    # it says how long it takes and shows each step as it goes (it took 32-47 s at load 10-13: session 11-12)
+    steps = [text for text in seen if text.startswith(MEASURING_QUICK) and text.endswith("%")]
+    assert any("RAM bandwidth, 0%" in text for text in steps) and any("decode steps" in text for text in steps)
+    assert " s)" in MEASURING_QUICK
     bar = window.statusBar()  # whole beside the node's status at 1280 px (its end was cut off: session 11)
     node_left = window.node_status.mapTo(window, QPoint(0, 0)).x()  # the node's status sits at the bar's right
-    assert bar.fontMetrics().horizontalAdvance(done) < node_left - bar.mapTo(window, QPoint(0, 0)).x() - 20, done
+    for text in (done, max(steps, key=len)):
+        assert bar.fontMetrics().horizontalAdvance(text) < node_left - bar.mapTo(window, QPoint(0, 0)).x() - 20, text
     assert threads and threads[0] is not threading.main_thread()  # on the worker
     machine = window.hardware_page.machine
     assert machine.measured_at is not None and (config_dir / "profiles").is_dir()

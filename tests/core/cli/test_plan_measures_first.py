@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from hivekeeper.core.machine.measurement import QUICK_TAKES
+
 from ...child_output import run
 
 MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -32,6 +34,9 @@ def test_the_first_plan_measures_this_machine_once(tmp_path, cli, monkeypatch):
     assert "note: the first plan for this machine: measured it quickly" in first.stderr
     # said before the measurement too, so that a terminal's wait is explained while it lasts
     assert first.stderr.index("measuring it quickly first") < first.stderr.index("measured it quickly (")
+    # how long it takes (it said "a few seconds" and took 32-47 s busy), then each step as it starts
+    during = first.stderr[first.stderr.index("measuring it quickly first"):first.stderr.index("measured it quickly (")]
+    assert QUICK_TAKES in during and "0%  RAM bandwidth" in during and "%  CPU decode steps" in during
     profiles = list((tmp_path / "profiles").glob("*.json"))
     assert len(profiles) == 1 and str(profiles[0]) in first.stderr
     saved = json.loads(profiles[0].read_text())
