@@ -11,8 +11,12 @@ max_memory at each of --hf-max-memory (fractions of the budget; 0 puts every mod
     python bench/offload_throughput.py --max-batch 32 --hf-batches 1 4 16 --new-tokens 8
     python bench/offload_throughput.py --hf-dtypes float32        # the paired run of docs/performance.md
 
-Ours runs at the planner's batch (no cap unless --max-batch gives one) in the dtype the planner's policy computes in
-here (bf16 on a CPU whose 16-bit choice is bf16, else fp32). Accelerate runs in that dtype and in fp32 (--hf-dtypes),
+Ours runs at the planner's batch as it is (no cap unless --max-batch gives one, and never halved: `generate` must
+place it within the budget) in the dtype the planner's policy computes in here (bf16 on a CPU whose 16-bit choice is
+bf16, else fp32). The planner sees this machine with its saved profile, as `plan` and `generate` do; without one the
+quick measurement runs first and saves it (set HIVEKEEPER_CONFIG_DIR to a fresh folder to measure right before the
+run). `predicted_vs_measured_tokens_per_s` puts the plan's predicted throughput beside the measured one, and
+`machine_profile` says what the prediction was made from. Accelerate runs in that dtype and in fp32 (--hf-dtypes),
 at each of --hf-batches; its best run is the one compared. The budget is a fraction of the checkpoint's (fp32) bytes
 for every run: in bf16 accelerate's device_map (weights only) may then fit the whole model in RAM, so that run does
 not offload at all; `modules_on_disk` says so.
@@ -112,40 +116,53 @@ def hf_child(model: str, budget_bytes: int, batch: int, prompt_tokens: int, new_
                       "baseline_rss_bytes": baseline}))
 
 
-def planner_batch(path: Path, budget: int, prompt_tokens: int, new_tokens: int, max_batch: int) -> tuple[int, int]:
-    """(the planner's batch for goal "batch" with this RAM budget, the batch to run: the best one under max_batch)."""
+def this_machine_measured() -> tuple[object, object, dict]:
+    """(HardwareSpec, efficiency factors, what was measured) of this machine as the planner sees it with its saved
+    profile (core/machine/profiles.detect_or_load_profile, as `plan` and `generate` read it): the prediction comes
+    from what this machine measured, not from estimates (an AMX bf16 peak predicted 672 tokens/s against 261-353
+    measured in session 11). Without a profile the quick measurement runs first and saves one (as a first `plan`
+    does), in HIVEKEEPER_CONFIG_DIR when set."""
+    from hivekeeper.core.cli.plan import measure_quickly
+    from hivekeeper.core.machine.profiles import detect_or_load_profile, load_machine_profile
+
+    hardware, efficiency = detect_or_load_profile()
+    measured_now = efficiency is None
+    if measured_now:
+        print(measure_quickly(), file=sys.stderr, flush=True)
+        hardware, efficiency = detect_or_load_profile()
+    profile = load_machine_profile()
+    values = {m.key: m.value for m in profile.measurements} if profile is not None else {}
+    return hardware, efficiency, {
+        "path": str(profile.path) if profile is not None else None, "measured_now": measured_now,
+        "measured_at": profile.measured_at if profile is not None else None,
+        "cpu_gflops": {dtype: round(rate / 1e9, 1) for dtype, rate in hardware.cpu.flops.items()},
+        "ram_gbps": round(hardware.cpu.memory_bandwidth / 1e9, 2),
+        "disk_read_gbps": round(hardware.disk.read_bandwidth / 1e9, 3),
+        "half_decode_step_vs_fp32": {k: round(v, 3) for k, v in values.items() if "bf16_vs_fp32" in k},
+    }
+
+
+def planner_batch(path: Path, budget: int, prompt_tokens: int, new_tokens: int, max_batch: int,
+                  hardware, efficiency) -> tuple[int, int]:
+    """(the planner's batch for goal "batch" with this RAM budget on this measured machine, the batch to run: the
+    planner's, or the best one under max_batch when given)."""
     from hivekeeper.planner.costmodel import Workload
     from hivekeeper.planner.model_catalog import load_model_spec
     from hivekeeper.planner.policy import Constraints, batch_curve, search
 
-    from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.offload.local_plan import with_ram_budget
 
-    hardware = with_ram_budget(detect_hardware(), budget)  # as local_plan.search_policy does
+    hardware = with_ram_budget(hardware, budget, efficiency)  # as local_plan.search_policy does
     spec, workload = load_model_spec(str(path)), Workload(prompt_len=prompt_tokens, output_len=new_tokens)
-    plan = search(spec, hardware, "batch", Constraints(quant="none"), workload)
+    plan = search(spec, hardware, "batch", Constraints(quant="none"), workload, efficiency=efficiency)
     if plan.prediction is None:
-        return 1, 1
+        raise SystemExit(f"the planner finds no batch plan for {path} within {budget / 1e6:.0f} MB: {plan.reason}")
     chosen = plan.prediction.policy.batch_size
     if chosen <= max_batch:
         return chosen, chosen
-    points = [p for p in batch_curve(spec, hardware, workload, Constraints(quant="none"))
+    points = [p for p in batch_curve(spec, hardware, workload, Constraints(quant="none"), efficiency=efficiency)
               if p.batch_size <= max_batch and p.throughput_tokens_per_s]
     return chosen, max(points, key=lambda p: p.throughput_tokens_per_s).batch_size if points else max_batch
-
-
-def ours_at_a_batch_that_fits(path: Path, budget: int, batch: int, prompt_tokens: int,
-                              new_tokens: int) -> tuple[int, dict, int]:
-    """(batch, report, peak RSS) of `generate` at `batch`, halved while generate refuses the budget: the planner
-    counts a block's activations by phase, the engine's placement by their sum (placement.workspace_bytes), so at
-    the largest batches the planner may choose one the engine does not place within the budget."""
-    while True:
-        try:
-            return (batch, *ours(path, budget, batch, prompt_tokens, new_tokens))
-        except SystemExit:
-            if batch == 1:
-                raise
-            batch //= 2
 
 
 def ours(path: Path, budget: int, batch: int, prompt_tokens: int, new_tokens: int, *extra: str) -> tuple[dict, int]:
@@ -153,6 +170,16 @@ def ours(path: Path, budget: int, batch: int, prompt_tokens: int, new_tokens: in
     return run_child([sys.executable, "-m", "hivekeeper.core.cli.main", "generate", "--model", str(path), "--prompt",
                       prompt, "--batch", str(batch), "--max-new-tokens", str(new_tokens), "--ignore-eos", "--json",
                       "--ram-budget-gb", f"{budget / 1e9:.9f}", *extra])
+
+
+def predicted_beside_measured(report: dict) -> dict | None:
+    """The plan's predicted throughput (generated tokens / wall time, prefill included) beside the run's, and their
+    ratio (measured / predicted), from `generate --json`'s predicted_vs_measured."""
+    side = (report.get("predicted_vs_measured") or {}).get("throughput_tokens_per_s")
+    if not side or not side.get("predicted"):
+        return None
+    return {"predicted": side["predicted"], "measured": side["measured"],
+            "measured_over_predicted": round(side["measured"] / side["predicted"], 3)}
 
 
 def our_figures(warm: dict, cold: dict, peak: int, disk_bps: float) -> dict:
@@ -292,15 +319,21 @@ def main() -> None:
     model_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     budget = int(args.budget_fraction * model_bytes)
     _, disk_read, cache_bypassed = disk_bandwidth(path)
-    chosen, batch = planner_batch(path, budget, args.prompt_tokens, args.new_tokens, args.max_batch or 1 << 16)
-    batch, warm, warm_peak = ours_at_a_batch_that_fits(path, budget, batch, args.prompt_tokens, args.new_tokens)
+    hardware, efficiency, measured = this_machine_measured()
+    chosen, batch = planner_batch(path, budget, args.prompt_tokens, args.new_tokens, args.max_batch or 1 << 16,
+                                  hardware, efficiency)
+    # the planner's batch as it is: generate refusing it is a failure of this bench, not a reason to halve it
+    warm, warm_peak = ours(path, budget, batch, args.prompt_tokens, args.new_tokens)
     cold, cold_peak = ours(path, budget, batch, args.prompt_tokens, args.new_tokens, "--drop-page-cache")
+    figures = our_figures(warm, cold, max(warm_peak, cold_peak), disk_read)
+    figures["peak_over_budget"] = round(figures["peak_over_baseline_bytes"] / budget, 3)
+    figures["held_budget"] = figures["peak_over_baseline_bytes"] <= BUDGET_TOLERANCE * budget
     result = {
         "bench": "offload_throughput", "model": args.model or "demo-350mb", "weight_bytes": model_bytes,
         "ram_budget_bytes": budget, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "disk_read_bps": int(disk_read), "disk_cache_bypassed": cache_bypassed,
-        "planner_batch": chosen, "batch_run": batch, "max_batch": args.max_batch,
-        "ours": our_figures(warm, cold, max(warm_peak, cold_peak), disk_read),
+        "disk_read_bps": int(disk_read), "disk_cache_bypassed": cache_bypassed, "machine_profile": measured,
+        "planner_batch": chosen, "batch_run": batch, "max_batch": args.max_batch, "ours": figures,
+        "predicted_vs_measured_tokens_per_s": predicted_beside_measured(warm),
     }
     if not args.skip_transformers:
         dtypes = dict.fromkeys(warm["plan"]["engine"]["dtype"] if d == "same" else d for d in args.hf_dtypes)
@@ -312,7 +345,6 @@ def main() -> None:
         hf = accelerate_figures([report for report, _ in runs], disk_read, budget)
         result["transformers_accelerate"] = hf
         mine = result["ours"]["throughput_tokens_per_s"]
-        result["ours"]["held_budget"] = result["ours"]["peak_over_baseline_bytes"] <= BUDGET_TOLERANCE * budget
         # the issue's ratio: against accelerate at the same RAM budget (its fastest run within budget + 10%, or the
         # one closest to the budget where none held it: "accelerate_held_budget" false)
         result["speedup_vs_accelerate_at_budget"] = round(mine / hf["at_budget"]["throughput_tokens_per_s"], 3)
