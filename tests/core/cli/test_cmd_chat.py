@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -61,7 +62,7 @@ def long_context_model(tmp_path_factory):
     return make_demo_checkpoint(tmp_path_factory.mktemp("chat") / "long", max_position=8192, vocab=2048, seed=11)
 
 
-def test_a_conversation_with_reset_exit_and_a_saved_history(tiny_checkpoint, tmp_path):
+def test_a_conversation_with_reset_exit_and_a_saved_history(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     history = tmp_path / "chat.json"
     chat = Chat("--model", str(tiny_checkpoint), "--max-new-tokens", "8", "--system", "Be brief.",
                 "--history", str(history), "--seed", "3")
@@ -90,14 +91,15 @@ def test_a_conversation_with_reset_exit_and_a_saved_history(tiny_checkpoint, tmp
     finally:
         chat.close()
 
-    # a new chat continues the saved conversation
-    again = Chat("--model", str(tiny_checkpoint), "--max-new-tokens", "4", "--history", str(history))
-    try:
-        mark = again.send("Third")
-        again.wait_for(STATS.pattern, mark)
-        assert again.close() == 0  # end of input quits
-    finally:
-        again.close()
+    # a new chat continues the saved conversation (the same main() in this process: a second child only repeated
+    # the start-up the first one tests)
+    from hivekeeper.core.cli.main import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Third\n"))
+    capsys.readouterr()
+    assert main(["chat", "--model", str(tiny_checkpoint), "--max-new-tokens", "4", "--history", str(history)]) == 0
+    assert STATS.search(capsys.readouterr().out)  # end of input quits, after the reply
     messages = json.loads(history.read_text())["messages"]
     assert [m["content"] for m in messages[::2]] == ["Second try", "Third"]
 
