@@ -134,6 +134,7 @@ def measure_quickly() -> str:
     from hivekeeper.core.machine.cpu_dtype import forget
     from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
     from hivekeeper.core.machine.measure import QUICK, run_benchmarks
+    from hivekeeper.core.machine.measurement import busy_words
     from hivekeeper.core.machine.profiles import new_profile, save_profile
 
     detected = detect_hardware()
@@ -144,9 +145,12 @@ def measure_quickly() -> str:
     profile.measurements, profile.measured_at = measurements, started
     path = save_profile(profile)
     forget()  # the 16-bit decision reads the new measurements
+    import os
+
+    busy = busy_words(measurements, os.cpu_count() or 1)
     return (f"note: the first plan for this machine: measured it quickly ({time.time() - started:.1f} s, like "
-            f"`hivekeeper measure --quick`), saved to {path}; `hivekeeper measure` measures it fully "
-            f"(--no-measure plans with estimates)")
+            f"`hivekeeper measure --quick`{f', {busy}' if busy else ''}), saved to {path}; `hivekeeper measure` "
+            f"measures it fully (--no-measure plans with estimates)")
 
 
 def _say_step(fraction: float, label: str) -> None:

@@ -64,3 +64,13 @@ class Measurement:
                    unit=str(doc["unit"]), spread=float(doc.get("spread", 0.0)), repeats=int(doc.get("repeats", 1)),
                    loadavg=float(doc.get("loadavg", 0.0)), detail=str(doc.get("detail", "")),
                    samples=[float(s) for s in doc.get("samples", [])])
+
+
+def busy_words(measurements: list[Measurement], cpus: int) -> str:
+    """"" when the machine was quiet enough while measuring; else words saying that the figures are a busy moment's
+    (a load average above the CPU count: other programs held the cores, and the profile would plan this machine
+    several times too slow until measured again)."""
+    load = max((m.loadavg for m in measurements), default=0.0)
+    if load <= cpus:
+        return ""
+    return f"at load {load:.1f} on {cpus} CPUs: busy, measure again when quiet"

@@ -27,7 +27,8 @@ def test_the_app_measures_a_new_machine_quickly_and_says_so(app_window, qtbot, c
     qtbot.waitUntil(lambda: any(text.startswith("Measured this machine quickly") for text in seen),
                     timeout=120_000)
     done = next(text for text in seen if text.startswith("Measured this machine quickly"))
-    assert "RAM" in done and "GB/s" in done and "measured numbers" in done
+    # (a load above the CPU count while measuring says so instead: busy_words, tested in tests/core/machine)
+    assert "RAM" in done and "GB/s" in done and ("measured numbers" in done or "measure again when quiet" in done)
     # it says how long it takes and shows each step as it goes (it took 32-47 s at load 10-13: session 11-12)
     steps = [text for text in seen if text.startswith(MEASURING_QUICK) and text.endswith("%")]
     assert any("RAM bandwidth, 0%" in text for text in steps) and any("decode steps" in text for text in steps)
