@@ -360,7 +360,7 @@ _FACTORS = {
     "disk_fraction": (1.0, 1e4, 1.0),
     "weight_reread_rows": (1.0, 16.0, 1.0),
     # a multiplier on the measured decode steps' time, their reads and their blocks' fixed cost together
-    # (MEASURED_STEPS_FIT_FACTORS); its lower bound is the measured bandwidth fraction (a fraction stays <= 1)
+    # (MEASURED_STEPS_FIT_FACTORS; scaled_decode_time)
     DECODE_TIME: (0.05, 20.0, 1.0),
 }
 _INVERSE = ("bandwidth_fraction", "matmul_fraction", "link_fraction", "disk_fraction")
@@ -410,7 +410,8 @@ def from_fitted(eff: Efficiency, names: tuple[str, ...], theta: np.ndarray, name
 
 def scaled_decode_time(eff: Efficiency, times: float) -> dict[str, float]:
     """The factors that make every measured decode step take `times` as long, its split into reads and blocks kept:
-    bandwidth_fraction / times (at most 1) and layer_overhead_s x times."""
+    bandwidth_fraction / times and layer_overhead_s x times. A fraction stays at most 1: a profile that runs faster
+    than that (the quick measurement caught a busier moment) speeds up only the blocks' fixed cost beyond it."""
     return {"bandwidth_fraction": min(1.0, eff.bandwidth_fraction / times),
             "layer_overhead_s": eff.layer_overhead_s * times}
 
@@ -501,8 +502,7 @@ def fit_efficiency(model: ModelSpec, hardware: HardwareSpec, points: list[Profil
     cpu_only = not hardware.gpus
     start = base.accelerator
     names = tuple(factors)
-    lower = np.array([max(_FACTORS[n][0], start.bandwidth_fraction) if n == DECODE_TIME else _FACTORS[n][0]
-                      for n in names])
+    lower = np.array([_FACTORS[n][0] for n in names])
     upper = np.array([_FACTORS[n][1] for n in names])
     scale = np.array([max(_FACTORS[n][2], abs(v)) for n, v in zip(names, _to_theta(start, names))])
     theta0 = np.clip(_to_theta(start, names), lower, upper)
