@@ -354,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
     max_length = min(prompt_len + args.max_new_tokens, context_limit(config))
     note_capped_tokens(args.max_new_tokens, prompt_len, max_length, context_limit(config))
 
+    prepare_kernels()  # before the warm-up, whose small block would compile them silently
     warm_up_torch_runtime()
     baseline_rss = current_rss_bytes()
     started = time.perf_counter()
