@@ -32,6 +32,7 @@ off), OpenBLAS's kernels (OPENBLAS_CORETYPE=Haswell), torch's (ATEN_CPU_CAPABILI
 flags, kernels and BLAS cores ran.
 
     python bench/calibration_accuracy.py [--quick | --fast] [--repeats N] [--dump FILE] [--as avx2]
+    python bench/calibration_accuracy.py --refit FILE   # a --dump's points fitted and judged again by this code
 
 --fast keeps both full models, every batch size and phase, and the packed row, on fewer grid points (calibration
 2 prompt lengths x 2 output lengths x batch 1, 2, 4; evaluation at shorter prompts, batch 64 at 8 and 24), so a run fits
@@ -196,9 +197,14 @@ def main() -> None:
                         help="the full models and shapes on fewer grid points (under 10 min on a quiet 2-core machine)")
     parser.add_argument("--repeats", type=int, default=2, help="repeats per grid point (the fastest is kept)")
     parser.add_argument("--dump", metavar="FILE", help="also write the calibration and the evaluation points (JSON)")
+    parser.add_argument("--refit", metavar="FILE",
+                        help="measure nothing: fit and judge a --dump's calibration and evaluation points again")
     parser.add_argument("--as", dest="kind", choices=("this", "avx2"), default="this",
                         help="avx2: run as a CPU without AVX512 and 16-bit math (pinned features and BLAS kernels)")
     args = parser.parse_args()
+    if args.refit:
+        print(json.dumps(refit(args.refit)))
+        return
     run_as(args.kind)
 
     from hivekeeper.core.machine.detect import detect_hardware
@@ -206,18 +212,12 @@ def main() -> None:
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.profiling import denoise, measure_grid
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
-    from hivekeeper.core.runtime.default_model import resolve_default_model
     from hivekeeper.planner.calibration import build_calibration, measured_efficiency
     from hivekeeper.planner.hardware_catalog import hardware_to_json
     from hivekeeper.planner.model_catalog import load_model_spec
 
     threads = use_physical_cores()
-    if args.quick:
-        models = {"thin-12x256": demo_checkpoint("calib-thin-12x256", QUICK_THIN),
-                  "wide-2x1024": demo_checkpoint("calib-wide-2x1024", QUICK_WIDE)}
-    else:
-        models = {"thin-30x576 (smollm2-135m-instruct)": resolve_default_model(),
-                  "wide-2x2048": demo_checkpoint("calib-wide-2x2048", WIDE)}
+    models = model_paths(args.quick)
     thin_name = next(iter(models))
     calibration_grid, evaluation_grids = grids(args.quick, args.repeats, args.fast)
     specs = {name: load_model_spec(str(path)) for name, path in models.items()}
@@ -267,6 +267,45 @@ def main() -> None:
     line["measured"]["packed_gweights_per_s"] = {m.key[len("cpu_packed_"):]: round(m.value / 1e9, 2)
                                                   for m in measurements if m.key.startswith("cpu_packed_")}
     print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed, "machine": machine_line(args.kind)}))
+
+
+def model_paths(quick: bool) -> dict:
+    """The two models, thin first: {name: checkpoint path}."""
+    if quick:
+        return {"thin-12x256": demo_checkpoint("calib-thin-12x256", QUICK_THIN),
+                "wide-2x1024": demo_checkpoint("calib-wide-2x1024", QUICK_WIDE)}
+    from hivekeeper.core.runtime.default_model import resolve_default_model
+
+    return {"thin-30x576 (smollm2-135m-instruct)": resolve_default_model(),
+            "wide-2x2048": demo_checkpoint("calib-wide-2x2048", WIDE)}
+
+
+def refit(path: str) -> dict:
+    """A --dump's points, fitted and judged again by this code (a change to the fit or the cost model checked on the
+    points of a quiet run without running it again): the MAPE and time-ratio tables and the fitted factors."""
+    from hivekeeper.planner.calibration import Calibration, ProfilePoint, fit_efficiency
+    from hivekeeper.planner.hardware_catalog import hardware_from_dict
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    doc = json.loads(Path(path).read_text())
+    calibration = Calibration.from_dict(doc["calibration"])
+    hardware = hardware_from_dict(doc["calibration"]["hardware"])
+    base = calibration.uncalibrated
+    fitted = fit_efficiency(calibration.model, hardware, list(calibration.points), calibration.policies, base)
+    efficiencies = {"calibrated": fitted.efficiency, "uncalibrated": base}
+    paths = {**model_paths(True), **model_paths(False)}
+    errors, ratios = {}, {}
+    for name, points in doc["evaluation"].items():
+        spec = load_model_spec(str(paths[name]))
+        errors[name], ratios[name] = shape_errors(spec, hardware, [ProfilePoint.from_dict(p) for p in points],
+                                                  calibration.policies, efficiencies)
+    summary = {f"{phase}_mape_{form}_pct": overall(errors, phase, form)
+               for phase in ("decode", "prefill") for form in ("calibrated", "uncalibrated")}
+    return {"bench": "calibration_accuracy", "refit": path, **summary, "per_shape_mape_pct": errors,
+            "per_shape_time_ratio": ratios, "fitted_factors": list(fitted.factors),
+            "fitted": {k: float(f"{getattr(fitted.efficiency.accelerator, k):.4g}")
+                       for k in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
+                                 "weight_reread_rows", "prefill_layer_overhead_s")}}
 
 
 def default_model_goal(default: dict, packed: dict) -> bool:
