@@ -59,8 +59,9 @@ DEFAULT_SPIN_SECONDS = 50e-6  # how long an idle pool worker spins before it sle
 MAX_ROWS = 8  # batch rows the kernels take (decode_kernels.c's MAX_ROWS); more are not memory-bound: BLAS's job
 QUANT_MAX_ROWS = 512  # rows one block-quantized product takes (decode_kernels.c's QUANT_MAX_ROWS): a prefill's prompt
 
-# what a command or the app says while the first library() call compiles (8 s on a quiet 2-core VM, 9-18 s busy)
-COMPILING = "compiling the CPU decode kernels for this machine (once per install, 10-20 s)…"
+# what a command or the app says while the first library() call compiles (2-core VM: 8 s at load 0.2, 9-18 s in a busy
+# app, 73 s niced at load 9)
+COMPILING = "compiling the CPU decode kernels for this machine (once per install: 10-20 s, longer when busy)…"
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
