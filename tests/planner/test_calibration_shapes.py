@@ -132,3 +132,19 @@ def test_profiles_without_measured_steps_and_gpus_fit_the_factors_they_did():
     assert scaled_decode_time(eff, 2.0) == {"bandwidth_fraction": pytest.approx(eff.bandwidth_fraction / 2),
                                             "layer_overhead_s": pytest.approx(eff.layer_overhead_s * 2)}
     assert scaled_decode_time(eff, 0.5)["bandwidth_fraction"] == 1.0
+
+
+def test_a_gpus_decode_pays_its_launch_overhead_at_any_batch():
+    """Only a CPU's decode of many rows runs as a prefill does: a GPU's step pays layer_overhead_s at batch 64 too."""
+    from hivekeeper.planner.efficiency import default_efficiency
+
+    gpu = get_hardware("t4")
+    base = default_efficiency(gpu)
+    policy = Policy("fp16", micro_batch_size=64)
+    steps = [evaluate(THIN, gpu, policy, Workload(prompt_len=8, output_len=8),
+                      MachineEfficiency(dataclasses.replace(base.accelerator, prefill_layer_overhead_s=s), base.host))
+             for s in (1e-3, 50e-3)]
+    assert steps[0].decode_step_s == pytest.approx(steps[1].decode_step_s, rel=1e-12)
+    slower = MachineEfficiency(dataclasses.replace(base.accelerator, layer_overhead_s=1e-3), base.host)
+    assert evaluate(THIN, gpu, policy, Workload(prompt_len=8, output_len=8), slower).decode_step_s > \
+        steps[0].decode_step_s + 0.9 * THIN.num_layers * (1e-3 - base.accelerator.layer_overhead_s)
