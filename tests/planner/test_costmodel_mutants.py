@@ -337,3 +337,57 @@ def test_a_packed_head_overlaps_reads_and_kernels_up_to_eight_rows_and_reads_fro
     else:
         expected = (ram_s, batch * 2 * head_params / (2 * PREFILL_PRODUCTS * 0.25))
     assert (head.memory_s[0], head.compute_s[0]) == pytest.approx(expected, rel=1e-9)
+
+
+# ---- session 12: issue 22's CPU step activations and issue 23's decode overhead beyond the kernels' rows ----------
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16"])
+def test_a_cpu_plans_ram_holds_one_parts_step_values_the_other_parts_hidden_states_and_the_logits(fmt):
+    """Everything in RAM on a CPU-only machine: 2 micro-batches of 4 sequences, prompts of 300 and 20 tokens out.
+    A prefill part holds whole micro-batches up to 1024 token rows: one micro-batch (1200 rows) here, so one part of
+    4 sequences is inside a block while the other 4 wait as hidden states. Inside a block a token holds, in the
+    format's activation size (fp32: 4 bytes, else 2), its input, residual, normed input and output (4 × 4096), q
+    (4096), k and v (2 × 4096) and the MLP's gate, up and product (3 × 11008). Then fp32 logits of every sequence,
+    three copies. A 16-bit plan also holds, for the largest matrix (the fused q, k, v: 3 × 4096 × 4096 weights), an
+    fp32 scratch and a 16-bit copy (6 bytes a weight). Besides: the weights, the embeddings and head (2 × 32000 ×
+    4096 + 4096), the KV cache of 8 × 320 tokens, and the CPU's 1 GB runtime. Counted to the byte."""
+    act = 4 if fmt == "fp32" else 2
+    weights = 32 * (MATRICES * act + 2 * 4096 * act) + (2 * 32000 * 4096 + 4096) * act
+    cache = 8 * 320 * 32 * 2 * 4096 * act
+    inside = 4 * 300 * (4 * 4096 + 4096 + 2 * 4096 + 3 * 11008) * act
+    waiting = 4 * 300 * 4096 * act
+    logits = 3 * 8 * 32000 * 4
+    transient = 0 if fmt == "fp32" else 3 * 4096 * 4096 * 6
+    policy = Policy(fmt, micro_batch_size=4, num_micro_batches=2, **ON_CPU)
+    pred = evaluate(MODEL, cpu_machine(), policy, Workload(300, 20), MachineEfficiency(CPU_EFF, CPU_EFF))
+    assert pred.peak_memory_bytes["cpu"] == weights + cache + inside + waiting + logits + transient + 10**9
+
+
+def test_a_token_routed_to_two_experts_holds_both_experts_mlp_values_in_a_cpu_step():
+    """A mixture of 8 experts, 2 a token: inside a block each token holds the gate, up and product of both its experts
+    (3 × 512 values each). One expert a token instead: 3 × 512 fp32 values less per token of the part in the block
+    (the whole batch here: 2 sequences of 100 tokens); nothing else in RAM changes."""
+    moe = ModelSpec(name="moe", family="mixtral", num_layers=2, hidden_size=1024, intermediate_size=512, num_heads=8,
+                    num_kv_heads=2, head_dim=128, vocab_size=1000, tie_word_embeddings=False,
+                    max_position_embeddings=4096, num_experts=8, experts_per_token=2)
+    policy = Policy("fp32", micro_batch_size=2, **ON_CPU)
+    ram = [evaluate(model, cpu_machine(), policy, Workload(100, 10), MachineEfficiency(CPU_EFF, CPU_EFF))
+           .peak_memory_bytes["cpu"] for model in (moe, dataclasses.replace(moe, experts_per_token=1))]
+    assert ram[0] - ram[1] == 2 * 100 * 3 * 512 * 4
+
+
+@pytest.mark.parametrize("kind, fmt, micro_batch, per_block", [
+    ("cpu", "fp32", 8, 1e-3), ("cpu", "fp32", 16, 5e-3), ("cpu", "q4_0", 16, 0.0), ("gpu", "bf16", 16, 1e-3)])
+def test_a_cpu_decode_of_more_rows_than_the_kernels_take_pays_the_prefills_block_cost(kind, fmt, micro_batch,
+                                                                                      per_block):
+    """A decode step's fixed cost is 1 ms a block and micro-batch (the kernels' whole-span call) up to the native
+    kernels' 8 rows; on a CPU a micro-batch of more rows runs block by block like a prefill and pays the prefill's
+    5 ms, or nothing where a packed format's measured prefill rate already holds it. A GPU pays 1 ms at any batch.
+    Two micro-batches, 32 blocks, no per-step cost."""
+    eff = dataclasses.replace(CPU_EFF, layer_overhead_s=1e-3, prefill_layer_overhead_s=5e-3)
+    if kind == "cpu":
+        hardware = cpu_machine(packed_prefill={"q4_0": PREFILL_PRODUCTS})
+        policy = Policy(fmt, micro_batch_size=micro_batch, num_micro_batches=2, **ON_CPU)
+    else:
+        hardware, policy = gpu_machine({"fp32": 1e12}), Policy(fmt, micro_batch_size=micro_batch, num_micro_batches=2)
+    pred = evaluate(MODEL, hardware, policy, Workload(100, 20), MachineEfficiency(eff, eff))
+    assert pred.step_breakdown_s["overhead"] == pytest.approx(32 * 2 * per_block, rel=1e-12, abs=1e-15)
