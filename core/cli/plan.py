@@ -354,7 +354,8 @@ def render(plan: Plan, data: dict) -> str:
                                              (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "disk")) if kept.get(tier))
                      + f" ({data['kept_free']['rule']})"))
     width = max(len(name) for name, _ in rows)
-    header = f"{plan.model} on {plan.hardware} (goal: {plan.goal})"
+    where = "this machine" if plan.hardware == "detected" else plan.hardware  # --hardware auto: the app's words
+    header = f"{plan.model} on {where} (goal: {plan.goal})"
     body = "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
     warnings = "".join(f"\nwarning: {text}" for text in data.get("warnings") or ())
     return f"{header}\n{body}\nwhy: {plan.reason}{warnings}\nefficiency: {plan.efficiency}"

@@ -54,3 +54,11 @@ def test_no_measure_plans_with_estimates(tmp_path, cli, monkeypatch):
     assert result.returncode == 0, result.stderr
     assert "measured" not in result.stderr and not (tmp_path / "profiles").exists()
     assert json.loads(result.stdout)["efficiency"].startswith("default")
+
+
+def test_a_plan_for_this_machine_says_so(tmp_path, cli, monkeypatch):
+    """The readable plan for --hardware auto named the machine 'detected' ("... on detected (goal: chat)")."""
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path))
+    done = cli("plan", "--hardware", "auto", "--no-measure")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].endswith(" on this machine (goal: chat)"), done.stdout
