@@ -391,3 +391,12 @@ def test_a_cpu_decode_of_more_rows_than_the_kernels_take_pays_the_prefills_block
         hardware, policy = gpu_machine({"fp32": 1e12}), Policy(fmt, micro_batch_size=micro_batch, num_micro_batches=2)
     pred = evaluate(MODEL, hardware, policy, Workload(100, 20), MachineEfficiency(eff, eff))
     assert pred.step_breakdown_s["overhead"] == pytest.approx(32 * 2 * per_block, rel=1e-12, abs=1e-15)
+
+
+def test_the_largest_matrix_is_the_fused_qkv_or_an_mlp_matrix_whichever_is_larger():
+    """The 16-bit transients are counted for a block's largest matrix: the 7B's fused q, k, v (3 × 4096 × 4096 weights,
+    more than an MLP matrix's 11008 × 4096), but with grouped K, V heads (8 of 32: q, k, v 6144 × 4096) an MLP matrix
+    of 14336 × 4096."""
+    grouped = dataclasses.replace(MODEL, num_kv_heads=8, intermediate_size=14336)
+    assert model_numbers(MODEL).largest_matrix_params == 3 * 4096 * 4096
+    assert model_numbers(grouped).largest_matrix_params == 14336 * 4096
