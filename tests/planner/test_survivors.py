@@ -613,3 +613,34 @@ def test_a_plan_names_its_model_machine_and_efficiency_and_says_whether_the_swar
     nothing = search(LLAMA2_7B, machine(gpu_gb=0.3, ram_gb=0.3, disk_gb=1), "chat", Constraints(quant="none"),
                      workload, EFF)
     assert nothing.reason.endswith(". This machine cannot even hold the client side (embeddings and LM head).")
+
+
+# ---- session 12: the formats the search tries (issue 22: fp32 only where a CPU has no 16-bit math) ----------------
+def bf16_cpu_machine() -> HardwareSpec:
+    """A CPU-only machine whose CPU multiplies bf16 natively at twice its fp32 rate (AMX-like)."""
+    cpu = dataclasses.replace(machine().cpu, flops={"fp32": 1e12, "bf16": 2e12})
+    return HardwareSpec(id="bf16-cpu", gpus=(), cpu=cpu, disk=machine().disk, network=NET)
+
+
+BF16_7B = dataclasses.replace(LLAMA2_7B, torch_dtype="bf16")
+
+
+@pytest.mark.parametrize("hardware, quant, expected", [
+    (cpu_only_machine(), "none", ["fp32"]),  # no 16-bit math: a 16-bit plan would run in fp32 at 4 bytes a weight
+    (cpu_only_machine(), "auto", ["fp32", "q8_0", "q4_0"]),
+    (bf16_cpu_machine(), "none", ["bf16", "fp32"]),
+    (bf16_cpu_machine(), "auto", ["bf16", "fp32", "q8_0", "q4_0"]),
+    (bf16_cpu_machine(), "q4_0", ["q4_0"]),
+    (machine(), "none", ["bf16"]),
+    (machine(), "auto", ["bf16", "int8", "nf4"]),
+])
+def test_the_search_tries_what_runs_on_the_machine(hardware, quant, expected):
+    """A CPU tries fp32, and its 16-bit format only where it multiplies 16-bit values natively; with --quant auto also
+    the packed formats the runtime holds for the model (q8_0 and q4_0 here), never bitsandbytes. A GPU tries its 16-bit
+    format, and int8 and nf4 with auto. A named format is tried alone."""
+    assert candidate_formats(BF16_7B, machine_view(hardware), quant, ("q8_0", "q4_0")) == expected
+
+
+def test_a_packed_format_named_for_a_gpu_is_refused():
+    with pytest.raises(InputError, match="q4_0 is a CPU format"):
+        candidate_formats(BF16_7B, machine_view(machine()), "q4_0", ("q4_0",))
