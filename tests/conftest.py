@@ -13,7 +13,23 @@ import time
 import psutil
 import pytest
 
-import hivekeeper.core  # noqa: F401 - first: sets OpenBLAS's idle-thread timeout before numpy loads it, as the app does
+
+def _blas_threads_per_worker() -> None:
+    """On pytest-xdist's workers (one per CPU), numpy's OpenBLAS and the native kernels' pool get this worker's share
+    of the CPUs (OPENBLAS_NUM_THREADS, read when numpy loads OpenBLAS, and by core/runtime/kernels/cpu_threads.py;
+    child processes inherit it), not every CPU each: two workers' BLAS threads spinning against each other made a
+    64-token fp32 prefill of the real model 7x slower at load 9 (6.5-7.1 s against 0.8-1.0 s with one thread).
+    A value already set is kept; a run without workers is left as it is."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if "PYTEST_XDIST_WORKER" not in os.environ or not workers.isdigit() or "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, cpus // max(1, int(workers))))
+
+
+_blas_threads_per_worker()
+
+import hivekeeper.core  # noqa: E402 F401 - first: sets OpenBLAS's idle-thread timeout before numpy loads it, as the app does
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
