@@ -17,9 +17,9 @@ import pytest
 def _blas_threads_per_worker() -> None:
     """On pytest-xdist's workers (one per CPU), numpy's OpenBLAS and the native kernels' pool get this worker's share
     of the CPUs (OPENBLAS_NUM_THREADS, read when numpy loads OpenBLAS, and by core/runtime/kernels/cpu_threads.py;
-    child processes inherit it), not every CPU each: two workers' BLAS threads spinning against each other made a
-    64-token fp32 prefill of the real model 7x slower at load 9 (6.5-7.1 s against 0.8-1.0 s with one thread).
-    A value already set is kept; a run without workers is left as it is."""
+    child processes inherit it), not every CPU each: BLAS threads spinning for a CPU another busy process holds made a
+    64-token fp32 prefill of the real model 7x slower at load 9 (one process: 6.5-7.1 s on two threads, 0.8-1.0 s on
+    one; docs/testing.md). A value already set is kept; a run without workers is left as it is."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if "PYTEST_XDIST_WORKER" not in os.environ or not workers.isdigit() or "OPENBLAS_NUM_THREADS" in os.environ:
         return
