@@ -271,3 +271,29 @@ def cli(capsys, monkeypatch):
         return subprocess.CompletedProcess(["hivekeeper", *args], code, out.out, out.err)
 
     return run
+
+
+# A plausible 2-core machine's figures (fixed, not this host's): RAM read B/s, fp32 matmul FLOP/s at decode and prefill
+# shapes, disk read and write B/s
+SUITE_PROFILE_FIGURES = {"ram_read": (10e9, "B/s"), "cpu_matmul_fp32_decode": (4e9, "FLOP/s"),
+                         "cpu_matmul_fp32_prefill": (40e9, "FLOP/s"), "disk_read": (1e9, "B/s"),
+                         "disk_write": (0.5e9, "B/s")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_machine_profile():
+    """A fixed machine profile for this machine's fingerprint in the suite's config folder, written once per process
+    (each pytest-xdist worker has its own folder; children inherit it): `plan --hardware auto` then plans from these
+    figures instead of measuring the host first (the quick measurement, 10-50 s, once per worker), and no plan
+    depends on the host's speed. Tests of the first measurement point HIVEKEEPER_CONFIG_DIR at an empty folder of
+    their own (test_plan_measures_first, the GUI's config_dir fixture)."""
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.measurement import Measurement
+    from hivekeeper.core.machine.profiles import new_profile, save_profile
+
+    profile = new_profile(detect_hardware())
+    profile.measurements = [Measurement(key, f"suite's fixed {key}", value, unit, 0.0, 1, 0.5,
+                                        "fixed by tests/conftest.py, not measured", [value])
+                            for key, (value, unit) in SUITE_PROFILE_FIGURES.items()]
+    profile.measured_at, profile.threads = 1.7e9, 2
+    return save_profile(profile)
