@@ -33,7 +33,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.core.runtime.generation import (SequenceOutput, context_limit, generate, stop_rules)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.model import KVCache, Span
-from hivekeeper.core.runtime.ragged import decode_rows, row_view
+from hivekeeper.core.runtime.ragged import allocate_pool, decode_rows, row_view
 from hivekeeper.core.runtime.sampling import Sampler, SamplingParams
 
 # prompt positions per prefill call, for a group as for a lone prompt (generation.generate's chunks): a packed
@@ -389,12 +389,8 @@ class ContinuousBatcher(_EngineThread):
             return
         context = context_limit(self.config)
         size = max(length, FIRST_CACHE_TOKENS, 2 * old.max_length if old is not None else 0)
-        self.pool = KVCache.allocate(self.config, len(self.span.blocks), self.max_rows, min(size, context),
-                                     self.span.dtype, self.embedding.weight.device)
-        # decode_rows' torch path reads every row up to the longest one, masked: a NaN left in uninitialised memory
-        # past a short row's length would still poison its attention (0 x NaN), so the pool starts as zeros
-        self.pool.k.zero_()
-        self.pool.v.zero_()
+        self.pool = allocate_pool(self.config, len(self.span.blocks), self.max_rows, min(size, context),
+                                  self.span.dtype, self.embedding.weight.device)  # zeros (ragged.allocate_pool)
         if old is not None:
             self.pool.k[:, :, :, : old.max_length].copy_(old.k)
             self.pool.v[:, :, :, : old.max_length].copy_(old.v)

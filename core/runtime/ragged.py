@@ -14,8 +14,10 @@ keys), as a lone sequence's step is: no torch op per block, the weights read onc
 bf16, more rows, no compiler) it runs in torch, attention one call per block over the pool's first n rows, masked to
 each row's length (and sliding window); the masks are made once per step.
 `row_view` is one row as an ordinary batch-1 KVCache (sharing the memory), for prefilling it with `Span.forward`.
-The pool must hold finite values past each row's length for the torch path (zeros: KVCache.allocate's memory is
-uninitialised): masked keys still enter the attention's sums with weight 0, and 0 x NaN is NaN.
+`allocate_pool` makes the pool: the torch path needs finite values past each row's length (masked keys still enter
+the attention's sums with weight 0, and 0 x NaN is NaN), and KVCache.allocate's memory is uninitialised (freed memory
+handed out again can hold NaN: a whole row of NaN results, now and then), so the pool starts as zeros; rows written,
+copied or rewound later stay finite.
 The results equal `Span.forward` run on each sequence alone, up to float rounding (the tests compare them).
 """
 
@@ -30,7 +32,16 @@ from torch import Tensor
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.runtime.kernels import cpu_decode, native_kernels
-from hivekeeper.core.runtime.model import Block, KVCache, Span, apply_rotary
+from hivekeeper.core.runtime.model import Block, KVCache, ModelConfig, Span, apply_rotary
+
+
+def allocate_pool(config: ModelConfig, num_blocks: int, rows: int, max_length: int,
+                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> KVCache:
+    """A pool for decode_rows: KVCache.allocate's rows, zeroed (see the module's docstring)."""
+    pool = KVCache.allocate(config, num_blocks, rows, max_length, dtype, device)
+    pool.k.zero_()
+    pool.v.zero_()
+    return pool
 
 
 def row_view(cache: KVCache, row: int, length: int) -> KVCache:

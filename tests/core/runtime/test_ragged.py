@@ -1,6 +1,7 @@
 """decode_rows (continuous batching's step) against Span.forward run on each sequence alone: rows of one pool at
 different positions, sliding windows included, K/V written where each row stands, on the native kernels' one call
-and on torch's per-block path; bad shapes and a full pool refused."""
+and on torch's per-block path, from a pool made of memory that held NaN before (ragged.allocate_pool zeroes it); bad
+shapes and a full pool refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from hivekeeper.core.runtime.checkpoint import load_span
 from hivekeeper.core.runtime.model import KVCache
-from hivekeeper.core.runtime.ragged import decode_rows, row_view
+from hivekeeper.core.runtime.ragged import allocate_pool, decode_rows, row_view
 from hivekeeper.planner.errors import InputError
 
 from .test_model import build_reference
@@ -46,6 +47,17 @@ def step_path(request, monkeypatch):
     assert taken and all((out is not None) == (request.param == "native") for out in taken)
 
 
+def pool_from_nan_memory(span, rows: int, max_length: int = MAX_LENGTH) -> KVCache:
+    """A pool made as decode_rows' callers make it, from memory that held NaN before (as freed memory the allocator
+    hands out again may: the flake of session 12, a row all NaN on the torch path, 1 run in many): every fresh tensor
+    made during the allocation is NaN-filled, so a pool that is not cleared shows it on every run."""
+    empty = torch.empty
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
+        assert torch.isnan(KVCache.allocate(span.config, 1, 1, 2).k).all()  # the poison reaches a plain allocation
+        return allocate_pool(span.config, len(span.blocks), rows, max_length)
+
+
 def prefilled(span, hidden: torch.Tensor) -> KVCache:
     cache = KVCache.allocate(span.config, len(span.blocks), 1, MAX_LENGTH)
     span(hidden, cache)
@@ -56,7 +68,7 @@ def test_rows_at_different_positions_equal_each_row_run_alone(span, step_path):
     torch.manual_seed(0)
     size = span.config.hidden_size
     prompts = [torch.randn(1, n, size) for n in PROMPTS]
-    pool = KVCache.allocate(span.config, len(span.blocks), len(PROMPTS) + 1, MAX_LENGTH)  # a spare row
+    pool = pool_from_nan_memory(span, len(PROMPTS) + 1)  # a spare row
     for row, prompt in enumerate(prompts):
         span(prompt, row_view(pool, row, 0))  # prefilled alone, into its row of the pool
     lengths = list(PROMPTS)
@@ -75,7 +87,7 @@ def test_rows_at_different_positions_equal_each_row_run_alone(span, step_path):
 
 def test_a_row_whose_cache_is_full_or_a_shape_that_does_not_match_is_refused(span):
     size = span.config.hidden_size
-    pool = KVCache.allocate(span.config, len(span.blocks), 2, 3)
+    pool = allocate_pool(span.config, len(span.blocks), 2, 3)
     for row in range(2):
         span(torch.randn(1, 2, size), row_view(pool, row, 0))
     with pytest.raises(InputError, match=r"hidden must be \[2, 1"):
