@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 
 # how long `measure --quick` (the first plan's and the app's first measurement) takes, torch's import included: on a
 # 2-core VM 43-47 s at load 10-13 (session 12: decode steps 17-22 s, the whole-step bf16 timing 7 s, packed spans
-# 3-5 s, the import 11-12 s); 4.9 s at load 1.6 in session 11, before the whole-step bf16 timing
+# 3-5 s, the import 11-12 s); quiet 12.1 s (bench lock, load 0.6-2.4: import 3.2 s, decode steps 5.4 s, bf16 step
+# 1.7 s); 4.9 s at load 1.6 in session 11, before the whole-step bf16 timing
 QUICK_TAKES = "10-50 s"
 
 # keys of measure.measure_decode_blocks's results, also read by profiles (which must not import torch)
