@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 import zlib
 from collections import Counter
@@ -39,7 +38,8 @@ from hivekeeper.core.atomic_file import folder_lock, write_json_atomic
 from hivekeeper.core.offload.weights import BlockReader, empty_block
 from hivekeeper.core.runtime.checkpoint import Checkpoint
 from hivekeeper.core.runtime.model import Block, RotaryTable
-from hivekeeper.core.runtime.quant.store import data_crc, remove_orphaned_stores, source_identity, store_folder
+from hivekeeper.core.runtime.quant.store import (remove_orphaned_stores, source_identity, store_folder,
+                                               write_block_file)
 from hivekeeper.core.runtime.safetensors_file import SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -168,29 +168,15 @@ class HalfStore:
             reader.close()
 
     def _write(self, block: Block, layer: int) -> None:
-        """Write `block` as layer's file: temp file, its CRC-32 read back from it, rename, then the manifest."""
-        from safetensors.torch import save_file
-
-        path = self.folder / f"block-{layer:05d}.safetensors"
-        handle, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{path.stem}.", suffix=".tmp")
-        os.close(handle)
-        try:
-            save_file({name: p.detach() for name, p in block.named_parameters()}, tmp, metadata={"layer": str(layer)})
-            written = SafetensorsFile(Path(tmp))
-            try:
-                crc, size = data_crc(written), os.fstat(written.fd).st_size
-            finally:
-                written.close()
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise InputError(f"{path}: cannot write the 16-bit block ({exc.strerror or exc})") from None
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        self.manifest["blocks"][str(layer)] = {"file": path.name, "bytes": size, "crc32": crc}
+        """Write `block` as layer's file (quant/store.write_block_file: temp file, CRC-32 read back, rename), then
+        the manifest."""
+        tensors = {name: p.detach() for name, p in block.named_parameters()}
+        entry = write_block_file(self.folder, layer, tensors, {"layer": str(layer)}, "16-bit")
+        self.manifest["blocks"][str(layer)] = entry
         write_json_atomic(self.folder / MANIFEST, self.manifest)
         with self._lock:
             old = self._files.pop(layer, None)
-            self._files[layer] = SafetensorsFile(path)
+            self._files[layer] = SafetensorsFile(self.folder / entry["file"])
             self._verified.add(layer)  # just read back
         if old is not None:
             old.close()

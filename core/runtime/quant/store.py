@@ -109,6 +109,33 @@ def data_crc(handle: SafetensorsFile) -> int:
     return crc
 
 
+def write_block_file(folder: Path, layer: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                     what: str) -> dict:
+    """Write one block's tensors as `folder`/block-NNNNN.safetensors, whole or not at all: a temp file flushed to
+    disk, its CRC-32 read back from it, then the rename. Returns the block's manifest entry (file, bytes, crc32).
+    The quantized store and the 16-bit half store (core/offload/half_store.py) write their blocks with it."""
+    from safetensors.torch import save_file
+
+    path = folder / f"block-{layer:05d}.safetensors"
+    handle, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.stem}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb+") as written:
+            os.fsync(written.fileno())
+        check = StoreFile(Path(tmp))
+        try:
+            crc, size = data_crc(check), os.fstat(check.fd).st_size
+        finally:
+            check.close()
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write the {what} block ({exc.strerror or exc})") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return {"file": path.name, "bytes": size, "crc32": crc}
+
+
 def remove_orphaned_stores(root: Path, keep: Path, what: str = "quantized") -> list[Path]:
     """Delete the stores under `root` whose checkpoint folder is gone (moved, deleted, an evicted hub cache) or whose
     checkpoint files changed since the store was made from them (source_identity): nothing could ever read them
@@ -255,9 +282,7 @@ class QuantStore:
 
     # ---- building -------------------------------------------------------------------------------------------------
     def _build(self, layer: int) -> None:
-        """Quantize one block from the checkpoint and write it (temp file, then rename; manifest after)."""
-        from safetensors.torch import save_file
-
+        """Quantize one block from the checkpoint and write it (write_block_file; the manifest after)."""
         rotary = RotaryTable(self.config)
         block = load_block(self.checkpoint, layer, dtype=self.dtype, device="cpu", quant=self.quant, rotary=rotary)
         tensors = {name: t.detach().contiguous().clone() for name, t in quantized_tensors(block).items()}
@@ -268,28 +293,10 @@ class QuantStore:
         elif self.manifest["layout"] != layout or self.manifest["tensors"] != specs:
             raise InputError(f"{self.checkpoint.path}: block {layer} quantizes to a different layout than the "
                              "other blocks; streaming quantized blocks needs every block alike")
-        path = self.folder / f"block-{layer:05d}.safetensors"
-        handle, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{path.stem}.", suffix=".tmp")
-        os.close(handle)
-        try:
-            save_file(tensors, tmp, metadata={"quant": self.quant, "layer": str(layer)})
-            with open(tmp, "rb+") as written:
-                os.fsync(written.fileno())
-            check = StoreFile(Path(tmp))
-            try:
-                crc, size = data_crc(check), os.fstat(check.fd).st_size
-            finally:
-                check.close()
-            os.replace(tmp, path)
-        except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
-            raise InputError(f"{path}: cannot write the quantized block ({exc.strerror or exc})") from None
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        self.manifest["blocks"][str(layer)] = {"file": path.name, "bytes": size, "crc32": crc}
+        entry = write_block_file(self.folder, layer, tensors, {"quant": self.quant, "layer": str(layer)}, "quantized")
+        self.manifest["blocks"][str(layer)] = entry
         write_json_atomic(self.manifest_path, self.manifest)
-        self._files[layer] = StoreFile(path)
+        self._files[layer] = StoreFile(self.folder / entry["file"])
         self._verified.add(layer)  # just checked against what was written
         self.quantized.append(layer)
 
