@@ -25,9 +25,17 @@ def plan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def test_detected_disk_is_the_free_space_and_ram_in_use_is_read():
+@pytest.fixture
+def data_dir() -> str:
+    """The suite's data folder, made here: each test reads its filesystem's free space (none may rely on another
+    test having made it)."""
     folder = os.environ["HIVEKEEPER_DATA_DIR"]
     os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def test_detected_disk_is_the_free_space_and_ram_in_use_is_read(data_dir):
+    folder = data_dir
     before = psutil.disk_usage(folder)
     spec = detect_hardware(folder)
     after = psutil.disk_usage(folder)
@@ -39,7 +47,7 @@ def test_detected_disk_is_the_free_space_and_ram_in_use_is_read():
     assert hardware_from_dict(hardware_to_json(spec)) == spec  # what other programs hold survives the app's probe
 
 
-def test_plan_auto_keeps_the_headroom_free_and_says_so(cli):
+def test_plan_auto_keeps_the_headroom_free_and_says_so(cli, data_dir):
     result = plan("--model", MODEL, "--hardware", "auto", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -48,7 +56,7 @@ def test_plan_auto_keeps_the_headroom_free_and_says_so(cli):
     assert kept["cpu"] > max(2 * GIB, 0.10 * ram)  # the rule's floor, plus what other programs hold now
     assert kept["cpu"] < ram
     assert capacity["cpu"] + kept["cpu"] == pytest.approx(ram, abs=1e6)
-    free_disk = psutil.disk_usage(os.environ["HIVEKEEPER_DATA_DIR"]).free
+    free_disk = psutil.disk_usage(data_dir).free
     assert capacity["disk"] + kept["disk"] == pytest.approx(free_disk, abs=2e9)
     assert kept["disk"] == pytest.approx(max(GIB, 0.05 * (capacity["disk"] + kept["disk"])), rel=1e-3)
     assert data["kept_free"]["rule"].startswith("default headroom")
