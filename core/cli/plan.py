@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
@@ -145,8 +146,6 @@ def measure_quickly() -> str:
     profile.measurements, profile.measured_at = measurements, started
     path = save_profile(profile)
     forget()  # the 16-bit decision reads the new measurements
-    import os
-
     busy = busy_words(measurements, os.cpu_count() or 1)
     return (f"note: the first plan for this machine: measured it quickly ({time.time() - started:.1f} s, like "
             f"`hivekeeper measure --quick`{f', {busy}' if busy else ''}), saved to {path}; `hivekeeper measure` "

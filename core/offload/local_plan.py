@@ -176,7 +176,11 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
     from hivekeeper.planner.policy import Constraints, search
 
     if hardware is None:  # one prediction per machine and model: generate, chat and the app plan as `plan` does
-        hardware, profiled = this_machine()
+        from hivekeeper.core.machine.profiles import detect_or_load_profile
+
+        # detected with the saved profile's measured numbers and factors (before, generate planned with the detected
+        # estimates alone while plan read the profile: the app showed 13.2 tokens/s beside generate's 41.8)
+        hardware, profiled = detect_or_load_profile()
         efficiency = efficiency if efficiency is not None else profiled
     spec = load_model_spec(str(model_path))
     if ram_budget_bytes is not None:
@@ -195,16 +199,6 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
     fmt = quant if quant != "none" else spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
     return PolicyChoice(fallback_policy(fmt, batch), "fallback",
                         f"the planner found no local plan ({plan.reason}); streaming what RAM cannot hold")
-
-
-def this_machine():
-    """(HardwareSpec, efficiency factors or None) of this machine as `hivekeeper plan --hardware auto` plans for it:
-    detected, with the saved profile's measured numbers and factors where `hivekeeper measure` (or a first plan's
-    quick measurement) saved one. Before, generate planned with the detected estimates alone while plan read the
-    profile: the app showed plan's 13.2 tokens/s beside generate's 41.8 for one model on one machine."""
-    from hivekeeper.core.machine.profiles import detect_or_load_profile
-
-    return detect_or_load_profile()
 
 
 def packed_choice(model_path: str | Path, quant: str, hardware):

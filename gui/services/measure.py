@@ -7,8 +7,9 @@ the Hardware and Plan pages take it the same way as a detection.
 
 The button's sizes are `hivekeeper measure`'s defaults (about a minute on a laptop). The first plan for a machine
 that was never measured needs its numbers, so the app measures it once by itself with `--quick` sizes
-(measurement.QUICK_TAKES, each step shown in the status bar: `start(quick=True)`, issue 14 item 12). HIVEKEEPER_MEASURE_SIZES overrides both: "full", "quick", or "tiny" (a few
-megabytes, ignoring the caches: tests and screenshots, where only the wiring matters). The disk benchmark runs in the
+(measurement.QUICK_TAKES, each step shown in the status bar: `start(quick=True)`, issue 14 item 12).
+HIVEKEEPER_MEASURE_SIZES overrides both: "full", "quick", or "tiny" (a few megabytes, ignoring the caches: tests and
+screenshots, where only the wiring matters). The disk benchmark runs in the
 data folder, where models are kept.
 """
 

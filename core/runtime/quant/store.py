@@ -94,9 +94,9 @@ def _bitsandbytes_version() -> str:
     return str(getattr(bitsandbytes, "__version__", "unknown"))
 
 
-def data_crc(handle: SafetensorsFile) -> int:
-    """CRC-32 of a file's tensor bytes, tensor after tensor in file order (what `fill` checks as it reads; the 16-bit
-    half store, core/offload/half_store.py, uses it too)."""
+def _data_crc(handle: SafetensorsFile) -> int:
+    """CRC-32 of a file's tensor bytes, tensor after tensor in file order (what `fill` checks as it reads, and the
+    16-bit half store's fill as it reads its own blocks)."""
     crc = 0
     for _, _, start, end in sorted(handle.entries.values(), key=lambda entry: entry[2]):
         offset = start
@@ -125,7 +125,7 @@ def write_block_file(folder: Path, layer: int, tensors: dict[str, torch.Tensor],
             os.fsync(written.fileno())
         check = StoreFile(Path(tmp))
         try:
-            crc, size = data_crc(check), os.fstat(check.fd).st_size
+            crc, size = _data_crc(check), os.fstat(check.fd).st_size
         finally:
             check.close()
         os.replace(tmp, path)
