@@ -114,16 +114,17 @@ def run_points(path, evaluation_grids, label: str):
     return points, policies
 
 
-def shape_errors(spec, hardware, points, policies, efficiencies: dict) -> tuple[dict, dict]:
+def shape_errors(spec, forms: dict, points, policies) -> tuple[dict, dict]:
     """({"b1": {"decode": {"calibrated": %, "uncalibrated": %}, "prefill": {...}}, ...} (MAPE per batch size), the
-    same table of median predicted / measured time: above 1 predicted slow, below 1 fast, so a miss says its side)."""
+    same table of median predicted / measured time: above 1 predicted slow, below 1 fast, so a miss says its side).
+    `forms`: name -> (hardware, efficiency) each form predicts with."""
     from hivekeeper.planner.calibration import cost_model_predictions, form_accuracy
 
     table: dict = {}
     ratios: dict = {}
     for batch in sorted({pt.batch_size for pt in points}):
         chosen = [pt for pt in points if pt.batch_size == batch]
-        for name, eff in efficiencies.items():
+        for name, (hardware, eff) in forms.items():
             predicted = cost_model_predictions(spec, hardware, chosen, policies, eff)
             acc = form_accuracy(chosen, predicted)
             for phase in ("decode", "prefill"):
@@ -132,6 +133,30 @@ def shape_errors(spec, hardware, points, policies, efficiencies: dict) -> tuple[
                     ratios.setdefault(f"b{batch}", {}).setdefault(phase, {})[name] = time_ratio(chosen, predicted,
                                                                                                  phase)
     return table, ratios
+
+
+def step_terms(spec, forms: dict, points, policies) -> dict:
+    """Per batch size: the measured decode step (median, ms) and each form's predicted step term by term (ms;
+    costmodel.decode_step_terms) at the median point's workload, so a miss names its term."""
+    from hivekeeper.planner.calibration import point_policy
+    from hivekeeper.planner.costmodel import Workload, decode_step_terms
+
+    result: dict = {}
+    for batch in sorted({pt.batch_size for pt in points}):
+        chosen = sorted((pt for pt in points if pt.batch_size == batch and pt.step_s), key=lambda pt: pt.step_s)
+        if not chosen:
+            continue
+        point = chosen[len(chosen) // 2]
+        policy = point_policy(policies[point.placement], point)
+        cell = {"measured_step_ms": round(1e3 * float(np.median([pt.step_s for pt in chosen])), 2),
+                "at": {"prompt_len": point.prompt_len, "output_len": point.output_len}}
+        for name, (hardware, eff) in forms.items():
+            terms = decode_step_terms(spec, hardware, policy, Workload(point.prompt_len, point.output_len), eff)
+            cell[name] = {k: (round(v / 1e9, 2) if k == "read_rate_bytes_per_s" else round(v / 1e6, 1)
+                              if k.endswith("bytes") or k.endswith("bytes_min") else round(1e3 * v, 2))
+                          for k, v in terms.items()}
+        result[f"b{batch}"] = cell
+    return result
 
 
 def time_ratio(points, predicted, phase: str) -> float:
@@ -190,6 +215,46 @@ def packed_default_decode(path, spec, hardware, grid, efficiencies: dict) -> dic
             **default_model_decode(spec, hardware, denoise(runs), packed, efficiencies)}
 
 
+def stream_probe(sizes):
+    """A probe of decode's streaming rate as the quick measurement read it: its wide span of random blocks (same
+    width and bytes), kept, and a function timing one-row steps through it (`STREAM_PROBE_STEPS`, median) that
+    returns the bytes/s the blocks were read at, less the profile's fixed cost of a block (`per_block_s`). Run right
+    before and after each model's evaluation: this host's RAM rate moves +-30% within a minute, so a prediction with
+    the rate of the moment separates the cost model's error from the profile's staleness."""
+    import statistics
+
+    from hivekeeper.core.machine.cpu_features import last_level_cache_bytes
+    from hivekeeper.core.machine.measure import decode_span, decode_steps
+
+    size = max(sizes.stream_bytes, 2 * (last_level_cache_bytes() if sizes.cache_bytes is None else sizes.cache_bytes))
+    config, span = decode_span(sizes.stream_hidden, size)
+    nbytes = sum(p.numel() * 4 for p in span.parameters())
+    step = decode_steps(config, span, 1)
+    step()
+
+    def rate(per_block_s: float) -> float:
+        seconds = []
+        for _ in range(STREAM_PROBE_STEPS):
+            started = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - started)
+        return nbytes / max(statistics.median(seconds) - config.num_layers * per_block_s, 1e-9)
+
+    return rate
+
+
+STREAM_PROBE_STEPS = 9
+
+
+def with_stream_rate(measurements: list, rate: float) -> list:
+    """The quick measurement with decode's streaming rate replaced by `rate` (B/s), the rest as measured."""
+    import dataclasses
+
+    from hivekeeper.core.machine.measurement import WEIGHT_STREAM_KEY
+
+    return [dataclasses.replace(m, value=rate) if m.key == WEIGHT_STREAM_KEY else m for m in measurements]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small demo models and smaller grids (a smoke run)")
@@ -209,6 +274,7 @@ def main() -> None:
 
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.measure import QUICK, TerminalProgress, run_benchmarks
+    from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, WEIGHT_STREAM_KEY
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.profiling import denoise, measure_grid
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
@@ -243,12 +309,23 @@ def main() -> None:
     efficiencies = {"calibrated": calibration.efficiency, "uncalibrated": base}
 
     # ---- evaluation: both models, batch 1, 4 and 64 ----------------------------------------------------------------
-    errors, ratios, evaluated, default, packed = {}, {}, {}, None, {}
+    probe = stream_probe(QUICK)
+    per_block = next(m.value for m in measurements if m.key == BLOCK_OVERHEAD_KEY)
+    profile_rate = next(m.value for m in measurements if m.key == WEIGHT_STREAM_KEY)
+    errors, ratios, terms, streams, evaluated, default, packed = {}, {}, {}, {}, {}, None, {}
     for name, path in models.items():
         stage_started = time.perf_counter()
+        before = probe(per_block)
         points, model_policies = run_points(path, evaluation_grids, f"evaluate {name} ")
+        after = probe(per_block)
+        hardware_now = apply_measurements(detected, with_stream_rate(measurements, (before + after) / 2), time.time())
+        forms = {"calibrated": (hardware, calibration.efficiency), "uncalibrated": (hardware, base),
+                 "uncalibrated_now": (hardware_now, measured_efficiency(hardware_now))}
+        streams[name] = {"profile_gbps": round(profile_rate / 1e9, 2), "before_gbps": round(before / 1e9, 2),
+                         "after_gbps": round(after / 1e9, 2)}
         evaluated[name] = points
-        errors[name], ratios[name] = shape_errors(specs[name], hardware, points, model_policies, efficiencies)
+        errors[name], ratios[name] = shape_errors(specs[name], forms, points, model_policies)
+        terms[name] = step_terms(specs[name], forms, points, model_policies)
         if name == thin_name:
             default = default_model_decode(specs[name], hardware, points, model_policies, efficiencies)
             packed = {} if args.quick else packed_default_decode(path, specs[name], hardware, evaluation_grids[0],
@@ -263,6 +340,7 @@ def main() -> None:
                        loads)
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
     line["per_shape_time_ratio"] = ratios
+    line["terms"], line["stream_rate_now"] = terms, streams
     line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
     line["measured"]["packed_gweights_per_s"] = {m.key[len("cpu_packed_"):]: round(m.value / 1e9, 2)
                                                   for m in measurements if m.key.startswith("cpu_packed_")}
@@ -292,17 +370,18 @@ def refit(path: str) -> dict:
     hardware = hardware_from_dict(doc["calibration"]["hardware"])
     base = calibration.uncalibrated
     fitted = fit_efficiency(calibration.model, hardware, list(calibration.points), calibration.policies, base)
-    efficiencies = {"calibrated": fitted.efficiency, "uncalibrated": base}
+    forms = {"calibrated": (hardware, fitted.efficiency), "uncalibrated": (hardware, base)}
     paths = {**model_paths(True), **model_paths(False)}
-    errors, ratios = {}, {}
+    errors, ratios, terms = {}, {}, {}
     for name, points in doc["evaluation"].items():
         spec = load_model_spec(str(paths[name]))
-        errors[name], ratios[name] = shape_errors(spec, hardware, [ProfilePoint.from_dict(p) for p in points],
-                                                  calibration.policies, efficiencies)
+        judged = [ProfilePoint.from_dict(p) for p in points]
+        errors[name], ratios[name] = shape_errors(spec, forms, judged, calibration.policies)
+        terms[name] = step_terms(spec, forms, judged, calibration.policies)
     summary = {f"{phase}_mape_{form}_pct": overall(errors, phase, form)
                for phase in ("decode", "prefill") for form in ("calibrated", "uncalibrated")}
     return {"bench": "calibration_accuracy", "refit": path, **summary, "per_shape_mape_pct": errors,
-            "per_shape_time_ratio": ratios, "fitted_factors": list(fitted.factors),
+            "per_shape_time_ratio": ratios, "terms": terms, "fitted_factors": list(fitted.factors),
             "fitted": {k: float(f"{getattr(fitted.efficiency.accelerator, k):.4g}")
                        for k in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
                                  "weight_reread_rows", "prefill_layer_overhead_s")}}

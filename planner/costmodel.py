@@ -359,6 +359,41 @@ def cpu_native_half(cpu: ComputeDevice) -> bool:
     return any(cpu.flops.get(dtype, 0.0) >= fp32 > 0 for dtype in ("bf16", "fp16"))
 
 
+def bf16_by_rows(native: bool, step_ratio: float | None, rows):
+    """The one rule for what a bf16 plan computes in on a CPU, by the rows its decode steps multiply (the engine asks
+    it through core/machine/cpu_dtype_rule, the planner through cpu_bf16_at): bf16 where the CPU multiplies bf16
+    natively (`native`: AVX512-BF16 or AMX) and either a step multiplies more rows than the native decode kernels take
+    (PACKED_KERNEL_ROWS: such steps, as a prefill, run torch's matmuls, bf16 ones on AMX at their measured rate) or
+    a measured bf16 decode step took less than fp32's (`step_ratio` < 1; None: not measured, fp32); else fp32 (the
+    kernels' fp32 decode beat torch's bf16 one: 1.1-2.2x its time on the AMX VM). True where bf16, per `rows`."""
+    few_rows_faster = step_ratio is not None and step_ratio < 1.0
+    return np.logical_and(bool(native), np.logical_or(np.asarray(rows) > PACKED_KERNEL_ROWS, few_rows_faster))
+
+
+def cpu_native_bf16(cpu: ComputeDevice) -> bool:
+    """Whether a CPU's FLOP/s table lists bf16 at or above fp32: native bf16 math as the planner sees it
+    (core/machine/cpu_dtype_rule.with_choice writes the table so from the CPU's flags)."""
+    fp32 = cpu.flops.get("fp32", 0.0)
+    return cpu.flops.get("bf16", 0.0) >= fp32 > 0
+
+
+def cpu_bf16_at(cpu: ComputeDevice, rows):
+    """bf16_by_rows for a CPU as the planner sees it: its FLOP/s table and its measured bf16-vs-fp32 decode step."""
+    return bf16_by_rows(cpu_native_bf16(cpu), cpu.half_decode_ratio, rows)
+
+
+def runs_as_planned(machine: Machine, traits: list[FormatTraits], c: dict[str, np.ndarray]) -> np.ndarray:
+    """Per candidate: whether the engine computes it in the format it names. On a CPU a 16-bit candidate runs as
+    planned only in bf16 where bf16_by_rows says so for its micro-batch rows (the engine's rows:
+    placement.micro_batch_rows, `b` on the grid); elsewhere the engine computes fp32 at twice the bytes, which the
+    fp32 candidates already plan. Other accelerators and formats: every candidate."""
+    if machine.acc.kind != "cpu":
+        return np.ones(len(c["fmt"]), dtype=bool)
+    names = np.array([t.fmt.name for t in traits])[c["fmt"]]
+    sixteen = (names == "bf16") | (names == "fp16")
+    return ~sixteen | ((names == "bf16") & cpu_bf16_at(machine.acc, c["b"]))
+
+
 @dataclass(frozen=True)
 class FormatTraits:
     """How a weight format behaves on this machine's accelerator."""
@@ -382,6 +417,9 @@ class FormatTraits:
     head_flops_cached: float = 0.0
     # 1: a prefill pays Efficiency.prefill_layer_overhead_s a block; 0: the format's measured prefill rate holds it
     prefill_overhead: float = 1.0
+    # decode micro-batches up to these rows read read_bytes_gemv a weight (bf16 on a CPU: the measured step ratio up
+    # to the decode kernels' rows, PACKED_KERNEL_ROWS); more rows read_bytes_gemm
+    gemv_rows: float = 1.0
 
 
 def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
@@ -401,12 +439,7 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
             gemv = gemm = 4.0 * decode_factor
             peak = fp32_rate / prefill_factor
         else:
-            half_native = native and fmt.name == "bf16"
-            gemv = gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU
-            if half_native and machine.acc.half_decode_ratio:  # measured: a bf16 step is that many fp32 steps
-                gemv = 4.0 * machine.acc.half_decode_ratio
-            # without native half math the catalog lists the (much lower) rate of software-converted kernels
-            peak = machine.acc.peak_flops(fmt.name) if fmt.name in machine.acc.flops else fp32_rate
+            return half_cpu_traits(machine, fmt, native)
         kv_factor = 1.0 if (native or fmt.name == "fp32") else HALF_AS_FP32_ON_CPU
     else:
         gemv = stored
@@ -416,6 +449,24 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
     vector = _vector_bytes(fmt)
     return FormatTraits(fmt, stored, gemv, gemm, vector, kv_bytes, kv_factor, float(peak), float(peak), False,
                         vector, float(peak))
+
+
+def half_cpu_traits(machine: Machine, fmt: WeightFormat, native: bool) -> FormatTraits:
+    """A 16-bit format on a CPU. Natively multiplied bf16: a decode micro-batch of up to PACKED_KERNEL_ROWS rows
+    takes the measured bf16 decode step (half_decode_ratio: that many fp32 steps; 2 bytes a weight where not
+    measured), more rows (and a prefill) read 2 bytes a weight at the CPU's bf16 matmul rate (measured by `hivekeeper
+    measure`: 527 GFLOP/s against fp32's ~100 on the AMX VM). Converted to fp32 first (no native math, or fp16):
+    HALF_AS_FP32_ON_CPU the bytes, at the rate the FLOP/s table lists for the format (the catalog's rate of
+    software-converted kernels), else fp32's."""
+    cpu = machine.acc
+    half_native = native and fmt.name == "bf16"
+    gemv = gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU
+    if half_native and cpu.half_decode_ratio:  # measured: a bf16 step is that many fp32 steps
+        gemv = 4.0 * cpu.half_decode_ratio
+    peak = float(cpu.peak_flops(fmt.name) if fmt.name in cpu.flops else cpu.peak_flops("fp32"))
+    vector = _vector_bytes(fmt)
+    return FormatTraits(fmt, fmt.bytes_per_param, gemv, gemm, vector, 2.0, 1.0 if native else HALF_AS_FP32_ON_CPU,
+                        peak, peak, False, vector, peak, gemv_rows=PACKED_KERNEL_ROWS if half_native else 1.0)
 
 
 def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
@@ -651,6 +702,7 @@ class CandidateArrays:
     stored_bytes: np.ndarray  # FormatTraits, per candidate
     gemv_bytes: np.ndarray
     gemm_bytes: np.ndarray
+    gemv_rows: np.ndarray  # decode micro-batches up to these rows read gemv_bytes a weight
     vector_bytes: np.ndarray
     kv_bytes: np.ndarray
     kv_read_factor: np.ndarray
@@ -684,7 +736,7 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         activations_on_host=c["ah"], micro_batch=c["b"], micro_batches=c["n"], prefetch=c["d"],
         recompute=recompute, cpu_attention=cpu_attention, batch=c["b"] * c["n"],
         stored_bytes=stored, gemv_bytes=trait("read_bytes_gemv"), gemm_bytes=trait("read_bytes_gemm"),
-        vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"), peak_flops=trait("peak_flops"),
+        gemv_rows=trait("gemv_rows"), vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"), peak_flops=trait("peak_flops"),
         gemv_flops=gemv_flops, overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
         head_flops=head_flops, cached_share=share, prefill_overhead=trait("prefill_overhead"),
         block_bytes=block_bytes, kv_token=kv_token,
@@ -834,7 +886,7 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     here; matmul and attention FLOPs, and the K, V projections again when recomputing them."""
     numbers, rows = grid.numbers, grid.micro_batch
     touched = touched_matrices(numbers, rows)
-    read_per_param = np.where(rows <= 1, grid.gemv_bytes, grid.gemm_bytes) * format_reads(grid, rows)
+    read_per_param = np.where(rows <= grid.gemv_rows, grid.gemv_bytes, grid.gemm_bytes) * format_reads(grid, rows)
     vectors = numbers.vector_params * grid.vector_bytes
     cache = grid.batch * context * grid.cached_per_token * grid.attention_on_acc
     nbytes = grid.micro_batches * (touched * read_per_param + vectors) + cache * grid.kv_read_factor
@@ -1021,6 +1073,27 @@ def step_components(grid: CandidateArrays, context: float, block: BlockPass,
         "streamed_weight_bytes_step": layers * (1.0 - grid.weights_on_acc) * grid.block_bytes,
         "cache_streamed_step": layers * cache_streamed(grid, context),
     }
+
+
+def decode_step_terms(model: ModelSpec, hardware: HardwareSpec, policy: Policy, workload: Workload,
+                      efficiency: MachineEfficiency | None = None) -> dict[str, float]:
+    """One policy's predicted decode step term by term (seconds, and the bytes behind the reads), in the order the
+    step adds them: the blocks' reads (weights, norms and KV cache at the accelerator's rate), their FLOPs beyond
+    the reads, their fixed costs, the LM head's reads and FLOPs, the per-step overhead; "step_s" is `evaluate`'s step (issue 23: a
+    miss on one shape of model names its term)."""
+    eff = efficiency or default_efficiency(hardware)
+    machine = machine_view(hardware)
+    grid = candidate_arrays(model_numbers(model), machine, eff, [format_traits(machine, policy.weight_format)],
+                            policy_columns(machine, policy))
+    block, head = decode_block(grid, workload.decode_context), lm_head(grid)
+    layers, acc = grid.numbers.layers, block.accelerator
+    terms = {"blocks_reads_s": layers * acc.memory_s, "blocks_compute_s": layers * acc.compute_s,
+             "blocks_fixed_s": layers * block.overhead_s, "cpu_attention_s": layers * block.cpu.seconds,
+             "head_reads_s": head.memory_s, "head_compute_s": head.compute_s, "step_overhead_s": np.asarray(grid.acc_eff.step_overhead_s),
+             "step_s": whole_pass(grid, block, head)[0],
+             "read_rate_bytes_per_s": machine.acc_bandwidth * grid.acc_eff.bandwidth_fraction,
+             "blocks_bytes_min": layers * acc.bytes_min, "head_bytes": grid.numbers.head_params * grid.head_bytes}
+    return {name: float(np.asarray(value).ravel()[0]) for name, value in terms.items()}
 
 
 def compute_bound_batch(grid: CandidateArrays) -> dict[str, np.ndarray]:

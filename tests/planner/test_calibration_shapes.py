@@ -148,3 +148,24 @@ def test_a_gpus_decode_pays_its_launch_overhead_at_any_batch():
     slower = MachineEfficiency(dataclasses.replace(base.accelerator, layer_overhead_s=1e-3), base.host)
     assert evaluate(THIN, gpu, policy, Workload(prompt_len=8, output_len=8), slower).decode_step_s > \
         steps[0].decode_step_s + 0.9 * THIN.num_layers * (1e-3 - base.accelerator.layer_overhead_s)
+
+
+@pytest.mark.parametrize("model", [THIN, WIDE], ids=["thin", "wide"])
+def test_a_decode_step_written_out_term_by_term_adds_up_to_the_step_and_each_term_follows_its_figure(model):
+    """costmodel.decode_step_terms (calibration_accuracy's `terms`): the terms add up to evaluate's step; the blocks'
+    reads are their bytes at the measured rate, the fixed costs the measured block cost times the blocks, and the
+    head moves with the head's bytes only."""
+    from hivekeeper.planner.costmodel import decode_step_terms
+
+    hardware = measured_cpu(prefill_block_s=1e-3, decode_block_s=0.5e-3)
+    workload = Workload(prompt_len=8, output_len=8)
+    terms = decode_step_terms(model, hardware, RESIDENT, workload, measured_efficiency(hardware))
+    parts = ("blocks_reads_s", "blocks_compute_s", "blocks_fixed_s", "cpu_attention_s", "head_reads_s",
+             "head_compute_s", "step_overhead_s")
+    assert sum(terms[k] for k in parts) == pytest.approx(terms["step_s"], rel=1e-9)
+    assert terms["step_s"] == pytest.approx(step_seconds(model, hardware, 1), rel=1e-9)
+    assert terms["read_rate_bytes_per_s"] == pytest.approx(11e9, rel=1e-6)
+    assert terms["blocks_reads_s"] == pytest.approx(terms["blocks_bytes_min"] / 11e9, rel=0.02)  # + the KV cache
+    assert terms["blocks_fixed_s"] == pytest.approx(model.num_layers * 0.5e-3, rel=1e-9)
+    assert terms["head_reads_s"] == pytest.approx(terms["head_bytes"] / 11e9, rel=1e-6)
+    assert terms["head_bytes"] == pytest.approx(model.vocab_size * model.hidden_size * 4, rel=1e-9)
