@@ -335,7 +335,8 @@ def decode_steps(config, span, rows: int, dtype: torch.dtype = torch.float32) ->
 
 
 def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repeats: int = 5,
-                          cache_bytes: int | None = None, step_repeats: int = STEP_REPEATS) -> list[Measurement]:
+                          cache_bytes: int | None = None, step_repeats: int = STEP_REPEATS,
+                          spans: "StreamSpans | None" = None) -> list[Measurement]:
     """How a decode step runs here, through the runtime's own decode path (Span.forward: the native kernels'
     whole-span step where they are built, numpy's otherwise), on two spans of random decoder blocks, each larger
     than twice the last-level cache (read from /sys) and than `total_bytes`: one `hidden` wide (few large blocks),
@@ -347,21 +348,24 @@ def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repe
       handing work out and waiting, caches cold after each matrix), which thin many-layer models pay most;
     - cpu_small_rows_reads: the wide span's 4-row step over its one-row step (how often a few-row step reads its
       weights: the numpy/BLAS path's GEMM kernels).
+
+    spans: the two spans, already built for these sizes (run_benchmarks reads the streaming rate again on them).
     """
     previous_threads = torch.get_num_threads()
     use_blas_threads()  # the runtime's thread layout (its decode path depends on it)
     try:
         return _decode_block_measurements(hidden, total_bytes, max(repeats, step_repeats),
-                                          last_level_cache_bytes() if cache_bytes is None else cache_bytes)
+                                          last_level_cache_bytes() if cache_bytes is None else cache_bytes, spans)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cache_bytes: int) -> list[Measurement]:
+def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cache_bytes: int,
+                               spans: "StreamSpans | None" = None) -> list[Measurement]:
     load = load_average()
-    size = max(total_bytes, 2 * cache_bytes)
-    narrow_hidden = max(64, hidden * 3 // 8 // 64 * 64)
-    (wide_config, wide), (narrow_config, narrow) = decode_span(hidden, size), decode_span(narrow_hidden, size)
+    spans = spans or StreamSpans.make(hidden, total_bytes, cache_bytes)
+    (wide_config, wide), (narrow_config, narrow) = (spans.wide_config, spans.wide), (spans.narrow_config, spans.narrow)
+    narrow_hidden = narrow_config.hidden_size
     b1, b2 = (sum(p.numel() * 4 for p in span.parameters()) for span in (wide, narrow))
     n1, n2 = wide_config.num_layers, narrow_config.num_layers
     # the two spans' one-row steps in turn (a, b, a, b, ...): the pair of each repeat sees the same moment
@@ -484,6 +488,111 @@ def fit_bytes_and_blocks(a: tuple[float, float, int], b: tuple[float, float, int
 def decode_path_name() -> str:
     """What runs a one-row fp32 decode step here: the native kernels (which build) or numpy."""
     return f"the native kernels ({native_kernels.status()})" if native_kernels.library() is not None else "numpy"
+
+
+@dataclass
+class StreamSpans:
+    """The two spans of random fp32 decoder blocks the decode steps' streaming rate is read from (measure_decode_blocks's:
+    one `hidden` wide, one 3/8 as wide, each beyond twice the last-level cache), built once and read many times."""
+
+    wide_config: object
+    wide: torch.nn.Module
+    narrow_config: object
+    narrow: torch.nn.Module
+
+    @classmethod
+    def make(cls, hidden: int, total_bytes: int, cache_bytes: int | None = None) -> "StreamSpans":
+        size = max(total_bytes, 2 * (last_level_cache_bytes() if cache_bytes is None else cache_bytes))
+        narrow_hidden = max(64, hidden * 3 // 8 // 64 * 64)
+        (wide_config, wide), (narrow_config, narrow) = decode_span(hidden, size), decode_span(narrow_hidden, size)
+        return cls(wide_config, wide, narrow_config, narrow)
+
+    def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((bytes, blocks) of the wide span, the same of the narrow one)."""
+        return tuple((sum(p.numel() * 4 for p in span.parameters()), config.num_layers)
+                     for config, span in ((self.wide_config, self.wide), (self.narrow_config, self.narrow)))
+
+
+@dataclass(frozen=True)
+class StreamReading:
+    """One reading of the streaming rate: bytes/s and a block's fixed cost fitted to the two spans' median one-row
+    steps (fit_bytes_and_blocks), with every step's seconds."""
+
+    bandwidth: float
+    per_block: float
+    wide_s: list[float]
+    narrow_s: list[float]
+
+
+def stream_reading(spans: StreamSpans, repeats: int) -> StreamReading:
+    """The decode steps' streaming rate now: `repeats` one-row steps of each span timed in turn (after one warm-up
+    each), fitted on their medians. Runs in the thread layout set (the runtime's: cpu_matmul.use_blas_threads)."""
+    (b1, n1), (b2, n2) = spans.shapes()
+    s1, s2 = _alternating_seconds([decode_steps(spans.wide_config, spans.wide, 1),
+                                   decode_steps(spans.narrow_config, spans.narrow, 1)], repeats)
+    per_block, bandwidth = fit_bytes_and_blocks((statistics.median(s1), b1, n1), (statistics.median(s2), b2, n2))
+    return StreamReading(bandwidth, per_block, s1, s2)
+
+
+# run_benchmarks reads the decode steps' streaming rate four more times after measure_decode_blocks's reading, spread
+# over the rest of the measurement (after the packed spans, the bf16 step, the disk, and at the end), and the profile
+# keeps the median of the five (fold_stream_readings). One reading lasts a fraction of a second, and this VM's rate
+# moved 5.4-12.9 GB/s between readings seconds apart (bench/stream_vs_decode.py, load 2.5-3.8): one is a moment's.
+class StreamRereads:
+    """The later readings of the decode steps' streaming rate during run_benchmarks, on spans of the first's shape
+    built at the first of them and dropped by close()."""
+
+    def __init__(self, sizes: "BenchmarkSizes"):
+        self.sizes, self.spans, self.readings = sizes, None, []
+
+    def built(self) -> StreamSpans:
+        """The spans (built at the first call): measure_decode_blocks's, then every later reading's."""
+        if self.spans is None:
+            self.spans = StreamSpans.make(self.sizes.stream_hidden, self.sizes.stream_bytes, self.sizes.cache_bytes)
+        return self.spans
+
+    def read(self) -> list[Measurement]:
+        """One more reading (kept in self.readings; no measurement of its own: fold_stream_readings)."""
+        sizes = self.sizes
+        previous_threads = torch.get_num_threads()
+        use_blas_threads()  # the runtime's thread layout, as measure_decode_blocks reads it in
+        try:
+            self.readings.append(stream_reading(self.built(), max(sizes.repeats, sizes.step_repeats)))
+        finally:
+            torch.set_num_threads(previous_threads)
+        return []
+
+    def close(self) -> None:
+        self.spans = None
+
+
+def median_reading(readings: list[StreamReading]) -> StreamReading:
+    """The reading of median bandwidth (the lower middle one of an even count), its block cost with it: a reading's
+    rate and block cost are fitted together, so they are kept together."""
+    if not readings:
+        raise ValueError("no readings")
+    return sorted(readings, key=lambda r: r.bandwidth)[(len(readings) - 1) // 2]
+
+
+def fold_stream_readings(results: list[Measurement], later: list[StreamReading]) -> list[Measurement]:
+    """`results` with the decode steps' streaming rate (WEIGHT_STREAM_KEY) and a block's fixed cost
+    (BLOCK_OVERHEAD_KEY) of the median reading among measure_decode_blocks's and the `later` ones; the rate's
+    samples are then the readings' rates, its spread their range over the median. Unchanged without later
+    readings or without the decode steps' measurements."""
+    by_key = {m.key: m for m in results}
+    stream, block = by_key.get(WEIGHT_STREAM_KEY), by_key.get(BLOCK_OVERHEAD_KEY)
+    if not later or stream is None or block is None:
+        return results
+    readings = [StreamReading(stream.value, block.value, [], []), *later]
+    chosen = median_reading(readings)
+    rates = [r.bandwidth for r in readings]
+    listed = ", ".join(f"{rate / 1e9:.3g}" for rate in rates)
+    words = f"; the median of {len(rates)} readings spread over the measurement ({listed} GB/s)"
+    folded = {WEIGHT_STREAM_KEY: replace(stream, value=chosen.bandwidth, spread=median_and_spread(rates)[1],
+                                         repeats=len(rates), samples=rates, loadavg=max(stream.loadavg, load_average()),
+                                         detail=stream.detail + words),
+              BLOCK_OVERHEAD_KEY: replace(block, value=chosen.per_block, detail=block.detail + words)}
+    return [folded.get(m.key, m) for m in results]
 
 
 def _alternating_seconds(runs: list[Callable[[], None]], repeats: int) -> list[list[float]]:
@@ -995,8 +1104,10 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                    peers: tuple[str, ...] = (), gpu: bool = True, progress: Progress = _silent,
                    should_stop: Callable[[], bool] = lambda: False) -> list[Measurement]:
     """Every benchmark this machine allows, in turn: RAM, CPU matmuls per dtype (decode and prefill shapes), decode
-    weight streaming, a bf16 decode step against fp32 (with native bf16 math), disk (when a folder is given), GPU memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA
-    device is present (and gpu=True), and each peer. progress(fraction, label) is called before each step;
+    weight streaming, a bf16 decode step against fp32 (with native bf16 math), disk (when a folder is given), GPU
+    memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA device is present (and gpu=True),
+    and each peer; the decode steps' streaming rate is read again between the later steps and the median reading kept
+    (StreamRereads, fold_stream_readings). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
     beyond_cache = 2 * (last_level_cache_bytes() if sizes.cache_bytes is None else sizes.cache_bytes)
@@ -1004,10 +1115,12 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                                                                 sizes.repeats)]))
     for dtype in sizes.dtypes:
         steps.append((f"CPU {dtype} matmul", lambda dtype=dtype: _matmul_pair(dtype, torch.device("cpu"), sizes)))
+    rereads = StreamRereads(sizes) if "fp32" in sizes.dtypes else None
+    reread = [("CPU decode streaming, read again", rereads.read)] if rereads is not None else []
     if "fp32" in sizes.dtypes:
         steps.append(("CPU decode steps",
                       lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
-                                                    sizes.cache_bytes, sizes.step_repeats)))
+                                                    sizes.cache_bytes, sizes.step_repeats, rereads.built())))
     results: list[Measurement] = []
     if sizes.packed_hidden is not None:  # after the decode steps, whose fitted fixed cost of a block it takes
         steps.append(("CPU packed-format decode steps",
@@ -1015,12 +1128,15 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                                                      sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY),
                                                      sizes.packed_streamed,
                                                      max(sizes.step_repeats, PACKED_STEP_REPEATS))))
+    steps += reread
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, max(sizes.half_bytes, beyond_cache),
                                                    sizes.repeats, wide=sizes.half_wide)]))
+    steps += reread
     if disk_folder is not None:
         steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))
+    steps += reread
     if gpu and torch.cuda.is_available():
         cuda = torch.device("cuda", 0)
         steps.append(("GPU memory bandwidth",
@@ -1035,11 +1151,15 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                                                                                  sizes.repeats)]))
     for peer in peers:
         steps.append((f"peer {peer}", lambda peer=peer: measure_peer(peer, sizes.repeats, sizes.peer_bytes)))
+    steps += reread
     for index, (label, step) in enumerate(steps):
         if should_stop():
             break
         progress(index / len(steps), label)
         results.extend(step())
+    if rereads is not None:
+        rereads.close()
+        results = fold_stream_readings(results, rereads.readings)
     progress(1.0, "done")
     return results
 

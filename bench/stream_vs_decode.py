@@ -1,0 +1,133 @@
+"""Is a miss in the demo's predicted decode the cost model's or the host's? (issue 14 item 12)
+
+On this VM the memory bandwidth swings ±35% from minute to minute, and a prediction made from one quick measurement
+is judged against a decode run seconds or minutes later. This bench separates the two: in one process it alternates,
+`--pairs` times, a short streaming-rate reading (exactly the quick measurement's: one-row decode steps through a wide
+and a narrow span of random fp32 blocks beyond the last-level cache, timed in turn, bandwidth and a block's fixed cost
+fitted to their medians: measure.stream_reading) with a short generation of the demo model as `generate` runs it
+(the plan for this machine, OffloadedModel, the same thread layout), and reports per pair:
+
+- the reading (GB/s, a block's ms) and the demo's measured decode tokens/s;
+- `achieved_over_reading`: the weight bytes a demo step reads per second of the step over the reading's rate (the
+  fraction of the reading the real model achieves; the cost model assumes 1 minus the blocks' fixed cost);
+- `predicted_over_measured`: the planner's decode tokens/s for the demo, with that reading in place of the profile's
+  (the rest of the profile from one quick measurement at the start), over the measured tokens/s beside it.
+
+If both ratios stay steady while the reading and the decode swing together, the cost model is right and a miss is the
+timing of the reading; if they wander, or sit away from 1, the model's term is off. One JSON line, with the load
+average before and after:
+
+    python bench/stream_vs_decode.py --pairs 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+
+from _common import demo_preset, fixed_prompt  # bench/ is the script's folder, first on sys.path
+
+
+def spread(values: list[float]) -> dict:
+    """min, median, max and (max - min) / median of a list."""
+    middle = statistics.median(values)
+    return {"min": round(min(values), 3), "median": round(middle, 3), "max": round(max(values), 3),
+            "spread": round((max(values) - min(values)) / middle, 3) if middle else None}
+
+
+def timed_parts(runner) -> dict[str, list[float]]:
+    """Seconds of each call of the runner's blocks (its span) and LM head, appended as they run."""
+    import time
+
+    times: dict[str, list[float]] = {"blocks": [], "head": []}
+
+    class Timed:
+        def __init__(self, name: str, part):
+            self.name, self.part = name, part
+
+        def __call__(self, *args, **kwargs):
+            started = time.perf_counter()
+            out = self.part(*args, **kwargs)
+            times[self.name].append(time.perf_counter() - started)
+            return out
+
+        def __getattr__(self, attribute):
+            return getattr(self.part, attribute)
+
+    runner.span, runner.head = Timed("blocks", runner.span), Timed("head", runner.head)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    os.environ["HIVEKEEPER_CONFIG_DIR"] = tempfile.mkdtemp(prefix="hivekeeper-svd-")  # never the user's profile
+
+    from hivekeeper.planner.calibration import measured_efficiency
+
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.measure import QUICK, StreamSpans, run_benchmarks, stream_reading
+    from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, WEIGHT_STREAM_KEY
+    from hivekeeper.core.machine.profiles import apply_measurements
+    from hivekeeper.core.offload.local_plan import plan_local_run, search_policy, use_runtime_threads
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
+    from hivekeeper.core.runtime.checkpoint import load_config
+    from hivekeeper.core.runtime.generation import generate
+
+    detected = detect_hardware()
+    measurements = run_benchmarks(QUICK)  # the rest of the profile: a first plan's quick measurement
+    path = demo_preset("100m")
+    config = load_config(path)
+    use_runtime_threads()
+    workload = dict(batch=1, prompt_len=args.prompt_len, max_new_tokens=args.new_tokens)
+    _, plan = plan_local_run("auto", path, config, **workload, max_length=args.prompt_len + args.new_tokens,
+                             hardware=apply_measurements(detected, measurements),
+                             efficiency=measured_efficiency(apply_measurements(detected, measurements)))
+    runner = OffloadedModel(path, plan)
+    times = timed_parts(runner)
+    step_bytes = 4 * (config.num_layers * config.block_param_count() + config.vocab_size * config.hidden_size)  # fp32
+    prompt = fixed_prompt(config.vocab_size, args.prompt_len)
+    spans = StreamSpans.make(QUICK.stream_hidden, QUICK.stream_bytes)
+    generate(runner, prompt, max_new_tokens=4, ignore_eos=True)  # warm-up: pages touched, kernels chosen
+    pairs = []
+    for _ in range(args.pairs):
+        reading = stream_reading(spans, max(QUICK.repeats, QUICK.step_repeats))
+        result = generate(runner, prompt, max_new_tokens=args.new_tokens, ignore_eos=True)
+        step_s = 1 / result.decode_tokens_per_s
+        blocks_s, head_s = (statistics.median(times[name][1:]) for name in ("blocks", "head"))  # [0]: the prefill
+        block_bytes = 4 * config.num_layers * config.block_param_count()
+        for part in times.values():
+            part.clear()
+        read = [dataclasses.replace(m, value=reading.bandwidth) if m.key == WEIGHT_STREAM_KEY else
+                dataclasses.replace(m, value=reading.per_block) if m.key == BLOCK_OVERHEAD_KEY else m
+                for m in measurements]
+        hardware = apply_measurements(detected, read)
+        choice = search_policy(path, **workload, hardware=hardware, efficiency=measured_efficiency(hardware))
+        predicted = choice.predicted["decode_tokens_per_s"]
+        pairs.append({"reading_gbps": round(reading.bandwidth / 1e9, 2),
+                      "block_ms": round(reading.per_block * 1e3, 3),
+                      "measured_tokens_per_s": round(1 / step_s, 2), "predicted_tokens_per_s": round(predicted, 2),
+                      "achieved_over_reading": round(step_bytes / step_s / reading.bandwidth, 3),
+                      "predicted_over_measured": round(predicted * step_s, 3),
+                      "weight_format": choice.policy.weight_format,
+                      "measured_ms": {"blocks": round(blocks_s * 1e3, 2), "head": round(head_s * 1e3, 2),
+                                      "rest": round((step_s - blocks_s - head_s) * 1e3, 2)},
+                      "reading_ms": {"blocks": round((block_bytes / reading.bandwidth
+                                                      + config.num_layers * reading.per_block) * 1e3, 2),
+                                     "head": round((step_bytes - block_bytes) / reading.bandwidth * 1e3, 2)}})
+    keys = ("reading_gbps", "measured_tokens_per_s", "achieved_over_reading", "predicted_over_measured")
+    print(json.dumps({"bench": "stream_vs_decode", "model": "demo-100m", "step_weight_mb": round(step_bytes / 1e6),
+                      "pairs": pairs, **{k: spread([p[k] for p in pairs]) for k in keys},
+                      "loadavg_before": round(load_before, 2), "loadavg_after": round(os.getloadavg()[0], 2)}))
+
+
+if __name__ == "__main__":
+    main()
