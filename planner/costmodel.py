@@ -983,7 +983,16 @@ def lm_head(grid: CandidateArrays) -> AcceleratorWork:
     reads = nbytes * format_reads(grid, grid.batch) * np.where(kernel_rows, 1.0 - grid.cached_share, 1.0)
     work = accelerator_work(grid, reads, nbytes, flops,
                             np.where(kernel_rows, kernel_peak(grid, grid.head_flops), grid.peak_flops))
-    return overlap(work, kernel_rows) if kernel_rows.any() else work
+    work = overlap(work, kernel_rows) if kernel_rows.any() else work
+    if not steps_measured(grid.machine):
+        return work
+    # an fp32 head of up to PACKED_KERNEL_ROWS rows runs on the decode kernels (cpu_decode.head_step), which multiply
+    # as they read, as the measured steps' blocks do: its FLOPs count only where they outlast its reads (issue 23:
+    # added, they put 2-4 ms on a thin model's one-row step, as much again at 4 rows, more at a busy measurement's rate)
+    kernel_head = (grid.head_bytes == 4.0) & (grid.batch <= PACKED_KERNEL_ROWS)
+    return AcceleratorWork(work.bytes_min, work.flops, work.memory_s,
+                           np.where(kernel_head, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s),
+                           work.bound_s)
 
 
 # ---- prefill of p tokens per sequence, per block ------------------------------------------------------------------

@@ -23,15 +23,15 @@ THIN = ModelSpec("thin", "llama", 30, 576, 1536, 9, 3, 64, 49152, True, 2048)
 WIDE = ModelSpec("wide", "llama", 2, 2048, 5632, 32, 8, 64, 8192, False, 2048)
 
 
-def measured_cpu(prefill_block_s: float, decode_block_s: float = 0.3e-3):
+def measured_cpu(prefill_block_s: float, decode_block_s: float = 0.3e-3, prefill_flops: float = 90e9):
     """A CPU as `hivekeeper measure` leaves it: RAM 12 GB/s, decode steps at 11 GB/s with `decode_block_s` a
-    block, prefill passes at 90 GFLOP/s with `prefill_block_s` a block."""
+    block, prefill passes at `prefill_flops` with `prefill_block_s` a block."""
     records = [Measurement("ram_read", "RAM read", 12e9, "B/s", 0.0, 3, 0.0),
                Measurement("cpu_matmul_fp32_prefill", "fp32 matmul", 40e9, "FLOP/s", 0.0, 3, 0.0),
                Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", 11e9, "B/s", 0.0, 3, 0.0),
                Measurement(BLOCK_OVERHEAD_KEY, "fixed cost of a block", decode_block_s, "s", 0.0, 3, 0.0),
                Measurement(SMALL_ROWS_READS_KEY, "4-row reads", 1.5, "x", 0.0, 3, 0.0),
-               Measurement(PREFILL_FLOPS_KEY, "fp32 prefill", 90e9, "FLOP/s", 0.0, 3, 0.0),
+               Measurement(PREFILL_FLOPS_KEY, "fp32 prefill", prefill_flops, "FLOP/s", 0.0, 3, 0.0),
                Measurement(PREFILL_BLOCK_KEY, "prefill block", prefill_block_s, "s", 0.0, 3, 0.0)]
     return apply_measurements(get_hardware("cpu-generic"), records, when=1.7e9)
 
@@ -169,3 +169,26 @@ def test_a_decode_step_written_out_term_by_term_adds_up_to_the_step_and_each_ter
     assert terms["blocks_fixed_s"] == pytest.approx(model.num_layers * 0.5e-3, rel=1e-9)
     assert terms["head_reads_s"] == pytest.approx(terms["head_bytes"] / 11e9, rel=1e-6)
     assert terms["head_bytes"] == pytest.approx(model.vocab_size * model.hidden_size * 4, rel=1e-9)
+
+
+@pytest.mark.parametrize("model", [THIN, WIDE], ids=["thin", "wide"])
+def test_the_heads_flops_in_a_few_row_step_count_only_beyond_its_reads_on_measured_steps(model):
+    """Up to PACKED_KERNEL_ROWS rows the fp32 head runs on the decode kernels (cpu_decode.head_step), which multiply
+    as they read: halving the FLOP rate leaves a 1- or 4-row step's head at its reads (they outlast its FLOPs here);
+    at 64 rows (BLAS) its FLOPs still add, and a CPU whose steps were not measured still adds them."""
+    from hivekeeper.planner.costmodel import decode_step_terms
+
+    fast, slow = measured_cpu(1e-3, prefill_flops=90e9), measured_cpu(1e-3, prefill_flops=45e9)
+    workload = Workload(prompt_len=8, output_len=8)
+
+    def head(hardware, rows: int) -> dict:
+        policy = dataclasses.replace(RESIDENT, micro_batch_size=rows)
+        return decode_step_terms(model, hardware, policy, workload, measured_efficiency(hardware))
+
+    for rows in (1, 4):
+        assert head(slow, rows)["head_compute_s"] == head(fast, rows)["head_compute_s"] == 0.0
+        assert head(slow, rows)["head_reads_s"] == pytest.approx(head(fast, rows)["head_reads_s"], rel=1e-9)
+    many_fast, many_slow = head(fast, 64), head(slow, 64)
+    assert many_slow["head_compute_s"] > many_fast["head_compute_s"] > 0.0
+    unmeasured = get_hardware("cpu-generic")
+    assert head(unmeasured, 1)["head_compute_s"] > 0.0
