@@ -4,6 +4,9 @@ Nothing is timed: the readings are fed in."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
 from hivekeeper.core.machine import measure
@@ -50,18 +53,40 @@ def test_without_later_readings_or_decode_steps_nothing_changes():
     assert fold_stream_readings(first[:1], [reading(9.0, 0.2)]) == first[:1]
 
 
-def test_run_benchmarks_reads_the_rate_again_between_its_later_steps(monkeypatch, tmp_path):
-    """Four more readings, after the decode steps, between the later steps (the disk here) and at the end; the saved
-    rate is their median whatever the first (real) reading was: three of the four fed ones are equal."""
-    fed = [reading(7.0, 0.3), reading(7.0, 0.3), reading(30.0, 0.01), reading(7.0, 0.3)]
+def test_plan_hardware_auto_plans_with_the_median_reading(monkeypatch, tmp_path, cli):
+    """Through the user's command: the first `plan --hardware auto` on a machine never measured measures it (here
+    at TINY's sizes, the later readings fed in: four, after the decode steps' own, between the later steps and at
+    the end), saves the median reading in its profile, whatever the first (real) one was (three of the four fed are
+    equal), and plans with it (a second plan from the saved profile predicts the same); the lucky reading (30 GB/s)
+    would have planned decode about four times faster (with the FLOP/s raised in both, so that the reads decide)."""
+    from hivekeeper.core.machine.measurement import PREFILL_FLOPS_KEY
+    from hivekeeper.core.machine.profiles import load_profile, save_profile
+
+    fed = [reading(7.0, 0.3), reading(30.0, 0.01), reading(7.0, 0.3), reading(7.0, 0.3)]
+    monkeypatch.setattr(measure, "QUICK", TINY)
     monkeypatch.setattr(measure, "stream_reading", lambda spans, repeats: fed.pop(0))
-    labels = []
-    results = {m.key: m for m in run_benchmarks(TINY, disk_folder=tmp_path, gpu=False,
-                                                progress=lambda fraction, label: labels.append(label))}
-    assert not fed
-    assert results[WEIGHT_STREAM_KEY].value == pytest.approx(7e9)
-    assert results[BLOCK_OVERHEAD_KEY].value == pytest.approx(0.3e-3)
-    assert len(results[WEIGHT_STREAM_KEY].samples) == 5
-    again = [i for i, label in enumerate(labels) if label == "CPU decode streaming, read again"]
-    assert len(again) == 4 and again[0] > labels.index("CPU decode steps")
-    assert again[0] < labels.index("disk") < again[-1] and labels[again[-1] + 1] == "done"
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "data").mkdir()
+    monkeypatch.setenv("HIVEKEEPER_DATA_DIR", str(tmp_path / "data"))  # a data folder: its disk is measured too
+    plan = ("plan", "--model", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--hardware", "auto", "--json")
+    first = cli(*plan)
+    assert first.returncode == 0 and "measured it quickly" in first.stderr, first.stderr
+    steps = [line.split("%", 1)[1].strip() for line in first.stderr.splitlines() if line.strip()[:1].isdigit()]
+    again_at = [i for i, step in enumerate(steps) if step == "CPU decode streaming, read again"]
+    assert not fed and len(again_at) == 4 and again_at[0] > steps.index("CPU decode steps")
+    assert again_at[0] < steps.index("disk") < again_at[-1] and again_at[-1] == len(steps) - 2 and steps[-1] == "done"
+    (path,) = (tmp_path / "profiles").glob("*.json")
+    profile = load_profile(path)
+    assert profile.measurement(WEIGHT_STREAM_KEY).value == pytest.approx(7e9)
+    assert profile.measurement(BLOCK_OVERHEAD_KEY).value == pytest.approx(0.3e-3)
+    again = cli(*plan)
+    assert "measured it quickly" not in again.stderr
+    assert json.loads(again.stdout)["decode_tokens_per_s"] == json.loads(first.stdout)["decode_tokens_per_s"]
+
+    def decode_with(gbps: float) -> float:
+        values = {WEIGHT_STREAM_KEY: gbps * 1e9, PREFILL_FLOPS_KEY: 1e13}
+        profile.measurements = [replace(m, value=values.get(m.key, m.value)) for m in profile.measurements]
+        save_profile(profile, path)
+        return json.loads(cli(*plan).stdout)["decode_tokens_per_s"]
+
+    assert decode_with(30.0) > 3.5 * decode_with(7.0)
