@@ -173,6 +173,7 @@ class ModelNumbers:
     workspace_values_per_token: int  # activations alive inside one block, per token
     cpu_step_values_per_token: int  # the same in a CPU step as the engine holds them (cpu_step_values)
     largest_matrix_params: int  # the largest weight matrix the engine multiplies in a block (fused q, k, v or MLP)
+    outside_matrix_params: int = 0  # of outside_params: the embedding and an untied LM head (vocab × width each)
 
     @property
     def matrix_params(self) -> int:
@@ -201,6 +202,7 @@ def model_numbers(model: ModelSpec) -> ModelNumbers:
         cpu_step_values_per_token=cpu_step_values(h, model.q_dim, model.kv_dim,
                                                   model.intermediate_size * active_experts),
         largest_matrix_params=largest_matrix_params(h, model.q_dim, model.kv_dim, model.intermediate_size),
+        outside_matrix_params=(1 if model.tie_word_embeddings else 2) * model.vocab_size * model.embedding_dim,
     )
 
 
@@ -575,7 +577,7 @@ def fixed_memory(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency
     kvb = _per_format(traits, f, "kv_bytes")
     w_blk = numbers.matrix_params * stored + numbers.vector_params * vbytes
     w_all = numbers.layers * w_blk
-    outside = numbers.outside_params * vbytes
+    outside = outside_bytes(numbers, traits, f)
     b, n, d = c["b"], c["n"], c["d"]
     batch = b * n
     ctx = float(workload.cache_len)
@@ -617,6 +619,18 @@ def fixed_memory(numbers: ModelNumbers, machine: Machine, eff: MachineEfficiency
         host_staging = np.zeros_like(acc)
     return {"acc": acc, "host": host, "disk": disk, "w_all": w_all, "w_blk": w_blk,
             "acc_buffers": 1.0 + d, "host_staging": host_staging}
+
+
+def outside_bytes(numbers: ModelNumbers, traits: list[FormatTraits], index: np.ndarray) -> np.ndarray:
+    """Bytes of the embedding, final norm and LM head per candidate: at the format's vector bytes, except that a
+    packed format (a GGUF) holds the embedding and head matrices packed at head_bytes a weight (PACKED_HEAD_FORMAT),
+    as the engine does (core/offload/packed_stream.load_outside: a tied embedding looks its rows up in the head's
+    bytes). Counted in fp32 they made SmolLM2's 30 MB of Q8_0 113 MB, and no plan fitted 0.5-1.0x its file."""
+    vector = _per_format(traits, index, "vector_bytes")
+    packed = _per_format(traits, index, "overlapped") > 0
+    matrices = min(numbers.outside_matrix_params, numbers.outside_params)
+    return np.where(packed, matrices * _per_format(traits, index, "head_bytes")
+                    + (numbers.outside_params - matrices) * vector, numbers.outside_params * vector)
 
 
 def peak_memory(mem: dict[str, np.ndarray], wa, wh, wd) -> dict[str, np.ndarray]:
@@ -736,7 +750,8 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         activations_on_host=c["ah"], micro_batch=c["b"], micro_batches=c["n"], prefetch=c["d"],
         recompute=recompute, cpu_attention=cpu_attention, batch=c["b"] * c["n"],
         stored_bytes=stored, gemv_bytes=trait("read_bytes_gemv"), gemm_bytes=trait("read_bytes_gemm"),
-        gemv_rows=trait("gemv_rows"), vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"), peak_flops=trait("peak_flops"),
+        gemv_rows=trait("gemv_rows"), vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"),
+        peak_flops=trait("peak_flops"),
         gemv_flops=gemv_flops, overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
         head_flops=head_flops, cached_share=share, prefill_overhead=trait("prefill_overhead"),
         block_bytes=block_bytes, kv_token=kv_token,
@@ -876,9 +891,13 @@ def decode_block_overhead(grid: CandidateArrays):
     block by block through torch and BLAS, as a prefill does (core/runtime/model.Span.forward), so its blocks pay the
     prefill's fixed cost (prefill_block's; issue 23: at the kernels' per-block cost a thin model's batch-64 decode,
     30 blocks, was predicted several times faster than it ran at load 8)."""
-    torch_rows = (grid.machine.acc.kind == "cpu") & (grid.micro_batch > PACKED_KERNEL_ROWS)
+    cpu = grid.machine.acc.kind == "cpu"
+    torch_rows = cpu & (grid.micro_batch > PACKED_KERNEL_ROWS)
+    # within the kernels' rows each row beyond the first adds its per-block work (norms, rotary, attention; issue 23:
+    # SmolLM2's 30 thin blocks took a 4-row step ~2.1x a one-row one, a 2-block wide model ~1.6x)
+    per_row = np.where(cpu, grid.acc_eff.row_overhead_s * np.maximum(grid.micro_batch - 1.0, 0.0), 0.0)
     return np.where(torch_rows, grid.acc_eff.prefill_layer_overhead_s * grid.prefill_overhead,
-                    grid.acc_eff.layer_overhead_s)
+                    grid.acc_eff.layer_overhead_s + per_row)
 
 
 def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -> AcceleratorWork:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .costmodel import (TIERS, Machine, Placement, Policy, Prediction, Workload, cpu_native_half, evaluate_arrays,
                         fixed_memory, format_traits, machine_view, model_numbers, peak_memory, prediction_from_arrays,
-                        sixteen_bit_format, solve_weight_placement)
+                        runs_as_planned, sixteen_bit_format, solve_weight_placement)
 from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
 from .formats import BITSANDBYTES_FORMATS, PACKED_FORMATS
@@ -83,7 +83,8 @@ def candidate_formats(model: ModelSpec, machine: Machine, quant: str, packed: tu
     formats = [sixteen_bit_format(model, machine)]
     if machine.acc.kind == "cpu":
         # a CPU without 16-bit math computes a 16-bit plan in fp32 (core/offload/local_plan.compute_dtype), holding
-        # 4 bytes a weight where the 16-bit format would count 2: only fp32 is what runs there
+        # 4 bytes a weight where the 16-bit format would count 2: only fp32 is what runs there. With it, a 16-bit
+        # candidate stays where the engine computes it in bf16 at its rows (costmodel.runs_as_planned)
         formats = ["fp32"] if not cpu_native_half(machine.acc) else [*formats, "fp32"]
         if quant == "auto":
             formats += [name for name in packed if name not in formats]
@@ -198,6 +199,7 @@ def evaluate_grid(model: ModelSpec, hardware: HardwareSpec, goal: str, constrain
     cols = build_grid(model, machine, goal, constraints, len(formats))
     mem = fixed_memory(numbers, machine, eff, workload, traits, cols)
     wa, wh, wd, feasible = solve_weight_placement(mem, machine)
+    feasible &= runs_as_planned(machine, traits, cols)  # no 16-bit plan the engine would compute in fp32
     cols.update(wa=wa, wh=wh, wd=wd)
     batch_sizes = np.unique((cols["b"] * cols["n"]).astype(int))
     if feasible.any():

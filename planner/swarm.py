@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .costmodel import (Machine, Workload, cpu_native_half, experts_touched, format_traits, machine_view, model_numbers,
+from .costmodel import (Machine, Workload, cpu_bf16_at, experts_touched, format_traits, machine_view, model_numbers,
                         sixteen_bit_format)
 from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
@@ -155,14 +155,15 @@ def choose_server_format(model: ModelSpec, machine: Machine, quant: str, cache_t
                          eff: MachineEfficiency) -> str:
     """The weight format a server uses: 16 bits where every block fits, else nf4 (Petals' choice for GPUs).
 
-    A CPU server stays unquantized (bitsandbytes' CPU kernels are slower than dense matmuls): fp32 where the
-    CPU has no native 16-bit math, else bf16.
+    A CPU server stays unquantized (bitsandbytes' CPU kernels are slower than dense matmuls): bf16 where a few-row
+    step computes in bf16 there (costmodel.bf16_by_rows: native bf16 math and a measured bf16 step faster), else
+    fp32.
     """
     quant = quant.lower()
     if quant in ("int8", "nf4"):
         return quant
     if machine.acc.kind == "cpu":
-        return "bf16" if cpu_native_half(machine.acc) else "fp32"
+        return "bf16" if cpu_bf16_at(machine.acc, 1) else "fp32"  # a server's steps: a few rows
     sixteen = sixteen_bit_format(model, machine)
     if quant == "none":
         return sixteen

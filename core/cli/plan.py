@@ -204,7 +204,8 @@ def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
     policy = data.get("policy")
     if policy is not None:
         spec, planned = load_model_spec(model), policy["weight_format"]
-        held = format_that_runs(planned) if this_machine or planned in PACKED_FORMATS else planned
+        rows = int(policy.get("micro_batch_size") or 1)  # the rows its decode steps multiply decide a 16-bit plan's
+        held = format_that_runs(planned, rows) if this_machine or planned in PACKED_FORMATS else planned
         report.update(memory_format=held, memory_bytes=round(weight_bytes(spec, held)),
                       memory_block_bytes=round(block_weight_bytes(spec, held)))
         if held != planned and planned not in PACKED_FORMATS:
@@ -237,13 +238,13 @@ def packed_memory(model: str, spec, held: str, packed_plan: bool = False) -> dic
             "memory_packed": types}
 
 
-def format_that_runs(weight_format: str) -> str:
-    """The float format the engine holds a plan's weight format in on this machine (a 16-bit plan runs in fp32 on
-    a CPU that has no fast 16-bit path: local_plan.compute_dtype)."""
+def format_that_runs(weight_format: str, rows: int = 1) -> str:
+    """The float format the engine holds a plan's weight format in on this machine, for decode micro-batches of
+    `rows` rows (a 16-bit plan runs in fp32 on a CPU where it has no fast 16-bit path: local_plan.compute_dtype)."""
     from hivekeeper.core.offload.placement import FLOAT_FORMATS
     from hivekeeper.core.offload.local_plan import compute_dtype, default_device
 
-    dtype, _quant = compute_dtype(weight_format, default_device())
+    dtype, _quant = compute_dtype(weight_format, default_device(), rows)
     return {value: name for name, value in FLOAT_FORMATS.items()}[dtype]
 
 

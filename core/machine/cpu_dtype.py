@@ -1,7 +1,8 @@
 """What this machine's CPU computes a 16-bit (bf16/fp16) plan in: the one decision the engine follows, by the rule
 of core/machine/cpu_dtype_rule.py (flags, then the saved `hivekeeper measure` bf16-vs-fp32 decode step).
 
-`local_plan.compute_dtype` and the engine's `cpu_attention_dtype` ask `runs_natively_on_cpu`; `hivekeeper detect`
+`local_plan.compute_dtype` (with the plan's decode rows) and the engine's `cpu_attention_dtype` (at any rows) ask
+`runs_natively_on_cpu`; `hivekeeper detect`
 prints `sixteen_bit_choice().line()`; the planner sees the same decision in the CPU's FLOP/s table, which
 detect_hardware and profiles.apply_measurements set with cpu_dtype_rule.with_choice.
 
@@ -62,7 +63,14 @@ def dtype_name(dtype) -> str:
     return DTYPE_NAMES.get(name, name)
 
 
-def runs_natively_on_cpu(dtype) -> bool:
-    """Whether this CPU computes in `dtype` itself (fp32 always; bf16 where chosen); else it computes in fp32."""
+def runs_natively_on_cpu(dtype, rows: int | None = None) -> bool:
+    """Whether this CPU computes in `dtype` itself, else in fp32: fp32 always; bf16 for a plan whose decode
+    micro-batches multiply `rows` rows where the rule says so (SixteenBitChoice.at); `rows` None: at any rows, i.e.
+    whether the CPU multiplies `dtype` natively at all (its attention over a bf16 cache, the kernels to warm up)."""
     name = dtype_name(dtype)
-    return name == "fp32" or name == sixteen_bit_choice().dtype
+    if name == "fp32":
+        return True
+    choice = sixteen_bit_choice()
+    if rows is None:
+        return name == "bf16" and choice.native
+    return name == choice.at(rows)

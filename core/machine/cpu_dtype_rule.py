@@ -9,20 +9,25 @@ with torch on both cores), although bf16 reads half the bytes; with the two core
 24. So:
 
 - a CPU without native bf16 math computes 16-bit plans in fp32 (16-bit GEMMs would be emulated, prefill ~100x slower);
-- with it, bf16 is used only where `hivekeeper measure` saved a measurement (measure.measure_half_decode: whole
-  decode steps of the same random blocks in bf16 and in fp32, each through the runtime's own decode path, timed in
-  turn) that says a bf16 step is faster; without one, fp32. A chain of bf16 matmuls alone is not enough: it read
-  bf16 at 0.9x of fp32 on this project's AMX VM, where the demo model's bf16 steps (norms, rotary, attention and
-  conversions in torch too) decoded at 14-16 tokens/s against fp32's 23.5;
+- with it, the rows a plan's decode steps multiply decide (planner/costmodel.bf16_by_rows, the one rule the planner
+  applies too): more rows than the native decode kernels take (PACKED_KERNEL_ROWS, 8: a batch plan's micro-batches
+  of 16-512 rows, which like a prefill run torch's matmuls) compute in bf16, where AMX multiplies at its measured
+  matmul rate (527 GFLOP/s against fp32's ~100 on this project's AMX VM; session 11's bf16 batch plan made 261-353
+  tokens/s where fp32 made 212); a few-row step (a chat plan) computes in bf16 only where `hivekeeper measure` saved
+  a measurement (measure.measure_half_decode: whole decode steps of the same random blocks in bf16 and in fp32, each
+  through the runtime's own decode path, timed in turn) that says a bf16 step is faster; without one, fp32. On the
+  AMX VM a one-row bf16 step took 1.1-2.2x fp32's (bf16's norms, rotary, attention and conversions in torch);
 - fp16 has no native path on these CPUs (AVX512-BF16 is bf16 only): fp16 plans compute in fp32 on a CPU.
 
 The answer is as good as the conditions of the measurement: on a machine busy with other work the native kernels'
 threads lose more than torch's single thread (the 21 against 24 above; `hivekeeper measure --quick` at load 8 found
 bf16 at 0.65x), so the reason quotes the load average the measurement saw.
 
-The planner sees the answer in the CPU's FLOP/s table (`with_choice`, applied by detect_hardware and by
+The planner sees the flags in the CPU's FLOP/s table (`with_choice`, applied by detect_hardware and by
 profiles.apply_measurements): 16-bit entries below the fp32 rate are how it models a CPU that converts 16-bit values
-to fp32 (costmodel.cpu_native_half).
+to fp32 (costmodel.cpu_native_half), bf16 at or above it one that multiplies bf16 natively; and the measured step in
+ComputeDevice.half_decode_ratio. It offers a 16-bit plan only where bf16_by_rows says the engine computes it in bf16
+(costmodel.runs_as_planned).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS, bf16_by_rows
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import ComputeDevice, HardwareSpec
 from hivekeeper.planner.hardware_catalog import CPU_SOFTWARE_HALF_SLOWDOWN
@@ -44,13 +50,25 @@ CHOICE_WORDS = "CPU 16-bit plans: "  # opens the decision's line, which with_cho
 
 @dataclass(frozen=True)
 class SixteenBitChoice:
-    """What a 16-bit plan computes in on this CPU ("bf16" or "fp32") and why, in words for `hivekeeper detect`."""
+    """What a 16-bit plan computes in on this CPU and why, in words for `hivekeeper detect`: `dtype` ("bf16" or
+    "fp32") for a plan whose decode steps multiply up to PACKED_KERNEL_ROWS rows; `native`: whether the CPU
+    multiplies bf16 natively (then a plan of more rows computes in bf16); `step_ratio`: the measured bf16 decode step
+    over fp32's (None: not measured)."""
 
     dtype: str
     reason: str
+    native: bool = False
+    step_ratio: float | None = None
+
+    def at(self, rows: int) -> str:
+        """'bf16' or 'fp32': what a 16-bit plan whose decode micro-batches multiply `rows` rows computes in."""
+        return "bf16" if bool(bf16_by_rows(self.native, self.step_ratio, rows)) else "fp32"
 
     def line(self) -> str:
-        return f"{CHOICE_WORDS}{self.dtype} ({self.reason})"
+        if not self.native:
+            return f"{CHOICE_WORDS}{self.dtype} ({self.reason})"
+        return (f"{CHOICE_WORDS}{self.at(PACKED_KERNEL_ROWS + 1)} beyond {PACKED_KERNEL_ROWS} rows a step, "
+                f"{self.dtype} up to {PACKED_KERNEL_ROWS} ({self.reason})")
 
 
 def half_math_names() -> str:
@@ -64,13 +82,14 @@ def choose(measurements: list[Measurement] | tuple[Measurement, ...] = ()) -> Si
         return SixteenBitChoice("fp32", "no native bf16 math (AVX512-BF16 or AMX): 16-bit matmuls would be emulated")
     measured = next((m for m in measurements if m.key == HALF_DECODE_KEY), None)
     if measured is None:
-        return SixteenBitChoice("fp32", f"{half_math_names()}, but no measurement says a bf16 decode step beats "
-                                        "fp32 here: run `hivekeeper measure`")
-    faster = measured.value < 1.0
+        return SixteenBitChoice("fp32", f"{half_math_names()}; no measurement says a one-row bf16 decode step beats "
+                                        "fp32 here: run `hivekeeper measure`", native=True)
+    ratio = float(measured.value)
+    faster = bool(bf16_by_rows(True, ratio, 1))
     return SixteenBitChoice("bf16" if faster else "fp32",
-                            f"{half_math_names()}, {'and' if faster else 'but'} a bf16 decode step measured "
-                            f"{measured.value:.2f}x the time of fp32 ({measured.detail}; load average "
-                            f"{measured.loadavg:.1f} while measured)")
+                            f"{half_math_names()}; a one-row bf16 decode step measured {ratio:.2f}x the time of fp32 "
+                            f"({measured.detail}; load average {measured.loadavg:.1f} while measured)",
+                            native=True, step_ratio=ratio)
 
 
 def choose_from_profile(path) -> SixteenBitChoice:
@@ -91,19 +110,22 @@ def choice_for(detected: HardwareSpec) -> SixteenBitChoice:
 
 def with_choice(cpu: ComputeDevice, choice: SixteenBitChoice) -> ComputeDevice:
     """The CPU as the planner should see it under `choice`: 16-bit entries of its FLOP/s table below the fp32 rate
-    (as a CPU that converts them, hardware_catalog.CPU_SOFTWARE_HALF_SLOWDOWN) when 16-bit plans compute in fp32,
-    bf16 at least at the fp32 rate when bf16 is chosen; the FLOP/s source says why when the table changes."""
+    (as a CPU that converts them, hardware_catalog.CPU_SOFTWARE_HALF_SLOWDOWN) where it has no native bf16 math;
+    with it, bf16 at its own (measured) rate and at least fp32's, and the measured bf16 decode step as
+    ComputeDevice.half_decode_ratio (the few-row half of the rule; profiles.apply_measurements sets it too). The
+    FLOP/s source says why when the table changes."""
     fp32 = cpu.flops.get("fp32", 0.0)
     if fp32 <= 0:
         return cpu
     flops = dict(cpu.flops)
-    if choice.dtype == "fp32":
+    if not choice.native:
         for name in SIXTEEN_BIT:
             if flops.get(name, 0.0) >= fp32:
                 flops[name] = fp32 / CPU_SOFTWARE_HALF_SLOWDOWN
     else:
         flops["bf16"] = max(flops.get("bf16", 0.0), fp32)
+    ratio = choice.step_ratio if choice.native and choice.step_ratio is not None else cpu.half_decode_ratio
     if flops == cpu.flops:
-        return cpu
+        return cpu if ratio == cpu.half_decode_ratio else dataclasses.replace(cpu, half_decode_ratio=ratio)
     source = "; ".join(part for part in (cpu.sources.get("flops", ""), choice.line()) if part)
-    return dataclasses.replace(cpu, flops=flops, sources={**cpu.sources, "flops": source})
+    return dataclasses.replace(cpu, flops=flops, sources={**cpu.sources, "flops": source}, half_decode_ratio=ratio)

@@ -187,7 +187,7 @@ def sixteen_bit_cpu_transients(config: ModelConfig, dtype: torch.dtype) -> int:
 
 def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """CPU attention over a 16-bit cache runs in fp32 on a CPU without 16-bit math (FlexGen does the same)."""
-    return torch.float32 if dtype != torch.float32 and not runs_natively_on_cpu(dtype) else None
+    return torch.float32 if dtype != torch.float32 and not runs_natively_on_cpu(dtype, rows=None) else None
 
 
 def _split_activations(fraction_in_ram: float, parts: int) -> list[str]:

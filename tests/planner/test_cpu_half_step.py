@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, Measurement
 from hivekeeper.core.machine.profiles import apply_measurements
-from hivekeeper.planner.costmodel import Placement, Policy, Workload, evaluate
+from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS, Placement, Policy, Workload, bf16_by_rows, evaluate
 from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.hardware_catalog import hardware_from_dict, hardware_to_json
 from hivekeeper.planner.models import ModelSpec
+from hivekeeper.planner.policy import Constraints, evaluate_grid, search
 
 MODEL = ModelSpec(name="wide", family="llama", num_layers=8, hidden_size=4096, intermediate_size=11008, num_heads=32,
                   num_kv_heads=8, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
@@ -42,3 +44,72 @@ def test_the_ratio_comes_from_the_measurement_and_travels_in_a_hardware_file():
     measured = apply_measurements(hardware, [Measurement(HALF_DECODE_KEY, "bf16 / fp32", 0.8, "x", 0.0, 3, 0.5)])
     assert measured.cpu.half_decode_ratio == 0.8
     assert hardware_from_dict(hardware_to_json(measured), where="t.json").cpu.half_decode_ratio == 0.8
+
+
+# ---- issue 22: the 16-bit decision by the rows a step multiplies --------------------------------------------------
+def hardware_with(cpu: ComputeDevice) -> HardwareSpec:
+    return HardwareSpec(id="t", gpus=(), cpu=cpu, disk=DiskSpec(10**12, 1e9, 1e9), network=NetworkSpec(1e9, 1e9, 0.01))
+
+
+def step_at(cpu: ComputeDevice, fmt: str, rows: int) -> float:
+    policy = Policy(weight_format=fmt, micro_batch_size=rows, **RAM)
+    return rows / evaluate(MODEL, hardware_with(cpu), policy, Workload(8, 8)).decode_tokens_per_s
+
+
+@pytest.mark.parametrize("native, ratio, bf16_rows", [
+    (False, 0.5, ()),  # no native bf16 math: fp32 at any rows, whatever was measured
+    (True, None, (9, 64, 512)),  # not measured: bf16 only beyond the native kernels' 8 rows
+    (True, 1.7, (9, 64, 512)),  # the AMX VM: a one-row bf16 step measured slower
+    (True, 1.0, (9, 64, 512)),  # as fast is not faster
+    (True, 0.6, (1, 4, 8, 9, 64, 512)),
+])
+def test_bf16_by_rows_is_bf16_beyond_the_kernels_rows_and_below_only_where_measured_faster(native, ratio, bf16_rows):
+    rows = np.array([1, 4, PACKED_KERNEL_ROWS, PACKED_KERNEL_ROWS + 1, 64, 512])
+    assert PACKED_KERNEL_ROWS == 8
+    assert list(rows[bf16_by_rows(native, ratio, rows)]) == list(bf16_rows)
+    assert bool(bf16_by_rows(native, ratio, 9)) == (9 in bf16_rows)  # one row count: one answer
+
+
+def test_a_bf16_plan_is_charged_the_measured_step_up_to_the_kernels_rows_and_the_bf16_rate_beyond():
+    measured = dataclasses.replace(CPU, half_decode_ratio=0.9)
+    for rows in (2, PACKED_KERNEL_ROWS):  # reads dominate: the measured step ratio, not half the bytes (0.5)
+        assert step_at(measured, "bf16", rows) == pytest.approx(0.9 * step_at(measured, "fp32", rows), rel=0.05)
+    # many rows on a CPU whose matmuls bind: bf16 at its own (measured) rate, 5x fp32's here
+    slow = dataclasses.replace(CPU, flops={"fp32": 2e10, "bf16": 1e11}, half_decode_ratio=1.7)
+    fp32_step, bf16_step = step_at(slow, "fp32", 64), step_at(slow, "bf16", 64)
+    assert bf16_step < 0.3 * fp32_step
+    flat = dataclasses.replace(slow, flops={"fp32": 2e10, "bf16": 2e10})  # the same rate: only the bytes differ
+    assert step_at(flat, "bf16", 64) > 0.8 * fp32_step
+
+
+def test_the_planner_offers_bf16_only_where_the_engine_computes_bf16():
+    """On a CPU with native bf16 math whose one-row bf16 step measured slower (the AMX VM): a chat plan is fp32,
+    a batch plan bf16 at micro-batches beyond the kernels' rows, and no feasible bf16 candidate has fewer rows.
+    Without native bf16 math both are fp32."""
+    amx = dataclasses.replace(CPU, memory_bandwidth=10e9, flops={"fp32": 1e11, "bf16": 5e11}, half_decode_ratio=1.7)
+    workload = Workload(prompt_len=32, output_len=32)
+    chat = search(MODEL, hardware_with(amx), "chat", Constraints(quant="none"), workload)
+    batch = search(MODEL, hardware_with(amx), "batch", Constraints(quant="none", batch_size=128), workload)
+    assert chat.prediction.policy.weight_format == "fp32"
+    assert batch.prediction.policy.weight_format == "bf16"
+    assert batch.prediction.policy.micro_batch_size > PACKED_KERNEL_ROWS
+    grid = evaluate_grid(MODEL, hardware_with(amx), "batch", Constraints(quant="none"), workload)
+    bf16 = grid.feasible & (np.array(grid.formats)[grid.cols["fmt"]] == "bf16")
+    assert bf16.any() and (grid.cols["b"][bf16] > PACKED_KERNEL_ROWS).all()
+    assert (grid.cols["b"][grid.feasible] <= PACKED_KERNEL_ROWS).any()  # fp32 keeps the few-row candidates
+    converting = dataclasses.replace(amx, flops={"fp32": 1e11, "bf16": 1e10})  # no native bf16 math
+    for goal, size in (("chat", None), ("batch", 128)):
+        plan = search(MODEL, hardware_with(converting), goal, Constraints(quant="none", batch_size=size), workload)
+        assert plan.prediction.policy.weight_format == "fp32"
+
+
+def test_a_cpu_server_is_bf16_only_where_a_few_row_step_is():
+    from hivekeeper.planner.costmodel import machine_view
+    from hivekeeper.planner.efficiency import default_efficiency
+    from hivekeeper.planner.swarm import choose_server_format
+
+    def server_format(ratio):
+        hardware = hardware_with(dataclasses.replace(CPU, half_decode_ratio=ratio))
+        return choose_server_format(MODEL, machine_view(hardware), "auto", 512, default_efficiency(hardware))
+
+    assert [server_format(r) for r in (None, 1.7, 0.6)] == ["fp32", "fp32", "bf16"]

@@ -25,7 +25,7 @@ from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
 from hivekeeper.core.runtime.generation import generate
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.model import ModelConfig
-from hivekeeper.planner.costmodel import cpu_native_half
+from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS, cpu_bf16_at, cpu_native_half
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -87,7 +87,7 @@ def test_detect_says_which_flags_decide_and_a_child_process_sees_the_pinned_ones
                            text=True, timeout=120)
     assert child.returncode == 0, child.stderr
     assert "CPU flags: avx2 avx512_bf16 avx512f fma (pinned" in child.stdout
-    assert "CPU 16-bit plans: fp32 (AVX512-BF16, but no measurement" in child.stdout
+    assert "CPU 16-bit plans: bf16 beyond 8 rows a step, fp32 up to 8 (AVX512-BF16; no measurement" in child.stdout
 
 
 # ---- native decode kernels on and off ----------------------------------------------------------------------------
@@ -124,59 +124,82 @@ def test_without_avx2_and_fma_or_the_native_kernels_the_tokens_are_the_same(tiny
 
 
 # ---- 16-bit plans: the one decision, followed by the engine, the planner and `detect` ------------------------------
-def assert_sixteen_bit_plans_compute_in_fp32() -> None:
+MANY_ROWS = PACKED_KERNEL_ROWS + 1  # a decode micro-batch beyond the native kernels' rows (a batch plan's)
+
+
+def assert_few_row_plans_compute_in_fp32() -> None:
     assert compute_dtype("bf16", "cpu") == (torch.float32, "none")
-    assert compute_dtype("fp16", "cpu") == (torch.float32, "none")
-    assert cpu_attention_dtype(torch.bfloat16) == torch.float32
+    assert compute_dtype("bf16", "cpu", PACKED_KERNEL_ROWS) == (torch.float32, "none")
+    assert compute_dtype("fp16", "cpu", MANY_ROWS) == (torch.float32, "none")  # no native fp16 math at any rows
     assert compute_dtype("bf16", "cuda") == (torch.bfloat16, "none")  # a GPU plan is not the CPU's decision
+
+
+def assert_sixteen_bit_plans_compute_in_fp32() -> None:
+    assert_few_row_plans_compute_in_fp32()
+    assert compute_dtype("bf16", "cpu", 512) == (torch.float32, "none")
+    assert cpu_attention_dtype(torch.bfloat16) == torch.float32
     assert not cpu_native_half(detect_hardware().cpu)  # the planner costs 16-bit as converted to fp32
+
+
+def assert_many_row_plans_compute_in_bf16() -> None:
+    """On a CPU with native bf16 math, whatever was measured of one-row steps."""
+    assert compute_dtype("bf16", "cpu", MANY_ROWS) == (torch.bfloat16, "none")
+    assert cpu_attention_dtype(torch.bfloat16) is None and cpu_attention_dtype(torch.float16) == torch.float32
+    cpu = detect_hardware().cpu
+    assert cpu_native_half(cpu) and list(cpu_bf16_at(cpu, [1, PACKED_KERNEL_ROWS, MANY_ROWS])) == [
+        cpu_dtype.sixteen_bit_choice().at(rows) == "bf16" for rows in (1, PACKED_KERNEL_ROWS, MANY_ROWS)]
 
 
 def test_without_half_math_16_bit_plans_compute_in_fp32(config_dir):
     choice = cpu_dtype.sixteen_bit_choice()
-    assert choice.dtype == "fp32" and "no native bf16 math" in choice.reason
+    assert choice.dtype == "fp32" and "no native bf16 math" in choice.reason and not choice.native
     assert_sixteen_bit_plans_compute_in_fp32()
 
 
 def test_a_measurement_cannot_make_a_cpu_without_half_math_use_bf16(config_dir):
     save_half_decode_measurement(0.5)
-    assert cpu_dtype.sixteen_bit_choice().dtype == "fp32"
+    assert cpu_dtype.sixteen_bit_choice().at(MANY_ROWS) == "fp32"
     assert_sixteen_bit_plans_compute_in_fp32()
 
 
-def test_half_math_without_a_measurement_keeps_fp32(config_dir, cpu_flags, capsys):
+def test_half_math_without_a_measurement_uses_bf16_only_beyond_the_kernels_rows(config_dir, cpu_flags, capsys):
     cpu_flags(BF16)
     detected = detect_hardware()
-    assert detected.cpu.flops["bf16"] < detected.cpu.flops["fp32"]  # lowered from the flags' 2x fp32
-    assert "CPU 16-bit plans: fp32" in detected.cpu.sources["flops"]
-    assert_sixteen_bit_plans_compute_in_fp32()
-    assert ("CPU 16-bit plans: fp32 (AVX512-BF16, but no measurement says a bf16 decode step beats fp32 here: run "
-            "`hivekeeper measure`)") in detect_text(capsys)
+    assert detected.cpu.flops["bf16"] >= detected.cpu.flops["fp32"]  # native: bf16 at its own rate
+    assert detected.cpu.half_decode_ratio is None
+    assert_few_row_plans_compute_in_fp32()
+    assert_many_row_plans_compute_in_bf16()
+    assert (f"CPU 16-bit plans: bf16 beyond {PACKED_KERNEL_ROWS} rows a step, fp32 up to {PACKED_KERNEL_ROWS} "
+            "(AVX512-BF16; no measurement says a one-row bf16 decode step beats fp32 here: run `hivekeeper measure`)"
+            ) in detect_text(capsys)
 
 
-def test_half_math_with_a_slower_measured_bf16_step_keeps_fp32(config_dir, cpu_flags, capsys):
+def test_half_math_with_a_slower_measured_bf16_step_uses_bf16_only_beyond_the_kernels_rows(config_dir, cpu_flags,
+                                                                                         capsys):
     cpu_flags(BF16)
     save_half_decode_measurement(1.7)
-    assert_sixteen_bit_plans_compute_in_fp32()
-    assert "CPU 16-bit plans: fp32 (AVX512-BF16, but a bf16 decode step measured 1.70x the time of fp32" \
-        in detect_text(capsys)
-    # bf16 GEMMs measured faster than fp32 at the prefill shape do not make the planner prefer bf16
+    assert_few_row_plans_compute_in_fp32()
+    assert_many_row_plans_compute_in_bf16()
+    assert (f"CPU 16-bit plans: bf16 beyond {PACKED_KERNEL_ROWS} rows a step, fp32 up to {PACKED_KERNEL_ROWS} "
+            "(AVX512-BF16; a one-row bf16 decode step measured 1.70x the time of fp32") in detect_text(capsys)
+    # the planner sees the measured bf16 matmul rate (for many rows) and the measured step (for a few)
     rates = [Measurement("cpu_matmul_fp32_prefill", "fp32", 1e11, "FLOP/s", 0.0, 1, 0.0),
-             Measurement("cpu_matmul_bf16_prefill", "bf16", 2e11, "FLOP/s", 0.0, 1, 0.0),
+             Measurement("cpu_matmul_bf16_prefill", "bf16", 5e11, "FLOP/s", 0.0, 1, 0.0),
              Measurement(HALF_DECODE_KEY, "bf16 / fp32", 1.7, "x", 0.0, 1, 0.0)]
     measured = apply_measurements(detect_hardware(), rates).cpu
-    assert measured.flops["fp32"] == 1e11 and not cpu_native_half(measured)
+    assert measured.flops == {**measured.flops, "fp32": 1e11, "bf16": 5e11} and measured.half_decode_ratio == 1.7
+    assert list(cpu_bf16_at(measured, [1, PACKED_KERNEL_ROWS, MANY_ROWS])) == [False, False, True]
 
 
-def test_half_math_with_a_faster_measured_bf16_step_uses_bf16(config_dir, cpu_flags, capsys):
+def test_half_math_with_a_faster_measured_bf16_step_uses_bf16_at_every_rows(config_dir, cpu_flags, capsys):
     cpu_flags(BF16)
     save_half_decode_measurement(0.6)
     assert compute_dtype("bf16", "cpu") == (torch.bfloat16, "none")
     assert compute_dtype("fp16", "cpu") == (torch.float32, "none")  # AVX512-BF16 has no fp16 math
-    assert cpu_attention_dtype(torch.bfloat16) is None and cpu_attention_dtype(torch.float16) == torch.float32
-    assert cpu_native_half(detect_hardware().cpu)
-    assert "CPU 16-bit plans: bf16 (AVX512-BF16, and a bf16 decode step measured 0.60x the time of fp32" \
-        in detect_text(capsys)
+    assert_many_row_plans_compute_in_bf16()
+    assert list(cpu_bf16_at(detect_hardware().cpu, [1, MANY_ROWS])) == [True, True]
+    assert "CPU 16-bit plans: bf16 beyond 8 rows a step, bf16 up to 8 (AVX512-BF16; a one-row bf16 decode step " \
+        "measured 0.60x the time of fp32" in detect_text(capsys)
 
 
 @pytest.fixture(scope="module")
@@ -184,21 +207,27 @@ def bf16_checkpoint(tmp_path_factory):
     return make_demo_checkpoint(tmp_path_factory.mktemp("bf16") / "tiny-bf16", dtype="bf16")
 
 
-@pytest.mark.parametrize("flags, ratio, planned, runs", [
-    (AVX2, 0.6, "fp32", "float32"),  # no half math: whatever was measured
-    (BF16, None, "fp32", "float32"),  # the case that broke the suite: a 16-bit plan by flag alone
-    (BF16, 1.7, "fp32", "float32"),
-    (BF16, 0.6, "bf16", "bfloat16"),
+@pytest.mark.parametrize("flags, ratio, batch, planned, runs", [
+    (AVX2, 0.6, 1, "fp32", "float32"),  # no half math: whatever was measured, at any batch
+    (AVX2, 0.6, 64, "fp32", "float32"),
+    (BF16, None, 1, "fp32", "float32"),  # the case that broke the suite: a 16-bit chat plan by flag alone
+    (BF16, 1.7, 1, "fp32", "float32"),  # the AMX VM: a one-row bf16 step measured slower
+    (BF16, 1.7, 64, "bf16", "bfloat16"),  # ... and a batch plan's 64-row steps multiply in bf16 (issue 22)
+    (BF16, 0.6, 1, "bf16", "bfloat16"),
 ])
 def test_generate_plans_and_runs_what_the_decision_says(bf16_checkpoint, config_dir, cpu_flags, capsys, monkeypatch,
-                                                        flags, ratio, planned, runs):
-    """`hivekeeper generate --plan auto` on a bf16 checkpoint: the planner picks and the engine runs one dtype."""
+                                                        flags, ratio, batch, planned, runs):
+    """`hivekeeper generate --plan auto` on a bf16 checkpoint: the planner picks and the engine runs one dtype, by
+    the rows the plan's decode steps multiply."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps `generate` from changing this process's thread count
     cpu_flags(flags)
     if ratio is not None:
         save_half_decode_measurement(ratio)
-    assert main(["generate", "--model", str(bf16_checkpoint), "--prompt", "hello", "--max-new-tokens", "3",
-                 "--ignore-eos", "--json"]) == 0
+    assert main(["generate", "--model", str(bf16_checkpoint), "--prompt", "hello", "--batch", str(batch),
+                 "--max-new-tokens", "3", "--ignore-eos", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["plan"]["policy"]["weight_format"] == planned, result["plan"]
-    assert result["plan"]["engine"]["dtype"] == runs and result["new_tokens"] == 3
+    policy = result["plan"]["policy"]
+    assert policy["weight_format"] == planned, result["plan"]
+    if planned == "bf16" and ratio == 1.7:  # bf16 by its rows: its micro-batches are beyond the kernels' rows
+        assert policy["micro_batch_size"] > PACKED_KERNEL_ROWS
+    assert result["plan"]["engine"]["dtype"] == runs and result["new_tokens"] == 3 * batch
