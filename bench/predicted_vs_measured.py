@@ -13,6 +13,11 @@ measurement** (`ratio`), beside the host's own spread during the bench: the deco
 measurement found (GB/s min / median / max over the runs, `host_stream_gbps`, and each measurement's own repeats'
 range). A miss with a wide host spread says the machine moved; with a narrow one, the model.
 
+Each run also predicts from a reading taken right before its decode (a child that reads the decode steps' streaming
+rate once on the quick measurement's spans and plans with it in place of the profile's: `now`, with its own median
+ratio): the profile's prediction is what a user gets; the one from the reading is the cost model's own error, apart
+from the host's move between the measurement and the decode.
+
 The default model is planned and run as `generate` runs it: its Q4_1 blocks kept packed (the plan's format q4_1).
 --dequantized adds a line for it dequantized to fp32 (HIVEKEEPER_GGUF_PACKED=0 for both the plan and the run).
 
@@ -59,6 +64,9 @@ def one_run(model: str, prompt_len: int, new_tokens: int, no_measure: bool, pack
         plan = hivekeeper("plan", "--model", model, "--hardware", "auto", "--prompt-len", str(prompt_len),
                           "--output-len", str(new_tokens), "--json", *(["--no-measure"] if no_measure else []),
                           env=env)
+        if not no_measure:  # the prediction from a streaming-rate reading taken right before the decode
+            plan["now"] = child_json([sys.executable, __file__, "--reading-of", model, "--prompt-len", str(prompt_len),
+                                      "--new-tokens", str(new_tokens)], env)
         prompt = " ".join(["the"] * prompt_len)  # about one token per word for both tokenizers
         measured = hivekeeper("generate", "--model", model, "--prompt", prompt, "--max-new-tokens", str(new_tokens),
                               "--ignore-eos", "--json", env=env)["tokens_per_s"]
@@ -84,7 +92,7 @@ def child_json(command: list[str], env: dict | None) -> dict:
 
 def quick_measurement(config: str) -> dict:
     """What the run's automatic quick measurement saved in its config folder: the decode steps' RAM rate (GB/s, the
-    median of its repeats) with its repeats' range, the fixed cost of a block (ms), the fp32 prefill rate (GFLOP/s),
+    median of the readings spread over the measurement) with every reading, the fixed cost of a block (ms), the fp32 prefill rate (GFLOP/s),
     the packed kernels' rates (G weights/s; in cache, streamed, prefill)."""
     from pathlib import Path
 
@@ -100,12 +108,39 @@ def quick_measurement(config: str) -> dict:
               if key.startswith("cpu_packed_")}
     stream_samples = by_key.get("cpu_weight_stream", {}).get("samples", [])
     return {"decode_stream_gbps": round(values.get("cpu_weight_stream", 0) / 1e9, 2),
-            "decode_stream_repeats_gbps": [round(min(stream_samples) / 1e9, 2), round(max(stream_samples) / 1e9, 2)]
-            if stream_samples else [],
+            "decode_stream_readings_gbps": [round(s / 1e9, 2) for s in stream_samples],
             "block_overhead_ms": round(values.get("cpu_decode_block_overhead", 0) * 1e3, 3),
             "prefill_gflops": round(values.get("cpu_prefill_fp32", 0) / 1e9, 1),
             "bf16_vs_fp32_step": round(values.get(HALF_DECODE_KEY, 0), 3),
             "packed_gweights_per_s": packed}
+
+
+def reading_now(model: str, prompt_len: int, new_tokens: int) -> dict:
+    """The decode prediction for `model` from the saved profile with the decode steps' streaming rate and a block's
+    fixed cost read now (one reading, measure.stream_reading, on the quick measurement's spans) in place of the
+    profile's: what the plan would have said had it been measured right before the decode."""
+    import dataclasses
+
+    from hivekeeper.core.machine.measure import QUICK, StreamSpans, stream_reading
+    from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, WEIGHT_STREAM_KEY
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.profiles import load_machine_profile
+    from hivekeeper.core.offload.local_plan import search_policy
+    from hivekeeper.core.runtime.checkpoint import resolve_checkpoint
+    from hivekeeper.core.runtime.kernels.cpu_matmul import use_blas_threads
+
+    detected = detect_hardware()
+    profile = load_machine_profile(detected)
+    use_blas_threads()
+    reading = stream_reading(StreamSpans.make(QUICK.stream_hidden, QUICK.stream_bytes),
+                             max(QUICK.repeats, QUICK.step_repeats))
+    now = {WEIGHT_STREAM_KEY: reading.bandwidth, BLOCK_OVERHEAD_KEY: reading.per_block}
+    profile.measurements = [dataclasses.replace(m, value=now.get(m.key, m.value)) for m in profile.measurements]
+    hardware = profile.hardware(detected)
+    choice = search_policy(resolve_checkpoint(model), batch=1, prompt_len=prompt_len, max_new_tokens=new_tokens,
+                           hardware=hardware, efficiency=profile.efficiency(hardware))
+    return {"decode_tokens_per_s": choice.predicted["decode_tokens_per_s"],
+            "stream_gbps": round(reading.bandwidth / 1e9, 2), "block_overhead_ms": round(reading.per_block * 1e3, 3)}
 
 
 def step_parts(model: str, prompt_len: int, new_tokens: int) -> dict:
@@ -175,8 +210,15 @@ def model_line(name: str, results: list[tuple[dict, float]], prompt_len: int, ne
     predicted = [p["decode_tokens_per_s"] for p, _ in results]
     measured = [m for _, m in results]
     stream = [p["measured"]["decode_stream_gbps"] for p, _ in results if p.get("measured")]
+    now = [p["now"]["decode_tokens_per_s"] for p, _ in results if p.get("now")]
+    from_reading = {}
+    if len(now) == len(measured):  # the prediction from a reading right before each decode: the model's own error
+        verdict = summary(now, measured, [p["now"]["stream_gbps"] for p, _ in results])
+        from_reading = {"now": {key: verdict[key] for key in ("predicted_median", "ratios", "ratio", "within_goal",
+                                                              "host_stream_gbps")},
+                        "now_predicted_tokens_per_s": [round(x, 2) for x in now]}
     return {"bench": "predicted_vs_measured", "model": name, "predicted_tokens_per_s": predicted,
-            "measured_tokens_per_s": measured, **summary(predicted, measured, stream),
+            "measured_tokens_per_s": measured, **summary(predicted, measured, stream), **from_reading,
             "efficiency": plan["efficiency"], "weight_format": plan["policy"]["weight_format"],
             "weight_formats": [p["policy"]["weight_format"] for p, _ in results],  # per run (bf16 is measured)
             "measured_by_quick": [p.get("measured") for p, _ in results],
@@ -193,9 +235,13 @@ def main() -> None:
     parser.add_argument("--no-measure", action="store_true", help="plan with estimates where there is no profile")
     parser.add_argument("--dequantized", action="store_true", help="also the default model dequantized to fp32")
     parser.add_argument("--parts-of", metavar="MODEL", help=argparse.SUPPRESS)  # the child that times the parts
+    parser.add_argument("--reading-of", metavar="MODEL", help=argparse.SUPPRESS)  # ... that predicts from a reading
     args = parser.parse_args()
     if args.parts_of:
         print(json.dumps(step_parts(args.parts_of, args.prompt_len, args.new_tokens)))
+        return
+    if args.reading_of:
+        print(json.dumps(reading_now(args.reading_of, args.prompt_len, args.new_tokens)))
         return
     models = [(str(demo_preset("100m")), "demo-100m", True), ("smollm2-135m-instruct", "smollm2-135m-instruct", True)]
     if args.dequantized:
