@@ -36,3 +36,27 @@ def test_a_ratio_beyond_the_goal_fails_and_no_host_figures_says_so(bench):
     assert far["host_stream_gbps"] == {}
     near = bench.summary([90.0], [100.0], [12.0])
     assert near["ratio"] == 0.9 and near["within_goal"] and near["host_stream_gbps"]["spread"] == 0.0
+
+
+def run(predicted: float, stream: float, now: float | None, now_stream: float = 0.0) -> dict:
+    plan = {"decode_tokens_per_s": predicted, "measured": {"decode_stream_gbps": stream}, "efficiency": "measured",
+            "policy": {"weight_format": "fp32"}, "parts_ms": {}}
+    if now is not None:
+        plan["now"] = {"decode_tokens_per_s": now, "stream_gbps": now_stream}
+    return plan
+
+
+def test_each_run_is_also_judged_from_a_reading_right_before_its_decode(bench):
+    """The profile's prediction missed (a quick measurement at 17.4 GB/s, the decodes at ~11); the one from a reading
+    beside each decode is the model's own error, judged the same way (median against median)."""
+    results = [(run(30.0, 17.4, 21.0, 11.2), 20.0), (run(31.0, 17.0, 19.5, 10.4), 21.0), (run(29.0, 16.8, 22.5, 12.1),
+                                                                                         22.0)]
+    line = bench.model_line("demo-100m", results, 64, 64, load_before=1.0)
+    assert line["ratio"] == pytest.approx(30.0 / 21.0, abs=1e-3) and not line["within_goal"]
+    assert line["now_predicted_tokens_per_s"] == [21.0, 19.5, 22.5]
+    assert line["now"]["ratio"] == pytest.approx(21.0 / 21.0) and line["now"]["within_goal"]
+    assert line["now"]["ratios"] == [1.05, 0.929, 1.023]
+    assert line["now"]["host_stream_gbps"]["median"] == 11.2
+    # a run without its reading (--no-measure): no judgement from readings at all rather than one from some runs
+    partial = bench.model_line("demo-100m", [results[0], (run(31.0, 17.0, None), 21.0)], 64, 64, load_before=1.0)
+    assert "now" not in partial and "now_predicted_tokens_per_s" not in partial
