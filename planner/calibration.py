@@ -410,10 +410,11 @@ def from_fitted(eff: Efficiency, names: tuple[str, ...], theta: np.ndarray, name
 
 def scaled_decode_time(eff: Efficiency, times: float) -> dict[str, float]:
     """The factors that make every measured decode step take `times` as long, its split into reads and blocks kept:
-    bandwidth_fraction / times and layer_overhead_s x times. A fraction stays at most 1: a profile that runs faster
-    than that (the quick measurement caught a busier moment) speeds up only the blocks' fixed cost beyond it."""
+    bandwidth_fraction / times, layer_overhead_s and row_overhead_s x times. A fraction stays at most 1: a profile
+    that runs faster than that (the quick measurement caught a busier moment) speeds up only the blocks' fixed cost
+    beyond it."""
     return {"bandwidth_fraction": min(1.0, eff.bandwidth_fraction / times),
-            "layer_overhead_s": eff.layer_overhead_s * times}
+            "layer_overhead_s": eff.layer_overhead_s * times, "row_overhead_s": eff.row_overhead_s * times}
 
 
 def _bounded_lstsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:

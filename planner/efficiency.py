@@ -62,6 +62,9 @@ class Efficiency:
     runtime_bytes: int = GIB  # memory held by the framework on this device before any tensor
     # a matmul of 2 or more rows (but not enough to be compute-bound) reads its weights this many times; 1: once
     weight_reread_rows: float = 1.0
+    # per block, per row beyond the first of a CPU decode micro-batch the native kernels take (up to 8 rows): each
+    # row's norms, rotary and attention (measured: hardware.DecodeStreaming.row_block_overhead_s; else 0)
+    row_overhead_s: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -69,7 +72,7 @@ class Efficiency:
             value = getattr(self, field_name)
             if not 0.0 < value <= 1.0:
                 raise InputError(f"efficiency {self.name!r}: {field_name} must be in (0, 1], got {value}")
-        for field_name in ("layer_overhead_s", "step_overhead_s", "prefill_layer_overhead_s"):
+        for field_name in ("layer_overhead_s", "step_overhead_s", "prefill_layer_overhead_s", "row_overhead_s"):
             if not 0.0 <= getattr(self, field_name) < 10.0:
                 raise InputError(f"efficiency {self.name!r}: {field_name} must be in [0, 10) s")
         if self.runtime_bytes < 0:
@@ -175,7 +178,7 @@ def default_efficiency(hardware: HardwareSpec) -> MachineEfficiency:
     if streaming is not None:
         host = with_measured_streaming(host, streaming.bandwidth_fraction, streaming.small_row_reads,
                                        streaming.matmul_start_s, streaming.block_overhead_s,
-                                       streaming.prefill_block_overhead_s)
+                                       streaming.prefill_block_overhead_s, streaming.row_block_overhead_s)
     if not hardware.gpus:
         return MachineEfficiency(host, host)
     accelerator = DEFAULTS[hardware_class(hardware.accelerator)]
@@ -188,14 +191,15 @@ MATMULS_PER_BLOCK = 4
 
 def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, small_row_reads: float,
                             matmul_start_s: float, block_overhead_s: float | None = None,
-                            prefill_block_overhead_s: float | None = None) -> Efficiency:
+                            prefill_block_overhead_s: float | None = None,
+                            row_block_overhead_s: float | None = None) -> Efficiency:
     """A CPU's set with what `hivekeeper measure` found of decode's weight streaming (hardware.DecodeStreaming):
     the fraction of the measured RAM bandwidth that decode's weight reads reach, the weight reads of a few-row
     step, and the per-block overhead: the measured fixed cost of a block in a decode step where it was measured
     (block_overhead_s: the runtime's own step, everything a block costs beyond its reads), else (older profiles) a
     start-up time per matmul, paid MATMULS_PER_BLOCK times per block on top of the default per-block overhead; and
     the fixed cost of a block in a prefill where measured (prefill passes through the same spans), else the
-    default's."""
+    default's; and what a block adds per row beyond the first of a few-row step where measured (row_overhead_s)."""
     overhead = (block_overhead_s if block_overhead_s is not None
                 else efficiency.layer_overhead_s + MATMULS_PER_BLOCK * matmul_start_s)
     changes = {"bandwidth_fraction": float(min(1.0, max(0.05, bandwidth_fraction))),
@@ -203,6 +207,8 @@ def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, s
                "layer_overhead_s": float(min(1.0, max(0.0, overhead)))}
     if prefill_block_overhead_s is not None:
         changes["prefill_layer_overhead_s"] = float(min(1.0, max(0.0, prefill_block_overhead_s)))
+    if row_block_overhead_s is not None:
+        changes["row_overhead_s"] = float(min(1.0, max(0.0, row_block_overhead_s)))
     listed = ", ".join(f"{k} {v:.3g}" for k, v in changes.items())
     return replace(efficiency, source=f"measured decode weight streaming: {listed}; {efficiency.source}", **changes)
 

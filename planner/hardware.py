@@ -32,6 +32,7 @@ class DecodeStreaming:
     matmul_start_s: float
     block_overhead_s: float | None = None  # measured per-block cost of a step; replaces the per-matmul start-up
     prefill_block_overhead_s: float | None = None  # measured per-block cost of a prefill beyond its FLOPs (None: not)
+    row_block_overhead_s: float | None = None  # measured cost a block adds per row beyond the first in a few-row step
 
 
 @dataclass(frozen=True)

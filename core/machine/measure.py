@@ -30,7 +30,8 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, PACKED_PREFILL_KEY,
-    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
+    Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_tall_by_column, torch_threads,
                                                         use_blas_threads)
@@ -373,16 +374,17 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
                                   repeats)
     prefills = [prefill_pass(wide_config, wide), prefill_pass(narrow_config, narrow)]
     p1, p2 = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
-    del narrow  # free it before the 4-row step
-    s4 = _timings(decode_steps(wide_config, wide, 4), repeats, torch.device("cpu"))
-    (m1, _), (m2, _), (m4, spread4) = (median_and_spread(s) for s in (s1, s2, s4))
+    # both spans' FEW_ROWS-row steps in turn: how often such a step reads its weights, and what it adds a block
+    s4, s4n = _alternating_seconds([decode_steps(wide_config, wide, FEW_ROWS),
+                                    decode_steps(narrow_config, narrow, FEW_ROWS)], repeats)
+    (m1, _), (m2, _), (m4, spread4), (m4n, _) = (median_and_spread(s) for s in (s1, s2, s4, s4n))
     per_block, bandwidth = fit_bytes_and_blocks((m1, b1, n1), (m2, b2, n2))
+    small_rows, per_row = few_row_terms((m4, b1, n1), (m4n, b2, n2), per_block, bandwidth, m4 / m1)
     load = max(load, load_average())
     spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {m1 * 1e3:.3g} ms, {n2} of "
              f"width {narrow_hidden} ({b2 / 2**20:.0f} MiB) {m2 * 1e3:.3g} ms (medians), "
              f"last-level cache {cache_bytes / 2**20:.0f} MiB, through {decode_path_name()}")
     stream_rates = [b1 / max(s - n1 * per_block, 1e-9) for s in s1]
-    small_rows = m4 / m1
     return [
         Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", bandwidth, "B/s",
                     median_and_spread(stream_rates)[1], len(s1), load,
@@ -391,10 +393,31 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
         block_overhead(per_block, (s1, b1, n1), (s2, b2, n2), load, f"fitted to the two spans: {spans}"),
         Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", small_rows, "x",
                     spread4, len(s4), load,
-                    f"the width-{hidden} span with 4 rows takes {small_rows:.2f}x its one-row step (medians)"),
+                    f"4-row steps of both spans {m4 * 1e3:.3g} and {m4n * 1e3:.3g} ms (medians, in turn), fitted as "
+                    f"the one-row steps' reads x {small_rows:.2f} + blocks x (their cost + 3 x {per_row * 1e3:.3g} ms); "
+                    f"the width-{hidden} span's 4-row step is {m4 / m1:.2f}x its one-row one"),
+        Measurement(ROW_BLOCK_KEY, "fixed cost of a block per extra row of a decode step", per_row, "s",
+                    spread4, len(s4), load, f"fitted with the 4-row steps' reads: {spans}"),
         *prefill_measurements((p1, prefills[0][1], prefills[0][2]), (p2, prefills[1][1], prefills[1][2]), load,
                               f"widths {hidden} and {narrow_hidden}"),
     ]
+
+
+FEW_ROWS = 4  # the rows of the few-row decode steps measured (the native kernels take up to 8)
+
+
+def few_row_terms(wide: tuple[float, float, int], narrow: tuple[float, float, int], per_block: float,
+                  bandwidth: float, fallback_reads: float) -> tuple[float, float]:
+    """(how many times a FEW_ROWS-row step reads its weights, the fixed cost a block adds per row beyond the first)
+    from both spans' FEW_ROWS-row steps (median seconds, bytes, blocks) and the one-row fit (per_block, bandwidth):
+    fitted as seconds = bytes x reads / bandwidth + blocks x (per_block + (FEW_ROWS - 1) x per_row). Issue 23: a
+    thin model's 4-row step took ~2.1x its one-row step, a wide one's ~1.6x: one reads factor cannot carry both,
+    the per-row work of each block (norms, rotary, attention of every row) weighs on many thin blocks. Where the
+    two spans cannot separate the terms (noise), `fallback_reads` (the wide span's ratio) and no per-row cost."""
+    per_block_few, bandwidth_few = fit_bytes_and_blocks(wide, narrow)
+    if per_block_few <= 0 or bandwidth_few <= 0:
+        return max(1.0, fallback_reads), 0.0
+    return max(1.0, bandwidth / bandwidth_few), max(0.0, (per_block_few - per_block) / (FEW_ROWS - 1))
 
 
 # A prefill pass: PREFILL_SEQUENCES prompts of PREFILL_TOKENS tokens (rows per product: their product) through the

@@ -19,6 +19,7 @@ WEIGHT_STREAM_KEY = "cpu_weight_stream"
 MATMUL_START_KEY = "cpu_matmul_start"  # profiles measured before measure_decode_blocks
 BLOCK_OVERHEAD_KEY = "cpu_decode_block_overhead"  # measure.measure_decode_blocks: fixed cost of a block in a step
 SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
+ROW_BLOCK_KEY = "cpu_decode_row_block_overhead"  # ... and what a block adds per row beyond the first (issue 23)
 # measure.measure_packed_kernels: one result per packed format, key PACKED_KERNEL_KEY + format ("q4_0"), weights/s
 PACKED_KERNEL_KEY = "cpu_packed_kernel_"
 # ... and with the span's weights in the last-level cache: key PACKED_CACHED_KEY + format, weights/s

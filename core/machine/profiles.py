@@ -35,7 +35,7 @@ from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, PACKED_PREFILL_KEY,
-    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, SMALL_ROWS_READS_KEY,
+    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY,
     WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
@@ -164,13 +164,14 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                                                                 MATMUL_START_KEY, BLOCK_OVERHEAD_KEY))
     if stream is None or ram is None or reads is None or (start is None and block is None) or ram.value <= 0:
         return None
-    prefill_block = by_key.get(PREFILL_BLOCK_KEY)
+    prefill_block, row_block = by_key.get(PREFILL_BLOCK_KEY), by_key.get(ROW_BLOCK_KEY)
     return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram_bandwidth(measurements))),
                            small_row_reads=min(16.0, max(1.0, reads.value)),
                            matmul_start_s=min(0.1, max(0.0, start.value)) if start is not None else 0.0,
                            block_overhead_s=min(0.1, max(0.0, block.value)) if block is not None else None,
                            prefill_block_overhead_s=(min(0.5, max(0.0, prefill_block.value))
-                                                     if prefill_block is not None else None))
+                                                     if prefill_block is not None else None),
+                           row_block_overhead_s=min(0.1, max(0.0, row_block.value)) if row_block is not None else None)
 
 
 def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KERNEL_KEY) -> dict[str, float]:

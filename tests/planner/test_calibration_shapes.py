@@ -9,28 +9,32 @@ import numpy as np
 import pytest
 
 from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
-                                                 Measurement, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY)
+                                                 ROW_BLOCK_KEY, Measurement, SMALL_ROWS_READS_KEY,
+                                                 WEIGHT_STREAM_KEY)
 from hivekeeper.core.machine.profiles import apply_measurements
 from hivekeeper.planner.calibration import (CPU_FIT_FACTORS, DECODE_TIME, DEFAULT_FIT_FACTORS,
                                             MEASURED_STEPS_FIT_FACTORS, ProfilePoint, default_fit_factors,
                                             fit_efficiency, measured_efficiency, predict_points, scaled_decode_time)
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS, Placement, Policy, Workload, evaluate
-from hivekeeper.planner.hardware_catalog import get_hardware
+from hivekeeper.planner.hardware_catalog import get_hardware, hardware_from_dict, hardware_to_json
 from hivekeeper.planner.models import ModelSpec
 
 THIN = ModelSpec("thin", "llama", 30, 576, 1536, 9, 3, 64, 49152, True, 2048)
 WIDE = ModelSpec("wide", "llama", 2, 2048, 5632, 32, 8, 64, 8192, False, 2048)
 
 
-def measured_cpu(prefill_block_s: float, decode_block_s: float = 0.3e-3, prefill_flops: float = 90e9):
+def measured_cpu(prefill_block_s: float, decode_block_s: float = 0.3e-3, prefill_flops: float = 90e9,
+                 row_block_s: float = 0.1e-3):
     """A CPU as `hivekeeper measure` leaves it: RAM 12 GB/s, decode steps at 11 GB/s with `decode_block_s` a
-    block, prefill passes at `prefill_flops` with `prefill_block_s` a block."""
+    block and `row_block_s` more a block per row beyond the first, prefill passes at `prefill_flops` with
+    `prefill_block_s` a block."""
     records = [Measurement("ram_read", "RAM read", 12e9, "B/s", 0.0, 3, 0.0),
                Measurement("cpu_matmul_fp32_prefill", "fp32 matmul", 40e9, "FLOP/s", 0.0, 3, 0.0),
                Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", 11e9, "B/s", 0.0, 3, 0.0),
                Measurement(BLOCK_OVERHEAD_KEY, "fixed cost of a block", decode_block_s, "s", 0.0, 3, 0.0),
                Measurement(SMALL_ROWS_READS_KEY, "4-row reads", 1.5, "x", 0.0, 3, 0.0),
+               Measurement(ROW_BLOCK_KEY, "per-row block cost", row_block_s, "s", 0.0, 3, 0.0),
                Measurement(PREFILL_FLOPS_KEY, "fp32 prefill", prefill_flops, "FLOP/s", 0.0, 3, 0.0),
                Measurement(PREFILL_BLOCK_KEY, "prefill block", prefill_block_s, "s", 0.0, 3, 0.0)]
     return apply_measurements(get_hardware("cpu-generic"), records, when=1.7e9)
@@ -129,8 +133,10 @@ def test_profiles_without_measured_steps_and_gpus_fit_the_factors_they_did():
     assert default_fit_factors(old) == CPU_FIT_FACTORS and DECODE_TIME not in CPU_FIT_FACTORS
     assert default_fit_factors(get_hardware("t4")) == DEFAULT_FIT_FACTORS
     eff = measured_efficiency(measured_cpu(prefill_block_s=2e-3)).accelerator
+    assert eff.row_overhead_s == pytest.approx(0.1e-3)
     assert scaled_decode_time(eff, 2.0) == {"bandwidth_fraction": pytest.approx(eff.bandwidth_fraction / 2),
-                                            "layer_overhead_s": pytest.approx(eff.layer_overhead_s * 2)}
+                                            "layer_overhead_s": pytest.approx(eff.layer_overhead_s * 2),
+                                            "row_overhead_s": pytest.approx(0.2e-3)}
     assert scaled_decode_time(eff, 0.5)["bandwidth_fraction"] == 1.0
 
 
@@ -192,3 +198,20 @@ def test_the_heads_flops_in_a_few_row_step_count_only_beyond_its_reads_on_measur
     assert many_slow["head_compute_s"] > many_fast["head_compute_s"] > 0.0
     unmeasured = get_hardware("cpu-generic")
     assert head(unmeasured, 1)["head_compute_s"] > 0.0
+
+
+def test_each_row_beyond_the_first_of_a_few_row_step_adds_its_measured_cost_to_every_block():
+    """Issue 23: a 4-row step of thin blocks took ~2.1x its one-row step, of wide ones ~1.6x; the measured per-row
+    cost of a block (hardware.DecodeStreaming.row_block_overhead_s) is paid by every block for each row beyond the
+    first within the kernels' rows: 30 thin blocks pay it 15 times what 2 wide ones do. One row and more rows than
+    the kernels take (block by block, the prefill's block cost) do not pay it."""
+    cheap, dear = measured_cpu(1e-3, row_block_s=0.1e-3), measured_cpu(1e-3, row_block_s=0.6e-3)
+    for model in (THIN, WIDE):
+        for rows in (2, 4, PACKED_KERNEL_ROWS):
+            assert step_seconds(model, dear, rows) - step_seconds(model, cheap, rows) == pytest.approx(
+                model.num_layers * (rows - 1) * 0.5e-3, rel=1e-6)
+        for rows in (1, 64):
+            assert step_seconds(model, dear, rows) == pytest.approx(step_seconds(model, cheap, rows), rel=1e-9)
+    # it reaches the planner through the hardware JSON too
+    again = hardware_from_dict(hardware_to_json(dear))
+    assert again.cpu.decode_streaming.row_block_overhead_s == pytest.approx(0.6e-3)

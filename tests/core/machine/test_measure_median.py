@@ -10,7 +10,8 @@ import pytest
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import fit_bytes_and_blocks, median_and_spread, prefill_measurements
 from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_PREFILL_KEY, PREFILL_BLOCK_KEY,
-                                                 PREFILL_FLOPS_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
+                                                 PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY,
+                                                 WEIGHT_STREAM_KEY,
                                                  WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profiles import apply_measurements
 from hivekeeper.planner.calibration import measured_efficiency
@@ -33,28 +34,38 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
     """The two spans' steps alternate and the fit takes each span's median step: one disturbed repeat (here the
     fastest, as a quiet instant on a busy host) moves neither the rate nor the block cost, and the range of the
     repeats' rates is the recorded spread."""
+    config_wide, wide = measure.decode_span(256, 2 << 20)
+    config_narrow, narrow = measure.decode_span(64 * max(1, 256 * 3 // 8 // 64), 2 << 20)
+    wide_bytes, narrow_bytes = (sum(p.numel() * 4 for p in s.parameters()) for s in (wide, narrow))
+    per_block, bandwidth = fit_bytes_and_blocks((0.010, wide_bytes, config_wide.num_layers),
+                                                (0.030, narrow_bytes, config_narrow.num_layers))
+    # the 4-row steps: the weights read 1.5 times, and each block 0.2 ms more per row beyond the first
+    four = [1.5 * b / bandwidth + n * (per_block + 3 * 0.2e-3)
+            for b, n in ((wide_bytes, config_wide.num_layers), (narrow_bytes, config_narrow.num_layers))]
     fed = {"steps": [[0.010, 0.012, 0.006, 0.011, 0.010], [0.030, 0.031, 0.029, 0.040, 0.030]],
-           "prefill": [[0.50, 0.40, 0.45], [0.90, 1.00, 0.80]]}
+           "prefill": [[0.50, 0.40, 0.45], [0.90, 1.00, 0.80]],
+           "four": [[four[0], four[0] * 3, four[0] * 0.9], [four[1] * 1.05, four[1], four[1] * 0.5]]}
+    step_calls = []
 
     def alternating(runs, repeats):
-        return [list(s) for s in (fed["steps"] if len(runs) == 2 and repeats != measure.PREFILL_REPEATS
-                                  else fed["prefill"])]
+        if repeats == measure.PREFILL_REPEATS:
+            return [list(s) for s in fed["prefill"]]
+        step_calls.append(repeats)
+        return [list(s) for s in (fed["steps"] if len(step_calls) == 1 else fed["four"])]
 
     monkeypatch.setattr(measure, "_alternating_seconds", alternating)
     monkeypatch.setattr(measure, "_timings", lambda fn, repeats, device: [0.020, 0.022, 0.018, 0.020, 0.020])
     results = {m.key: m for m in measure.measure_decode_blocks(256, 2 << 20, repeats=5, cache_bytes=0,
                                                                step_repeats=5)}
     stream = results[WEIGHT_STREAM_KEY]
-    config_wide, wide = measure.decode_span(256, 2 << 20)
-    config_narrow, narrow = measure.decode_span(64 * max(1, 256 * 3 // 8 // 64), 2 << 20)
-    wide_bytes, narrow_bytes = (sum(p.numel() * 4 for p in s.parameters()) for s in (wide, narrow))
-    per_block, bandwidth = fit_bytes_and_blocks((0.010, wide_bytes, config_wide.num_layers),
-                                                (0.030, narrow_bytes, config_narrow.num_layers))
     assert stream.value == pytest.approx(bandwidth) and results[BLOCK_OVERHEAD_KEY].value == pytest.approx(per_block)
     assert stream.samples and (stream.value, stream.spread) == (pytest.approx(bandwidth),
                                                                 pytest.approx(median_and_spread(stream.samples)[1]))
     assert "median" in stream.detail and "in turn" in stream.detail
-    assert results[SMALL_ROWS_READS_KEY].value == pytest.approx(0.020 / 0.010)  # median 4-row / median one-row
+    # the 4-row steps of both spans, in turn, fitted on their medians: reads and the per-row cost of a block apart
+    assert len(step_calls) == 2
+    assert results[SMALL_ROWS_READS_KEY].value == pytest.approx(1.5, rel=1e-6)
+    assert results[ROW_BLOCK_KEY].value == pytest.approx(0.2e-3, rel=1e-6) and results[ROW_BLOCK_KEY].unit == "s"
     # the prefill passes, fitted on their medians too
     assert results[PREFILL_FLOPS_KEY].unit == "FLOP/s" and results[PREFILL_FLOPS_KEY].value > 0
     assert results[PREFILL_BLOCK_KEY].unit == "s" and "0.45" not in results[PREFILL_FLOPS_KEY].detail
@@ -117,3 +128,14 @@ def test_a_packed_spans_prefill_sets_the_packed_prefill_rate():
     slow, fast = measured(36e9, 1e-3, 5e9), measured(36e9, 1e-3, 40e9)
     assert slow.cpu.packed_prefill == {"q4_1": 5e9} and fast.cpu.packed_prefill == {"q4_1": 40e9}
     assert planned_prefill_s(fast, "q4_1") < planned_prefill_s(slow, "q4_1") / 3
+
+
+def test_few_row_steps_the_two_spans_cannot_separate_keep_the_wide_spans_ratio_and_no_per_row_cost():
+    """measure.few_row_terms: where noise puts the 4-row fit's block cost below zero (the narrow span's many blocks
+    faster than its bytes allow), the reads are the wide span's 4-row / one-row ratio and no per-row cost is
+    claimed; where it separates, the reads are the one-row rate over the 4-row one, at least 1."""
+    wide, narrow = (0.030, 400e6, 2), (0.020, 400e6, 30)  # the narrow span faster: no positive block cost fits
+    assert measure.few_row_terms(wide, narrow, 0.3e-3, 20e9, 1.7) == (1.7, 0.0)
+    reads, per_row = measure.few_row_terms((2 * 0.020 + 2 * 1e-3, 400e6, 2), (2 * 0.020 + 30 * 1e-3, 400e6, 30),
+                                           0.4e-3, 20e9, 9.0)
+    assert reads == pytest.approx(2.0) and per_row == pytest.approx(0.2e-3)
