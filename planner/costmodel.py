@@ -1107,8 +1107,8 @@ def decode_step_terms(model: ModelSpec, hardware: HardwareSpec, policy: Policy, 
                       efficiency: MachineEfficiency | None = None) -> dict[str, float]:
     """One policy's predicted decode step term by term (seconds, and the bytes behind the reads), in the order the
     step adds them: the blocks' reads (weights, norms and KV cache at the accelerator's rate), their FLOPs beyond
-    the reads, their fixed costs, the LM head's reads and FLOPs, the per-step overhead; "step_s" is `evaluate`'s step (issue 23: a
-    miss on one shape of model names its term)."""
+    the reads, their fixed costs, the LM head's reads and FLOPs, the per-step overhead; "step_s" is `evaluate`'s
+    step (issue 23: a miss on one shape of model names its term)."""
     eff = efficiency or default_efficiency(hardware)
     machine = machine_view(hardware)
     grid = candidate_arrays(model_numbers(model), machine, eff, [format_traits(machine, policy.weight_format)],
@@ -1117,7 +1117,8 @@ def decode_step_terms(model: ModelSpec, hardware: HardwareSpec, policy: Policy, 
     layers, acc = grid.numbers.layers, block.accelerator
     terms = {"blocks_reads_s": layers * acc.memory_s, "blocks_compute_s": layers * acc.compute_s,
              "blocks_fixed_s": layers * block.overhead_s, "cpu_attention_s": layers * block.cpu.seconds,
-             "head_reads_s": head.memory_s, "head_compute_s": head.compute_s, "step_overhead_s": np.asarray(grid.acc_eff.step_overhead_s),
+             "head_reads_s": head.memory_s, "head_compute_s": head.compute_s,
+             "step_overhead_s": np.asarray(grid.acc_eff.step_overhead_s),
              "step_s": whole_pass(grid, block, head)[0],
              "read_rate_bytes_per_s": machine.acc_bandwidth * grid.acc_eff.bandwidth_fraction,
              "blocks_bytes_min": layers * acc.bytes_min, "head_bytes": grid.numbers.head_params * grid.head_bytes}

@@ -393,8 +393,9 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
         block_overhead(per_block, (s1, b1, n1), (s2, b2, n2), load, f"fitted to the two spans: {spans}"),
         Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", small_rows, "x",
                     spread4, len(s4), load,
-                    f"4-row steps of both spans {m4 * 1e3:.3g} and {m4n * 1e3:.3g} ms (medians, in turn), fitted as "
-                    f"the one-row steps' reads x {small_rows:.2f} + blocks x (their cost + 3 x {per_row * 1e3:.3g} ms); "
+                    f"4-row steps of both spans {m4 * 1e3:.3g} and {m4n * 1e3:.3g} ms (medians, in turn), fitted "
+                    f"as the one-row steps' reads x {small_rows:.2f} + blocks x (their cost + 3 x "
+                    f"{per_row * 1e3:.3g} ms); "
                     f"the width-{hidden} span's 4-row step is {m4 / m1:.2f}x its one-row one"),
         Measurement(ROW_BLOCK_KEY, "fixed cost of a block per extra row of a decode step", per_row, "s",
                     spread4, len(s4), load, f"fitted with the 4-row steps' reads: {spans}"),
