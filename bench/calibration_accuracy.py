@@ -384,7 +384,7 @@ def refit(path: str) -> dict:
             "per_shape_time_ratio": ratios, "terms": terms, "fitted_factors": list(fitted.factors),
             "fitted": {k: float(f"{getattr(fitted.efficiency.accelerator, k):.4g}")
                        for k in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
-                                 "weight_reread_rows", "prefill_layer_overhead_s")}}
+                                 "weight_reread_rows", "prefill_layer_overhead_s", "row_overhead_s")}}
 
 
 def default_model_goal(default: dict, packed: dict) -> bool:
@@ -396,12 +396,12 @@ def default_model_goal(default: dict, packed: dict) -> bool:
 
 def result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
                 loads) -> dict:
-    from hivekeeper.core.machine.measurement import PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY
+    from hivekeeper.core.machine.measurement import PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY
 
     def factors(eff) -> dict:
         return {k: float(f"{getattr(eff.accelerator, k):.4g}")
                 for k in ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
-                          "weight_reread_rows", "prefill_layer_overhead_s")}
+                          "weight_reread_rows", "prefill_layer_overhead_s", "row_overhead_s")}
 
     by_key = {m.key: m for m in measurements}
     summary = {f"{phase}_mape_{form}_pct": overall(errors, phase, form)
@@ -417,6 +417,9 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
                      "decode_stream_gbps": round(by_key["cpu_weight_stream"].value / 1e9, 2),
                      "decode_stream_spread": round(by_key["cpu_weight_stream"].spread, 3),
                      "block_overhead_ms": round(by_key["cpu_decode_block_overhead"].value * 1e3, 3),
+                     "small_row_reads": round(by_key["cpu_small_rows_reads"].value, 3),
+                     **({"row_block_overhead_ms": round(by_key[ROW_BLOCK_KEY].value * 1e3, 3)}
+                        if ROW_BLOCK_KEY in by_key else {}),
                      "fp32_matmul_gflops": round(by_key["cpu_matmul_fp32_prefill"].value / 1e9, 1),
                      **({"fp32_prefill_gflops": round(by_key[PREFILL_FLOPS_KEY].value / 1e9, 1),
                          "prefill_block_overhead_ms": round(by_key[PREFILL_BLOCK_KEY].value * 1e3, 3)}
