@@ -341,6 +341,8 @@ def main() -> None:
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
     line["per_shape_time_ratio"] = ratios
     line["terms"], line["stream_rate_now"] = terms, streams
+    line.update({f"{phase}_mape_uncalibrated_now_pct": overall(errors, phase, "uncalibrated_now")
+                 for phase in ("decode", "prefill")})  # the model's error with the streaming rate of the moment
     line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
     line["measured"]["packed_gweights_per_s"] = {m.key[len("cpu_packed_"):]: round(m.value / 1e9, 2)
                                                   for m in measurements if m.key.startswith("cpu_packed_")}
