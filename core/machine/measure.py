@@ -560,7 +560,7 @@ def stream_reading(spans: StreamSpans, repeats: int) -> StreamReading:
 
 # run_benchmarks reads the decode steps' streaming rate four more times after measure_decode_blocks's reading, spread
 # over the rest of the measurement (after the packed spans, the bf16 step, the disk, and at the end), and the profile
-# keeps the median of the five (fold_stream_readings). One reading lasts a fraction of a second, and this VM's rate
+# keeps their pooled fit (fold_stream_readings). One reading lasts a fraction of a second, and this VM's rate
 # moved 5.4-12.9 GB/s between readings seconds apart (bench/stream_vs_decode.py, load 2.5-3.8): one is a moment's.
 class StreamRereads:
     """The later readings of the decode steps' streaming rate during run_benchmarks, on spans of the first's shape
@@ -590,32 +590,44 @@ class StreamRereads:
         self.spans = None
 
 
-def median_reading(readings: list[StreamReading]) -> StreamReading:
-    """The reading of median bandwidth (the lower middle one of an even count), its block cost with it: a reading's
-    rate and block cost are fitted together, so they are kept together."""
+def step_seconds(reading: StreamReading, shape: tuple[int, int]) -> float:
+    """A one-row step through a span of (bytes, blocks) as a reading's fit gives it back: bytes / rate + blocks x
+    a block's fixed cost."""
+    nbytes, blocks = shape
+    return nbytes / reading.bandwidth + blocks * reading.per_block
+
+
+def pooled_reading(readings: list[StreamReading], shapes: tuple[tuple[int, int], tuple[int, int]]) -> StreamReading:
+    """One reading from several: each span's median step over them (each reading's step as its fit gives it back),
+    fitted again (fit_bytes_and_blocks). The rate and a block's cost stay one consistent fit, robust to a reading
+    whose wide or narrow steps caught a fast or a slow moment (either moves both terms of its own fit)."""
     if not readings:
         raise ValueError("no readings")
-    return sorted(readings, key=lambda r: r.bandwidth)[(len(readings) - 1) // 2]
+    wide, narrow = shapes
+    wide_s, narrow_s = ([step_seconds(r, shape) for r in readings] for shape in (wide, narrow))
+    per_block, bandwidth = fit_bytes_and_blocks((statistics.median(wide_s), *wide), (statistics.median(narrow_s), *narrow))
+    return StreamReading(bandwidth, per_block, wide_s, narrow_s)
 
 
-def fold_stream_readings(results: list[Measurement], later: list[StreamReading]) -> list[Measurement]:
+def fold_stream_readings(results: list[Measurement], later: list[StreamReading],
+                         shapes: tuple[tuple[int, int], tuple[int, int]]) -> list[Measurement]:
     """`results` with the decode steps' streaming rate (WEIGHT_STREAM_KEY) and a block's fixed cost
-    (BLOCK_OVERHEAD_KEY) of the median reading among measure_decode_blocks's and the `later` ones; the rate's
-    samples are then the readings' rates, its spread their range over the median. Unchanged without later
-    readings or without the decode steps' measurements."""
+    (BLOCK_OVERHEAD_KEY) pooled from measure_decode_blocks's reading and the `later` ones (pooled_reading, on the
+    spans' (bytes, blocks) `shapes`); the rate's samples are then the readings' rates, its spread their range over
+    their median. Unchanged without later readings or without the decode steps' measurements."""
     by_key = {m.key: m for m in results}
     stream, block = by_key.get(WEIGHT_STREAM_KEY), by_key.get(BLOCK_OVERHEAD_KEY)
     if not later or stream is None or block is None:
         return results
     readings = [StreamReading(stream.value, block.value, [], []), *later]
-    chosen = median_reading(readings)
+    pooled = pooled_reading(readings, shapes)
     rates = [r.bandwidth for r in readings]
-    listed = ", ".join(f"{rate / 1e9:.3g}" for rate in rates)
-    words = f"; the median of {len(rates)} readings spread over the measurement ({listed} GB/s)"
-    folded = {WEIGHT_STREAM_KEY: replace(stream, value=chosen.bandwidth, spread=median_and_spread(rates)[1],
+    listed = ", ".join(f"{r.bandwidth / 1e9:.3g} GB/s {r.per_block * 1e3:.2g} ms" for r in readings)
+    words = f"; fitted again to the median steps of {len(rates)} readings spread over the measurement ({listed})"
+    folded = {WEIGHT_STREAM_KEY: replace(stream, value=pooled.bandwidth, spread=median_and_spread(rates)[1],
                                          repeats=len(rates), samples=rates, loadavg=max(stream.loadavg, load_average()),
                                          detail=stream.detail + words),
-              BLOCK_OVERHEAD_KEY: replace(block, value=chosen.per_block, detail=block.detail + words)}
+              BLOCK_OVERHEAD_KEY: replace(block, value=pooled.per_block, detail=block.detail + words)}
     return [folded.get(m.key, m) for m in results]
 
 
@@ -1130,7 +1142,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     """Every benchmark this machine allows, in turn: RAM, CPU matmuls per dtype (decode and prefill shapes), decode
     weight streaming, a bf16 decode step against fp32 (with native bf16 math), disk (when a folder is given), GPU
     memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA device is present (and gpu=True),
-    and each peer; the decode steps' streaming rate is read again between the later steps and the median reading kept
+    and each peer; the decode steps' streaming rate is read again between the later steps and their pooled fit kept
     (StreamRereads, fold_stream_readings). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
@@ -1181,9 +1193,9 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
             break
         progress(index / len(steps), label)
         results.extend(step())
-    if rereads is not None:
+    if rereads is not None and rereads.readings:
+        results = fold_stream_readings(results, rereads.readings, rereads.built().shapes())
         rereads.close()
-        results = fold_stream_readings(results, rereads.readings)
     progress(1.0, "done")
     return results
 

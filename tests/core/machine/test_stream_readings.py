@@ -1,5 +1,5 @@
 """The decode steps' streaming rate on a host whose speed swings (issue 14 item 12): the quick and the full
-measurement read it five times spread over the measurement and keep the median reading, its block cost with it.
+measurement read it five times spread over the measurement and keep the fit of each span's median step.
 Nothing is timed: the readings are fed in."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from hivekeeper.core.machine import measure
-from hivekeeper.core.machine.measure import (TINY, StreamReading, fold_stream_readings, median_reading,
-                                             run_benchmarks)
+from hivekeeper.core.machine.measure import (TINY, StreamReading, fit_bytes_and_blocks, fold_stream_readings,
+                                             pooled_reading)
 from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, WEIGHT_STREAM_KEY, Measurement
 
 
@@ -19,13 +19,25 @@ def reading(gbps: float, block_ms: float) -> StreamReading:
     return StreamReading(gbps * 1e9, block_ms * 1e-3, [], [])
 
 
-def test_the_median_reading_keeps_its_own_block_cost():
-    readings = [reading(12.9, 0.12), reading(5.4, 0.25), reading(9.5, 0.15), reading(7.2, 0.23), reading(10.1, 0.2)]
-    assert median_reading(readings) == readings[2]  # 9.5 GB/s with its 0.15 ms, not the median block cost (0.2)
-    assert median_reading(readings[:4]) == readings[3]  # an even count: the lower middle one, a real reading
-    assert median_reading([readings[0]]) == readings[0]
+SHAPES = ((210e6, 17), (210e6, 90))  # the quick measurement's spans here: 17 blocks of 1024, 90 of 384, 210 MB each
+
+
+def test_readings_are_pooled_by_each_spans_median_step_and_fitted_again():
+    """Five readings as one quick measurement read them (session 13, load 6: 15.2, 8.9, 9.5, 10.5, 13.9 GB/s), one of
+    them (the second) with a block cost its slow narrow steps blew up: the pooled fit is the fit of the median
+    steps, a consistent rate and cost that no single reading's noise sets."""
+    readings = [reading(15.2, 0.10), reading(8.9, 0.60), reading(9.5, 0.15), reading(10.5, 0.12), reading(13.9, 0.2)]
+    pooled = pooled_reading(readings, SHAPES)
+    wide = sorted(210e6 / r.bandwidth + 17 * r.per_block for r in readings)[2]
+    narrow = sorted(210e6 / r.bandwidth + 90 * r.per_block for r in readings)[2]
+    per_block, rate = fit_bytes_and_blocks((wide, *SHAPES[0]), (narrow, *SHAPES[1]))
+    assert (pooled.bandwidth, pooled.per_block) == (pytest.approx(rate), pytest.approx(per_block))
+    assert 9.5e9 < pooled.bandwidth < 13.9e9 and 0.1e-3 < pooled.per_block < 0.2e-3
+    # readings that agree pool to themselves; one reading is itself
+    same = pooled_reading([reading(10.0, 0.2)] * 3, SHAPES)
+    assert (same.bandwidth, same.per_block) == (pytest.approx(10e9), pytest.approx(0.2e-3))
     with pytest.raises(ValueError):
-        median_reading([])
+        pooled_reading([], SHAPES)
 
 
 def first_reading(gbps: float, block_ms: float) -> list[Measurement]:
@@ -35,34 +47,35 @@ def first_reading(gbps: float, block_ms: float) -> list[Measurement]:
             Measurement(BLOCK_OVERHEAD_KEY, "fixed cost of a block", block_ms * 1e-3, "s", 0.3, 4, 0.5, "fitted")]
 
 
-def test_the_profile_keeps_the_median_of_the_first_reading_and_the_later_ones():
+def test_the_profile_keeps_the_pooled_fit_of_the_first_reading_and_the_later_ones():
     """A lucky first reading (17.4 GB/s, as session 12's quick measurements read 8.8-17.4) no longer sets the plan."""
-    later = [reading(9.1, 0.3), reading(10.2, 0.2), reading(8.8, 0.4), reading(11.0, 0.1)]
-    folded = {m.key: m for m in fold_stream_readings(first_reading(17.4, 0.05), later)}
+    later = [reading(9.1, 0.2), reading(10.2, 0.2), reading(8.8, 0.2), reading(11.0, 0.2)]
+    folded = {m.key: m for m in fold_stream_readings(first_reading(17.4, 0.2), later, SHAPES)}
     stream, block = folded[WEIGHT_STREAM_KEY], folded[BLOCK_OVERHEAD_KEY]
     assert stream.value == pytest.approx(10.2e9) and block.value == pytest.approx(0.2e-3)
     assert stream.samples == pytest.approx([17.4e9, 9.1e9, 10.2e9, 8.8e9, 11.0e9]) and stream.repeats == 5
     assert stream.spread == pytest.approx((17.4 - 8.8) / 10.2)
-    assert "median of 5 readings" in stream.detail and "17.4" in stream.detail and "median of 5" in block.detail
-    assert folded["ram_read"] == first_reading(17.4, 0.05)[0]  # the rest untouched
+    assert "median steps of 5 readings" in stream.detail and "17.4 GB/s" in stream.detail
+    assert "median steps of 5" in block.detail
+    assert folded["ram_read"] == first_reading(17.4, 0.2)[0]  # the rest untouched
 
 
 def test_without_later_readings_or_decode_steps_nothing_changes():
     first = first_reading(12.0, 0.1)
-    assert fold_stream_readings(first, []) == first
-    assert fold_stream_readings(first[:1], [reading(9.0, 0.2)]) == first[:1]
+    assert fold_stream_readings(first, [], SHAPES) == first
+    assert fold_stream_readings(first[:1], [reading(9.0, 0.2)], SHAPES) == first[:1]
 
 
-def test_plan_hardware_auto_plans_with_the_median_reading(monkeypatch, tmp_path, cli):
+def test_plan_hardware_auto_plans_with_the_pooled_readings(monkeypatch, tmp_path, cli):
     """Through the user's command: the first `plan --hardware auto` on a machine never measured measures it (here
     at TINY's sizes, the later readings fed in: four, after the decode steps' own, between the later steps and at
     the end), saves the median reading in its profile, whatever the first (real) one was (three of the four fed are
-    equal), and plans with it (a second plan from the saved profile predicts the same); the lucky reading (30 GB/s)
+    equal, so both spans' median steps are theirs), and plans with it (a second plan from the saved profile predicts the same); the lucky reading (30 GB/s)
     would have planned decode about four times faster (with the FLOP/s raised in both, so that the reads decide)."""
     from hivekeeper.core.machine.measurement import PREFILL_FLOPS_KEY
     from hivekeeper.core.machine.profiles import load_profile, save_profile
 
-    fed = [reading(7.0, 0.3), reading(30.0, 0.01), reading(7.0, 0.3), reading(7.0, 0.3)]
+    fed = [reading(7.0, 0.02), reading(30.0, 0.01), reading(7.0, 0.02), reading(7.0, 0.02)]
     monkeypatch.setattr(measure, "QUICK", TINY)
     monkeypatch.setattr(measure, "stream_reading", lambda spans, repeats: fed.pop(0))
     monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path))
@@ -78,7 +91,7 @@ def test_plan_hardware_auto_plans_with_the_median_reading(monkeypatch, tmp_path,
     (path,) = (tmp_path / "profiles").glob("*.json")
     profile = load_profile(path)
     assert profile.measurement(WEIGHT_STREAM_KEY).value == pytest.approx(7e9)
-    assert profile.measurement(BLOCK_OVERHEAD_KEY).value == pytest.approx(0.3e-3)
+    assert profile.measurement(BLOCK_OVERHEAD_KEY).value == pytest.approx(0.02e-3)
     again = cli(*plan)
     assert "measured it quickly" not in again.stderr
     assert json.loads(again.stdout)["decode_tokens_per_s"] == json.loads(first.stdout)["decode_tokens_per_s"]
