@@ -101,21 +101,39 @@ def test_a_broken_file_is_one_error_naming_it_and_the_ledger_never_half_writes(t
     assert read_contribution(path)["total"] == summary["total"]
 
 
+def test_the_ledger_saves_at_its_first_event_then_once_a_save_period_and_at_the_end(tmp_path):
+    """When a running node's counts reach the file: its first status event saves at once (a node that crashes later
+    still left its file), then the first event a save period after the last save, and the final event always."""
+    path = tmp_path / "contribution.json"
+    clock = iter([100.0, 101.0, 109.0, 111.0, 115.0, 116.0])
+    ledger = ContributionLedger(path, PowerSource(WATTS), save_period_s=10.0, clock=lambda: next(clock))
+    started = ledger.record({"state": "started", "requests_served": 0, "tokens_served": 0})
+    assert started is not None and started["total"]["uptime_s"] == 0  # saved; nothing served yet
+    assert ledger.record({"state": "online", "requests_served": 0, "tokens_served": 0}) is None
+    assert ledger.record({"state": "stats", "requests_served": 2, "tokens_served": 9}) is None  # 9 s after the save
+    running = ledger.record({"state": "stats", "requests_served": 3, "tokens_served": 10})  # 11 s after it
+    assert running["total"] == {"requests": 3, "tokens": 10, "uptime_s": 10.0, "energy_wh": pytest.approx(0.1)}
+    assert read_contribution(path)["total"] == running["total"]
+    assert ledger.record({"state": "stats", "requests_served": 3, "tokens_served": 10}) is None
+    final = ledger.record({"state": "offline", "requests_served": 4, "tokens_served": 12})  # 5 s after: saves anyway
+    assert final["total"]["uptime_s"] == 15.0 and (final["total"]["requests"], final["total"]["tokens"]) == (4, 12)
+
+
 @pytest.mark.slow
 def test_serve_keeps_its_contribution_in_the_data_folder(tiny_checkpoint, tmp_path):
-    """The real command: its status lines carry the contribution once saved, and the file holds it after a stop."""
+    """The real command: its status lines carry the contribution once saved (its first event saves at once; the
+    ledger's save period is the test above's), and the file holds the time serving after a stop."""
     from hivekeeper.core.swarm.local import LocalSwarm
 
     data = tmp_path / "data"
     with LocalSwarm(tiny_checkpoint, extra_args=("--torch-threads", "1"), log_dir=tmp_path,
                     env={"HIVEKEEPER_DATA_DIR": str(data)}) as swarm:
         server = swarm.start("--block-indices", "0:2", "--throughput", "1", "--stats-period", "0.3")
-        saved = server.wait_for("stats", timeout=30)
-        while "contribution" not in saved:  # the first line after "online" saves (then every 10 s)
-            saved = server.wait_for("stats", timeout=30, after=len(server.events))
+        saved = next(event for event in server.events if "contribution" in event)
+        assert saved is server.events[0] and saved["contribution"]["total"]["uptime_s"] == 0  # before serving
+        server.wait_for("stats", timeout=30)  # serving for a while
         assert server.stop() == 0
     doc = read_contribution(data / "contribution.json")
     total = doc["total"]
-    assert total["uptime_s"] > 0 and total["energy_wh"] > 0  # the plan's CPU power × the time serving
-    assert total["uptime_s"] >= saved["contribution"]["total"]["uptime_s"]  # the stop added the rest
+    assert total["uptime_s"] > 0 and total["energy_wh"] > 0  # the plan's CPU power × the time serving: the stop's save
     assert (total["requests"], total["tokens"]) == (0, 0)  # no client: nothing served
