@@ -269,6 +269,7 @@ class MainWindow(QMainWindow):
         from hivekeeper.planner.format_choice import plan_model_server
 
         from hivekeeper.core.runtime.default_model import model_path_or_id
+        from hivekeeper.gui.pages.swarm import measured_block_speed
 
         machine = self.hardware_page.machine
         page = self.swarm_page
@@ -281,7 +282,7 @@ class MainWindow(QMainWindow):
         except InputError as exc:  # the span as `hivekeeper serve` loads it (a GGUF's packed on a CPU)
             page.set_recommendation(None, f"No plan for {model}: {exc}")
             return
-        page.set_recommendation(server)
+        page.set_recommendation(server, measured=measured_block_speed(model_path_or_id(model), server))
 
     def swarm_for_chat(self) -> tuple[str, tuple[str, ...]]:
         """(model, initial peers) for chatting through the swarm: our node's when it serves, else the Swarm page's."""
@@ -295,6 +296,8 @@ class MainWindow(QMainWindow):
     def _node_state_changed(self, state: str) -> None:
         color = STATE_COLORS.get(state, "#616e7c")
         self.nav.item(PAGES.index("Swarm")).setIcon(dot_icon(color) if state != "stopped" else QIcon())
+        if state == "online":  # serve has timed a block now (or read its cache): the page says the same figure
+            self._update_recommendation()
 
     def _make_menus(self) -> None:
         help_menu = self.menuBar().addMenu("&Help")

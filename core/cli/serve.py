@@ -327,7 +327,8 @@ def human_status_line(event: dict) -> str:
     where = f" blocks {blocks[0]}:{blocks[1]} of {event['num_model_blocks']}" if blocks else ""
     line = f"[{state}] {event['dht_prefix']}{where}"
     if state in ("online", "stats"):
-        line += (f", throughput {event['throughput']:.1f} rps, {event['sessions']} open sessions, "
+        source = f" ({event['throughput_source']})" if state == "online" and event.get("throughput_source") else ""
+        line += (f", throughput {event['throughput']:.1f} rps{source}, {event['sessions']} open sessions, "
                  f"{event.get('requests_served', 0)} requests served ({event.get('tokens_served', 0)} tokens), "
                  f"{event['cache_tokens_left']} cache tokens left")
     if state == "moving":

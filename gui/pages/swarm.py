@@ -16,7 +16,8 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFormLayout, QGroup
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_public
-from hivekeeper.planner.swarm import ServerPlan
+from hivekeeper.core.swarm.server.throughput import BlockSpeed, cached_block_speed
+from hivekeeper.planner.swarm import ServerPlan, span_throughput
 
 from hivekeeper.gui.services.coverage import CoverageService
 from hivekeeper.gui.services.node import STATE_WORDS, NodeLaunch, NodeService
@@ -101,6 +102,28 @@ def advertised_words(advertised: float | None, counted: float | None) -> str:
         words += (f"; the swarm counts {fmt_rate(counted)} of it (a claim far above the other servers' is capped), "
                   "as the chart draws")
     return words
+
+
+def measured_block_speed(model: str, server: ServerPlan) -> BlockSpeed | None:
+    """`serve`'s cached measurement of a block of this model's shapes, in the span's format, on this machine's kind
+    of device (core/swarm/server/throughput.py), or None where serve has not timed one here."""
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    fmt = f"{server.weight_format}{' packed' if server.packed else ''}"
+    return cached_block_speed(load_model_spec(model), "cuda" if server.tier == "gpu" else "cpu", fmt)
+
+
+def advertised_estimate(server: ServerPlan, measured: BlockSpeed | None) -> str:
+    """'about 523 requests/s advertised (measured by `serve` on ...)': Petals' advertised throughput for the span,
+    from one definition (planner.swarm.span_throughput over a block's forward_rps), as Join's `serve` announces it
+    (no --network-mbps: compute only); the block's rate measured by serve where it has timed such a block here,
+    else the planner's estimate from this machine's profile."""
+    if measured is not None:
+        forward, source = measured.forward_rps, measured.source_words()
+    else:
+        forward, source = server.forward_rps, "estimated from this machine's profile; `serve` measures a block " \
+                                              "when it starts"
+    return f"about {fmt_rate(span_throughput(forward, server.num_blocks, None))} requests/s advertised ({source})"
 
 
 class SwarmPage(QWidget):
@@ -337,13 +360,15 @@ class SwarmPage(QWidget):
     def model_to_serve(self) -> str:
         return self.settings.model or self.default_model
 
-    def set_recommendation(self, server: ServerPlan | None, note: str = "") -> None:
-        """The plan's serving recommendation for this machine (blocks and format), shown and used by Join."""
+    def set_recommendation(self, server: ServerPlan | None, note: str = "", measured: BlockSpeed | None = None) -> None:
+        """The plan's serving recommendation for this machine (blocks and format), shown and used by Join, with the
+        requests/s `serve` will advertise for it: from `measured` (serve's cached measurement of such a block) when
+        there is one, else the planner's estimate, saying which."""
         self.recommendation = server
         if server is not None and server.num_blocks:
             self.recommendation_label.setText(
                 f"The plan for this machine: {server.span_words()}, "
-                f"about {fmt_rate(server.throughput)} requests/s advertised. {note}".strip())
+                f"{advertised_estimate(server, measured)}. {note}".strip())
         else:
             self.recommendation_label.setText(note or "No recommendation yet (waiting for the plan).")
 
@@ -480,8 +505,9 @@ class SwarmPage(QWidget):
         (the last coverage report), and its peer id."""
         node = self.node
         counted = self.counted_rps if self.coverage_data is not None else None
-        self.state_card.detail.setText(f"{advertised_words(node.last_event.get('throughput'), counted)}; peer "
-                                       f"…{(node.peer_id or '')[-8:]}")
+        source = node.last_event.get("throughput_source")
+        self.state_card.detail.setText(f"{advertised_words(node.last_event.get('throughput'), counted)}"
+                                       f"{f' ({source})' if source else ''}; peer …{(node.peer_id or '')[-8:]}")
 
     def clear_swarm_view(self) -> None:
         """After Leave: no coverage, span, cache or request counts of a node that is gone (nothing stale)."""

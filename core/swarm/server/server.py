@@ -69,6 +69,7 @@ from hivekeeper.core.swarm.server.pause import PauseWatch
 from hivekeeper.core.swarm.protocol import PROTOCOL_VERSION, dtype_name
 from hivekeeper.core.swarm.server.throughput import BlockSpeed, get_block_speed, network_rps_for, span_throughput
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.gguf_metadata import is_gguf
 from hivekeeper.planner.swarm import ServerSpan, choose_start, should_move
 
 logger = logging.getLogger("hivekeeper.swarm.server")
@@ -118,6 +119,7 @@ class SwarmServer:
         self.state = ServerState.OFFLINE
         self.blocks: range | None = None
         self.speed: BlockSpeed | None = None
+        self.speed_source = ""  # where the advertised throughput comes from, in words
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
         self.handler: TransformerConnectionHandler | None = None
@@ -169,6 +171,12 @@ class SwarmServer:
             return float(self.config.throughput)
         return span_throughput(self.speed, self.num_blocks, self.network_rps())
 
+    def throughput_source(self) -> str:
+        """Where the advertised throughput comes from: --throughput's number, or the block measurement (when)."""
+        if isinstance(self.config.throughput, (int, float)):
+            return "given by --throughput"
+        return self.speed_source
+
     def server_info(self, state: ServerState, blocks: range) -> ServerInfo:
         speed = self.speed
         return ServerInfo(
@@ -216,7 +224,8 @@ class SwarmServer:
         }
         if self.speed is not None:
             event.update(throughput=self.throughput(), inference_rps=self.speed.inference_rps,
-                         forward_rps=self.speed.forward_rps, network_rps=self.network_rps())
+                         forward_rps=self.speed.forward_rps, network_rps=self.network_rps(),
+                         throughput_source=self.throughput_source())
         if self.handler is not None:
             event.update(sessions=len(self.handler.sessions), cache_tokens_left=self.handler.cache_tokens_left(),
                          requests_served=self.handler.requests_served)
@@ -266,9 +275,14 @@ class SwarmServer:
     async def _block_speed(self) -> BlockSpeed:
         cfg = self.config
         loop = asyncio.get_running_loop()
-        return (await loop.run_in_executor(None, lambda: get_block_speed(
-            self.model_config, cfg.device, cfg.dtype, cfg.quant, force_measure=cfg.throughput == "eval",
-            log=logger.info)))[0]
+        # the weights are here for a local folder and a GGUF (the default model too); a hub model's shards come
+        # once the span is chosen, so a random block of its shapes is timed
+        here = cfg.checkpoint if not cfg.repository or is_gguf(cfg.checkpoint) else None
+        speed, cached = await loop.run_in_executor(None, lambda: get_block_speed(
+            self.model_config, cfg.device, cfg.dtype, cfg.quant, checkpoint=here,
+            force_measure=cfg.throughput == "eval", log=logger.info))
+        self.speed_source = speed.source_words() if cached else f"measured now (load {speed.loadavg:.1f})"
+        return speed
 
     async def _choose_blocks(self, exclude_self: bool = False) -> range:
         cfg = self.config
