@@ -113,7 +113,7 @@ def with_choice(cpu: ComputeDevice, choice: SixteenBitChoice) -> ComputeDevice:
     (as a CPU that converts them, hardware_catalog.CPU_SOFTWARE_HALF_SLOWDOWN) where it has no native bf16 math;
     with it, bf16 at its own (measured) rate and at least fp32's, and the measured bf16 decode step as
     ComputeDevice.half_decode_ratio (the few-row half of the rule; profiles.apply_measurements sets it too). The
-    FLOP/s source says why when the table changes."""
+    FLOP/s source says why where the table changes, and on a CPU with native bf16 math always (the rows rule)."""
     fp32 = cpu.flops.get("fp32", 0.0)
     if fp32 <= 0:
         return cpu
@@ -125,7 +125,9 @@ def with_choice(cpu: ComputeDevice, choice: SixteenBitChoice) -> ComputeDevice:
     else:
         flops["bf16"] = max(flops.get("bf16", 0.0), fp32)
     ratio = choice.step_ratio if choice.native and choice.step_ratio is not None else cpu.half_decode_ratio
-    if flops == cpu.flops:
+    said = cpu.sources.get("flops", "")
+    if flops == cpu.flops and (not choice.native or CHOICE_WORDS in said):  # a native CPU's line says the rows rule
         return cpu if ratio == cpu.half_decode_ratio else dataclasses.replace(cpu, half_decode_ratio=ratio)
-    source = "; ".join(part for part in (cpu.sources.get("flops", ""), choice.line()) if part)
+    base = "" if said.startswith(CHOICE_WORDS) else said.split(f"; {CHOICE_WORDS}")[0]  # one decision's line
+    source = "; ".join(part for part in (base, choice.line()) if part)
     return dataclasses.replace(cpu, flops=flops, sources={**cpu.sources, "flops": source}, half_decode_ratio=ratio)
