@@ -242,8 +242,8 @@ class MainWindow(QMainWindow):
         self._update_recommendation()
 
     def _measure_first_time(self, machine) -> None:
-        """A fresh detection of a machine never measured, while the Plan page plans for this machine: measure it
-        quickly, once (issue 14 item 12; FirstMeasure says so in the status bar)."""
+        """A fresh detection of a machine never measured, or measured busy and quiet now, while the Plan page plans
+        for this machine: measure it quickly, once (issue 14 item 12; FirstMeasure says so in the status bar)."""
         from hivekeeper.gui.pages.plan import DETECTED
 
         if self.settings.plan.hardware == DETECTED and first_measure_enabled():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.machine.cpu_dtype import choose
     from hivekeeper.core.machine.cpu_dtype import forget as forget_choice
     from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.measurement import busy_words
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import (comparison_rows, load_machine_profile, machine_fingerprint, new_profile,
                                   save_profile, write_json_atomic)
@@ -139,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
           f"load average {max((m.loadavg for m in measurements), default=0):.1f}")
     if path:
         print(f"saved: {path} (used by `hivekeeper plan --hardware auto` on this machine)")
+    busy = busy_words(measurements, os.cpu_count() or 1)
+    if path and busy:  # saved all the same: the first plan at a quiet moment measures again (plan.why_measure)
+        print(f"note: measured {busy}; the first `plan --hardware auto` at a load of at most {os.cpu_count() or 1} "
+              "measures it again quickly", file=sys.stderr)
     if dropped:
         print("the previous calibration was fitted to the old numbers and is dropped: run `hivekeeper profile` again",
               file=sys.stderr)

@@ -100,17 +100,39 @@ def _hardware(arg: str, overrides: dict[str, float], measure: bool = True):
         from hivekeeper.planner.hardware_catalog import apply_host_overrides
 
         hardware, efficiency = detect_or_load_profile()
-        if efficiency is None and measure:
-            from hivekeeper.core.machine.measurement import QUICK_TAKES
-
-            print(f"note: the first plan for this machine: measuring it quickly first (once, {QUICK_TAKES}; "
-                  f"`--no-measure` plans with estimates)", file=sys.stderr, flush=True)
+        why, note = why_measure(efficiency is not None, measure)
+        if note or why:
+            print(f"note: {note or why}", file=sys.stderr, flush=True)
+        if why:
             print(measure_quickly(), file=sys.stderr)
             hardware, efficiency = detect_or_load_profile()
         return apply_host_overrides(hardware, where="command line", **overrides), efficiency
     from hivekeeper.planner.hardware_catalog import resolve_hardware
 
     return resolve_hardware(arg, **overrides), None
+
+
+def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
+    """(why `plan --hardware auto` measures this machine quickly before planning, or "", a note when it plans with a
+    busy profile). It measures when there is no profile yet (the first plan), or when the profile was measured busy
+    (at a load above the CPU count its figures can plan the machine several times too slow) and the machine is
+    quiet now. A busy profile while still busy, or with --no-measure, is used, and the note says so."""
+    from hivekeeper.core.machine.measurement import QUICK_TAKES, load_now, measured_load
+    from hivekeeper.core.machine.profiles import load_machine_profile
+
+    if not profiled:
+        return (f"the first plan for this machine: measuring it quickly first (once, {QUICK_TAKES}; `--no-measure` "
+                "plans with estimates)") if measure else "", ""
+    profile, cpus = load_machine_profile(), os.cpu_count() or 1
+    load = measured_load(profile.measurements) if profile is not None else 0.0
+    if load <= cpus:
+        return "", ""
+    busy, now = f"this machine's profile was measured busy (at load {load:.1f} on {cpus} CPUs)", load_now()
+    if measure and now <= cpus:
+        return (f"{busy}; the load is {now:.1f} now: measuring it again quickly ({QUICK_TAKES}; `--no-measure` "
+                "plans with the busy profile)"), ""
+    return "", (f"{busy}: its figures can be several times too slow; the first plan at a load of at most {cpus} "
+                f"measures it again (the load is {now:.1f} now)")
 
 
 def kept_free(hardware, reserve_gb: float | None) -> dict[str, float]:

@@ -6,6 +6,7 @@ e.g. in the desktop app's process, never imports torch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 # how long `measure --quick` (the first plan's and the app's first measurement) takes, torch's import included: on a
@@ -68,11 +69,29 @@ class Measurement:
                    samples=[float(s) for s in doc.get("samples", [])])
 
 
+def measured_load(measurements: list[Measurement]) -> float:
+    """The highest 1-minute load average seen while measuring."""
+    return max((m.loadavg for m in measurements), default=0.0)
+
+
 def busy_words(measurements: list[Measurement], cpus: int) -> str:
     """"" when the machine was quiet enough while measuring; else words saying that the figures are a busy moment's
     (a load average above the CPU count: other programs held the cores, and the profile would plan this machine
     several times too slow until measured again)."""
-    load = max((m.loadavg for m in measurements), default=0.0)
+    load = measured_load(measurements)
     if load <= cpus:
         return ""
     return f"at load {load:.1f} on {cpus} CPUs: busy, measure again when quiet"
+
+
+LOAD_ENV = "HIVEKEEPER_LOAD_AVERAGE"  # pins load_now (tests: whether a busy profile is measured again)
+
+
+def load_now() -> float:
+    """The 1-minute load average now (HIVEKEEPER_LOAD_AVERAGE when set): a measurement started at a load of at most
+    the CPU count is a quiet one's. A profile measured busy is measured again at the first such moment (`plan
+    --hardware auto`, the app)."""
+    import psutil
+
+    pinned = os.environ.get(LOAD_ENV, "").strip()
+    return float(pinned) if pinned else psutil.getloadavg()[0]

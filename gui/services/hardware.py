@@ -38,6 +38,7 @@ class MachineInfo:
     calibrated: bool = False
     profile: str | None = None
     measured_at: float | None = None
+    measured_load: float = 0.0  # the highest load average while it was measured (above the CPU count: busy)
 
     @property
     def factors(self) -> str:
@@ -63,10 +64,11 @@ def machine_from_doc(doc, where: str) -> MachineInfo:
             efficiency = MachineEfficiency(Efficiency(**factors["accelerator"]), Efficiency(**factors["host"]))
         except (KeyError, TypeError) as exc:
             raise InputError(f"{where}: field 'efficiency' is malformed ({exc})") from None
-    measured_at = doc.get("measured_at")
+    measured_at, load = doc.get("measured_at"), doc.get("measured_load")
     return MachineInfo(detected, hardware, efficiency, bool(doc.get("calibrated")),
                        doc.get("profile") if isinstance(doc.get("profile"), str) else None,
-                       float(measured_at) if isinstance(measured_at, (int, float)) else None)
+                       float(measured_at) if isinstance(measured_at, (int, float)) else None,
+                       float(load) if isinstance(load, (int, float)) else 0.0)
 
 
 class DetectService(QObject):

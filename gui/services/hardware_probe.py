@@ -21,6 +21,8 @@ def machine_doc(detected, profile) -> dict:
     """The line for a detected spec and its machine profile (None when the machine has none)."""
     from hivekeeper.planner.hardware_catalog import hardware_to_json
 
+    from hivekeeper.core.machine.measurement import measured_load
+
     doc = {"event": "machine", "detected": hardware_to_json(detected), "hardware": hardware_to_json(detected),
            "efficiency": None, "calibrated": False, "profile": None, "measured_at": None}
     if profile is not None:
@@ -28,6 +30,7 @@ def machine_doc(detected, profile) -> dict:
         efficiency = profile.efficiency(hardware)
         doc.update(hardware=hardware_to_json(hardware), calibrated=profile.calibrated,
                    profile=str(profile.path) if profile.path else None, measured_at=profile.measured_at,
+                   measured_load=measured_load(profile.measurements),
                    efficiency={"accelerator": dataclasses.asdict(efficiency.accelerator),
                                "host": dataclasses.asdict(efficiency.host)})
     return doc

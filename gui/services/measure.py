@@ -24,7 +24,7 @@ from PySide6.QtCore import QObject, Signal
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
 
-from hivekeeper.core.machine.measurement import QUICK_TAKES, busy_words
+from hivekeeper.core.machine.measurement import QUICK_TAKES, busy_words, load_now
 
 from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
 
@@ -145,6 +145,7 @@ class FirstMeasure(QObject):
         self.started_at: float | None = None  # when it started (None: not yet, this run of the app)
         self.message = ""  # what the status bar was last told
         self.quick = False  # the quick measurement runs (its progress goes to the status bar)
+        self.heading = MEASURING_QUICK  # what the status bar says while it runs
         measure.progress.connect(self._on_progress)
         measure.measured.connect(self._on_measured)
         measure.failed.connect(self._on_failed)
@@ -155,13 +156,25 @@ class FirstMeasure(QObject):
         return self.started_at is not None and self.measure.running
 
     def maybe_start(self, machine) -> bool:
-        """Start the quick measurement when `machine` (a MachineInfo) was never measured and none ran or runs in
-        this app; True when it started."""
-        if machine.measured_at is not None or self.started_at is not None or self.measure.running:
+        """Start the quick measurement when `machine` (a MachineInfo) was never measured, or was measured busy and
+        the machine is quiet now, and none ran or runs in this app; True when it started. A busy
+        profile while still busy is kept, and the status bar says so."""
+        if self.started_at is not None or self.measure.running:
+            return False
+        cpus = os.cpu_count() or 1
+        busy = machine.measured_at is not None and machine.measured_load > cpus
+        if machine.measured_at is not None and not busy:
+            return False
+        now = load_now()
+        if busy and now > cpus:
+            self._say(f"This machine's profile was measured busy (load {machine.measured_load:.1f} on {cpus} CPUs): "
+                      f"plans may be too slow; it is measured again when the load is at most {cpus}.", 30_000)
             return False
         self.started_at = time.time()
         self.quick = True
-        self._say(MEASURING_QUICK, 0)
+        self.heading = MEASURING_QUICK if not busy else \
+            f"Measuring this machine again, quickly (its profile was measured at load {machine.measured_load:.1f})…"
+        self._say(self.heading, 0)
         self.measure.start(machine.detected, quick=True)
         return True
 
@@ -171,7 +184,7 @@ class FirstMeasure(QObject):
 
     def _on_progress(self, fraction: float, label: str) -> None:
         if self.quick:
-            self._say(f"{MEASURING_QUICK} {label}, {100 * fraction:.0f}%", 0)
+            self._say(f"{self.heading} {label}, {100 * fraction:.0f}%", 0)
 
     def _on_measured(self, doc: dict) -> None:
         if not self.quick:

@@ -1,0 +1,62 @@
+"""A machine profile measured busy (a load above the CPU count while measuring: other programs held the cores, and
+its figures can plan the machine several times too slow) is not silently planned with: through the real
+`hivekeeper plan --hardware auto`, while the machine is still busy the plan uses it and says so; once the load is at
+most the CPU count the next plan measures again (why_measure; HIVEKEEPER_LOAD_AVERAGE pins the load, as
+HIVEKEEPER_CPU_FLAGS pins the CPU). A quiet profile is used without a word."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from hivekeeper.core.cli.plan import why_measure
+from hivekeeper.core.machine.measurement import LOAD_ENV
+from hivekeeper.core.machine.profiles import load_profile, save_profile
+
+CPUS = os.cpu_count() or 1
+
+
+@pytest.fixture
+def profile_at(tmp_path, monkeypatch, suite_machine_profile):
+    """profile_at(load) -> this machine's profile (the suite's fixed figures) as if measured at `load`, in a config
+    folder of its own."""
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path))
+
+    def write(load: float):
+        profile = load_profile(suite_machine_profile)
+        for measurement in profile.measurements:
+            measurement.loadavg = load
+        return save_profile(profile)
+
+    return write
+
+
+def test_a_busy_profile_is_used_with_a_note_while_busy(profile_at, cli, monkeypatch):
+    path = profile_at(CPUS + 2.5)
+    before = path.read_text()
+    monkeypatch.setenv(LOAD_ENV, str(CPUS + 1))  # still busy
+    done = cli("plan", "--model", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--hardware", "auto", "--json")
+    assert done.returncode == 0, done.stderr
+    assert (f"note: this machine's profile was measured busy (at load {CPUS + 2.5:.1f} on {CPUS} CPUs): its figures "
+            f"can be several times too slow; the first plan at a load of at most {CPUS} measures it again") \
+        in done.stderr
+    assert "measuring" not in done.stderr and path.read_text() == before  # planned with it, not measured
+    assert json.loads(done.stdout)["efficiency"].startswith("measured")
+
+
+def test_a_busy_profile_is_measured_again_once_quiet(profile_at, monkeypatch):
+    profile_at(CPUS + 2.5)
+    monkeypatch.setenv(LOAD_ENV, "0.4")
+    why, note = why_measure(profiled=True, measure=True)
+    assert note == "" and why.startswith(f"this machine's profile was measured busy (at load {CPUS + 2.5:.1f} on "
+                                         f"{CPUS} CPUs); the load is 0.4 now: measuring it again quickly")
+    why, note = why_measure(profiled=True, measure=False)  # --no-measure: used, and said
+    assert why == "" and "measured busy" in note
+
+
+def test_a_quiet_profile_is_used_without_a_word(profile_at, monkeypatch):
+    profile_at(CPUS - 0.5)
+    monkeypatch.setenv(LOAD_ENV, "0.4")
+    assert why_measure(profiled=True, measure=True) == ("", "")
