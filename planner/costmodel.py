@@ -920,8 +920,13 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
         work = overlap(work, kernel_rows)
     if not steps_measured(grid.machine):
         return work
-    # the measured steps ran the products too: their FLOPs count only where they outlast the reads
-    return AcceleratorWork(work.bytes_min, work.flops, work.memory_s, np.maximum(0.0, work.compute_s - work.memory_s),
+    # the measured steps ran the products too: their FLOPs count only where they outlast the reads. A micro-batch of
+    # more rows than the kernels take runs block by block on BLAS, as a prefill does, and is priced as one: reads and
+    # FLOPs add (issue 23: 64-row steps of random spans ran at 0.54-0.60 of the prefill passes' rate; the thin and
+    # wide models' batch 64 was predicted 0.68-0.74x of its time in session 12's quiet runs)
+    within = grid.micro_batch <= PACKED_KERNEL_ROWS
+    return AcceleratorWork(work.bytes_min, work.flops, work.memory_s,
+                           np.where(within, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s),
                            work.bound_s)
 
 

@@ -240,7 +240,8 @@ def fp32_block_decode(batch: int, context: float) -> tuple[float, float]:
 def test_measured_cpu_steps_take_the_longer_of_reads_and_flops_not_their_sum(batch):
     """A CPU whose decode rate came from whole measured decode steps (`block_overhead_s` set) overlaps each block's
     reads and FLOPs: its step is max(reads, FLOPs) a block, the FLOPs reported only where they outlast the reads (0
-    at batch 1, memory-bound; their excess at batch 64, compute-bound). Unmeasured, the two add up. The fp32 head
+    at batch 1, memory-bound), up to the kernels' 8 rows; at batch 64 the step runs block by block on BLAS as a
+    prefill does and its reads and FLOPs add up (issue 23), as they do where the steps were not measured. The fp32 head
     (batch rows of the 32000 × 4096 untied head) overlaps too where it runs on the decode kernels (up to 8 rows,
     issue 23: cpu_decode.head_step), and adds its FLOPs at 64 rows (BLAS) and where the steps were not measured."""
     memory, compute = fp32_block_decode(batch, 110.0)
@@ -253,8 +254,9 @@ def test_measured_cpu_steps_take_the_longer_of_reads_and_flops_not_their_sum(bat
     steps = evaluate(MODEL, cpu_machine(measured), policy, Workload(prompt_len=100, output_len=20), cpu_eff)
     assert steps.step_breakdown_s["accelerator memory"] == pytest.approx(32 * memory + head_memory, rel=1e-9)
     assert steps.step_breakdown_s["accelerator compute"] == pytest.approx(
-        32 * max(0.0, compute - memory) + head_beyond, rel=1e-9)
-    assert steps.decode_step_s == pytest.approx(32 * max(memory, compute) + head_memory + head_beyond, rel=1e-9)
+        32 * (max(0.0, compute - memory) if batch <= 8 else compute) + head_beyond, rel=1e-9)
+    blocks = 32 * (max(memory, compute) if batch <= 8 else memory + compute)
+    assert steps.decode_step_s == pytest.approx(blocks + head_memory + head_beyond, rel=1e-9)
     summed = evaluate(MODEL, cpu_machine(), policy, Workload(prompt_len=100, output_len=20), cpu_eff)
     assert summed.decode_step_s == pytest.approx(32 * (memory + compute) + head_memory + head_compute, rel=1e-9)
 
