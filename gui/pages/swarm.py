@@ -215,7 +215,7 @@ class SwarmPage(QWidget):
         self.name_edit = QLineEdit()
         self.name_edit.setPlaceholderText("optional: a name or link shown to the swarm")
         form.addRow("Model", model_row)
-        form.addRow("", self.recommendation_label)
+        form.addRow(self.recommendation_label)  # the whole width: two lines, not three
         form.addRow("Blocks", self.blocks_spin)
         form.addRow("", self.new_swarm_check)
         form.addRow("Join", self.peers_edit)
@@ -321,10 +321,15 @@ class SwarmPage(QWidget):
         self.node_info.setText(f"<table><tr>{cells[0]}{cells[1]}</tr><tr>{cells[2]}{cells[3]}</tr></table>")
 
     def showEvent(self, event) -> None:
-        # word-wrapped labels make the boxes report a height-for-width that is too small: pin the polished height
-        for box in (self.setup_box, self.status_box):
-            box.setMinimumHeight(box.sizeHint().height())
+        self._pin_box_heights()
         super().showEvent(event)
+
+    def _pin_box_heights(self) -> None:
+        """Word-wrapped labels make the boxes report a height-for-width that is too small: pin the polished height
+        (again when a label's text changes its line count, or the box would overlap the one below)."""
+        for box in (self.setup_box, self.status_box):
+            box.setMinimumHeight(0)
+            box.setMinimumHeight(box.sizeHint().height())
 
     # ---- settings --------------------------------------------------------------------------------------------------
     def _load_settings(self) -> None:
@@ -371,6 +376,7 @@ class SwarmPage(QWidget):
                 f"{advertised_estimate(server, measured)}. {note}".strip())
         else:
             self.recommendation_label.setText(note or "No recommendation yet (waiting for the plan).")
+        self._pin_box_heights()
 
     # ---- actions ---------------------------------------------------------------------------------------------------
     def launch(self, model: str | None = None) -> NodeLaunch:

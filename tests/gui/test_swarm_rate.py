@@ -9,6 +9,8 @@ the page shows exactly the figure the node announced, "measured by `serve`", and
 from __future__ import annotations
 
 import pytest
+from PySide6.QtCore import QPoint
+from PySide6.QtWidgets import QGroupBox
 
 from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID
 from hivekeeper.gui.style import fmt_rate
@@ -43,3 +45,19 @@ def test_the_page_shows_the_rate_serve_announces_and_where_it_comes_from(app_win
     finally:
         page.leave_button.click()
         qtbot.waitUntil(lambda: window.node.state == "stopped", timeout=60_000)
+
+
+def test_the_serve_box_holds_its_rate_line_at_1280_by_800(app_window, qtbot):
+    """The rate's line with its source runs to three lines in the form's field column, and the Serve box then ran
+    over the "Models in the swarm" box below (its Join button on that box's title): the line spans the box now."""
+    window = app_window
+    window.resize(1280, 800)
+    qtbot.waitUntil(lambda: not window.detect.running and window.hardware_page.machine is not None, timeout=180_000)
+    window.show_page("Swarm")
+    page = window.swarm_page
+    qtbot.waitUntil(lambda: "requests/s advertised (" in page.recommendation_label.text(), timeout=30_000)
+    qtbot.wait(200)  # the layout settles
+    models = next(box for box in page.findChildren(QGroupBox) if box.title() == "Models in the swarm")
+    serve = page.setup_box.geometry()
+    join_bottom = page.join_button.mapTo(page, QPoint(0, page.join_button.height())).y()
+    assert join_bottom <= serve.bottom() < models.geometry().top(), (join_bottom, serve, models.geometry())
