@@ -559,12 +559,12 @@ def stream_reading(spans: StreamSpans, repeats: int) -> StreamReading:
 
 
 # run_benchmarks reads the decode steps' streaming rate four more times after measure_decode_blocks's reading, spread
-# over the rest of the measurement (after the packed spans, the bf16 step, the disk, and at the end), and the profile
-# keeps their pooled fit (fold_stream_readings). One reading lasts a fraction of a second, and this VM's rate
+# over the rest of the measurement (after the decode steps, the bf16 step, the disk, and last before the packed spans,
+# which take the pooled block cost), and the profile keeps their pooled fit (fold_stream_readings). One reading lasts a fraction of a second, and this VM's rate
 # moved 5.4-12.9 GB/s between readings seconds apart (bench/stream_vs_decode.py, load 2.5-3.8): one is a moment's.
 class StreamRereads:
-    """The later readings of the decode steps' streaming rate during run_benchmarks, on spans of the first's shape
-    built at the first of them and dropped by close()."""
+    """The later readings of the decode steps' streaming rate during run_benchmarks, on measure_decode_blocks's spans
+    (built at the first call of built()) and dropped by pool()."""
 
     def __init__(self, sizes: "BenchmarkSizes"):
         self.sizes, self.spans, self.readings = sizes, None, []
@@ -586,8 +586,13 @@ class StreamRereads:
             torch.set_num_threads(previous_threads)
         return []
 
-    def close(self) -> None:
+    def pool(self, results: list[Measurement]) -> list[Measurement]:
+        """The last reading, then `results` (in place) with the pooled fit of all of them (fold_stream_readings) in
+        place of measure_decode_blocks's, and the spans dropped; no measurement of its own."""
+        self.read()
+        results[:] = fold_stream_readings(results, self.readings, self.built().shapes())
         self.spans = None
+        return []
 
 
 def step_seconds(reading: StreamReading, shape: tuple[int, int]) -> float:
@@ -1143,7 +1148,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     weight streaming, a bf16 decode step against fp32 (with native bf16 math), disk (when a folder is given), GPU
     memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA device is present (and gpu=True),
     and each peer; the decode steps' streaming rate is read again between the later steps and their pooled fit kept
-    (StreamRereads, fold_stream_readings). progress(fraction, label) is called before each step;
+    (StreamRereads, fold_stream_readings), then the packed formats' decode steps (less that pooled block cost, which
+    the planner adds to each block). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
     beyond_cache = 2 * (last_level_cache_bytes() if sizes.cache_bytes is None else sizes.cache_bytes)
@@ -1152,18 +1158,12 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     for dtype in sizes.dtypes:
         steps.append((f"CPU {dtype} matmul", lambda dtype=dtype: _matmul_pair(dtype, torch.device("cpu"), sizes)))
     rereads = StreamRereads(sizes) if "fp32" in sizes.dtypes else None
+    results: list[Measurement] = []
     reread = [("CPU decode streaming, read again", rereads.read)] if rereads is not None else []
     if "fp32" in sizes.dtypes:
         steps.append(("CPU decode steps",
                       lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
                                                     sizes.cache_bytes, sizes.step_repeats, rereads.built())))
-    results: list[Measurement] = []
-    if sizes.packed_hidden is not None:  # after the decode steps, whose fitted fixed cost of a block it takes
-        steps.append(("CPU packed-format decode steps",
-                      lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
-                                                     sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY),
-                                                     sizes.packed_streamed,
-                                                     max(sizes.step_repeats, PACKED_STEP_REPEATS))))
     steps += reread
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
@@ -1187,15 +1187,19 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                                                                                  sizes.repeats)]))
     for peer in peers:
         steps.append((f"peer {peer}", lambda peer=peer: measure_peer(peer, sizes.repeats, sizes.peer_bytes)))
-    steps += reread
+    if rereads is not None:
+        steps.append(("CPU decode streaming, read again", lambda: rereads.pool(results)))
+    if sizes.packed_hidden is not None:  # after the pooled decode steps, whose fitted fixed cost of a block it takes
+        steps.append(("CPU packed-format decode steps",
+                      lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
+                                                     sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY),
+                                                     sizes.packed_streamed,
+                                                     max(sizes.step_repeats, PACKED_STEP_REPEATS))))
     for index, (label, step) in enumerate(steps):
         if should_stop():
             break
         progress(index / len(steps), label)
         results.extend(step())
-    if rereads is not None and rereads.readings:
-        results = fold_stream_readings(results, rereads.readings, rereads.built().shapes())
-        rereads.close()
     progress(1.0, "done")
     return results
 
