@@ -40,11 +40,21 @@ def test_an_empty_prompt_is_exit_2(tiny_checkpoint, prompt, cli):
     assert "--prompt is empty" in one_line(result)
 
 
-def test_max_new_tokens_beyond_the_context_is_capped_and_said(tiny_checkpoint, cli):
+@pytest.fixture(scope="module")
+def short_context_checkpoint(tmp_path_factory):
+    """The tiny demo model with a 96-token context: the capped generation runs the whole context, and the default
+    2048 positions cost the child ~2000 decode steps."""
+    from hivekeeper.core.runtime.demo_model import make_demo_checkpoint
+
+    return make_demo_checkpoint(tmp_path_factory.mktemp("short") / "short-context", max_position=96)
+
+
+def test_max_new_tokens_beyond_the_context_is_capped_and_said(short_context_checkpoint, cli):
     from hivekeeper.core.runtime.checkpoint import load_config
 
-    context = load_config(tiny_checkpoint).max_position_embeddings
-    result = hivekeeper("generate", "--model", str(tiny_checkpoint), "--prompt", "Hello there",
+    context = load_config(short_context_checkpoint).max_position_embeddings
+    assert context == 96
+    result = hivekeeper("generate", "--model", str(short_context_checkpoint), "--prompt", "Hello there",
                         "--max-new-tokens", str(10**12), "--ignore-eos", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -54,7 +64,7 @@ def test_max_new_tokens_beyond_the_context_is_capped_and_said(tiny_checkpoint, c
     capped, said_context, prompt_tokens = map(int, note.groups())
     assert said_context == context and capped == context - prompt_tokens
     assert report["new_tokens"] == capped  # what it said is what it did
-    small = cli("generate", "--model", str(tiny_checkpoint), "--prompt", "Hello", "--max-new-tokens", "3",
+    small = cli("generate", "--model", str(short_context_checkpoint), "--prompt", "Hello", "--max-new-tokens", "3",
                        "--json")
     assert small.returncode == 0 and "capped" not in small.stderr
 
