@@ -281,7 +281,7 @@ class SwarmServer:
         speed, cached = await loop.run_in_executor(None, lambda: get_block_speed(
             self.model_config, cfg.device, cfg.dtype, cfg.quant, checkpoint=here,
             force_measure=cfg.throughput == "eval", log=logger.info))
-        self.speed_source = speed.source_words() if cached else f"measured now (load {speed.loadavg:.1f})"
+        self.speed_source = speed.source_words(now=not cached)
         return speed
 
     async def _choose_blocks(self, exclude_self: bool = False) -> range:

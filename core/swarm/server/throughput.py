@@ -53,11 +53,12 @@ class BlockSpeed:
         """Measured while other programs held the cores (load above the CPU count): a slow moment's figure."""
         return self.loadavg > self.cpus
 
-    def source_words(self) -> str:
-        """'measured by `serve` on 2 Dec 07:41 (load 1.2)': where an advertised figure comes from."""
-        when = time.strftime("%d %b %H:%M", time.localtime(self.measured_at))
+    def source_words(self, now: bool = False) -> str:
+        """'measured by `serve` on 02 Dec 07:41 (load 1.2)', or with now=True 'measured now (load 3.5, busy: 2
+        CPUs)': where an advertised figure comes from."""
+        when = "now" if now else f"by `serve` on {time.strftime('%d %b %H:%M', time.localtime(self.measured_at))}"
         busy = f", busy: {self.cpus} CPUs" if self.busy else ""
-        return f"measured by `serve` on {when} (load {self.loadavg:.1f}{busy})"
+        return f"measured {when} (load {self.loadavg:.1f}{busy})"
 
 
 def span_throughput(speed: BlockSpeed, num_blocks: int, network_rps: float | None, using_relay: bool = False) -> float:

@@ -7,6 +7,7 @@ while the machine was busy (load above the CPU count) is not advertised again: t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -34,6 +35,8 @@ def test_the_served_block_is_timed_and_kept_under_its_format(tmp_path, monkeypat
     assert cached_block_speed(config, "cpu", "q4_1 packed") == speed  # what the app's Swarm page reads
     assert cached_block_speed(config, "cpu", "fp32") is None  # an fp32 span is another figure
     assert speed.cpus >= 1 and speed.loadavg >= 0 and speed.source_words().startswith("measured by `serve` on ")
+    busy = dataclasses.replace(speed, loadavg=speed.cpus + 1.5)  # serve's online line says a busy timing is one
+    assert busy.source_words(now=True) == f"measured now (load {speed.cpus + 1.5:.1f}, busy: {speed.cpus} CPUs)"
 
     # a busy timing (as one at load 99 would be recorded) is measured again at the next start, and says why
     data = json.loads(cache_path().read_text())
