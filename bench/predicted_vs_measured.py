@@ -14,8 +14,8 @@ measurement found (GB/s min / median / max over the runs, `host_stream_gbps`, an
 range). A miss with a wide host spread says the machine moved; with a narrow one, the model.
 
 Each run also predicts from a reading taken right before its decode (a child that reads the decode steps' streaming
-rate once on the quick measurement's spans and plans with it in place of the profile's: `now`, with its own median
-ratio): the profile's prediction is what a user gets; the one from the reading is the cost model's own error, apart
+rate five times in a row on the quick measurement's spans, pools them as the quick measurement pools its own, and
+plans with that in place of the profile's: `now`, with its own median ratio): the profile's prediction is what a user gets; the one from the reading is the cost model's own error, apart
 from the host's move between the measurement and the decode.
 
 The default model is planned and run as `generate` runs it: its Q4_1 blocks kept packed (the plan's format q4_1).
@@ -47,6 +47,7 @@ import tempfile
 from _common import demo_preset  # bench/ is the script's folder, first on sys.path
 
 GOAL = 0.15
+NOW_READINGS = 5  # streaming readings in a row right before each decode (reading_now), pooled
 CHILD_DEADLINE_S = 600
 
 
@@ -92,8 +93,8 @@ def child_json(command: list[str], env: dict | None) -> dict:
 
 def quick_measurement(config: str) -> dict:
     """What the run's automatic quick measurement saved in its config folder: the decode steps' RAM rate (GB/s, the
-    median of the readings spread over the measurement) with every reading, the fixed cost of a block (ms), the fp32 prefill rate (GFLOP/s),
-    the packed kernels' rates (G weights/s; in cache, streamed, prefill)."""
+    pooled fit of the readings spread over the measurement) with every reading's, the fixed cost of a block (ms), the
+    fp32 prefill rate (GFLOP/s), the packed kernels' rates (G weights/s; in cache, streamed, prefill)."""
     from pathlib import Path
 
     from hivekeeper.core.machine.measurement import HALF_DECODE_KEY
@@ -117,11 +118,12 @@ def quick_measurement(config: str) -> dict:
 
 def reading_now(model: str, prompt_len: int, new_tokens: int) -> dict:
     """The decode prediction for `model` from the saved profile with the decode steps' streaming rate and a block's
-    fixed cost read now (one reading, measure.stream_reading, on the quick measurement's spans) in place of the
-    profile's: what the plan would have said had it been measured right before the decode."""
+    fixed cost read now (NOW_READINGS readings in a row on the quick measurement's spans, pooled as it pools its own:
+    one reading's fit reads high, its noise in the denominator) in place of the profile's: what the plan would have
+    said had it been measured right before the decode."""
     import dataclasses
 
-    from hivekeeper.core.machine.measure import QUICK, StreamSpans, stream_reading
+    from hivekeeper.core.machine.measure import QUICK, StreamSpans, pooled_reading, stream_reading
     from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, WEIGHT_STREAM_KEY
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.profiles import load_machine_profile
@@ -132,8 +134,9 @@ def reading_now(model: str, prompt_len: int, new_tokens: int) -> dict:
     detected = detect_hardware()
     profile = load_machine_profile(detected)
     use_blas_threads()
-    reading = stream_reading(StreamSpans.make(QUICK.stream_hidden, QUICK.stream_bytes),
-                             max(QUICK.repeats, QUICK.step_repeats))
+    spans = StreamSpans.make(QUICK.stream_hidden, QUICK.stream_bytes)
+    repeats = max(QUICK.repeats, QUICK.step_repeats)
+    reading = pooled_reading([stream_reading(spans, repeats) for _ in range(NOW_READINGS)], spans.shapes())
     now = {WEIGHT_STREAM_KEY: reading.bandwidth, BLOCK_OVERHEAD_KEY: reading.per_block}
     profile.measurements = [dataclasses.replace(m, value=now.get(m.key, m.value)) for m in profile.measurements]
     hardware = profile.hardware(detected)
