@@ -113,17 +113,17 @@ def measured_block_speed(model: str, server: ServerPlan) -> BlockSpeed | None:
     return cached_block_speed(load_model_spec(model), "cuda" if server.tier == "gpu" else "cpu", fmt)
 
 
-def advertised_estimate(server: ServerPlan, measured: BlockSpeed | None) -> str:
-    """'about 523 requests/s advertised (measured by `serve` on ...)': Petals' advertised throughput for the span,
-    from one definition (planner.swarm.span_throughput over a block's forward_rps), as Join's `serve` announces it
-    (no --network-mbps: compute only); the block's rate measured by serve where it has timed such a block here,
-    else the planner's estimate from this machine's profile."""
+def advertised_estimate(server: ServerPlan, measured: BlockSpeed | None, blocks: int) -> str:
+    """'about 523 requests/s advertised (measured by `serve` on ...)': Petals' advertised throughput for a span of
+    `blocks` blocks, from one definition (planner.swarm.span_throughput over a block's forward_rps), as Join's
+    `serve` announces it (no --network-mbps: compute only); the block's rate measured by serve where it has timed
+    such a block here, else the planner's estimate from this machine's profile."""
     if measured is not None:
         forward, source = measured.forward_rps, measured.source_words()
     else:
         forward, source = server.forward_rps, "estimated from this machine's profile; `serve` measures a block " \
                                               "when it starts"
-    return f"about {fmt_rate(span_throughput(forward, server.num_blocks, None))} requests/s advertised ({source})"
+    return f"about {fmt_rate(span_throughput(forward, blocks, None))} requests/s advertised ({source})"
 
 
 class SwarmPage(QWidget):
@@ -371,9 +371,11 @@ class SwarmPage(QWidget):
         there is one, else the planner's estimate, saying which."""
         self.recommendation = server
         if server is not None and server.num_blocks:
+            blocks = self.settings.num_blocks or server.num_blocks  # what Join serves: Blocks, else the plan's
+            chosen = "," if blocks == server.num_blocks else f"; with the {blocks} set below,"
             self.recommendation_label.setText(
-                f"The plan for this machine: {server.span_words()}, "
-                f"{advertised_estimate(server, measured)}. {note}".strip())
+                f"The plan for this machine: {server.span_words()}{chosen} "
+                f"{advertised_estimate(server, measured, blocks)}. {note}".strip())
         else:
             self.recommendation_label.setText(note or "No recommendation yet (waiting for the plan).")
         self._pin_box_heights()
