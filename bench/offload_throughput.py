@@ -12,8 +12,9 @@ max_memory at each of --hf-max-memory (fractions of the budget; 0 puts every mod
     python bench/offload_throughput.py --hf-dtypes float32        # the paired run of docs/performance.md
 
 Ours runs at the planner's batch as it is (no cap unless --max-batch gives one, and never halved: `generate` must
-place it within the budget) in the dtype the planner's policy computes in here (bf16 on a CPU whose 16-bit choice is
-bf16, else fp32). The planner sees this machine with its saved profile, as `plan` and `generate` do; without one the
+place it within the budget) in the dtype the planner's policy computes in here: on a CPU with native bf16 math (AMX,
+AVX512-BF16) a batch plan whose micro-batches multiply more rows than the native decode kernels take is bf16 (the
+rows rule, planner/costmodel.bf16_by_rows, which `generate` follows too), else fp32. The planner sees this machine with its saved profile, as `plan` and `generate` do; without one the
 quick measurement runs first and saves it (set HIVEKEEPER_CONFIG_DIR to a fresh folder to measure right before the
 run). `predicted_vs_measured_tokens_per_s` puts the plan's predicted throughput beside the measured one, and
 `machine_profile` says what the prediction was made from. Accelerate runs in that dtype and in fp32 (--hf-dtypes),
