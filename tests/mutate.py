@@ -132,6 +132,7 @@ def prepare(name: str, shared: dict, scope: dict) -> Path:
         copy_tree(ROOT / package, folder / "src" / "hivekeeper" / package)
     copy_tree(ROOT / "tests", folder / "tests")
     (folder / "pyproject.toml").write_text(pyproject_for(shared, scope))
+    forget_stats_of_other_tests(folder, shared, scope)
     for file in scope["files"]:
         copy = folder / "src" / "hivekeeper" / file
         if "functions" in scope:
@@ -144,6 +145,18 @@ def prepare(name: str, shared: dict, scope: dict) -> Path:
             if path.is_file() and path.suffix not in (".py", ".meta", ".spans"):
                 path.unlink()
     return folder
+
+
+def forget_stats_of_other_tests(folder: Path, shared: dict, scope: dict) -> None:
+    """Drop mutmut's recorded test runs (mutants/mutmut-stats.json) where the scope's tests or pytest arguments
+    changed since they were recorded (build/mutate/<scope>/tests.json). With them, mutmut would see its settings
+    changed and reset every verdict (session 13: 2193 costmodel verdicts lost to two added test files); without them
+    it collects the tests' runs again, as in a fresh clone, and keeps each verdict whose function is unchanged."""
+    tests = json.dumps({"args": shared.get("pytest_add_cli_args", []), "tests": scope["tests"]})
+    record, stats = folder / "tests.json", folder / "mutants" / "mutmut-stats.json"
+    if stats.is_file() and (not record.is_file() or record.read_text() != tests):
+        stats.unlink()
+    record.write_text(tests)
 
 
 def save_verdicts(name: str, folder: Path) -> None:

@@ -129,3 +129,27 @@ def test_a_survivors_run_tests_the_survivors_and_the_changed_functions_mutants_i
     clamp = [name for name in named if "x_clamp__mutmut_" in name]
     assert len(clamp) > 3 and len(named) == len(clamp) + 1
     assert json.loads(capsys.readouterr().out.splitlines()[-1]).get("survived", 0) == 0
+
+
+def test_a_changed_test_list_drops_mutmuts_recorded_test_runs_not_the_verdicts(mutate, capsys):
+    """mutmut resets every verdict when its test selection changed since its recorded test runs (mutmut-stats.json):
+    a warm scope folder whose tests changed loses those runs instead (mutmut collects them again, as in a fresh
+    clone) and keeps its verdicts; with the same tests a warm run keeps them."""
+    fresh_clone_run(mutate, capsys)
+    folder = mutate.WORK / "toy"
+    stats, meta = folder / "mutants" / "mutmut-stats.json", folder / "mutants" / "src/hivekeeper/planner/toy.py.meta"
+    stats.write_text("{}")
+    verdicts = meta.read_text()
+    shared, scopes = mutate.settings()
+    mutate.prepare("toy", shared, scopes["toy"])
+    assert stats.is_file(), "the same tests dropped mutmut's recorded runs"
+    pyproject = mutate.ROOT / "pyproject.toml"
+    pyproject.write_text(PYPROJECT.replace('"tests/test_toy.py"]', '"tests/test_toy.py", "tests/test_more.py"]'))
+    shared, scopes = mutate.settings()
+    mutate.prepare("toy", shared, scopes["toy"])
+    assert not stats.exists() and meta.read_text() == verdicts
+    stats.write_text("{}")
+    pyproject.write_text(pyproject.read_text().replace("pytest_add_cli_args = []", 'pytest_add_cli_args = ["-x"]'))
+    shared, scopes = mutate.settings()
+    mutate.prepare("toy", shared, scopes["toy"])
+    assert not stats.exists(), "changed pytest arguments kept mutmut's recorded runs"
