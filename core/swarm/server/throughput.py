@@ -13,8 +13,9 @@ the way `load_span` loads the span (real weights: speed depends on shapes and fo
 whose weights are not here yet (a hub model, fetched once the span is chosen) gets a random block of its shapes.
 
 The cache (`swarm_throughput.json` in the user's cache folder) is keyed by the block's shapes, the device type and
-the served format, and each entry records when it was measured and at what load, so that the app's Swarm page
-shows the same figure `serve` advertises and says where it comes from (`cached_block_speed`, torch-free).
+the served format, and each entry records when it was measured and at what load (a busy one is used, and said so:
+`--throughput eval` measures again), so that the app's Swarm page shows the same figure `serve` advertises and says
+where it comes from (`cached_block_speed`, torch-free).
 """
 
 from __future__ import annotations
@@ -133,21 +134,22 @@ def cached_block_speed(config, device_type: str, fmt: str) -> BlockSpeed | None:
 
 
 def get_block_speed(config, device, dtype, quant: str = "none", *, checkpoint: str | Path | None = None,
-                    force_measure: bool = False, remeasure_busy: bool = True,
-                    log=None) -> tuple[BlockSpeed, bool]:
-    """(speed, from_cache): the cached measurement for this block shape / device / served format, or a new one.
-    checkpoint: where the block's weights are (None: not here yet, a random block is timed). A cached figure
-    measured busy is measured again (remeasure_busy), since it would advertise a slow moment."""
+                    force_measure: bool = False, log=None) -> tuple[BlockSpeed, bool]:
+    """(speed, from_cache): the cached measurement for this block shape / device / served format, or a new one
+    (force_measure: `--throughput eval`). checkpoint: where the block's weights are (None: not here yet, a random
+    block is timed). A cached figure measured busy is used as it is (servers of one machine then advertise alike);
+    its source words say it was busy, and `log` says how to measure again."""
     import torch
 
     device = torch.device(device)
     fmt = served_format(checkpoint, device, dtype, quant)
     cached = None if force_measure else cached_block_speed(config, device.type, fmt)
-    if cached is not None and not (remeasure_busy and cached.busy):
+    if cached is not None:
+        if log and cached.busy:
+            log(f"the block throughput advertised was {cached.source_words()}: `--throughput eval` measures again")
         return cached, True
     if log:
-        again = f"again: the last one ran busy, {cached.source_words()}" if cached is not None else ""
-        log(f"measuring block throughput {again or 'once'} on {device_name(device)} ({fmt})...")
+        log(f"measuring block throughput on {device_name(device)} ({fmt})...")
     speed = measure_block_speed(served_span(checkpoint, config, device, dtype, quant), device)
     path = cache_path()
     data = _read_cache(path)  # re-read: another server may have written meanwhile

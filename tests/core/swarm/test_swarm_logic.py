@@ -162,7 +162,7 @@ def test_block_speed_is_measured_once_then_cached(tmp_path, monkeypatch, tiny_ch
     config = load_config(tiny_checkpoint)
     speed, cached = get_block_speed(config, "cpu", torch.float32)
     assert not cached and speed.inference_rps > 0 and speed.forward_rps > 0
-    again, cached = get_block_speed(config, "cpu", torch.float32, remeasure_busy=False)  # whatever the load was
+    again, cached = get_block_speed(config, "cpu", torch.float32)
     assert cached and again == speed
     assert (tmp_path / "hivekeeper" / "swarm_throughput.json").is_file()
     # Petals' formula: compute over the average blocks a request uses, capped by the network
