@@ -28,8 +28,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hivekeeper.planner.costmodel import (Placement, Policy, Workload, candidate_arrays, evaluate, format_traits, lm_head,
-                                          machine_view, model_numbers, policy_columns, solve_weight_placement)
+from hivekeeper.planner.costmodel import (PACKED_KERNEL_ROWS, Placement, Policy, Workload, candidate_arrays, evaluate,
+                                          format_traits, lm_head, machine_view, model_numbers, policy_columns,
+                                          solve_weight_placement)
 from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency
 from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.models import ModelSpec
@@ -404,3 +405,20 @@ def test_the_largest_matrix_is_the_fused_qkv_or_an_mlp_matrix_whichever_is_large
     grouped = dataclasses.replace(MODEL, num_kv_heads=8, intermediate_size=14336)
     assert model_numbers(MODEL).largest_matrix_params == 3 * 4096 * 4096
     assert model_numbers(grouped).largest_matrix_params == 14336 * 4096
+
+
+# ---- session 13: the survivors in the functions issues 22 and 23 changed --------------------------------------------
+@pytest.mark.parametrize("batch", [PACKED_KERNEL_ROWS, PACKED_KERNEL_ROWS + 1])
+def test_the_kernels_eighth_row_still_overlaps_reads_and_flops_the_ninth_adds_them(batch):
+    """On measured steps the block's and the fp32 head's reads and FLOPs overlap up to the kernels' 8 rows (both
+    memory-bound at 8 rows here: no FLOPs beyond the reads) and add from 9 rows on (BLAS, as a prefill)."""
+    memory, compute = fp32_block_decode(batch, 110.0)
+    head_memory, head_compute = 32000 * 4096 * 4 / (CPU_BPS * 0.5), batch * HEAD_FLOPS / (1e12 * 0.25)
+    assert memory > compute and head_memory > head_compute  # 4 bytes against 2 x rows FLOPs a weight, 80:250 rate
+    measured = DecodeStreaming(bandwidth_fraction=0.5, small_row_reads=1.0, matmul_start_s=0.0, block_overhead_s=1e-4)
+    policy = Policy("fp32", micro_batch_size=batch, **ON_CPU)
+    pred = evaluate(MODEL, cpu_machine(measured), policy, Workload(prompt_len=100, output_len=20),
+                    MachineEfficiency(CPU_EFF, CPU_EFF))
+    beyond = 0.0 if batch <= 8 else 32 * compute + head_compute
+    assert pred.step_breakdown_s["accelerator compute"] == pytest.approx(beyond, rel=1e-9, abs=1e-12)
+    assert pred.decode_step_s == pytest.approx(32 * memory + head_memory + beyond, rel=1e-9)
