@@ -422,3 +422,26 @@ def test_the_kernels_eighth_row_still_overlaps_reads_and_flops_the_ninth_adds_th
     beyond = 0.0 if batch <= 8 else 32 * compute + head_compute
     assert pred.step_breakdown_s["accelerator compute"] == pytest.approx(beyond, rel=1e-9, abs=1e-12)
     assert pred.decode_step_s == pytest.approx(32 * memory + head_memory + beyond, rel=1e-9)
+
+
+def test_fp16_on_a_cpu_with_native_bf16_is_converted_to_fp32_and_multiplied_at_fp32s_rate():
+    """A CPU's FLOP/s table listing fp32 and bf16 (5x) but not fp16: an fp16 plan is converted to fp32 first and runs
+    at fp32's 1e11, not at the other 16-bit format's rate (ComputeDevice.peak_flops' fallback for a missing 16-bit
+    entry); bf16 runs at its own 5e11."""
+    machine = machine_view(cpu_machine(flops={"fp32": 1e11, "bf16": 5e11}))
+    assert format_traits(machine, "fp16").peak_flops == 1e11
+    assert format_traits(machine, "bf16").peak_flops == 5e11
+
+
+def test_a_step_written_out_term_by_term_takes_the_efficiency_it_is_given_else_the_machines_default():
+    """decode_step_terms with a 2 ms fixed cost a block: the 7B's 32 blocks pay 64 ms; without an efficiency it
+    prices the step as with the machine's default one."""
+    from hivekeeper.planner.costmodel import decode_step_terms
+    from hivekeeper.planner.efficiency import default_efficiency
+
+    hardware, policy, workload = cpu_machine(), Policy("fp32", **ON_CPU), Workload(prompt_len=100, output_len=20)
+    slow_blocks = dataclasses.replace(CPU_EFF, layer_overhead_s=2e-3)
+    terms = decode_step_terms(MODEL, hardware, policy, workload, MachineEfficiency(slow_blocks, slow_blocks))
+    assert terms["blocks_fixed_s"] == pytest.approx(32 * 2e-3, rel=1e-12)
+    assert decode_step_terms(MODEL, hardware, policy, workload) == decode_step_terms(
+        MODEL, hardware, policy, workload, default_efficiency(hardware))
