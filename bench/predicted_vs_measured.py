@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import demo_preset  # bench/ is the script's folder, first on sys.path
+from _common import demo_preset, timed_parts  # bench/ is the script's folder, first on sys.path
 
 GOAL = 0.15
 NOW_READINGS = 5  # streaming readings in a row right before each decode (reading_now), pooled
@@ -150,8 +150,6 @@ def step_parts(model: str, prompt_len: int, new_tokens: int) -> dict:
     """Median milliseconds per decode step of one generation as `generate` runs it (its thread layout, the plan
     for this machine): the blocks (the span's call), the LM head, and the rest of the step (embedding, sampling,
     the loop), with the step itself."""
-    import time
-
     from hivekeeper.core.cli.generate import set_threads
     from hivekeeper.core.offload.local_plan import plan_local_run
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
@@ -164,22 +162,7 @@ def step_parts(model: str, prompt_len: int, new_tokens: int) -> dict:
     _, plan = plan_local_run("auto", path, config, batch=1, prompt_len=prompt_len, max_new_tokens=new_tokens,
                              max_length=prompt_len + new_tokens)
     runner = OffloadedModel(path, plan)
-    times: dict[str, list[float]] = {"blocks": [], "head": []}
-
-    class Timed:  # the runner's part, timed at each call
-        def __init__(self, name: str, part):
-            self.name, self.part = name, part
-
-        def __call__(self, *args, **kwargs):
-            started = time.perf_counter()
-            out = self.part(*args, **kwargs)
-            times[self.name].append(time.perf_counter() - started)
-            return out
-
-        def __getattr__(self, attribute):
-            return getattr(self.part, attribute)
-
-    runner.span, runner.head = Timed("blocks", runner.span), Timed("head", runner.head)
+    times = timed_parts(runner)
     prompt = [1] + [(7 * i) % (config.vocab_size - 10) + 10 for i in range(prompt_len - 1)]
     result = generate(runner, prompt, max_new_tokens=new_tokens, ignore_eos=True)
     blocks, head = (statistics.median(times[name][1:]) * 1e3 for name in ("blocks", "head"))  # [0]: the prefill

@@ -31,7 +31,7 @@ import os
 import statistics
 import tempfile
 
-from _common import demo_preset, fixed_prompt  # bench/ is the script's folder, first on sys.path
+from _common import demo_preset, fixed_prompt, timed_parts  # bench/ is the script's folder, first on sys.path
 
 POOLED = 5  # readings pooled as the quick measurement pools them (measure.pooled_reading): this one and the 4 before
 
@@ -41,29 +41,6 @@ def spread(values: list[float]) -> dict:
     middle = statistics.median(values)
     return {"min": round(min(values), 3), "median": round(middle, 3), "max": round(max(values), 3),
             "spread": round((max(values) - min(values)) / middle, 3) if middle else None}
-
-
-def timed_parts(runner) -> dict[str, list[float]]:
-    """Seconds of each call of the runner's blocks (its span) and LM head, appended as they run."""
-    import time
-
-    times: dict[str, list[float]] = {"blocks": [], "head": []}
-
-    class Timed:
-        def __init__(self, name: str, part):
-            self.name, self.part = name, part
-
-        def __call__(self, *args, **kwargs):
-            started = time.perf_counter()
-            out = self.part(*args, **kwargs)
-            times[self.name].append(time.perf_counter() - started)
-            return out
-
-        def __getattr__(self, attribute):
-            return getattr(self.part, attribute)
-
-    runner.span, runner.head = Timed("blocks", runner.span), Timed("head", runner.head)
-    return times
 
 
 def main() -> None:
