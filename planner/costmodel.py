@@ -507,8 +507,7 @@ def sixteen_bit_format(model: ModelSpec, machine: Machine) -> str:
 
 def cpu_native_bf16_only(cpu: ComputeDevice) -> bool:
     """Whether a CPU lists bf16 at or above its fp32 rate (native bf16 math) and fp16 at none (no native fp16)."""
-    fp32 = cpu.flops.get("fp32", 0.0)
-    return "fp16" not in cpu.flops and cpu.flops.get("bf16", 0.0) >= fp32 > 0
+    return "fp16" not in cpu.flops and cpu_native_bf16(cpu)
 
 
 # On a CPU the engine runs a prefill chunk in parts of whole micro-batches of at least this many token rows (a CPU
