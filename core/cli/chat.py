@@ -4,6 +4,11 @@ Lines typed are user turns; replies stream token by token, then a line with the 
 reply (the chat goes on; at the prompt it only reminds how to leave). /reset forgets the conversation (the system
 prompt stays), /exit or end of input quits. --history FILE keeps the conversation in a JSON file across runs.
 
+Lines are read by _Keyboard, not sys.stdin.readline(): a Ctrl-C that lands after the prompt is written but before the
+read begins (or that another thread takes) only flags Python's handler, the read is not interrupted, and the reminder
+waited for the next line typed. _Keyboard waits with select() on stdin and on a signal wakeup pipe, so the handler
+runs at once wherever the signal landed.
+
 The conversation's KV cache is kept between turns (generation.PromptCache): a turn prefills only the tokens after
 what the cache already holds, so the first token comes as fast in a long conversation as in a short one.
 """
@@ -11,6 +16,8 @@ what the cache already holds, so the first token comes as fast in a long convers
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import signal
 import sys
 import threading
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     chat = _open_chat(args, ram_budget, sampling, history)
     previous_handler = signal.signal(signal.SIGINT, chat.on_interrupt)
     try:
-        return chat.converse()
+        with _Keyboard(sys.stdin) as keyboard:
+            return chat.converse(keyboard)
     finally:
         signal.signal(signal.SIGINT, previous_handler)
         chat.close()
@@ -92,9 +100,65 @@ def _open_chat(args: argparse.Namespace, ram_budget: float | None, sampling, his
     return _Chat(args, runner, tokenizer, history, sampling, context)
 
 
+class _Keyboard:
+    """The lines typed, waited for so that a Ctrl-C always ends the wait at once: select() on stdin and on a signal
+    wakeup pipe (signal.set_wakeup_fd: Python's C-level handler writes to it however early the signal came and on
+    whichever thread, so select() returns and the Python handler runs next), then stdin's descriptor read raw into
+    this buffer (a TextIOWrapper may hold lines select() cannot see). A stdin without a descriptor (a StringIO) is
+    read with its own readline(), uninterruptibly."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        try:
+            self.fd: int | None = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+            self.fd = None
+        self.buffer = b""
+        self.ended = False  # the end of input was read
+        self.wakeup: tuple[int, int] | None = None  # the signal wakeup pipe's (read end, write end)
+        self.previous_wakeup = -1
+
+    def __enter__(self) -> _Keyboard:
+        if self.fd is not None:
+            self.wakeup = os.pipe()
+            for end in self.wakeup:
+                os.set_blocking(end, False)
+            self.previous_wakeup = signal.set_wakeup_fd(self.wakeup[1], warn_on_full_buffer=False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.wakeup is not None:
+            signal.set_wakeup_fd(self.previous_wakeup)
+            for end in self.wakeup:
+                os.close(end)
+            self.wakeup = None
+
+    def readline(self, interrupted: threading.Event) -> str | None:
+        """The next line ("" at the end of input), or None as soon as `interrupted` is set (by a signal handler)."""
+        if self.fd is None:
+            return self.stream.readline()
+        while b"\n" not in self.buffer and not self.ended:
+            if interrupted.is_set():
+                return None
+            self._wait()
+        line, newline, self.buffer = self.buffer.partition(b"\n")
+        return (line + newline).decode(getattr(self.stream, "encoding", None) or "utf-8",
+                                       getattr(self.stream, "errors", None) or "strict")
+
+    def _wait(self) -> None:
+        """Until stdin or the wakeup pipe can be read; what stdin holds goes into the buffer."""
+        readable, _, _ = select.select([self.fd, self.wakeup[0]], [], [])
+        if self.wakeup[0] in readable:
+            os.read(self.wakeup[0], 4096)  # the signals' bytes: the handlers run in the caller's loop
+        if self.fd in readable:
+            data = os.read(self.fd, 65536)
+            self.buffer += data
+            self.ended = not data
+
+
 class _Chat:
     """A conversation in the terminal: the model, the history and the KV cache kept between turns, and what Ctrl-C
-    means (at the prompt: interrupt the read; during a reply: stop it)."""
+    means (at the prompt: end the wait for a line; during a reply: stop it)."""
 
     def __init__(self, args: argparse.Namespace, runner, tokenizer, history: ChatHistory, sampling, context: int):
         from hivekeeper.core.runtime.generation import conversation_cache
@@ -106,25 +170,21 @@ class _Chat:
         self.sampling = sampling
         self.prompt_tokens = context - args.max_new_tokens  # the most a prompt may hold
         self.prompt_cache = conversation_cache(context, swarm=args.swarm)
-        self.stop = threading.Event()
-        self.waiting_for_input = False
+        self.stop = threading.Event()  # Ctrl-C was pressed: cleared as a reply starts and as the prompt shows
 
     def on_interrupt(self, signum, frame) -> None:
-        # Ctrl-C: at the prompt, interrupt the read (a reminder is shown); otherwise stop the reply, if one is
-        # running — never end the chat, however fast the presses come: the read is interrupted once (the flag is
-        # cleared before raising), so a second press landing in _read_line's except clause cannot escape it
+        # Ctrl-C: stop the reply being written, or at the prompt end the wait for a line (a reminder is shown); never
+        # end the chat. Nothing is raised, so no press, however fast the presses come or wherever one lands, can
+        # escape a handler or lose text typed
         self.stop.set()
-        if self.waiting_for_input:
-            self.waiting_for_input = False
-            raise KeyboardInterrupt
 
-    def converse(self) -> int:
-        """Turns until /exit or the end of input: the exit status."""
+    def converse(self, keyboard: _Keyboard) -> int:
+        """Turns, read from `keyboard`, until /exit or the end of input: the exit status."""
         _say(f"Chatting with {self.args.model} ({self.runner.description}). {HELP}.")
         if self.runner.is_demo:
             _say("Note: this is a demo checkpoint with RANDOM weights: its replies are gibberish.")
         while True:
-            line = self._read_line()
+            line = self._read_line(keyboard)
             if line is None:
                 _say(f"\n({HELP}; Ctrl-D also quits)")
             elif not line:  # end of input
@@ -133,16 +193,11 @@ class _Chat:
             elif self._handle(line.rstrip("\n")):
                 return 0
 
-    def _read_line(self) -> str | None:
-        """The line typed ("" at the end of input), or None when Ctrl-C interrupted the read."""
-        try:
-            self.waiting_for_input = True  # before the prompt shows: a Ctrl-C right after it must interrupt the read
-            _say(USER_PROMPT, end="")
-            return sys.stdin.readline()
-        except KeyboardInterrupt:
-            return None
-        finally:
-            self.waiting_for_input = False
+    def _read_line(self, keyboard: _Keyboard) -> str | None:
+        """The line typed ("" at the end of input), or None when Ctrl-C ended the wait for it."""
+        self.stop.clear()  # before the prompt shows: a Ctrl-C right after it must end the wait
+        _say(USER_PROMPT, end="")
+        return keyboard.readline(self.stop)
 
     def _handle(self, text: str) -> bool:
         """A command or a user turn; True to quit."""

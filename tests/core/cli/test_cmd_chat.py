@@ -1,5 +1,6 @@
 """`hivekeeper chat` driven as a real subprocess over stdin/stdout: turns with streamed replies and tokens/s,
-/reset, /exit, a saved history, and Ctrl-C (SIGINT) stopping a reply without ending the chat."""
+/reset, /exit, a saved history, and Ctrl-C (SIGINT) stopping a reply without ending the chat; in the test process,
+a Ctrl-C at the prompt that only raises Python's signal flag still ends the wait for a line."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -127,6 +129,66 @@ def test_ctrl_c_stops_a_reply_but_not_the_chat(long_context_model):
         assert chat.close() == 0
     finally:
         chat.close()
+
+
+class Terminal(io.StringIO):
+    """The chat's stdout in the test process: what was written, and an event per text awaited."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+        self.awaited: dict[str, threading.Event] = {}
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            written = super().write(text)
+            for pattern, shown in self.awaited.items():
+                if pattern in self.getvalue():
+                    shown.set()
+            return written
+
+    def shown(self, pattern: str) -> threading.Event:
+        with self.lock:
+            event = self.awaited.setdefault(pattern, threading.Event())
+            if pattern in self.getvalue():
+                event.set()
+            return event
+
+
+def test_ctrl_c_at_the_prompt_ends_the_wait_even_when_only_its_flag_was_raised(tiny_checkpoint, monkeypatch):
+    """A Ctrl-C that only raises Python's signal flag, without interrupting the read (one landing just before the read
+    began, or one another thread takes: here sent to another thread), still ends the wait for a line at once: the
+    reminder shows with nothing typed, and what is typed next is not lost. sys.stdin.readline() waited for a line."""
+    from hivekeeper.core.cli.main import main
+
+    handler, wakeup = signal.getsignal(signal.SIGINT), signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    read_end, write_end = os.pipe()
+    terminal = Terminal()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(sys, "stdin", os.fdopen(read_end, "r"))
+    monkeypatch.setattr(sys, "stdout", terminal)
+    seen = {}
+
+    def user() -> None:
+        with os.fdopen(write_end, "w") as keys:
+            seen["prompt"] = terminal.shown("you> ").wait(120)
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # Python's C handler runs on this thread
+            seen["reminder"] = terminal.shown("Ctrl-D also quits").wait(60)  # nothing typed yet
+            keys.write("/nonsense\n")
+            keys.flush()
+            seen["line"] = terminal.shown("unknown command /nonsense").wait(60)
+
+    typing = threading.Thread(target=user)
+    typing.start()
+    try:
+        assert main(["chat", "--model", str(tiny_checkpoint), "--max-new-tokens", "4"]) == 0  # end of input quits
+    finally:
+        typing.join(200)
+        sys.stdin.close()
+    assert seen == {"prompt": True, "reminder": True, "line": True}, terminal.getvalue()
+    assert signal.getsignal(signal.SIGINT) is handler  # the chat's handler was taken off
+    assert signal.set_wakeup_fd(wakeup) == wakeup  # and its wakeup pipe
 
 
 def test_missing_chat_template_fails_before_loading(tiny_checkpoint, tmp_path, capsys, monkeypatch):
