@@ -1129,6 +1129,37 @@ def decode_step_terms(model: ModelSpec, hardware: HardwareSpec, policy: Policy, 
     return {name: float(np.asarray(value).ravel()[0]) for name, value in terms.items()}
 
 
+def pass_terms(grid: CandidateArrays, block: BlockPass, head: AcceleratorWork) -> dict[str, float]:
+    """One pass (a prefill, or a decode step) term by term, in seconds: the blocks' reads, FLOPs and fixed costs
+    (their chain), CPU attention, the disk and host-link transfers, the blocks' time with the transfers overlapped as
+    the prefetch depth allows ("blocks_s"), the LM head's reads and FLOPs, the per-step overhead, and the pass
+    ("pass_s", as `evaluate` adds them)."""
+    layers, acc = grid.numbers.layers, block.accelerator
+    terms = {"blocks_reads_s": layers * acc.memory_s, "blocks_compute_s": layers * acc.compute_s,
+             "blocks_fixed_s": layers * block.overhead_s, "cpu_attention_s": layers * block.cpu.seconds,
+             "disk_s": layers * block.disk.seconds, "host_link_s": layers * block.link.seconds,
+             "blocks_s": layers * block.time_s, "head_reads_s": head.memory_s, "head_compute_s": head.compute_s,
+             "step_overhead_s": np.asarray(grid.acc_eff.step_overhead_s), "pass_s": whole_pass(grid, block, head)[0]}
+    return {name: float(np.asarray(value).ravel()[0]) for name, value in terms.items()}
+
+
+def run_terms(model: ModelSpec, hardware: HardwareSpec, policy: Policy, workload: Workload,
+              efficiency: MachineEfficiency | None = None) -> dict:
+    """One policy's predicted run term by term: the prefill's and one decode step's pass_terms, the decode steps
+    after the first token, and the run's seconds (issue 22: a batch plan's prediction written out beside what the
+    engine's run measured, bench/offload_throughput.py)."""
+    eff = efficiency or default_efficiency(hardware)
+    machine = machine_view(hardware)
+    grid = candidate_arrays(model_numbers(model), machine, eff, [format_traits(machine, policy.weight_format)],
+                            policy_columns(machine, policy))
+    head = lm_head(grid)
+    prefill = pass_terms(grid, prefill_block(grid, float(workload.prompt_len)), head)
+    step = pass_terms(grid, decode_block(grid, workload.decode_context), head)
+    steps = workload.output_len - 1
+    return {"prefill": prefill, "decode_step": step, "decode_steps": steps,
+            "runtime_s": prefill["pass_s"] + steps * step["pass_s"]}
+
+
 def compute_bound_batch(grid: CandidateArrays) -> dict[str, np.ndarray]:
     """The batch at which streaming the off-accelerator weights takes no longer than computing on them, and what
     sets that streaming time (0: accelerator memory, all weights resident; 1: the host link; 2: the disk)."""

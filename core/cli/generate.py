@@ -371,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
                 report_interrupted(args, runner, so_far, exc)
             raise
         streamed = getattr(runner.model, "bytes_streamed", 0)
+        stages = getattr(runner.model, "stage_seconds", None)  # an offloaded model's block passes, by phase
     finally:
         runner.close()
     report = result.as_dict()
@@ -380,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         "model": str(args.model), "load_s": round(load_s, 4), "peak_rss_bytes": peak_rss_bytes(),
         "baseline_rss_bytes": baseline_rss, "bytes_streamed": streamed,
         "streamed_bytes_per_s": round(streamed / result.total_s) if streamed and result.total_s > 0 else 0,
+        "stage_seconds": None if stages is None else stages.as_dict(),
         "plan": runner.plan_info, "random_weights": runner.is_demo,
         "predicted_vs_measured": predicted_vs_measured(runner.plan_info.get("predicted"), result),
     })

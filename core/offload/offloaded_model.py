@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -136,6 +137,31 @@ class OffloadedSpan:
         return self._model.forward_blocks(hidden, cache)
 
 
+class StageSeconds:
+    """Where a run's block passes spent their time, by phase ("prefill": steps of several tokens, "decode": one
+    token): the whole pass through the blocks, waiting for a streamed block's read (disk -> RAM, or RAM -> GPU), and
+    the KV cache's own traffic (loading a disk-tier cache, storing the new K, V, releasing it); the rest of a pass is
+    the blocks' compute. Seconds of the host's clock: exact on a CPU, where the compute is synchronous; on a GPU
+    they say where the host waited. bench/offload_throughput.py writes the plan's predicted terms beside them
+    (issue 22: which term of a batch plan's prediction is off)."""
+
+    KEYS = ("passes", "blocks_s", "waiting_for_reads_s", "kv_cache_s")
+
+    def __init__(self):
+        self.by_phase: dict[str, dict[str, float]] = {}
+
+    def add(self, phase: str, key: str, seconds: float) -> None:
+        totals = self.by_phase.setdefault(phase, dict.fromkeys(self.KEYS, 0.0))
+        totals[key] += seconds
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """Per phase: the sums, and the compute (blocks less waiting for reads and the cache's traffic)."""
+        return {phase: {**{k: round(v, 6) for k, v in totals.items()},
+                        "compute_s": round(totals["blocks_s"] - totals["waiting_for_reads_s"]
+                                           - totals["kv_cache_s"], 6)}
+                for phase, totals in self.by_phase.items()}
+
+
 class OffloadedModel:
     """A checkpoint run by an EnginePlan: `embedding`, `span` and `head`, the runner shape generation.py uses."""
 
@@ -163,6 +189,7 @@ class OffloadedModel:
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu and plan.streamed_blocks else None
         self.streamer: BlockStreamer | None = None
         self.bytes_streamed = 0  # weight bytes read from disk for streamed blocks (the reader thread adds)
+        self.stage_seconds = StageSeconds()  # where the block passes spent their time, by phase
         self.quant_store = None  # int8/nf4 blocks come from their quantized copies (see below)
         self.half_store = None  # a 16-bit plan's streamed blocks over an fp32 file: their 16-bit copies (half_store)
         self._stream_reader = self.reader
@@ -307,20 +334,25 @@ class OffloadedModel:
         return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
 
     def _block_runner(self, layer: int, block: Block, cache: TieredKVCache | RecomputeCache, position: int,
-                      rope: tuple[Tensor, Tensor]):
+                      rope: tuple[Tensor, Tensor], phase: str):
         """run(x, rows) -> block `layer`'s output for one micro-batch's hidden states x (the cache's `rows`), with
-        the cache where the plan keeps it (K/V or block inputs) and the attention where the plan runs it."""
+        the cache where the plan keeps it (K/V or block inputs) and the attention where the plan runs it (a K/V
+        cache's load and stores timed into stage_seconds under `phase`)."""
         if isinstance(cache, RecomputeCache):
             return lambda x, rows: cache.run_block(layer, block, x, rows, position, rope)
         if self.plan.attention_tier(layer) != self.plan.compute_tier:
             k, v = cache.blocks[layer]
             dtype = cpu_attention_dtype(self.plan.dtype)
             return lambda x, rows: forward_with_attention_at_cache(block, x, k[rows], v[rows], position, rope, dtype)
+        loading = time.perf_counter()
         k, v = cache.load(layer, position)
+        self.stage_seconds.add(phase, "kv_cache_s", time.perf_counter() - loading)
 
         def run(x: Tensor, rows: slice) -> Tensor:
             out = block(x, k[rows], v[rows], position, rope)
+            storing = time.perf_counter()
             cache.store(layer, position, x.shape[1], rows)
+            self.stage_seconds.add(phase, "kv_cache_s", time.perf_counter() - storing)
             return out
 
         return run
@@ -348,8 +380,11 @@ class OffloadedModel:
         homes = [self.device if tier == "gpu" else torch.device("cpu")
                  for tier in self.plan.activation_tiers(len(rows))]
         parts = [keep_between_blocks(hidden[r], home) for r, home in zip(rows, homes)]
+        phase, started = ("decode" if t == 1 else "prefill"), time.perf_counter()
         for layer in range(self.config.num_layers):
-            self._run_layer(layer, parts, rows, homes, cache, position, rope, prompts)
+            self._run_layer(layer, parts, rows, homes, cache, position, rope, prompts, phase)
+        self.stage_seconds.add(phase, "blocks_s", time.perf_counter() - started)
+        self.stage_seconds.add(phase, "passes", 1)
         cache.length = position + t
         if len(parts) == 1:
             return parts[0].to(self.device)
@@ -357,20 +392,25 @@ class OffloadedModel:
 
     def _run_layer(self, layer: int, parts: list[Tensor], rows: list[slice], homes: list[torch.device],
                    cache: TieredKVCache | RecomputeCache, position: int, rope: tuple[Tensor, Tensor],
-                   prompts: Tensor | None) -> None:
+                   prompts: Tensor | None, phase: str) -> None:
         """Block `layer` (resident, or acquired from the streamer) over every micro-batch's hidden states in
-        `parts`, replaced by its outputs: the zig-zag schedule's inner loop."""
+        `parts`, replaced by its outputs: the zig-zag schedule's inner loop. Its waits for the block's read and the
+        cache's traffic go into stage_seconds under `phase`."""
         block = self.resident.get(layer)
         streamed = block is None
         if streamed:
+            waited = time.perf_counter()
             block = self.streamer.acquire(layer)
+            self.stage_seconds.add(phase, "waiting_for_reads_s", time.perf_counter() - waited)
         try:
-            run = self._block_runner(layer, block, cache, position, rope)
+            run = self._block_runner(layer, block, cache, position, rope, phase)
             for i, (r, home) in enumerate(zip(rows, homes)):
                 x = parts[i].to(self.device, non_blocking=True)
                 x = x if prompts is None else add_prompt(x, prompts[layer, r])
                 parts[i] = keep_between_blocks(run(x, r), home)
+            released = time.perf_counter()
             cache.release(layer)  # a disk-tier cache leaves RSS after its block's turn
+            self.stage_seconds.add(phase, "kv_cache_s", time.perf_counter() - released)
         finally:
             if streamed:
                 self.streamer.release(layer)

@@ -86,3 +86,12 @@ def test_generate_runs_the_planners_batch_within_the_budget(tiny_checkpoint, cpu
     assert report["batch"] == policy.batch_size
     assert engine["micro_batch_size"] * engine["num_micro_batches"] >= policy.batch_size
     assert engine["blocks"].get("disk", 0) >= 1 and engine["ram_bytes"] <= budget
+    # the engine's own timings of its block passes (the offload bench writes the plan's terms beside them): one
+    # prefill pass, one pass per later token, each waiting for its streamed blocks; compute is the rest
+    stages = report["stage_seconds"]
+    assert stages["prefill"]["passes"] == 1 and stages["decode"]["passes"] == report["steps"] - 1
+    for phase in stages.values():
+        assert phase["waiting_for_reads_s"] > 0 and 0 < phase["compute_s"] < phase["blocks_s"]
+        assert phase["compute_s"] == pytest.approx(phase["blocks_s"] - phase["waiting_for_reads_s"]
+                                                   - phase["kv_cache_s"], abs=2e-6)
+    assert stages["prefill"]["blocks_s"] + stages["decode"]["blocks_s"] < report["total_s"]
