@@ -22,7 +22,7 @@ the formulas.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -1201,6 +1201,9 @@ class Prediction:
     min_compute_bound_basis: str
     step_breakdown_s: dict[str, float]
     efficiency: str
+    # evaluate_as_run: where the engine would not compute the policy asked for as named (a 16-bit plan it runs in
+    # fp32: as_run), what `policy` became and why, in words; "" where it runs as named
+    engine_note: str = ""
 
     def as_dict(self) -> dict:
         data = asdict(self)
@@ -1286,6 +1289,37 @@ def evaluate(model: ModelSpec, hardware: HardwareSpec, policy: Policy, workload:
     peaks = peak_memory(mem, cols["wa"], cols["wh"], cols["wd"])
     out = evaluate_arrays(numbers, machine, eff, workload, traits, cols)
     return prediction_from_arrays(machine, eff, policy, peaks, out, 0, model)
+
+
+def evaluate_as_run(model: ModelSpec, hardware: HardwareSpec, policy: Policy, workload: Workload | None = None,
+                    efficiency: MachineEfficiency | None = None,
+                    reserve_bytes: dict[str, float] | None = None) -> Prediction:
+    """`evaluate` of what the engine would run for `policy` (as_run): a 16-bit policy it computes in fp32 is
+    predicted in fp32, saying so first in bottleneck_detail and in engine_note (the Plan page's what-if knobs; the
+    search offers no such policy). `evaluate` itself prices the format as named."""
+    ran, note = as_run(machine_view(hardware, reserve_bytes), policy)
+    prediction = evaluate(model, hardware, ran, workload, efficiency, reserve_bytes)
+    if not note:
+        return prediction
+    return replace(prediction, engine_note=note, bottleneck_detail=f"{note}. {prediction.bottleneck_detail}")
+
+
+def as_run(machine: Machine, policy: Policy) -> tuple[Policy, str]:
+    """(the policy the engine runs for `policy` on this machine, why it differs in words, else ""): a 16-bit policy
+    that runs_as_planned says the engine computes in fp32 (a CPU without native bf16 math, fp16 on a CPU, or a bf16
+    plan whose micro-batches multiply at most PACKED_KERNEL_ROWS rows where the measured bf16 decode step is not
+    faster) is the fp32 one, twice the bytes in every tier (issue 22: the Plan page's knobs showed such a plan in
+    bf16; the search drops them, policy.evaluate_grid)."""
+    traits = [format_traits(machine, policy.weight_format)]
+    if runs_as_planned(machine, traits, policy_columns(machine, policy))[0]:
+        return policy, ""
+    name, rows = policy.weight_format, policy.micro_batch_size
+    if name != "bf16" or not cpu_native_bf16(machine.acc):
+        why = f"this CPU multiplies no {name} natively"
+    else:
+        why = (f"its micro-batches multiply {rows} row{'s' if rows != 1 else ''}, at most the native decode kernels' "
+               f"{PACKED_KERNEL_ROWS}, and no bf16 decode step measured on this CPU beat fp32's")
+    return replace(policy, weight_format="fp32"), f"Computed in fp32, as the engine runs this {name} plan: {why}"
 
 
 def policy_batch_curve(model: ModelSpec, hardware: HardwareSpec, policy: Policy, batch_sizes,

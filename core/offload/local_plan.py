@@ -37,16 +37,22 @@ class PolicyChoice:
 
 # what a run prints as predicted beside its measured figures: the planner's Prediction fields / plan JSON keys
 PREDICTED_KEYS = ("throughput_tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s", "bottleneck")
+# ... and, where the prediction is of another dtype than the policy names (costmodel.evaluate_as_run), why
+ENGINE_NOTE_KEY = "engine_note"
 
 
 def predicted_figures(source) -> dict | None:
-    """PREDICTED_KEYS of a planner Prediction or of a plan JSON document (`hivekeeper plan --json`), or None."""
+    """PREDICTED_KEYS of a planner Prediction or of a plan JSON document (`hivekeeper plan --json`), with its
+    engine note where it has one, or None."""
     if isinstance(source, dict):
         found = {key: source.get(key) for key in PREDICTED_KEYS}
     else:
         found = {key: getattr(source, key, None) for key in PREDICTED_KEYS}
     if not isinstance(found["throughput_tokens_per_s"], (int, float)):
         return None
+    note = source.get(ENGINE_NOTE_KEY) if isinstance(source, dict) else getattr(source, ENGINE_NOTE_KEY, "")
+    if note:
+        found[ENGINE_NOTE_KEY] = note
     return {key: (round(value, 4) if isinstance(value, float) else value) for key, value in found.items()}
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hivekeeper.planner import policy as planner_policy
-from hivekeeper.planner.costmodel import (Placement, Workload, block_weight_bytes, evaluate, kv_cache_bytes,
+from hivekeeper.planner.costmodel import (Placement, Workload, block_weight_bytes, evaluate_as_run, kv_cache_bytes,
                                           machine_view, weight_bytes)
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
@@ -99,8 +99,9 @@ def _placement(percent: dict[str, float], has_gpu: bool, what: str) -> Placement
 def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
              efficiency: MachineEfficiency | None = None) -> PlanResult:
     """The plan for the knobs. With the placement override on, the recommended policy with the user's weight and
-    KV cache placement, evaluated by the cost model (the search's other choices kept). `efficiency`: the cost-model
-    factors for this machine (measured or calibrated), None for the defaults."""
+    KV cache placement, evaluated by the cost model as the engine would run it (costmodel.evaluate_as_run; the
+    search's other choices kept). `efficiency`: the cost-model factors for this machine (measured or calibrated),
+    None for the defaults."""
     workload = workload_of(settings)
     constraints, choice = plan_format(settings, hardware)
     price = settings.price_per_hour or None
@@ -114,8 +115,8 @@ def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
     cache = _placement(settings.cache_percent, has_gpu, "KV cache placement")
     policy = replace(best, weights=weights, kv_cache=cache,
                      attention_on_cpu=best.attention_on_cpu and cache.gpu < 1.0)
-    prediction = evaluate(model, hardware, policy, workload, efficiency=efficiency,
-                          reserve_bytes=constraints.reserve_bytes)
+    prediction = evaluate_as_run(model, hardware, policy, workload, efficiency=efficiency,
+                                 reserve_bytes=constraints.reserve_bytes)
     machine = machine_view(hardware, constraints.reserve_bytes)
     runtime = idealized_runtime(prediction.prefill_s, prediction.decode_step_s, workload.prompt_len,
                                 workload.output_len, policy.batch_size, machine.power_watts,
@@ -141,11 +142,12 @@ def predict_run(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings
                 efficiency: MachineEfficiency | None, batch: int, prompt_len: int, new_tokens: int):
     """The cost model's Prediction for `policy` run the way "Run this plan" runs it: `batch` sequences of
     `prompt_len` tokens, `new_tokens` each, in micro-batches of the policy's size (the engine's split: one
-    micro-batch when the batch is smaller), with the page's memory to leave free."""
+    micro-batch when the batch is smaller), with the page's memory to leave free; in the dtype the engine computes
+    that shape in (costmodel.evaluate_as_run: a bf16 plan run on a few prompts may be fp32, and says so)."""
     micro = max(1, min(policy.micro_batch_size, batch))
     shaped = replace(policy, micro_batch_size=micro, num_micro_batches=-(-batch // micro))
-    return evaluate(model, hardware, shaped, Workload(max(1, prompt_len), max(1, new_tokens)),
-                    efficiency=efficiency, reserve_bytes=constraints_of(settings, hardware).reserve_bytes)
+    return evaluate_as_run(model, hardware, shaped, Workload(max(1, prompt_len), max(1, new_tokens)),
+                           efficiency=efficiency, reserve_bytes=constraints_of(settings, hardware).reserve_bytes)
 
 
 # ---- memory per tier -----------------------------------------------------------------------------------------------

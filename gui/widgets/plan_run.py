@@ -19,6 +19,8 @@ from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QLineEdit, Q
 
 from hivekeeper.planner.errors import InputError
 
+from hivekeeper.core.offload.local_plan import ENGINE_NOTE_KEY
+
 from hivekeeper.gui.services.batch_run import BatchRunService
 from hivekeeper.gui.widgets.chart import Chart
 from hivekeeper.gui.style import ACCENT, BAD, GOOD, MUTED, fmt_rate, label
@@ -45,6 +47,7 @@ class RunPlanBox(QGroupBox):
         self._make_run = make_run
         self.service = BatchRunService(self)
         self.predicted: float | None = None
+        self.engine_note = ""  # why the prediction is of another dtype than the plan names, where it is
         self.points: list[tuple[float, float]] = []  # (seconds, measured tokens/s) per step
         self.report: dict | None = None  # the last finished run's report
         self.last_run = None  # the BatchRun last started
@@ -129,6 +132,7 @@ class RunPlanBox(QGroupBox):
             return False
         self.report, self.error, self.points, self._last_step = None, "", [], None
         self.predicted = (run.predicted or {}).get("throughput_tokens_per_s")
+        self.engine_note = (run.predicted or {}).get(ENGINE_NOTE_KEY, "")
         self.measured_curve.setData([], [])
         self.predicted_curve.setData([], [])
         self.plot.show_note("Running: the first step's measurement comes here.")
@@ -148,6 +152,7 @@ class RunPlanBox(QGroupBox):
     def _planned(self, info: dict) -> None:
         """The run's shape is known: the prediction for it replaces the page's (made for the typed lengths)."""
         self.predicted = (info.get("predicted") or {}).get("throughput_tokens_per_s", self.predicted)
+        self.engine_note = (info.get("predicted") or {}).get(ENGINE_NOTE_KEY, "")
         self._say(f"loading the model: {info['batch']} prompts of {info['prompt_tokens']} tokens, "
                   f"{info['new_tokens']} new tokens each{self._against()}; {info['plan']}", MUTED)
 
@@ -173,7 +178,9 @@ class RunPlanBox(QGroupBox):
     def _against(self) -> str:
         if self.predicted is None:
             return " (the plan has no prediction)"
-        return f" against {fmt_rate(self.predicted)} predicted"
+        # a prediction of another dtype than the plan names says why (costmodel.evaluate_as_run)
+        note = f" ({self.engine_note})" if self.engine_note else ""
+        return f" against {fmt_rate(self.predicted)} predicted{note}"
 
     def _finished(self, report: dict) -> None:
         self._redraw.stop()
