@@ -128,6 +128,34 @@ def test_a_profile_faster_than_the_measurement_speeds_the_blocks_up_beyond_a_fra
     assert fit.after["decode"].mape < 1e-3 < fit.before["decode"].mape
 
 
+@pytest.mark.parametrize("prefill_scale", [0.75, 1.3])
+def test_prefills_the_cost_model_prices_wrong_do_not_move_the_decode_factors(prefill_scale):
+    """The thin model decodes 1.2x as slowly as measured, a 4-row step reads its weights 2.2 times (measured 1.5),
+    and its prefills run `prefill_scale` times the time any factor can give them (the cost model prices a prefill's
+    reads at decode's rate and re-reads). The decode factors are fitted to the decode steps alone: they come out as
+    the truth's, and both models' one- and four-row steps with them. Fitted on every point together (issue 23), the
+    prefills, twice as many, pulled them: 1.78 re-reads and the wide model's 4-row step 9% fast at 0.75."""
+    hardware = measured_cpu(prefill_block_s=2e-3)
+    base = measured_efficiency(hardware)
+    truth_set = dataclasses.replace(base.accelerator, weight_reread_rows=2.2,
+                                    **scaled_decode_time(base.accelerator, 1.2))
+    truth = MachineEfficiency(truth_set, truth_set)
+    points = [dataclasses.replace(pt, prefill_s=pt.prefill_s * prefill_scale)
+              for pt in profile_of(THIN, hardware, truth)]
+    fit = fit_efficiency(THIN, hardware, points, {"resident": RESIDENT}, base)
+    got = fit.efficiency.accelerator
+    assert got.weight_reread_rows == pytest.approx(2.2, rel=1e-4)
+    assert got.bandwidth_fraction == pytest.approx(truth_set.bandwidth_fraction, rel=1e-4)
+    assert got.layer_overhead_s == pytest.approx(truth_set.layer_overhead_s, rel=1e-4)
+    assert fit.after["decode"].mape < 1e-4 < 0.1 < fit.before["decode"].mape
+    for model in (THIN, WIDE):
+        for want, have in fitted_steps(hardware, truth, fit.efficiency, model):
+            assert have == pytest.approx(want, rel=1e-4)
+    # the prefill factors take what they can of the prefills' error, in the right direction
+    assert fit.after["prefill"].mape < fit.before["prefill"].mape
+    assert (got.prefill_layer_overhead_s < 2e-3) == (prefill_scale < 1)
+
+
 def test_profiles_without_measured_steps_and_gpus_fit_the_factors_they_did():
     old = get_hardware("cpu-generic")  # no decode steps measured: bandwidth and block cost fitted apart
     assert default_fit_factors(old) == CPU_FIT_FACTORS and DECODE_TIME not in CPU_FIT_FACTORS
