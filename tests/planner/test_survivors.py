@@ -8,7 +8,12 @@ with its expectation worked out here from the machine's numbers, not read back f
 - under --quant auto a quantized format wins only by its margin (QUALITY_WEIGHT: int8 11%, nf4 25%);
 - the search keeps depth 2 where only the KV cache is on disk (disk reads of the cache overlap the link);
 - a fixed batch is split into every (micro-batch, count) pair, chat runs one stream, and the batch curve is the
-  best plan at each batch size.
+  best plan at each batch size;
+- the search times every candidate that fits but those provably as fast as a simpler one (depth > 0 where nothing
+  streams, depth 2 where nothing is on disk), and tries the runtime's packed formats on a CPU;
+- on a CPU a 16-bit plan the engine would compute in fp32 is not planned; a KV cache read in bf16 costs its bytes
+  with native bf16 math, HALF_AS_FP32_ON_CPU times them without; a CPU listing no fp32 rate is not taken to
+  multiply bf16 natively.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import math
 import numpy as np
 import pytest
 
-from hivekeeper.planner.costmodel import (Placement, Policy, Workload, block_weight_bytes, cpu_native_half, evaluate,
+from hivekeeper.planner.costmodel import (HALF_AS_FP32_ON_CPU, Placement, Policy, Workload, block_weight_bytes,
+                                          cpu_native_half, decode_step_terms, evaluate,
                                           evaluate_arrays, fixed_memory, format_traits, machine_view, model_numbers,
                                           peak_memory, sixteen_bit_format, solve_weight_placement, weight_bytes)
 from hivekeeper.planner.efficiency import Efficiency, MachineEfficiency, default_efficiency
@@ -644,3 +650,77 @@ def test_the_search_tries_what_runs_on_the_machine(hardware, quant, expected):
 def test_a_packed_format_named_for_a_gpu_is_refused():
     with pytest.raises(InputError, match="q4_0 is a CPU format"):
         candidate_formats(BF16_7B, machine_view(machine()), "q4_0", ("q4_0",))
+
+
+# ---- session 14: the survivors of evaluate_grid, runs_as_planned, half_cpu_traits and cpu_native_bf16 ---------------
+def test_the_search_times_every_candidate_that_fits_but_those_provably_as_fast_as_a_simpler_one():
+    """The plan's candidates_evaluated, worked out from the grid: a chat is one stream; llama-2-7b may recompute K and
+    V (2 x 32 heads x 128 > 4096), so 2 recompute choices; 3 prefetch depths.
+
+    CPU only (no host tier: no activations or attention on the host, the cache on the CPU or on disk, 5 options), the
+    fp32 weights all in its 200 GB: where the cache too is all in RAM nothing streams, so only depth 0 is timed;
+    where part of it is on disk all three depths are. 2 x (1 + 4 x 3) = 26 a format; with --quant auto the
+    runtime's packed q8_0 and q4_0 are tried too: 3 formats, 78.
+
+    A GPU of 8 GB with 200 GB of RAM: the bf16 weights (13.5 GB) stream from RAM, nothing from disk. 13 cache
+    options (all on the GPU; 75/50/25/0% on it with the rest all in RAM, half on disk, or all on disk), 2
+    activation tiers, attention on the CPU only with part of the cache off the GPU and no recomputing. Depth 2
+    only where some of the cache is on disk (8 of the 13 options): 13 x 2 x 2 x 3 - 5 x 2 x 2 (depth 2, no disk)
+    = 136 with attention on the GPU, 12 x 2 x 3 - 4 x 2 = 64 on the CPU, 200 in all."""
+    workload = Workload(prompt_len=512, output_len=128)
+    cpu_only = cpu_only_machine()
+    assert search(LLAMA2_7B, cpu_only, "chat", Constraints(quant="none"), workload).candidates_evaluated == 26
+    packed = Constraints(quant="auto", packed_formats=("q8_0", "q4_0"))
+    assert search(LLAMA2_7B, cpu_only, "chat", packed, workload).candidates_evaluated == 3 * 26
+    streaming = search(LLAMA2_7B, machine(gpu_gb=8), "chat", Constraints(quant="none"), workload)
+    assert 0 < streaming.prediction.policy.weights.gpu < 1 and streaming.prediction.policy.weights.disk == 0
+    assert streaming.candidates_evaluated == 136 + 64
+
+
+def cpu_machine(flops: dict[str, float], ram_gb: float = 200, half_decode_ratio: float | None = None) -> HardwareSpec:
+    cpu = dataclasses.replace(machine().cpu, flops=flops, memory_bytes=int(ram_gb * 1e9),
+                              half_decode_ratio=half_decode_ratio)
+    return HardwareSpec(id="cpu", gpus=(), cpu=cpu, disk=machine().disk, network=NET)
+
+
+IN_RAM = Placement(gpu=0.0, cpu=1.0, disk=0.0)
+
+
+def in_ram(weight_format: str) -> Policy:
+    return Policy(weight_format, weights=IN_RAM, kv_cache=IN_RAM, activations=IN_RAM)
+
+
+def test_a_cpu_does_not_plan_fp16_which_it_would_compute_in_fp32():
+    """An fp16 checkpoint on a CPU that multiplies bf16 natively but not fp16, with 20 GB of RAM: in fp16 the 7B
+    weights (13.5 GB) would fit and run far faster than fp32's 27 GB streamed partly from disk, but the engine computes
+    an fp16 plan in fp32 on a CPU (costmodel.runs_as_planned), so the search plans fp32."""
+    fp16_model = dataclasses.replace(LLAMA2_7B, torch_dtype="fp16")
+    hardware, workload = cpu_machine({"fp32": 1e12, "bf16": 2e12}, ram_gb=20), Workload()
+    plan = search(fp16_model, hardware, "chat", Constraints(quant="none"), workload)
+    assert plan.prediction.policy.weight_format == "fp32" and plan.prediction.policy.weights.disk > 0
+    fp16_in_ram = evaluate(fp16_model, hardware, in_ram("fp16"), workload)
+    assert fp16_in_ram.fits and fp16_in_ram.runtime_s < plan.prediction.runtime_s / 2
+
+
+def test_a_bf16_kv_cache_costs_its_bytes_with_native_bf16_math_and_three_times_them_converted():
+    """2000 more positions of context add 32 blocks x 2000 x 16 KB (K and V of 4096 values in bf16) to a decode
+    step's reads: at the CPU's 50 GB/s x 0.8 (EFF's accelerator efficiency: the CPU is the accelerator) where it
+    multiplies bf16 natively (bf16 listed at its fp32 rate), HALF_AS_FP32_ON_CPU times that where it converts."""
+    def added_reads(flops):
+        reads = [decode_step_terms(LLAMA2_7B, cpu_machine(flops), in_ram("bf16"), Workload(prompt_len=p, output_len=2),
+                                   EFF)["blocks_reads_s"] for p in (1000, 3000)]
+        return reads[1] - reads[0]
+
+    by_hand = 32 * 2000 * 2 * 4096 * 2 / (50e9 * 0.8)
+    assert added_reads({"fp32": 1e12, "bf16": 1e12}) == pytest.approx(by_hand, rel=1e-9)
+    assert added_reads({"fp32": 1e12}) == pytest.approx(HALF_AS_FP32_ON_CPU * by_hand, rel=1e-9)
+
+
+def test_a_cpu_listing_no_fp32_rate_is_not_taken_to_multiply_bf16_natively():
+    """A hardware file may list a CPU's bf16 rate alone. Native bf16 math is bf16 at or above fp32's rate, so
+    with no fp32 rate to compare with the CPU server computes fp32, even with a measured bf16 step at half fp32's;
+    the same CPU listing fp32 below bf16 serves bf16."""
+    assert plan_server(LLAMA2_7B, cpu_machine({"bf16": 2e12}, half_decode_ratio=0.5), "auto", None, None,
+                       EFF).weight_format == "fp32"
+    assert plan_server(LLAMA2_7B, cpu_machine({"fp32": 1e12, "bf16": 2e12}, half_decode_ratio=0.5), "auto", None,
+                       None, EFF).weight_format == "bf16"
