@@ -274,7 +274,7 @@ def main() -> None:
 
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.measure import QUICK, TerminalProgress, run_benchmarks
-    from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, WEIGHT_STREAM_KEY
+    from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, WEIGHT_STREAM_KEY
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.profiling import denoise, measure_grid
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
@@ -346,6 +346,8 @@ def main() -> None:
     line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
     line["measured"]["packed_gweights_per_s"] = {m.key[len("cpu_packed_"):]: round(m.value / 1e9, 2)
                                                   for m in measurements if m.key.startswith("cpu_packed_")}
+    line["measured"]["packed_block_overhead_ms"] = {m.key[len(PACKED_BLOCK_KEY):]: round(m.value * 1e3, 4)
+                                                    for m in measurements if m.key.startswith(PACKED_BLOCK_KEY)}
     print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed, "machine": machine_line(args.kind)}))
 
 

@@ -94,10 +94,11 @@ def child_json(command: list[str], env: dict | None) -> dict:
 def quick_measurement(config: str) -> dict:
     """What the run's automatic quick measurement saved in its config folder: the decode steps' RAM rate (GB/s, the
     pooled fit of the readings spread over the measurement) with every reading's, the fixed cost of a block (ms), the
-    fp32 prefill rate (GFLOP/s), the packed kernels' rates (G weights/s; in cache, streamed, prefill)."""
+    fp32 prefill rate (GFLOP/s), the packed kernels' rates (G weights/s; in cache, streamed, prefill) and a packed
+    block's fixed cost (ms)."""
     from pathlib import Path
 
-    from hivekeeper.core.machine.measurement import HALF_DECODE_KEY
+    from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PACKED_BLOCK_KEY
 
     profiles = list((Path(config) / "profiles").glob("*.json"))
     if not profiles:
@@ -113,7 +114,9 @@ def quick_measurement(config: str) -> dict:
             "block_overhead_ms": round(values.get("cpu_decode_block_overhead", 0) * 1e3, 3),
             "prefill_gflops": round(values.get("cpu_prefill_fp32", 0) / 1e9, 1),
             "bf16_vs_fp32_step": round(values.get(HALF_DECODE_KEY, 0), 3),
-            "packed_gweights_per_s": packed}
+            "packed_gweights_per_s": packed,
+            "packed_block_overhead_ms": {key[len(PACKED_BLOCK_KEY):]: round(value * 1e3, 4)
+                                         for key, value in values.items() if key.startswith(PACKED_BLOCK_KEY)}}
 
 
 def reading_now(model: str, prompt_len: int, new_tokens: int) -> dict:

@@ -254,6 +254,16 @@ def packed_cached_rate(cpu: ComputeDevice, weight_format: str) -> float:
     return float(cpu.packed_kernels_cached.get(weight_format) or packed_kernel_rate(cpu, weight_format)[0])
 
 
+def packed_block_cost(cpu: ComputeDevice, weight_format: str) -> float | None:
+    """Seconds of a packed block's fixed cost in a one-row decode step, as `hivekeeper measure` fitted it on packed
+    spans (ComputeDevice.packed_block_overhead), or None where not measured: the decode then takes the fp32 blocks'
+    fitted cost (Efficiency.layer_overhead_s), which profiles measured before it subtracted from their packed rates,
+    so rate and cost stay one fit either way. Issue 23 (session 14): the fp32 cost (0.3 ms a block on an AVX512-VNNI
+    host) on SmolLM2's 30 packed blocks predicted a 6.3 ms step at ~15 ms."""
+    measured = cpu.packed_block_overhead.get(weight_format)
+    return None if measured is None else float(measured)
+
+
 def packed_prefill_rate(cpu: ComputeDevice, weight_format: str) -> tuple[float, bool]:
     """(FLOP/s of the packed format's kernels on many rows, whether measured): a prefill (or a batch of more than
     PACKED_KERNEL_ROWS rows) multiplies up to PACKED_PREFILL_ROWS rows per pass over each packed weight chunk with
@@ -422,6 +432,9 @@ class FormatTraits:
     # decode micro-batches up to these rows read read_bytes_gemv a weight (bf16 on a CPU: the measured step ratio up
     # to the decode kernels' rows, PACKED_KERNEL_ROWS); more rows read_bytes_gemm
     gemv_rows: float = 1.0
+    # packed formats: a block's fixed cost in a decode step within the kernels' rows, as measured on packed spans
+    # (packed_block_cost); negative: Efficiency.layer_overhead_s
+    decode_block_s: float = -1.0
 
 
 def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
@@ -481,13 +494,15 @@ def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
                          f"dequantized to 16 bits (--quant none) or bitsandbytes int8/nf4")
     cpu, stored = machine.acc, fmt.bytes_per_param
     head_rate, _ = packed_kernel_rate(cpu, PACKED_HEAD_FORMAT)
+    block_cost = packed_block_cost(cpu, fmt.name)
     return FormatTraits(fmt, stored, read_bytes_gemv=stored, read_bytes_gemm=stored, vector_bytes=4.0,
                         kv_bytes=4.0, kv_read_factor=1.0, peak_flops=packed_prefill_rate(cpu, fmt.name)[0],
                         gemv_flops=2.0 * packed_kernel_rate(cpu, fmt.name)[0], overlapped=True,
                         head_bytes=get_format(PACKED_HEAD_FORMAT).bytes_per_param, head_flops=2.0 * head_rate,
                         gemv_flops_cached=2.0 * packed_cached_rate(cpu, fmt.name),
                         head_flops_cached=2.0 * packed_cached_rate(cpu, PACKED_HEAD_FORMAT),
-                        prefill_overhead=0.0 if packed_prefill_rate(cpu, fmt.name)[1] else 1.0)
+                        prefill_overhead=0.0 if packed_prefill_rate(cpu, fmt.name)[1] else 1.0,
+                        decode_block_s=-1.0 if block_cost is None else block_cost)
 
 
 def sixteen_bit_format(model: ModelSpec, machine: Machine) -> str:
@@ -726,6 +741,7 @@ class CandidateArrays:
     head_flops: np.ndarray
     cached_share: np.ndarray  # packed formats: the share of a step's weights read from the last-level cache
     prefill_overhead: np.ndarray  # FormatTraits.prefill_overhead
+    decode_block_s: np.ndarray  # FormatTraits.decode_block_s (negative: Efficiency.layer_overhead_s)
     block_bytes: np.ndarray  # one block's weights at rest
     kv_token: np.ndarray  # one token of one block's K and V
     cached_per_token: np.ndarray  # what is kept per token and block: K and V, or the block's input when recomputing
@@ -753,6 +769,7 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         peak_flops=trait("peak_flops"),
         gemv_flops=gemv_flops, overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
         head_flops=head_flops, cached_share=share, prefill_overhead=trait("prefill_overhead"),
+        decode_block_s=trait("decode_block_s"),
         block_bytes=block_bytes, kv_token=kv_token,
         cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
         attention_on_acc=c["ca"] + off * (~cpu_attention),
@@ -885,8 +902,8 @@ def decode_block(grid: CandidateArrays, context: float) -> BlockPass:
 
 
 def decode_block_overhead(grid: CandidateArrays):
-    """A block's fixed cost in one micro-batch of a decode step: Efficiency.layer_overhead_s, what the native
-    kernels' whole-span call pays a block (up to PACKED_KERNEL_ROWS rows). On a CPU a micro-batch of more rows runs
+    """A block's fixed cost in one micro-batch of a decode step: what the native kernels' whole-span call pays a
+    block (up to PACKED_KERNEL_ROWS rows; kernel_block_cost). On a CPU a micro-batch of more rows runs
     block by block through torch and BLAS, as a prefill does (core/runtime/model.Span.forward), so its blocks pay the
     prefill's fixed cost (prefill_block's; issue 23: at the kernels' per-block cost a thin model's batch-64 decode,
     30 blocks, was predicted several times faster than it ran at load 8)."""
@@ -896,7 +913,13 @@ def decode_block_overhead(grid: CandidateArrays):
     # SmolLM2's 30 thin blocks took a 4-row step ~2.1x a one-row one, a 2-block wide model ~1.6x)
     per_row = np.where(cpu, grid.acc_eff.row_overhead_s * np.maximum(grid.micro_batch - 1.0, 0.0), 0.0)
     return np.where(torch_rows, grid.acc_eff.prefill_layer_overhead_s * grid.prefill_overhead,
-                    grid.acc_eff.layer_overhead_s + per_row)
+                    kernel_block_cost(grid) + per_row)
+
+
+def kernel_block_cost(grid: CandidateArrays):
+    """A block's fixed cost in a one-row decode step on the kernels: a packed format's as measured on packed spans
+    (FormatTraits.decode_block_s), else Efficiency.layer_overhead_s (the fp32 spans' fit, or the default)."""
+    return np.where(grid.decode_block_s >= 0, grid.decode_block_s, grid.acc_eff.layer_overhead_s)
 
 
 def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -> AcceleratorWork:

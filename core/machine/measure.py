@@ -29,7 +29,8 @@ from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, PACKED_PREFILL_KEY,
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
+    PACKED_PREFILL_KEY,
     PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
     Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
@@ -527,7 +528,7 @@ class StreamSpans:
     @classmethod
     def make(cls, hidden: int, total_bytes: int, cache_bytes: int | None = None) -> "StreamSpans":
         size = max(total_bytes, 2 * (last_level_cache_bytes() if cache_bytes is None else cache_bytes))
-        narrow_hidden = max(64, hidden * 3 // 8 // 64 * 64)
+        narrow_hidden = narrow_width(hidden)
         (wide_config, wide), (narrow_config, narrow) = decode_span(hidden, size), decode_span(narrow_hidden, size)
         return cls(wide_config, wide, narrow_config, narrow)
 
@@ -559,9 +560,9 @@ def stream_reading(spans: StreamSpans, repeats: int) -> StreamReading:
 
 
 # run_benchmarks reads the decode steps' streaming rate four more times after measure_decode_blocks's reading, spread
-# over the rest of the measurement (after the decode steps, the bf16 step, the disk, and last before the packed spans,
-# which take the pooled block cost), and the profile keeps their pooled fit (fold_stream_readings). One reading lasts a fraction of a second, and this VM's rate
-# moved 5.4-12.9 GB/s between readings seconds apart (bench/stream_vs_decode.py, load 2.5-3.8): one is a moment's.
+# over the rest of the measurement (after the decode steps, the bf16 step, the disk, and last before the packed spans),
+# and the profile keeps their pooled fit (fold_stream_readings). One reading lasts a fraction of a second, and this VM's
+# rate moved 5.4-12.9 GB/s between readings seconds apart (bench/stream_vs_decode.py, load 2.5-3.8): one is a moment's.
 class StreamRereads:
     """The later readings of the decode steps' streaming rate during run_benchmarks, on measure_decode_blocks's spans
     (built at the first call of built()) and dropped by pool()."""
@@ -720,26 +721,33 @@ def packed_span(fmt: str, hidden: int, total_bytes: int):
 
 
 def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_bytes: int = 384 << 20,
-                           cache_bytes: int | None = None, block_overhead_s: float = 0.0,
-                           streamed: bool = True, step_repeats: int = STEP_REPEATS) -> list[Measurement]:
-    """Weights/s of each packed format (GGUF Q8_0/Q4_0/Q4_1) in a decode step as a packed model takes it: one-row
-    steps through spans of `hidden`-wide random packed blocks (packed_span), on the runtime's own decode path (the
-    native kernels' whole-span step, or numpy's dequantized products where they are missing), in two regimes:
+                           cache_bytes: int | None = None, streamed: bool = True,
+                           step_repeats: int = STEP_REPEATS) -> list[Measurement]:
+    """Weights/s of each packed format (GGUF Q8_0/Q4_0/Q4_1) in a decode step as a packed model takes it, and the
+    fixed cost of a packed block beside it: one-row steps through spans of random packed blocks (packed_span), on
+    the runtime's own decode path (the native kernels' whole-span step, or numpy's dequantized products where they
+    are missing), in two regimes:
 
-    - cached (PACKED_CACHED_KEY): a span of a third of the last-level cache, stepped through again and again, so its
-      weights stay in the cache, as a small model's do (issue 23: SmolLM2's 84 MB of packed weights fit a 105 MiB
-      L3, and decoded faster than a span beyond it);
+    - cached (PACKED_CACHED_KEY): a span of a third of the last-level cache, `hidden` wide, stepped through again and
+      again, so its weights stay in the cache, as a small model's do (issue 23: SmolLM2's 84 MB of packed weights fit
+      a 105 MiB L3, and decoded faster than a span beyond it); and a span of as many bytes of narrower blocks
+      (narrow_width: many more of them). Fitting seconds = weights / rate + blocks x fixed cost to the two
+      (fit_bytes_and_blocks, as the fp32 spans are fitted) gives the cached rate and PACKED_BLOCK_KEY, the fixed cost
+      of a packed block (its norms, attention, the kernels' hand-offs), which the planner adds to each block of a
+      packed model. Issue 23 (session 14): subtracting the fp32 spans' fitted cost instead (0.3-0.43 ms a block on an
+      AVX512-VNNI host, where a whole 768-wide packed block took ~0.26 ms) left the 25% floor of
+      packed_kernel_seconds, a rate 4x too high, and the planner then added 0.3 ms to each of SmolLM2's 30 blocks:
+      9 ms of a 6.3 ms step;
     - streamed (PACKED_KERNEL_KEY, only with `streamed`): a span larger than twice the last-level cache and than
-      `total_bytes`, so caches are cold between blocks and the packed bytes come from RAM, as a large model's do.
+      `total_bytes`, so caches are cold between blocks and the packed bytes come from RAM, as a large model's do; its
+      rate is its step less the same fitted cost a block.
 
-    The rate is the span's weights over its step time less `block_overhead_s` a block (the fixed cost
-    measure_decode_blocks fitted, which the planner adds to every block), so a thin packed model is planned at the
-    step these spans took. The planner takes the cached rate for a model whose weights fit the cache, the streamed
-    one for a model twice its size, and blends between (costmodel.cached_share).
+    The planner takes the cached rate for a model whose weights fit the cache, the streamed one for a model twice its
+    size, and blends between (costmodel.cached_share).
 
-    The spans are timed in turn (q8_0, q4_0, q4_1, q8_0, ...), at least `step_repeats` times each, and each keeps the
-    median of its repeats (median_and_spread): on a shared machine a busy spell hits every format alike rather than
-    one of them, and the rate is the machine's typical one, not its luckiest instant.
+    The spans are timed in turn (q8_0, q4_0, q4_1, the narrow ones, q8_0, ...), at least `step_repeats` times each,
+    and each keeps the median of its repeats (median_and_spread): on a shared machine a busy spell hits every span
+    alike rather than one of them, and the rate is the machine's typical one, not its luckiest instant.
 
     A prefill pass through each cached span's first blocks (prefill_pass, in turn) gives PACKED_PREFILL_KEY: row-weight
     products/s of the int8 kernels on many rows, the blocks' own costs included (the planner adds no per-block
@@ -755,40 +763,72 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
     try:
         load = load_average()
         spans = {(key, name): packed_span(name, hidden, size) for key, size in sizes.items() for name in FORMATS}
-        steps = [decode_steps(config, span, 1) for config, span, _ in spans.values()]
-        timed = _alternating_seconds(steps, max(repeats, step_repeats))
+        spans.update({(PACKED_BLOCK_KEY, name): packed_span(name, narrow_width(hidden), sizes[PACKED_CACHED_KEY])
+                      for name in FORMATS})
+        timed = dict(zip(spans, _alternating_seconds([decode_steps(config, span, 1) for config, span, _ in
+                                                      spans.values()], max(repeats, step_repeats))))
         prefills = {name: prefill_pass(config, span) for (key, name), (config, span, _) in spans.items()
                     if key == PACKED_CACHED_KEY}
         prefill_timed = _alternating_seconds([run for run, _, _ in prefills.values()], PREFILL_REPEATS)
     finally:
         torch.set_num_threads(previous_threads)
+    runs = {key: (timed[key], weights, config.num_layers) for key, (config, _, weights) in spans.items()}
+    blocks = {name: packed_block_overhead(name, runs[(PACKED_CACHED_KEY, name)], runs[(PACKED_BLOCK_KEY, name)], load,
+                                          f"widths {hidden} and {narrow_width(hidden)}")
+              for name in FORMATS}
     path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
     results = []
-    for ((key, name), (config, _, weights)), seconds in zip(spans.items(), timed):
-        kernel_seconds = [packed_kernel_seconds(s, config.num_layers, block_overhead_s) for s in seconds]
+    for (key, name), (seconds, weights, count) in runs.items():
+        if key == PACKED_BLOCK_KEY:
+            continue
+        block_s = blocks[name].value
+        kernel_seconds = [packed_kernel_seconds(s, count, block_s) for s in seconds]
         where = "in the last-level cache" if key == PACKED_CACHED_KEY else "beyond the caches"
         results.append(_median_rate_measurement(
             f"{key}{name}", f"CPU {name} decode step (one row, {where})", WEIGHTS_PER_S, float(weights),
             kernel_seconds, load,
-            f"one-row decode steps of {config.num_layers} random {name} blocks of width {hidden} "
+            f"one-row decode steps of {count} random {name} blocks of width {hidden} "
             f"({weights * format_bytes(name) / 2**20:.0f} MiB packed, {where}: {cache / 2**20:.0f} MiB), {path}, "
-            f"median {median_and_spread(seconds)[0] * 1e3:.3g} ms less {block_overhead_s * 1e3:.3g} ms a block; "
-            "the spans timed in turn"))
-    for (name, (_, flops, blocks)), seconds in zip(prefills.items(), prefill_timed):
+            f"median {median_and_spread(seconds)[0] * 1e3:.3g} ms less {block_s * 1e3:.3g} ms a block (the fixed "
+            "cost fitted to the packed spans); the spans timed in turn"))
+    results += blocks.values()
+    for (name, (_, flops, count)), seconds in zip(prefills.items(), prefill_timed):
         products = flops / 2.0  # row-weight products (attention's few aside)
         results.append(_median_rate_measurement(
             f"{PACKED_PREFILL_KEY}{name}", f"CPU {name} prefill ({PREFILL_SEQUENCES * PREFILL_TOKENS} rows)",
             WEIGHTS_PER_S, products, seconds, load,
-            f"prefill passes of {PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens through {blocks} random {name} blocks "
+            f"prefill passes of {PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens through {count} random {name} blocks "
             f"of width {hidden}, {path}, median {median_and_spread(seconds)[0] * 1e3:.3g} ms; the formats timed in "
             "turn"))
     return results
 
 
+def narrow_width(hidden: int) -> int:
+    """The narrower span's width beside a `hidden`-wide one (3/8 of it, whole heads of 64): as many bytes in more,
+    thinner blocks, so that a fit to both separates a block's fixed cost from the weights' rate."""
+    return max(64, hidden * 3 // 8 // 64 * 64)
+
+
+def packed_block_overhead(fmt: str, wide: tuple[list[float], float, int], narrow: tuple[list[float], float, int],
+                          load: float, widths: str) -> Measurement:
+    """PACKED_BLOCK_KEY of one format: the fixed cost of a packed block fitted with the rate to the cached span and
+    the narrow one (each: seconds of every repeat, weights, blocks), on their median steps (fit_bytes_and_blocks: 0
+    where noise makes the split meaningless, and the rate then holds the whole step), with the spread of the
+    repeats' pairwise fits (block_overhead)."""
+    (s1, w1, n1), (s2, w2, n2) = wide, narrow
+    per_block, _ = fit_bytes_and_blocks((statistics.median(s1), w1, n1), (statistics.median(s2), w2, n2))
+    detail = (f"{n1} and {n2} random {fmt} blocks of {widths} ({w1 / 1e6:.3g} and {w2 / 1e6:.3g} M weights, in the "
+              f"last-level cache), one-row steps {statistics.median(s1) * 1e3:.3g} and "
+              f"{statistics.median(s2) * 1e3:.3g} ms (medians of {len(s1)} in turn), fitted as weights / rate + "
+              "blocks x cost")
+    return replace(block_overhead(per_block, wide, narrow, load, detail), key=f"{PACKED_BLOCK_KEY}{fmt}",
+                   label=f"fixed cost of a {fmt} block in a decode step")
+
+
 def packed_kernel_seconds(step_s: float, blocks: int, block_overhead_s: float) -> float:
     """A packed span's step less its blocks' fixed costs (which the planner adds to every block itself): the time
-    its products took. Where the fixed costs (fitted on fp32 spans, so noisy) would leave under a quarter of the
-    step, a quarter is kept."""
+    its products took. Where the fixed costs would leave under a quarter of the step (a fit the noise moved), a
+    quarter is kept."""
     return max(step_s - blocks * block_overhead_s, 0.25 * step_s)
 
 
@@ -1148,8 +1188,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     weight streaming, a bf16 decode step against fp32 (with native bf16 math), disk (when a folder is given), GPU
     memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA device is present (and gpu=True),
     and each peer; the decode steps' streaming rate is read again between the later steps and their pooled fit kept
-    (StreamRereads, fold_stream_readings), then the packed formats' decode steps (less that pooled block cost, which
-    the planner adds to each block). progress(fraction, label) is called before each step;
+    (StreamRereads, fold_stream_readings), then the packed formats' decode steps (their rates and a packed block's
+    fixed cost, fitted to packed spans of two widths). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
     beyond_cache = 2 * (last_level_cache_bytes() if sizes.cache_bytes is None else sizes.cache_bytes)
@@ -1189,11 +1229,10 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append((f"peer {peer}", lambda peer=peer: measure_peer(peer, sizes.repeats, sizes.peer_bytes)))
     if rereads is not None:
         steps.append(("CPU decode streaming, read again", lambda: rereads.pool(results)))
-    if sizes.packed_hidden is not None:  # after the pooled decode steps, whose fitted fixed cost of a block it takes
+    if sizes.packed_hidden is not None:  # last: their own spans fit their rates and a packed block's fixed cost
         steps.append(("CPU packed-format decode steps",
                       lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
-                                                     sizes.cache_bytes, measured_value(results, BLOCK_OVERHEAD_KEY),
-                                                     sizes.packed_streamed,
+                                                     sizes.cache_bytes, sizes.packed_streamed,
                                                      max(sizes.step_repeats, PACKED_STEP_REPEATS))))
     for index, (label, step) in enumerate(steps):
         if should_stop():
@@ -1202,11 +1241,6 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         results.extend(step())
     progress(1.0, "done")
     return results
-
-
-def measured_value(results: list[Measurement], key: str, default: float = 0.0) -> float:
-    """The value of the measurement named `key` among `results`, else `default`."""
-    return next((m.value for m in results if m.key == key), default)
 
 
 def _matmul_pair(dtype: str, device: torch.device, sizes: BenchmarkSizes, gpu: bool = False) -> list[Measurement]:

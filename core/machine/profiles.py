@@ -34,9 +34,9 @@ from hivekeeper.planner.hardware_catalog import clamp_to_limit
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY, PACKED_PREFILL_KEY,
-    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY,
-    WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
+    PACKED_PREFILL_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
+    WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -183,6 +183,15 @@ def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KE
             and m.value > 0}
 
 
+def packed_block_costs(measurements: list[Measurement]) -> dict[str, float]:
+    """format -> seconds of a packed block's fixed cost in a decode step (measure.packed_block_overhead, fitted on
+    packed spans), as the planner takes them (hardware.ComputeDevice.packed_block_overhead): 0 kept (the fit found
+    none the noise resolves: the format's rates hold the whole step), at most 0.1 s as the fp32 one; empty where not
+    measured (profiles saved before session 14, whose packed rates were measured less the fp32 spans' cost)."""
+    return {m.key[len(PACKED_BLOCK_KEY):]: min(0.1, max(0.0, m.value)) for m in measurements
+            if m.key.startswith(PACKED_BLOCK_KEY) and m.key[len(PACKED_BLOCK_KEY):] in PACKED_FORMATS}
+
+
 # ---- measured numbers into a spec ---------------------------------------------------------------------------------
 def _measured_on(when: float | None) -> str:
     return f"measured {time.strftime('%Y-%m-%d %H.%M', time.localtime(when))}" if when else "measured"
@@ -247,11 +256,12 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
     if HALF_DECODE_KEY in by_key and by_key[HALF_DECODE_KEY].value > 0:  # a bf16 step / an fp32 one (cpu_dtype)
         cpu = dataclasses.replace(cpu, half_decode_ratio=min(16.0, max(0.05, by_key[HALF_DECODE_KEY].value)))
     kernels, cached = packed_kernel_rates(measurements), packed_kernel_rates(measurements, PACKED_CACHED_KEY)
-    prefill = packed_kernel_rates(measurements, PACKED_PREFILL_KEY)
-    if kernels or cached or prefill:
+    prefill, blocks = packed_kernel_rates(measurements, PACKED_PREFILL_KEY), packed_block_costs(measurements)
+    if kernels or cached or prefill or blocks:
         cpu = dataclasses.replace(cpu, packed_kernels=kernels or cpu.packed_kernels,
                                   packed_kernels_cached=cached or cpu.packed_kernels_cached,
-                                  packed_prefill=prefill or cpu.packed_prefill)
+                                  packed_prefill=prefill or cpu.packed_prefill,
+                                  packed_block_overhead=blocks or cpu.packed_block_overhead)
 
     disk_changes, disk_sources = {}, dict(disk.sources)
     for key, attr in (("disk_read", "read_bandwidth"), ("disk_write", "write_bandwidth")):
@@ -335,6 +345,8 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
                         "default: costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S x cores"))
         rows.append(row("CPU", f"{name} kernel, one row, weights in cache", default, f"{PACKED_CACHED_KEY}{name}",
                         WEIGHTS_PER_S, "default: costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S x cores"))
+        rows.append(row("CPU", f"fixed cost of a {name} block in a decode step", default_cpu.layer_overhead_s,
+                        f"{PACKED_BLOCK_KEY}{name}", "s", "default: the fp32 blocks'"))
     rows.append(row("disk", "read (uncached)", detected.disk.read_bandwidth, "disk_read", "B/s",
                     detected.disk.sources.get("read_bandwidth", "")))
     rows.append(row("disk", "write", detected.disk.write_bandwidth, "disk_write", "B/s",

@@ -1,6 +1,7 @@
 """`hivekeeper measure`'s benchmark of the packed formats (issue 16 item 3, issue 23): one rate per format, timed
 through one-row decode steps of a span of random packed blocks (the runtime's own whole-span path, caches cold
-between blocks), saved in the profile, and the planner's decode prediction follows it. Nothing is timed against a
+between blocks), and a packed block's fixed cost fitted beside it on a narrower span (session 14), saved in the
+profile, and the planner's decode prediction follows them. Nothing is timed against a
 goal: the tests check what is measured, where it goes and what the planner does with it."""
 
 from __future__ import annotations
@@ -10,21 +11,23 @@ import pytest
 
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import (PREFILL_REPEATS, STEP_REPEATS, format_bytes, measure_packed_kernels,
-                                             median_and_spread, packed_kernel_seconds, packed_span,
-                                             random_packed_matrix)
-from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-                                                 PACKED_PREFILL_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
-                                                 WEIGHTS_PER_S, Measurement)
-from hivekeeper.core.machine.profiles import apply_measurements, comparison_rows, packed_kernel_rates
+                                             median_and_spread, narrow_width, packed_block_overhead,
+                                             packed_kernel_seconds, packed_span, random_packed_matrix)
+from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY,
+                                                 PACKED_KERNEL_KEY, PACKED_PREFILL_KEY, SMALL_ROWS_READS_KEY,
+                                                 WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+from hivekeeper.core.machine.profiles import (apply_measurements, comparison_rows, packed_block_costs,
+                                              packed_kernel_rates)
 from hivekeeper.planner.calibration import measured_efficiency
-from hivekeeper.planner.costmodel import Placement, Policy, Workload, evaluate, model_numbers
+from hivekeeper.planner.costmodel import Placement, Policy, Workload, decode_step_terms, evaluate, model_numbers
+from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.formats import PACKED_FORMATS
 from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.hardware_catalog import get_hardware
 from hivekeeper.planner.models import ModelSpec
 
 SMALL = (64, 256)  # a matrix small enough for a test
-TINY_SPAN = dict(hidden=64, total_bytes=64 << 10, cache_bytes=0)  # a few blocks of the benchmark's span
+TINY_SPAN = dict(hidden=128, total_bytes=64 << 10, cache_bytes=1 << 20)  # a few blocks of the benchmark's spans
 
 
 @pytest.mark.parametrize("fmt", PACKED_FORMATS)
@@ -59,28 +62,80 @@ def test_one_rate_per_format_from_whole_packed_decode_steps(monkeypatch):
     monkeypatch.setattr(measure, "decode_steps", recorded)
     spans, real_span = [], measure.packed_span
     monkeypatch.setattr(measure, "packed_span", lambda *a: spans.append(real_span(*a)) or spans[-1])
-    results = measure_packed_kernels(repeats=2, **{**TINY_SPAN, "cache_bytes": 96 << 10})
+    results = measure_packed_kernels(repeats=2, **TINY_SPAN)
     assert [m.key for m in results] == [f"{key}{name}" for key in (PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-                                                                   PACKED_PREFILL_KEY) for name in PACKED_FORMATS]
+                                                                   PACKED_BLOCK_KEY, PACKED_PREFILL_KEY)
+                                        for name in PACKED_FORMATS]
     for m in results:
+        if m.key.startswith(PACKED_BLOCK_KEY):  # seconds, one pairwise fit per repeat, from both widths
+            assert m.unit == "s" and m.value >= 0 and len(m.samples) == STEP_REPEATS
+            assert "widths 128 and 64" in m.detail and "weights / rate + blocks x cost" in m.detail
+            continue
         repeats = PREFILL_REPEATS if m.key.startswith(PACKED_PREFILL_KEY) else STEP_REPEATS
         assert m.unit == WEIGHTS_PER_S and m.value > 0 and m.repeats == len(m.samples) == repeats
         # the median repeat's rate (the machine's typical speed, not its luckiest instant), with the range
         assert (m.value, m.spread) == pytest.approx(median_and_spread(m.samples))
-        assert "blocks of width 64" in m.detail and "in turn" in m.detail and "median" in m.detail
-    # the cached spans a third of the last-level cache, the streamed ones beyond twice it
-    packed = [weights * format_bytes(fmt) for (_, _, weights), fmt in zip(spans, [*PACKED_FORMATS, *PACKED_FORMATS])]
-    assert all(size < (96 << 10) / 2 for size in packed[:3]) and all(size > 1.5 * (96 << 10) for size in packed[3:])
+        assert "blocks of width 128" in m.detail and "in turn" in m.detail and "median" in m.detail
+    # the cached spans (both widths) a third of the last-level cache, the streamed ones beyond twice it
+    cache = TINY_SPAN["cache_bytes"]
+    packed = [weights * format_bytes(fmt) for (_, _, weights), fmt in zip(spans, PACKED_FORMATS * 3)]
+    assert all(size < cache / 2 for size in packed[:3] + packed[6:]) and all(size > 1.5 * cache for size in packed[3:6])
+    assert [config.hidden_size for config, _, _ in spans] == [128] * 6 + [64] * 3
+    assert all(narrow[0].num_layers > wide[0].num_layers for wide, narrow in zip(spans[:3], spans[6:]))
     if measure.native_kernels.library() is not None:
         assert native and all(out is not None for out in native)  # the kernels' whole-span step, every time
     switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
     assert set(order) == set(PACKED_FORMATS) and switches >= 2 * len(PACKED_FORMATS) * STEP_REPEATS - 1
     # `measure --quick`: only the cached spans, fewer timings
-    quick = measure_packed_kernels(repeats=2, **{**TINY_SPAN, "cache_bytes": 96 << 10}, streamed=False,
-                                   step_repeats=3)
-    assert [m.key for m in quick] == [f"{key}{name}" for key in (PACKED_CACHED_KEY, PACKED_PREFILL_KEY)
-                                      for name in PACKED_FORMATS]
+    quick = measure_packed_kernels(repeats=2, **TINY_SPAN, streamed=False, step_repeats=3)
+    assert [m.key for m in quick] == [f"{key}{name}" for key in (PACKED_CACHED_KEY, PACKED_BLOCK_KEY,
+                                                                 PACKED_PREFILL_KEY) for name in PACKED_FORMATS]
     assert all(m.repeats == 3 for m in quick)
+
+
+def test_the_rates_and_a_packed_blocks_cost_are_fitted_to_the_packed_spans_alone(monkeypatch):
+    """Session 14 (issue 23): steps timed as weights / rate + blocks x cost give back that rate (cached and streamed)
+    and that cost, whatever the fp32 spans' cost (no longer an input: 0.3 ms a block subtracted from a 768-wide
+    packed span of ~0.26 ms a block left the 25% floor, a rate 4x too high)."""
+    rate, cost = {"q8_0": 20e9, "q4_0": 30e9, "q4_1": 25e9}, 2e-6  # the tiny spans: ~10 us of products
+    monkeypatch.setattr(measure, "decode_steps", lambda config, span, rows: (config, span))
+    real_timing = measure._alternating_seconds
+
+    def timed(runs, repeats):
+        if not all(isinstance(run, tuple) for run in runs):
+            return real_timing(runs, 1)  # the prefill passes, really run
+        return [[weights_of(span) / rate[fmt_of(span)] + config.num_layers * cost * (1 + 0.01 * (i % 3))
+                 for i in range(repeats)] for config, span in runs]
+
+    monkeypatch.setattr(measure, "_alternating_seconds", timed)
+    results = {m.key: m for m in measure_packed_kernels(repeats=2, **TINY_SPAN, step_repeats=5)}
+    for name in PACKED_FORMATS:
+        assert results[f"{PACKED_BLOCK_KEY}{name}"].value == pytest.approx(cost * 1.01, rel=1e-6)
+        for key in (PACKED_CACHED_KEY, PACKED_KERNEL_KEY):
+            assert results[f"{key}{name}"].value == pytest.approx(rate[name], rel=0.02)
+
+
+def weights_of(span) -> int:
+    return sum(getattr(getattr(block, parent), child).in_features * getattr(getattr(block, parent), child).out_features
+               for block in span.blocks for parent, child in measure.PACKED_LINEARS)
+
+
+def fmt_of(span) -> str:
+    return span.blocks[0].mlp.down_proj.fmt.name
+
+
+def test_a_packed_blocks_cost_below_the_noise_is_measured_as_none():
+    """Steps the fit cannot split (the narrow span no slower a weight than the wide one): cost 0, so the rate holds
+    the whole step; the detail says so."""
+    wide, narrow = ([1.0e-3, 1.1e-3, 0.9e-3], 20e6, 3), ([0.95e-3, 1.0e-3, 1.05e-3], 20e6, 25)
+    m = packed_block_overhead("q4_1", wide, narrow, 0.5, "widths 768 and 256")
+    assert m.key == f"{PACKED_BLOCK_KEY}q4_1" and m.value == 0 and "does not resolve" in m.detail
+    fitted = packed_block_overhead("q4_1", ([1.0e-3] * 3, 20e6, 3), ([1.0e-3 + 22 * 50e-6] * 3, 20e6, 25), 0.5, "")
+    assert fitted.value == pytest.approx(50e-6) and fitted.unit == "s"
+
+
+def test_the_narrow_span_is_narrower_in_whole_heads():
+    assert narrow_width(768) == 256 and narrow_width(2048) == 768 and narrow_width(128) == 64
 
 
 @pytest.mark.parametrize("fmt", PACKED_FORMATS)
@@ -96,7 +151,9 @@ def test_the_span_holds_its_format_in_one_buffer_beyond_the_asked_size(fmt):
     assert abs(ends[-1] - starts[0] - (256 << 10)) <= (ends[-1] - starts[0]) / config.num_layers
 
 
-def machine_measured(block_s: float, rates: dict[str, float]) -> HardwareSpec:
+def machine_measured(block_s: float, rates: dict[str, float], packed_block_s: float | None = None) -> HardwareSpec:
+    """cpu-generic with a measured profile: the fp32 spans' fixed cost of a block `block_s`, the packed rates and
+    (where given) a packed block's fixed cost for each of them."""
     records = [Measurement("ram_read", "RAM read", 30e9, "B/s", 0.0, 3, 0.0),
                Measurement("cpu_matmul_fp32_prefill", "fp32 matmul", 100e9, "FLOP/s", 0.0, 3, 0.0),
                Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", 30e9, "B/s", 0.0, 3, 0.0),
@@ -104,28 +161,71 @@ def machine_measured(block_s: float, rates: dict[str, float]) -> HardwareSpec:
                Measurement(SMALL_ROWS_READS_KEY, "4-row reads", 2.0, "x", 0.0, 3, 0.0)]
     records += [Measurement(f"{PACKED_KERNEL_KEY}{name}", name, rate, WEIGHTS_PER_S, 0.0, 3, 0.0)
                 for name, rate in rates.items()]
+    if packed_block_s is not None:
+        records += [Measurement(f"{PACKED_BLOCK_KEY}{name}", name, packed_block_s, "s", 0.0, 3, 0.0) for name in rates]
     return apply_measurements(get_hardware("cpu-generic"), records, when=1.7e9)
 
 
-@pytest.mark.parametrize("block_s", [0.05e-3, 0.3e-3])
-def test_a_model_shaped_as_the_measured_span_is_planned_at_its_step(block_s):
-    """The mechanism of issue 23's packed fix: the rate is the span's step less the fixed costs the planner adds to
-    each block, so a model of the span's shape (thin, many blocks) is planned at the step the span took, whatever
-    the fitted fixed cost: the per-product and cold-cache costs the span paid are in the plan, not counted twice."""
+@pytest.mark.parametrize("packed_block_s", [0.0, 0.05e-3])
+def test_a_model_shaped_as_the_measured_span_is_planned_at_its_step(packed_block_s):
+    """The mechanism of issue 23's packed fix: the rate is the span's step less the packed block's fixed cost that
+    the planner adds to each packed block, both fitted on packed spans, so a model of the span's shape (thin, many
+    blocks) is planned at the step the span took, whatever the fitted cost and whatever the fp32 spans' cost (0.3 ms
+    here: session 14's VNNI host, where adding it to each packed block put SmolLM2's step at twice its time)."""
     span = ModelSpec("span", "llama", 40, 768, 2112, 12, 3, 64, 256, True, 2048)
     weights = span.num_layers * model_numbers(span).matrix_params
-    step_s = 0.040  # the span's fastest step, as measured
-    rate = weights / packed_kernel_seconds(step_s, span.num_layers, block_s)
-    hardware = machine_measured(block_s, {"q4_1": rate, "q8_0": rate})
+    step_s = 0.040  # the span's step, as measured
+    rate = weights / packed_kernel_seconds(step_s, span.num_layers, packed_block_s)
+    hardware = machine_measured(0.3e-3, {"q4_1": rate, "q8_0": rate}, packed_block_s)
     ram = Placement(gpu=0.0, cpu=1.0, disk=0.0)
     policy = Policy(weight_format="q4_1", weights=ram, kv_cache=ram, activations=ram, micro_batch_size=1)
     efficiency = measured_efficiency(hardware)
     predicted = 1.0 / evaluate(span, hardware, policy, Workload(prompt_len=8, output_len=8),
                                efficiency).decode_tokens_per_s
     # beside the head and the step's own overhead (sampling), which no span pays, within 1% (attention's reads of
-    # the short KV cache): counted twice, the fixed costs would add 5% (40 x 0.05 ms) or 30%
+    # the short KV cache): the fp32 cost added to each block would add 30% (40 x 0.3 ms)
     head = model_numbers(span).head_params / rate
     assert step_s <= predicted <= (step_s + efficiency.accelerator.step_overhead_s) * 1.01 + 2 * head
+
+
+def test_a_packed_models_fixed_cost_is_the_packed_measurement_else_the_fp32_one():
+    """The planner's rule: a packed model's blocks pay the packed block's measured cost, an fp32 model's the fp32
+    spans' cost; a profile measured before the packed cost was (its packed rates measured less the fp32 cost)
+    keeps the fp32 cost for packed blocks too, so its rate and cost stay one fit."""
+    span = ModelSpec("span", "llama", 30, 576, 1536, 9, 3, 64, 49152, True, 2048)
+    ram = Placement(gpu=0.0, cpu=1.0, disk=0.0)
+    one_row = lambda fmt: Policy(weight_format=fmt, weights=ram, kv_cache=ram, activations=ram,  # noqa: E731
+                                 micro_batch_size=1)
+    rates = {"q4_1": 25e9, "q8_0": 20e9}
+
+    def fixed(hardware, fmt):
+        terms = decode_step_terms(span, hardware, one_row(fmt), Workload(prompt_len=8, output_len=8),
+                                  measured_efficiency(hardware))
+        return terms["blocks_fixed_s"] / span.num_layers
+
+    measured, older = machine_measured(0.3e-3, rates, 0.02e-3), machine_measured(0.3e-3, rates)
+    assert measured.cpu.packed_block_overhead == {"q4_1": 0.02e-3, "q8_0": 0.02e-3}
+    assert fixed(measured, "q4_1") == pytest.approx(0.02e-3) and fixed(measured, "fp32") == pytest.approx(0.3e-3)
+    assert older.cpu.packed_block_overhead == {} and fixed(older, "q4_1") == pytest.approx(0.3e-3)
+    # measured as none (below the noise): none added, not the fp32 cost
+    assert fixed(machine_measured(0.3e-3, rates, 0.0), "q4_1") == 0.0
+
+
+def test_the_packed_block_cost_goes_through_a_hardware_file_and_back():
+    from hivekeeper.planner.hardware_catalog import hardware_from_dict, hardware_to_json
+
+    hardware = machine_measured(0.3e-3, {"q4_1": 25e9}, 0.0425e-3)
+    doc = hardware_to_json(hardware)
+    assert doc["cpu"]["packed_block_overhead_ms"] == {"q4_1": 0.0425}
+    assert hardware_from_dict(doc).cpu.packed_block_overhead == pytest.approx({"q4_1": 0.0425e-3})
+    doc["cpu"]["packed_block_overhead_ms"] = {"q4_1": 500}
+    with pytest.raises(InputError, match="packed_block_overhead_ms.q4_1"):
+        hardware_from_dict(doc)
+    # a negative fit is read as none, a cost beyond any block's as the 0.1 s the fp32 one is held to
+    assert packed_block_costs([Measurement(f"{PACKED_BLOCK_KEY}q4_0", "", -1e-4, "s", 0, 3, 0),
+                               Measurement(f"{PACKED_BLOCK_KEY}q8_0", "", 5.0, "s", 0, 3, 0),
+                               Measurement(f"{PACKED_BLOCK_KEY}q5_k", "", 1e-4, "s", 0, 3, 0)]) == \
+        {"q4_0": 0.0, "q8_0": 0.1}
 
 
 def test_fixed_costs_that_would_explain_the_whole_step_leave_a_quarter():
