@@ -254,14 +254,13 @@ def packed_cached_rate(cpu: ComputeDevice, weight_format: str) -> float:
     return float(cpu.packed_kernels_cached.get(weight_format) or packed_kernel_rate(cpu, weight_format)[0])
 
 
-def packed_block_cost(cpu: ComputeDevice, weight_format: str) -> float | None:
+def packed_block_cost(cpu: ComputeDevice) -> float | None:
     """Seconds of a packed block's fixed cost in a one-row decode step, as `hivekeeper measure` fitted it on packed
-    spans (ComputeDevice.packed_block_overhead), or None where not measured: the decode then takes the fp32 blocks'
+    spans (ComputeDevice.packed_block_overhead_s), or None where not measured: the decode then takes the fp32 blocks'
     fitted cost (Efficiency.layer_overhead_s), which profiles measured before it subtracted from their packed rates,
     so rate and cost stay one fit either way. Issue 23 (session 14): the fp32 cost (0.3 ms a block on an AVX512-VNNI
     host) on SmolLM2's 30 packed blocks predicted a 6.3 ms step at ~15 ms."""
-    measured = cpu.packed_block_overhead.get(weight_format)
-    return None if measured is None else float(measured)
+    return cpu.packed_block_overhead_s
 
 
 def packed_prefill_rate(cpu: ComputeDevice, weight_format: str) -> tuple[float, bool]:
@@ -500,7 +499,7 @@ def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
                          f"dequantized to 16 bits (--quant none) or bitsandbytes int8/nf4")
     cpu, stored = machine.acc, fmt.bytes_per_param
     head_rate, _ = packed_kernel_rate(cpu, PACKED_HEAD_FORMAT)
-    block_cost = packed_block_cost(cpu, fmt.name)
+    block_cost = packed_block_cost(cpu)
     return FormatTraits(fmt, stored, read_bytes_gemv=stored, read_bytes_gemm=stored, vector_bytes=4.0,
                         kv_bytes=4.0, kv_read_factor=1.0, peak_flops=packed_prefill_rate(cpu, fmt.name)[0],
                         gemv_flops=2.0 * packed_kernel_rate(cpu, fmt.name)[0], overlapped=True,

@@ -63,10 +63,10 @@ class ComputeDevice:
     # not measured (costmodel.packed_prefill_rate then takes the fp32 FLOP/s)
     packed_prefill: dict[str, float] = field(default_factory=dict)
     # the fixed cost of a block of a packed model's decode step (norms, attention, the kernels' hand-offs), as
-    # `hivekeeper measure` fitted it with the cached rate to packed spans of two widths: format -> seconds; empty: not measured
+    # `hivekeeper measure` fitted it with the cached rates to packed spans of two widths, in seconds; None: not measured
     # (the cost model then takes the fp32 blocks' fitted cost, Efficiency.layer_overhead_s, which profiles measured
     # before session 14 subtracted from their packed rates)
-    packed_block_overhead: dict[str, float] = field(default_factory=dict)
+    packed_block_overhead_s: float | None = None
     cache_bytes: int | None = None  # a CPU's last-level cache (detected); None: unknown, every model streamed
     # a CPU's bf16 decode step over its fp32 one, as measured (bf16 through torch, fp32 through the native kernels):
     # the planner takes a one-row bf16 step at that many fp32 steps; None: not measured (half the fp32 bytes)

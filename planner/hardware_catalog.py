@@ -54,7 +54,7 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "pcie_gen": (1, 7),
     "pcie_lanes": (1, 32),
     "gweights_per_s": (0.001, 100_000.0),  # a CPU's packed-format kernels, billions of weights per second
-    "packed_block_ms": (0.0, 100.0),  # ... and the fixed cost of a packed block in a decode step, milliseconds
+    "packed_block_overhead_ms": (0.0, 100.0),  # ... and the fixed cost of a packed block in a decode step
     "cache_mib": (0.0625, 65_536.0),  # a CPU's last-level cache, MiB
     "half_decode_ratio": (0.05, 16.0),  # a CPU's measured bf16 decode step over its fp32 one
     "half_batch_gflops": (0.001, 1_000_000.0),  # ... and its bf16 matmul rate at a decode batch's rows
@@ -261,22 +261,17 @@ def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s
     """The cpu section's optional "packed_kernels_gweights_per_s": {"q4_0": 6.1, ...} (measured rates of the packed
     formats' kernels, hardware.ComputeDevice.packed_kernels) in weights/s; or, with key
     "packed_kernels_cached_gweights_per_s", their rates with the weights in the last-level cache; with
-    "packed_prefill_gweights_per_s", their row-weight products/s in a prefill (ComputeDevice.packed_prefill); with
-    "packed_block_overhead_ms", the fixed cost of a packed block in a decode step in seconds
-    (ComputeDevice.packed_block_overhead)."""
+    "packed_prefill_gweights_per_s", their row-weight products/s in a prefill (ComputeDevice.packed_prefill)."""
     table = s.doc.get(key)
     if table is None:
         return {}
-    blocks = key == "packed_block_overhead_ms"
     if not isinstance(table, dict):
-        raise s.error(key, f"must be an object of format ({', '.join(PACKED_FORMATS)}) -> "
-                           f"{'milliseconds' if blocks else 'billions of weights/s'}")
+        raise s.error(key, f"must be an object of format ({', '.join(PACKED_FORMATS)}) -> billions of weights/s")
     rates = {}
     for name, value in table.items():
         if name not in PACKED_FORMATS:
             raise s.error(f"{key}.{name}", f"is not a packed format ({', '.join(PACKED_FORMATS)})")
-        rates[name] = (1e-3 if blocks else 1e9) * check_number(value, "packed_block_ms" if blocks else "gweights_per_s",
-                                                               where=s.where, field=s.name(f"{key}.{name}"))
+        rates[name] = 1e9 * check_number(value, "gweights_per_s", where=s.where, field=s.name(f"{key}.{name}"))
     return rates
 
 
@@ -336,7 +331,8 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         packed_kernels=_parse_packed_kernels(s),
         packed_kernels_cached=_parse_packed_kernels(s, "packed_kernels_cached_gweights_per_s"),
         packed_prefill=_parse_packed_kernels(s, "packed_prefill_gweights_per_s"),
-        packed_block_overhead=_parse_packed_kernels(s, "packed_block_overhead_ms"),
+        packed_block_overhead_s=(s.limited("packed_block_overhead_ms", "packed_block_overhead_ms") / 1e3
+                                 if s.has("packed_block_overhead_ms") else None),
         cache_bytes=int(s.limited("cache_mib", "cache_mib") * (1 << 20)) if s.has("cache_mib") else None,
         half_decode_ratio=s.limited("half_decode_ratio", "half_decode_ratio", required=False),
         half_batch_flops=(s.limited("half_batch_gflops", "half_batch_gflops") * 1e9
@@ -666,9 +662,8 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                if cpu.packed_kernels_cached else {}),
             **({"packed_prefill_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_prefill.items()}}
                if cpu.packed_prefill else {}),
-            **({"packed_block_overhead_ms": {name: round(cost * 1e3, 4)
-                                             for name, cost in cpu.packed_block_overhead.items()}}
-               if cpu.packed_block_overhead else {}),
+            **({"packed_block_overhead_ms": round(cpu.packed_block_overhead_s * 1e3, 4)}
+               if cpu.packed_block_overhead_s is not None else {}),
             **({"cache_mib": round(cpu.cache_bytes / (1 << 20), 4)} if cpu.cache_bytes else {}),
             **({"half_decode_ratio": round(cpu.half_decode_ratio, 4)} if cpu.half_decode_ratio else {}),
             **({"half_batch_gflops": _unit(cpu.half_batch_flops, 1e9)} if cpu.half_batch_flops else {}),

@@ -732,9 +732,10 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
       again, so its weights stay in the cache, as a small model's do (issue 23: SmolLM2's 84 MB of packed weights fit
       a 105 MiB L3, and decoded faster than a span beyond it); and a span of as many bytes of narrower blocks
       (narrow_width: many more of them). Fitting seconds = weights / rate + blocks x fixed cost to the two
-      (fit_bytes_and_blocks, as the fp32 spans are fitted) gives the cached rate and PACKED_BLOCK_KEY, the fixed cost
-      of a packed block (its norms, attention, the kernels' hand-offs), which the planner adds to each block of a
-      packed model. Issue 23 (session 14): subtracting the fp32 spans' fitted cost instead (0.3-0.43 ms a block on an
+      (fit_bytes_and_blocks, as the fp32 spans are fitted) gives a packed block's fixed cost (its norms, attention,
+      the kernels' hand-offs), and the median of the three formats' fits is PACKED_BLOCK_KEY (packed_block_overhead:
+      one cost, as robust as three readings), which the planner adds to each block of a packed model; each cached
+      rate is its span's step less that cost. Issue 23 (session 14): subtracting the fp32 spans' fitted cost instead (0.3-0.43 ms a block on an
       AVX512-VNNI host, where a whole 768-wide packed block took ~0.26 ms) left the 25% floor of
       packed_kernel_seconds, a rate 4x too high, and the planner then added 0.3 ms to each of SmolLM2's 30 blocks:
       9 ms of a 6.3 ms step;
@@ -773,15 +774,14 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
     finally:
         torch.set_num_threads(previous_threads)
     runs = {key: (timed[key], weights, config.num_layers) for key, (config, _, weights) in spans.items()}
-    blocks = {name: packed_block_overhead(name, runs[(PACKED_CACHED_KEY, name)], runs[(PACKED_BLOCK_KEY, name)], load,
-                                          f"widths {hidden} and {narrow_width(hidden)}")
-              for name in FORMATS}
+    block = packed_block_overhead({name: (runs[(PACKED_CACHED_KEY, name)], runs[(PACKED_BLOCK_KEY, name)])
+                                   for name in FORMATS}, load, f"widths {hidden} and {narrow_width(hidden)}")
     path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
     results = []
     for (key, name), (seconds, weights, count) in runs.items():
         if key == PACKED_BLOCK_KEY:
             continue
-        block_s = blocks[name].value
+        block_s = block.value
         kernel_seconds = [packed_kernel_seconds(s, count, block_s) for s in seconds]
         where = "in the last-level cache" if key == PACKED_CACHED_KEY else "beyond the caches"
         results.append(_median_rate_measurement(
@@ -791,7 +791,7 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
             f"({weights * format_bytes(name) / 2**20:.0f} MiB packed, {where}: {cache / 2**20:.0f} MiB), {path}, "
             f"median {median_and_spread(seconds)[0] * 1e3:.3g} ms less {block_s * 1e3:.3g} ms a block (the fixed "
             "cost fitted to the packed spans); the spans timed in turn"))
-    results += blocks.values()
+    results.append(block)
     for (name, (_, flops, count)), seconds in zip(prefills.items(), prefill_timed):
         products = flops / 2.0  # row-weight products (attention's few aside)
         results.append(_median_rate_measurement(
@@ -809,20 +809,26 @@ def narrow_width(hidden: int) -> int:
     return max(64, hidden * 3 // 8 // 64 * 64)
 
 
-def packed_block_overhead(fmt: str, wide: tuple[list[float], float, int], narrow: tuple[list[float], float, int],
+def packed_block_overhead(runs: dict[str, tuple[tuple[list[float], float, int], tuple[list[float], float, int]]],
                           load: float, widths: str) -> Measurement:
-    """PACKED_BLOCK_KEY of one format: the fixed cost of a packed block fitted with the rate to the cached span and
-    the narrow one (each: seconds of every repeat, weights, blocks), on their median steps (fit_bytes_and_blocks: 0
-    where noise makes the split meaningless, and the rate then holds the whole step), with the spread of the
-    repeats' pairwise fits (block_overhead)."""
-    (s1, w1, n1), (s2, w2, n2) = wide, narrow
-    per_block, _ = fit_bytes_and_blocks((statistics.median(s1), w1, n1), (statistics.median(s2), w2, n2))
-    detail = (f"{n1} and {n2} random {fmt} blocks of {widths} ({w1 / 1e6:.3g} and {w2 / 1e6:.3g} M weights, in the "
-              f"last-level cache), one-row steps {statistics.median(s1) * 1e3:.3g} and "
-              f"{statistics.median(s2) * 1e3:.3g} ms (medians of {len(s1)} in turn), fitted as weights / rate + "
-              "blocks x cost")
-    return replace(block_overhead(per_block, wide, narrow, load, detail), key=f"{PACKED_BLOCK_KEY}{fmt}",
-                   label=f"fixed cost of a {fmt} block in a decode step")
+    """PACKED_BLOCK_KEY: the fixed cost of a packed block, the median over the formats of the cost fitted with each
+    format's rate to its cached span and its narrow one (`runs`: format -> (wide, narrow), each seconds of every
+    repeat, weights, blocks), on their median steps (fit_bytes_and_blocks: 0 where noise makes the split
+    meaningless, and the rates then hold the whole step). A block's norms, attention and hand-offs are the same
+    whatever its weights' format, and one fit moved 0.06-0.25 ms between formats timed in the same seconds (load
+    4-7): the median of three is the steadier reading. Samples: each format's fit; spread: their range."""
+    fits, words = [], []
+    for fmt, ((s1, w1, n1), (s2, w2, n2)) in runs.items():
+        m1, m2 = statistics.median(s1), statistics.median(s2)
+        fits.append(fit_bytes_and_blocks((m1, w1, n1), (m2, w2, n2))[0])
+        words.append(f"{fmt} {n1} and {n2} blocks ({w1 / 1e6:.3g} and {w2 / 1e6:.3g} M weights) {m1 * 1e3:.3g} and "
+                     f"{m2 * 1e3:.3g} ms: {fits[-1] * 1e3:.3g} ms")
+    value, spread = median_and_spread(fits)
+    detail = (f"one-row steps of random packed blocks of {widths} in the last-level cache (medians of "
+              f"{len(next(iter(runs.values()))[0][0])} in turn), fitted as weights / rate + blocks x cost: "
+              f"{'; '.join(words)}; the median of the formats' fits (0: the noise does not resolve it)")
+    return Measurement(PACKED_BLOCK_KEY, "fixed cost of a packed block in a decode step", value, "s", spread,
+                       len(fits), max(load, load_average()), detail, fits)
 
 
 def packed_kernel_seconds(step_s: float, blocks: int, block_overhead_s: float) -> float:

@@ -28,10 +28,10 @@ PACKED_CACHED_KEY = "cpu_packed_cached_"
 # ... and a prefill through such a cached span (the int8 kernels on many rows): key PACKED_PREFILL_KEY + format, in
 # row-weight products per second (WEIGHTS_PER_S; 2 FLOPs each)
 PACKED_PREFILL_KEY = "cpu_packed_prefill_"
-# ... and the fixed cost of a packed block in a decode step, fitted with the cached rate to the cached spans and a
-# narrower span of as many packed bytes (issue 23: the fp32 spans' cost is no packed block's): key PACKED_BLOCK_KEY +
-# format, in seconds (0: the fit was below the steps' noise, the rate holds the whole step)
-PACKED_BLOCK_KEY = "cpu_block_overhead_packed_"
+# ... and the fixed cost of a packed block in a decode step, fitted with each format's cached rate to its cached span
+# and a narrower span of as many packed bytes, the median of the formats' fits (issue 23: the fp32 spans' cost is no
+# packed block's), in seconds (0: below the steps' noise, the rates hold the whole step)
+PACKED_BLOCK_KEY = "cpu_block_overhead_packed"
 # measure.measure_decode_blocks's prefill passes through the same fp32 spans (the runtime's own prefill path): the
 # FLOP/s of their products and the fixed cost of a block in a prefill
 PREFILL_FLOPS_KEY = "cpu_prefill_fp32"

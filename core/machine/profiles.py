@@ -183,13 +183,13 @@ def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KE
             and m.value > 0}
 
 
-def packed_block_costs(measurements: list[Measurement]) -> dict[str, float]:
-    """format -> seconds of a packed block's fixed cost in a decode step (measure.packed_block_overhead, fitted on
-    packed spans), as the planner takes them (hardware.ComputeDevice.packed_block_overhead): 0 kept (the fit found
-    none the noise resolves: the format's rates hold the whole step), at most 0.1 s as the fp32 one; empty where not
-    measured (profiles saved before session 14, whose packed rates were measured less the fp32 spans' cost)."""
-    return {m.key[len(PACKED_BLOCK_KEY):]: min(0.1, max(0.0, m.value)) for m in measurements
-            if m.key.startswith(PACKED_BLOCK_KEY) and m.key[len(PACKED_BLOCK_KEY):] in PACKED_FORMATS}
+def packed_block_cost(measurements: list[Measurement]) -> float | None:
+    """Seconds of a packed block's fixed cost in a decode step (measure.packed_block_overhead, fitted on packed
+    spans), as the planner takes it (hardware.ComputeDevice.packed_block_overhead_s): 0 kept (the fit found none the
+    noise resolves: the packed rates hold the whole step), at most 0.1 s as the fp32 one; None where not measured
+    (profiles saved before session 14, whose packed rates were measured less the fp32 spans' cost)."""
+    found = [m.value for m in measurements if m.key == PACKED_BLOCK_KEY]
+    return min(0.1, max(0.0, found[-1])) if found else None
 
 
 # ---- measured numbers into a spec ---------------------------------------------------------------------------------
@@ -258,12 +258,12 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
     if HALF_DECODE_KEY in by_key and by_key[HALF_DECODE_KEY].value > 0:  # a bf16 step / an fp32 one (cpu_dtype)
         cpu = dataclasses.replace(cpu, half_decode_ratio=min(16.0, max(0.05, by_key[HALF_DECODE_KEY].value)))
     kernels, cached = packed_kernel_rates(measurements), packed_kernel_rates(measurements, PACKED_CACHED_KEY)
-    prefill, blocks = packed_kernel_rates(measurements, PACKED_PREFILL_KEY), packed_block_costs(measurements)
-    if kernels or cached or prefill or blocks:
+    prefill, block = packed_kernel_rates(measurements, PACKED_PREFILL_KEY), packed_block_cost(measurements)
+    if kernels or cached or prefill or block is not None:
         cpu = dataclasses.replace(cpu, packed_kernels=kernels or cpu.packed_kernels,
                                   packed_kernels_cached=cached or cpu.packed_kernels_cached,
                                   packed_prefill=prefill or cpu.packed_prefill,
-                                  packed_block_overhead=blocks or cpu.packed_block_overhead)
+                                  packed_block_overhead_s=cpu.packed_block_overhead_s if block is None else block)
 
     disk_changes, disk_sources = {}, dict(disk.sources)
     for key, attr in (("disk_read", "read_bandwidth"), ("disk_write", "write_bandwidth")):
@@ -347,8 +347,8 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
                         "default: costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S x cores"))
         rows.append(row("CPU", f"{name} kernel, one row, weights in cache", default, f"{PACKED_CACHED_KEY}{name}",
                         WEIGHTS_PER_S, "default: costmodel.DEFAULT_PACKED_WEIGHTS_PER_CORE_S x cores"))
-        rows.append(row("CPU", f"fixed cost of a {name} block in a decode step", default_cpu.layer_overhead_s,
-                        f"{PACKED_BLOCK_KEY}{name}", "s", "default: the fp32 blocks'"))
+    rows.append(row("CPU", "fixed cost of a packed block in a decode step", default_cpu.layer_overhead_s,
+                    PACKED_BLOCK_KEY, "s", "default: the fp32 blocks'"))
     rows.append(row("disk", "read (uncached)", detected.disk.read_bandwidth, "disk_read", "B/s",
                     detected.disk.sources.get("read_bandwidth", "")))
     rows.append(row("disk", "write", detected.disk.write_bandwidth, "disk_write", "B/s",
