@@ -104,13 +104,14 @@ class _Keyboard:
     """The lines typed, waited for so that a Ctrl-C always ends the wait at once: select() on stdin and on a signal
     wakeup pipe (signal.set_wakeup_fd: Python's C-level handler writes to it however early the signal came and on
     whichever thread, so select() returns and the Python handler runs next), then stdin's descriptor read raw into
-    this buffer (a TextIOWrapper may hold lines select() cannot see). A stdin without a descriptor (a StringIO) is
-    read with its own readline(), uninterruptibly."""
+    this buffer (a TextIOWrapper may hold lines select() cannot see). A stdin without a descriptor (a StringIO), and
+    any stdin on Windows (where select() takes only sockets), is read with its own readline(): a Ctrl-C there is
+    seen once a line comes."""
 
     def __init__(self, stream):
         self.stream = stream
         try:
-            self.fd: int | None = stream.fileno()
+            self.fd: int | None = stream.fileno() if os.name != "nt" else None
         except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
             self.fd = None
         self.buffer = b""
