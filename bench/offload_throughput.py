@@ -44,15 +44,12 @@ the blocks' pass, its waits for streamed reads and the KV cache's traffic, the c
 head, sampling and embedding); `largest_miss` names the part that puts the run's prediction furthest off, in
 seconds of the run. Prints one JSON line, with os.getloadavg() before and after.
 
-Why the bf16 batch plan's prediction can still miss on a CPU with native bf16 math (AVX512-BF16, session 14):
-torch's bf16 products there pay a fixed cost per pass over a weight, so their rate grows with the rows a pass
-multiplies (a [rows, 1024] x [1024, 2048] product, busy: 67 GFLOP/s at 128 rows, 134 at 256, 179 at 1024-2048). The
-engine's batch prefill multiplies parts of >= 1024 rows (a 128 x 16-token micro-batch: 2048), its decode steps the
-whole batch at once (256 rows). The planner prices the decode steps and the head at the measured rate of the bf16
-product of the profile's prefill shape (128 rows quick, 512 full: ComputeDevice.half_batch_flops) and the prefill at
-the FLOP/s table's bf16, which is that product raised to the fp32 prefill passes' rate (cpu_dtype_rule.with_choice):
-a proxy, not a bf16 prefill measured at the engine's part rows, so a profile whose fp32 reading is low (busy) prices
-the prefill too slow. `terms` shows which.
+Why the bf16 batch plan's prediction can miss on a CPU with native bf16 math (AVX512-BF16, session 14): the planner
+has one bf16 rate for a plan's prefill (parts of >= 1024 rows) and its decode steps (the whole batch at once, 256
+rows here), the FLOP/s table's: the measured bf16 product of the profile's prefill shape (128 rows quick) raised to
+the fp32 prefill passes' rate (cpu_dtype_rule.with_choice). That proxy held at load 2 (the 256-row steps multiplied
+at ~110 GFLOP/s, the prefill parts at ~110, the table said 117) but a profile whose fp32 reading is low (busy)
+prices both too slow, and at load 4 the 256-row steps ran at 67. `terms` shows which term is off.
 
     python bench/offload_throughput.py --packed-gguf      # a GGUF streamed packed against streamed dequantized
 

@@ -431,9 +431,6 @@ class FormatTraits:
     # decode micro-batches up to these rows read read_bytes_gemv a weight (bf16 on a CPU: the measured step ratio up
     # to the decode kernels' rows, PACKED_KERNEL_ROWS); more rows read_bytes_gemm
     gemv_rows: float = 1.0
-    # FLOP/s of a decode step's products and of the head (rows of a batch, not a prefill's parts; bf16 on a CPU: the
-    # measured rate at a decode batch's rows, ComputeDevice.half_batch_flops); 0: peak_flops
-    step_flops: float = 0.0
     # packed formats: a block's fixed cost in a decode step within the kernels' rows, as measured on packed spans
     # (packed_block_cost); negative: Efficiency.layer_overhead_s
     decode_block_s: float = -1.0
@@ -471,11 +468,10 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
 def half_cpu_traits(machine: Machine, fmt: WeightFormat, native: bool) -> FormatTraits:
     """A 16-bit format on a CPU. Natively multiplied bf16: a decode micro-batch of up to PACKED_KERNEL_ROWS rows
     takes the measured bf16 decode step (half_decode_ratio: that many fp32 steps; 2 bytes a weight where not
-    measured), more rows (and a prefill) read 2 bytes a weight at the CPU's bf16 matmul rate (measured by
-    `hivekeeper measure`: 527 GFLOP/s against fp32's ~100 on the AMX VM); a decode step's products and the head
-    multiply a batch's rows, at the measured rate of such rows where there is one (half_batch_flops: step_flops).
-    Converted to fp32 first (no native math, or fp16): HALF_AS_FP32_ON_CPU the bytes, at the rate the FLOP/s table
-    lists for the format (the catalog's rate of software-converted kernels), else fp32's."""
+    measured), more rows (and a prefill) read 2 bytes a weight at the CPU's bf16 matmul rate (measured by `hivekeeper
+    measure`: 527 GFLOP/s against fp32's ~100 on the AMX VM). Converted to fp32 first (no native math, or fp16):
+    HALF_AS_FP32_ON_CPU the bytes, at the rate the FLOP/s table lists for the format (the catalog's rate of
+    software-converted kernels), else fp32's."""
     cpu = machine.acc
     half_native = native and fmt.name == "bf16"
     gemv = gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU
@@ -483,10 +479,8 @@ def half_cpu_traits(machine: Machine, fmt: WeightFormat, native: bool) -> Format
         gemv = 4.0 * cpu.half_decode_ratio
     peak = float(cpu.peak_flops(fmt.name) if fmt.name in cpu.flops else cpu.peak_flops("fp32"))
     vector = _vector_bytes(fmt)
-    step = min(peak, cpu.half_batch_flops) if half_native and cpu.half_batch_flops else 0.0
     return FormatTraits(fmt, fmt.bytes_per_param, gemv, gemm, vector, 2.0, 1.0 if native else HALF_AS_FP32_ON_CPU,
-                        peak, peak, False, vector, peak, gemv_rows=PACKED_KERNEL_ROWS if half_native else 1.0,
-                        step_flops=step)
+                        peak, peak, False, vector, peak, gemv_rows=PACKED_KERNEL_ROWS if half_native else 1.0)
 
 
 def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
@@ -740,7 +734,6 @@ class CandidateArrays:
     kv_bytes: np.ndarray
     kv_read_factor: np.ndarray
     peak_flops: np.ndarray
-    step_flops: np.ndarray  # FLOP/s of a decode step's products and the head (FormatTraits.step_flops, else peak)
     gemv_flops: np.ndarray  # FLOP/s of a decode of a few rows (packed formats: their kernels, as cached as they fit)
     overlapped: np.ndarray  # packed formats: a decode step takes max(reads, kernel compute), not their sum
     head_bytes: np.ndarray  # bytes per LM head parameter read
@@ -773,7 +766,6 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         stored_bytes=stored, gemv_bytes=trait("read_bytes_gemv"), gemm_bytes=trait("read_bytes_gemm"),
         gemv_rows=trait("gemv_rows"), vector_bytes=vector, kv_bytes=kv, kv_read_factor=trait("kv_read_factor"),
         peak_flops=trait("peak_flops"),
-        step_flops=np.where(trait("step_flops") > 0, trait("step_flops"), trait("peak_flops")),
         gemv_flops=gemv_flops, overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
         head_flops=head_flops, cached_share=share, prefill_overhead=trait("prefill_overhead"),
         decode_block_s=trait("decode_block_s"),
@@ -944,7 +936,7 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     kernel_rows = grid.overlapped & (rows <= PACKED_KERNEL_ROWS)
     nbytes = nbytes - np.where(kernel_rows, grid.micro_batches * touched * read_per_param * grid.cached_share, 0.0)
     work = accelerator_work(grid, nbytes, bytes_min, flops, np.where(kernel_rows, kernel_peak(grid, grid.gemv_flops),
-                                                                     grid.step_flops))
+                                                                     grid.peak_flops))
     if kernel_rows.any():
         work = overlap(work, kernel_rows)
     if not steps_measured(grid.machine):
@@ -1035,7 +1027,7 @@ def lm_head(grid: CandidateArrays) -> AcceleratorWork:
     kernel_rows = grid.overlapped & (grid.batch <= PACKED_KERNEL_ROWS)
     reads = nbytes * format_reads(grid, grid.batch) * np.where(kernel_rows, 1.0 - grid.cached_share, 1.0)
     work = accelerator_work(grid, reads, nbytes, flops,
-                            np.where(kernel_rows, kernel_peak(grid, grid.head_flops), grid.step_flops))
+                            np.where(kernel_rows, kernel_peak(grid, grid.head_flops), grid.peak_flops))
     work = overlap(work, kernel_rows) if kernel_rows.any() else work
     if not steps_measured(grid.machine):
         return work

@@ -71,13 +71,6 @@ class ComputeDevice:
     # a CPU's bf16 decode step over its fp32 one, as measured (bf16 through torch, fp32 through the native kernels):
     # the planner takes a one-row bf16 step at that many fp32 steps; None: not measured (half the fp32 bytes)
     half_decode_ratio: float | None = None
-    # a CPU's bf16 matmul rate at a decode batch's rows: the product of the prefill shape `hivekeeper measure` times
-    # (128 rows quick, 512 full), before the FLOP/s table's bf16 is raised to fp32's prefill rate (cpu_dtype_rule.
-    # with_choice). Torch's bf16 products pay a fixed cost per pass over a weight, so a decode step of a few hundred
-    # rows multiplies at this rate while a prefill's parts of >= 1024 rows reach the table's (issue 22: the bench's
-    # 256-row bf16 steps ran at 67 GFLOP/s, its 2048-row prefill parts at 108). The planner prices bf16 decode steps
-    # and the head at it; None: the table's bf16
-    half_batch_flops: float | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a compute dtype; falls back to fp32's rate (or the best known) when not listed."""

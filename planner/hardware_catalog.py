@@ -57,7 +57,6 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "packed_block_overhead_ms": (0.0, 100.0),  # ... and the fixed cost of a packed block in a decode step
     "cache_mib": (0.0625, 65_536.0),  # a CPU's last-level cache, MiB
     "half_decode_ratio": (0.05, 16.0),  # a CPU's measured bf16 decode step over its fp32 one
-    "half_batch_gflops": (0.001, 1_000_000.0),  # ... and its bf16 matmul rate at a decode batch's rows
 }
 
 # the end of a too-large value's error: a value 1000x too large is usually in the wrong unit
@@ -233,8 +232,7 @@ _GPU_KEYS = {"name", "memory_gb", "memory_gib", "memory_bandwidth_gbps", "flops_
              "pcie_gen", "pcie_lanes", "unified_memory", "in_use_gb"}
 _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w",
              "decode_streaming", "in_use_gb", "packed_kernels_gweights_per_s", "packed_kernels_cached_gweights_per_s",
-             "packed_prefill_gweights_per_s", "packed_block_overhead_ms", "cache_mib", "half_decode_ratio",
-             "half_batch_gflops"}
+             "packed_prefill_gweights_per_s", "packed_block_overhead_ms", "cache_mib", "half_decode_ratio"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0),  # issue 23: measured per-block cost of a decode step
@@ -335,8 +333,6 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
                                  if s.has("packed_block_overhead_ms") else None),
         cache_bytes=int(s.limited("cache_mib", "cache_mib") * (1 << 20)) if s.has("cache_mib") else None,
         half_decode_ratio=s.limited("half_decode_ratio", "half_decode_ratio", required=False),
-        half_batch_flops=(s.limited("half_batch_gflops", "half_batch_gflops") * 1e9
-                          if s.has("half_batch_gflops") else None),
     )
 
 
@@ -666,7 +662,6 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                if cpu.packed_block_overhead_s is not None else {}),
             **({"cache_mib": round(cpu.cache_bytes / (1 << 20), 4)} if cpu.cache_bytes else {}),
             **({"half_decode_ratio": round(cpu.half_decode_ratio, 4)} if cpu.half_decode_ratio else {}),
-            **({"half_batch_gflops": _unit(cpu.half_batch_flops, 1e9)} if cpu.half_batch_flops else {}),
             "sources": dict(cpu.sources),
         },
         "disk": {

@@ -250,8 +250,6 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
         cpu_rates["fp32"] = by_key[PREFILL_FLOPS_KEY]
     if cpu_rates:  # measured rates, as the planner must see them under this machine's 16-bit decision
         cpu = with_choice(_with_flops(cpu, cpu_rates, when), choose(measurements))
-    if "bf16" in cpu_rates and cpu_rates["bf16"].value > 0:  # the product as measured (128 / 512 rows): decode batches
-        cpu = dataclasses.replace(cpu, half_batch_flops=cpu_rates["bf16"].value)
     streaming = decode_streaming(measurements)
     if streaming is not None:
         cpu = dataclasses.replace(cpu, decode_streaming=streaming)

@@ -91,29 +91,3 @@ def test_what_the_engine_runs_as_named_is_evaluated_as_named():
     assert converting.policy.weight_format == "fp32"
     assert converting.engine_note.endswith("this CPU multiplies no bf16 natively")
 
-
-def test_a_bf16_decode_batch_multiplies_at_its_rows_measured_rate_and_the_prefill_at_the_tables():
-    """Torch's bf16 products pay a fixed cost per pass over a weight: a decode step's few hundred rows multiply at
-    the rate measured at such rows (ComputeDevice.half_batch_flops), a prefill's parts of thousands at the table's."""
-    workload = Workload(prompt_len=16, output_len=8)
-    table = run_terms(MODEL, cpu(200e9), STREAMED, workload, EFF)
-    hardware = cpu(200e9)
-    hardware = dataclasses.replace(hardware, cpu=dataclasses.replace(hardware.cpu, half_batch_flops=50e9))
-    rows = run_terms(MODEL, hardware, STREAMED, workload, EFF)
-    for part in ("blocks_compute_s", "head_compute_s"):
-        assert rows["decode_step"][part] == pytest.approx(4 * table["decode_step"][part], rel=1e-9)
-    assert rows["prefill"]["blocks_compute_s"] == pytest.approx(table["prefill"]["blocks_compute_s"], rel=1e-9)
-    fp32 = dataclasses.replace(STREAMED, weight_format="fp32")  # other formats keep their rate
-    assert run_terms(MODEL, hardware, fp32, workload, EFF) == run_terms(MODEL, cpu(200e9), fp32, workload, EFF)
-
-
-def test_the_batch_rate_is_the_measured_128_row_bf16_product_and_travels_in_a_hardware_file():
-    from hivekeeper.core.machine.measurement import PREFILL_FLOPS_KEY, Measurement
-    from hivekeeper.core.machine.profiles import apply_measurements
-    from hivekeeper.planner.hardware_catalog import hardware_from_dict, hardware_to_json
-
-    measured = apply_measurements(cpu(50e9), [
-        Measurement("cpu_matmul_bf16_prefill", "bf16 matmul, prefill shape", 67e9, "FLOP/s", 0.0, 2, 0.5),
-        Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", 117e9, "FLOP/s", 0.0, 3, 0.5)])
-    assert measured.cpu.half_batch_flops == 67e9  # the product's own rate, whatever the table's bf16 became
-    assert hardware_from_dict(hardware_to_json(measured), where="t.json").cpu.half_batch_flops == pytest.approx(67e9)
