@@ -842,10 +842,13 @@ def touched_matrices(numbers: ModelNumbers, tokens):
 
 
 def weight_reads(grid: CandidateArrays, rows):
-    """How many times a matmul of `rows` rows reads its weights: once for one row; CPU kernels read them
-    Efficiency.weight_reread_rows times for a few rows (1 on GPUs). Where many rows make a matmul
-    compute-bound the FLOP term takes over."""
-    return np.where(rows <= 1, 1.0, grid.acc_eff.weight_reread_rows)
+    """How many times a matmul of `rows` rows reads its weights: once for one row; on CPUs
+    Efficiency.weight_reread_rows times at REREAD_ROWS rows (the few-row step measured), in proportion to the
+    rows beyond the first below that, and that many times above it (1 on GPUs). Issue 23: a 2-row step cost
+    1.33x a one-row step where a 4-row one cost 2.2x; priced at the 4-row factor, the calibration's batch-2 points
+    pulled the fitted factor down to 1.5. Where many rows make a matmul compute-bound the FLOP term takes over."""
+    share = np.clip((np.asarray(rows, dtype=float) - 1.0) / (REREAD_ROWS - 1), 0.0, 1.0)
+    return 1.0 + (grid.acc_eff.weight_reread_rows - 1.0) * share
 
 
 def format_reads(grid: CandidateArrays, rows):
@@ -951,6 +954,9 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
                            work.bound_s)
 
 
+# the rows of the few-row decode steps `hivekeeper measure` times (core.machine.measure), at which
+# Efficiency.weight_reread_rows is measured and fitted (weight_reads)
+REREAD_ROWS = 4
 PACKED_KERNEL_ROWS = 8  # rows the decode kernels take at once (native_kernels.MAX_ROWS); more: packed_prefill_rate
 PACKED_PREFILL_ROWS = 512  # rows one pass over a packed weight serves in a prefill (native_kernels.QUANT_MAX_ROWS)
 

@@ -25,6 +25,7 @@ from typing import Callable, TextIO
 import numpy as np
 import torch
 
+from hivekeeper.planner.costmodel import REREAD_ROWS
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
@@ -405,7 +406,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     ]
 
 
-FEW_ROWS = 4  # the rows of the few-row decode steps measured (the native kernels take up to 8)
+FEW_ROWS = REREAD_ROWS  # the rows of the few-row decode steps measured (the native kernels take up to 8)
 
 
 def few_row_terms(wide: tuple[float, float, int], narrow: tuple[float, float, int], per_block: float,

@@ -274,13 +274,14 @@ def test_efficiency_classes():
 CPU_RESIDENT = dict(weights=Placement(0, 1, 0), kv_cache=Placement(0, 1, 0), activations=Placement(0, 1, 0))
 
 
-@pytest.mark.parametrize("batch", [1, 2, 8])
-def test_cpu_weight_rereads_by_hand(batch):
+@pytest.mark.parametrize("batch, reads", [(1, 1.0), (2, 5 / 3), (4, 3.0), (8, 3.0)])
+def test_cpu_weight_rereads_by_hand(batch, reads):
     rereads = MachineEfficiency(dataclasses.replace(EFF.accelerator, weight_reread_rows=3.0), EFF.host)
     policy = Policy("fp32", micro_batch_size=batch, **CPU_RESIDENT)
     once = evaluate(LLAMA2_7B, CPU_ONLY, policy, Workload(100, 2), EFF)
     pred = evaluate(LLAMA2_7B, CPU_ONLY, policy, Workload(100, 2), rereads)
-    reads = 1 if batch == 1 else 3  # a matmul of a few rows reads each weight 3 times, of one row once
+    # a matmul of one row reads each weight once, of 4 rows (REREAD_ROWS, where the factor is measured) or more 3
+    # times, of 2 rows in proportion to its rows beyond the first: 1 + 2 x 1/3
     # 32 blocks of fp32 matrices (read `reads` times), norms, K and V at context 101, and the LM head (read `reads`
     # times), at 50 GB/s × 0.8
     assert pred.step_breakdown_s["accelerator memory"] == pytest.approx(
