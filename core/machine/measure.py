@@ -31,7 +31,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY,
+    PACKED_PREFILL_KEY, PREFILL_BF16_KEY,
     PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
     Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
@@ -435,17 +435,18 @@ def block_weights(block) -> int:
                for parent, child in PACKED_LINEARS)
 
 
-def prefill_pass(config, span) -> tuple[Callable[[], None], float, int]:
+def prefill_pass(config, span, dtype: torch.dtype = torch.float32) -> tuple[Callable[[], None], float, int]:
     """(a prefill through the span's first blocks, its FLOPs, its blocks): PREFILL_SEQUENCES prompts of
     PREFILL_TOKENS tokens from position 0 through the runtime's prefill path (Span.forward, block by block: the
-    products of many rows on OpenBLAS for fp32, on the int8 kernels for packed linears)."""
+    products of many rows on OpenBLAS for fp32, on the int8 kernels for packed linears, torch's for bf16), the
+    inputs and cache in `dtype` (the span's)."""
     from hivekeeper.core.runtime.model import KVCache, Span
 
     per_block = block_weights(span.blocks[0])
     blocks = max(1, min(len(span.blocks), round(PREFILL_WEIGHTS / per_block)))
     part = Span(replace(config, num_layers=blocks), 0, blocks, list(span.blocks[:blocks]))
-    cache = KVCache.allocate(config, blocks, PREFILL_SEQUENCES, DECODE_SPAN_POSITIONS)
-    hidden = torch.randn(PREFILL_SEQUENCES, PREFILL_TOKENS, config.hidden_size) * 0.1
+    cache = KVCache.allocate(config, blocks, PREFILL_SEQUENCES, DECODE_SPAN_POSITIONS, dtype)
+    hidden = (torch.randn(PREFILL_SEQUENCES, PREFILL_TOKENS, config.hidden_size) * 0.1).to(dtype)
     rows = PREFILL_SEQUENCES * PREFILL_TOKENS
     attention = 4.0 * config.hidden_size * PREFILL_TOKENS * (PREFILL_TOKENS + 1) / 2 * PREFILL_SEQUENCES
     flops = blocks * (2.0 * rows * per_block + attention)
@@ -897,6 +898,31 @@ def half_decode_width(hidden: int, total_bytes: int, repeats: int) -> tuple[floa
     return ratio, spread, ratios, words
 
 
+def measure_half_prefill(hidden: int = HALF_THIN, repeats: int = 5) -> Measurement:
+    """PREFILL_BF16_KEY: FLOP/s of prefill passes (prefill_pass) through random bf16 decoder blocks of width `hidden`
+    (half_span: laid out as a bf16 checkpoint loads), the runtime's bf16 path, blocks' own costs included; the median
+    of PREFILL_REPEATS or `repeats` passes, whichever is more. The planner prices a bf16 CPU plan's prefill and its
+    many-row decode steps at it (profiles.apply_measurements), not at a bf16 matmul alone, which the blocks' products
+    do not reach (issue 22: 318 GFLOP/s alone, ~110 in the engine's blocks)."""
+    load = load_average()
+    previous_threads = torch.get_num_threads()
+    use_blas_threads()  # the runtime's thread layout
+    try:
+        config, fp32 = decode_span(hidden, PREFILL_WEIGHTS * 4)
+        run, flops, blocks = prefill_pass(config, half_span(config, fp32), torch.bfloat16)
+        del fp32
+        seconds = _timings(run, max(repeats, PREFILL_REPEATS), torch.device("cpu"))
+    finally:
+        torch.set_num_threads(previous_threads)
+    rates = [flops / s for s in seconds]
+    median, spread = median_and_spread(seconds)
+    return Measurement(PREFILL_BF16_KEY, "bf16 prefill through decoder blocks", flops / median, "FLOP/s", spread,
+                       len(seconds), max(load, load_average()),
+                       f"prefill passes ({PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens) through {blocks} random bf16 "
+                       f"blocks of width {hidden}, median {median * 1e3:.3g} ms of {len(seconds)}, through the "
+                       "runtime's bf16 path (torch block by block), the blocks' own costs included", rates)
+
+
 def half_span(config, span):
     """A bf16 copy of a decode_span span, laid out as checkpoint.load_block loads a bf16 checkpoint: each weight
     its own row-major tensor (the fp32 layout's column-major tall matrices and one packed buffer are fp32 only)."""
@@ -1215,7 +1241,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
                       lambda: [measure_half_decode(sizes.half_hidden, max(sizes.half_bytes, beyond_cache),
-                                                   sizes.repeats, wide=sizes.half_wide)]))
+                                                   sizes.repeats, wide=sizes.half_wide),
+                               measure_half_prefill(sizes.half_hidden, sizes.repeats)]))
     steps += reread
     if disk_folder is not None:
         steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))

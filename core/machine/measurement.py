@@ -36,6 +36,11 @@ PACKED_BLOCK_KEY = "cpu_block_overhead_packed"
 # FLOP/s of their products and the fixed cost of a block in a prefill
 PREFILL_FLOPS_KEY = "cpu_prefill_fp32"
 PREFILL_BLOCK_KEY = "cpu_prefill_block_overhead"
+# measure.measure_half_prefill (with native bf16 math): FLOP/s of a prefill pass through bf16 decoder blocks, the
+# runtime's bf16 path (torch's kernels block by block), which bf16 prefills and batches of a CPU plan run at. Issue 22
+# (session 14, an AVX512-BF16 host): the bf16 matmul alone read 318 GFLOP/s, the engine's bf16 blocks multiplied at
+# ~110, and the batch plan was predicted 2.4x too fast
+PREFILL_BF16_KEY = "cpu_prefill_bf16"
 WEIGHTS_PER_S = "weights/s"  # its unit
 # measure.measure_half_decode's result (a whole bf16 decode step's time / the fp32 step's), read by cpu_dtype to pick a
 # CPU's 16-bit dtype. Profiles saved before session 12 hold "cpu_decode_bf16_vs_fp32", a chain of bf16 matmuls alone

@@ -35,8 +35,8 @@ from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
-    WEIGHTS_PER_S, Measurement)
+    PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY,
+    WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -212,9 +212,10 @@ def _matmul_rates(measurements: list[Measurement], prefix: str) -> dict[str, Mea
 
 
 def _rate_words(m: Measurement) -> str:
-    """What a FLOP/s measurement timed: the runtime's own prefill passes (fp32) or one matmul at a prefill shape."""
-    return "the runtime's prefill passes through decoder blocks" if m.key == PREFILL_FLOPS_KEY else \
-        "a matmul at the prefill shape"
+    """What a FLOP/s measurement timed: the runtime's own prefill passes (fp32, bf16) or one matmul at a prefill
+    shape."""
+    runtime = m.key in (PREFILL_FLOPS_KEY, PREFILL_BF16_KEY)
+    return "the runtime's prefill passes through decoder blocks" if runtime else "a matmul at the prefill shape"
 
 
 def _with_flops(device: ComputeDevice, rates: dict[str, Measurement], when: float | None) -> ComputeDevice:
@@ -246,8 +247,9 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
         cpu = dataclasses.replace(cpu, memory_bandwidth=bandwidth,
                                   sources={**cpu.sources, "memory_bandwidth": source})
     cpu_rates = _matmul_rates(measurements, "cpu")
-    if PREFILL_FLOPS_KEY in by_key and by_key[PREFILL_FLOPS_KEY].value > 0:  # the runtime's own prefill path
-        cpu_rates["fp32"] = by_key[PREFILL_FLOPS_KEY]
+    for dtype, key in (("fp32", PREFILL_FLOPS_KEY), ("bf16", PREFILL_BF16_KEY)):  # the runtime's own prefill paths
+        if key in by_key and by_key[key].value > 0:
+            cpu_rates[dtype] = by_key[key]
     if cpu_rates:  # measured rates, as the planner must see them under this machine's 16-bit decision
         cpu = with_choice(_with_flops(cpu, cpu_rates, when), choose(measurements))
     streaming = decode_streaming(measurements)

@@ -16,7 +16,7 @@ import torch
 from hivekeeper.core.cli.main import main
 from hivekeeper.core.machine import cpu_dtype
 from hivekeeper.core.machine.detect import detect_cpu_section, detect_hardware
-from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, Measurement
+from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PREFILL_BF16_KEY, PREFILL_FLOPS_KEY, Measurement
 from hivekeeper.core.machine.profiles import apply_measurements, new_profile, save_profile
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
 from hivekeeper.core.offload.placement import cpu_attention_dtype
@@ -189,6 +189,21 @@ def test_half_math_with_a_slower_measured_bf16_step_uses_bf16_only_beyond_the_ke
     measured = apply_measurements(detect_hardware(), rates).cpu
     assert measured.flops == {**measured.flops, "fp32": 1e11, "bf16": 5e11} and measured.half_decode_ratio == 1.7
     assert list(cpu_bf16_at(measured, [1, PACKED_KERNEL_ROWS, MANY_ROWS])) == [False, False, True]
+
+
+def test_a_measured_bf16_prefill_through_blocks_is_the_planners_bf16_rate(config_dir, cpu_flags):
+    """Issue 22: where the runtime's bf16 blocks were timed (measure_half_prefill), their rate is bf16's in the table,
+    not the bf16 matmul's alone, which they do not reach; still at least fp32's (a native CPU's rule, with_choice)."""
+    cpu_flags(BF16)
+    matmuls = [Measurement("cpu_matmul_fp32_prefill", "fp32", 1e11, "FLOP/s", 0.0, 1, 0.0),
+               Measurement("cpu_matmul_bf16_prefill", "bf16", 5e11, "FLOP/s", 0.0, 1, 0.0)]
+    blocks = Measurement(PREFILL_BF16_KEY, "bf16 prefill", 2e11, "FLOP/s", 0.0, 3, 0.0)
+    measured = apply_measurements(detect_hardware(), [*matmuls, blocks]).cpu
+    assert measured.flops["bf16"] == 2e11 and measured.flops["fp32"] == 1e11
+    assert "bf16 200 GFLOP/s (the runtime's prefill passes through decoder blocks)" in measured.sources["flops"]
+    assert apply_measurements(detect_hardware(), matmuls).cpu.flops["bf16"] == 5e11  # not timed: the matmul's
+    faster_fp32 = Measurement(PREFILL_FLOPS_KEY, "fp32 prefill", 3e11, "FLOP/s", 0.0, 3, 0.0)
+    assert apply_measurements(detect_hardware(), [*matmuls, blocks, faster_fp32]).cpu.flops["bf16"] == 3e11
 
 
 def test_half_math_with_a_faster_measured_bf16_step_uses_bf16_at_every_rows(config_dir, cpu_flags, capsys):

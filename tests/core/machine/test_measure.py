@@ -18,7 +18,7 @@ import pytest
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import (BandwidthServer, BenchmarkSizes, MatmulShape, TerminalProgress, measure_disk,
                                      measure_matmul, measure_memory_read, measure_peer, parse_peer, run_benchmarks)
-from hivekeeper.core.machine.measurement import HALF_DECODE_KEY
+from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PREFILL_BF16_KEY
 from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.planner.errors import InputError
 
@@ -164,7 +164,24 @@ def test_a_bf16_decode_step_is_measured_against_fp32_where_bf16_math_is_native(c
     cpu_only = dataclasses.replace(TINY, dtypes=("fp32",))
     assert HALF_DECODE_KEY not in {m.key for m in run_benchmarks(cpu_only, gpu=False)}  # the suite's CPU: no bf16 math
     cpu_flags("sse2 avx avx2 fma avx512f avx512_bf16")
-    assert HALF_DECODE_KEY in {m.key for m in run_benchmarks(cpu_only, gpu=False)}
+    assert {HALF_DECODE_KEY, PREFILL_BF16_KEY} <= {m.key for m in run_benchmarks(cpu_only, gpu=False)}
+
+
+def test_a_bf16_prefill_is_timed_through_bf16_blocks_on_the_runtimes_path():
+    """Issue 22: the planner's bf16 rate for a CPU plan's prefill and batches comes from the engine's own bf16 blocks
+    (a bf16 matmul alone read ~3x what they multiply at): FLOPs of the pass over each repeat's seconds, the median."""
+    import torch
+
+    threads = torch.get_num_threads()
+    prefill = measure.measure_half_prefill(256, repeats=3)
+    assert torch.get_num_threads() == threads  # the caller's thread count is restored
+    assert prefill.key == PREFILL_BF16_KEY and prefill.unit == "FLOP/s" and len(prefill.samples) == 3
+    assert min(prefill.samples) <= prefill.value <= max(prefill.samples) and prefill.value > 0
+    config, span = measure.decode_span(256, measure.PREFILL_WEIGHTS * 4)
+    _, flops, blocks = measure.prefill_pass(config, measure.half_span(config, span), torch.bfloat16)
+    assert f"through {blocks} random bf16 blocks of width 256" in prefill.detail
+    assert flops / prefill.value * 1e3 == pytest.approx(float(prefill.detail.split("median ")[1].split(" ms")[0]),
+                                                        rel=0.01)
 
 
 def test_the_bf16_step_is_whole_decode_steps_as_the_runtime_runs_them():
