@@ -332,6 +332,11 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
     for dtype in dtypes:
         rows.append(row("CPU", f"{dtype} matmul", cpu.flops.get(dtype), f"cpu_matmul_{dtype}_prefill", "FLOP/s",
                         cpu.sources.get("flops", "")))
+    # the runtime's own prefill passes, which the planner's FLOP/s table takes where measured (apply_measurements)
+    for dtype, key in (("fp32", PREFILL_FLOPS_KEY), ("bf16", PREFILL_BF16_KEY)):
+        if key in measured:
+            rows.append(row("CPU", f"{dtype} prefill through blocks", cpu.flops.get(dtype), key, "FLOP/s",
+                            cpu.sources.get("flops", "")))
     # decode's weight streaming: the cost model's default (half the RAM bandwidth, 3 re-reads) beside the measured
     default_cpu = DEFAULT_EFFICIENCY["cpu"]
     rows.append(row("RAM", "decode weight streaming", cpu.memory_bandwidth * default_cpu.bandwidth_fraction,

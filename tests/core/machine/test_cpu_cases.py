@@ -17,7 +17,8 @@ from hivekeeper.core.cli.main import main
 from hivekeeper.core.machine import cpu_dtype
 from hivekeeper.core.machine.detect import detect_cpu_section, detect_hardware
 from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PREFILL_BF16_KEY, PREFILL_FLOPS_KEY, Measurement
-from hivekeeper.core.machine.profiles import apply_measurements, new_profile, save_profile
+from hivekeeper.core.machine.profiles import (MachineProfile, apply_measurements, comparison_rows, new_profile,
+                                              save_profile)
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
 from hivekeeper.core.offload.placement import cpu_attention_dtype
 from hivekeeper.core.offload.local_plan import PolicyChoice, compute_dtype, engine_plan, fallback_policy
@@ -202,6 +203,12 @@ def test_a_measured_bf16_prefill_through_blocks_is_the_planners_bf16_rate(config
     assert measured.flops["bf16"] == 2e11 and measured.flops["fp32"] == 1e11
     assert "bf16 200 GFLOP/s (the runtime's prefill passes through decoder blocks)" in measured.sources["flops"]
     assert apply_measurements(detect_hardware(), matmuls).cpu.flops["bf16"] == 5e11  # not timed: the matmul's
+    # the Hardware page shows the blocks' rate beside the matmul's (and no such row where it was not timed)
+    profile = MachineProfile("x", {}, 1.7e9, [*matmuls, blocks])
+    rows = {r.quantity: r for r in comparison_rows(detect_hardware(), profile)}
+    assert rows["bf16 prefill through blocks"].measured == 2e11 and rows["bf16 matmul"].measured == 5e11
+    assert "bf16 prefill through blocks" not in {r.quantity for r in comparison_rows(
+        detect_hardware(), MachineProfile("x", {}, 1.7e9, matmuls))}
     faster_fp32 = Measurement(PREFILL_FLOPS_KEY, "fp32 prefill", 3e11, "FLOP/s", 0.0, 3, 0.0)
     assert apply_measurements(detect_hardware(), [*matmuls, blocks, faster_fp32]).cpu.flops["bf16"] == 3e11
 
