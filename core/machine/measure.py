@@ -779,11 +779,10 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
     block = packed_block_overhead({name: (runs[(PACKED_CACHED_KEY, name)], runs[(PACKED_BLOCK_KEY, name)])
                                    for name in FORMATS}, load, f"widths {hidden} and {narrow_width(hidden)}")
     path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
-    results = []
+    results, block_s = [], block.value
     for (key, name), (seconds, weights, count) in runs.items():
         if key == PACKED_BLOCK_KEY:
             continue
-        block_s = block.value
         kernel_seconds = [packed_kernel_seconds(s, count, block_s) for s in seconds]
         where = "in the last-level cache" if key == PACKED_CACHED_KEY else "beyond the caches"
         results.append(_median_rate_measurement(
@@ -914,13 +913,11 @@ def measure_half_prefill(hidden: int = HALF_THIN, repeats: int = 5) -> Measureme
         seconds = _timings(run, max(repeats, PREFILL_REPEATS), torch.device("cpu"))
     finally:
         torch.set_num_threads(previous_threads)
-    rates = [flops / s for s in seconds]
-    median, spread = median_and_spread(seconds)
-    return Measurement(PREFILL_BF16_KEY, "bf16 prefill through decoder blocks", flops / median, "FLOP/s", spread,
-                       len(seconds), max(load, load_average()),
-                       f"prefill passes ({PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens) through {blocks} random bf16 "
-                       f"blocks of width {hidden}, median {median * 1e3:.3g} ms of {len(seconds)}, through the "
-                       "runtime's bf16 path (torch block by block), the blocks' own costs included", rates)
+    return _median_rate_measurement(
+        PREFILL_BF16_KEY, "bf16 prefill through decoder blocks", "FLOP/s", flops, seconds, load,
+        f"prefill passes ({PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens) through {blocks} random bf16 blocks of width "
+        f"{hidden}, median {statistics.median(seconds) * 1e3:.3g} ms, through the runtime's bf16 path (torch block by "
+        "block), the blocks' own costs included")
 
 
 def half_span(config, span):
