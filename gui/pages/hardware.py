@@ -61,11 +61,12 @@ ESTIMATED_PEAK = ("estimated: a theoretical peak (cores x clock x operations per
 
 
 def compute_rows(part: str, device) -> list[tuple[str, str, str, str]]:
-    """One row per dtype of a device's FLOP/s table, each in its own unit (GFLOP/s or TFLOP/s) with where it came
-    from: a spec sheet's or the CPU's theoretical peak, a measured matmul rate, or the rate the planner charges
-    16-bit matmuls on a CPU that computes 16-bit plans in fp32 (core/machine/cpu_dtype_rule.with_choice)."""
+    """One row per dtype of a device's FLOP/s table ("fp32 compute": the rate the planner charges, which after
+    Measure is the runtime's prefill passes through blocks, not a bare matmul's), each in its own unit with where it
+    came from: a spec sheet's or the CPU's theoretical peak, a measured rate, or the rate the planner charges 16-bit
+    matmuls on a CPU that computes 16-bit plans in fp32 (core/machine/cpu_dtype_rule.with_choice)."""
     flops, source = device.flops, device.sources.get("flops", "")
-    return [(part, f"{dtype} matmul", format_quantity(flops[dtype], "FLOP/s"), compute_source(dtype, flops, source))
+    return [(part, f"{dtype} compute", format_quantity(flops[dtype], "FLOP/s"), compute_source(dtype, flops, source))
             for dtype in sorted(flops, key=lambda d: FLOPS_ORDER.index(d) if d in FLOPS_ORDER else 9)]
 
 

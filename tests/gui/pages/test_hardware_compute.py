@@ -28,7 +28,7 @@ def _compute_rows(page) -> dict[str, tuple[str, str, int]]:
     """The CPU's compute rows as {quantity: (value, source, table row)}."""
     assert not any(quantity == "peak compute" for _, quantity, *_ in page.rows)
     return {quantity: (value, source, r) for r, (part, quantity, value, source, _) in enumerate(page.rows)
-            if part.startswith("CPU") and quantity.endswith(" matmul")}
+            if part.startswith("CPU") and quantity.endswith(" compute")}
 
 
 def _detect_again(page, qtbot) -> dict[str, tuple[str, str, int]]:
@@ -48,16 +48,16 @@ def test_each_compute_figure_has_its_unit_and_says_what_kind_of_number_it_is(amx
     page = app_window.hardware_page
     qtbot.waitUntil(lambda: page.machine is not None and page.detect_button.isEnabled(), timeout=120_000)
     rows = _compute_rows(page)
-    assert set(rows) >= {"fp32 matmul", "bf16 matmul", "int8 matmul"}, rows
-    int8_value, int8_source, r = rows["int8 matmul"]
+    assert set(rows) >= {"fp32 compute", "bf16 compute", "int8 compute"}, rows
+    int8_value, int8_source, r = rows["int8 compute"]
     assert int8_value.endswith(("GFLOP/s", "TFLOP/s")) and "e+" not in int8_value
     assert int8_source.startswith("estimated: a theoretical peak") and "x the fp32 peak" in int8_source
     assert page.table.item(r, 3).text().startswith("estimated  ·  a theoretical peak")  # on screen
     # native bf16 math: its rate is AMX's (what a batch plan's many-row steps are charged); no measurement says a
     # one-row bf16 step is faster, so plans of up to 8 rows compute in fp32, which the bf16 row says (issue 22)
-    assert rows["bf16 matmul"][1].startswith("estimated: a theoretical peak") and \
-        "CPU 16-bit plans: bf16 beyond 8 rows a step, fp32 up to 8" in rows["bf16 matmul"][1]
-    assert "CPU 16-bit plans" not in rows["fp32 matmul"][1] + int8_source
+    assert rows["bf16 compute"][1].startswith("estimated: a theoretical peak") and \
+        "CPU 16-bit plans: bf16 beyond 8 rows a step, fp32 up to 8" in rows["bf16 compute"][1]
+    assert "CPU 16-bit plans" not in rows["fp32 compute"][1] + int8_source
 
     profile = new_profile(page.machine.detected)
     # the fp32 rate plans use is the runtime's own prefill passes (measure since session 11), not the fp32 matmul
@@ -66,11 +66,11 @@ def test_each_compute_figure_has_its_unit_and_says_what_kind_of_number_it_is(amx
     profile.measurements = [_matmul("fp32", 100e9), _matmul("bf16", 389e9), prefill]
     save_profile(profile)
     rows = _detect_again(page, qtbot)
-    assert set(rows) == {"fp32 matmul", "bf16 matmul"}  # measured dtypes only: one table, one source
-    assert rows["fp32 matmul"][0] == "80 GFLOP/s" and rows["fp32 matmul"][1].startswith("measured")
+    assert set(rows) == {"fp32 compute", "bf16 compute"}  # measured dtypes only: one table, one source
+    assert rows["fp32 compute"][0] == "80 GFLOP/s" and rows["fp32 compute"][1].startswith("measured")
     # each figure says what was timed (the fp32 one read "matmul at the prefill shape")
-    assert "fp32 80 GFLOP/s (the runtime's prefill passes through decoder blocks)" in rows["fp32 matmul"][1]
-    value, source, r = rows["bf16 matmul"]
+    assert "fp32 80 GFLOP/s (the runtime's prefill passes through decoder blocks)" in rows["fp32 compute"][1]
+    value, source, r = rows["bf16 compute"]
     assert value == "389 GFLOP/s"  # what a batch plan's many-row steps are charged: the measured rate itself
     assert source.startswith("measured") and "bf16 389 GFLOP/s (a matmul at the prefill shape)" in source
     assert "CPU 16-bit plans: bf16 beyond 8 rows a step, fp32 up to 8" in source
@@ -85,4 +85,4 @@ def test_large_figures_are_written_without_an_exponent():
     from hivekeeper.gui.pages.hardware import hardware_rows
 
     values = {quantity: value for _, quantity, value, _ in hardware_rows(get_hardware("h100-sxm"))}
-    assert values["memory bandwidth"] == "3,350 GB/s" and values["int8 matmul"] == "1,979 TFLOP/s", values
+    assert values["memory bandwidth"] == "3,350 GB/s" and values["int8 compute"] == "1,979 TFLOP/s", values
