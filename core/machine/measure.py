@@ -288,7 +288,7 @@ def decode_span(hidden: int, total_bytes: int):
 
     heads = max(1, hidden // 64)
     inter = max(64, int(hidden * 2.75) // 64 * 64)
-    probe = ModelConfig("llama", 256, hidden, inter, 1, heads, max(1, heads // 4), hidden // heads,
+    probe = ModelConfig("llama", 256, hidden, inter, 1, heads, grouped_kv_heads(heads), hidden // heads,
                         max_position_embeddings=DECODE_SPAN_POSITIONS)
     blocks = max(1, round(total_bytes / (probe.block_param_count() * 4)))
     config = replace(probe, num_layers=blocks)
@@ -309,7 +309,18 @@ def decode_span(hidden: int, total_bytes: int):
     return config, span
 
 
+def grouped_kv_heads(heads: int) -> int:
+    """A decode span's KV heads beside `heads` query heads: about a quarter of them (4:1 grouped KV), a divisor of
+    `heads` (attention needs it): the divisor up to a third of them nearest a quarter, the larger on a tie (9 heads,
+    SmolLM2's 576 wide: 3; 12: 3; 32: 8)."""
+    divisors = [d for d in range(1, max(1, heads // 3) + 1) if heads % d == 0]
+    return min(divisors, key=lambda d: (abs(d - heads / 4), -d))
+
+
 DECODE_SPAN_POSITIONS = 64  # a short context: the step is the weights' reads, not attention
+# the thin decode span's width (thin_width): a small model's blocks (SmolLM2-135M's 576), where the wide one is a 1B
+# model's (2048): the two bracket the models a CPU runs, and the fit to them prices the widths between
+STREAM_THIN = 576
 # a step takes milliseconds: at least this many timings of each, so that on a shared machine the fastest (the one
 # least disturbed) is found even with --quick's 2 repeats
 STEP_REPEATS = 7
@@ -339,12 +350,12 @@ def decode_steps(config, span, rows: int, dtype: torch.dtype = torch.float32) ->
 
 def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repeats: int = 5,
                           cache_bytes: int | None = None, step_repeats: int = STEP_REPEATS,
-                          spans: "StreamSpans | None" = None) -> list[Measurement]:
+                          spans: "StreamSpans | None" = None, thin: int = STREAM_THIN) -> list[Measurement]:
     """How a decode step runs here, through the runtime's own decode path (Span.forward: the native kernels'
     whole-span step where they are built, numpy's otherwise), on two spans of random decoder blocks, each larger
     than twice the last-level cache (read from /sys) and than `total_bytes`: one `hidden` wide (few large blocks),
-    one 3/8 as wide (many small blocks, like SmolLM2's 30 blocks of 576). Fitting time = bytes / bandwidth +
-    blocks x fixed cost to the two one-row steps gives:
+    one thin_width(hidden, thin) wide (many small blocks, like SmolLM2's 30 blocks of 576). Fitting time = bytes /
+    bandwidth + blocks x fixed cost to the two one-row steps gives:
 
     - cpu_weight_stream: the bytes/s decode reads weights from RAM at;
     - cpu_decode_block_overhead: the fixed cost of one block in a step (its small ops, the kernels' thread pool
@@ -358,15 +369,15 @@ def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repe
     use_blas_threads()  # the runtime's thread layout (its decode path depends on it)
     try:
         return _decode_block_measurements(hidden, total_bytes, max(repeats, step_repeats),
-                                          last_level_cache_bytes() if cache_bytes is None else cache_bytes, spans)
+                                          last_level_cache_bytes() if cache_bytes is None else cache_bytes,
+                                          spans or StreamSpans.make(hidden, total_bytes, cache_bytes, thin))
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cache_bytes: int,
-                               spans: "StreamSpans | None" = None) -> list[Measurement]:
+                               spans: "StreamSpans") -> list[Measurement]:
     load = load_average()
-    spans = spans or StreamSpans.make(hidden, total_bytes, cache_bytes)
     (wide_config, wide), (narrow_config, narrow) = (spans.wide_config, spans.wide), (spans.narrow_config, spans.narrow)
     narrow_hidden = narrow_config.hidden_size
     b1, b2 = (sum(p.numel() * 4 for p in span.parameters()) for span in (wide, narrow))
@@ -520,7 +531,8 @@ def decode_path_name() -> str:
 @dataclass
 class StreamSpans:
     """The two spans of random fp32 decoder blocks the decode steps' streaming rate is read from (measure_decode_blocks's:
-    one `hidden` wide, one 3/8 as wide, each beyond twice the last-level cache), built once and read many times."""
+    one `hidden` wide, one thin_width(hidden, thin) wide, each beyond twice the last-level cache), built once and read
+    many times."""
 
     wide_config: object
     wide: torch.nn.Module
@@ -528,9 +540,10 @@ class StreamSpans:
     narrow: torch.nn.Module
 
     @classmethod
-    def make(cls, hidden: int, total_bytes: int, cache_bytes: int | None = None) -> "StreamSpans":
+    def make(cls, hidden: int, total_bytes: int, cache_bytes: int | None = None,
+             thin: int = STREAM_THIN) -> "StreamSpans":
         size = max(total_bytes, 2 * (last_level_cache_bytes() if cache_bytes is None else cache_bytes))
-        narrow_hidden = narrow_width(hidden)
+        narrow_hidden = thin_width(hidden, thin)
         (wide_config, wide), (narrow_config, narrow) = decode_span(hidden, size), decode_span(narrow_hidden, size)
         return cls(wide_config, wide, narrow_config, narrow)
 
@@ -575,7 +588,8 @@ class StreamRereads:
     def built(self) -> StreamSpans:
         """The spans (built at the first call): measure_decode_blocks's, then every later reading's."""
         if self.spans is None:
-            self.spans = StreamSpans.make(self.sizes.stream_hidden, self.sizes.stream_bytes, self.sizes.cache_bytes)
+            self.spans = StreamSpans.make(self.sizes.stream_hidden, self.sizes.stream_bytes, self.sizes.cache_bytes,
+                                          self.sizes.stream_thin)
         return self.spans
 
     def read(self) -> list[Measurement]:
@@ -802,6 +816,17 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
             f"of width {hidden}, {path}, median {median_and_spread(seconds)[0] * 1e3:.3g} ms; the formats timed in "
             "turn"))
     return results
+
+
+def thin_width(hidden: int, thin: int = STREAM_THIN) -> int:
+    """The thin decode span's width beside a `hidden`-wide one: `thin` (STREAM_THIN: a small model's blocks), or
+    narrow_width(hidden) where that is narrower (small test spans).
+
+    Issue 23 (session 15): one-row steps of random spans on this project's AVX512 host read 576-wide blocks at
+    13-15 GB/s, 768-wide ones at 17-19 and 2048-wide ones at 17-20 (timed in turn): the blocks' cost does not
+    scale from 768 down to 576, so a fit to 2048 and 768 (or QUICK's 1024 and 384) priced SmolLM2's 30 blocks of
+    576 15% fast or 27% slow; a fit to 2048 and 576 predicted a 30 x 576 span 1.06x and a 2 x 2048 one 0.94x."""
+    return min(thin, narrow_width(hidden))
 
 
 def narrow_width(hidden: int) -> int:
@@ -1179,7 +1204,8 @@ class BenchmarkSizes:
     matmul_n: int = 8192  # fp32: 128 MiB, far beyond any CPU cache, as a decode step's weights are
     prefill_rows: int = 512
     decode_rows: int = 1
-    stream_hidden: int = 2048  # decode steps: a span of random decoder blocks this wide and one 3/8 as wide...
+    stream_hidden: int = 2048  # decode steps: a span of random decoder blocks this wide and one this thin
+    stream_thin: int = STREAM_THIN  # (thin_width: or 3/8 of stream_hidden where narrower)...
     stream_bytes: int = 384 << 20  # ...each of this many bytes or twice the last-level cache, the larger
     cache_bytes: int | None = None  # the last-level cache the spans must exceed (None: read from /sys)
     half_hidden: int = HALF_THIN  # bf16 against fp32 at decode: whole steps through blocks of this width and (the
@@ -1197,9 +1223,12 @@ class BenchmarkSizes:
     step_repeats: int = STEP_REPEATS  # timings of each whole decode step at least (they take milliseconds)
 
 
-# QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads)
+# QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads).
+# Its decode spans are the full measurement's widths (2048 and 576): one 2048-wide block (172 MiB) and 96 MiB of
+# 576-wide ones, both beyond the cache (issue 23, session 15: its earlier spans, one 1024-wide block of 43 MiB, 1.4x
+# a 32 MiB L3, and 64 MiB of 384-wide ones, fitted 0.26 ms a block and put SmolLM2's fp32 decode 1.41x slow)
 QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill_rows=128, matmul_seconds=0.05,
-                       stream_hidden=1024, stream_bytes=64 << 20, half_wide=None, half_bytes=64 << 20,
+                       stream_hidden=2048, stream_bytes=96 << 20, half_wide=None, half_bytes=64 << 20,
                        disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"),
                        packed_streamed=False, step_repeats=4)
 
@@ -1233,7 +1262,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     if "fp32" in sizes.dtypes:
         steps.append(("CPU decode steps",
                       lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
-                                                    sizes.cache_bytes, sizes.step_repeats, rereads.built())))
+                                                    sizes.cache_bytes, sizes.step_repeats, rereads.built(),
+                                                    sizes.stream_thin)))
     steps += reread
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
         steps.append(("CPU bf16 vs fp32 decode step",
