@@ -346,7 +346,6 @@ def is_calibrated(efficiency_name: str) -> bool:
     return efficiency_name.startswith(CALIBRATED_PREFIX)
 
 
-DECODE_TIME = "decode_time"  # the pseudo-factor of MEASURED_STEPS_FIT_FACTORS
 # Factors the fit may move -> (lower bound, upper bound, typical size) of the fitted parameter. Fractions are fitted
 # as their inverse (a multiplier on time, bounded below by 1), which keeps a resident run's time linear in every
 # parameter. A factor the cost model gains later is fitted by adding it here (and to the fit lists below).
@@ -359,24 +358,28 @@ _FACTORS = {
     "link_fraction": (1.0, 1e4, 1.0),
     "disk_fraction": (1.0, 1e4, 1.0),
     "weight_reread_rows": (1.0, 16.0, 1.0),
-    # a multiplier on the measured decode steps' time, their reads and their blocks' fixed cost together
-    # (MEASURED_STEPS_FIT_FACTORS; scaled_decode_time)
-    DECODE_TIME: (0.05, 20.0, 1.0),
+    "row_overhead_s": (0.0, 0.5, 1e-4),
 }
 _INVERSE = ("bandwidth_fraction", "matmul_fraction", "link_fraction", "disk_fraction")
 DEFAULT_FIT_FACTORS = ("bandwidth_fraction", "matmul_fraction", "layer_overhead_s", "step_overhead_s",
                        "prefill_layer_overhead_s")
 # On a CPU the weight re-reads of small-row matmuls are fitted too; a GPU keeps one read (no evidence of more).
 CPU_FIT_FACTORS = DEFAULT_FIT_FACTORS + ("weight_reread_rows",)
-# A CPU whose decode steps `hivekeeper measure` timed (DecodeStreaming.block_overhead_s) has the split of a step into
-# reads (bandwidth_fraction) and a fixed cost per block (layer_overhead_s) measured on two spans of different depth.
-# One profiled model cannot split them again (its blocks are all alike: more reads and fewer blocks fit it as well),
-# so the fit scales the measured step as a whole (DECODE_TIME) and keeps the split, which is what carries over to
-# models of another shape (issue 23: a fit on the thin SmolLM2 moved the cost into its 30 blocks, and the wide
-# 2-block model was then predicted 63-78% off). The per-step overhead stays as it is for the same reason (one model's
-# steps cannot tell it from the scale: with 3% noise the fit traded one for the other and missed the wide model
-# by up to 20%, tests/planner/test_calibration_shapes.py).
-MEASURED_STEPS_FIT_FACTORS = (DECODE_TIME, "matmul_fraction", "prefill_layer_overhead_s", "weight_reread_rows")
+# A CPU whose decode steps `hivekeeper measure` timed (DecodeStreaming.block_overhead_s) has a decode step measured
+# term by term on spans of two widths: the rate weights stream at (bandwidth_fraction) and the re-reads of a few-row
+# step (weight_reread_rows), per byte; a block's fixed cost (layer_overhead_s) and what it adds per row beyond the
+# first (row_overhead_s), per block. One profiled model's blocks are all alike, so its steps say how long its steps
+# take, not which of those terms is off: "faster reads" and "cheaper blocks" fit it equally well. They carry over
+# differently: a model of a few wide blocks is all reads, so a rate moved to fit a thin model of many small blocks
+# moves the wide model's whole step (issue 23, session 15: SmolLM2, 30 blocks of 576, ran 1.41x faster than its
+# measured terms; the fit raised the rate to the cap and the 2-block wide model, predicted 0.95x uncalibrated, came
+# out 0.73x). So the fit keeps the per-byte terms as measured, on spans as wide as a wide model's blocks, and fits
+# the per-block terms, which the thin model weighs 15 times as much as the wide one (30 blocks against 2): what the
+# thin model says then changes the wide model's step by its two blocks' share only. The per-step overhead stays as
+# it is (one model cannot tell it from the blocks'). A thin model that runs faster than its reads at the measured
+# rate alone keeps that miss (the block cost stops at 0): it is in the rate of its shape, which one model cannot
+# tell from the rate of every other.
+MEASURED_STEPS_FIT_FACTORS = ("layer_overhead_s", "row_overhead_s", "matmul_fraction", "prefill_layer_overhead_s")
 
 
 # Huber threshold of the efficiency fit, in log(predicted / measured): ~10%
@@ -392,9 +395,8 @@ def default_fit_factors(hardware: HardwareSpec) -> tuple[str, ...]:
 
 
 def _to_theta(eff: Efficiency, names: tuple[str, ...]) -> np.ndarray:
-    """The fitted parameters of `eff` (DECODE_TIME: 1, the measured step as it is)."""
-    return np.array([1.0 if n == DECODE_TIME else 1.0 / getattr(eff, n) if n in _INVERSE else getattr(eff, n)
-                     for n in names])
+    """The fitted parameters of `eff`: fractions as their inverse, the rest as they are."""
+    return np.array([1.0 / getattr(eff, n) if n in _INVERSE else getattr(eff, n) for n in names])
 
 
 def from_fitted(eff: Efficiency, names: tuple[str, ...], theta: np.ndarray, name: str) -> Efficiency:
@@ -402,19 +404,8 @@ def from_fitted(eff: Efficiency, names: tuple[str, ...], theta: np.ndarray, name
     # within the bounds exactly: a step that ends on a bound can miss it by a rounding (1 - 1e-16 re-reads, which
     # Efficiency refuses: issue 23's quick accuracy bench failed so at load 13)
     theta = [min(max(float(t), _FACTORS[n][0]), _FACTORS[n][1]) for n, t in zip(names, theta)]
-    values = {n: (1.0 / t if n in _INVERSE else t) for n, t in zip(names, theta) if n != DECODE_TIME}
-    if DECODE_TIME in names:
-        values.update(scaled_decode_time(eff, theta[names.index(DECODE_TIME)]))
+    values = {n: (1.0 / t if n in _INVERSE else t) for n, t in zip(names, theta)}
     return dataclasses.replace(eff, name=name, **values)
-
-
-def scaled_decode_time(eff: Efficiency, times: float) -> dict[str, float]:
-    """The factors that make every measured decode step take `times` as long, its split into reads and blocks kept:
-    bandwidth_fraction / times, layer_overhead_s and row_overhead_s x times. A fraction stays at most 1: a profile
-    that runs faster than that (the quick measurement caught a busier moment) speeds up only the blocks' fixed cost
-    beyond it."""
-    return {"bandwidth_fraction": min(1.0, eff.bandwidth_fraction / times),
-            "layer_overhead_s": eff.layer_overhead_s * times, "row_overhead_s": eff.row_overhead_s * times}
 
 
 def _bounded_lstsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
@@ -481,8 +472,8 @@ def phase_accuracy(points: list[ProfilePoint], prefill_s: np.ndarray, step_s: np
 # prices a prefill otherwise than it runs (a prefill reads its weights weight_reread_rows times at the decode rate):
 # the thin model's prefills ran ~25% faster than predicted, the fit sped decode up and cut the re-reads (1.83 to
 # 1.53), and the decode MAPE went from 21% uncalibrated to 41% calibrated.
-DECODE_FACTORS = frozenset({DECODE_TIME, "bandwidth_fraction", "layer_overhead_s", "step_overhead_s",
-                            "weight_reread_rows"})
+DECODE_FACTORS = frozenset({"bandwidth_fraction", "layer_overhead_s", "step_overhead_s", "weight_reread_rows",
+                            "row_overhead_s"})
 FIT_ROUNDS = 8  # decode, then prefill, again until neither moves (a decode step's FLOPs read matmul_fraction)
 
 
