@@ -279,19 +279,16 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
     ]
 
 
-def decode_span(hidden: int, total_bytes: int):
+def decode_span(hidden: int, total_bytes: int, config=None):
     """(config, span) of random fp32 decoder blocks of width `hidden` (head 64, 4:1 grouped KV, MLP 2.75x wide)
-    repeated to about `total_bytes`, laid out as checkpoint.load_span lays out a loaded model (tall matrices
-    column-major, every weight packed in reading order), so a step through it takes the runtime's decode path."""
+    repeated to about `total_bytes` (or shaped as `config`, decode_span_config's), laid out as checkpoint.load_span
+    lays out a loaded model (tall matrices column-major, every weight packed in reading order), so a step through it
+    takes the runtime's decode path."""
     from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_linears_by_column
-    from hivekeeper.core.runtime.model import ModelConfig, Span
+    from hivekeeper.core.runtime.model import Span
 
-    heads = max(1, hidden // 64)
-    inter = max(64, int(hidden * 2.75) // 64 * 64)
-    probe = ModelConfig("llama", 256, hidden, inter, 1, heads, grouped_kv_heads(heads), hidden // heads,
-                        max_position_embeddings=DECODE_SPAN_POSITIONS)
-    blocks = max(1, round(total_bytes / (probe.block_param_count() * 4)))
-    config = replace(probe, num_layers=blocks)
+    config = config or decode_span_config(hidden, total_bytes)
+    blocks = config.num_layers
     with torch.device("meta"):
         span = Span(config, 0, blocks)
     span = span.to_empty(device="cpu").requires_grad_(False)
@@ -307,6 +304,18 @@ def decode_span(hidden: int, total_bytes: int):
             store_tall_linears_by_column(block)
     pack_in_order(list(span.blocks))
     return config, span
+
+
+def decode_span_config(hidden: int, total_bytes: int):
+    """The ModelConfig of decode_span(hidden, total_bytes), nothing allocated: blocks of width `hidden` (heads of
+    64, grouped_kv_heads, MLP 2.75x wide), as many as make about `total_bytes` of fp32 weights (at least one)."""
+    from hivekeeper.core.runtime.model import ModelConfig
+
+    heads = max(1, hidden // 64)
+    inter = max(64, int(hidden * 2.75) // 64 * 64)
+    probe = ModelConfig("llama", 256, hidden, inter, 1, heads, grouped_kv_heads(heads), hidden // heads,
+                        max_position_embeddings=DECODE_SPAN_POSITIONS)
+    return replace(probe, num_layers=max(1, round(total_bytes / (probe.block_param_count() * 4))))
 
 
 def grouped_kv_heads(heads: int) -> int:
@@ -528,6 +537,19 @@ def decode_path_name() -> str:
     return f"the native kernels ({native_kernels.status()})" if native_kernels.library() is not None else "numpy"
 
 
+def stream_span_configs(hidden: int, total_bytes: int, cache_bytes: int | None = None, thin: int = STREAM_THIN):
+    """(config of the wide span, config of the thin one) that StreamSpans.make builds: widths `hidden` and
+    thin_width(hidden, thin), each of about `total_bytes` and of at least twice the last-level cache (a block more
+    where whole blocks fall short of it: a 2048-wide block is 172 MiB)."""
+    beyond = 2 * (last_level_cache_bytes() if cache_bytes is None else cache_bytes)
+    configs = []
+    for width in (hidden, thin_width(hidden, thin)):
+        config = decode_span_config(width, max(total_bytes, beyond))
+        blocks = max(config.num_layers, -(-beyond // (config.block_param_count() * 4)))
+        configs.append(replace(config, num_layers=blocks))
+    return tuple(configs)
+
+
 @dataclass
 class StreamSpans:
     """The two spans of random fp32 decoder blocks the decode steps' streaming rate is read from (measure_decode_blocks's:
@@ -542,9 +564,9 @@ class StreamSpans:
     @classmethod
     def make(cls, hidden: int, total_bytes: int, cache_bytes: int | None = None,
              thin: int = STREAM_THIN) -> "StreamSpans":
-        size = max(total_bytes, 2 * (last_level_cache_bytes() if cache_bytes is None else cache_bytes))
-        narrow_hidden = thin_width(hidden, thin)
-        (wide_config, wide), (narrow_config, narrow) = decode_span(hidden, size), decode_span(narrow_hidden, size)
+        (wide_config, wide), (narrow_config, narrow) = (
+            decode_span(config.hidden_size, 0, config)
+            for config in stream_span_configs(hidden, total_bytes, cache_bytes, thin))
         return cls(wide_config, wide, narrow_config, narrow)
 
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
