@@ -945,13 +945,12 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     if not steps_measured(grid.machine):
         return work
     # the measured steps ran the products too: their FLOPs count only where they outlast the reads. A micro-batch of
-    # more rows than the kernels take runs block by block on BLAS, as a prefill does, and is priced as one: reads and
-    # FLOPs add (issue 23: 64-row steps of random spans ran at 0.54-0.60 of the prefill passes' rate; the thin and
-    # wide models' batch 64 was predicted 0.68-0.74x of its time in session 12's quiet runs)
+    # more rows than the kernels take runs block by block on BLAS, as a prefill does, and is priced as one
+    # (reads_in_passes)
     within = grid.micro_batch <= PACKED_KERNEL_ROWS
-    return AcceleratorWork(work.bytes_min, work.flops, work.memory_s,
-                           np.where(within, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s),
-                           work.bound_s)
+    return reads_in_passes(grid, AcceleratorWork(
+        work.bytes_min, work.flops, work.memory_s,
+        np.where(within, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s), work.bound_s), ~within)
 
 
 # the rows of the few-row decode steps `hivekeeper measure` times (core.machine.measure), at which
@@ -982,6 +981,23 @@ def steps_measured(machine: Machine) -> bool:
     time there is max(reads, FLOPs) rather than their sum (issue 23: the sum put SmolLM2 ~30% slow)."""
     streaming = machine.acc.decode_streaming if machine.acc.kind == "cpu" else None
     return streaming is not None and streaming.block_overhead_s is not None
+
+
+def reads_in_passes(grid: CandidateArrays, work: AcceleratorWork, many_rows) -> AcceleratorWork:
+    """A pass of many rows through BLAS (a prefill; `many_rows`: where a decode micro-batch is one) with its weight
+    reads counted only beyond its FLOPs, for fp32 candidates on a CPU whose fp32 FLOP rate `hivekeeper measure` fitted
+    to the runtime's own prefill passes (FLOPs / rate + blocks x cost; DecodeStreaming.prefill_block_overhead_s is
+    measured with it): those passes read their weights as they multiplied, so the rate holds the reads. Issue 23,
+    session 15: added to the FLOPs, they were counted twice, and every prefill of the calibration bench was predicted
+    1.25-1.35x slow, the wide model's batch-64 step 1.59x (its reads 31 of 157 ms). Packed formats keep their reads
+    (their prefill rate was timed on cached spans), as do 16-bit ones (no such evidence)."""
+    streaming = grid.machine.acc.decode_streaming if grid.machine.acc.kind == "cpu" else None
+    if streaming is None or streaming.prefill_block_overhead_s is None:
+        return work
+    where = many_rows & (grid.stored_bytes == 4.0) & ~grid.overlapped
+    return AcceleratorWork(work.bytes_min, work.flops,
+                           np.where(where, np.maximum(0.0, work.memory_s - work.compute_s), work.memory_s),
+                           work.compute_s, work.bound_s)
 
 
 def decode_cpu_attention(grid: CandidateArrays, context: float, attention_flops) -> Resource:
@@ -1067,7 +1083,7 @@ def prefill_accelerator(grid: CandidateArrays, prompt_len: float) -> Accelerator
                                    * format_reads(grid, rows) + vectors) + new_cache
     bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + new_cache
     flops = grid.batch * p * numbers.flops_per_token + 4.0 * numbers.q_dim * p * (p + 1.0) / 2.0 * grid.batch
-    return accelerator_work(grid, nbytes, bytes_min, flops)
+    return reads_in_passes(grid, accelerator_work(grid, nbytes, bytes_min, flops), True)
 
 
 def prefill_link(grid: CandidateArrays, prompt_len: float) -> Resource:

@@ -25,18 +25,21 @@ WIDE = ModelSpec("wide", "llama", 2, 2048, 5632, 32, 8, 64, 8192, False, 2048)
 
 
 def measured_cpu(prefill_block_s: float, decode_block_s: float = 0.3e-3, prefill_flops: float = 90e9,
-                 row_block_s: float = 0.1e-3):
-    """A CPU as `hivekeeper measure` leaves it: RAM 12 GB/s, decode steps at 11 GB/s with `decode_block_s` a
-    block and `row_block_s` more a block per row beyond the first, prefill passes at `prefill_flops` with
-    `prefill_block_s` a block."""
+                 row_block_s: float = 0.1e-3, stream: float = 11e9, passes: bool = True):
+    """A CPU as `hivekeeper measure` leaves it: RAM 12 GB/s, decode steps at `stream` (11 GB/s) with
+    `decode_block_s` a block and `row_block_s` more a block per row beyond the first, prefill passes at
+    `prefill_flops` with `prefill_block_s` a block (`passes`=False: a profile from before they were measured, the
+    fp32 rate a matmul's)."""
     records = [Measurement("ram_read", "RAM read", 12e9, "B/s", 0.0, 3, 0.0),
                Measurement("cpu_matmul_fp32_prefill", "fp32 matmul", 40e9, "FLOP/s", 0.0, 3, 0.0),
-               Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", 11e9, "B/s", 0.0, 3, 0.0),
+               Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", stream, "B/s", 0.0, 3, 0.0),
                Measurement(BLOCK_OVERHEAD_KEY, "fixed cost of a block", decode_block_s, "s", 0.0, 3, 0.0),
                Measurement(SMALL_ROWS_READS_KEY, "4-row reads", 1.5, "x", 0.0, 3, 0.0),
                Measurement(ROW_BLOCK_KEY, "per-row block cost", row_block_s, "s", 0.0, 3, 0.0),
                Measurement(PREFILL_FLOPS_KEY, "fp32 prefill", prefill_flops, "FLOP/s", 0.0, 3, 0.0),
                Measurement(PREFILL_BLOCK_KEY, "prefill block", prefill_block_s, "s", 0.0, 3, 0.0)]
+    if not passes:
+        records = [m for m in records if m.key not in (PREFILL_FLOPS_KEY, PREFILL_BLOCK_KEY)]
     return apply_measurements(get_hardware("cpu-generic"), records, when=1.7e9)
 
 
@@ -253,3 +256,34 @@ def test_each_row_beyond_the_first_of_a_few_row_step_adds_its_measured_cost_to_e
     # it reaches the planner through the hardware JSON too
     again = hardware_from_dict(hardware_to_json(dear))
     assert again.cpu.decode_streaming.row_block_overhead_s == pytest.approx(0.6e-3)
+
+
+@pytest.mark.parametrize("model", [THIN, WIDE], ids=["thin", "wide"])
+def test_the_measured_prefill_rate_holds_the_weight_reads_of_a_pass_of_many_rows(model):
+    """Issue 23, session 15: the fp32 prefill rate is fitted to the runtime's own prefill passes, which read their
+    weights as they multiply, so a prefill (and a decode micro-batch beyond the kernels' rows, which runs as one) pays
+    its reads only beyond its FLOPs: halving the decode streaming rate leaves the blocks of a 96-token prefill and of
+    a 64-row step as they were, and their reads at nothing (the FLOPs outlast them), while a one-row step's reads
+    double. A profile without the passes (the fp32 rate a bare matmul's) still adds the reads."""
+    from hivekeeper.planner.costmodel import decode_step_terms, run_terms
+
+    def prefill_s(hardware) -> float:
+        terms = run_terms(model, hardware, RESIDENT, Workload(prompt_len=96, output_len=2),
+                          measured_efficiency(hardware))["prefill"]
+        return terms["blocks_s"]
+
+    def blocks_reads(hardware, rows: int) -> float:
+        policy = dataclasses.replace(RESIDENT, micro_batch_size=rows)
+        return decode_step_terms(model, hardware, policy, Workload(prompt_len=8, output_len=8),
+                                 measured_efficiency(hardware))["blocks_reads_s"]
+
+    fast, slow = measured_cpu(1e-3, stream=11e9), measured_cpu(1e-3, stream=5.5e9)
+    assert prefill_s(slow) == pytest.approx(prefill_s(fast), rel=1e-9)
+    assert run_terms(model, slow, RESIDENT, Workload(prompt_len=96, output_len=2),
+                     measured_efficiency(slow))["prefill"]["blocks_reads_s"] == 0.0
+    assert blocks_reads(slow, 64) == blocks_reads(fast, 64) == 0.0
+    assert blocks_reads(slow, 1) == pytest.approx(2 * blocks_reads(fast, 1), rel=1e-6)
+    old_fast, old_slow = measured_cpu(1e-3, stream=11e9, passes=False), measured_cpu(1e-3, stream=5.5e9, passes=False)
+    assert prefill_s(old_slow) > prefill_s(old_fast) * 1.01
+    assert blocks_reads(old_slow, 64) == pytest.approx(2 * blocks_reads(old_fast, 64), rel=1e-6)
+    assert blocks_reads(old_fast, 64) > 0.0
