@@ -449,7 +449,13 @@ double hk_set_spin(double seconds) {
     return pool.spin_seconds;
 }
 
-/* ---- matrix-vector product ------------------------------------------------------------------------------------ */
+/* ---- matrix-vector product ------------------------------------------------------------------------------------
+ * dot_block: W weight rows times R activation rows, each pair's sum in dot's order (the same bits as dot(w, row)
+ * whatever R and W are, so a row's result does not depend on the batch it is in). It is inlined with constant W and
+ * R into each caller (dot: 1 and 1; matvec_chunk: a case per batch size), so the accumulators stay in registers and
+ * the loops test nothing per step. The kernel before this one took the batch as a runtime count: one chain of
+ * multiply-adds per row, a test of the count per step, and a 2-row product of a weight larger than the L3 took ~2x
+ * a 1-row product's time, 8 rows 3-4x (issue 23). */
 #if HK_AVX2
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -458,31 +464,99 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static float dot(const float *a, const float *b, long n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0; /* four chains: more loads in flight */
+/* Software prefetch of `lines` cache lines from p on. The 4-bit kernels read a few rows side by side, each a short
+   stream (a 2048-wide Q4_0 row is 18 lines), which the hardware prefetcher picks up too late: while a group of rows
+   is multiplied, the rows of the next group are prefetched at the same pace (Q4_0 products of the 1B demo's shapes,
+   matrices larger than the L3: 1.1-1.65x less CPU time per streamed byte on one thread, 1.1-1.5x faster on two in
+   an alternating A/B at load 9-12; prefetching two or four groups ahead was no better). A prefetch never faults,
+   so one past the weights' end is harmless. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *p, int lines) {
+    for (int i = 0; i < lines; i++) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
+}
+
+/* How far ahead a few-row product's first pass over a weight row asks for its weights (dot_block; measured faster
+   there, slower for one row, which goes without). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+/* Batch rows per pass over a weight row in matvec_chunk, and weight rows per pass (WEIGHT_GROUP): as many as keep
+   their four chains each in registers (AVX2 has 16 vector registers: 2 rows of one weight row; AVX512VL 32: 2 rows
+   of 2 weight rows, each activation load serving both). More rows take more passes over the weight rows, which are
+   in L1 by then. */
+#ifndef DOT_GROUP
+#define DOT_GROUP 2
+#endif
+#ifndef WEIGHT_GROUP
+#define WEIGHT_GROUP (HK_VNNI ? 2 : 1)
+#endif
+
+/* W weight rows (w, w + w_stride) times R activation rows (x, x + stride, ...) into out[v * R + i]. Four chains per
+   pair (more loads in flight), 32 floats a step; the prefetch (a product's first pass over the weight rows,
+   matvec_chunk) asks for the weights PREFETCH_BYTES ahead as it goes. */
+static inline __attribute__((always_inline)) void dot_block(int W, int R, const float *w, long w_stride,
+                                                            const float *x, long stride, long n, int prefetch,
+                                                            float *out) {
+    __m256 s[WEIGHT_GROUP][DOT_GROUP][4];
+    for (int v = 0; v < W; v++)
+        for (int i = 0; i < R; i++) s[v][i][0] = s[v][i][1] = s[v][i][2] = s[v][i][3] = _mm256_setzero_ps();
     long j = 0;
     for (; j + 32 <= n; j += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), s3);
+        __m256 wv[WEIGHT_GROUP][4];
+        for (int v = 0; v < W; v++) {
+            const float *row = w + v * w_stride + j;
+            if (prefetch) prefetch_ahead((const char *)row + PREFETCH_BYTES, 2);
+            for (int k = 0; k < 4; k++) wv[v][k] = _mm256_loadu_ps(row + 8 * k);
+        }
+        for (int i = 0; i < R; i++)
+            for (int k = 0; k < 4; k++) {
+                __m256 xv = _mm256_loadu_ps(x + i * stride + j + 8 * k);
+                for (int v = 0; v < W; v++) s[v][i][k] = _mm256_fmadd_ps(wv[v][k], xv, s[v][i][k]);
+            }
     }
-    for (; j + 8 <= n; j += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
-    float s = sum8(_mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3)));
-    for (; j < n; j++) s += a[j] * b[j];
-    return s;
+    for (; j + 8 <= n; j += 8)
+        for (int i = 0; i < R; i++) {
+            __m256 xv = _mm256_loadu_ps(x + i * stride + j);
+            for (int v = 0; v < W; v++) s[v][i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + v * w_stride + j), xv, s[v][i][0]);
+        }
+    for (int v = 0; v < W; v++)
+        for (int i = 0; i < R; i++) {
+            const float *a = w + v * w_stride, *b = x + i * stride;
+            float total = sum8(_mm256_add_ps(_mm256_add_ps(s[v][i][0], s[v][i][2]), _mm256_add_ps(s[v][i][1], s[v][i][3])));
+            for (long k = j; k < n; k++) total += a[k] * b[k];
+            out[v * R + i] = total;
+        }
 }
 #else
-static float dot(const float *a, const float *b, long n) {
-    float lanes[8] = {0}; /* eight independent sums: the compiler keeps them in a vector register */
+#define DOT_GROUP 4
+#define WEIGHT_GROUP 1
+
+/* Eight independent sums per pair (the compiler keeps them in vector registers), in one order whatever R is. */
+static inline __attribute__((always_inline)) void dot_block(int W, int R, const float *w, long w_stride,
+                                                            const float *x, long stride, long n, int prefetch,
+                                                            float *out) {
+    (void)prefetch, (void)W, (void)w_stride;
+    float lanes[DOT_GROUP][8];
+    for (int i = 0; i < R; i++)
+        for (int k = 0; k < 8; k++) lanes[i][k] = 0;
     long j = 0;
     for (; j + 8 <= n; j += 8)
-        for (int k = 0; k < 8; k++) lanes[k] += a[j + k] * b[j + k];
-    float s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-    for (; j < n; j++) s += a[j] * b[j];
-    return s;
+        for (int i = 0; i < R; i++)
+            for (int k = 0; k < 8; k++) lanes[i][k] += w[j + k] * x[i * stride + j + k];
+    for (int i = 0; i < R; i++) {
+        const float *l = lanes[i], *b = x + i * stride;
+        float total = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+        for (long k = j; k < n; k++) total += w[k] * b[k];
+        out[i] = total;
+    }
 }
 #endif
+
+static float dot(const float *a, const float *b, long n) {
+    float s;
+    dot_block(1, 1, a, 0, b, 0, n, 0, &s);
+    return s;
+}
 
 /* exp over arrays, for the softmax and SiLU between a layer's products (run on the caller alone: every microsecond
    there is one the pool's workers wait). AVX2: eight at a time, Cephes's single-precision exp (the argument split
@@ -561,11 +635,21 @@ static void silu_times(const float *gate, const float *up, float *out, long n) {
 #define CHUNK_BYTES (64 * 1024) /* weight bytes per chunk of a product: ~10 us of streaming, claimed as a whole */
 
 typedef struct {
-    const float *w, *x, *bias; /* w [outs, cols] row-major, x [batch, cols], bias [outs] or NULL */
+    const float *w, *x, *bias; /* w [outs, cols] row-major, x [batch, cols] (rows x_stride apart), bias [outs] or NULL */
     float *y;                  /* [batch, outs]: y = x w^T + bias, or y += x w^T + bias when accumulate */
-    long outs, cols, batch, rows_per_chunk;
+    long outs, cols, batch, rows_per_chunk, x_stride;
     int accumulate;
 } matvec_task;
+
+/* Batch rows whose length is a multiple of 4 KiB (2048 or 4096 floats: most models' widths) lie on the same L1 cache
+   sets and alias each other's 4 KiB address bits: 8 rows and a weight row or two overflow an 8-way set, and each
+   store into a row waits for the loads from the others. So the kernels keep batch rows (a row-major product's
+   activations, a column-major product's partial sums) `padded(n)` floats apart: n plus a cache line or two, rows
+   one line apart on the sets. */
+static long padded(long n) {
+    long stride = n + 16;
+    return stride % 1024 == 0 ? stride + 16 : stride;
+}
 
 static inline void put(const matvec_task *t, long row, long out, float s) {
     if (t->bias) s += t->bias[out];
@@ -573,51 +657,70 @@ static inline void put(const matvec_task *t, long row, long out, float s) {
     *y = t->accumulate ? *y + s : s;
 }
 
-/* One weight row times every batch row: the weights are read from memory once for all of them. */
-static void row_times_batch(const float *w, const float *x, long cols, long batch, float *sums) {
-#if HK_AVX2
-    __m256 acc[MAX_ROWS];
-    for (long b = 0; b < batch; b++) acc[b] = _mm256_setzero_ps();
-    long j = 0;
-    for (; j + 8 <= cols; j += 8) {
-        __m256 wv = _mm256_loadu_ps(w + j);
-        for (long b = 0; b < batch; b++) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * cols + j), acc[b]);
-    }
-    for (long b = 0; b < batch; b++) {
-        float s = sum8(acc[b]);
-        for (long k = j; k < cols; k++) s += w[k] * x[b * cols + k];
-        sums[b] = s;
-    }
-#else
-    for (long b = 0; b < batch; b++) sums[b] = dot(w, x + b * cols, cols); /* the row stays in L1 after the first */
-#endif
+/* Weight rows [r0, r1) times R batch rows: each weight row read from memory once, by the first group of batch rows
+   (DOT_GROUP at a time, for WEIGHT_GROUP weight rows at a time); the next groups find them in L1. */
+static inline __attribute__((always_inline)) void rows_times_batch(int R, const matvec_task *t, long r0, long r1) {
+    float sums[WEIGHT_GROUP * DOT_GROUP];
+    long cols = t->cols, r = r0;
+    for (; r + WEIGHT_GROUP <= r1; r += WEIGHT_GROUP)
+        for (int i = 0; i < R; i += DOT_GROUP) {
+            int n = R - i < DOT_GROUP ? R - i : DOT_GROUP;
+            dot_block(WEIGHT_GROUP, n, t->w + r * cols, cols, t->x + i * t->x_stride, t->x_stride, cols, i == 0, sums);
+            for (int v = 0; v < WEIGHT_GROUP; v++)
+                for (int b = 0; b < n; b++) put(t, i + b, r + v, sums[v * n + b]);
+        }
+    for (; r < r1; r++)
+        for (int i = 0; i < R; i += DOT_GROUP) {
+            int n = R - i < DOT_GROUP ? R - i : DOT_GROUP;
+            dot_block(1, n, t->w + r * cols, 0, t->x + i * t->x_stride, t->x_stride, cols, i == 0, sums);
+            for (int b = 0; b < n; b++) put(t, i + b, r, sums[b]);
+        }
 }
 
-/* A chunk of output rows: each weight row read once, one forward stream through the chunk's rows, which this CPU's
-   prefetchers follow best (4- and 8-row blocks and software prefetching measured slower). */
+/* A chunk of output rows: one forward stream through the chunk's weight rows, which this CPU's prefetchers follow
+   best (4- and 8-row blocks measured slower). A constant row count in each case: see dot_block. */
 static void matvec_chunk(void *ctx, long chunk) {
     const matvec_task *t = ctx;
-    float sums[MAX_ROWS];
     long r0 = chunk * t->rows_per_chunk, r1 = r0 + t->rows_per_chunk < t->outs ? r0 + t->rows_per_chunk : t->outs;
-    for (long r = r0; r < r1; r++) {
-        const float *w = t->w + r * t->cols;
-        if (t->batch == 1) {
-            put(t, 0, r, dot(w, t->x, t->cols));
-        } else {
-            row_times_batch(w, t->x, t->cols, t->batch, sums);
-            for (long b = 0; b < t->batch; b++) put(t, b, r, sums[b]);
-        }
+    switch (t->batch) {
+    case 1: /* one row: dot's loop alone, as the one-row decode always ran (pairs of weight rows and software
+               prefetching measured slower there) */
+        for (long r = r0; r < r1; r++) put(t, 0, r, dot(t->w + r * t->cols, t->x, t->cols));
+        break;
+#define HK_ROWS_CASE(R) case R: rows_times_batch(R, t, r0, r1); break;
+    HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
+    HK_ROWS_CASE(5) HK_ROWS_CASE(6) HK_ROWS_CASE(7) HK_ROWS_CASE(8)
+#undef HK_ROWS_CASE
     }
 }
+
+_Static_assert(MAX_ROWS == 8, "matvec_chunk and column_piece have a case for each row count up to MAX_ROWS");
 
 static long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
-static void matvec_by_rows(const float *w, const float *x, const float *bias, float *y, long outs, long cols,
-                           long batch, int accumulate) {
-    long rows = CHUNK_BYTES / (cols * (long)sizeof(float));
+static float *padded_x;
+static size_t padded_x_floats;
+
+/* Returns 0, or -1 when the batch rows' padded copy found no memory (y unchanged). */
+static int matvec_by_rows(const float *w, const float *x, const float *bias, float *y, long outs, long cols,
+                          long batch, int accumulate) {
+    long rows = CHUNK_BYTES / (cols * (long)sizeof(float)), stride = cols;
+    if (batch > 1) { /* the rows copied `padded` apart (see padded) */
+        stride = padded(cols);
+        size_t need = (size_t)(batch * stride);
+        if (need > padded_x_floats) {
+            float *grown = realloc(padded_x, need * sizeof(float));
+            if (!grown) return -1;
+            padded_x = grown;
+            padded_x_floats = need;
+        }
+        for (long b = 0; b < batch; b++) memcpy(padded_x + b * stride, x + b * cols, (size_t)cols * sizeof(float));
+        x = padded_x;
+    }
     matvec_task t = {.w = w, .x = x, .bias = bias, .y = y, .outs = outs, .cols = cols, .batch = batch,
-                     .rows_per_chunk = rows > 0 ? rows : 1, .accumulate = accumulate};
+                     .rows_per_chunk = rows > 0 ? rows : 1, .x_stride = stride, .accumulate = accumulate};
     parallel(matvec_chunk, &t, ceil_div(outs, t.rows_per_chunk));
+    return 0;
 }
 
 /* The same product for a weight stored column-major (element (o, j) at wt[j * outs + o]; the runtime stores tall
@@ -630,48 +733,84 @@ static void matvec_by_rows(const float *w, const float *x, const float *bias, fl
 
 typedef struct {
     const float *wt, *x, *bias;
-    float *y, *partials; /* partials [pieces, batch, outs] */
-    long outs, cols, batch, piece_cols, pieces;
+    float *y, *partials; /* partials [pieces, batch, outs], rows part_stride (padded(outs)) apart */
+    long outs, cols, batch, piece_cols, pieces, part_stride;
     int accumulate;
 } column_task;
 
-static void column_piece(void *ctx, long piece) {
-    const column_task *t = ctx;
-    long outs = t->outs, cols = t->cols, batch = t->batch;
-    long j0 = piece * t->piece_cols, j1 = j0 + t->piece_cols < cols ? j0 + t->piece_cols : cols;
-    float *part = t->partials + piece * batch * outs;
-    memset(part, 0, (size_t)(batch * outs) * sizeof(float));
-    long j = j0;
-    for (; j + 4 <= j1; j += 4) { /* four columns at a time: each partial is loaded and stored once for four */
-        const float *w0 = t->wt + j * outs, *w1 = w0 + outs, *w2 = w1 + outs, *w3 = w2 + outs;
-        long o = 0;
-#if HK_AVX2
-        __m256 xs[MAX_ROWS][4];
-        for (long b = 0; b < batch; b++)
-            for (int k = 0; k < 4; k++) xs[b][k] = _mm256_set1_ps(t->x[b * cols + j + k]);
-        for (; o + 8 <= outs; o += 8) {
-            __m256 a = _mm256_loadu_ps(w0 + o), c = _mm256_loadu_ps(w1 + o);
-            __m256 e = _mm256_loadu_ps(w2 + o), g = _mm256_loadu_ps(w3 + o);
-            for (long b = 0; b < batch; b++) {
-                float *p = part + b * outs + o;
-                __m256 acc = _mm256_fmadd_ps(a, xs[b][0], _mm256_loadu_ps(p));
-                acc = _mm256_fmadd_ps(c, xs[b][1], acc);
-                acc = _mm256_fmadd_ps(e, xs[b][2], acc);
-                _mm256_storeu_ps(p, _mm256_fmadd_ps(g, xs[b][3], acc));
-            }
-        }
+/* Batch rows per pass over four columns of a piece: their broadcast activations stay in registers (AVX2: 2 x 4 of
+   16 registers; AVX512VL: 4 x 4 of 32). More rows take more passes over the four columns (in L2 by then). */
+#define COLUMN_GROUP (HK_VNNI ? 4 : 2)
+/* A piece's outputs go in blocks whose partial sums (COLUMN_PARTIALS floats over the batch rows) stay in L1 while
+   every column of the piece adds into them; the columns' next block is prefetched into L2 meanwhile. */
+#ifndef COLUMN_PARTIALS
+#define COLUMN_PARTIALS 4096
 #endif
-        for (long b = 0; b < batch; b++) {
-            const float *xb = t->x + b * cols + j;
-            float *p = part + b * outs;
-            for (long k = o; k < outs; k++) p[k] += w0[k] * xb[0] + w1[k] * xb[1] + w2[k] * xb[2] + w3[k] * xb[3];
+
+/* Columns j .. j + 3 times batch rows b0 .. b0 + R - 1 into their partial sums (each partial loaded and stored once
+   for the four columns, in one order whatever R and the group are). */
+static inline __attribute__((always_inline)) void columns_times_rows(int R, const column_task *t, long j, long b0,
+                                                                     float *part, long o0, long o1) {
+    long outs = t->outs, cols = t->cols, o = o0;
+    const float *w0 = t->wt + j * outs, *w1 = w0 + outs, *w2 = w1 + outs, *w3 = w2 + outs;
+#if HK_AVX2
+    long ahead = o1 - o0;
+    __m256 xs[COLUMN_GROUP][4];
+    for (int i = 0; i < R; i++)
+        for (int k = 0; k < 4; k++) xs[i][k] = _mm256_set1_ps(t->x[(b0 + i) * cols + j + k]);
+    for (; o + 8 <= o1; o += 8) {
+        if (b0 == 0 && (o & 15) == 0) { /* the four columns' next block of outputs, into L2 on the first pass */
+            _mm_prefetch((const char *)(w0 + o + ahead), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w1 + o + ahead), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w2 + o + ahead), _MM_HINT_T1);
+            _mm_prefetch((const char *)(w3 + o + ahead), _MM_HINT_T1);
+        }
+        __m256 a = _mm256_loadu_ps(w0 + o), c = _mm256_loadu_ps(w1 + o);
+        __m256 e = _mm256_loadu_ps(w2 + o), g = _mm256_loadu_ps(w3 + o);
+        for (int i = 0; i < R; i++) {
+            float *p = part + (b0 + i) * t->part_stride + o;
+            __m256 acc = _mm256_fmadd_ps(a, xs[i][0], _mm256_loadu_ps(p));
+            acc = _mm256_fmadd_ps(c, xs[i][1], acc);
+            acc = _mm256_fmadd_ps(e, xs[i][2], acc);
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(g, xs[i][3], acc));
         }
     }
-    for (; j < j1; j++)
-        for (long b = 0; b < batch; b++) {
-            float xb = t->x[b * cols + j];
-            for (long o = 0; o < outs; o++) part[b * outs + o] += t->wt[j * outs + o] * xb;
-        }
+#endif
+    for (int i = 0; i < R; i++) {
+        const float *xb = t->x + (b0 + i) * cols + j;
+        float *p = part + (b0 + i) * t->part_stride;
+        for (long k = o; k < o1; k++) p[k] += w0[k] * xb[0] + w1[k] * xb[1] + w2[k] * xb[2] + w3[k] * xb[3];
+    }
+}
+
+/* A piece's columns times R batch rows (a constant in each case of column_piece: see dot_block). */
+static inline __attribute__((always_inline)) void column_piece_rows(int R, const column_task *t, long piece) {
+    long outs = t->outs, cols = t->cols;
+    long j0 = piece * t->piece_cols, j1 = j0 + t->piece_cols < cols ? j0 + t->piece_cols : cols;
+    float *part = t->partials + piece * R * t->part_stride;
+    memset(part, 0, (size_t)(R * t->part_stride) * sizeof(float));
+    long block = COLUMN_PARTIALS / R / 8 * 8;
+    for (long o0 = 0; o0 < outs; o0 += block) { /* a block of outputs: its partial sums stay in L1 */
+        long o1 = o0 + block < outs ? o0 + block : outs, j = j0;
+        for (; j + 4 <= j1; j += 4) /* four columns at a time: each partial is loaded and stored once for four */
+            for (int b0 = 0; b0 < R; b0 += COLUMN_GROUP)
+                columns_times_rows(R - b0 < COLUMN_GROUP ? R - b0 : COLUMN_GROUP, t, j, b0, part, o0, o1);
+        for (; j < j1; j++)
+            for (long b = 0; b < R; b++) {
+                float xb = t->x[b * cols + j];
+                for (long o = o0; o < o1; o++) part[b * t->part_stride + o] += t->wt[j * outs + o] * xb;
+            }
+    }
+}
+
+static void column_piece(void *ctx, long piece) {
+    const column_task *t = ctx;
+    switch (t->batch) {
+#define HK_ROWS_CASE(R) case R: column_piece_rows(R, t, piece); break;
+    HK_ROWS_CASE(1) HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
+    HK_ROWS_CASE(5) HK_ROWS_CASE(6) HK_ROWS_CASE(7) HK_ROWS_CASE(8)
+#undef HK_ROWS_CASE
+    }
 }
 
 static void column_sum(void *ctx, long chunk) {
@@ -680,7 +819,7 @@ static void column_sum(void *ctx, long chunk) {
     for (long b = 0; b < t->batch; b++)
         for (long o = o0; o < o1; o++) {
             float s = 0;
-            for (long i = 0; i < t->pieces; i++) s += t->partials[(i * t->batch + b) * outs + o];
+            for (long i = 0; i < t->pieces; i++) s += t->partials[(i * t->batch + b) * t->part_stride + o];
             if (t->bias) s += t->bias[o];
             float *y = t->y + b * outs + o;
             *y = t->accumulate ? *y + s : s;
@@ -691,25 +830,24 @@ static float *partials;
 static size_t partial_floats;
 
 /* y [batch, outs] = x [batch, cols] w^T (+ bias), or y += that; w [outs, cols] is row-major, or column-major when
-   column_major. Returns 0, or -1 when the partial sums of a column-major product found no memory (y unchanged). */
+   column_major. Returns 0, or -1 when the partial sums of a column-major product, or the padded rows of a row-major
+   one, found no memory (y unchanged). */
 static int matvec(const float *w, int column_major, const float *x, const float *bias, float *y, long outs,
                   long cols, long batch, int accumulate) {
-    if (!column_major) {
-        matvec_by_rows(w, x, bias, y, outs, cols, batch, accumulate);
-        return 0;
-    }
+    if (!column_major) return matvec_by_rows(w, x, bias, y, outs, cols, batch, accumulate);
     long pieces = outs * cols * (long)sizeof(float) / CHUNK_BYTES;
     pieces = pieces < 1 ? 1 : pieces > MAX_PIECES ? MAX_PIECES : pieces;
     long piece_cols = (ceil_div(cols, pieces) + 3) / 4 * 4;
     pieces = ceil_div(cols, piece_cols);
-    size_t need = (size_t)pieces * (size_t)(batch * outs);
+    long part_stride = padded(outs);
+    size_t need = (size_t)pieces * (size_t)(batch * part_stride);
     if (need > partial_floats) {
         float *grown = realloc(partials, need * sizeof(float));
         if (!grown) return -1;
         partials = grown;
         partial_floats = need;
     }
-    column_task t = {w, x, bias, y, partials, outs, cols, batch, piece_cols, pieces, accumulate};
+    column_task t = {w, x, bias, y, partials, outs, cols, batch, piece_cols, pieces, part_stride, accumulate};
     parallel(column_piece, &t, pieces);
     parallel(column_sum, &t, ceil_div(outs, SUM_CHUNK));
     return 0;
@@ -1120,16 +1258,6 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i s) {
 /* Block b of a pair of 4-bit weight rows, unpacked once for every activation row: the unsigned codes, weights 0-15
    in `lo`, 16-31 in `hi`, and `dm`: the rows' (scale, Q4_1 min) as [d0, m0, d1, m1] (Q4_0: [d0, d0, d1, d1]). */
 typedef struct { __m256i lo, hi; __m128 dm; } pair_block;
-
-/* Software prefetch of `lines` cache lines from p on. The 4-bit kernels read a few rows side by side, each a short
-   stream (a 2048-wide Q4_0 row is 18 lines), which the hardware prefetcher picks up too late: while a group of rows
-   is multiplied, the rows of the next group are prefetched at the same pace (Q4_0 products of the 1B demo's shapes,
-   matrices larger than the L3: 1.1-1.65x less CPU time per streamed byte on one thread, 1.1-1.5x faster on two in
-   an alternating A/B at load 9-12; prefetching two or four groups ahead was no better). A prefetch never faults,
-   so one past the weights' end is harmless. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const char *p, int lines) {
-    for (int i = 0; i < lines; i++) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
-}
 
 static inline uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }

@@ -181,6 +181,54 @@ def test_few_row_linear_equals_f_linear(native, rows, cols, bias, batch, by_colu
         assert (linear(x, weight, b) - F.linear(x, weight, b)).abs().max().item() <= 1e-4
 
 
+# Few-row products (decode_kernels.c's matvec: a case per row count, batch rows in groups, weight rows in pairs):
+# odd sizes give scalar tails and an odd weight row out; 1008 floats is a width whose padded row stride is bumped
+# again (padded: 1024 floats apart would share the cache sets).
+FEW_ROW_SHAPES = [(701, 403, False), (264, 1008, False), (1031, 403, True), (1008, 300, True)]
+
+
+@pytest.mark.parametrize("build", ["avx512vnni", "avx2", "portable"])
+@pytest.mark.parametrize("outs,cols,by_column", FEW_ROW_SHAPES)
+def test_every_few_row_count_equals_f_linear_and_its_rows_alone(kernel_build, build, outs, cols, by_column):
+    """Each row count 1..MAX_ROWS, through cpu_matmul.linear on the kernels' pool, in every build: the product agrees
+    with F.linear, and each row's result has the same bits as that row multiplied alone (a row's sum is the same
+    whatever batch it is in), so a row count whose case drops or misplaces a row's result fails."""
+    native = kernel_build(build)
+    torch.manual_seed(1)
+    weight, x, bias = torch.randn(outs, cols), torch.randn(native_kernels.MAX_ROWS, 1, cols), torch.randn(outs)
+    if by_column:
+        weight = weight.t().contiguous().t()
+    with torch.inference_mode():
+        alone = [linear(x[r : r + 1], weight, bias) for r in range(native_kernels.MAX_ROWS)]
+        for rows in range(1, native_kernels.MAX_ROWS + 1):
+            product = linear(x[:rows], weight, bias)
+            assert (product - F.linear(x[:rows], weight, bias)).abs().max().item() <= 1e-4, rows
+            for r in range(rows):
+                assert torch.equal(product[r : r + 1], alone[r]), (rows, r)
+    assert native.hk_variant().decode() == build
+
+
+@pytest.mark.parametrize("build", ["avx512vnni", "avx2", "portable"])
+@pytest.mark.parametrize("by_column", [False, True])
+def test_few_row_products_have_the_same_bits_on_any_thread_count(kernel_build, build, by_column):
+    """Every row count, row- and column-major (many chunks and pieces: 1.5 MiB of weights), on 1, 3 and 2 threads."""
+    native = kernel_build(build)
+    torch.manual_seed(2)
+    weight, x = torch.randn(1536, 264), torch.randn(native_kernels.MAX_ROWS, 1, 264)
+    if by_column:
+        weight = weight.t().contiguous().t()
+    results = {}
+    try:
+        for threads in (1, 3, 2):
+            native.hk_set_threads(threads)
+            with torch.inference_mode():
+                results[threads] = [linear(x[:rows], weight) for rows in range(1, native_kernels.MAX_ROWS + 1)]
+    finally:
+        native.hk_set_threads(native_kernels.default_threads())
+    for threads in (3, 2):
+        assert all(torch.equal(a, b) for a, b in zip(results[1], results[threads]))
+
+
 def test_any_thread_count_gives_the_same_result(native, monkeypatch):
     span = random_span(CONFIGS["llama-gqa"])
     x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
