@@ -988,8 +988,8 @@ def reads_in_passes(grid: CandidateArrays, work: AcceleratorWork, many_rows) -> 
     reads counted only beyond its FLOPs, for fp32 candidates on a CPU whose fp32 FLOP rate `hivekeeper measure` fitted
     to the runtime's own prefill passes (FLOPs / rate + blocks x cost; DecodeStreaming.prefill_block_overhead_s is
     measured with it): those passes read their weights as they multiplied, so the rate holds the reads. Issue 23,
-    session 15: added to the FLOPs, they were counted twice, and every prefill of the calibration bench was predicted
-    1.25-1.35x slow, the wide model's batch-64 step 1.59x (its reads 31 of 157 ms). Packed formats keep their reads
+    session 15: added to the FLOPs, they were counted twice: the calibration bench's prefills were predicted
+    1.24-1.29x slow, the wide model's batch-64 step 1.59x (its reads 39 of 157 ms). Packed formats keep their reads
     (their prefill rate was timed on cached spans), as do 16-bit ones (no such evidence)."""
     streaming = grid.machine.acc.decode_streaming if grid.machine.acc.kind == "cpu" else None
     if streaming is None or streaming.prefill_block_overhead_s is None:
