@@ -846,8 +846,8 @@ def thin_width(hidden: int, thin: int = STREAM_THIN) -> int:
 
     Issue 23 (session 15): one-row steps of random spans on this project's AVX512 host read 576-wide blocks at
     13-15 GB/s, 768-wide ones at 17-19 and 2048-wide ones at 17-20 (timed in turn): the blocks' cost does not
-    scale from 768 down to 576, so a fit to 2048 and 768 (or QUICK's 1024 and 384) priced SmolLM2's 30 blocks of
-    576 15% fast or 27% slow; a fit to 2048 and 576 predicted a 30 x 576 span 1.06x and a 2 x 2048 one 0.94x."""
+    scale from 768 down to 576, so a fit to 2048 and 768 (or QUICK's 1024 and 384) priced a span of 30 blocks of 576
+    (SmolLM2's shape) 15% fast (27% slow); a fit to 2048 and 576 predicted it 1.06x and a 2 x 2048 one 0.94x."""
     return min(thin, narrow_width(hidden))
 
 
