@@ -137,7 +137,7 @@ def this_machine_measured() -> tuple[object, object, dict]:
     from what this machine measured, not from estimates (an AMX bf16 peak predicted 672 tokens/s against 261-353
     measured in session 11). Without a profile the quick measurement runs first and saves one (as a first `plan`
     does), in HIVEKEEPER_CONFIG_DIR when set."""
-    from hivekeeper.core.cli.plan import measure_quickly
+    from hivekeeper.core.machine.first_measure import measure_quickly
     from hivekeeper.core.machine.profiles import detect_or_load_profile, load_machine_profile
 
     hardware, efficiency = detect_or_load_profile()

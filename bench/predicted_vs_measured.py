@@ -70,7 +70,8 @@ def one_run(model: str, prompt_len: int, new_tokens: int, no_measure: bool, pack
                                       "--new-tokens", str(new_tokens)], env)
         prompt = " ".join(["the"] * prompt_len)  # about one token per word for both tokenizers
         measured = hivekeeper("generate", "--model", model, "--prompt", prompt, "--max-new-tokens", str(new_tokens),
-                              "--ignore-eos", "--json", env=env)["tokens_per_s"]
+                              "--ignore-eos", "--json", *(["--no-measure"] if no_measure else []),
+                              env=env)["tokens_per_s"]
         plan["measured"] = quick_measurement(config)
         plan["parts_ms"] = child_json([sys.executable, __file__, "--parts-of", model, "--prompt-len", str(prompt_len),
                                        "--new-tokens", str(new_tokens)], env)

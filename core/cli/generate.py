@@ -37,6 +37,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "`hivekeeper plan --json` (its policy is used)")
     parser.add_argument("--quant", choices=("none", "int8", "nf4"), default="none",
                         help="with --plan auto: plan for int8 or nf4 weights (bitsandbytes; slow on CPUs)")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="with --plan auto on a machine never measured: plan with estimates instead of measuring "
+                             "it quickly first (as `hivekeeper plan` does)")
     parser.add_argument("--ram-budget-gb", type=float, metavar="X",
                         help="RAM the model may hold (weights, KV cache, buffers; the Python+torch runtime not "
                              "counted); the blocks that do not fit are streamed from disk")
@@ -155,7 +158,8 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
         prompt_len = min(prompt_len + extra, max_length)  # (one that leaves no room is refused when generating)
     choice, plan = plan_local_run(args.plan, path, config, batch=batch, prompt_len=prompt_len,
                                   max_new_tokens=max(1, max_length - prompt_len), max_length=max_length,
-                                  ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"))
+                                  ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"),
+                                  measure=not getattr(args, "no_measure", False))
     model = OffloadedModel(path, plan, drop_page_cache=drop_page_cache)
     info = {"source": choice.source, "reason": choice.reason, "policy": choice.policy.as_dict(),
             "engine": plan.summary(), "warnings": list(choice.warnings), "predicted": choice.predicted}

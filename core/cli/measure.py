@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if path:
         print(f"saved: {path} (used by `hivekeeper plan --hardware auto` on this machine)")
     busy = busy_words(measurements, os.cpu_count() or 1)
-    if path and busy:  # saved all the same: the first plan at a quiet moment measures again (plan.why_measure)
+    if path and busy:  # saved all the same: the first plan at a quiet moment measures again (first_measure.why_measure)
         print(f"note: measured {busy}; the first `plan --hardware auto` at a load of at most {os.cpu_count() or 1} "
               "measures it again quickly", file=sys.stderr)
     if dropped:

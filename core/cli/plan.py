@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 
 from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
@@ -94,45 +92,17 @@ def _number(text: str | None, option: str, low: float, high: float) -> float | N
 def _hardware(arg: str, overrides: dict[str, float], measure: bool = True):
     """(spec, efficiency or None). auto: this machine, with its saved profile's measured numbers and (calibrated)
     efficiency factors when `hivekeeper measure` / `hivekeeper profile` ran here; without a profile (the first plan
-    for this machine) it is measured quickly first (measure_quickly), unless `measure` is False."""
+    for this machine) it is measured quickly first (first_measure.this_machine), unless `measure` is False."""
     if arg == "auto":
-        from hivekeeper.core.machine.profiles import detect_or_load_profile
         from hivekeeper.planner.hardware_catalog import apply_host_overrides
 
-        hardware, efficiency = detect_or_load_profile()
-        why, note = why_measure(efficiency is not None, measure)
-        if note or why:
-            print(f"note: {note or why}", file=sys.stderr, flush=True)
-        if why:
-            print(measure_quickly(), file=sys.stderr)
-            hardware, efficiency = detect_or_load_profile()
+        from hivekeeper.core.machine.first_measure import this_machine
+
+        hardware, efficiency = this_machine(measure)
         return apply_host_overrides(hardware, where="command line", **overrides), efficiency
     from hivekeeper.planner.hardware_catalog import resolve_hardware
 
     return resolve_hardware(arg, **overrides), None
-
-
-def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
-    """(why `plan --hardware auto` measures this machine quickly before planning, or "", a note when it plans with a
-    busy profile). It measures when there is no profile yet (the first plan), or when the profile was measured busy
-    (at a load above the CPU count its figures can plan the machine several times too slow) and the machine is
-    quiet now. A busy profile while still busy, or with --no-measure, is used, and the note says so."""
-    from hivekeeper.core.machine.measurement import QUICK_TAKES, load_now, measured_load
-    from hivekeeper.core.machine.profiles import load_machine_profile
-
-    if not profiled:
-        return (f"the first plan for this machine: measuring it quickly first (once, {QUICK_TAKES}; `--no-measure` "
-                "plans with estimates)") if measure else "", ""
-    profile, cpus = load_machine_profile(), os.cpu_count() or 1
-    load = measured_load(profile.measurements) if profile is not None else 0.0
-    if load <= cpus:
-        return "", ""
-    busy, now = f"this machine's profile was measured busy (at load {load:.1f} on {cpus} CPUs)", load_now()
-    if measure and now <= cpus:
-        return (f"{busy}; the load is {now:.1f} now: measuring it again quickly ({QUICK_TAKES}; `--no-measure` "
-                "plans with the busy profile)"), ""
-    return "", (f"{busy}: its figures can be several times too slow; the first plan at a load of at most {cpus} "
-                f"measures it again (the load is {now:.1f} now)")
 
 
 def kept_free(hardware, reserve_gb: float | None) -> dict[str, float]:
@@ -147,36 +117,6 @@ def kept_free(hardware, reserve_gb: float | None) -> dict[str, float]:
         raise InputError(f"--reserve-gb {reserve_gb:g} leaves nothing to plan with: it must be below the "
                          f"{limit:.3g} GB of {where} of {hardware.id}")
     return {"gpu": reserve_gb * 1e9, "cpu": reserve_gb * 1e9, "disk": 0.0}
-
-
-def measure_quickly() -> str:
-    """`hivekeeper measure --quick` without its table: this machine's RAM bandwidth, matmuls, decode weight streaming
-    and (when the data folder exists) disk, saved as its profile; returns the line that says so."""
-    import time
-
-    from hivekeeper.core.machine.cpu_dtype import forget
-    from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
-    from hivekeeper.core.machine.measure import QUICK, run_benchmarks
-    from hivekeeper.core.machine.measurement import busy_words
-    from hivekeeper.core.machine.profiles import new_profile, save_profile
-
-    detected = detect_hardware()
-    started = time.time()
-    folder = default_data_dir()
-    measurements = run_benchmarks(QUICK, disk_folder=folder if folder.is_dir() else None, progress=_say_step)
-    profile = new_profile(detected)
-    profile.measurements, profile.measured_at = measurements, started
-    path = save_profile(profile)
-    forget()  # the 16-bit decision reads the new measurements
-    busy = busy_words(measurements, os.cpu_count() or 1)
-    return (f"note: the first plan for this machine: measured it quickly ({time.time() - started:.1f} s, like "
-            f"`hivekeeper measure --quick`{f', {busy}' if busy else ''}), saved to {path}; `hivekeeper measure` "
-            f"measures it fully (--no-measure plans with estimates)")
-
-
-def _say_step(fraction: float, label: str) -> None:
-    """The quick measurement's progress on stderr, a line a step."""
-    print(f"  {100 * fraction:3.0f}%  {label}", file=sys.stderr, flush=True)
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object, FormatChoice]:

@@ -11,5 +11,6 @@
 - `measurement`     one benchmark's result as saved (no torch, so reading a profile stays light).
 - `profile_files`   where machine profiles live, the hardware fingerprint, reading a profile file.
 - `profiles`        saved machine profiles (measurements + calibration) and applying them to a spec.
+- `first_measure`   the first plan for this machine measures it quickly first (plan, generate, chat, api).
 - `profiling`       timing the real runtime over a grid, calibrating the planner, predicted vs measured.
 """

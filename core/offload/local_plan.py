@@ -168,25 +168,26 @@ def with_ram_budget(hardware, ram_budget_bytes: float, efficiency=None):
 
 def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
                   ram_budget_bytes: float | None = None, quant: str = "none", hardware=None, efficiency=None,
-                  fallback: bool = True) -> PolicyChoice:
+                  fallback: bool = True, measure: bool = False) -> PolicyChoice:
     """The planner's best policy for this machine, this model and this run: 16-bit or fp32 weights, or int8/nf4
     when `quant` says so.
 
     hardware: the planner's HardwareSpec of this machine (None: this machine as `plan --hardware auto` sees it,
-    detected with its saved profile's measurements); efficiency: its cost-model factors (None: the profile's, else
-    the defaults). With a RAM budget the planner is told the machine has that much RAM on top of the runtime it
-    reserves itself. When nothing fits, `fallback` streams what RAM cannot hold (fallback_policy); without it,
+    detected with its saved profile's measurements, measured quickly first when it has none and `measure`, as the
+    first plan for a machine is: core/machine/first_measure.py); efficiency: its cost-model factors (None: the
+    profile's, else the defaults). With a RAM budget the planner is told the machine has that much RAM on top of
+    the runtime it reserves itself. When nothing fits, `fallback` streams what RAM cannot hold (fallback_policy); without it,
     DoesNotFit says why.
     """
     from hivekeeper.planner.model_catalog import load_model_spec
     from hivekeeper.planner.policy import Constraints, search
 
     if hardware is None:  # one prediction per machine and model: generate, chat and the app plan as `plan` does
-        from hivekeeper.core.machine.profiles import detect_or_load_profile
+        from hivekeeper.core.machine.first_measure import this_machine
 
         # detected with the saved profile's measured numbers and factors (before, generate planned with the detected
         # estimates alone while plan read the profile: the app showed 13.2 tokens/s beside generate's 41.8)
-        hardware, profiled = detect_or_load_profile()
+        hardware, profiled = this_machine(measure)
         efficiency = efficiency if efficiency is not None else profiled
     spec = load_model_spec(str(model_path))
     if ram_budget_bytes is not None:
@@ -224,7 +225,7 @@ def packed_choice(model_path: str | Path, quant: str, hardware):
 def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
                   ram_budget_bytes: float | None = None, quant: str = "none", **search_options) -> PolicyChoice:
     """--plan auto (the planner, with --quant's weight format) or --plan FILE (whose weight_format decides).
-    search_options: search_policy's hardware, efficiency and fallback."""
+    search_options: search_policy's hardware, efficiency, fallback and measure."""
     if quant not in ("none", "int8", "nf4"):
         raise InputError(f"--quant {quant!r}: choose none, int8 or nf4")
     if plan_arg == "auto":

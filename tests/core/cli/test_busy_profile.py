@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from hivekeeper.core.cli.plan import why_measure
+from hivekeeper.core.machine.first_measure import why_measure
 from hivekeeper.core.machine.measurement import LOAD_ENV
 from hivekeeper.core.machine.profiles import load_profile, save_profile
 

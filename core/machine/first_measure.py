@@ -1,0 +1,82 @@
+"""The first plan for this machine measures it first.
+
+Every plan "for this machine" (`plan --hardware auto`; `generate`, `chat` and `api` with `--plan auto`) reads the
+machine's saved profile. Where there is none, or it was measured at a load above the CPU count and the machine is
+quiet now, the plan measures it quickly first (`hivekeeper measure --quick`'s sizes, seconds), saves the profile and
+says so, rather than predict from estimates: issue 14 item 12, where `generate --json` put 11 tokens/s predicted (the
+estimated 10 GB/s RAM read) beside 41 measured because only `plan` measured. `--no-measure` plans with estimates.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def this_machine(measure: bool = True, say: Callable[[str], None] = _stderr):
+    """(HardwareSpec, MachineEfficiency or None) of this machine with its saved profile's measured numbers and
+    factors, measured quickly first when why_measure says so (and `measure`); `say` gets the notes."""
+    from hivekeeper.core.machine.profiles import detect_or_load_profile
+
+    hardware, efficiency = detect_or_load_profile()
+    why, note = why_measure(efficiency is not None, measure)
+    if note or why:
+        say(f"note: {note or why}")
+    if why:
+        say(measure_quickly(say))
+        hardware, efficiency = detect_or_load_profile()
+    return hardware, efficiency
+
+
+def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
+    """(why a plan for this machine measures it quickly before planning, or "", a note when it plans with a busy
+    profile). It measures when there is no profile yet (the first plan), or when the profile was measured busy (at a
+    load above the CPU count its figures can plan the machine several times too slow) and the machine is quiet now.
+    A busy profile while still busy, or with --no-measure, is used, and the note says so."""
+    from hivekeeper.core.machine.measurement import QUICK_TAKES, load_now, measured_load
+    from hivekeeper.core.machine.profiles import load_machine_profile
+
+    if not profiled:
+        return (f"the first plan for this machine: measuring it quickly first (once, {QUICK_TAKES}; `--no-measure` "
+                "plans with estimates)") if measure else "", ""
+    profile, cpus = load_machine_profile(), os.cpu_count() or 1
+    load = measured_load(profile.measurements) if profile is not None else 0.0
+    if load <= cpus:
+        return "", ""
+    busy, now = f"this machine's profile was measured busy (at load {load:.1f} on {cpus} CPUs)", load_now()
+    if measure and now <= cpus:
+        return (f"{busy}; the load is {now:.1f} now: measuring it again quickly ({QUICK_TAKES}; `--no-measure` "
+                "plans with the busy profile)"), ""
+    return "", (f"{busy}: its figures can be several times too slow; the first plan at a load of at most {cpus} "
+                f"measures it again (the load is {now:.1f} now)")
+
+
+def measure_quickly(say: Callable[[str], None] = _stderr) -> str:
+    """`hivekeeper measure --quick` without its table: this machine's RAM bandwidth, matmuls, decode weight streaming
+    and (when the data folder exists) disk, saved as its profile, each step said as it starts; returns the line that
+    says so."""
+    from hivekeeper.core.machine.cpu_dtype import forget
+    from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
+    from hivekeeper.core.machine.measure import QUICK, run_benchmarks
+    from hivekeeper.core.machine.measurement import busy_words
+    from hivekeeper.core.machine.profiles import new_profile, save_profile
+
+    detected = detect_hardware()
+    started = time.time()
+    folder = default_data_dir()
+    measurements = run_benchmarks(QUICK, disk_folder=folder if folder.is_dir() else None,
+                                  progress=lambda fraction, label: say(f"  {100 * fraction:3.0f}%  {label}"))
+    profile = new_profile(detected)
+    profile.measurements, profile.measured_at = measurements, started
+    path = save_profile(profile)
+    forget()  # the 16-bit decision reads the new measurements
+    busy = busy_words(measurements, os.cpu_count() or 1)
+    return (f"note: the first plan for this machine: measured it quickly ({time.time() - started:.1f} s, like "
+            f"`hivekeeper measure --quick`{f', {busy}' if busy else ''}), saved to {path}; `hivekeeper measure` "
+            f"measures it fully (--no-measure plans with estimates)")
