@@ -11,6 +11,7 @@ rate only; the measure_* functions return a `Measurement` with the repeats.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import socketserver
@@ -718,28 +719,28 @@ def random_packed_matrix(fmt: str, outs: int, cols: int, seed: int = 0, out: np.
     return QuantizedMatrix(block, blocks.reshape(outs, -1), outs, cols)
 
 
-def packed_span(fmt: str, hidden: int, total_bytes: int):
+def packed_span(fmt: str, hidden: int, total_bytes: int, arena: np.ndarray | None = None):
     """(config, span, weights) of random decoder blocks of width `hidden` shaped as decode_span's, whose four
     linears are `fmt`-packed (QuantizedLinear, as a GGUF's blocks load) in one buffer in reading order, repeated to
     about `total_bytes` of packed weights: a step through it is a packed model's decode step (the native kernels'
-    whole-span call), caches cold between blocks once the span exceeds the last-level cache."""
+    whole-span call), caches cold between blocks once the span exceeds the last-level cache. `arena` (uint8): the
+    buffer to lay them in, from its start, as many whole blocks as reach `total_bytes` (it must hold them:
+    packed_arena), so that spans of several formats timed in turn share one buffer (their values do not matter)."""
     from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear
-    from hivekeeper.core.runtime.model import ModelConfig, Span
+    from hivekeeper.core.runtime.model import Span
     from hivekeeper.core.runtime.quant.blocks import BLOCK_WEIGHTS, format_named
 
-    heads = max(1, hidden // 64)
-    inter = max(64, int(hidden * 2.75) // 64 * 64)
-    probe = ModelConfig("llama", 256, hidden, inter, 1, heads, max(1, heads // 4), hidden // heads,
-                        max_position_embeddings=DECODE_SPAN_POSITIONS)
+    probe = packed_block_config(hidden)
     bytes_per_weight = format_named(fmt).block_bytes / BLOCK_WEIGHTS
-    blocks = max(1, round(total_bytes / (probe.block_param_count() * bytes_per_weight)))
+    per_block = probe.block_param_count() * bytes_per_weight
+    blocks = max(1, round(total_bytes / per_block) if arena is None else math.ceil(total_bytes / per_block))
     config = replace(probe, num_layers=blocks)
     with torch.device("meta"):
         span = Span(config, 0, blocks)
     shapes = [(getattr(getattr(block, parent), child), parent, child) for block in span.blocks
               for parent, child in PACKED_LINEARS]  # still on "meta": their fp32 weights are never allocated
     sizes = [int(layer.out_features * layer.in_features * bytes_per_weight) for layer, _, _ in shapes]
-    arena, offset = np.empty(sum(sizes), dtype=np.uint8), 0
+    arena, offset = np.empty(sum(sizes), dtype=np.uint8) if arena is None else arena[:sum(sizes)], 0
     for (layer, parent, child), size, block in zip(shapes, sizes, [b for b in span.blocks for _ in PACKED_LINEARS]):
         matrix = random_packed_matrix(fmt, layer.out_features, layer.in_features, out=arena[offset:offset + size])
         setattr(getattr(block, parent), child, QuantizedLinear(matrix))
@@ -758,9 +759,31 @@ def packed_span(fmt: str, hidden: int, total_bytes: int):
     return config, span, weights
 
 
+def packed_block_config(hidden: int):
+    """A one-block ModelConfig of the packed spans' shape at width `hidden` (whole heads of 64, a quarter of them
+    K/V heads, an MLP 2.75x as wide: SmolLM2's 576 -> 1536)."""
+    from hivekeeper.core.runtime.model import ModelConfig
+
+    heads = max(1, hidden // 64)
+    inter = max(64, int(hidden * 2.75) // 64 * 64)
+    return ModelConfig("llama", 256, hidden, inter, 1, heads, max(1, heads // 4), hidden // heads,
+                       max_position_embeddings=DECODE_SPAN_POSITIONS)
+
+
+def packed_arena(hidden: int, total_bytes: int) -> np.ndarray:
+    """One uint8 buffer that holds a packed_span of any format of `total_bytes` at width `hidden` (whole blocks: one
+    block of the widest format more), for the streamed spans of the three formats to share: they are timed in turn
+    and each reads all of its bytes, so the caches are as cold for each as with a buffer of its own, at a third of
+    the memory."""
+    from hivekeeper.core.runtime.quant.blocks import FORMATS
+
+    widest = max(format_bytes(name) for name in FORMATS)
+    return np.empty(int(total_bytes + packed_block_config(hidden).block_param_count() * widest) + 64, dtype=np.uint8)
+
+
 def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_bytes: int = 384 << 20,
                            cache_bytes: int | None = None, streamed: bool = True,
-                           step_repeats: int = STEP_REPEATS) -> list[Measurement]:
+                           step_repeats: int = STEP_REPEATS, stream_hidden: int = STREAM_THIN) -> list[Measurement]:
     """Weights/s of each packed format (GGUF Q8_0/Q4_0/Q4_1) in a decode step as a packed model takes it, and the
     fixed cost of a packed block beside it: one-row steps through spans of random packed blocks (packed_span), on
     the runtime's own decode path (the native kernels' whole-span step, or numpy's dequantized products where they
@@ -777,9 +800,15 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
       AVX512-VNNI host, where a whole 768-wide packed block took ~0.26 ms) left the 25% floor of
       packed_kernel_seconds, a rate 4x too high, and the planner then added 0.3 ms to each of SmolLM2's 30 blocks:
       9 ms of a 6.3 ms step;
-    - streamed (PACKED_KERNEL_KEY, only with `streamed`): a span larger than twice the last-level cache and than
-      `total_bytes`, so caches are cold between blocks and the packed bytes come from RAM, as a large model's do; its
-      rate is its step less the same fitted cost a block.
+    - streamed (PACKED_KERNEL_KEY, only with `streamed`): a span of `stream_hidden`-wide blocks (a thin model's:
+      STREAM_THIN, SmolLM2's 576), of `total_bytes` or twice the last-level cache, the larger, so caches are cold
+      between blocks and the packed bytes come from RAM, as a model beyond the cache takes them; its rate is its step
+      less the same fitted cost a block. The three formats' streamed spans share one buffer (packed_arena). Issue 14
+      item 12 / 23 (session 15): `measure --quick` timed the cached spans only (3 blocks, ~0.9 ms a step), and the
+      planner priced SmolLM2's 66 MB of Q4_1 blocks, twice a 32 MiB L3, at their rate: between quick measurements
+      it read 3.4-26.7 G weights/s and put the model at 0.54-0.90x its measured tokens/s; the streamed span is that
+      model's shape (47 blocks of 576, 7-8 ms a step) and read 31-34 G weights/s in three measurements in a row
+      (load 1.4): ~22 G weights/s before the blocks' fixed cost, where the model's blocks in `generate` took ~23.
 
     The planner takes the cached rate for a model whose weights fit the cache, the streamed one for a model twice its
     size, and blends between (costmodel.cached_share).
@@ -794,15 +823,17 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
     from hivekeeper.core.runtime.quant.blocks import FORMATS
 
     cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
-    sizes = {PACKED_CACHED_KEY: max(cache // 3, 1)}
-    if streamed:
-        sizes[PACKED_KERNEL_KEY] = max(total_bytes, 2 * cache)
+    cached, stream = max(cache // 3, 1), max(total_bytes, 2 * cache)
     previous_threads = torch.get_num_threads()
     use_blas_threads()  # the runtime's thread layout (its decode path depends on it)
     try:
         load = load_average()
-        spans = {(key, name): packed_span(name, hidden, size) for key, size in sizes.items() for name in FORMATS}
-        spans.update({(PACKED_BLOCK_KEY, name): packed_span(name, narrow_width(hidden), sizes[PACKED_CACHED_KEY])
+        spans = {(PACKED_CACHED_KEY, name): packed_span(name, hidden, cached) for name in FORMATS}
+        if streamed:
+            arena = packed_arena(stream_hidden, stream)
+            spans.update({(PACKED_KERNEL_KEY, name): packed_span(name, stream_hidden, stream, arena)
+                          for name in FORMATS})
+        spans.update({(PACKED_BLOCK_KEY, name): packed_span(name, narrow_width(hidden), cached)
                       for name in FORMATS})
         timed = dict(zip(spans, _alternating_seconds([decode_steps(config, span, 1) for config, span, _ in
                                                       spans.values()], max(repeats, step_repeats))))
@@ -821,10 +852,11 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
             continue
         kernel_seconds = [packed_kernel_seconds(s, count, block_s) for s in seconds]
         where = "in the last-level cache" if key == PACKED_CACHED_KEY else "beyond the caches"
+        width = hidden if key == PACKED_CACHED_KEY else stream_hidden
         results.append(_median_rate_measurement(
             f"{key}{name}", f"CPU {name} decode step (one row, {where})", WEIGHTS_PER_S, float(weights),
             kernel_seconds, load,
-            f"one-row decode steps of {count} random {name} blocks of width {hidden} "
+            f"one-row decode steps of {count} random {name} blocks of width {width} "
             f"({weights * format_bytes(name) / 2**20:.0f} MiB packed, {where}: {cache / 2**20:.0f} MiB), {path}, "
             f"median {median_and_spread(seconds)[0] * 1e3:.3g} ms less {block_s * 1e3:.3g} ms a block (the fixed "
             "cost fitted to the packed spans); the spans timed in turn"))
@@ -1239,20 +1271,23 @@ class BenchmarkSizes:
     peer_bytes: int = 16 << 20
     repeats: int = 5
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
-    packed_hidden: int | None = PACKED_HIDDEN  # the packed formats' spans: this wide, a third of the last-level
-    # cache each (cached), and stream_bytes or twice the cache each (streamed); None: skip them (TINY)
-    packed_streamed: bool = True  # False: only the cached spans (QUICK: the streamed ones are 3 x 2 x the cache)
+    packed_hidden: int | None = PACKED_HIDDEN  # the packed formats' cached spans: this wide, a third of the
+    # last-level cache each; the streamed ones stream_thin wide, stream_bytes or twice the cache each, the larger (one
+    # buffer for the three formats); None: skip them (TINY)
+    packed_streamed: bool = True  # False: only the cached spans
     step_repeats: int = STEP_REPEATS  # timings of each whole decode step at least (they take milliseconds)
 
 
 # QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads).
 # Its decode spans are the full measurement's widths (2048 and 576): one 2048-wide block (172 MiB) and 96 MiB of
 # 576-wide ones, both beyond the cache (issue 23, session 15: its earlier spans, one 1024-wide block of 43 MiB, 1.4x
-# a 32 MiB L3, and 64 MiB of 384-wide ones, fitted 0.26 ms a block and put SmolLM2's fp32 decode 1.41x slow)
+# a 32 MiB L3, and 64 MiB of 384-wide ones, fitted 0.26 ms a block and put SmolLM2's fp32 decode 1.41x slow). Its
+# packed spans are the full measurement's too, the streamed ones included (96 MiB of 576-wide blocks, one buffer for
+# the three formats: measure_packed_kernels)
 QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill_rows=128, matmul_seconds=0.05,
                        stream_hidden=2048, stream_bytes=96 << 20, half_wide=None, half_bytes=64 << 20,
                        disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"),
-                       packed_streamed=False, step_repeats=4)
+                       step_repeats=4)
 
 
 # a few megabytes, the caches ignored: for tests and screenshots, where the numbers do not matter
@@ -1316,7 +1351,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU packed-format decode steps",
                       lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
                                                      sizes.cache_bytes, sizes.packed_streamed,
-                                                     max(sizes.step_repeats, PACKED_STEP_REPEATS))))
+                                                     max(sizes.step_repeats, PACKED_STEP_REPEATS),
+                                                     thin_width(sizes.stream_hidden, sizes.stream_thin))))
     for index, (label, step) in enumerate(steps):
         if should_stop():
             break

@@ -6,6 +6,8 @@ goal: the tests check what is measured, where it goes and what the planner does 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,8 @@ from hivekeeper.planner.hardware_catalog import get_hardware
 from hivekeeper.planner.models import ModelSpec
 
 SMALL = (64, 256)  # a matrix small enough for a test
-TINY_SPAN = dict(hidden=128, total_bytes=64 << 10, cache_bytes=1 << 20)  # a few blocks of the benchmark's spans
+# a few blocks of the benchmark's spans (the streamed ones narrower, as QUICK's 576 against its cached 768)
+TINY_SPAN = dict(hidden=128, total_bytes=64 << 10, cache_bytes=1 << 20, stream_hidden=96)
 
 
 @pytest.mark.parametrize("fmt", PACKED_FORMATS)
@@ -76,18 +79,22 @@ def test_one_rate_per_format_from_whole_packed_decode_steps(monkeypatch):
         assert m.unit == WEIGHTS_PER_S and m.value > 0 and m.repeats == len(m.samples) == repeats
         # the median repeat's rate (the machine's typical speed, not its luckiest instant), with the range
         assert (m.value, m.spread) == pytest.approx(median_and_spread(m.samples))
-        assert "blocks of width 128" in m.detail and "in turn" in m.detail and "median" in m.detail
-    # the cached spans (both widths) a third of the last-level cache, the streamed ones beyond twice it
+        width = 96 if m.key.startswith(PACKED_KERNEL_KEY) else 128
+        assert f"blocks of width {width}" in m.detail and "in turn" in m.detail and "median" in m.detail
+    # the cached spans (both widths) a third of the last-level cache, the streamed ones (a thin model's width) at
+    # least twice it, in one buffer the three formats share (each from its start: a third of the memory)
     cache = TINY_SPAN["cache_bytes"]
     packed = [weights * format_bytes(fmt) for (_, _, weights), fmt in zip(spans, PACKED_FORMATS * 3)]
-    assert all(size < cache / 2 for size in packed[:3] + packed[6:]) and all(size > 1.5 * cache for size in packed[3:6])
-    assert [config.hidden_size for config, _, _ in spans] == [128] * 6 + [64] * 3
+    assert all(size < cache / 2 for size in packed[:3] + packed[6:]) and all(size >= 2 * cache for size in packed[3:6])
+    assert [config.hidden_size for config, _, _ in spans] == [128] * 3 + [96] * 3 + [64] * 3
+    first = [span.blocks[0].self_attn.qkv_proj.packed.data_ptr() for _, span, _ in spans]
+    assert len(set(first[3:6])) == 1 and len(set(first[:3] + first[6:] + first[3:4])) == 7
     assert all(narrow[0].num_layers > wide[0].num_layers for wide, narrow in zip(spans[:3], spans[6:]))
     if measure.native_kernels.library() is not None:
         assert native and all(out is not None for out in native)  # the kernels' whole-span step, every time
     switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
     assert set(order) == set(PACKED_FORMATS) and switches >= 2 * len(PACKED_FORMATS) * STEP_REPEATS - 1
-    # `measure --quick`: only the cached spans, fewer timings
+    # only the cached spans (streamed=False), fewer timings
     quick = measure_packed_kernels(repeats=2, **TINY_SPAN, streamed=False, step_repeats=3)
     assert [m.key for m in quick] == [*(f"{PACKED_CACHED_KEY}{name}" for name in PACKED_FORMATS), PACKED_BLOCK_KEY,
                                       *(f"{PACKED_PREFILL_KEY}{name}" for name in PACKED_FORMATS)]
@@ -110,7 +117,8 @@ def test_the_rates_and_a_packed_blocks_cost_are_fitted_to_the_packed_spans_alone
                  for i in range(repeats)] for config, span in runs]
 
     monkeypatch.setattr(measure, "_alternating_seconds", timed)
-    results = {m.key: m for m in measure_packed_kernels(repeats=2, **TINY_SPAN, step_repeats=5)}
+    one_width = {**TINY_SPAN, "stream_hidden": TINY_SPAN["hidden"]}  # the cached spans' blocks' share of the costs
+    results = {m.key: m for m in measure_packed_kernels(repeats=2, **one_width, step_repeats=5)}
     block = results[PACKED_BLOCK_KEY]
     assert block.value == pytest.approx(2e-6 * 1.01, rel=1e-6)
     assert sorted(block.samples) == pytest.approx([1.515e-6, 2.02e-6, 2.525e-6], rel=1e-6)
@@ -161,6 +169,42 @@ def test_the_span_holds_its_format_in_one_buffer_beyond_the_asked_size(fmt):
     ends = [start + layer.packed.numel() for start, layer in zip(starts, layers)]
     assert starts[1:] == ends[:-1]  # one buffer, in reading order
     assert abs(ends[-1] - starts[0] - (256 << 10)) <= (ends[-1] - starts[0]) / config.num_layers
+
+
+def test_the_streamed_spans_of_every_format_fit_one_shared_arena_from_its_start():
+    """packed_arena holds any format's span of the asked bytes in whole blocks (the widest, Q8_0, included); each
+    span starts at the arena's start and reads at least the asked bytes, so each is as far beyond the cache as
+    asked while the three together take one format's memory."""
+    arena = measure.packed_arena(96, 300 << 10)
+    for fmt in PACKED_FORMATS:
+        config, span, weights = packed_span(fmt, 96, 300 << 10, arena)
+        layers = [getattr(getattr(block, parent), child) for block in span.blocks
+                  for parent, child in measure.PACKED_LINEARS]
+        nbytes = sum(layer.packed.numel() for layer in layers)
+        assert layers[0].packed.data_ptr() == arena.ctypes.data and config.hidden_size == 96
+        assert (300 << 10) <= nbytes <= arena.nbytes and nbytes - (300 << 10) < nbytes / (config.num_layers - 1)
+        assert weights * format_bytes(fmt) == pytest.approx(nbytes)
+
+
+def test_quick_times_the_streamed_packed_spans_at_the_thin_models_width():
+    """Issue 14 item 12 / 23 (session 15): `measure --quick` (the first plan's) times the packed spans beyond the
+    cache too, at the thin decode span's width (a model like SmolLM2, 30 x 576 and 66 MB of Q4_1 blocks, streams
+    from RAM through a 32 MiB L3), with the same procedure as the full measurement."""
+    recorded = []
+
+    def packed(*args):
+        recorded.append(args)
+        return []
+
+    sizes = dataclasses.replace(measure.QUICK, dtypes=(), disk_bytes=0, ram_bytes=1 << 20, cache_bytes=1 << 20)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(measure, "measure_packed_kernels", packed)
+        patch.setattr(measure, "measure_memory_read", lambda *args: Measurement("ram_read", "", 1e9, "B/s", 0, 1, 0))
+        patch.setattr(measure, "has_half_math", lambda: False)
+        measure.run_benchmarks(sizes, gpu=False)
+    (args,) = recorded
+    assert args[4] is True and args[6] == measure.STREAM_THIN == sizes.stream_thin and args[1] == sizes.packed_hidden
+    assert args[5] >= measure.PACKED_STEP_REPEATS
 
 
 def machine_measured(block_s: float, rates: dict[str, float], packed_block_s: float | None = None) -> HardwareSpec:
