@@ -222,6 +222,31 @@ def machine_measured(block_s: float, rates: dict[str, float], packed_block_s: fl
     return apply_measurements(get_hardware("cpu-generic"), records, when=1.7e9)
 
 
+def test_a_thin_packed_model_beyond_the_cache_follows_the_streamed_reading_not_the_cached_one():
+    """Issue 14 item 12 / 23 (session 15): with the streamed spans in the quick measurement too, SmolLM2's shape in
+    Q4_1 (30 x 576, ~66 MB of blocks and a Q8_0 head: three times a 32 MiB L3) is priced at the streamed rate; the
+    cached spans' rate (which read 3.4-26.7 G weights/s between quick measurements on this project's host) no
+    longer moves it, and without a streamed reading (a profile measured before) it is priced at the cached one."""
+    smol = ModelSpec("smol", "llama", 30, 576, 1536, 9, 3, 64, 49152, True, 2048)
+    ram = Placement(gpu=0.0, cpu=1.0, disk=0.0)
+    policy = Policy(weight_format="q4_1", weights=ram, kv_cache=ram, activations=ram, micro_batch_size=1)
+
+    def step_s(streamed: float | None, cached: float) -> float:
+        rates = {} if streamed is None else {"q4_1": streamed, "q8_0": streamed}
+        hardware = machine_measured(0.3e-3, rates, 0.04e-3)
+        cpu = dataclasses.replace(hardware.cpu, cache_bytes=32 << 20,
+                                  packed_kernels_cached={"q4_1": cached, "q8_0": cached})
+        hardware = dataclasses.replace(hardware, cpu=cpu)
+        return 1.0 / evaluate(smol, hardware, policy, Workload(prompt_len=8, output_len=8),
+                              measured_efficiency(hardware)).decode_tokens_per_s
+
+    assert step_s(5e9, 3.4e9) == pytest.approx(step_s(5e9, 26.7e9), rel=1e-9)
+    numbers = model_numbers(smol)
+    weights = numbers.layers * numbers.matrix_params + numbers.head_params  # the blocks' and the head's kernels
+    assert step_s(2.5e9, 26.7e9) - step_s(5e9, 26.7e9) == pytest.approx(weights / 5e9, rel=0.05)
+    assert step_s(None, 3.4e9) - step_s(None, 26.7e9) == pytest.approx(weights * (1 / 3.4e9 - 1 / 26.7e9), rel=0.05)
+
+
 @pytest.mark.parametrize("packed_block_s", [0.0, 0.05e-3])
 def test_a_model_shaped_as_the_measured_span_is_planned_at_its_step(packed_block_s):
     """The mechanism of issue 23's packed fix: the rate is the span's step less the packed block's fixed cost that
