@@ -240,8 +240,9 @@ def _vector_bytes(fmt: WeightFormat) -> float:
 def packed_kernel_rate(cpu: ComputeDevice, weight_format: str) -> tuple[float, bool]:
     """(weights/s of the packed format's one-row kernel on this CPU with its weights streamed from RAM, whether
     measured): `hivekeeper measure`'s figure (ComputeDevice.packed_kernels); where only the in-cache rate was
-    measured (`measure --quick`), that one (a step's reads from RAM are the cost model's own term beside it); else
-    DEFAULT_PACKED_WEIGHTS_PER_CORE_S times the physical cores."""
+    measured (a `measure --quick` profile from before session 15, which timed no streamed spans), that one (a
+    step's reads from RAM are the cost model's own term beside it); else DEFAULT_PACKED_WEIGHTS_PER_CORE_S times the
+    physical cores."""
     measured = cpu.packed_kernels.get(weight_format) or cpu.packed_kernels_cached.get(weight_format)
     if measured:
         return float(measured), True

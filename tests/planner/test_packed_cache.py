@@ -75,7 +75,7 @@ def test_the_share_follows_the_cache_size_and_the_formats_bytes():
 
 def test_the_rates_fall_back_to_each_other_and_the_cache_travels_in_a_hardware_file():
     cpu = machine(48 << 20).cpu
-    quick = dataclasses.replace(cpu, packed_kernels={})  # `measure --quick` times the cached spans only
+    quick = dataclasses.replace(cpu, packed_kernels={})  # `measure --quick` timed the cached spans only (< session 15)
     assert packed_kernel_rate(quick, "q4_1") == (CACHED, True) and packed_cached_rate(quick, "q4_1") == CACHED
     full_only = dataclasses.replace(cpu, packed_kernels_cached={})  # a profile measured before the cached spans
     assert packed_cached_rate(full_only, "q4_1") == STREAMED
