@@ -658,11 +658,9 @@ static inline void put(const matvec_task *t, long row, long out, float s) {
 }
 
 /* Weight rows [r0, r1) times R batch rows: each weight row read from memory once, by the first group of batch rows
-   (DOT_GROUP at a time, for W weight rows at a time); the next groups find them in L1. Pairs of weight rows only
-   from 4 batch rows: with 2 (768- and 2048-wide weights, streamed) one weight row at a time was ~1.2x faster, with 8
-   pairs ~1.2x. */
-static inline __attribute__((always_inline)) void rows_times_batch(int R, const matvec_task *t, long r0, long r1) {
-    const int W = R < 4 ? 1 : WEIGHT_GROUP;
+   (DOT_GROUP at a time, for W weight rows at a time: 1, or WEIGHT_GROUP); the next groups find them in L1. */
+static inline __attribute__((always_inline)) void rows_times_batch(int R, int W, const matvec_task *t, long r0,
+                                                                   long r1) {
     float sums[WEIGHT_GROUP * DOT_GROUP];
     long cols = t->cols, r = r0;
     for (; r + W <= r1; r += W)
@@ -680,6 +678,11 @@ static inline __attribute__((always_inline)) void rows_times_batch(int R, const 
         }
 }
 
+/* Pairs of weight rows (WEIGHT_GROUP) from 4 batch rows and rows this wide: 11264 x 2048 streamed, 8 rows took
+   ~1.2x less CPU time in pairs; 576- and 768-wide weights ran 1.2-1.3x slower in pairs (2 threads, 4-8 rows), and
+   2 rows of either width too. */
+#define PAIRS_MIN_COLS 2048
+
 /* A chunk of output rows: one forward stream through the chunk's weight rows, which this CPU's prefetchers follow
    best (4- and 8-row blocks measured slower). A constant row count in each case: see dot_block. */
 static void matvec_chunk(void *ctx, long chunk) {
@@ -690,7 +693,10 @@ static void matvec_chunk(void *ctx, long chunk) {
                prefetching measured slower there) */
         for (long r = r0; r < r1; r++) put(t, 0, r, dot(t->w + r * t->cols, t->x, t->cols));
         break;
-#define HK_ROWS_CASE(R) case R: rows_times_batch(R, t, r0, r1); break;
+#define HK_ROWS_CASE(R) case R: \
+        if (R >= 4 && t->cols >= PAIRS_MIN_COLS) rows_times_batch(R, WEIGHT_GROUP, t, r0, r1); \
+        else rows_times_batch(R, 1, t, r0, r1); \
+        break;
     HK_ROWS_CASE(2) HK_ROWS_CASE(3) HK_ROWS_CASE(4)
     HK_ROWS_CASE(5) HK_ROWS_CASE(6) HK_ROWS_CASE(7) HK_ROWS_CASE(8)
 #undef HK_ROWS_CASE

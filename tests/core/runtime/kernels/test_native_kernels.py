@@ -181,10 +181,10 @@ def test_few_row_linear_equals_f_linear(native, rows, cols, bias, batch, by_colu
         assert (linear(x, weight, b) - F.linear(x, weight, b)).abs().max().item() <= 1e-4
 
 
-# Few-row products (decode_kernels.c's matvec: a case per row count, batch rows in groups, weight rows in pairs):
-# odd sizes give scalar tails and an odd weight row out; 1008 floats is a width whose padded row stride is bumped
-# again (padded: 1024 floats apart would share the cache sets).
-FEW_ROW_SHAPES = [(701, 403, False), (264, 1008, False), (1031, 403, True), (1008, 300, True)]
+# Few-row products (decode_kernels.c's matvec: a case per row count, batch rows in groups, weight rows in pairs from
+# 2048 columns): odd sizes give scalar tails and an odd weight row out; 1008 floats is a width whose padded row
+# stride is bumped again (padded: 1024 floats apart would share the cache sets).
+FEW_ROW_SHAPES = [(701, 403, False), (264, 1008, False), (131, 2051, False), (1031, 403, True), (1008, 300, True)]
 
 
 @pytest.mark.parametrize("build", ["avx512vnni", "avx2", "portable"])
