@@ -36,7 +36,7 @@ from hivekeeper.core.machine.measurement import (  # torch-free, so that saved p
     PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
     Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
-from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_tall_by_column, torch_threads,
+from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_for_decode, torch_threads,
                                                         use_blas_threads)
 
 Progress = Callable[[float, str], None]
@@ -211,13 +211,13 @@ def measure_matmul(shape: MatmulShape, dtype: str = "fp32", device: str | torch.
 def _layer_chain(hidden: int, total_bytes: int) -> list[torch.Tensor]:
     """Distinct fp32 matrices shaped like decoder layers of width `hidden` (fused q/k/v with 4:1 grouped KV, o,
     fused gate/up, down; MLP 2.75x wide), repeated to about `total_bytes`, stored as the runtime stores them (tall
-    ones column-major)."""
+    ones as cpu_matmul.store_for_decode does)."""
     inter = int(hidden * 2.75) // 64 * 64
     layer = [(hidden + hidden // 2, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
     layer_bytes = sum(o * i for o, i in layer) * 4
     weights = [torch.randn(o, i) for _ in range(max(1, total_bytes // layer_bytes)) for o, i in layer]
     for weight in weights:
-        store_tall_by_column(weight)
+        store_for_decode(weight)
     return weights
 
 
@@ -283,9 +283,9 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
 def decode_span(hidden: int, total_bytes: int, config=None):
     """(config, span) of random fp32 decoder blocks of width `hidden` (head 64, 4:1 grouped KV, MLP 2.75x wide)
     repeated to about `total_bytes` (or shaped as `config`, decode_span_config's), laid out as checkpoint.load_span
-    lays out a loaded model (tall matrices column-major, every weight packed in reading order), so a step through it
-    takes the runtime's decode path."""
-    from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_linears_by_column
+    lays out a loaded model (tall matrices as cpu_matmul.store_for_decode stores them, every weight packed in reading
+    order), so a step through it takes the runtime's decode path."""
+    from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_linears_for_decode
     from hivekeeper.core.runtime.model import Span
 
     config = config or decode_span_config(hidden, total_bytes)
@@ -302,7 +302,7 @@ def decode_span(hidden: int, total_bytes: int, config=None):
         span.rotary = type(span.rotary)(config)
         for block in span.blocks:
             block.rotary = span.rotary
-            store_tall_linears_by_column(block)
+            store_linears_for_decode(block)
     pack_in_order(list(span.blocks))
     return config, span
 

@@ -45,7 +45,7 @@ from hivekeeper.core.runtime.checkpoint import (load_block, load_embedding, load
                                                 quant_compute_dtype)
 from hivekeeper.core.runtime.gguf import GGUFBlockReader, GGUFCheckpoint, packed_by_default
 from hivekeeper.core.runtime.kernels import cpu_decode
-from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, pack_in_order, store_tall_linears_by_column,
+from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, pack_in_order, store_linears_for_decode,
                                                         use_blas_threads)
 from hivekeeper.core.runtime.model import Block, ModelConfig, RotaryTable, add_prompt
 from hivekeeper.core.runtime.quant.bnb import quantized_tensors
@@ -223,7 +223,7 @@ class OffloadedModel:
                 self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
                 self.head = load_head(self.path, dtype=dtype, device=self.device,
                                       embedding=self.embedding if config.tie_word_embeddings else None,
-                                      tall_by_column=not plan.streamed_blocks)
+                                      decode_layout=not plan.streamed_blocks)
             self.resident: dict[int, Block] = {}  # on the compute device
             self.pinned: dict[int, Block] = {}  # RAM blocks streamed to the GPU
             for layer, tier in enumerate(plan.weight_tiers):
@@ -277,7 +277,7 @@ class OffloadedModel:
         block = empty_block(self.config, self.rotary, self.plan.dtype, self.device)
         self.reader.fill(block, layer)
         if not self.plan.streamed_blocks:  # CPU fp32 only: faster decode matmuls; not under a RAM budget that
-            store_tall_linears_by_column(block)  # streams blocks (the re-store briefly holds a matrix twice)
+            store_linears_for_decode(block)  # streams blocks (the re-store briefly holds a matrix twice)
         return block
 
     def _packed(self) -> bool:

@@ -28,7 +28,7 @@ from hivekeeper.core.runtime.block_tensors import block_tensor_names, read_block
 from hivekeeper.core.runtime.checkpoint_files import INDEX_FILE, SIDE_FILES, SINGLE_FILE
 from hivekeeper.core.runtime.default_model import is_default_model_id, resolve_default_model
 from hivekeeper.core.runtime.gguf import GGUFCheckpoint, load_packed_block, load_packed_head, packed_by_default
-from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_by_column, store_tall_linears_by_column
+from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_for_decode, store_linears_for_decode
 from hivekeeper.core.runtime.model import Block, Embedding, Head, ModelConfig, RotaryTable, Span
 from hivekeeper.core.runtime.quant.bnb import check_quant, quantize_block
 
@@ -167,7 +167,7 @@ def load_block(checkpoint: Checkpoint, layer: int, *, dtype: torch.dtype = torch
     if (isinstance(checkpoint, GGUFCheckpoint) and checkpoint.packed and quant == "none"
             and dtype == torch.float32 and torch.device(device).type == "cpu"):
         block = load_packed_block(checkpoint, layer, rotary)
-        store_tall_linears_by_column(block)  # the linears not packed (other GGUF types)
+        store_linears_for_decode(block)  # the linears not packed (other GGUF types)
         return block
     with torch.device("meta"):
         block = Block(checkpoint.config, layer, rotary)
@@ -176,7 +176,7 @@ def load_block(checkpoint: Checkpoint, layer: int, *, dtype: torch.dtype = torch
     if quant != "none":
         return quantize_block(block, quant, device)
     block = block.to(device)
-    store_tall_linears_by_column(block)  # CPU fp32 only: faster decode matmuls
+    store_linears_for_decode(block)  # CPU fp32 only: faster decode matmuls
     return block
 
 
@@ -233,9 +233,9 @@ def load_embedding(path: str | Path, *, dtype: str | torch.dtype = torch.float32
 
 
 def load_head(path: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              embedding: Embedding | None = None, tall_by_column: bool = True, packed: bool | None = None) -> Head:
+              embedding: Embedding | None = None, decode_layout: bool = True, packed: bool | None = None) -> Head:
     """The final norm and LM head. For tied models pass the loaded `embedding` to share its matrix.
-    tall_by_column: store an untied CPU fp32 matrix column-major (cpu_matmul.store_tall_by_column; the re-store
+    decode_layout: store an untied CPU fp32 matrix as decode reads it fastest (cpu_matmul.store_for_decode: a re-store
     briefly holds a second copy of it). packed: a GGUF's Q8_0/Q4_0/Q4_1 head matrix stays packed on the CPU in fp32
     (gguf.load_packed_head); None: as load_span decides (gguf.packed_by_default)."""
     check_device(device)
@@ -269,8 +269,8 @@ def load_head(path: str | Path, *, dtype: str | torch.dtype = torch.float32, dev
         return head.requires_grad_(False).to(device)
     head.load_state_dict({"norm.weight": norm, "weight": weight}, assign=True)
     head = head.requires_grad_(False).to(device)
-    if tall_by_column:  # CPU fp32 only (a tied matrix stays as the embedding lookup needs it)
-        store_tall_by_column(head.weight)
+    if decode_layout:  # CPU fp32 only (a tied matrix stays as the embedding lookup needs it)
+        store_for_decode(head.weight)
     return head
 
 

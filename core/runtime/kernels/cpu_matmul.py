@@ -109,10 +109,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # OpenBLAS streams the weights of a matrix-vector product faster column by column (its gemv "N" kernel, output
 # accumulated in the cache) than row by row (a dot product per output, "T") when the matrix has several times more
 # rows than columns: a 4096 x 768 fp32 weight (a 125M model's fused gate/up) read at 19-22 GB/s column-major
-# against 13-18 GB/s row-major here, and a 125M model decoded ~20% faster with its gate/up and LM head stored so.
-# Square and wide matrices (o, down) read faster row by row. Only the storage changes: the tensor keeps its
-# [out, in] shape, and torch's own matmuls accept either layout. The re-store holds the matrix twice for a moment,
-# so the engine skips it when it streams blocks under a RAM budget (there disk reads set the speed anyway).
+# against 13-18 GB/s row-major, and a 125M model decoded ~20% faster with its gate/up and LM head stored so. Square
+# and wide matrices (o, down) read faster row by row. Only the storage changes: the tensor keeps its [out, in] shape,
+# and torch's own matmuls accept either layout. The re-store holds the matrix twice for a moment, so the engine skips
+# it when it streams blocks under a RAM budget (there disk reads set the speed anyway).
+#
+# That is numpy's decode path. Where the native kernels are built, decode runs on them, and they read tall matrices
+# faster row-major (issue 23, session 15, after their few-row products were rewritten; 2-core AVX512 host, load ~1-2):
+# a 2 x 2048 model decoded at 164-168 tokens/s at batch 4 with tall matrices row-major against 107-114 column-major
+# and 51-61 against 39-56 at batch 1, SmolLM2 fp32 121 against 58-94 at batch 4, the AVX2 build's wide batch 4 164
+# against 94; one row was faster row-major on 5 of 6 tall shapes (6 of 6 with the AVX2 build). Prefill, still
+# OpenBLAS's, loses less: 1.06-1.19x slower on this host's kernels (mixed with Haswell's), the wide model's 128-token
+# prefill 0.19-0.26 s against 0.17-0.21. So the runtime stores tall matrices column-major only where decode takes
+# numpy's path (store_for_decode); store_by_column re-stores one unconditionally (the kernels' tests of that layout).
 COLUMN_MAJOR_MIN_RATIO = 2
 
 
@@ -123,18 +132,36 @@ def column_major(tensor: Tensor) -> bool | None:
     return True if tensor.dim() == 2 and tensor.t().is_contiguous() else None
 
 
-def store_tall_by_column(weight: nn.Parameter) -> None:
+def store_by_column(weight: nn.Parameter) -> None:
     """Re-store a CPU fp32 weight [out, in] with out >= COLUMN_MAJOR_MIN_RATIO * in column-major (once, at load)."""
     if (weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype is torch.float32
             and weight.shape[0] >= COLUMN_MAJOR_MIN_RATIO * weight.shape[1] and weight.is_contiguous()):
         weight.data = weight.data.t().contiguous().t()
 
 
-def store_tall_linears_by_column(module: nn.Module) -> None:
-    """store_tall_by_column for every Linear's weight in `module` (a block after loading)."""
+def store_linears_by_column(module: nn.Module) -> None:
+    """store_by_column for every Linear's weight in `module`."""
     for layer in module.modules():
         if isinstance(layer, nn.Linear):
-            store_tall_by_column(layer.weight)
+            store_by_column(layer.weight)
+
+
+def tall_by_column() -> bool:
+    """Whether the runtime stores tall CPU fp32 matrices column-major: only where decode takes numpy's path (the
+    native kernels are not built; see above)."""
+    return native_kernels.library() is None
+
+
+def store_for_decode(weight: nn.Parameter) -> None:
+    """A CPU fp32 weight in the layout this machine's decode reads fastest (store_by_column where tall_by_column)."""
+    if tall_by_column():
+        store_by_column(weight)
+
+
+def store_linears_for_decode(module: nn.Module) -> None:
+    """store_for_decode for every Linear's weight in `module` (a block after loading)."""
+    if tall_by_column():
+        store_linears_by_column(module)
 
 
 # A decode step reads every weight once, block after block. Packed into one buffer in that order, the weights of a

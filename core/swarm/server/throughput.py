@@ -172,7 +172,7 @@ def _random_span(config, device, dtype, quant: str):
     """A one-block Span of random weights (nn.Linear's init): the real shapes, the runtime's layout."""
     import torch
 
-    from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_tall_linears_by_column
+    from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_linears_for_decode
     from hivekeeper.core.runtime.model import Block, Span
 
     torch.manual_seed(0)
@@ -182,7 +182,7 @@ def _random_span(config, device, dtype, quant: str):
 
         return Span(config, 0, 1, [quantize_block(block.to(dtype), quant, device)])
     block = block.to(device=device, dtype=dtype)
-    store_tall_linears_by_column(block)
+    store_linears_for_decode(block)
     pack_in_order([block])
     return Span(config, 0, 1, [block])
 

@@ -30,6 +30,21 @@ def packed_layers(module: torch.nn.Module) -> int:
     return sum(isinstance(m, QuantizedLinear) for m in module.modules())
 
 
+@pytest.fixture(params=["0", "portable"])
+def decode_path(request, monkeypatch):
+    """Decode through numpy ("0": HIVEKEEPER_NATIVE=0) or the native kernels (their portable build), whatever this
+    machine has: the layout the runtime stores tall fp32 matrices in follows it (cpu_matmul.tall_by_column)."""
+    from hivekeeper.core.runtime.kernels import native_kernels
+
+    monkeypatch.setenv(native_kernels.VARIANT_ENV, request.param)
+    native_kernels.forget()
+    if request.param != "0" and native_kernels.library() is None:
+        pytest.skip(f"the native kernels cannot be built here: {native_kernels.status()}")
+    yield request.param
+    monkeypatch.undo()
+    native_kernels.forget()  # the suite's build again after the test
+
+
 @pytest.fixture
 def gguf_file(tmp_path):
     return layer_file(tmp_path, PACKABLE)[0]
@@ -117,16 +132,18 @@ def head_file(tmp_path, rows: int = 160):
     return write(tmp_path / "head.gguf", "llama", tensors)
 
 
-def test_an_untied_head_in_the_dtype_asked_and_stored_by_column(tmp_path):
-    """fp32: the tall matrix column-major for the CPU's decode matmul (unless asked not to); bf16: norm and matrix
-    in bf16."""
+def test_an_untied_head_in_the_dtype_asked_and_in_decodes_layout(tmp_path, decode_path):
+    """fp32: the tall matrix column-major where decode takes numpy's path (HIVEKEEPER_NATIVE=0: OpenBLAS's gemv reads
+    it faster so), row-major where the native kernels decode (theirs read it faster so; cpu_matmul.store_for_decode),
+    and as it is when asked not to re-store it; bf16: norm and matrix in bf16."""
     from hivekeeper.core.runtime.checkpoint import load_head
 
+    native = decode_path
     path = head_file(tmp_path)
     head = load_head(path)
-    assert head.weight.t().is_contiguous() and not head.weight.is_contiguous()
+    assert head.weight.is_contiguous() == (native != "0") and head.weight.t().is_contiguous() == (native == "0")
     assert head.weight.shape == (160, HIDDEN)
-    assert load_head(path, tall_by_column=False).weight.is_contiguous()
+    assert load_head(path, decode_layout=False).weight.is_contiguous()
     half = load_head(path, dtype="bf16")
     assert half.norm.weight.dtype == torch.bfloat16 and half.weight.dtype == torch.bfloat16
 
@@ -185,19 +202,20 @@ def tall_weights(block: torch.nn.Module) -> list[torch.Tensor]:
             if isinstance(m, torch.nn.Linear) and m.weight.shape[0] >= 2 * m.weight.shape[1]]
 
 
-def test_a_span_s_blocks_know_their_layer_share_one_rotary_table_and_keep_tall_linears_by_column(tiny_checkpoint,
-                                                                                                 gguf_file):
+def test_a_span_s_blocks_know_their_layer_share_one_rotary_table_and_store_tall_linears_for_decode(
+        tiny_checkpoint, gguf_file, decode_path):
     """What load_span takes from load_block: each block's layer index (its attention window and cache slot follow
     from it), the span's one rotary table rather than a copy per block (packed GGUF blocks too), and on a CPU in
-    fp32 the tall linears re-stored column-major for the decode matmuls (bf16 blocks keep them as read), all the
-    span's weights then packed into one buffer."""
+    fp32 the tall linears in decode's layout (re-stored column-major where decode takes numpy's path, row-major for
+    the native kernels; bf16 blocks keep them as read), all the span's weights then packed into one buffer."""
     from hivekeeper.core.runtime.model import RotaryTable
 
     span = load_span(tiny_checkpoint, 0, 2)
     assert [block.layer_index for block in span.blocks] == [0, 1]
     assert span.blocks[0].rotary is span.blocks[1].rotary is span.rotary
     tall = tall_weights(span.blocks[1])
-    assert tall and all(w.t().is_contiguous() and not w.is_contiguous() for w in tall)
+    by_column = decode_path == "0"
+    assert tall and all(w.t().is_contiguous() == by_column and w.is_contiguous() != by_column for w in tall)
     half = tall_weights(load_span(tiny_checkpoint, 1, 2, dtype="bf16").blocks[0])
     assert half and all(w.is_contiguous() for w in half)
     assert len({p.untyped_storage().data_ptr() for p in span.parameters()}) == 1  # one buffer, in reading order

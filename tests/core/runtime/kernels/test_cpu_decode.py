@@ -58,7 +58,7 @@ def test_numpy_step_equals_the_torch_step_and_follows_new_weights():
     x = torch.randn(2, 5, 32)
     assert_same(decode_both_ways(block, x))
     arrays = block.__dict__["_numpy_arrays"]
-    # weights re-stored (as store_tall_by_column does), then replaced by load_state_dict(assign=True): the numpy
+    # weights re-stored (as store_by_column does), then replaced by load_state_dict(assign=True): the numpy
     # views made for the old storage must not be used
     gate_up = block.mlp.gate_up_proj.weight
     gate_up.data = (gate_up.data * 2).t().contiguous().t()

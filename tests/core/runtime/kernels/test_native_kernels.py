@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hivekeeper.core.runtime.kernels import cpu_decode
 
 from hivekeeper.core.runtime.kernels import native_kernels
-from hivekeeper.core.runtime.kernels.cpu_matmul import linear, store_tall_linears_by_column
+from hivekeeper.core.runtime.kernels.cpu_matmul import linear, store_linears_by_column
 from hivekeeper.core.runtime.kernels.quant_kernels import QuantizedLinear, QuantizedMatrix
 from hivekeeper.core.runtime.quant.blocks import FORMATS
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
@@ -85,7 +85,7 @@ def test_span_decode_equals_the_torch_code(native, name, layout, monkeypatch):
     """As loaded by the runtime (tall weights, here the fused gate/up, stored column-major) and as built."""
     span = random_span(CONFIGS[name])
     if layout == "tall-by-column":
-        store_tall_linears_by_column(span)
+        store_linears_by_column(span)
         assert not span.blocks[0].mlp.gate_up_proj.weight.is_contiguous()
     x = torch.randn(1, PROMPT + DECODE, span.config.hidden_size)
     calls = []
@@ -271,7 +271,7 @@ def test_a_worker_held_back_does_not_stall_the_step_or_change_its_result(native,
     torch.manual_seed(0)
     span = random_span(POOL_CONFIG)
     if layout == "tall-by-column":
-        store_tall_linears_by_column(span)
+        store_linears_by_column(span)
     x = torch.randn(1, 140, POOL_CONFIG.hidden_size)
     try:
         native.hk_set_threads(1)
