@@ -760,14 +760,9 @@ def packed_span(fmt: str, hidden: int, total_bytes: int, arena: np.ndarray | Non
 
 
 def packed_block_config(hidden: int):
-    """A one-block ModelConfig of the packed spans' shape at width `hidden` (whole heads of 64, a quarter of them
-    K/V heads, an MLP 2.75x as wide: SmolLM2's 576 -> 1536)."""
-    from hivekeeper.core.runtime.model import ModelConfig
-
-    heads = max(1, hidden // 64)
-    inter = max(64, int(hidden * 2.75) // 64 * 64)
-    return ModelConfig("llama", 256, hidden, inter, 1, heads, max(1, heads // 4), hidden // heads,
-                       max_position_embeddings=DECODE_SPAN_POSITIONS)
+    """A one-block ModelConfig of the packed spans' shape at width `hidden`: the fp32 spans' (decode_span_config:
+    heads of 64, grouped_kv_heads of them K/V heads, an MLP 2.75x as wide; SmolLM2's 576 -> 9 heads, 3 K/V, 1536)."""
+    return decode_span_config(hidden, 0)
 
 
 def packed_arena(hidden: int, total_bytes: int) -> np.ndarray:
