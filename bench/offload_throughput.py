@@ -135,17 +135,15 @@ def this_machine_measured() -> tuple[object, object, dict]:
     """(HardwareSpec, efficiency factors, what was measured) of this machine as the planner sees it with its saved
     profile (core/machine/profiles.detect_or_load_profile, as `plan` and `generate` read it): the prediction comes
     from what this machine measured, not from estimates (an AMX bf16 peak predicted 672 tokens/s against 261-353
-    measured in session 11). Without a profile the quick measurement runs first and saves one (as a first `plan`
-    does), in HIVEKEEPER_CONFIG_DIR when set."""
-    from hivekeeper.core.machine.first_measure import measure_quickly
-    from hivekeeper.core.machine.profiles import detect_or_load_profile, load_machine_profile
+    measured in session 11). Where `generate` would measure the machine first (no profile, or a busy one), it is
+    measured now by the same rule (first_measure.this_machine), in HIVEKEEPER_CONFIG_DIR when set."""
+    from hivekeeper.core.machine.first_measure import this_machine
+    from hivekeeper.core.machine.profiles import load_machine_profile
 
-    hardware, efficiency = detect_or_load_profile()
-    measured_now = efficiency is None
-    if measured_now:
-        print(measure_quickly(), file=sys.stderr, flush=True)
-        hardware, efficiency = detect_or_load_profile()
+    before = load_machine_profile()
+    hardware, efficiency = this_machine()
     profile = load_machine_profile()
+    measured_now = profile is not None and (before is None or profile.measured_at != before.measured_at)
     values = {m.key: m.value for m in profile.measurements} if profile is not None else {}
     return hardware, efficiency, {
         "path": str(profile.path) if profile is not None else None, "measured_now": measured_now,

@@ -280,15 +280,19 @@ def measure_weight_streaming(hidden: int = 2048, total_bytes: int = 384 << 20, r
     ]
 
 
-def decode_span(hidden: int, total_bytes: int, config=None):
+def decode_span(hidden: int, total_bytes: int):
     """(config, span) of random fp32 decoder blocks of width `hidden` (head 64, 4:1 grouped KV, MLP 2.75x wide)
-    repeated to about `total_bytes` (or shaped as `config`, decode_span_config's), laid out as checkpoint.load_span
-    lays out a loaded model (tall matrices as cpu_matmul.store_for_decode stores them, every weight packed in reading
-    order), so a step through it takes the runtime's decode path."""
+    repeated to about `total_bytes` (decode_span_config): span_of_config's."""
+    return span_of_config(decode_span_config(hidden, total_bytes))
+
+
+def span_of_config(config):
+    """(config, span) of random fp32 decoder blocks shaped as `config`, laid out as checkpoint.load_span lays out a
+    loaded model (tall matrices as cpu_matmul.store_for_decode stores them, every weight packed in reading order),
+    so a step through it takes the runtime's decode path."""
     from hivekeeper.core.runtime.kernels.cpu_matmul import pack_in_order, store_linears_for_decode
     from hivekeeper.core.runtime.model import Span
 
-    config = config or decode_span_config(hidden, total_bytes)
     blocks = config.num_layers
     with torch.device("meta"):
         span = Span(config, 0, blocks)
@@ -566,8 +570,7 @@ class StreamSpans:
     def make(cls, hidden: int, total_bytes: int, cache_bytes: int | None = None,
              thin: int = STREAM_THIN) -> "StreamSpans":
         (wide_config, wide), (narrow_config, narrow) = (
-            decode_span(config.hidden_size, 0, config)
-            for config in stream_span_configs(hidden, total_bytes, cache_bytes, thin))
+            span_of_config(config) for config in stream_span_configs(hidden, total_bytes, cache_bytes, thin))
         return cls(wide_config, wide, narrow_config, narrow)
 
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
