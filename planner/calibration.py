@@ -405,6 +405,8 @@ def from_fitted(eff: Efficiency, names: tuple[str, ...], theta: np.ndarray, name
     # Efficiency refuses: issue 23's quick accuracy bench failed so at load 13)
     theta = [min(max(float(t), _FACTORS[n][0]), _FACTORS[n][1]) for n, t in zip(names, theta)]
     values = {n: (1.0 / t if n in _INVERSE else t) for n, t in zip(names, theta)}
+    if "weight_reread_rows" in values:  # the fitted reads hold for every width (no per-width figures fitted)
+        values["reread_rows_by_width"] = ()
     return dataclasses.replace(eff, name=name, **values)
 
 

@@ -760,7 +760,7 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
     block_bytes = numbers.matrix_params * stored + numbers.vector_params * vector
     share, gemv_flops, head_flops = packed_cache_terms(numbers, machine, traits, c["fmt"], block_bytes)
     return CandidateArrays(
-        numbers=numbers, machine=machine, acc_eff=eff.accelerator, host_eff=eff.host,
+        numbers=numbers, machine=machine, acc_eff=at_width(eff.accelerator, numbers.hidden), host_eff=eff.host,
         weights_on_acc=c["wa"], weights_on_disk=c["wd"], cache_on_acc=c["ca"], cache_on_disk=c["cd"],
         activations_on_host=c["ah"], micro_batch=c["b"], micro_batches=c["n"], prefetch=c["d"],
         recompute=recompute, cpu_attention=cpu_attention, batch=c["b"] * c["n"],
@@ -774,6 +774,14 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
         attention_on_acc=c["ca"] + off * (~cpu_attention),
     )
+
+
+def at_width(eff: Efficiency, hidden: int) -> Efficiency:
+    """`eff` with a few-row step's weight reads for blocks `hidden` wide (Efficiency.reread_rows_at: measured per
+    width where it was), the one figure weight_reads reads."""
+    if not eff.reread_rows_by_width:
+        return eff
+    return replace(eff, weight_reread_rows=eff.reread_rows_at(hidden))
 
 
 def packed_cache_terms(numbers: ModelNumbers, machine: Machine, traits: list[FormatTraits], index: np.ndarray,

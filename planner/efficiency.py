@@ -35,8 +35,11 @@ Numbers that were measured on the machine (a source starting with "measured") ar
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from .errors import InputError
 from .hardware import ComputeDevice, HardwareSpec
@@ -65,6 +68,9 @@ class Efficiency:
     # per block, per row beyond the first of a CPU decode micro-batch the native kernels take (up to 8 rows): each
     # row's norms, rotary and attention (measured: hardware.DecodeStreaming.row_block_overhead_s; else 0)
     row_overhead_s: float = 0.0
+    # measured weight reads of a few-row step through blocks of each width, ((width, reads), ...) by width: a model's
+    # are read off it at its width (reread_rows_at); empty: weight_reread_rows for every width
+    reread_rows_by_width: tuple[tuple[int, float], ...] = ()
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -80,6 +86,23 @@ class Efficiency:
         if not 1.0 <= self.weight_reread_rows <= 1024.0:
             raise InputError(f"efficiency {self.name!r}: weight_reread_rows must be in [1, 1024], "
                              f"got {self.weight_reread_rows}")
+        # a list of pairs where read back from JSON (calibration files, the app's hardware probe): pairs by width
+        table = tuple(sorted((int(width), float(reads)) for width, reads in self.reread_rows_by_width))
+        if any(width <= 0 or not 1.0 <= reads <= 1024.0 for width, reads in table):
+            raise InputError(f"efficiency {self.name!r}: reread_rows_by_width must pair widths > 0 with reads in "
+                             f"[1, 1024], got {self.reread_rows_by_width}")
+        object.__setattr__(self, "reread_rows_by_width", table)
+
+    def reread_rows_at(self, width: int) -> float:
+        """A few-row step's weight reads through blocks `width` wide: weight_reread_rows where no widths were
+        measured; else the measured reads, interpolated on log(width) between the measured widths and the nearest
+        one's beyond them (issue 23, session 16: a 4-row step read 576-wide blocks 1.4-1.6 times, 2048-wide ones
+        1.7-2.2 times; a 960-wide model lies between)."""
+        table = self.reread_rows_by_width
+        if not table:
+            return self.weight_reread_rows
+        widths = [math.log(w) for w, _ in table]
+        return float(np.interp(math.log(max(1, width)), widths, [reads for _, reads in table]))
 
 
 _GPU_SOURCE = "0.3 ms/block launch overhead and 0.8 bandwidth: FlexGen OPT-6.7B on T4, HELM GPT-J on A100"
@@ -178,7 +201,8 @@ def default_efficiency(hardware: HardwareSpec) -> MachineEfficiency:
     if streaming is not None:
         host = with_measured_streaming(host, streaming.bandwidth_fraction, streaming.small_row_reads,
                                        streaming.matmul_start_s, streaming.block_overhead_s,
-                                       streaming.prefill_block_overhead_s, streaming.row_block_overhead_s)
+                                       streaming.prefill_block_overhead_s, streaming.row_block_overhead_s,
+                                       streaming.row_reads_by_width)
     if not hardware.gpus:
         return MachineEfficiency(host, host)
     accelerator = DEFAULTS[hardware_class(hardware.accelerator)]
@@ -192,14 +216,16 @@ MATMULS_PER_BLOCK = 4
 def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, small_row_reads: float,
                             matmul_start_s: float, block_overhead_s: float | None = None,
                             prefill_block_overhead_s: float | None = None,
-                            row_block_overhead_s: float | None = None) -> Efficiency:
+                            row_block_overhead_s: float | None = None,
+                            row_reads_by_width: tuple[tuple[int, float], ...] = ()) -> Efficiency:
     """A CPU's set with what `hivekeeper measure` found of decode's weight streaming (hardware.DecodeStreaming):
     the fraction of the measured RAM bandwidth that decode's weight reads reach, the weight reads of a few-row
     step, and the per-block overhead: the measured fixed cost of a block in a decode step where it was measured
     (block_overhead_s: the runtime's own step, everything a block costs beyond its reads), else (older profiles) a
     start-up time per matmul, paid MATMULS_PER_BLOCK times per block on top of the default per-block overhead; and
     the fixed cost of a block in a prefill where measured (prefill passes through the same spans), else the
-    default's; and what a block adds per row beyond the first of a few-row step where measured (row_overhead_s)."""
+    default's; and what a block adds per row beyond the first of a few-row step where measured (row_overhead_s); and
+    a few-row step's reads through blocks of each width measured (reread_rows_by_width)."""
     overhead = (block_overhead_s if block_overhead_s is not None
                 else efficiency.layer_overhead_s + MATMULS_PER_BLOCK * matmul_start_s)
     changes = {"bandwidth_fraction": float(min(1.0, max(0.05, bandwidth_fraction))),
@@ -209,7 +235,9 @@ def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, s
         changes["prefill_layer_overhead_s"] = float(min(1.0, max(0.0, prefill_block_overhead_s)))
     if row_block_overhead_s is not None:
         changes["row_overhead_s"] = float(min(1.0, max(0.0, row_block_overhead_s)))
-    listed = ", ".join(f"{k} {v:.3g}" for k, v in changes.items())
+    if row_reads_by_width:
+        changes["reread_rows_by_width"] = tuple((w, float(min(16.0, max(1.0, r)))) for w, r in row_reads_by_width)
+    listed = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in changes.items())
     return replace(efficiency, source=f"measured decode weight streaming: {listed}; {efficiency.source}", **changes)
 
 

@@ -238,21 +238,42 @@ _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0,
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0),  # issue 23: measured per-block cost of a decode step
                        "prefill_block_overhead_ms": (0.0, 500.0),  # ... and of a prefill (session 11)
                        "row_block_overhead_ms": (0.0, 100.0)}  # ... and per extra row of a few-row step (session 13)
+_STREAMING_TABLE = "small_row_reads_by_width"  # ... and a few-row step's reads per width of blocks (session 16)
 
 
 def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
     if doc is None:
         return None
     s = _Section(doc, where, "cpu.decode_streaming")
-    if not isinstance(doc, dict) or not set(_STREAMING_FIELDS) <= set(doc) <= {*_STREAMING_FIELDS, *_STREAMING_OPTIONAL}:
+    allowed = {*_STREAMING_FIELDS, *_STREAMING_OPTIONAL, _STREAMING_TABLE}
+    if not isinstance(doc, dict) or not set(_STREAMING_FIELDS) <= set(doc) <= allowed:
         raise InputError(f"{where}: field 'cpu.decode_streaming' must be an object with exactly "
-                         f"{', '.join(_STREAMING_FIELDS)} (and optionally {', '.join(_STREAMING_OPTIONAL)}), "
+                         f"{', '.join(_STREAMING_FIELDS)} (and optionally "
+                         f"{', '.join([*_STREAMING_OPTIONAL, _STREAMING_TABLE])}), "
                          f"got {doc!r}")
     values = {key: s.number(key, low, high) for key, (low, high) in _STREAMING_FIELDS.items()}
     block, prefill, row = (s.number(key, *_STREAMING_OPTIONAL[key]) / 1e3 if key in doc else None
                            for key in ("block_overhead_ms", "prefill_block_overhead_ms", "row_block_overhead_ms"))
     return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3,
-                           block, prefill, row)
+                           block, prefill, row, _parse_row_reads(doc.get(_STREAMING_TABLE), where))
+
+
+def _parse_row_reads(doc: Any, where: str) -> tuple[tuple[int, float], ...]:
+    """The decode_streaming object's optional "small_row_reads_by_width": {"576": 1.4, "2048": 1.7} (a few-row
+    step's weight reads through blocks of each width, measured), as ((width, reads), ...) by width."""
+    if doc is None:
+        return ()
+    field = f"cpu.decode_streaming.{_STREAMING_TABLE}"
+    if not isinstance(doc, dict) or not doc:
+        raise InputError(f"{where}: field '{field}' must be an object of width: reads, got {doc!r}")
+    pairs = []
+    for width, reads in doc.items():
+        if not str(width).isdigit() or not 0 < int(width) <= 1 << 20:
+            raise InputError(f"{where}: field '{field}' has width {width!r}; widths are whole numbers 1 to {1 << 20}")
+        if isinstance(reads, bool) or not isinstance(reads, (int, float)) or not 1.0 <= reads <= 16.0:
+            raise InputError(f"{where}: field '{field}.{width}' must be a number in [1, 16], got {reads!r}")
+        pairs.append((int(width), float(reads)))
+    return tuple(sorted(pairs))
 
 
 def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s") -> dict[str, float]:
@@ -648,7 +669,9 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                 **({"prefill_block_overhead_ms": round(cpu.decode_streaming.prefill_block_overhead_s * 1e3, 4)}
                    if cpu.decode_streaming.prefill_block_overhead_s is not None else {}),
                 **({"row_block_overhead_ms": round(cpu.decode_streaming.row_block_overhead_s * 1e3, 4)}
-                   if cpu.decode_streaming.row_block_overhead_s is not None else {})}}
+                   if cpu.decode_streaming.row_block_overhead_s is not None else {}),
+                **({_STREAMING_TABLE: {str(w): round(r, 4) for w, r in cpu.decode_streaming.row_reads_by_width}}
+                   if cpu.decode_streaming.row_reads_by_width else {})}}
                if cpu.decode_streaming is not None else {}),
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
             **({"packed_kernels_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_kernels.items()}}

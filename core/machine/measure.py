@@ -33,7 +33,7 @@ from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
     PACKED_PREFILL_KEY, PREFILL_BF16_KEY,
-    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
+    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
     Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_for_decode, torch_threads,
@@ -374,8 +374,8 @@ def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repe
     - cpu_weight_stream: the bytes/s decode reads weights from RAM at;
     - cpu_decode_block_overhead: the fixed cost of one block in a step (its small ops, the kernels' thread pool
       handing work out and waiting, caches cold after each matrix), which thin many-layer models pay most;
-    - cpu_small_rows_reads: the wide span's 4-row step over its one-row step (how often a few-row step reads its
-      weights: the numpy/BLAS path's GEMM kernels).
+    - cpu_small_rows_reads_at_<width>: how many times a 4-row step reads the weights of blocks of each span's
+      width (row_reads), and cpu_small_rows_reads: the wide span's (older profiles' one figure for every width).
 
     spans: the two spans, already built for these sizes (run_benchmarks reads the streaming rate again on them).
     """
@@ -396,36 +396,40 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     narrow_hidden = narrow_config.hidden_size
     b1, b2 = (sum(p.numel() * 4 for p in span.parameters()) for span in (wide, narrow))
     n1, n2 = wide_config.num_layers, narrow_config.num_layers
-    # the two spans' one-row steps in turn (a, b, a, b, ...): the pair of each repeat sees the same moment
-    s1, s2 = _alternating_seconds([decode_steps(wide_config, wide, 1), decode_steps(narrow_config, narrow, 1)],
-                                  repeats)
+    # the two spans' one-row and FEW_ROWS-row steps in turn (a, b, c, d, a, b, ...): the four steps of each repeat
+    # see the same moment, so the few-row steps' ratio to the one-row ones is not a swing of the host's between them
+    # (session 16: timed apart, the 576-wide span's ratio read 1.63 where in turn it read 1.34-1.39 four times)
+    s1, s2, s4, s4n = _alternating_seconds([decode_steps(wide_config, wide, 1), decode_steps(narrow_config, narrow, 1),
+                                            decode_steps(wide_config, wide, FEW_ROWS),
+                                            decode_steps(narrow_config, narrow, FEW_ROWS)], repeats)
     prefills = [prefill_pass(wide_config, wide), prefill_pass(narrow_config, narrow)]
     p1, p2 = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
-    # both spans' FEW_ROWS-row steps in turn: how often such a step reads its weights, and what it adds a block
-    s4, s4n = _alternating_seconds([decode_steps(wide_config, wide, FEW_ROWS),
-                                    decode_steps(narrow_config, narrow, FEW_ROWS)], repeats)
-    (m1, _), (m2, _), (m4, spread4), (m4n, _) = (median_and_spread(s) for s in (s1, s2, s4, s4n))
+    (m1, _), (m2, _), (m4, spread4), (m4n, spread4n) = (median_and_spread(s) for s in (s1, s2, s4, s4n))
     per_block, bandwidth = fit_bytes_and_blocks((m1, b1, n1), (m2, b2, n2))
-    small_rows, per_row = few_row_terms((m4, b1, n1), (m4n, b2, n2), per_block, bandwidth, m4 / m1)
+    reads = [row_reads(m, nbytes, blocks, per_block, bandwidth) for m, nbytes, blocks in ((m4, b1, n1), (m4n, b2, n2))]
     load = max(load, load_average())
     spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {m1 * 1e3:.3g} ms, {n2} of "
              f"width {narrow_hidden} ({b2 / 2**20:.0f} MiB) {m2 * 1e3:.3g} ms (medians), "
              f"last-level cache {cache_bytes / 2**20:.0f} MiB, through {decode_path_name()}")
     stream_rates = [b1 / max(s - n1 * per_block, 1e-9) for s in s1]
+    few = [Measurement(f"{ROW_READS_AT_KEY}{width}", f"weight reads of a 4-row decode step, blocks {width} wide",
+                       value, "x", spread, len(s4), load,
+                       f"the 4-row step of {blocks} blocks of width {width} {m * 1e3:.3g} ms (median; its one-row "
+                       f"step {one * 1e3:.3g} ms), less the blocks' fixed cost, over the one-row step's reads at the "
+                       f"fitted rate: {spans}")
+           for width, value, spread, m, one, blocks in ((hidden, reads[0], spread4, m4, m1, n1),
+                                                       (narrow_hidden, reads[1], spread4n, m4n, m2, n2))]
     return [
         Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", bandwidth, "B/s",
                     median_and_spread(stream_rates)[1], len(s1), load,
                     f"one-row decode steps of random decoder blocks: {spans}; bandwidth and per-block cost fitted "
                     f"to both spans' median steps ({len(s1)} repeats timed in turn)", stream_rates),
         block_overhead(per_block, (s1, b1, n1), (s2, b2, n2), load, f"fitted to the two spans: {spans}"),
-        Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", small_rows, "x",
+        Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", reads[0], "x",
                     spread4, len(s4), load,
-                    f"4-row steps of both spans {m4 * 1e3:.3g} and {m4n * 1e3:.3g} ms (medians, in turn), fitted "
-                    f"as the one-row steps' reads x {small_rows:.2f} + blocks x (their cost + 3 x "
-                    f"{per_row * 1e3:.3g} ms); "
-                    f"the width-{hidden} span's 4-row step is {m4 / m1:.2f}x its one-row one"),
-        Measurement(ROW_BLOCK_KEY, "fixed cost of a block per extra row of a decode step", per_row, "s",
-                    spread4, len(s4), load, f"fitted with the 4-row steps' reads: {spans}"),
+                    f"the width-{hidden} span's (the reads of a model's blocks at least as wide; narrower blocks: "
+                    f"{ROW_READS_AT_KEY}<width>); its 4-row step is {m4 / m1:.2f}x its one-row one"),
+        *few,
         *prefill_measurements((p1, prefills[0][1], prefills[0][2]), (p2, prefills[1][1], prefills[1][2]), load,
                               f"widths {hidden} and {narrow_hidden}"),
     ]
@@ -434,18 +438,15 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
 FEW_ROWS = REREAD_ROWS  # the rows of the few-row decode steps measured (the native kernels take up to 8)
 
 
-def few_row_terms(wide: tuple[float, float, int], narrow: tuple[float, float, int], per_block: float,
-                  bandwidth: float, fallback_reads: float) -> tuple[float, float]:
-    """(how many times a FEW_ROWS-row step reads its weights, the fixed cost a block adds per row beyond the first)
-    from both spans' FEW_ROWS-row steps (median seconds, bytes, blocks) and the one-row fit (per_block, bandwidth):
-    fitted as seconds = bytes x reads / bandwidth + blocks x (per_block + (FEW_ROWS - 1) x per_row). Issue 23: a
-    thin model's 4-row step took ~2.1x its one-row step, a wide one's ~1.6x: one reads factor cannot carry both,
-    the per-row work of each block (norms, rotary, attention of every row) weighs on many thin blocks. Where the
-    two spans cannot separate the terms (noise), `fallback_reads` (the wide span's ratio) and no per-row cost."""
-    per_block_few, bandwidth_few = fit_bytes_and_blocks(wide, narrow)
-    if per_block_few <= 0 or bandwidth_few <= 0:
-        return max(1.0, fallback_reads), 0.0
-    return max(1.0, bandwidth / bandwidth_few), max(0.0, (per_block_few - per_block) / (FEW_ROWS - 1))
+def row_reads(seconds: float, nbytes: float, blocks: int, per_block: float, bandwidth: float) -> float:
+    """How many times a FEW_ROWS-row step through a span (its median `seconds`, `nbytes` of weights in `blocks`
+    blocks) reads its weights, by the one-row fit (a block's fixed cost `per_block`, the rate `bandwidth`): what the
+    step takes beyond its blocks' one-row fixed cost, over its one-row reads; at least 1. Issue 23 (session 16): a
+    4-row step through 576-wide blocks took 1.4-1.6x the one-row step, through 2048-wide ones 1.7-2.2x (the four
+    rows' inputs stay in the L1 cache beside a narrow matrix's weight row, not beside a wide one's), so each width
+    has its reads and the cost model takes a model's by its width; the per-row work of a block (norms, rotary,
+    attention) is in its width's reads."""
+    return max(1.0, (seconds - blocks * per_block) * bandwidth / nbytes)
 
 
 # A prefill pass: PREFILL_SEQUENCES prompts of PREFILL_TOKENS tokens (rows per product: their product) through the
@@ -662,7 +663,8 @@ def fold_stream_readings(results: list[Measurement], later: list[StreamReading],
     """`results` with the decode steps' streaming rate (WEIGHT_STREAM_KEY) and a block's fixed cost
     (BLOCK_OVERHEAD_KEY) pooled from measure_decode_blocks's reading and the `later` ones (pooled_reading, on the
     spans' (bytes, blocks) `shapes`); the rate's samples are then the readings' rates, its spread their range over
-    their median. Unchanged without later readings or without the decode steps' measurements."""
+    their median; a few-row step's reads are counted at the pooled rate (reads_at_rate). Unchanged without later
+    readings or without the decode steps' measurements."""
     by_key = {m.key: m for m in results}
     stream, block = by_key.get(WEIGHT_STREAM_KEY), by_key.get(BLOCK_OVERHEAD_KEY)
     if not later or stream is None or block is None:
@@ -676,7 +678,21 @@ def fold_stream_readings(results: list[Measurement], later: list[StreamReading],
                                          repeats=len(rates), samples=rates, loadavg=max(stream.loadavg, load_average()),
                                          detail=stream.detail + words),
               BLOCK_OVERHEAD_KEY: replace(block, value=pooled.per_block, detail=block.detail + words)}
+    scale = pooled.bandwidth / stream.value
+    folded.update({m.key: reads_at_rate(m, scale, pooled.bandwidth) for m in results
+                   if m.key == SMALL_ROWS_READS_KEY or m.key.startswith(ROW_READS_AT_KEY)})
     return [folded.get(m.key, m) for m in results]
+
+
+def reads_at_rate(reads: Measurement, scale: float, bandwidth: float) -> Measurement:
+    """A few-row step's reads (row_reads: its time over its one-row reads at the first reading's rate) counted at the
+    pooled rate, `scale` times the first: the few-row step's own time is kept. Session 16: a 4-row step through
+    576-wide blocks took 6.3-6.75 ms in four measurements while the one-row step, bound by the RAM's moment, took
+    3.96-4.81 ms; over the one-row step of its own moment the reads read 1.40-1.77, over the pooled rate's they hold
+    the step the cost model then prices at that rate."""
+    return replace(reads, value=max(1.0, reads.value * scale),
+                   detail=f"{reads.detail}; counted at the pooled rate {bandwidth / 1e9:.3g} GB/s ({scale:.3g}x the "
+                          "first reading's)")
 
 
 def _alternating_seconds(runs: list[Callable[[], None]], repeats: int) -> list[list[float]]:

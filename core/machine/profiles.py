@@ -35,8 +35,8 @@ from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY,
-    WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+    PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, ROW_READS_AT_KEY,
+    SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -171,7 +171,16 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                            block_overhead_s=min(0.1, max(0.0, block.value)) if block is not None else None,
                            prefill_block_overhead_s=(min(0.5, max(0.0, prefill_block.value))
                                                      if prefill_block is not None else None),
-                           row_block_overhead_s=min(0.1, max(0.0, row_block.value)) if row_block is not None else None)
+                           row_block_overhead_s=min(0.1, max(0.0, row_block.value)) if row_block is not None else None,
+                           row_reads_by_width=row_reads_by_width(measurements))
+
+
+def row_reads_by_width(measurements: list[Measurement]) -> tuple[tuple[int, float], ...]:
+    """((width, weight reads of a 4-row step through blocks that wide), ...) by width, as measured
+    (ROW_READS_AT_KEY + width); empty for profiles measured before session 16."""
+    found = {int(m.key[len(ROW_READS_AT_KEY):]): min(16.0, max(1.0, m.value)) for m in measurements
+             if m.key.startswith(ROW_READS_AT_KEY) and m.key[len(ROW_READS_AT_KEY):].isdigit()}
+    return tuple(sorted(found.items()))
 
 
 def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KERNEL_KEY) -> dict[str, float]:
@@ -345,6 +354,9 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
                     "s", "default"))
     rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, SMALL_ROWS_READS_KEY,
                     "x", "default"))
+    for width, _ in row_reads_by_width(list(measured.values())):
+        rows.append(row("CPU", f"weight reads of a 4-row step, blocks {width} wide", default_cpu.weight_reread_rows,
+                        f"{ROW_READS_AT_KEY}{width}", "x", "default"))
     rows.append(row("CPU", "bf16 decode step / fp32 one", None, HALF_DECODE_KEY, "x", ""))
     for name in PACKED_FORMATS:  # the cost model's default beside the measured rate
         default, _ = packed_kernel_rate(dataclasses.replace(cpu, packed_kernels={}), name)

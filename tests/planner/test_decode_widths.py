@@ -5,10 +5,18 @@ whose width lies between. Fed-in numbers; no host speed."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+
+import numpy as np
 import pytest
 
+from hivekeeper.planner.calibration import efficiency_from_dict, efficiency_to_dict, from_fitted
 from hivekeeper.planner.costmodel import Placement, Policy, Workload, decode_step_terms
 from hivekeeper.planner.efficiency import default_efficiency
+from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware_catalog import hardware_from_dict, hardware_to_json
 from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.models import ModelSpec
 
@@ -58,3 +66,62 @@ def test_without_a_blocks_fixed_cost_every_width_reads_at_the_one_rate():
     hardware = machine(0.0)
     figures = [seconds_per_byte(hardware, model(h, n)) for h, n in ((576, 30), (1024, 10), (2048, 2))]
     assert figures == pytest.approx([1 / RATE] * 3, rel=1e-6)
+
+
+def four_row_reads(hardware: HardwareSpec, spec: ModelSpec) -> float:
+    """The blocks' and the head's reads of a 4-row step over the one-row step's."""
+    def reads(rows: int) -> float:
+        terms = decode_step_terms(spec, hardware, Policy("fp32", weights=RAM, kv_cache=RAM, activations=RAM,
+                                                         micro_batch_size=rows),
+                                  Workload(prompt_len=8, output_len=2), default_efficiency(hardware))
+        return terms["blocks_reads_s"] + terms["head_reads_s"]
+    return reads(4) / reads(1)
+
+
+def with_reads_by_width(hardware: HardwareSpec, table: tuple[tuple[int, float], ...]) -> HardwareSpec:
+    streaming = dataclasses.replace(hardware.cpu.decode_streaming, row_reads_by_width=table)
+    return dataclasses.replace(hardware, cpu=dataclasses.replace(hardware.cpu, decode_streaming=streaming))
+
+
+def test_a_few_row_step_reads_a_models_weights_as_often_as_the_span_of_its_width_did():
+    """Session 16: a 4-row step read 576-wide blocks ~1.4 times and 2048-wide ones ~1.9 times (one figure, the wide
+    span's, had priced SmolLM2's 4-row step 1.3-1.6x slow). Each width's measured reads hold for a model of that
+    width, head included; a width between them between, on log(width); beyond them, the nearest one's. Without the
+    table, the one figure (small_row_reads) for every width."""
+    hardware = with_reads_by_width(machine(BLOCK_S), ((576, 1.4), (2048, 1.9)))
+    thin, middle, wide = (four_row_reads(hardware, model(h, n)) for h, n in ((576, 30), (1024, 10), (2048, 2)))
+    # (the norms' vectors are read once whatever the rows: within 1%)
+    assert (thin, wide) == (pytest.approx(1.4, rel=0.01), pytest.approx(1.9, rel=0.01))
+    assert middle == pytest.approx(1.4 + 0.5 * math.log(1024 / 576) / math.log(2048 / 576), rel=0.01)
+    assert four_row_reads(hardware, model(256, 30)) == pytest.approx(1.4, rel=0.01)
+    assert four_row_reads(hardware, model(4096, 2)) == pytest.approx(1.9, rel=0.01)
+    one_figure = machine(BLOCK_S)
+    assert [four_row_reads(one_figure, model(h, n)) for h, n in ((576, 30), (2048, 2))] == pytest.approx([2.0, 2.0],
+                                                                                                         rel=0.01)
+    # a hardware file keeps the table
+    again = hardware_from_dict(hardware_to_json(hardware))
+    assert again.cpu.decode_streaming.row_reads_by_width == ((576, 1.4), (2048, 1.9))
+    assert four_row_reads(again, model(576, 30)) == pytest.approx(thin)
+
+
+def test_a_fit_of_the_reads_holds_for_every_width():
+    """calibration.from_fitted: where a calibration fits the reads (profiles without measured steps), its figure
+    replaces the measured table, which it was not fitted against."""
+    eff = default_efficiency(with_reads_by_width(machine(BLOCK_S), ((576, 1.4), (2048, 1.9)))).accelerator
+    fitted = from_fitted(eff, ("weight_reread_rows",), np.array([2.5]), "fitted")
+    assert fitted.reread_rows_by_width == () and fitted.reread_rows_at(576) == fitted.reread_rows_at(2048) == 2.5
+    assert eff.reread_rows_at(576) == pytest.approx(1.4)
+
+
+def test_a_table_read_back_from_json_is_the_same_efficiency():
+    """Efficiency.reread_rows_by_width comes back from JSON (calibration files, the app) as lists: the same pairs,
+    and a width or reads out of range is refused by name."""
+    eff = default_efficiency(with_reads_by_width(machine(BLOCK_S), ((576, 1.4), (2048, 1.9)))).accelerator
+    again = efficiency_from_dict(json.loads(json.dumps(efficiency_to_dict(eff))))
+    assert again == eff
+    with pytest.raises(InputError, match="reread_rows_by_width"):
+        dataclasses.replace(eff, reread_rows_by_width=((576, 0.5),))
+    with pytest.raises(InputError, match="small_row_reads_by_width"):
+        doc = hardware_to_json(with_reads_by_width(machine(BLOCK_S), ((576, 1.4),)))
+        doc["cpu"]["decode_streaming"]["small_row_reads_by_width"] = {"wide": 1.4}
+        hardware_from_dict(doc)

@@ -10,7 +10,8 @@ import pytest
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import fit_bytes_and_blocks, median_and_spread, prefill_measurements
 from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_PREFILL_KEY, PREFILL_BLOCK_KEY,
-                                                 PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, SMALL_ROWS_READS_KEY,
+                                                 PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, ROW_READS_AT_KEY,
+                                                 SMALL_ROWS_READS_KEY,
                                                  WEIGHT_STREAM_KEY,
                                                  WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profiles import apply_measurements
@@ -39,19 +40,21 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
     wide_bytes, narrow_bytes = (sum(p.numel() * 4 for p in s.parameters()) for s in (wide, narrow))
     per_block, bandwidth = fit_bytes_and_blocks((0.010, wide_bytes, config_wide.num_layers),
                                                 (0.030, narrow_bytes, config_narrow.num_layers))
-    # the 4-row steps: the weights read 1.5 times, and each block 0.2 ms more per row beyond the first
-    four = [1.5 * b / bandwidth + n * (per_block + 3 * 0.2e-3)
-            for b, n in ((wide_bytes, config_wide.num_layers), (narrow_bytes, config_narrow.num_layers))]
-    fed = {"steps": [[0.010, 0.012, 0.006, 0.011, 0.010], [0.030, 0.031, 0.029, 0.040, 0.030]],
-           "prefill": [[0.50, 0.40, 0.45], [0.90, 1.00, 0.80]],
-           "four": [[four[0], four[0] * 3, four[0] * 0.9], [four[1] * 1.05, four[1], four[1] * 0.5]]}
+    # the 4-row steps: the wide span's weights read 1.8 times, the narrow span's 1.4 times
+    four = [reads * b / bandwidth + n * per_block
+            for reads, b, n in ((1.8, wide_bytes, config_wide.num_layers),
+                                (1.4, narrow_bytes, config_narrow.num_layers))]
+    fed = {"steps": [[0.010, 0.012, 0.006, 0.011, 0.010], [0.030, 0.031, 0.029, 0.040, 0.030],
+                     [four[0], four[0] * 3, four[0] * 0.9, four[0], four[0]],
+                     [four[1] * 1.05, four[1], four[1] * 0.5, four[1], four[1]]],
+           "prefill": [[0.50, 0.40, 0.45], [0.90, 1.00, 0.80]]}
     step_calls = []
 
     def alternating(runs, repeats):
         if repeats == measure.PREFILL_REPEATS:
             return [list(s) for s in fed["prefill"]]
-        step_calls.append(repeats)
-        return [list(s) for s in (fed["steps"] if len(step_calls) == 1 else fed["four"])]
+        step_calls.append(len(runs))
+        return [list(s) for s in fed["steps"]]
 
     monkeypatch.setattr(measure, "_alternating_seconds", alternating)
     monkeypatch.setattr(measure, "_timings", lambda fn, repeats, device: [0.020, 0.022, 0.018, 0.020, 0.020])
@@ -62,10 +65,13 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
     assert stream.samples and (stream.value, stream.spread) == (pytest.approx(bandwidth),
                                                                 pytest.approx(median_and_spread(stream.samples)[1]))
     assert "median" in stream.detail and "in turn" in stream.detail
-    # the 4-row steps of both spans, in turn, fitted on their medians: reads and the per-row cost of a block apart
-    assert len(step_calls) == 2
-    assert results[SMALL_ROWS_READS_KEY].value == pytest.approx(1.5, rel=1e-6)
-    assert results[ROW_BLOCK_KEY].value == pytest.approx(0.2e-3, rel=1e-6) and results[ROW_BLOCK_KEY].unit == "s"
+    # the 4-row steps of both spans, in turn with the one-row ones, on their medians: the reads of each width apart,
+    # the wide one's also as the one figure of older profiles; no per-row block cost (it is in each width's reads)
+    assert step_calls == [4]
+    assert results[f"{ROW_READS_AT_KEY}{config_wide.hidden_size}"].value == pytest.approx(1.8, rel=1e-6)
+    assert results[f"{ROW_READS_AT_KEY}{config_narrow.hidden_size}"].value == pytest.approx(1.4, rel=1e-6)
+    assert results[SMALL_ROWS_READS_KEY].value == pytest.approx(1.8, rel=1e-6)
+    assert ROW_BLOCK_KEY not in results
     # the prefill passes, fitted on their medians too
     assert results[PREFILL_FLOPS_KEY].unit == "FLOP/s" and results[PREFILL_FLOPS_KEY].value > 0
     assert results[PREFILL_BLOCK_KEY].unit == "s" and "0.45" not in results[PREFILL_FLOPS_KEY].detail
@@ -85,7 +91,7 @@ def test_prefill_passes_give_the_rate_and_a_blocks_fixed_cost_from_their_medians
     assert abs(fastest_rate - rate) > 0.3 * rate
 
 
-def measured(prefill_rate: float | None, prefill_block_s: float | None, packed_prefill: float | None):
+def measured(prefill_rate: float | None, prefill_block_s: float | None, packed_prefill: float | None, extra=()):
     records = [Measurement("ram_read", "RAM read", 20e9, "B/s", 0.0, 3, 0.0),
                Measurement("cpu_matmul_fp32_prefill", "fp32 matmul", 9e9, "FLOP/s", 0.0, 3, 0.0),
                Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", 15e9, "B/s", 0.2, 5, 0.0),
@@ -98,7 +104,7 @@ def measured(prefill_rate: float | None, prefill_block_s: float | None, packed_p
     if packed_prefill is not None:
         records.append(Measurement(f"{PACKED_PREFILL_KEY}q4_1", "q4_1 prefill", packed_prefill, WEIGHTS_PER_S,
                                    0.1, 3, 0.0))
-    return apply_measurements(get_hardware("cpu-generic"), records, when=1.7e9)
+    return apply_measurements(get_hardware("cpu-generic"), [*records, *extra], when=1.7e9)
 
 
 THIN = ModelSpec("thin", "llama", 30, 576, 1536, 9, 3, 64, 49152, True, 8192)
@@ -130,12 +136,20 @@ def test_a_packed_spans_prefill_sets_the_packed_prefill_rate():
     assert planned_prefill_s(fast, "q4_1") < planned_prefill_s(slow, "q4_1") / 3
 
 
-def test_few_row_steps_the_two_spans_cannot_separate_keep_the_wide_spans_ratio_and_no_per_row_cost():
-    """measure.few_row_terms: where noise puts the 4-row fit's block cost below zero (the narrow span's many blocks
-    faster than its bytes allow), the reads are the wide span's 4-row / one-row ratio and no per-row cost is
-    claimed; where it separates, the reads are the one-row rate over the 4-row one, at least 1."""
-    wide, narrow = (0.030, 400e6, 2), (0.020, 400e6, 30)  # the narrow span faster: no positive block cost fits
-    assert measure.few_row_terms(wide, narrow, 0.3e-3, 20e9, 1.7) == (1.7, 0.0)
-    reads, per_row = measure.few_row_terms((2 * 0.020 + 2 * 1e-3, 400e6, 2), (2 * 0.020 + 30 * 1e-3, 400e6, 30),
-                                           0.4e-3, 20e9, 9.0)
-    assert reads == pytest.approx(2.0) and per_row == pytest.approx(0.2e-3)
+def test_a_few_row_steps_reads_are_what_it_takes_beyond_its_blocks_fixed_cost_over_its_one_row_reads():
+    """measure.row_reads: 30 blocks of 0.4 ms fixed cost, 400 MB at 20 GB/s (20 ms of reads): a 4-row step of
+    42 ms read the weights 1.5 times; one faster than its one-row reads (noise) reads them once, not less."""
+    assert measure.row_reads(0.020 * 1.5 + 30 * 0.4e-3, 400e6, 30, 0.4e-3, 20e9) == pytest.approx(1.5)
+    assert measure.row_reads(0.015, 400e6, 30, 0.4e-3, 20e9) == 1.0
+
+
+def test_the_reads_of_each_width_reach_the_plan():
+    """The measurement's ROW_READS_AT_KEY results become the profile's per-width table (profiles.decode_streaming)
+    and the efficiency the planner prices a model's few-row step with, at the model's width."""
+    records = [Measurement(f"{ROW_READS_AT_KEY}2048", "4-row reads, 2048 wide", 1.9, "x", 0.0, 5, 0.0),
+               Measurement(f"{ROW_READS_AT_KEY}576", "4-row reads, 576 wide", 1.4, "x", 0.0, 5, 0.0)]
+    hardware = measured(36e9, 1e-3, None, records)
+    assert hardware.cpu.decode_streaming.row_reads_by_width == ((576, 1.4), (2048, 1.9))
+    eff = measured_efficiency(hardware).accelerator
+    assert (eff.reread_rows_at(576), eff.reread_rows_at(2048)) == (pytest.approx(1.4), pytest.approx(1.9))
+    assert measured(36e9, 1e-3, None).cpu.decode_streaming.row_reads_by_width == ()  # not measured: none
