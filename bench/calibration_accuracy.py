@@ -425,7 +425,8 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
                      "small_row_reads": round(by_key["cpu_small_rows_reads"].value, 3),
                      **({"row_block_overhead_ms": round(by_key[ROW_BLOCK_KEY].value * 1e3, 3)}
                         if ROW_BLOCK_KEY in by_key else {}),
-                     "small_row_reads_by_width": {str(w): round(r, 3) for w, r in row_reads_by_width(measurements)},
+                     "small_row_reads_by_width": {f"{w}x{rows}": round(r, 3)
+                                                  for w, rows, r in row_reads_by_width(measurements)},
                      "fp32_matmul_gflops": round(by_key["cpu_matmul_fp32_prefill"].value / 1e9, 1),
                      **({"fp32_prefill_gflops": round(by_key[PREFILL_FLOPS_KEY].value / 1e9, 1),
                          "prefill_block_overhead_ms": round(by_key[PREFILL_BLOCK_KEY].value * 1e3, 3)}

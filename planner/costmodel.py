@@ -760,7 +760,7 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
     block_bytes = numbers.matrix_params * stored + numbers.vector_params * vector
     share, gemv_flops, head_flops = packed_cache_terms(numbers, machine, traits, c["fmt"], block_bytes)
     return CandidateArrays(
-        numbers=numbers, machine=machine, acc_eff=at_width(eff.accelerator, numbers.hidden), host_eff=eff.host,
+        numbers=numbers, machine=machine, acc_eff=eff.accelerator, host_eff=eff.host,
         weights_on_acc=c["wa"], weights_on_disk=c["wd"], cache_on_acc=c["ca"], cache_on_disk=c["cd"],
         activations_on_host=c["ah"], micro_batch=c["b"], micro_batches=c["n"], prefetch=c["d"],
         recompute=recompute, cpu_attention=cpu_attention, batch=c["b"] * c["n"],
@@ -774,14 +774,6 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
         attention_on_acc=c["ca"] + off * (~cpu_attention),
     )
-
-
-def at_width(eff: Efficiency, hidden: int) -> Efficiency:
-    """`eff` with a few-row step's weight reads for blocks `hidden` wide (Efficiency.reread_rows_at: measured per
-    width where it was), the one figure weight_reads reads."""
-    if not eff.reread_rows_by_width:
-        return eff
-    return replace(eff, weight_reread_rows=eff.reread_rows_at(hidden))
 
 
 def packed_cache_terms(numbers: ModelNumbers, machine: Machine, traits: list[FormatTraits], index: np.ndarray,
@@ -851,13 +843,14 @@ def touched_matrices(numbers: ModelNumbers, tokens):
 
 
 def weight_reads(grid: CandidateArrays, rows):
-    """How many times a matmul of `rows` rows reads its weights: once for one row; on CPUs
-    Efficiency.weight_reread_rows times at REREAD_ROWS rows (the few-row step measured), in proportion to the
-    rows beyond the first below that, and that many times above it (1 on GPUs). Issue 23: a 2-row step cost
-    1.33x a one-row step where a 4-row one cost 2.2x; priced at the 4-row factor, the calibration's batch-2 points
-    pulled the fitted factor down to 1.5. Where many rows make a matmul compute-bound the FLOP term takes over."""
-    share = np.clip((np.asarray(rows, dtype=float) - 1.0) / (REREAD_ROWS - 1), 0.0, 1.0)
-    return 1.0 + (grid.acc_eff.weight_reread_rows - 1.0) * share
+    """How many times a matmul of `rows` rows reads its weights: once for one row; on CPUs as the few-row steps
+    measured at the model's width (Efficiency.reread_curve: at REREAD_ROWS and, where measured, more rows), in
+    proportion to the rows between them, and the last measured figure beyond (1 on GPUs). Issue 23: a 2-row step
+    cost 1.33x a one-row step where a 4-row one cost 2.2x; priced at the 4-row factor, the calibration's batch-2
+    points pulled the fitted factor down to 1.5. Where many rows make a matmul compute-bound the FLOP term takes
+    over."""
+    curve = ((1, 1.0), *grid.acc_eff.reread_curve(grid.numbers.hidden))
+    return np.interp(np.asarray(rows, dtype=float), [r for r, _ in curve], [reads for _, reads in curve])
 
 
 def format_reads(grid: CandidateArrays, rows):
@@ -962,9 +955,6 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
         np.where(within, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s), work.bound_s), ~within)
 
 
-# the rows of the few-row decode steps `hivekeeper measure` times (core.machine.measure), at which
-# Efficiency.weight_reread_rows is measured and fitted (weight_reads)
-REREAD_ROWS = 4
 PACKED_KERNEL_ROWS = 8  # rows the decode kernels take at once (native_kernels.MAX_ROWS); more: packed_prefill_rate
 PACKED_PREFILL_ROWS = 512  # rows one pass over a packed weight serves in a prefill (native_kernels.QUANT_MAX_ROWS)
 

@@ -45,6 +45,9 @@ from .errors import InputError
 from .hardware import ComputeDevice, HardwareSpec
 from .hardware_catalog import GIB
 
+# the rows of the few-row decode steps `hivekeeper measure` times (core.machine.measure), at which
+# Efficiency.weight_reread_rows is measured and fitted (costmodel.weight_reads)
+REREAD_ROWS = 4
 HARDWARE_CLASSES = ("datacenter-gpu", "inference-gpu", "consumer-gpu", "apple", "cpu")
 
 
@@ -68,9 +71,9 @@ class Efficiency:
     # per block, per row beyond the first of a CPU decode micro-batch the native kernels take (up to 8 rows): each
     # row's norms, rotary and attention (measured: hardware.DecodeStreaming.row_block_overhead_s; else 0)
     row_overhead_s: float = 0.0
-    # measured weight reads of a few-row step through blocks of each width, ((width, reads), ...) by width: a model's
-    # are read off it at its width (reread_rows_at); empty: weight_reread_rows for every width
-    reread_rows_by_width: tuple[tuple[int, float], ...] = ()
+    # measured weight reads of few-row steps through blocks of each width, ((width, rows, reads), ...): a model's
+    # are read off them at its width (reread_curve); empty: weight_reread_rows at REREAD_ROWS for every width
+    reread_rows_by_width: tuple[tuple[int, int, float], ...] = ()
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -86,23 +89,32 @@ class Efficiency:
         if not 1.0 <= self.weight_reread_rows <= 1024.0:
             raise InputError(f"efficiency {self.name!r}: weight_reread_rows must be in [1, 1024], "
                              f"got {self.weight_reread_rows}")
-        # a list of pairs where read back from JSON (calibration files, the app's hardware probe): pairs by width
-        table = tuple(sorted((int(width), float(reads)) for width, reads in self.reread_rows_by_width))
-        if any(width <= 0 or not 1.0 <= reads <= 1024.0 for width, reads in table):
-            raise InputError(f"efficiency {self.name!r}: reread_rows_by_width must pair widths > 0 with reads in "
-                             f"[1, 1024], got {self.reread_rows_by_width}")
+        # lists where read back from JSON (calibration files, the app's hardware probe): triples by width and rows
+        table = tuple(sorted((int(width), int(rows), float(reads)) for width, rows, reads in self.reread_rows_by_width))
+        if any(width <= 0 or rows < 2 or not 1.0 <= reads <= 1024.0 for width, rows, reads in table):
+            raise InputError(f"efficiency {self.name!r}: reread_rows_by_width must hold (width > 0, rows >= 2, reads "
+                             f"in [1, 1024]), got {self.reread_rows_by_width}")
         object.__setattr__(self, "reread_rows_by_width", table)
 
-    def reread_rows_at(self, width: int) -> float:
-        """A few-row step's weight reads through blocks `width` wide: weight_reread_rows where no widths were
-        measured; else the measured reads, interpolated on log(width) between the measured widths and the nearest
-        one's beyond them (issue 23, session 16: a 4-row step read 576-wide blocks 1.4-1.6 times, 2048-wide ones
-        1.7-2.2 times; a 960-wide model lies between)."""
-        table = self.reread_rows_by_width
-        if not table:
-            return self.weight_reread_rows
-        widths = [math.log(w) for w, _ in table]
-        return float(np.interp(math.log(max(1, width)), widths, [reads for _, reads in table]))
+    def reread_curve(self, width: int) -> tuple[tuple[int, float], ...]:
+        """((rows, weight reads of a step of that many rows), ...) through blocks `width` wide, by rows: where widths
+        were measured, each measured row count's reads interpolated on log(width) between the measured widths (the
+        nearest one's beyond them); else weight_reread_rows at REREAD_ROWS. Issue 23, session 16: a 4-row step read
+        576-wide blocks 1.34-1.44 times and 2048-wide ones 1.5-1.7 (the rows' inputs stay in L1 beside a narrow
+        matrix's weight row, not beside a wide one's); an 8-row step 2.4-3.0 and 2.35-2.5 times."""
+        if not self.reread_rows_by_width:
+            return ((REREAD_ROWS, self.weight_reread_rows),)
+        curve = []
+        for rows in sorted({r for _, r, _ in self.reread_rows_by_width}):
+            measured = [(math.log(w), reads) for w, r, reads in self.reread_rows_by_width if r == rows]
+            curve.append((rows, float(np.interp(math.log(max(1, width)), *zip(*measured)))))
+        return tuple(curve)
+
+    def reread_rows_at(self, width: int, rows: int = 0) -> float:
+        """The weight reads of a step of `rows` rows (default REREAD_ROWS) through blocks `width` wide: once for one
+        row, the curve's (reread_curve) between and at its row counts, its last beyond them."""
+        curve = ((1, 1.0), *self.reread_curve(width))
+        return float(np.interp(rows or REREAD_ROWS, [r for r, _ in curve], [reads for _, reads in curve]))
 
 
 _GPU_SOURCE = "0.3 ms/block launch overhead and 0.8 bandwidth: FlexGen OPT-6.7B on T4, HELM GPT-J on A100"
@@ -217,7 +229,7 @@ def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, s
                             matmul_start_s: float, block_overhead_s: float | None = None,
                             prefill_block_overhead_s: float | None = None,
                             row_block_overhead_s: float | None = None,
-                            row_reads_by_width: tuple[tuple[int, float], ...] = ()) -> Efficiency:
+                            row_reads_by_width: tuple[tuple[int, int, float], ...] = ()) -> Efficiency:
     """A CPU's set with what `hivekeeper measure` found of decode's weight streaming (hardware.DecodeStreaming):
     the fraction of the measured RAM bandwidth that decode's weight reads reach, the weight reads of a few-row
     step, and the per-block overhead: the measured fixed cost of a block in a decode step where it was measured
@@ -225,7 +237,7 @@ def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, s
     start-up time per matmul, paid MATMULS_PER_BLOCK times per block on top of the default per-block overhead; and
     the fixed cost of a block in a prefill where measured (prefill passes through the same spans), else the
     default's; and what a block adds per row beyond the first of a few-row step where measured (row_overhead_s); and
-    a few-row step's reads through blocks of each width measured (reread_rows_by_width)."""
+    few-row steps' reads through blocks of each width measured (reread_rows_by_width)."""
     overhead = (block_overhead_s if block_overhead_s is not None
                 else efficiency.layer_overhead_s + MATMULS_PER_BLOCK * matmul_start_s)
     changes = {"bandwidth_fraction": float(min(1.0, max(0.05, bandwidth_fraction))),
@@ -236,7 +248,8 @@ def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, s
     if row_block_overhead_s is not None:
         changes["row_overhead_s"] = float(min(1.0, max(0.0, row_block_overhead_s)))
     if row_reads_by_width:
-        changes["reread_rows_by_width"] = tuple((w, float(min(16.0, max(1.0, r)))) for w, r in row_reads_by_width)
+        changes["reread_rows_by_width"] = tuple((w, rows, float(min(16.0, max(1.0, r))))
+                                                for w, rows, r in row_reads_by_width)
     listed = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in changes.items())
     return replace(efficiency, source=f"measured decode weight streaming: {listed}; {efficiency.source}", **changes)
 

@@ -33,9 +33,9 @@ class DecodeStreaming:
     block_overhead_s: float | None = None  # measured per-block cost of a step; replaces the per-matmul start-up
     prefill_block_overhead_s: float | None = None  # measured per-block cost of a prefill beyond its FLOPs (None: not)
     row_block_overhead_s: float | None = None  # measured cost a block adds per row beyond the first in a few-row step
-    # measured weight reads of a few-row step through blocks of each width: ((width, reads), ...) by width; empty
-    # where not measured (small_row_reads then holds for every width)
-    row_reads_by_width: tuple[tuple[int, float], ...] = ()
+    # measured weight reads of few-row steps through blocks of each width: ((width, rows, reads), ...); empty where
+    # not measured (small_row_reads then holds for every width)
+    row_reads_by_width: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)

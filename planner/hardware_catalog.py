@@ -258,22 +258,24 @@ def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
                            block, prefill, row, _parse_row_reads(doc.get(_STREAMING_TABLE), where))
 
 
-def _parse_row_reads(doc: Any, where: str) -> tuple[tuple[int, float], ...]:
-    """The decode_streaming object's optional "small_row_reads_by_width": {"576": 1.4, "2048": 1.7} (a few-row
-    step's weight reads through blocks of each width, measured), as ((width, reads), ...) by width."""
+def _parse_row_reads(doc: Any, where: str) -> tuple[tuple[int, int, float], ...]:
+    """The decode_streaming object's optional "small_row_reads_by_width": {"576x4": 1.4, "2048x8": 2.4} (the weight
+    reads of a step of <rows> rows through blocks <width> wide, measured), as ((width, rows, reads), ...)."""
     if doc is None:
         return ()
     field = f"cpu.decode_streaming.{_STREAMING_TABLE}"
     if not isinstance(doc, dict) or not doc:
-        raise InputError(f"{where}: field '{field}' must be an object of width: reads, got {doc!r}")
-    pairs = []
-    for width, reads in doc.items():
-        if not str(width).isdigit() or not 0 < int(width) <= 1 << 20:
-            raise InputError(f"{where}: field '{field}' has width {width!r}; widths are whole numbers 1 to {1 << 20}")
+        raise InputError(f"{where}: field '{field}' must be an object of \"<width>x<rows>\": reads, got {doc!r}")
+    triples = []
+    for key, reads in doc.items():
+        width, _, rows = str(key).partition("x")
+        if not (width.isdigit() and rows.isdigit() and 0 < int(width) <= 1 << 20 and 2 <= int(rows) <= 4096):
+            raise InputError(f"{where}: field '{field}' has key {key!r}; keys are \"<width>x<rows>\", a width of 1 "
+                             f"to {1 << 20} and 2 to 4096 rows, e.g. \"576x4\"")
         if isinstance(reads, bool) or not isinstance(reads, (int, float)) or not 1.0 <= reads <= 16.0:
-            raise InputError(f"{where}: field '{field}.{width}' must be a number in [1, 16], got {reads!r}")
-        pairs.append((int(width), float(reads)))
-    return tuple(sorted(pairs))
+            raise InputError(f"{where}: field '{field}.{key}' must be a number in [1, 16], got {reads!r}")
+        triples.append((int(width), int(rows), float(reads)))
+    return tuple(sorted(triples))
 
 
 def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s") -> dict[str, float]:
@@ -670,7 +672,8 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                    if cpu.decode_streaming.prefill_block_overhead_s is not None else {}),
                 **({"row_block_overhead_ms": round(cpu.decode_streaming.row_block_overhead_s * 1e3, 4)}
                    if cpu.decode_streaming.row_block_overhead_s is not None else {}),
-                **({_STREAMING_TABLE: {str(w): round(r, 4) for w, r in cpu.decode_streaming.row_reads_by_width}}
+                **({_STREAMING_TABLE: {f"{w}x{rows}": round(r, 4)
+                                       for w, rows, r in cpu.decode_streaming.row_reads_by_width}}
                    if cpu.decode_streaming.row_reads_by_width else {})}}
                if cpu.decode_streaming is not None else {}),
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),

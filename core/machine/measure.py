@@ -26,7 +26,8 @@ from typing import Callable, TextIO
 import numpy as np
 import torch
 
-from hivekeeper.planner.costmodel import REREAD_ROWS
+from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS
+from hivekeeper.planner.efficiency import REREAD_ROWS
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
@@ -374,8 +375,9 @@ def measure_decode_blocks(hidden: int = 2048, total_bytes: int = 384 << 20, repe
     - cpu_weight_stream: the bytes/s decode reads weights from RAM at;
     - cpu_decode_block_overhead: the fixed cost of one block in a step (its small ops, the kernels' thread pool
       handing work out and waiting, caches cold after each matrix), which thin many-layer models pay most;
-    - cpu_small_rows_reads_at_<width>: how many times a 4-row step reads the weights of blocks of each span's
-      width (row_reads), and cpu_small_rows_reads: the wide span's (older profiles' one figure for every width).
+    - cpu_small_rows_reads_at_<width>x<rows>: how many times a step of 4 and of 8 rows (the kernels' most) reads
+      the weights of blocks of each span's width (row_reads), and cpu_small_rows_reads: the wide span's 4-row
+      figure (older profiles' one figure for every width).
 
     spans: the two spans, already built for these sizes (run_benchmarks reads the streaming rate again on them).
     """
@@ -396,39 +398,35 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     narrow_hidden = narrow_config.hidden_size
     b1, b2 = (sum(p.numel() * 4 for p in span.parameters()) for span in (wide, narrow))
     n1, n2 = wide_config.num_layers, narrow_config.num_layers
-    # the two spans' one-row and FEW_ROWS-row steps in turn (a, b, c, d, a, b, ...): the four steps of each repeat
-    # see the same moment, so the few-row steps' ratio to the one-row ones is not a swing of the host's between them
-    # (session 16: timed apart, the 576-wide span's ratio read 1.63 where in turn it read 1.34-1.39 four times)
-    s1, s2, s4, s4n = _alternating_seconds([decode_steps(wide_config, wide, 1), decode_steps(narrow_config, narrow, 1),
-                                            decode_steps(wide_config, wide, FEW_ROWS),
-                                            decode_steps(narrow_config, narrow, FEW_ROWS)], repeats)
+    # the two spans' one-row and few-row steps (FEW_ROWS and the kernels' most, PACKED_KERNEL_ROWS) in turn (a, b, c,
+    # ..., a, b, ...): the steps of each repeat see the same moment, so the few-row steps' ratio to the one-row ones
+    # is not a swing of the host's between them (session 16: timed apart, the 576-wide span's 4-row ratio read 1.63
+    # where in turn it read 1.34-1.39 four times)
+    row_counts = (1, FEW_ROWS, PACKED_KERNEL_ROWS)
+    timed = _alternating_seconds([decode_steps(config, span, rows) for rows in row_counts
+                                  for config, span in ((wide_config, wide), (narrow_config, narrow))], repeats)
+    s1, s2 = timed[:2]
     prefills = [prefill_pass(wide_config, wide), prefill_pass(narrow_config, narrow)]
     p1, p2 = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
-    (m1, _), (m2, _), (m4, spread4), (m4n, spread4n) = (median_and_spread(s) for s in (s1, s2, s4, s4n))
+    (m1, _), (m2, _) = median_and_spread(s1), median_and_spread(s2)
     per_block, bandwidth = fit_bytes_and_blocks((m1, b1, n1), (m2, b2, n2))
-    reads = [row_reads(m, nbytes, blocks, per_block, bandwidth) for m, nbytes, blocks in ((m4, b1, n1), (m4n, b2, n2))]
     load = max(load, load_average())
     spans = (f"{n1} blocks of width {hidden} ({b1 / 2**20:.0f} MiB) {m1 * 1e3:.3g} ms, {n2} of "
              f"width {narrow_hidden} ({b2 / 2**20:.0f} MiB) {m2 * 1e3:.3g} ms (medians), "
              f"last-level cache {cache_bytes / 2**20:.0f} MiB, through {decode_path_name()}")
     stream_rates = [b1 / max(s - n1 * per_block, 1e-9) for s in s1]
-    few = [Measurement(f"{ROW_READS_AT_KEY}{width}", f"weight reads of a 4-row decode step, blocks {width} wide",
-                       value, "x", spread, len(s4), load,
-                       f"the 4-row step of {blocks} blocks of width {width} {m * 1e3:.3g} ms (median; its one-row "
-                       f"step {one * 1e3:.3g} ms), less the blocks' fixed cost, over the one-row step's reads at the "
-                       f"fitted rate: {spans}")
-           for width, value, spread, m, one, blocks in ((hidden, reads[0], spread4, m4, m1, n1),
-                                                       (narrow_hidden, reads[1], spread4n, m4n, m2, n2))]
+    few = [few_row_reads(seconds, rows, width, nbytes, blocks, (per_block, bandwidth), load, spans)
+           for rows, pair in zip(row_counts[1:], (timed[2:4], timed[4:6]))
+           for seconds, width, nbytes, blocks in zip(pair, (hidden, narrow_hidden), (b1, b2), (n1, n2))]
     return [
         Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", bandwidth, "B/s",
                     median_and_spread(stream_rates)[1], len(s1), load,
                     f"one-row decode steps of random decoder blocks: {spans}; bandwidth and per-block cost fitted "
                     f"to both spans' median steps ({len(s1)} repeats timed in turn)", stream_rates),
         block_overhead(per_block, (s1, b1, n1), (s2, b2, n2), load, f"fitted to the two spans: {spans}"),
-        Measurement(SMALL_ROWS_READS_KEY, "weight reads of a 4-row decode step", reads[0], "x",
-                    spread4, len(s4), load,
-                    f"the width-{hidden} span's (the reads of a model's blocks at least as wide; narrower blocks: "
-                    f"{ROW_READS_AT_KEY}<width>); its 4-row step is {m4 / m1:.2f}x its one-row one"),
+        replace(few[0], key=SMALL_ROWS_READS_KEY, label="weight reads of a 4-row decode step",
+                detail=f"{few[0].detail} (older profiles' one figure for every width; per width and rows: "
+                       f"{ROW_READS_AT_KEY}<width>x<rows>)"),
         *few,
         *prefill_measurements((p1, prefills[0][1], prefills[0][2]), (p2, prefills[1][1], prefills[1][2]), load,
                               f"widths {hidden} and {narrow_hidden}"),
@@ -438,9 +436,20 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
 FEW_ROWS = REREAD_ROWS  # the rows of the few-row decode steps measured (the native kernels take up to 8)
 
 
+def few_row_reads(seconds: list[float], rows: int, width: int, nbytes: int, blocks: int,
+                  one_row: tuple[float, float], load: float, spans: str) -> Measurement:
+    """The ROW_READS_AT_KEY measurement of one span's `rows`-row steps (every repeat's `seconds`): row_reads of
+    their median by the one-row fit (a block's fixed cost, bytes/s)."""
+    median, spread = median_and_spread(seconds)
+    return Measurement(f"{ROW_READS_AT_KEY}{width}x{rows}", f"weight reads of a {rows}-row decode step, blocks "
+                       f"{width} wide", row_reads(median, nbytes, blocks, *one_row), "x", spread, len(seconds), load,
+                       f"the {rows}-row step of {blocks} blocks of width {width} {median * 1e3:.3g} ms (median), less "
+                       f"the blocks' fixed cost, over its one-row reads at the fitted rate: {spans}")
+
+
 def row_reads(seconds: float, nbytes: float, blocks: int, per_block: float, bandwidth: float) -> float:
-    """How many times a FEW_ROWS-row step through a span (its median `seconds`, `nbytes` of weights in `blocks`
-    blocks) reads its weights, by the one-row fit (a block's fixed cost `per_block`, the rate `bandwidth`): what the
+    """How many times a few-row step through a span (its median `seconds`, `nbytes` of weights in `blocks` blocks)
+    reads its weights, by the one-row fit (a block's fixed cost `per_block`, the rate `bandwidth`): what the
     step takes beyond its blocks' one-row fixed cost, over its one-row reads; at least 1. Issue 23 (session 16): a
     4-row step through 576-wide blocks took 1.4-1.6x the one-row step, through 2048-wide ones 1.7-2.2x (the four
     rows' inputs stay in the L1 cache beside a narrow matrix's weight row, not beside a wide one's), so each width

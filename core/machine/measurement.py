@@ -21,8 +21,9 @@ MATMUL_START_KEY = "cpu_matmul_start"  # profiles measured before measure_decode
 BLOCK_OVERHEAD_KEY = "cpu_decode_block_overhead"  # measure.measure_decode_blocks: fixed cost of a block in a step
 SMALL_ROWS_READS_KEY = "cpu_small_rows_reads"
 ROW_BLOCK_KEY = "cpu_decode_row_block_overhead"  # ... and what a block adds per row beyond the first (issue 23)
-# ... and the weight reads of a 4-row step through blocks of one width: key ROW_READS_AT_KEY + width ("576"), one
-# result per span (issue 23, session 16: a 4-row step reads 576-wide blocks fewer times than 2048-wide ones)
+# ... and the weight reads of a few-row step through blocks of one width: key ROW_READS_AT_KEY + "<width>x<rows>"
+# ("576x4"), one result per span and row count (issue 23, session 16: a 4-row step reads 576-wide blocks fewer times
+# than 2048-wide ones)
 ROW_READS_AT_KEY = "cpu_small_rows_reads_at_"
 # measure.measure_packed_kernels: one result per packed format, key PACKED_KERNEL_KEY + format ("q4_0"), weights/s
 PACKED_KERNEL_KEY = "cpu_packed_kernel_"

@@ -175,12 +175,15 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                            row_reads_by_width=row_reads_by_width(measurements))
 
 
-def row_reads_by_width(measurements: list[Measurement]) -> tuple[tuple[int, float], ...]:
-    """((width, weight reads of a 4-row step through blocks that wide), ...) by width, as measured
-    (ROW_READS_AT_KEY + width); empty for profiles measured before session 16."""
-    found = {int(m.key[len(ROW_READS_AT_KEY):]): min(16.0, max(1.0, m.value)) for m in measurements
-             if m.key.startswith(ROW_READS_AT_KEY) and m.key[len(ROW_READS_AT_KEY):].isdigit()}
-    return tuple(sorted(found.items()))
+def row_reads_by_width(measurements: list[Measurement]) -> tuple[tuple[int, int, float], ...]:
+    """((width, rows, weight reads of a step of that many rows through blocks that wide), ...) by width and rows, as
+    measured (ROW_READS_AT_KEY + "<width>x<rows>"); empty for profiles measured before session 16."""
+    found = {}
+    for m in measurements:
+        width, _, rows = m.key[len(ROW_READS_AT_KEY):].partition("x")
+        if m.key.startswith(ROW_READS_AT_KEY) and width.isdigit() and rows.isdigit():
+            found[int(width), int(rows)] = min(16.0, max(1.0, m.value))
+    return tuple(sorted((width, rows, reads) for (width, rows), reads in found.items()))
 
 
 def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KERNEL_KEY) -> dict[str, float]:
@@ -354,9 +357,9 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
                     "s", "default"))
     rows.append(row("CPU", "weight reads of a 4-row matmul", default_cpu.weight_reread_rows, SMALL_ROWS_READS_KEY,
                     "x", "default"))
-    for width, _ in row_reads_by_width(list(measured.values())):
-        rows.append(row("CPU", f"weight reads of a 4-row step, blocks {width} wide", default_cpu.weight_reread_rows,
-                        f"{ROW_READS_AT_KEY}{width}", "x", "default"))
+    for width, count, _ in row_reads_by_width(list(measured.values())):
+        rows.append(row("CPU", f"weight reads of a {count}-row step, blocks {width} wide",
+                        default_cpu.weight_reread_rows, f"{ROW_READS_AT_KEY}{width}x{count}", "x", "default"))
     rows.append(row("CPU", "bf16 decode step / fp32 one", None, HALF_DECODE_KEY, "x", ""))
     for name in PACKED_FORMATS:  # the cost model's default beside the measured rate
         default, _ = packed_kernel_rate(dataclasses.replace(cpu, packed_kernels={}), name)

@@ -68,17 +68,17 @@ def test_without_a_blocks_fixed_cost_every_width_reads_at_the_one_rate():
     assert figures == pytest.approx([1 / RATE] * 3, rel=1e-6)
 
 
-def four_row_reads(hardware: HardwareSpec, spec: ModelSpec) -> float:
-    """The blocks' and the head's reads of a 4-row step over the one-row step's."""
+def four_row_reads(hardware: HardwareSpec, spec: ModelSpec, rows: int = 4) -> float:
+    """The blocks' and the head's reads of a step of `rows` rows over the one-row step's."""
     def reads(rows: int) -> float:
         terms = decode_step_terms(spec, hardware, Policy("fp32", weights=RAM, kv_cache=RAM, activations=RAM,
                                                          micro_batch_size=rows),
                                   Workload(prompt_len=8, output_len=2), default_efficiency(hardware))
         return terms["blocks_reads_s"] + terms["head_reads_s"]
-    return reads(4) / reads(1)
+    return reads(rows) / reads(1)
 
 
-def with_reads_by_width(hardware: HardwareSpec, table: tuple[tuple[int, float], ...]) -> HardwareSpec:
+def with_reads_by_width(hardware: HardwareSpec, table: tuple[tuple[int, int, float], ...]) -> HardwareSpec:
     streaming = dataclasses.replace(hardware.cpu.decode_streaming, row_reads_by_width=table)
     return dataclasses.replace(hardware, cpu=dataclasses.replace(hardware.cpu, decode_streaming=streaming))
 
@@ -88,7 +88,7 @@ def test_a_few_row_step_reads_a_models_weights_as_often_as_the_span_of_its_width
     span's, had priced SmolLM2's 4-row step 1.3-1.6x slow). Each width's measured reads hold for a model of that
     width, head included; a width between them between, on log(width); beyond them, the nearest one's. Without the
     table, the one figure (small_row_reads) for every width."""
-    hardware = with_reads_by_width(machine(BLOCK_S), ((576, 1.4), (2048, 1.9)))
+    hardware = with_reads_by_width(machine(BLOCK_S), ((576, 4, 1.4), (2048, 4, 1.9)))
     thin, middle, wide = (four_row_reads(hardware, model(h, n)) for h, n in ((576, 30), (1024, 10), (2048, 2)))
     # (the norms' vectors are read once whatever the rows: within 1%)
     assert (thin, wide) == (pytest.approx(1.4, rel=0.01), pytest.approx(1.9, rel=0.01))
@@ -100,14 +100,14 @@ def test_a_few_row_step_reads_a_models_weights_as_often_as_the_span_of_its_width
                                                                                                          rel=0.01)
     # a hardware file keeps the table
     again = hardware_from_dict(hardware_to_json(hardware))
-    assert again.cpu.decode_streaming.row_reads_by_width == ((576, 1.4), (2048, 1.9))
+    assert again.cpu.decode_streaming.row_reads_by_width == ((576, 4, 1.4), (2048, 4, 1.9))
     assert four_row_reads(again, model(576, 30)) == pytest.approx(thin)
 
 
 def test_a_fit_of_the_reads_holds_for_every_width():
     """calibration.from_fitted: where a calibration fits the reads (profiles without measured steps), its figure
     replaces the measured table, which it was not fitted against."""
-    eff = default_efficiency(with_reads_by_width(machine(BLOCK_S), ((576, 1.4), (2048, 1.9)))).accelerator
+    eff = default_efficiency(with_reads_by_width(machine(BLOCK_S), ((576, 4, 1.4), (2048, 4, 1.9)))).accelerator
     fitted = from_fitted(eff, ("weight_reread_rows",), np.array([2.5]), "fitted")
     assert fitted.reread_rows_by_width == () and fitted.reread_rows_at(576) == fitted.reread_rows_at(2048) == 2.5
     assert eff.reread_rows_at(576) == pytest.approx(1.4)
@@ -116,12 +116,26 @@ def test_a_fit_of_the_reads_holds_for_every_width():
 def test_a_table_read_back_from_json_is_the_same_efficiency():
     """Efficiency.reread_rows_by_width comes back from JSON (calibration files, the app) as lists: the same pairs,
     and a width or reads out of range is refused by name."""
-    eff = default_efficiency(with_reads_by_width(machine(BLOCK_S), ((576, 1.4), (2048, 1.9)))).accelerator
+    eff = default_efficiency(with_reads_by_width(machine(BLOCK_S), ((576, 4, 1.4), (2048, 4, 1.9)))).accelerator
     again = efficiency_from_dict(json.loads(json.dumps(efficiency_to_dict(eff))))
     assert again == eff
     with pytest.raises(InputError, match="reread_rows_by_width"):
-        dataclasses.replace(eff, reread_rows_by_width=((576, 0.5),))
+        dataclasses.replace(eff, reread_rows_by_width=((576, 4, 0.5),))
     with pytest.raises(InputError, match="small_row_reads_by_width"):
-        doc = hardware_to_json(with_reads_by_width(machine(BLOCK_S), ((576, 1.4),)))
-        doc["cpu"]["decode_streaming"]["small_row_reads_by_width"] = {"wide": 1.4}
+        doc = hardware_to_json(with_reads_by_width(machine(BLOCK_S), ((576, 4, 1.4),)))
+        doc["cpu"]["decode_streaming"]["small_row_reads_by_width"] = {"576": 1.4}  # no rows
         hardware_from_dict(doc)
+
+
+def test_an_eight_row_step_reads_as_measured_and_rows_between_in_proportion():
+    """Session 16: an 8-row step read 576-wide blocks 2.4-3.0 times (the 4-row one 1.4-1.7): priced at the 4-row
+    figure, as every row count beyond 4 was, a batch of 8 looked nearly free. With 8 rows measured, 8 rows read as
+    measured at the model's width and 6 rows halfway between the 4- and 8-row figures."""
+    hardware = with_reads_by_width(machine(BLOCK_S), ((576, 4, 1.4), (576, 8, 2.6), (2048, 4, 1.9), (2048, 8, 2.4)))
+    thin, wide = model(576, 30), model(2048, 2)
+    assert four_row_reads(hardware, thin, 8) == pytest.approx(2.6, rel=0.01)
+    assert four_row_reads(hardware, wide, 8) == pytest.approx(2.4, rel=0.01)
+    assert four_row_reads(hardware, thin, 6) == pytest.approx(2.0, rel=0.01)
+    assert four_row_reads(hardware, thin, 2) == pytest.approx(1 + 0.4 / 3, rel=0.01)
+    only_four = with_reads_by_width(machine(BLOCK_S), ((576, 4, 1.4), (2048, 4, 1.9)))
+    assert four_row_reads(only_four, thin, 8) == pytest.approx(1.4, rel=0.01)  # the last measured figure beyond it

@@ -69,12 +69,13 @@ def test_steps_timed_as_a_known_model_give_its_terms_back_for_thin_and_wide_mode
     spans = meta_spans(32 * MIB)
     shapes = spans.shapes()
     one_row = [[nbytes / rate + blocks * per_block] * 5 for nbytes, blocks in shapes]
-    four_rows = [[reads * nbytes / rate + blocks * per_block] * 5 for reads, (nbytes, blocks) in zip((2.0, 1.5), shapes)]
+    four_rows, eight_rows = ([[reads * nbytes / rate + blocks * per_block] * 5
+                              for reads, (nbytes, blocks) in zip(pair, shapes)] for pair in ((2.0, 1.5), (2.8, 2.6)))
 
     def alternating(runs, repeats):
         if repeats == measure.PREFILL_REPEATS:
             return [[0.05] * repeats, [0.08] * repeats]
-        return one_row + four_rows
+        return one_row + four_rows + eight_rows
 
     monkeypatch.setattr(measure, "_alternating_seconds", alternating)
     results = measure.measure_decode_blocks(QUICK.stream_hidden, QUICK.stream_bytes, repeats=2, cache_bytes=32 * MIB,
@@ -90,8 +91,8 @@ def test_steps_timed_as_a_known_model_give_its_terms_back_for_thin_and_wide_mode
                                   measured_efficiency(hardware))
         assert terms["blocks_reads_s"] == pytest.approx(terms["blocks_bytes_min"] / rate, rel=1e-6)
         assert terms["blocks_fixed_s"] == pytest.approx(model.num_layers * per_block, rel=1e-6)
-        # a 4-row step reads the weights as often as the span of the model's width did (2x wide, 1.5x thin)
-        four = decode_step_terms(model, hardware, dataclasses.replace(policy, micro_batch_size=4),
-                                 Workload(prompt_len=8, output_len=2), measured_efficiency(hardware))
-        reads = 1.5 if model is THIN else 2.0
-        assert four["blocks_reads_s"] == pytest.approx(reads * terms["blocks_reads_s"], rel=0.01)
+        # 4- and 8-row steps read the weights as often as the span of the model's width did
+        for rows, reads in ((4, 1.5 if model is THIN else 2.0), (8, 2.6 if model is THIN else 2.8)):
+            few = decode_step_terms(model, hardware, dataclasses.replace(policy, micro_batch_size=rows),
+                                    Workload(prompt_len=8, output_len=2), measured_efficiency(hardware))
+            assert few["blocks_reads_s"] == pytest.approx(reads * terms["blocks_reads_s"], rel=0.01)

@@ -40,13 +40,15 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
     wide_bytes, narrow_bytes = (sum(p.numel() * 4 for p in s.parameters()) for s in (wide, narrow))
     per_block, bandwidth = fit_bytes_and_blocks((0.010, wide_bytes, config_wide.num_layers),
                                                 (0.030, narrow_bytes, config_narrow.num_layers))
-    # the 4-row steps: the wide span's weights read 1.8 times, the narrow span's 1.4 times
-    four = [reads * b / bandwidth + n * per_block
-            for reads, b, n in ((1.8, wide_bytes, config_wide.num_layers),
-                                (1.4, narrow_bytes, config_narrow.num_layers))]
+    # the 4-row steps: the wide span's weights read 1.8 times, the narrow span's 1.4 times; 8 rows 2.5 and 2.2
+    four, eight = ([reads * b / bandwidth + n * per_block
+                    for reads, b, n in ((wide_reads, wide_bytes, config_wide.num_layers),
+                                        (narrow_reads, narrow_bytes, config_narrow.num_layers))]
+                   for wide_reads, narrow_reads in ((1.8, 1.4), (2.5, 2.2)))
     fed = {"steps": [[0.010, 0.012, 0.006, 0.011, 0.010], [0.030, 0.031, 0.029, 0.040, 0.030],
                      [four[0], four[0] * 3, four[0] * 0.9, four[0], four[0]],
-                     [four[1] * 1.05, four[1], four[1] * 0.5, four[1], four[1]]],
+                     [four[1] * 1.05, four[1], four[1] * 0.5, four[1], four[1]],
+                     [eight[0]] * 5, [eight[1]] * 5],
            "prefill": [[0.50, 0.40, 0.45], [0.90, 1.00, 0.80]]}
     step_calls = []
 
@@ -67,9 +69,10 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
     assert "median" in stream.detail and "in turn" in stream.detail
     # the 4-row steps of both spans, in turn with the one-row ones, on their medians: the reads of each width apart,
     # the wide one's also as the one figure of older profiles; no per-row block cost (it is in each width's reads)
-    assert step_calls == [4]
-    assert results[f"{ROW_READS_AT_KEY}{config_wide.hidden_size}"].value == pytest.approx(1.8, rel=1e-6)
-    assert results[f"{ROW_READS_AT_KEY}{config_narrow.hidden_size}"].value == pytest.approx(1.4, rel=1e-6)
+    assert step_calls == [6]
+    for width, rows, reads in ((config_wide.hidden_size, 4, 1.8), (config_narrow.hidden_size, 4, 1.4),
+                               (config_wide.hidden_size, 8, 2.5), (config_narrow.hidden_size, 8, 2.2)):
+        assert results[f"{ROW_READS_AT_KEY}{width}x{rows}"].value == pytest.approx(reads, rel=1e-6)
     assert results[SMALL_ROWS_READS_KEY].value == pytest.approx(1.8, rel=1e-6)
     assert ROW_BLOCK_KEY not in results
     # the prefill passes, fitted on their medians too
@@ -146,10 +149,12 @@ def test_a_few_row_steps_reads_are_what_it_takes_beyond_its_blocks_fixed_cost_ov
 def test_the_reads_of_each_width_reach_the_plan():
     """The measurement's ROW_READS_AT_KEY results become the profile's per-width table (profiles.decode_streaming)
     and the efficiency the planner prices a model's few-row step with, at the model's width."""
-    records = [Measurement(f"{ROW_READS_AT_KEY}2048", "4-row reads, 2048 wide", 1.9, "x", 0.0, 5, 0.0),
-               Measurement(f"{ROW_READS_AT_KEY}576", "4-row reads, 576 wide", 1.4, "x", 0.0, 5, 0.0)]
+    records = [Measurement(f"{ROW_READS_AT_KEY}2048x4", "4-row reads, 2048 wide", 1.9, "x", 0.0, 5, 0.0),
+               Measurement(f"{ROW_READS_AT_KEY}576x4", "4-row reads, 576 wide", 1.4, "x", 0.0, 5, 0.0),
+               Measurement(f"{ROW_READS_AT_KEY}576x8", "8-row reads, 576 wide", 2.6, "x", 0.0, 5, 0.0)]
     hardware = measured(36e9, 1e-3, None, records)
-    assert hardware.cpu.decode_streaming.row_reads_by_width == ((576, 1.4), (2048, 1.9))
+    assert hardware.cpu.decode_streaming.row_reads_by_width == ((576, 4, 1.4), (576, 8, 2.6), (2048, 4, 1.9))
     eff = measured_efficiency(hardware).accelerator
     assert (eff.reread_rows_at(576), eff.reread_rows_at(2048)) == (pytest.approx(1.4), pytest.approx(1.9))
+    assert eff.reread_rows_at(576, 8) == pytest.approx(2.6)
     assert measured(36e9, 1e-3, None).cpu.decode_streaming.row_reads_by_width == ()  # not measured: none

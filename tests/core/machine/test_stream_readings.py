@@ -115,9 +115,9 @@ def test_a_few_row_steps_reads_are_counted_at_the_pooled_rate():
     from hivekeeper.core.machine.measurement import ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY
 
     reads = [Measurement(SMALL_ROWS_READS_KEY, "4-row reads", 2.0, "x", 0.1, 7, 0.5, "wide span"),
-             Measurement(f"{ROW_READS_AT_KEY}576", "4-row reads, 576 wide", 1.7, "x", 0.1, 7, 0.5, "thin span")]
+             Measurement(f"{ROW_READS_AT_KEY}576x4", "4-row reads, 576 wide", 1.7, "x", 0.1, 7, 0.5, "thin span")]
     later = [reading(9.1, 0.2), reading(10.2, 0.2), reading(8.8, 0.2), reading(11.0, 0.2)]
     folded = {m.key: m for m in fold_stream_readings(first_reading(17.4, 0.2) + reads, later, SHAPES)}
     assert folded[SMALL_ROWS_READS_KEY].value == pytest.approx(2.0 * 10.2 / 17.4)
-    assert folded[f"{ROW_READS_AT_KEY}576"].value == 1.0  # 1.7 x 10.2 / 17.4 < 1: once at least
+    assert folded[f"{ROW_READS_AT_KEY}576x4"].value == 1.0  # 1.7 x 10.2 / 17.4 < 1: once at least
     assert "pooled rate 10.2 GB/s" in folded[SMALL_ROWS_READS_KEY].detail
