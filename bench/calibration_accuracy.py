@@ -9,7 +9,7 @@ Issue 23: one number for the whole grid hid where the cost model was wrong, so t
    timed: the uncalibrated cost model uses it.
 3. Calibration (timed): a runtime profile of the thin model over a small grid with the real engine and generate(),
    then the fit (`hivekeeper profile`'s).
-4. Evaluation: an independent run of both models at batch 1, 4 and 64, prefill and decode. For every (model,
+4. Evaluation: an independent run of both models at batch 1, 4, 8 and 64, prefill and decode. For every (model,
    batch, phase) the calibrated and uncalibrated errors; the default model's decode tokens/s at batch 1 predicted
    (after the quick measurement alone, and calibrated) against measured.
 
@@ -87,20 +87,25 @@ def machine_line(kind: str) -> dict:
 
 
 def grids(quick: bool, repeats: int, fast: bool = False):
-    """(calibration grid, evaluation grids): batch 1 and 4 over two prompt lengths, and batch 64 on a short prompt;
-    `fast`: the full models on fewer and shorter points (two prompt lengths each, as the fits need), same shapes and
-    batches."""
+    """(calibration grid, evaluation grids): batch 1, 4 and 8 (the decode kernels' most rows: session 16 measures
+    8-row steps) over two prompt lengths, and batch 64 on a short prompt; `fast`: the full models on fewer and
+    shorter points (two prompt lengths each, as the fits need), same shapes and batches."""
     from hivekeeper.core.machine.profiling import ProfileGrid
 
     if fast:
         return (ProfileGrid((16, 96), (1, 8), (1, 2, 4), repeats=repeats),
-                [ProfileGrid((32, 96), (1, 8), (1, 4), repeats=repeats),
+                [ProfileGrid((32, 96), (1, 8), EVALUATED_BATCHES, repeats=repeats),
                  ProfileGrid((8, 24), (1, 4), (64,), repeats=1)])
     if quick:
         return (ProfileGrid((16, 64), (1, 8), (1, 4), repeats=repeats),
-                [ProfileGrid((32, 96), (1, 8), (1, 4), repeats=repeats), ProfileGrid((8, 16), (1, 4), (64,), repeats=1)])
+                [ProfileGrid((32, 96), (1, 8), EVALUATED_BATCHES, repeats=repeats),
+                 ProfileGrid((8, 16), (1, 4), (64,), repeats=1)])
     return (ProfileGrid((16, 64, 160), (1, 8), (1, 2, 4), repeats=repeats),
-            [ProfileGrid((32, 128), (1, 8), (1, 4), repeats=repeats), ProfileGrid((16, 32), (1, 4), (64,), repeats=1)])
+            [ProfileGrid((32, 128), (1, 8), EVALUATED_BATCHES, repeats=repeats),
+             ProfileGrid((16, 32), (1, 4), (64,), repeats=1)])
+
+
+EVALUATED_BATCHES = (1, 4, 8)  # and 64, on its own grid
 
 
 def run_points(path, evaluation_grids, label: str):
