@@ -19,7 +19,9 @@ kernels' measured rate: docs/calibration.md), but the calibration grid and its f
 keeps the fp32 run for them; one more run, batch 1, times the default model packed as `generate` runs it and sets
 it beside the packed format's prediction (`default_model_packed_decode_tokens_per_s`; not with --quick): its steady
 decode, 64 new tokens with the tokenizer streaming the text, the median of 3 runs per prompt length (session 16: the
-grid's fastest repeat of 7-step medians read it 15-25% faster than `generate` and bench/predicted_vs_measured.py).
+grid's fastest repeat of 7-step medians read it 15-25% faster than `generate` and bench/predicted_vs_measured.py),
+also predicted from the packed kernels' readings of the moment (`uncalibrated_now`: the quick measurement's packed
+spans timed again right before and after the runs, their mean in place of the profile's).
 
 The measurement and the runs share one process and follow each other, so a machine's load slows both alike; the
 load average is reported at each stage. Prints ONE JSON line. Goals (issue 23): calibrated decode MAPE <= 10%,
@@ -194,27 +196,57 @@ def default_model_decode(spec, hardware, points, policies, efficiencies: dict) -
     return result
 
 
-def packed_default_decode(path, spec, hardware, grid, efficiencies: dict) -> dict:
+def packed_default_decode(path, spec, hardware, grid, efficiencies: dict, now=None) -> dict:
     """The default model as `generate` runs it (its Q4_1 blocks packed; its tokenizer decoding every new token),
     batch 1: its steady decode measured over the grid's prompt lengths (generate_points), and predicted with its packed
-    format (planner/format_choice.py) by each form."""
+    format (planner/format_choice.py) by each form; with `now` (a function of the packed readings -> hardware, called
+    on readings taken right before and after the runs: packed_now), also from the packed kernels' rates of the moment
+    (`uncalibrated_now`: the cost model's own error, apart from the host's move since the quick measurement)."""
     import dataclasses
 
+    from hivekeeper.core.machine.measure import QUICK, measure_packed_at
     from hivekeeper.core.machine.profiling import placement_policy
+    from hivekeeper.planner.calibration import measured_efficiency
     from hivekeeper.planner.format_choice import gguf_packed_type
 
     packed_format = gguf_packed_type(str(path))
     if packed_format is None:
         return {}
+    before = measure_packed_at(QUICK) if now else []
     os.environ["HIVEKEEPER_GGUF_PACKED"] = "1"  # read when the blocks load
     try:
         points = generate_points(path, grid.prompt_lens, PACKED_NEW_TOKENS, max(grid.repeats, PACKED_RUNS))
     finally:
         os.environ["HIVEKEEPER_GGUF_PACKED"] = "0"
-    policy = dataclasses.replace(placement_policy("resident", False, "fp32"), weight_format=packed_format)
-    return {"format": packed_format, "new_tokens": PACKED_NEW_TOKENS,
-            "runs_tokens_per_s": {pt.prompt_len: runs for pt, runs in points},
-            **default_model_decode(spec, hardware, [pt for pt, _ in points], {"resident": policy}, efficiencies)}
+    policies = {"resident": dataclasses.replace(placement_policy("resident", False, "fp32"),
+                                                weight_format=packed_format)}
+    measured = [pt for pt, _ in points]
+    row = {"format": packed_format, "new_tokens": PACKED_NEW_TOKENS,
+           "runs_tokens_per_s": {pt.prompt_len: runs for pt, runs in points},
+           **default_model_decode(spec, hardware, measured, policies, efficiencies)}
+    if now:
+        hardware_now = now(before, measure_packed_at(QUICK))
+        at_now = default_model_decode(spec, hardware_now, measured, policies,
+                                      {"uncalibrated_now": measured_efficiency(hardware_now)})
+        row.update({key: at_now[key] for key in ("uncalibrated_now", "uncalibrated_now_ratio")})
+        row["kernel_q4_1_now_gweights_per_s"] = round(hardware_now.cpu.packed_kernels.get("q4_1", 0) / 1e9, 2)
+    return row
+
+
+def packed_now(detected, measurements: list):
+    """A function of two packed readings (measure_packed_at's, before and after a run) -> the hardware with each of
+    their values the mean of the two and the rest of the quick measurement as it was."""
+    import dataclasses
+
+    from hivekeeper.core.machine.profiles import apply_measurements
+
+    def hardware(before: list, after: list):
+        later = {m.key: m.value for m in after}
+        moment = {m.key: (m.value + later.get(m.key, m.value)) / 2 for m in before}
+        return apply_measurements(detected, [dataclasses.replace(m, value=moment.get(m.key, m.value))
+                                             for m in measurements], time.time())
+
+    return hardware
 
 
 # the packed row's runs: generate's steady decode, as bench/predicted_vs_measured.py times it (64 new tokens), each
@@ -388,7 +420,7 @@ def main() -> None:
         if name == thin_name:
             default = default_model_decode(specs[name], hardware, points, model_policies, efficiencies)
             packed = {} if args.quick else packed_default_decode(path, specs[name], hardware, evaluation_grids[0],
-                                                                 efficiencies)
+                                                                 efficiencies, packed_now(detected, measurements))
         loads[f"evaluated {name}"] = round(os.getloadavg()[0], 2)
         stages[f"evaluate {name}"] = round(time.perf_counter() - stage_started, 1)
 
