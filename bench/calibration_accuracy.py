@@ -17,7 +17,11 @@ The default model runs dequantized to fp32 here (HIVEKEEPER_GGUF_PACKED=0 unless
 keeps its Q4_1/Q8_0 blocks packed by default. The planner now plans that packed path too (format q4_1, at the packed
 kernels' measured rate: docs/calibration.md), but the calibration grid and its fits are of fp32 runs, so this bench
 keeps the fp32 run for them; one more run, batch 1, times the default model packed as `generate` runs it and sets
-it beside the packed format's prediction (`default_model_packed_decode_tokens_per_s`; not with --quick).
+it beside the packed format's prediction (`default_model_packed_decode_tokens_per_s`; not with --quick): its steady
+decode, 64 new tokens with the tokenizer streaming the text, the median of 3 runs per prompt length (session 16: the
+grid's fastest repeat of 7-step medians read it 15-25% faster than `generate` and bench/predicted_vs_measured.py),
+also predicted from the packed kernels' readings of the moment (`uncalibrated_now`: the quick measurement's packed
+spans timed again right before and after the runs, their mean in place of the profile's).
 
 The measurement and the runs share one process and follow each other, so a machine's load slows both alike; the
 load average is reported at each stage. Prints ONE JSON line. Goals (issue 23): calibrated decode MAPE <= 10%,
@@ -197,27 +201,113 @@ def default_model_decode(spec, hardware, points, policies, efficiencies: dict) -
     return result
 
 
-def packed_default_decode(path, spec, hardware, grid, efficiencies: dict) -> dict:
-    """The default model as `generate` runs it (its Q4_1 blocks packed), batch 1: measured over the grid's prompt
-    lengths, and predicted with its packed format (planner/format_choice.py) by each form."""
+def packed_default_decode(path, spec, hardware, grid, efficiencies: dict, now=None) -> dict:
+    """The default model as `generate` runs it (its Q4_1 blocks packed; its tokenizer decoding every new token),
+    batch 1: its steady decode measured over the grid's prompt lengths (generate_points), and predicted with its packed
+    format (planner/format_choice.py) by each form; with `now` (a function of the packed readings -> hardware, called
+    on readings taken right before and after the runs: packed_now), also from the packed kernels' rates of the moment
+    (`uncalibrated_now`: the cost model's own error, apart from the host's move since the quick measurement)."""
     import dataclasses
 
-    from hivekeeper.core.machine.measure import TerminalProgress
-    from hivekeeper.core.machine.profiling import ProfileGrid, denoise, measure_grid
+    from hivekeeper.core.machine.measure import QUICK, measure_packed_at
+    from hivekeeper.core.machine.profiling import placement_policy
+    from hivekeeper.planner.calibration import measured_efficiency
     from hivekeeper.planner.format_choice import gguf_packed_type
 
     packed_format = gguf_packed_type(str(path))
     if packed_format is None:
         return {}
+    before = measure_packed_at(QUICK) if now else []
     os.environ["HIVEKEEPER_GGUF_PACKED"] = "1"  # read when the blocks load
     try:
-        runs, policies = measure_grid(path, ProfileGrid(grid.prompt_lens, grid.output_lens, (1,), repeats=grid.repeats),
-                                      device="cpu", seed=7, progress=TerminalProgress("evaluate packed "))
+        points = generate_points(path, grid.prompt_lens, PACKED_NEW_TOKENS, max(grid.repeats, PACKED_RUNS))
     finally:
         os.environ["HIVEKEEPER_GGUF_PACKED"] = "0"
-    packed = {name: dataclasses.replace(policy, weight_format=packed_format) for name, policy in policies.items()}
-    return {"format": packed_format,
-            **default_model_decode(spec, hardware, denoise(runs), packed, efficiencies)}
+    policies = {"resident": dataclasses.replace(placement_policy("resident", False, "fp32"),
+                                                weight_format=packed_format)}
+    measured = [pt for pt, _ in points]
+    row = {"format": packed_format, "new_tokens": PACKED_NEW_TOKENS,
+           "runs_tokens_per_s": {pt.prompt_len: runs for pt, runs in points},
+           **default_model_decode(spec, hardware, measured, policies, efficiencies)}
+    if now:
+        hardware_now = now(before, measure_packed_at(QUICK))
+        at_now = default_model_decode(spec, hardware_now, measured, policies,
+                                      {"uncalibrated_now": measured_efficiency(hardware_now)})
+        row.update({key: at_now[key] for key in ("uncalibrated_now", "uncalibrated_now_ratio")})
+        row["kernel_q4_1_now_gweights_per_s"] = round(hardware_now.cpu.packed_kernels.get("q4_1", 0) / 1e9, 2)
+    return row
+
+
+def packed_now(detected, measurements: list):
+    """A function of two packed readings (measure_packed_at's, before and after a run) -> the hardware with each of
+    their values the mean of the two and the rest of the quick measurement as it was."""
+    import dataclasses
+
+    from hivekeeper.core.machine.profiles import apply_measurements
+
+    def hardware(before: list, after: list):
+        later = {m.key: m.value for m in after}
+        moment = {m.key: (m.value + later.get(m.key, m.value)) / 2 for m in before}
+        return apply_measurements(detected, [dataclasses.replace(m, value=moment.get(m.key, m.value))
+                                             for m in measurements], time.time())
+
+    return hardware
+
+
+# the packed row's runs: generate's steady decode, as bench/predicted_vs_measured.py times it (64 new tokens), each
+# prompt length run this many times at least, the median run kept
+PACKED_NEW_TOKENS = 64
+PACKED_RUNS = 3
+
+
+def generate_points(path, prompt_lens, new_tokens: int, runs: int) -> list:
+    """[(ProfilePoint, each run's decode tokens/s)] per prompt length: the model loaded resident in RAM (the plan
+    `generate` takes for a model that fits), `runs` generate() calls of `new_tokens` each with the model's tokenizer
+    streaming the text (as the command does), the prompt lengths in turn. A point's step is the median run's mean step
+    (decode_s over its steps after the first: the tokens/s `generate` reports), not the fastest run's median step
+    (measure_grid's, for the calibration): session 16, that read 177 tokens/s where `generate` ran 118-151."""
+    import statistics
+
+    import torch
+
+    from hivekeeper.core.machine.measure import load_average
+    from hivekeeper.core.machine.profiling import placement_policy
+    from hivekeeper.core.offload.offloaded_model import OffloadedModel
+    from hivekeeper.core.offload.placement import place_model
+    from hivekeeper.core.runtime.checkpoint import load_config
+    from hivekeeper.core.runtime.generation import generate
+    from hivekeeper.core.runtime.tokenizer import load_tokenizer
+    from hivekeeper.planner.calibration import ProfilePoint
+
+    config, tokenizer = load_config(path), load_tokenizer(path)
+    plan = place_model(config, placement_policy("resident", False, "fp32"), device="cpu", dtype=torch.float32,
+                       batch=1, max_length=max(prompt_lens) + new_tokens)
+    generator = torch.Generator().manual_seed(7)
+    model = OffloadedModel(path, plan)
+    results: dict[int, list] = {p: [] for p in prompt_lens}
+    try:
+        generate(model, [1] * min(prompt_lens), max_new_tokens=2, ignore_eos=True)  # first-call costs
+        for _ in range(runs):
+            for p in prompt_lens:
+                ids = torch.randint(0, config.vocab_size, (p,), generator=generator).tolist()
+                load = load_average()
+                result = generate(model, ids, max_new_tokens=new_tokens, ignore_eos=True, tokenizer=tokenizer,
+                                  on_text=lambda *_: None)
+                results[p].append((result, max(load, load_average())))
+    finally:
+        model.close()
+    points = []
+    for p, done in results.items():
+        rates = [r.decode_tokens_per_s for r, _ in done]
+        middle = sorted(done, key=lambda d: d[0].decode_tokens_per_s)[len(done) // 2][0]
+        runtimes = [r.total_s for r, _ in done]
+        points.append((ProfilePoint(p, new_tokens, 1, prefill_s=statistics.median(r.time_to_first_token_s
+                                                                                   for r, _ in done),
+                                    step_s=1.0 / middle.decode_tokens_per_s, runtime_s=statistics.median(runtimes),
+                                    spread=(max(runtimes) - min(runtimes)) / min(runtimes), repeats=len(done),
+                                    loadavg=max(load for _, load in done)),
+                       [round(x, 1) for x in rates]))
+    return points
 
 
 def stream_probe(sizes):
@@ -279,7 +369,8 @@ def main() -> None:
 
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.measure import QUICK, TerminalProgress, run_benchmarks
-    from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, WEIGHT_STREAM_KEY
+    from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, STEP_OVERHEAD_KEY,
+                                                     WEIGHT_STREAM_KEY)
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.profiling import denoise, measure_grid
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
@@ -334,7 +425,7 @@ def main() -> None:
         if name == thin_name:
             default = default_model_decode(specs[name], hardware, points, model_policies, efficiencies)
             packed = {} if args.quick else packed_default_decode(path, specs[name], hardware, evaluation_grids[0],
-                                                                 efficiencies)
+                                                                 efficiencies, packed_now(detected, measurements))
         loads[f"evaluated {name}"] = round(os.getloadavg()[0], 2)
         stages[f"evaluate {name}"] = round(time.perf_counter() - stage_started, 1)
 
@@ -353,6 +444,8 @@ def main() -> None:
                                                   for m in measurements if m.key.startswith("cpu_packed_")}
     line["measured"]["packed_block_overhead_ms"] = next((round(m.value * 1e3, 4) for m in measurements
                                                          if m.key == PACKED_BLOCK_KEY), None)
+    line["measured"]["step_overhead_ms"] = next((round(m.value * 1e3, 3) for m in measurements
+                                                 if m.key == STEP_OVERHEAD_KEY), None)
     print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed, "machine": machine_line(args.kind)}))
 
 

@@ -95,11 +95,11 @@ def child_json(command: list[str], env: dict | None) -> dict:
 def quick_measurement(config: str) -> dict:
     """What the run's automatic quick measurement saved in its config folder: the decode steps' RAM rate (GB/s, the
     pooled fit of the readings spread over the measurement) with every reading's, the fixed cost of a block (ms), the
-    fp32 prefill rate (GFLOP/s), the packed kernels' rates (G weights/s; in cache, streamed, prefill) and a packed
-    block's fixed cost (ms)."""
+    fp32 prefill rate (GFLOP/s), the packed kernels' rates (G weights/s; in cache, streamed, prefill), a packed
+    block's fixed cost (ms) and a decode step's beyond its blocks and head (ms; NaN before session 16)."""
     from pathlib import Path
 
-    from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PACKED_BLOCK_KEY
+    from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PACKED_BLOCK_KEY, STEP_OVERHEAD_KEY
 
     profiles = list((Path(config) / "profiles").glob("*.json"))
     if not profiles:
@@ -116,7 +116,8 @@ def quick_measurement(config: str) -> dict:
             "prefill_gflops": round(values.get("cpu_prefill_fp32", 0) / 1e9, 1),
             "bf16_vs_fp32_step": round(values.get(HALF_DECODE_KEY, 0), 3),
             "packed_gweights_per_s": packed,
-            "packed_block_overhead_ms": round(values.get(PACKED_BLOCK_KEY, float("nan")) * 1e3, 4)}
+            "packed_block_overhead_ms": round(values.get(PACKED_BLOCK_KEY, float("nan")) * 1e3, 4),
+            "step_overhead_ms": round(values.get(STEP_OVERHEAD_KEY, float("nan")) * 1e3, 3)}
 
 
 def reading_now(model: str, prompt_len: int, new_tokens: int) -> dict:
@@ -152,8 +153,14 @@ def reading_now(model: str, prompt_len: int, new_tokens: int) -> dict:
 def step_parts(model: str, prompt_len: int, new_tokens: int) -> dict:
     """Median milliseconds per decode step of one generation as `generate` runs it (its thread layout, the plan
     for this machine): the blocks (the span's call), the LM head, and the rest of the step (embedding, sampling,
-    the loop), with the step itself."""
+    the loop: each step less its own span and head calls, step_overhead.step_rests; until session 16 the mean step
+    less the median blocks and head, which put a few slow steps' excess in it), with the step itself (the mean: the
+    tokens/s `generate` reports)."""
+    import time
+
     from hivekeeper.core.cli.generate import set_threads
+    from hivekeeper.core.machine.profiling import StepClock
+    from hivekeeper.core.machine.step_overhead import step_rests
     from hivekeeper.core.offload.local_plan import plan_local_run
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
@@ -167,11 +174,15 @@ def step_parts(model: str, prompt_len: int, new_tokens: int) -> dict:
     runner = OffloadedModel(path, plan)
     times = timed_parts(runner)
     prompt = [1] + [(7 * i) % (config.vocab_size - 10) + 10 for i in range(prompt_len - 1)]
-    result = generate(runner, prompt, max_new_tokens=new_tokens, ignore_eos=True)
+    clock = StepClock()
+    called = time.perf_counter()
+    result = generate(runner, prompt, max_new_tokens=new_tokens, ignore_eos=True, stop=clock)
+    rests = step_rests(clock.step_durations(called + result.time_to_first_token_s + result.decode_s),
+                       times["blocks"], times["head"])
     blocks, head = (statistics.median(times[name][1:]) * 1e3 for name in ("blocks", "head"))  # [0]: the prefill
     step = result.decode_s / max(1, result.new_tokens - 1) * 1e3
     return {"step": round(step, 2), "blocks": round(blocks, 2), "head": round(head, 2),
-            "rest": round(step - blocks - head, 2)}
+            "rest": round(statistics.median(rests) * 1e3, 2)}
 
 
 def summary(predicted: list[float], measured: list[float], stream_gbps: list[float]) -> dict:

@@ -214,7 +214,7 @@ def default_efficiency(hardware: HardwareSpec) -> MachineEfficiency:
         host = with_measured_streaming(host, streaming.bandwidth_fraction, streaming.small_row_reads,
                                        streaming.matmul_start_s, streaming.block_overhead_s,
                                        streaming.prefill_block_overhead_s, streaming.row_block_overhead_s,
-                                       streaming.row_reads_by_width)
+                                       streaming.row_reads_by_width, streaming.step_overhead_s)
     if not hardware.gpus:
         return MachineEfficiency(host, host)
     accelerator = DEFAULTS[hardware_class(hardware.accelerator)]
@@ -229,7 +229,8 @@ def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, s
                             matmul_start_s: float, block_overhead_s: float | None = None,
                             prefill_block_overhead_s: float | None = None,
                             row_block_overhead_s: float | None = None,
-                            row_reads_by_width: tuple[tuple[int, int, float], ...] = ()) -> Efficiency:
+                            row_reads_by_width: tuple[tuple[int, int, float], ...] = (),
+                            step_overhead_s: float | None = None) -> Efficiency:
     """A CPU's set with what `hivekeeper measure` found of decode's weight streaming (hardware.DecodeStreaming):
     the fraction of the measured RAM bandwidth that decode's weight reads reach, the weight reads of a few-row
     step, and the per-block overhead: the measured fixed cost of a block in a decode step where it was measured
@@ -237,7 +238,9 @@ def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, s
     start-up time per matmul, paid MATMULS_PER_BLOCK times per block on top of the default per-block overhead; and
     the fixed cost of a block in a prefill where measured (prefill passes through the same spans), else the
     default's; and what a block adds per row beyond the first of a few-row step where measured (row_overhead_s); and
-    few-row steps' reads through blocks of each width measured (reread_rows_by_width)."""
+    few-row steps' reads through blocks of each width measured (reread_rows_by_width); and the fixed cost of a decode
+    step beyond its blocks and LM head where measured (step_overhead_s: the engine's own loop on a tiny model,
+    core/machine/step_overhead.py), else the default's."""
     overhead = (block_overhead_s if block_overhead_s is not None
                 else efficiency.layer_overhead_s + MATMULS_PER_BLOCK * matmul_start_s)
     changes = {"bandwidth_fraction": float(min(1.0, max(0.05, bandwidth_fraction))),
@@ -250,6 +253,8 @@ def with_measured_streaming(efficiency: Efficiency, bandwidth_fraction: float, s
     if row_reads_by_width:
         changes["reread_rows_by_width"] = tuple((w, rows, float(min(16.0, max(1.0, r))))
                                                 for w, rows, r in row_reads_by_width)
+    if step_overhead_s is not None:
+        changes["step_overhead_s"] = float(min(1.0, max(0.0, step_overhead_s)))
     listed = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in changes.items())
     return replace(efficiency, source=f"measured decode weight streaming: {listed}; {efficiency.source}", **changes)
 

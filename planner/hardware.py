@@ -25,7 +25,8 @@ class DecodeStreaming:
     """How a CPU's inference kernels read weights in decode, as `hivekeeper measure` found (measure_weight_streaming):
     the fraction of the RAM read bandwidth reached over a chain of layer-shaped matrices, how many times a matmul of
     a few rows reads its weights, and a fixed start-up time per matmul (profiles measured before issue 23), or the
-    fixed cost of a whole block in a decode step (measure_decode_blocks: the runtime's own decode path)."""
+    fixed cost of a whole block in a decode step (measure_decode_blocks: the runtime's own decode path); and the
+    fixed cost of a whole step beyond its blocks and head (step_overhead.measure_step_overhead)."""
 
     bandwidth_fraction: float
     small_row_reads: float
@@ -36,6 +37,9 @@ class DecodeStreaming:
     # measured weight reads of few-row steps through blocks of each width: ((width, rows, reads), ...); empty where
     # not measured (small_row_reads then holds for every width)
     row_reads_by_width: tuple[tuple[int, int, float], ...] = ()
+    # measured fixed cost of a decode step outside its blocks and LM head: embedding, sampling, the generation loop
+    # (core/machine/step_overhead.py; None: not measured, Efficiency.step_overhead_s's default stands)
+    step_overhead_s: float | None = None
 
 
 @dataclass(frozen=True)

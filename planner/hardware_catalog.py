@@ -237,7 +237,8 @@ _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0),  # issue 23: measured per-block cost of a decode step
                        "prefill_block_overhead_ms": (0.0, 500.0),  # ... and of a prefill (session 11)
-                       "row_block_overhead_ms": (0.0, 100.0)}  # ... and per extra row of a few-row step (session 13)
+                       "row_block_overhead_ms": (0.0, 100.0),  # ... and per extra row of a few-row step (session 13)
+                       "step_overhead_ms": (0.0, 100.0)}  # ... and of a whole step beyond blocks and head (session 16)
 _STREAMING_TABLE = "small_row_reads_by_width"  # ... and a few-row step's reads per width of blocks (session 16)
 
 
@@ -252,10 +253,11 @@ def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
                          f"{', '.join([*_STREAMING_OPTIONAL, _STREAMING_TABLE])}), "
                          f"got {doc!r}")
     values = {key: s.number(key, low, high) for key, (low, high) in _STREAMING_FIELDS.items()}
-    block, prefill, row = (s.number(key, *_STREAMING_OPTIONAL[key]) / 1e3 if key in doc else None
-                           for key in ("block_overhead_ms", "prefill_block_overhead_ms", "row_block_overhead_ms"))
+    block, prefill, row, step = (s.number(key, *_STREAMING_OPTIONAL[key]) / 1e3 if key in doc else None
+                                 for key in ("block_overhead_ms", "prefill_block_overhead_ms", "row_block_overhead_ms",
+                                             "step_overhead_ms"))
     return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3,
-                           block, prefill, row, _parse_row_reads(doc.get(_STREAMING_TABLE), where))
+                           block, prefill, row, _parse_row_reads(doc.get(_STREAMING_TABLE), where), step)
 
 
 def _parse_row_reads(doc: Any, where: str) -> tuple[tuple[int, int, float], ...]:
@@ -674,7 +676,9 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                    if cpu.decode_streaming.row_block_overhead_s is not None else {}),
                 **({_STREAMING_TABLE: {f"{w}x{rows}": round(r, 4)
                                        for w, rows, r in cpu.decode_streaming.row_reads_by_width}}
-                   if cpu.decode_streaming.row_reads_by_width else {})}}
+                   if cpu.decode_streaming.row_reads_by_width else {}),
+                **({"step_overhead_ms": round(cpu.decode_streaming.step_overhead_s * 1e3, 4)}
+                   if cpu.decode_streaming.step_overhead_s is not None else {})}}
                if cpu.decode_streaming is not None else {}),
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
             **({"packed_kernels_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_kernels.items()}}

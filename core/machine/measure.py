@@ -1327,9 +1327,12 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     weight streaming, a bf16 decode step against fp32 (with native bf16 math), disk (when a folder is given), GPU
     memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA device is present (and gpu=True),
     and each peer; the decode steps' streaming rate is read again between the later steps and their pooled fit kept
-    (StreamRereads, fold_stream_readings), then the packed formats' decode steps (their rates and a packed block's
+    (StreamRereads, fold_stream_readings), the decode loop's fixed cost per step (step_overhead), then the packed
+    formats' decode steps (their rates and a packed block's
     fixed cost, fitted to packed spans of two widths). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
+    from hivekeeper.core.machine import step_overhead  # it builds on this module's spans
+
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
     beyond_cache = 2 * (last_level_cache_bytes() if sizes.cache_bytes is None else sizes.cache_bytes)
     steps.append(("RAM bandwidth", lambda: [measure_memory_read("cpu", max(sizes.ram_bytes, beyond_cache),
@@ -1370,12 +1373,11 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append((f"peer {peer}", lambda peer=peer: measure_peer(peer, sizes.repeats, sizes.peer_bytes)))
     if rereads is not None:
         steps.append(("CPU decode streaming, read again", lambda: rereads.pool(results)))
+    if "fp32" in sizes.dtypes:  # what a decode step costs beyond its blocks and head (the engine's own loop)
+        steps.append(("CPU decode step overhead",
+                      lambda: [step_overhead.measure_step_overhead(cache_bytes=sizes.cache_bytes)]))
     if sizes.packed_hidden is not None:  # last: their own spans fit their rates and a packed block's fixed cost
-        steps.append(("CPU packed-format decode steps",
-                      lambda: measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes,
-                                                     sizes.cache_bytes, sizes.packed_streamed,
-                                                     max(sizes.step_repeats, PACKED_STEP_REPEATS),
-                                                     thin_width(sizes.stream_hidden, sizes.stream_thin))))
+        steps.append(("CPU packed-format decode steps", lambda: measure_packed_at(sizes)))
     for index, (label, step) in enumerate(steps):
         if should_stop():
             break
@@ -1383,6 +1385,14 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         results.extend(step())
     progress(1.0, "done")
     return results
+
+
+def measure_packed_at(sizes: BenchmarkSizes) -> list[Measurement]:
+    """The packed formats' decode steps at `sizes` (measure_packed_kernels), as run_benchmarks takes them: a bench
+    reads them again with this, at the moment it runs a packed model."""
+    return measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes, sizes.cache_bytes,
+                                  sizes.packed_streamed, max(sizes.step_repeats, PACKED_STEP_REPEATS),
+                                  thin_width(sizes.stream_hidden, sizes.stream_thin))
 
 
 def _matmul_pair(dtype: str, device: torch.device, sizes: BenchmarkSizes, gpu: bool = False) -> list[Measurement]:

@@ -50,6 +50,9 @@ WEIGHTS_PER_S = "weights/s"  # its unit
 # CPU's 16-bit dtype. Profiles saved before session 12 hold "cpu_decode_bf16_vs_fp32", a chain of bf16 matmuls alone
 # (0.89-0.93x fp32 where whole bf16 steps took ~1.5x): a new key, so that those count as not measured (fp32)
 HALF_DECODE_KEY = "cpu_decode_step_bf16_vs_fp32"
+# step_overhead.measure_step_overhead: the fixed cost of a decode step outside the blocks and the LM head (embedding,
+# sampling, the generation loop), in seconds (issue 23, session 16: the cost model's 1 ms default until then)
+STEP_OVERHEAD_KEY = "cpu_decode_step_overhead"
 
 
 @dataclass

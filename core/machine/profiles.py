@@ -36,7 +36,7 @@ from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
     PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, ROW_READS_AT_KEY,
-    SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+    SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -165,6 +165,7 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
     if stream is None or ram is None or reads is None or (start is None and block is None) or ram.value <= 0:
         return None
     prefill_block, row_block = by_key.get(PREFILL_BLOCK_KEY), by_key.get(ROW_BLOCK_KEY)
+    step = by_key.get(STEP_OVERHEAD_KEY)  # absent from profiles measured before session 16
     return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram_bandwidth(measurements))),
                            small_row_reads=min(16.0, max(1.0, reads.value)),
                            matmul_start_s=min(0.1, max(0.0, start.value)) if start is not None else 0.0,
@@ -172,7 +173,8 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                            prefill_block_overhead_s=(min(0.5, max(0.0, prefill_block.value))
                                                      if prefill_block is not None else None),
                            row_block_overhead_s=min(0.1, max(0.0, row_block.value)) if row_block is not None else None,
-                           row_reads_by_width=row_reads_by_width(measurements))
+                           row_reads_by_width=row_reads_by_width(measurements),
+                           step_overhead_s=min(0.1, max(0.0, step.value)) if step is not None else None)
 
 
 def row_reads_by_width(measurements: list[Measurement]) -> tuple[tuple[int, int, float], ...]:
