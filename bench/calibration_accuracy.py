@@ -499,7 +499,7 @@ def default_model_goal(default: dict, packed: dict) -> bool:
 def result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
                 loads) -> dict:
     from hivekeeper.core.machine.measurement import PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY
-    from hivekeeper.core.machine.profiles import row_reads_by_width
+    from hivekeeper.core.machine.profiles import prefill_rates, row_reads_by_width
 
     def factors(eff) -> dict:
         return {k: float(f"{getattr(eff.accelerator, k):.4g}")
@@ -528,7 +528,11 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
                      "fp32_matmul_gflops": round(by_key["cpu_matmul_fp32_prefill"].value / 1e9, 1),
                      **({"fp32_prefill_gflops": round(by_key[PREFILL_FLOPS_KEY].value / 1e9, 1),
                          "prefill_block_overhead_ms": round(by_key[PREFILL_BLOCK_KEY].value * 1e3, 3)}
-                        if PREFILL_FLOPS_KEY in by_key else {})},
+                        if PREFILL_FLOPS_KEY in by_key else {}),
+                     # the fp32 prefill rate by rows per width: [width, peak GFLOP/s, half-rate rows]
+                     **({"prefill_rates": [[r.hidden, round(r.peak_flops / 1e9, 1), round(r.half_rows, 1)]
+                                           for r in prefill_rates(measurements)]}
+                        if prefill_rates(measurements) else {})},
         "median_spread_pct": round(100 * float(np.median([pt.spread for pts in evaluated.values() for pt in pts])), 1),
         "loadavg": loads,
         "goals_pct": {k: 100 * v for k, v in GOALS.items()},

@@ -22,6 +22,7 @@ the formulas.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -29,7 +30,7 @@ import numpy as np
 from .efficiency import Efficiency, MachineEfficiency, default_efficiency
 from .errors import InputError
 from .formats import WeightFormat, bits_of, get_format
-from .hardware import ComputeDevice, HardwareSpec
+from .hardware import ComputeDevice, HardwareSpec, PrefillRate
 from .models import ModelSpec
 
 TIERS = ("gpu", "cpu", "disk")
@@ -940,8 +941,9 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
         + np.where(grid.recompute, 4.0 * numbers.hidden * numbers.kv_dim * context * grid.batch, 0.0)
     kernel_rows = grid.overlapped & (rows <= PACKED_KERNEL_ROWS)
     nbytes = nbytes - np.where(kernel_rows, grid.micro_batches * touched * read_per_param * grid.cached_share, 0.0)
+    blas_peak = np.where(rows > PACKED_KERNEL_ROWS, pass_rate(grid, rows), grid.peak_flops)
     work = accelerator_work(grid, nbytes, bytes_min, flops, np.where(kernel_rows, kernel_peak(grid, grid.gemv_flops),
-                                                                     grid.peak_flops))
+                                                                     blas_peak))
     if kernel_rows.any():
         work = overlap(work, kernel_rows)
     if not steps_measured(grid.machine):
@@ -997,6 +999,34 @@ def reads_in_passes(grid: CandidateArrays, work: AcceleratorWork, many_rows) -> 
     return AcceleratorWork(work.bytes_min, work.flops,
                            np.where(where, np.maximum(0.0, work.memory_s - work.compute_s), work.memory_s),
                            work.compute_s, work.bound_s)
+
+
+def pass_rate(grid: CandidateArrays, rows):
+    """FLOP/s of a pass of `rows` rows a product through BLAS (a prefill, or a decode micro-batch beyond the
+    kernels' rows), per candidate: for fp32 on a CPU whose prefill rate `hivekeeper measure` timed at two row counts
+    (DecodeStreaming.prefill_rates), that rate at the model's width, peak x rows / (rows + half_rows); else the
+    format's one rate (grid.peak_flops). Issue 23, session 16: at the one rate of 96-row passes the wide model's
+    32-row prefills were predicted 0.68x their time, its 384-512-row ones 1.22-1.26x."""
+    streaming = grid.machine.acc.decode_streaming if grid.machine.acc.kind == "cpu" else None
+    if streaming is None or not streaming.prefill_rates:
+        return grid.peak_flops
+    peak, half_rows = prefill_rate_at(streaming.prefill_rates, grid.numbers.hidden)
+    rows = np.maximum(rows, 1.0)
+    return np.where((grid.stored_bytes == 4.0) & ~grid.overlapped, peak * rows / (rows + half_rows), grid.peak_flops)
+
+
+def prefill_rate_at(rates: tuple[PrefillRate, ...], hidden: int) -> tuple[float, float]:
+    """(peak FLOP/s, half-rate rows) of the measured prefill rates (PrefillRate, any order) at a model's width:
+    interpolated between the measured widths on a log scale of width, the nearest one's beyond them."""
+    ordered = sorted(rates, key=lambda r: r.hidden)
+    if len(ordered) == 1 or hidden <= ordered[0].hidden:
+        return ordered[0].peak_flops, ordered[0].half_rows
+    if hidden >= ordered[-1].hidden:
+        return ordered[-1].peak_flops, ordered[-1].half_rows
+    low, high = next((a, b) for a, b in zip(ordered, ordered[1:]) if a.hidden <= hidden <= b.hidden)
+    t = math.log(hidden / low.hidden) / math.log(high.hidden / low.hidden)
+    return (low.peak_flops + t * (high.peak_flops - low.peak_flops),
+            low.half_rows + t * (high.half_rows - low.half_rows))
 
 
 def decode_cpu_attention(grid: CandidateArrays, context: float, attention_flops) -> Resource:
@@ -1082,7 +1112,7 @@ def prefill_accelerator(grid: CandidateArrays, prompt_len: float) -> Accelerator
                                    * format_reads(grid, rows) + vectors) + new_cache
     bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + new_cache
     flops = grid.batch * p * numbers.flops_per_token + 4.0 * numbers.q_dim * p * (p + 1.0) / 2.0 * grid.batch
-    return reads_in_passes(grid, accelerator_work(grid, nbytes, bytes_min, flops), True)
+    return reads_in_passes(grid, accelerator_work(grid, nbytes, bytes_min, flops, pass_rate(grid, rows)), True)
 
 
 def prefill_link(grid: CandidateArrays, prompt_len: float) -> Resource:

@@ -21,6 +21,19 @@ HEADROOM_TEXT = ("default headroom: the larger of 2 GiB and 10% of RAM, of 0.5 G
 
 
 @dataclass(frozen=True)
+class PrefillRate:
+    """A CPU's fp32 prefill rate at one block width, as `hivekeeper measure` fitted it to the runtime's prefill passes
+    at two row counts: rate(m rows) = peak_flops x m / (m + half_rows). A pass over few rows multiplies poorly (BLAS
+    packs every weight once a call, whatever the rows), and thin blocks reach less than wide ones at the same rows
+    (issue 23, session 16: a 2048-wide block ~80 GFLOP/s at 32 rows, ~180 at 384-512; a 576-wide one ~70 and
+    ~130), so one FLOP rate cannot price prefills of every size and width."""
+
+    hidden: int  # the blocks' width
+    peak_flops: float  # FLOP/s the rate tends to over many rows
+    half_rows: float  # rows at which it reaches half the peak (the weights' per-pass cost, in rows)
+
+
+@dataclass(frozen=True)
 class DecodeStreaming:
     """How a CPU's inference kernels read weights in decode, as `hivekeeper measure` found (measure_weight_streaming):
     the fraction of the RAM read bandwidth reached over a chain of layer-shaped matrices, how many times a matmul of
@@ -40,6 +53,9 @@ class DecodeStreaming:
     # measured fixed cost of a decode step outside its blocks and LM head: embedding, sampling, the generation loop
     # (core/machine/step_overhead.py; None: not measured, Efficiency.step_overhead_s's default stands)
     step_overhead_s: float | None = None
+    # the fp32 prefill rate by rows at the measured widths (PrefillRate; the thinner first); empty: not measured
+    # (profiles before session 16: one FLOP rate for every prefill)
+    prefill_rates: tuple[PrefillRate, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from . import fields
 from .errors import InputError
 from .fields import REQUIRED, Fields
 from .formats import PACKED_FORMATS
-from .hardware import GIB, ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec
+from .hardware import GIB, ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec, PrefillRate
 
 CATALOG_PATH = Path(__file__).parent / "data" / "hardware.json"
 
@@ -57,6 +57,10 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "packed_block_overhead_ms": (0.0, 100.0),  # ... and the fixed cost of a packed block in a decode step
     "cache_mib": (0.0625, 65_536.0),  # a CPU's last-level cache, MiB
     "half_decode_ratio": (0.05, 16.0),  # a CPU's measured bf16 decode step over its fp32 one
+    # a CPU's fp32 prefill rate by rows at one width (hardware.PrefillRate): the width, the peak, the half-rate rows
+    "prefill_hidden": (1, 1 << 20),
+    "prefill_peak_gflops": (0.001, 1_000_000.0),
+    "prefill_half_rows": (0.0, 65_536.0),
 }
 
 # the end of a too-large value's error: a value 1000x too large is usually in the wrong unit
@@ -238,8 +242,12 @@ _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0,
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0),  # issue 23: measured per-block cost of a decode step
                        "prefill_block_overhead_ms": (0.0, 500.0),  # ... and of a prefill (session 11)
                        "row_block_overhead_ms": (0.0, 100.0),  # ... and per extra row of a few-row step (session 13)
-                       "step_overhead_ms": (0.0, 100.0)}  # ... and of a whole step beyond blocks and head (session 16)
+                       "step_overhead_ms": (0.0, 100.0),  # ... and of a whole step beyond blocks and head (session 16)
+                       "prefill_rates": None}  # ... and the fp32 prefill rate by rows per width (session 16)
 _STREAMING_TABLE = "small_row_reads_by_width"  # ... and a few-row step's reads per width of blocks (session 16)
+# one entry of "prefill_rates" (hardware.PrefillRate): key -> its _LIMITS name
+_PREFILL_RATE_FIELDS = {"hidden": "prefill_hidden", "peak_gflops": "prefill_peak_gflops",
+                        "half_rows": "prefill_half_rows"}
 
 
 def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
@@ -257,7 +265,8 @@ def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
                                  for key in ("block_overhead_ms", "prefill_block_overhead_ms", "row_block_overhead_ms",
                                              "step_overhead_ms"))
     return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3,
-                           block, prefill, row, _parse_row_reads(doc.get(_STREAMING_TABLE), where), step)
+                           block, prefill, row, row_reads_by_width=_parse_row_reads(doc.get(_STREAMING_TABLE), where),
+                           step_overhead_s=step, prefill_rates=_parse_prefill_rates(doc.get("prefill_rates"), where))
 
 
 def _parse_row_reads(doc: Any, where: str) -> tuple[tuple[int, int, float], ...]:
@@ -278,6 +287,36 @@ def _parse_row_reads(doc: Any, where: str) -> tuple[tuple[int, int, float], ...]
             raise InputError(f"{where}: field '{field}.{key}' must be a number in [1, 16], got {reads!r}")
         triples.append((int(width), int(rows), float(reads)))
     return tuple(sorted(triples))
+
+
+def _parse_prefill_rates(doc: Any, where: str) -> tuple[PrefillRate, ...]:
+    """decode_streaming's optional "prefill_rates": [{"hidden": 576, "peak_gflops": 150, "half_rows": 40}, ...],
+    one entry per measured width (hardware.PrefillRate); () when absent."""
+    if doc is None:
+        return ()
+    name = "cpu.decode_streaming.prefill_rates"
+    if not isinstance(doc, list) or not doc or len(doc) > 16:
+        raise InputError(f"{where}: field '{name}' must be a list of 1 to 16 objects "
+                         f"({', '.join(_PREFILL_RATE_FIELDS)}), got {doc!r}")
+    rates = []
+    for i, entry in enumerate(doc):
+        if not isinstance(entry, dict):
+            raise InputError(f"{where}: field '{name}[{i}]' must be an object, got {entry!r}")
+        s = _Section(entry, where, f"{name}[{i}]")
+        s.check_keys(set(_PREFILL_RATE_FIELDS))
+        rates.append(PrefillRate(s.limited_integer("hidden", "prefill_hidden"),
+                                 s.limited("peak_gflops", "prefill_peak_gflops") * 1e9,
+                                 s.limited("half_rows", "prefill_half_rows")))
+    if len({r.hidden for r in rates}) != len(rates):
+        raise InputError(f"{where}: field '{name}' lists a width twice: {doc!r}")
+    return tuple(sorted(rates, key=lambda r: r.hidden))
+
+
+def prefill_rate_in_limits(hidden: int, peak_flops: float, half_rows: float) -> PrefillRate:
+    """A measured prefill rate (hardware.PrefillRate) pulled inside the limits a profile's is read back with."""
+    return PrefillRate(int(clamp_to_limit(hidden, "prefill_hidden")),
+                       clamp_to_limit(peak_flops / 1e9, "prefill_peak_gflops") * 1e9,
+                       clamp_to_limit(half_rows, "prefill_half_rows"))
 
 
 def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s") -> dict[str, float]:
@@ -678,7 +717,11 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                                        for w, rows, r in cpu.decode_streaming.row_reads_by_width}}
                    if cpu.decode_streaming.row_reads_by_width else {}),
                 **({"step_overhead_ms": round(cpu.decode_streaming.step_overhead_s * 1e3, 4)}
-                   if cpu.decode_streaming.step_overhead_s is not None else {})}}
+                   if cpu.decode_streaming.step_overhead_s is not None else {}),
+                **({"prefill_rates": [{"hidden": r.hidden, "peak_gflops": _unit(r.peak_flops, 1e9),
+                                       "half_rows": r.half_rows}
+                                      for r in cpu.decode_streaming.prefill_rates]}
+                   if cpu.decode_streaming.prefill_rates else {})}}
                if cpu.decode_streaming is not None else {}),
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
             **({"packed_kernels_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_kernels.items()}}

@@ -33,9 +33,8 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PREFILL_BF16_KEY,
-    PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
-    Measurement)
+    PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
+    ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_for_decode, torch_threads,
                                                         use_blas_threads)
@@ -406,8 +405,10 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     timed = _alternating_seconds([decode_steps(config, span, rows) for rows in row_counts
                                   for config, span in ((wide_config, wide), (narrow_config, narrow))], repeats)
     s1, s2 = timed[:2]
-    prefills = [prefill_pass(wide_config, wide), prefill_pass(narrow_config, narrow)]
-    p1, p2 = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
+    # prefill passes through both spans at two row counts, all four in turn: the rate by rows at each width
+    prefills = [prefill_pass(config, span, sequences=sequences) for sequences in PREFILL_SEQUENCE_COUNTS
+                for config, span in ((wide_config, wide), (narrow_config, narrow))]
+    prefill_seconds = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
     (m1, _), (m2, _) = median_and_spread(s1), median_and_spread(s2)
     per_block, bandwidth = fit_bytes_and_blocks((m1, b1, n1), (m2, b2, n2))
     load = max(load, load_average())
@@ -428,8 +429,8 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
                 detail=f"{few[0].detail} (older profiles' one figure for every width; per width and rows: "
                        f"{ROW_READS_AT_KEY}<width>x<rows>)"),
         *few,
-        *prefill_measurements((p1, prefills[0][1], prefills[0][2]), (p2, prefills[1][1], prefills[1][2]), load,
-                              f"widths {hidden} and {narrow_hidden}"),
+        *prefill_measurements(prefill_runs(prefills, prefill_seconds, (wide_config, narrow_config),
+                                           (wide.blocks[0], narrow.blocks[0])), load),
     ]
 
 
@@ -462,6 +463,12 @@ def row_reads(seconds: float, nbytes: float, blocks: int, per_block: float, band
 # first blocks of a span holding about PREFILL_WEIGHTS weights (compute-bound: it needs no span beyond the caches),
 # timed PREFILL_REPEATS times in turn with the other span's
 PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 12_000_000, 3
+# the fp32 spans' prefill passes run at two row counts (these many prompts of PREFILL_TOKENS: 96 and 288 rows), which
+# give the rate by rows (prefill_curve). Issue 23, session 16: a 2048-wide block multiplied at ~80 GFLOP/s over 32
+# rows, ~135 over 96, ~180 over 384-512 (BLAS packs a weight once a call whatever its rows), a 576-wide one at ~70,
+# ~115 and ~130-145; the one rate of 96-row passes priced the wide model's 32-row prefills 0.68x their time and its
+# 384-512-row ones 1.22-1.26x
+PREFILL_SEQUENCE_COUNTS = (PREFILL_SEQUENCES, 6)
 
 
 def block_weights(block) -> int:
@@ -470,20 +477,21 @@ def block_weights(block) -> int:
                for parent, child in PACKED_LINEARS)
 
 
-def prefill_pass(config, span, dtype: torch.dtype = torch.float32) -> tuple[Callable[[], None], float, int]:
-    """(a prefill through the span's first blocks, its FLOPs, its blocks): PREFILL_SEQUENCES prompts of
-    PREFILL_TOKENS tokens from position 0 through the runtime's prefill path (Span.forward, block by block: the
-    products of many rows on OpenBLAS for fp32, on the int8 kernels for packed linears, torch's for bf16), the
-    inputs and cache in `dtype` (the span's)."""
+def prefill_pass(config, span, dtype: torch.dtype = torch.float32,
+                 sequences: int = PREFILL_SEQUENCES) -> tuple[Callable[[], None], float, int]:
+    """(a prefill through the span's first blocks, its FLOPs, its blocks): `sequences` prompts of PREFILL_TOKENS
+    tokens from position 0 through the runtime's prefill path (Span.forward, block by block: the products of many rows
+    on OpenBLAS for fp32, on the int8 kernels for packed linears, torch's for bf16), the inputs and cache in `dtype`
+    (the span's)."""
     from hivekeeper.core.runtime.model import KVCache, Span
 
     per_block = block_weights(span.blocks[0])
     blocks = max(1, min(len(span.blocks), round(PREFILL_WEIGHTS / per_block)))
     part = Span(replace(config, num_layers=blocks), 0, blocks, list(span.blocks[:blocks]))
-    cache = KVCache.allocate(config, blocks, PREFILL_SEQUENCES, DECODE_SPAN_POSITIONS, dtype)
-    hidden = (torch.randn(PREFILL_SEQUENCES, PREFILL_TOKENS, config.hidden_size) * 0.1).to(dtype)
-    rows = PREFILL_SEQUENCES * PREFILL_TOKENS
-    attention = 4.0 * config.hidden_size * PREFILL_TOKENS * (PREFILL_TOKENS + 1) / 2 * PREFILL_SEQUENCES
+    cache = KVCache.allocate(config, blocks, sequences, DECODE_SPAN_POSITIONS, dtype)
+    hidden = (torch.randn(sequences, PREFILL_TOKENS, config.hidden_size) * 0.1).to(dtype)
+    rows = sequences * PREFILL_TOKENS
+    attention = 4.0 * config.hidden_size * PREFILL_TOKENS * (PREFILL_TOKENS + 1) / 2 * sequences
     flops = blocks * (2.0 * rows * per_block + attention)
 
     def run() -> None:
@@ -494,22 +502,97 @@ def prefill_pass(config, span, dtype: torch.dtype = torch.float32) -> tuple[Call
     return run, flops, blocks
 
 
-def prefill_measurements(wide: tuple[list[float], float, int], narrow: tuple[list[float], float, int], load: float,
-                         spans: str) -> list[Measurement]:
-    """The fp32 prefill rate (PREFILL_FLOPS_KEY) and a block's fixed cost in a prefill (PREFILL_BLOCK_KEY), fitted as
-    seconds = FLOPs / rate + blocks x cost to two prefill passes (seconds of each repeat, FLOPs, blocks) of few wide
-    and many narrow blocks, on their median times."""
-    (s1, f1, n1), (s2, f2, n2) = wide, narrow
-    (m1, _), (m2, _) = median_and_spread(s1), median_and_spread(s2)
-    per_block, rate = fit_bytes_and_blocks((m1, f1, n1), (m2, f2, n2))
-    rates = [f1 / max(s - n1 * per_block, 1e-9) for s in s1]
-    detail = (f"prefill passes ({PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens) through {n1} and {n2} random fp32 "
-              f"blocks ({spans}), {m1 * 1e3:.3g} and {m2 * 1e3:.3g} ms "
-              f"(medians of {len(s1)} in turn), through the runtime's prefill path")
-    return [Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", rate, "FLOP/s",
-                        median_and_spread(rates)[1], len(s1), load, detail, rates),
-            Measurement(PREFILL_BLOCK_KEY, "fixed cost of a block in a prefill", per_block, "s", 0.0, len(s1), load,
-                        f"fitted with the rate: {detail}")]
+@dataclass(frozen=True)
+class PrefillRun:
+    """Prefill passes of one span at one row count: seconds of each repeat, FLOPs of a pass, blocks, rows a product,
+    the blocks' width and matrix weights a block."""
+
+    seconds: list[float]
+    flops: float
+    blocks: int
+    rows: int
+    hidden: int
+    block_weights: int
+
+    @property
+    def median_s(self) -> float:
+        return median_and_spread(self.seconds)[0]
+
+
+def prefill_runs(passes: list[tuple[Callable[[], None], float, int]], seconds: list[list[float]], configs: tuple,
+                 first_blocks: tuple) -> list[PrefillRun]:
+    """The timed passes (prefill_pass's, in PREFILL_SEQUENCE_COUNTS order, each over the spans of `configs`) as
+    PrefillRun, the fewer rows first for each span."""
+    runs = []
+    for i, ((_, flops, blocks), times) in enumerate(zip(passes, seconds)):
+        config, block = configs[i % len(configs)], first_blocks[i % len(configs)]
+        runs.append(PrefillRun(times, flops, blocks, PREFILL_SEQUENCE_COUNTS[i // len(configs)] * PREFILL_TOKENS,
+                               config.hidden_size, block_weights(block)))
+    return runs
+
+
+def rate_and_intercept(few: tuple[float, float], many: tuple[float, float], blocks: int) -> tuple[float, float]:
+    """(FLOP/s, seconds a block) with seconds = FLOPs / rate + blocks x intercept, solved from two passes (seconds,
+    FLOPs) of the same blocks at two row counts; where noise makes the split meaningless (the larger pass no slower,
+    or a negative intercept), no intercept and the two passes' mean rate."""
+    (t1, f1), (t2, f2) = few, many
+    if t2 > t1 and f2 > f1:
+        rate = (f2 - f1) / (t2 - t1)
+        intercept = (t1 - f1 / rate) / blocks
+        if intercept >= 0:
+            return rate, intercept
+    return (f1 + f2) / (t1 + t2), 0.0
+
+
+def prefill_curve(runs: list[PrefillRun]) -> tuple[float, dict[int, tuple[float, float]]]:
+    """(a block's fixed cost in a prefill, {width: (peak FLOP/s, half-rate rows)}) from passes of two spans of
+    different widths at two row counts each: per width, seconds = FLOPs / peak + blocks x intercept; the intercept of
+    a block of W weights is 2 W x half rows / peak + the fixed cost, the half-rate rows taken alike at both widths to
+    split the two (the fixed cost kept from 0 to the smaller intercept, the rest each width's own half-rate rows)."""
+    by_width: dict[int, list[PrefillRun]] = {}
+    for run in runs:
+        by_width.setdefault(run.hidden, []).append(run)
+    fits = {}
+    for width, pair in by_width.items():
+        few, many = sorted(pair, key=lambda r: r.rows)[:1] + sorted(pair, key=lambda r: r.rows)[-1:]
+        rate, intercept = rate_and_intercept((few.median_s, few.flops), (many.median_s, many.flops), few.blocks)
+        fits[width] = (rate, intercept, 2.0 * few.block_weights / rate)  # the last: seconds a row a block at peak
+    thin, wide = (fits[w] for w in sorted(fits)[:1] + sorted(fits)[-1:])
+    shared = (wide[1] - thin[1]) / (wide[2] - thin[2]) if wide[2] != thin[2] else 0.0
+    fixed = min(max(0.0, thin[1] - thin[2] * shared), thin[1], wide[1])
+    return fixed, {width: (rate, (intercept - fixed) / per_row) for width, (rate, intercept, per_row) in fits.items()}
+
+
+def prefill_measurements(runs: list[PrefillRun], load: float) -> list[Measurement]:
+    """The fp32 prefill rate by rows at each span's width (PREFILL_PEAK_KEY, PREFILL_HALF_ROWS_KEY: prefill_curve),
+    a block's fixed cost in a prefill (PREFILL_BLOCK_KEY), and the widest span's rate at PREFILL_SEQUENCES x
+    PREFILL_TOKENS rows (PREFILL_FLOPS_KEY: the CPU's fp32 FLOP/s the planner shows and prices other than by rows),
+    from the passes' median times."""
+    fixed, curve = prefill_curve(runs)
+    widths = sorted(curve)
+    shown = [r for r in runs if r.hidden == widths[-1] and r.rows == PREFILL_SEQUENCES * PREFILL_TOKENS]
+    detail = (f"prefill passes of {' and '.join(str(n * PREFILL_TOKENS) for n in PREFILL_SEQUENCE_COUNTS)} rows "
+              f"({PREFILL_TOKENS}-token prompts) through random fp32 blocks of widths "
+              f"{' and '.join(map(str, widths))}, in turn ({len(runs[0].seconds)} repeats each): "
+              + ", ".join(f"{r.blocks} x {r.hidden} at {r.rows} rows {r.median_s * 1e3:.3g} ms" for r in runs)
+              + " (medians), through the runtime's prefill path")
+    peak, half_rows = curve[widths[-1]]
+    rows = PREFILL_SEQUENCES * PREFILL_TOKENS
+    rate = peak * rows / (rows + half_rows)
+    samples = [r.flops / max(s - r.blocks * fixed, 1e-9) for r in shown for s in r.seconds]
+    found = [Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", rate, "FLOP/s",
+                         median_and_spread(samples)[1] if samples else 0.0, len(samples), load,
+                         f"the width-{widths[-1]} rate at {rows} rows; {detail}", samples),
+             Measurement(PREFILL_BLOCK_KEY, "fixed cost of a block in a prefill", fixed, "s", 0.0,
+                         len(runs[0].seconds), load, f"fitted with the rates by rows: {detail}")]
+    for width in widths:
+        peak, half_rows = curve[width]
+        found += [Measurement(f"{PREFILL_PEAK_KEY}{width}", f"fp32 prefill peak, width {width}", peak, "FLOP/s", 0.0,
+                              len(runs[0].seconds), load, f"rate = peak x rows / (rows + half rows); {detail}"),
+                  Measurement(f"{PREFILL_HALF_ROWS_KEY}{width}", f"fp32 prefill half-rate rows, width {width}",
+                              half_rows, "rows", 0.0, len(runs[0].seconds), load,
+                              f"rate = peak x rows / (rows + half rows); {detail}")]
+    return found
 
 
 def block_overhead(per_block: float, wide: tuple[list[float], float, int], narrow: tuple[list[float], float, int],

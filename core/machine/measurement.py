@@ -40,6 +40,11 @@ PACKED_BLOCK_KEY = "cpu_block_overhead_packed"
 # FLOP/s of their products and the fixed cost of a block in a prefill
 PREFILL_FLOPS_KEY = "cpu_prefill_fp32"
 PREFILL_BLOCK_KEY = "cpu_prefill_block_overhead"
+# ... and (session 16) the fp32 prefill rate by rows at each span's width, fitted to passes at two row counts:
+# rate(m) = peak x m / (m + half rows). Key prefix + width ("cpu_prefill_peak_w576"): the peak in FLOP/s, and the
+# rows at which the rate is half of it (hardware.PrefillRate)
+PREFILL_PEAK_KEY = "cpu_prefill_peak_w"
+PREFILL_HALF_ROWS_KEY = "cpu_prefill_half_rows_w"
 # measure.measure_half_prefill (with native bf16 math): FLOP/s of a prefill pass through bf16 decoder blocks, the
 # runtime's bf16 path (torch's kernels block by block), which bf16 prefills and batches of a CPU plan run at. Issue 22
 # (session 14, an AVX512-BF16 host): the bf16 matmul alone read 318 GFLOP/s, the engine's bf16 blocks multiplied at

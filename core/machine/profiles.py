@@ -28,15 +28,16 @@ from hivekeeper.planner.efficiency import DEFAULTS as DEFAULT_EFFICIENCY
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.formats import PACKED_FORMATS
-from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, HardwareSpec
-from hivekeeper.planner.hardware_catalog import clamp_to_limit
+from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, HardwareSpec, PrefillRate
+from hivekeeper.planner.hardware_catalog import clamp_to_limit, prefill_rate_in_limits
 
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, ROW_READS_AT_KEY,
-    SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+    PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
+    ROW_BLOCK_KEY, ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
+    Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -174,7 +175,8 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                                                      if prefill_block is not None else None),
                            row_block_overhead_s=min(0.1, max(0.0, row_block.value)) if row_block is not None else None,
                            row_reads_by_width=row_reads_by_width(measurements),
-                           step_overhead_s=min(0.1, max(0.0, step.value)) if step is not None else None)
+                           step_overhead_s=min(0.1, max(0.0, step.value)) if step is not None else None,
+                           prefill_rates=prefill_rates(measurements))
 
 
 def row_reads_by_width(measurements: list[Measurement]) -> tuple[tuple[int, int, float], ...]:
@@ -186,6 +188,19 @@ def row_reads_by_width(measurements: list[Measurement]) -> tuple[tuple[int, int,
         if m.key.startswith(ROW_READS_AT_KEY) and width.isdigit() and rows.isdigit():
             found[int(width), int(rows)] = min(16.0, max(1.0, m.value))
     return tuple(sorted((width, rows, reads) for (width, rows), reads in found.items()))
+
+
+def prefill_rates(measurements: list[Measurement]) -> tuple[PrefillRate, ...]:
+    """The fp32 prefill rate by rows at each measured width (measure.prefill_curve: PREFILL_PEAK_KEY and
+    PREFILL_HALF_ROWS_KEY + width), as the planner takes them (hardware.DecodeStreaming.prefill_rates), the thinner
+    first; () where not measured (profiles saved before session 16)."""
+    def by_width(prefix: str) -> dict[int, float]:
+        return {int(m.key[len(prefix):]): m.value for m in measurements
+                if m.key.startswith(prefix) and m.key[len(prefix):].isdigit()}
+
+    peaks, halves = by_width(PREFILL_PEAK_KEY), by_width(PREFILL_HALF_ROWS_KEY)
+    return tuple(prefill_rate_in_limits(width, peaks[width], halves[width]) for width in sorted(peaks)
+                 if width in halves and peaks[width] > 0)
 
 
 def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KERNEL_KEY) -> dict[str, float]:

@@ -10,8 +10,8 @@ import pytest
 from hivekeeper.core.machine import measure
 from hivekeeper.core.machine.measure import fit_bytes_and_blocks, median_and_spread, prefill_measurements
 from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_PREFILL_KEY, PREFILL_BLOCK_KEY,
-                                                 PREFILL_FLOPS_KEY, ROW_BLOCK_KEY, ROW_READS_AT_KEY,
-                                                 SMALL_ROWS_READS_KEY,
+                                                 PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
+                                                 ROW_BLOCK_KEY, ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY,
                                                  WEIGHT_STREAM_KEY,
                                                  WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profiles import apply_measurements
@@ -49,7 +49,7 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
                      [four[0], four[0] * 3, four[0] * 0.9, four[0], four[0]],
                      [four[1] * 1.05, four[1], four[1] * 0.5, four[1], four[1]],
                      [eight[0]] * 5, [eight[1]] * 5],
-           "prefill": [[0.50, 0.40, 0.45], [0.90, 1.00, 0.80]]}
+           "prefill": [[0.50, 0.40, 0.45], [0.90, 1.00, 0.80], [1.10, 1.00, 1.05], [1.90, 2.00, 1.80]]}
     step_calls = []
 
     def alternating(runs, repeats):
@@ -78,23 +78,73 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
     # the prefill passes, fitted on their medians too
     assert results[PREFILL_FLOPS_KEY].unit == "FLOP/s" and results[PREFILL_FLOPS_KEY].value > 0
     assert results[PREFILL_BLOCK_KEY].unit == "s" and "0.45" not in results[PREFILL_FLOPS_KEY].detail
+    # ... at two row counts through both spans: the rate by rows at each width
+    widths = (config_narrow.hidden_size, config_wide.hidden_size)
+    assert all(results[f"{key}{w}"].value > 0 for key in (PREFILL_PEAK_KEY, PREFILL_HALF_ROWS_KEY) for w in widths)
 
 
-def test_prefill_passes_give_the_rate_and_a_blocks_fixed_cost_from_their_medians():
-    """Two passes of the same FLOPs, 2 wide blocks and 16 narrow ones: seconds = FLOPs / rate + blocks x cost."""
-    flops, rate, cost = 8e9, 40e9, 5e-3
-    wide_s, narrow_s = flops / rate + 2 * cost, flops / rate + 16 * cost
-    wide = ([wide_s, wide_s * 0.5, wide_s * 1.02], flops, 2)  # one quiet instant among them
-    narrow = ([narrow_s * 1.01, narrow_s, narrow_s * 3], flops, 16)  # and one busy one
-    got = {m.key: m for m in prefill_measurements(wide, narrow, load=1.0, spans="test")}
-    assert got[PREFILL_FLOPS_KEY].value == pytest.approx(rate, rel=0.03)
-    assert got[PREFILL_BLOCK_KEY].value == pytest.approx(cost, rel=0.05)
+def passes_of(curve: dict[int, tuple[float, float, int, int]], fixed_s: float, repeats: list[float]):
+    """PrefillRun of two widths at both PREFILL_SEQUENCE_COUNTS row counts, timed as the rate by rows says: each
+    width (peak FLOP/s, half-rate rows, weights a block, blocks) takes FLOPs / peak + blocks x (2 W x half rows /
+    peak + fixed_s), each repeat that time x its factor in `repeats`."""
+    runs = []
+    for sequences in measure.PREFILL_SEQUENCE_COUNTS:
+        rows = sequences * measure.PREFILL_TOKENS
+        for width, (peak, half_rows, weights, blocks) in curve.items():
+            flops = blocks * 2.0 * weights * rows
+            seconds = flops / peak + blocks * (2.0 * weights * half_rows / peak + fixed_s)
+            runs.append(measure.PrefillRun([seconds * f for f in repeats], flops, blocks, rows, width, weights))
+    return runs
+
+
+def test_prefill_passes_at_two_row_counts_give_each_widths_rate_by_rows_and_a_blocks_fixed_cost():
+    """Issue 23, session 16: passes of a wide and a thin span at two row counts each; per width seconds = FLOPs /
+    peak + blocks x (2 W x half rows / peak + fixed cost) (the rate peak x rows / (rows + half rows)), from the
+    medians of the repeats: one disturbed repeat moves nothing."""
+    curve = {576: (120e9, 40.0, 3_500_000, 3), 2048: (190e9, 40.0, 45_000_000, 1)}
+    runs = passes_of(curve, 0.4e-3, [1.0, 0.5, 1.01])  # one quiet instant among them
+    fixed, fitted = measure.prefill_curve(runs)
+    assert fixed == pytest.approx(0.4e-3, rel=1e-6)
+    for width, (peak, half_rows, _, _) in curve.items():
+        assert fitted[width] == (pytest.approx(peak, rel=1e-6), pytest.approx(half_rows, rel=1e-6))
+    got = {m.key: m for m in prefill_measurements(runs, load=1.0)}
+    assert got[PREFILL_BLOCK_KEY].value == pytest.approx(0.4e-3, rel=1e-6)
+    assert got[f"{PREFILL_PEAK_KEY}576"].value == pytest.approx(120e9, rel=1e-6)
+    assert got[f"{PREFILL_HALF_ROWS_KEY}2048"].value == pytest.approx(40.0, rel=1e-6)
+    rows = measure.PREFILL_SEQUENCES * measure.PREFILL_TOKENS  # the FLOP/s shown: the wide width's at 96 rows
+    assert got[PREFILL_FLOPS_KEY].value == pytest.approx(190e9 * rows / (rows + 40.0), rel=1e-6)
     # the fastest times alone would have fitted another machine
-    fastest_cost, fastest_rate = fit_bytes_and_blocks((min(wide[0]), flops, 2), (min(narrow[0]), flops, 16))
-    assert abs(fastest_rate - rate) > 0.3 * rate
+    fastest = [measure.PrefillRun([min(r.seconds)], r.flops, r.blocks, r.rows, r.hidden, r.block_weights)
+               for r in runs]
+    assert measure.prefill_curve(fastest)[1][2048][0] > 1.5 * 190e9
 
 
-def measured(prefill_rate: float | None, prefill_block_s: float | None, packed_prefill: float | None, extra=()):
+def test_each_widths_cost_beyond_its_flops_is_kept_whatever_share_the_fixed_cost_takes():
+    """Thin blocks multiply slower at the same rows than wide ones (their own peak and half-rate rows). However the
+    two widths' intercepts split into a block's fixed cost and half-rate rows, each width's time is kept (what a
+    model of that width is priced at): where they leave no room for a fixed cost it is 0, not negative, and each
+    width's intercept is its own half-rate rows."""
+    for thin_half_rows, some_fixed in ((20.0, False), (90.0, True)):
+        curve = {576: (80e9, thin_half_rows, 3_500_000, 3), 2048: (190e9, 40.0, 45_000_000, 1)}
+        fixed, fitted = measure.prefill_curve(passes_of(curve, 0.0, [1.0]))
+        assert (fixed > 0) == some_fixed and fixed >= 0
+        for width, (peak, half_rows, weights, _) in curve.items():
+            assert fitted[width][0] == pytest.approx(peak, rel=1e-6)
+            assert 2 * weights * fitted[width][1] / peak + fixed == pytest.approx(2 * weights * half_rows / peak,
+                                                                                  rel=1e-6)
+        if not some_fixed:
+            assert fitted[576][1] == pytest.approx(20.0, rel=1e-6) and fitted[2048][1] == pytest.approx(40.0)
+
+
+def test_passes_noise_makes_unfittable_give_no_intercept_and_their_mean_rate():
+    """A larger pass timed no slower than the smaller one, or a negative intercept: no intercept, the mean rate."""
+    assert measure.rate_and_intercept((0.2, 1e9), (0.19, 3e9), 2) == (pytest.approx(4e9 / 0.39), 0.0)
+    assert measure.rate_and_intercept((0.005, 1e9), (0.025, 3e9), 1) == (pytest.approx(4e9 / 0.03), 0.0)
+    assert measure.rate_and_intercept((0.03, 1e9), (0.05, 3e9), 2) == (pytest.approx(1e11), pytest.approx(0.01))
+
+
+def measured(prefill_rate: float | None, prefill_block_s: float | None, packed_prefill: float | None, extra=(),
+             apply: bool = True):
     records = [Measurement("ram_read", "RAM read", 20e9, "B/s", 0.0, 3, 0.0),
                Measurement("cpu_matmul_fp32_prefill", "fp32 matmul", 9e9, "FLOP/s", 0.0, 3, 0.0),
                Measurement(WEIGHT_STREAM_KEY, "decode weight streaming", 15e9, "B/s", 0.2, 5, 0.0),
@@ -107,7 +157,8 @@ def measured(prefill_rate: float | None, prefill_block_s: float | None, packed_p
     if packed_prefill is not None:
         records.append(Measurement(f"{PACKED_PREFILL_KEY}q4_1", "q4_1 prefill", packed_prefill, WEIGHTS_PER_S,
                                    0.1, 3, 0.0))
-    return apply_measurements(get_hardware("cpu-generic"), [*records, *extra], when=1.7e9)
+    records = [*records, *extra]
+    return apply_measurements(get_hardware("cpu-generic"), records, when=1.7e9) if apply else records
 
 
 THIN = ModelSpec("thin", "llama", 30, 576, 1536, 9, 3, 64, 49152, True, 8192)
@@ -158,3 +209,51 @@ def test_the_reads_of_each_width_reach_the_plan():
     assert (eff.reread_rows_at(576), eff.reread_rows_at(2048)) == (pytest.approx(1.4), pytest.approx(1.9))
     assert eff.reread_rows_at(576, 8) == pytest.approx(2.6)
     assert measured(36e9, 1e-3, None).cpu.decode_streaming.row_reads_by_width == ()  # not measured: none
+
+
+WIDE = ModelSpec("wide", "llama", 2, 2048, 5632, 32, 8, 64, 8192, False, 8192)
+
+
+def model_prefill_s(model: ModelSpec, hardware, prompt_len: int, batch: int) -> float:
+    policy = Policy(weight_format="fp32", weights=RAM, kv_cache=RAM, activations=RAM, micro_batch_size=batch)
+    return evaluate(model, hardware, policy, Workload(prompt_len=prompt_len, output_len=2),
+                    measured_efficiency(hardware)).prefill_s
+
+
+def test_passes_at_two_row_counts_reach_the_planner_and_price_a_third_as_the_machine_runs_it():
+    """Issue 23, session 16, the whole way: passes timed as a machine whose rate rises with the rows (the widths'
+    own curves, a block 0.3 ms) -> the measurements -> the profile's hardware -> the planner, which prices the thin
+    and the wide models at 32 rows and at 1536 (rows no pass ran) as the hardware built from the true curves does.
+    The one rate fitted to the 96-row passes alone (before session 16) misses both by more than 10%."""
+    curve = {576: (170e9, 45.0, 3_538_944, 3), 2048: (190e9, 48.0, 45_088_768, 1)}
+    runs = passes_of(curve, 0.3e-3, [1.0, 1.02, 0.99])
+    measured_hw = apply_measurements(get_hardware("cpu-generic"),
+                                     measured(None, None, None, apply=False) + prefill_measurements(runs, 1.0),
+                                     when=1.7e9)
+    rates = measured_hw.cpu.decode_streaming.prefill_rates
+    assert [r.hidden for r in rates] == [576, 2048]
+    assert [r.peak_flops for r in rates] == [pytest.approx(c[0], rel=1e-6) for c in curve.values()]
+    again = hardware_from_dict(hardware_to_json(measured_hw))
+    assert again.cpu.decode_streaming.prefill_rates == rates  # and a hardware file carries them
+    few = [r for r in runs if r.rows == measure.PREFILL_SEQUENCES * measure.PREFILL_TOKENS]
+    per_block, one_rate = fit_bytes_and_blocks(*((r.median_s, r.flops, r.blocks) for r in few))
+    old_hw = measured(one_rate, per_block, None)
+    for model in (THIN, WIDE):
+        old_misses = []
+        for prompt_len, batch in ((32, 1), (24, 64)):
+            new, old = (model_prefill_s(model, hw, prompt_len, batch) for hw in (again, old_hw))
+            truth = model_prefill_s(model, truth_hardware(measured_hw, curve, 0.3e-3), prompt_len, batch)
+            assert new == pytest.approx(truth, rel=0.01)
+            old_misses.append(abs(old / truth - 1))
+        assert min(old_misses) > 0.1
+
+
+def truth_hardware(hardware, curve: dict, fixed_s: float):
+    """`hardware` with the true rates by rows and block cost in place of the measured ones."""
+    import dataclasses
+
+    from hivekeeper.planner.hardware import PrefillRate
+
+    streaming = dataclasses.replace(hardware.cpu.decode_streaming, prefill_block_overhead_s=fixed_s,
+                                    prefill_rates=tuple(PrefillRate(w, c[0], c[1]) for w, c in curve.items()))
+    return dataclasses.replace(hardware, cpu=dataclasses.replace(hardware.cpu, decode_streaming=streaming))
