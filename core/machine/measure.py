@@ -399,8 +399,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     s1, s2 = _alternating_seconds([decode_steps(wide_config, wide, 1), decode_steps(narrow_config, narrow, 1)],
                                   repeats)
     # prefill passes through both spans at two row counts, all four in turn: the rate by rows at each width
-    prefills = [prefill_pass(config, span, sequences=sequences, tokens=tokens)
-                for sequences, tokens in PREFILL_CURVE_PASSES
+    prefills = [prefill_pass(config, span, sequences=sequences) for sequences in PREFILL_SEQUENCE_COUNTS
                 for config, span in ((wide_config, wide), (narrow_config, narrow))]
     prefill_seconds = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
     # both spans' FEW_ROWS-row steps in turn: how often such a step reads its weights, and what it adds a block
@@ -454,14 +453,12 @@ def few_row_terms(wide: tuple[float, float, int], narrow: tuple[float, float, in
 # first blocks of a span holding about PREFILL_WEIGHTS weights (compute-bound: it needs no span beyond the caches),
 # timed PREFILL_REPEATS times in turn with the other span's
 PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 12_000_000, 3
-# the fp32 spans' prefill passes run at two row counts ((prompts, tokens): 32 and 288 rows), which give the rate by
-# rows (prefill_curve). Issue 23, session 16: a 2048-wide block multiplied at ~80 GFLOP/s over 32 rows, ~135 over 96,
-# ~180 over 384-512 (BLAS packs a weight once a call whatever its rows), a 576-wide one at ~70, ~115 and ~130-145; the
-# one rate of 96-row passes priced the wide model's 32-row prefills 0.68x their time and its 384-512-row ones
-# 1.22-1.26x. Rows far apart, the nearer to 0 the better, pin each width's intercept: from 96 and 288 rows the thin
-# span's short passes (3 blocks, 30-60 ms) left it 1-2 ms a block apart run to run (the thin model's 32-row prefills
-# then 0.94-1.42x)
-PREFILL_CURVE_PASSES = ((1, 32), (6, 48))
+# the fp32 spans' prefill passes run at two row counts (these many prompts of PREFILL_TOKENS: 96 and 288 rows), which
+# give the rate by rows (prefill_curve). Issue 23, session 16: a 2048-wide block multiplied at ~80 GFLOP/s over 32
+# rows, ~135 over 96, ~180 over 384-512 (BLAS packs a weight once a call whatever its rows), a 576-wide one at ~70,
+# ~115 and ~130-145; the one rate of 96-row passes priced the wide model's 32-row prefills 0.68x their time and its
+# 384-512-row ones 1.22-1.26x
+PREFILL_SEQUENCE_COUNTS = (PREFILL_SEQUENCES, 6)
 
 
 def block_weights(block) -> int:
@@ -470,10 +467,10 @@ def block_weights(block) -> int:
                for parent, child in PACKED_LINEARS)
 
 
-def prefill_pass(config, span, dtype: torch.dtype = torch.float32, sequences: int = PREFILL_SEQUENCES,
-                 tokens: int = PREFILL_TOKENS) -> tuple[Callable[[], None], float, int]:
-    """(a prefill through the span's first blocks, its FLOPs, its blocks): `sequences` prompts of `tokens` tokens
-    from position 0 through the runtime's prefill path (Span.forward, block by block: the products of many rows
+def prefill_pass(config, span, dtype: torch.dtype = torch.float32,
+                 sequences: int = PREFILL_SEQUENCES) -> tuple[Callable[[], None], float, int]:
+    """(a prefill through the span's first blocks, its FLOPs, its blocks): `sequences` prompts of PREFILL_TOKENS
+    tokens from position 0 through the runtime's prefill path (Span.forward, block by block: the products of many rows
     on OpenBLAS for fp32, on the int8 kernels for packed linears, torch's for bf16), the inputs and cache in `dtype`
     (the span's)."""
     from hivekeeper.core.runtime.model import KVCache, Span
@@ -482,9 +479,9 @@ def prefill_pass(config, span, dtype: torch.dtype = torch.float32, sequences: in
     blocks = max(1, min(len(span.blocks), round(PREFILL_WEIGHTS / per_block)))
     part = Span(replace(config, num_layers=blocks), 0, blocks, list(span.blocks[:blocks]))
     cache = KVCache.allocate(config, blocks, sequences, DECODE_SPAN_POSITIONS, dtype)
-    hidden = (torch.randn(sequences, tokens, config.hidden_size) * 0.1).to(dtype)
-    rows = sequences * tokens
-    attention = 4.0 * config.hidden_size * tokens * (tokens + 1) / 2 * sequences
+    hidden = (torch.randn(sequences, PREFILL_TOKENS, config.hidden_size) * 0.1).to(dtype)
+    rows = sequences * PREFILL_TOKENS
+    attention = 4.0 * config.hidden_size * PREFILL_TOKENS * (PREFILL_TOKENS + 1) / 2 * sequences
     flops = blocks * (2.0 * rows * per_block + attention)
 
     def run() -> None:
@@ -514,13 +511,13 @@ class PrefillRun:
 
 def prefill_runs(passes: list[tuple[Callable[[], None], float, int]], seconds: list[list[float]], configs: tuple,
                  first_blocks: tuple) -> list[PrefillRun]:
-    """The timed passes (prefill_pass's, in PREFILL_CURVE_PASSES order, each over the spans of `configs`) as
-    PrefillRun."""
+    """The timed passes (prefill_pass's, in PREFILL_SEQUENCE_COUNTS order, each over the spans of `configs`) as
+    PrefillRun, the fewer rows first for each span."""
     runs = []
     for i, ((_, flops, blocks), times) in enumerate(zip(passes, seconds)):
         config, block = configs[i % len(configs)], first_blocks[i % len(configs)]
-        sequences, tokens = PREFILL_CURVE_PASSES[i // len(configs)]
-        runs.append(PrefillRun(times, flops, blocks, sequences * tokens, config.hidden_size, block_weights(block)))
+        runs.append(PrefillRun(times, flops, blocks, PREFILL_SEQUENCE_COUNTS[i // len(configs)] * PREFILL_TOKENS,
+                               config.hidden_size, block_weights(block)))
     return runs
 
 
@@ -565,16 +562,16 @@ def prefill_measurements(runs: list[PrefillRun], load: float) -> list[Measuremen
     from the passes' median times."""
     fixed, curve = prefill_curve(runs)
     widths = sorted(curve)
-    shown = [r for r in runs if r.hidden == widths[-1]]
-    detail = (f"prefill passes of {' and '.join(f'{n} x {t}' for n, t in PREFILL_CURVE_PASSES)} tokens "
-              f"through random fp32 blocks of widths "
+    shown = [r for r in runs if r.hidden == widths[-1] and r.rows == PREFILL_SEQUENCES * PREFILL_TOKENS]
+    detail = (f"prefill passes of {' and '.join(str(n * PREFILL_TOKENS) for n in PREFILL_SEQUENCE_COUNTS)} rows "
+              f"({PREFILL_TOKENS}-token prompts) through random fp32 blocks of widths "
               f"{' and '.join(map(str, widths))}, in turn ({len(runs[0].seconds)} repeats each): "
               + ", ".join(f"{r.blocks} x {r.hidden} at {r.rows} rows {r.median_s * 1e3:.3g} ms" for r in runs)
               + " (medians), through the runtime's prefill path")
     peak, half_rows = curve[widths[-1]]
     rows = PREFILL_SEQUENCES * PREFILL_TOKENS
     rate = peak * rows / (rows + half_rows)
-    samples = [rate * r.median_s / s for r in shown for s in r.seconds]  # the repeats' spread about it
+    samples = [r.flops / max(s - r.blocks * fixed, 1e-9) for r in shown for s in r.seconds]
     found = [Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", rate, "FLOP/s",
                          median_and_spread(samples)[1] if samples else 0.0, len(samples), load,
                          f"the width-{widths[-1]} rate at {rows} rows; {detail}", samples),

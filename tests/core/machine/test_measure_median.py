@@ -74,14 +74,13 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
     assert all(results[f"{key}{w}"].value > 0 for key in (PREFILL_PEAK_KEY, PREFILL_HALF_ROWS_KEY) for w in widths)
 
 
-def passes_of(curve: dict[int, tuple[float, float, int, int]], fixed_s: float, repeats: list[float],
-              shapes: tuple = measure.PREFILL_CURVE_PASSES):
-    """PrefillRun of two widths at the row counts of `shapes` ((prompts, tokens)), timed as the rate by rows
-    says: each width (peak FLOP/s, half-rate rows, weights a block, blocks) takes FLOPs / peak + blocks x
-    (2 W x half rows / peak + fixed_s), each repeat that time x its factor in `repeats`."""
+def passes_of(curve: dict[int, tuple[float, float, int, int]], fixed_s: float, repeats: list[float]):
+    """PrefillRun of two widths at both PREFILL_SEQUENCE_COUNTS row counts, timed as the rate by rows says: each
+    width (peak FLOP/s, half-rate rows, weights a block, blocks) takes FLOPs / peak + blocks x (2 W x half rows /
+    peak + fixed_s), each repeat that time x its factor in `repeats`."""
     runs = []
-    for sequences, tokens in shapes:
-        rows = sequences * tokens
+    for sequences in measure.PREFILL_SEQUENCE_COUNTS:
+        rows = sequences * measure.PREFILL_TOKENS
         for width, (peak, half_rows, weights, blocks) in curve.items():
             flops = blocks * 2.0 * weights * rows
             seconds = flops / peak + blocks * (2.0 * weights * half_rows / peak + fixed_s)
@@ -216,8 +215,7 @@ def test_passes_at_two_row_counts_reach_the_planner_and_price_a_third_as_the_mac
     assert [r.peak_flops for r in rates] == [pytest.approx(c[0], rel=1e-6) for c in curve.values()]
     again = hardware_from_dict(hardware_to_json(measured_hw))
     assert again.cpu.decode_streaming.prefill_rates == rates  # and a hardware file carries them
-    # the measurement before session 16: both spans' passes at 96 rows, one rate and a block cost fitted to them
-    few = passes_of(curve, 0.3e-3, [1.0], ((measure.PREFILL_SEQUENCES, measure.PREFILL_TOKENS),))
+    few = [r for r in runs if r.rows == measure.PREFILL_SEQUENCES * measure.PREFILL_TOKENS]
     per_block, one_rate = fit_bytes_and_blocks(*((r.median_s, r.flops, r.blocks) for r in few))
     old_hw = measured(one_rate, per_block, None)
     for model in (THIN, WIDE):
