@@ -554,10 +554,12 @@ def prefill_curve(runs: list[PrefillRun]) -> tuple[float, dict[int, tuple[float,
         by_width.setdefault(run.hidden, []).append(run)
     fits = {}
     for width, pair in by_width.items():
-        few, many = sorted(pair, key=lambda r: r.rows)[:1] + sorted(pair, key=lambda r: r.rows)[-1:]
+        ordered = sorted(pair, key=lambda r: r.rows)
+        few, many = ordered[0], ordered[-1]
         rate, intercept = rate_and_intercept((few.median_s, few.flops), (many.median_s, many.flops), few.blocks)
         fits[width] = (rate, intercept, 2.0 * few.block_weights / rate)  # the last: seconds a row a block at peak
-    thin, wide = (fits[w] for w in sorted(fits)[:1] + sorted(fits)[-1:])
+    widths = sorted(fits)
+    thin, wide = fits[widths[0]], fits[widths[-1]]
     shared = (wide[1] - thin[1]) / (wide[2] - thin[2]) if wide[2] != thin[2] else 0.0
     fixed = min(max(0.0, thin[1] - thin[2] * shared), thin[1], wide[1])
     return fixed, {width: (rate, (intercept - fixed) / per_row) for width, (rate, intercept, per_row) in fits.items()}
