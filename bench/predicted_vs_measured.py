@@ -159,8 +159,7 @@ def step_parts(model: str, prompt_len: int, new_tokens: int) -> dict:
     import time
 
     from hivekeeper.core.cli.generate import set_threads
-    from hivekeeper.core.machine.profiling import StepClock
-    from hivekeeper.core.machine.step_overhead import step_rests
+    from hivekeeper.core.machine.step_overhead import StepClock, step_rests
     from hivekeeper.core.offload.local_plan import plan_local_run
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint

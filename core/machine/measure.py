@@ -30,11 +30,12 @@ from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS
 from hivekeeper.planner.efficiency import REREAD_ROWS
 from hivekeeper.planner.errors import InputError
 
+from hivekeeper.core.machine import step_overhead
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
     PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
-    ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+    ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_for_decode, torch_threads,
                                                         use_blas_threads)
@@ -1416,8 +1417,6 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     formats' decode steps (their rates and a packed block's
     fixed cost, fitted to packed spans of two widths). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
-    from hivekeeper.core.machine import step_overhead  # it builds on this module's spans
-
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
     beyond_cache = 2 * (last_level_cache_bytes() if sizes.cache_bytes is None else sizes.cache_bytes)
     steps.append(("RAM bandwidth", lambda: [measure_memory_read("cpu", max(sizes.ram_bytes, beyond_cache),
@@ -1459,8 +1458,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     if rereads is not None:
         steps.append(("CPU decode streaming, read again", lambda: rereads.pool(results)))
     if "fp32" in sizes.dtypes:  # what a decode step costs beyond its blocks and head (the engine's own loop)
-        steps.append(("CPU decode step overhead",
-                      lambda: [step_overhead.measure_step_overhead(cache_bytes=sizes.cache_bytes)]))
+        steps.append(("CPU decode step overhead", lambda: [measure_step_overhead(cache_bytes=sizes.cache_bytes)]))
     if sizes.packed_hidden is not None:  # last: their own spans fit their rates and a packed block's fixed cost
         steps.append(("CPU packed-format decode steps", lambda: measure_packed_at(sizes)))
     for index, (label, step) in enumerate(steps):
@@ -1470,6 +1468,30 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         results.extend(step())
     progress(1.0, "done")
     return results
+
+
+def measure_step_overhead(runs: int = step_overhead.LOOP_RUNS, steps: int = step_overhead.LOOP_STEPS,
+                          cache_bytes: int | None = None) -> Measurement:
+    """STEP_OVERHEAD_KEY: the decode loop's fixed cost per step (seconds), the median rest over `runs` generate() runs
+    on step_overhead's tiny decoder (one warm-up run first), with the rests' spread. The decoder: one block laid out
+    as a loaded model's (span_of_config), a packed embedding of random rows (step_overhead.LOOP_EMBEDDING);
+    `cache_bytes`: the last-level cache its span leaves cold (None: read from /sys; 0: none)."""
+    from hivekeeper.core.offload.packed_stream import PackedEmbedding
+
+    load = load_average()
+    config, span = span_of_config(step_overhead.loop_config())
+    embedding = PackedEmbedding(random_packed_matrix(step_overhead.LOOP_EMBEDDING, config.vocab_size,
+                                                     config.hidden_size))
+    model = step_overhead.loop_model(config, span, embedding,
+                                     last_level_cache_bytes() if cache_bytes is None else cache_bytes)
+    step_overhead.loop_rests(model, 4)  # first-call costs: allocator, kernel choice
+    rests = [max(0.0, rest) for _ in range(runs) for rest in step_overhead.loop_rests(model, steps)]
+    value, spread = median_and_spread(rests)  # (a step whose span or head call caught a burst of load: 0)
+    return Measurement(STEP_OVERHEAD_KEY, "CPU decode step overhead (embedding, sampling, loop)", value, "s",
+                       spread, len(rests), max(load, load_average()),
+                       f"generate() on a 1-block {config.hidden_size}-wide decoder of {config.vocab_size} tokens "
+                       f"({step_overhead.LOOP_EMBEDDING} embedding, caches left cold): each step less its span and "
+                       f"head calls, the median of {len(rests)} steps", rests)
 
 
 def measure_packed_at(sizes: BenchmarkSizes) -> list[Measurement]:

@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from hivekeeper.core.machine.step_overhead import StepClock
 from hivekeeper.planner.calibration import (Calibration, FormPrediction, ProfilePoint, build_calibration,
                                             compare_forms, cost_model_predictions, form_accuracy, linear_alpha_fits)
 from hivekeeper.planner.costmodel import Placement, Policy
@@ -89,23 +90,6 @@ def placement_policy(name: str, on_gpu: bool, weight_format: str) -> Policy:
         return Policy(weight_format, weights=Placement(0.0, 0.5, 0.5), kv_cache=compute, activations=compute,
                       prefetch_depth=1)
     raise InputError(f"unknown placement {name!r}; choose from {', '.join(PLACEMENTS)}")
-
-
-class StepClock:
-    """Passed to generate() as its stop flag, which it checks once between decode steps: the time of each check
-    gives the duration of every step, so a burst of load from another process spoils a few steps, not the run."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def is_set(self) -> bool:
-        self.times.append(time.perf_counter())
-        return False
-
-    def step_durations(self, last_token_at: float) -> list[float]:
-        """Each decode step's seconds: between checks, and from the last check to the last token."""
-        marks = self.times + [last_token_at]
-        return [b - a for a, b in zip(marks[:-1], marks[1:])]
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,22 @@ generation loop's bookkeeping (`generation.generate`). The cost model prices the
 `Efficiency.step_overhead_s`, until issue 23 (session 16) a default 1 ms nobody measured; a packed SmolLM2-135M step
 takes 5.5-8 ms, so the default alone was 12-18% of it.
 
-`measure_step_overhead` runs `generate` (greedy, ignore_eos) on a tiny decoder held in memory, shaped to pay what a
-small model's step pays outside its blocks: one block 64 wide (laid out as `measure.span_of_config` lays out a loaded
-model, so its one-token steps take the native kernels' path), an LM head over `LOOP_VOCAB` tokens (SmolLM2's: the
-sampler reads a row of that many logits) and a token embedding packed as a GGUF's (Q8_0 rows dequantized per lookup,
-as the default model's: a checkpoint's fp32 embedding costs ~0.04 ms less). After its block the tiny span reads a
-buffer of twice the last-level cache, as a real step's weights stream through it, so the loop's code and data are as
-cold as after a real model's blocks (issue 23, session 16, a 2-core EPYC at load ~2: 0.12 ms with warm caches, a
-32000-token vocabulary and an fp32 embedding; 0.30-0.37 ms so shaped; SmolLM2-135M Q4_1's own steps 0.26-0.31 ms).
-It times every span and head call and takes each step's time (between the loop's stop-flag checks,
-profiling.StepClock) less its span and head calls: the median of those rests over `LOOP_RUNS` x `LOOP_STEPS` steps.
-About 0.2 s with a 32 MiB cache (2 x 16 steps of ~3 ms: the buffer read is most of it).
+`measure.measure_step_overhead` runs `generate` (greedy, ignore_eos) on a tiny decoder held in memory, shaped to pay
+what a small model's step pays outside its blocks: one block 64 wide (laid out as `measure.span_of_config` lays out a
+loaded model, so its one-token steps take the native kernels' path), an LM head over `LOOP_VOCAB` tokens (SmolLM2's:
+the sampler reads a row of that many logits) and a token embedding packed as a GGUF's (Q8_0 rows dequantized per
+lookup, as the default model's: a checkpoint's fp32 embedding costs ~0.04 ms less). After its block the tiny span
+reads a buffer of twice the last-level cache, as a real step's weights stream through it, so the loop's code and data
+are as cold as after a real model's blocks (issue 23, session 16, a 2-core EPYC at load ~2: 0.12 ms with warm caches,
+a 32000-token vocabulary and an fp32 embedding; 0.30-0.37 ms so shaped; SmolLM2-135M Q4_1's own steps 0.26-0.31 ms).
+It times every span and head call and takes each step's time (between the loop's stop-flag checks: StepClock, which
+profiling.measure_grid times its steps with too) less its span and head calls: the median of those rests over
+`LOOP_RUNS` x `LOOP_STEPS` steps. About 0.2 s with a 32 MiB cache (2 x 16 steps of ~3 ms: the buffer read is most of
+it).
 
-The text `generate` streams through the tokenizer is not in it (~0.05-0.1 ms a step more for SmolLM2; the
+This module holds the loop's parts (the tiny runner, the timed calls, the rests); measure.py builds the decoder and
+makes the Measurement, so that this module imports neither it nor profiling (both import it). The text `generate`
+streams through the tokenizer is not in it (~0.05-0.1 ms a step more for SmolLM2; the
 measurement has no tokenizer to run).
 """
 
@@ -28,14 +31,29 @@ from dataclasses import dataclass
 
 import torch
 
-from hivekeeper.core.machine.measurement import STEP_OVERHEAD_KEY, Measurement
-
 LOOP_HIDDEN = 64  # the tiny decoder's width: one head of 64
 LOOP_VOCAB = 49152  # its vocabulary (SmolLM2's): the sampler's argmax reads a model-sized row of logits
 LOOP_EMBEDDING = "q8_0"  # its embedding's packed format (a GGUF's, as the runtime keeps it)
 LOOP_STEPS = 16  # decode steps per run
 LOOP_RUNS = 2  # runs of generate(); the rests of all their steps are pooled
 LOOP_PROMPT = 4  # prompt tokens of each run
+
+
+class StepClock:
+    """Passed to generate() as its stop flag, which it checks once between decode steps: the time of each check
+    gives the duration of every step, so a burst of load from another process spoils a few steps, not the run."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def is_set(self) -> bool:
+        self.times.append(time.perf_counter())
+        return False
+
+    def step_durations(self, last_token_at: float) -> list[float]:
+        """Each decode step's seconds: between checks, and from the last check to the last token."""
+        marks = self.times + [last_token_at]
+        return [b - a for a, b in zip(marks[:-1], marks[1:])]
 
 
 @dataclass
@@ -102,16 +120,12 @@ def loop_config(vocab: int = LOOP_VOCAB, hidden: int = LOOP_HIDDEN):
                        max_position_embeddings=LOOP_PROMPT + LOOP_STEPS + 8, tie_word_embeddings=True)
 
 
-def loop_model(vocab: int = LOOP_VOCAB, cache_bytes: int = 0) -> LoopModel:
-    """A tiny random decoder in memory as the runtime runs a loaded one (span_of_config's layout; a packed embedding,
-    its head over the same rows in fp32), ready for generate(), its span and head timed; its span reads twice
-    `cache_bytes` after its block (0: nothing)."""
-    from hivekeeper.core.machine.measure import random_packed_matrix, span_of_config
-    from hivekeeper.core.offload.packed_stream import PackedEmbedding
+def loop_model(config, span, embedding, cache_bytes: int = 0) -> LoopModel:
+    """The tiny decoder (`config`, its span of blocks laid out as a loaded model's, its embedding) as generate() runs
+    it, with an fp32 head over its vocabulary, its span and head timed; its span reads twice `cache_bytes` after its
+    block (0: nothing)."""
     from hivekeeper.core.runtime.model import Head
 
-    config, span = span_of_config(loop_config(vocab))
-    embedding = PackedEmbedding(random_packed_matrix(LOOP_EMBEDDING, vocab, config.hidden_size))
     head = Head(config).requires_grad_(False)
     with torch.no_grad():
         head.weight.normal_(0.0, 0.02)
@@ -128,7 +142,6 @@ def step_rests(steps_s: list[float], span_s: list[float], head_s: list[float]) -
 
 def loop_rests(model: LoopModel, steps: int = LOOP_STEPS) -> list[float]:
     """One generate() run of `steps` new tokens on `model`: every decode step's rest (step_rests)."""
-    from hivekeeper.core.machine.profiling import StepClock
     from hivekeeper.core.runtime.generation import generate
 
     model.span_s.clear()
@@ -139,24 +152,3 @@ def loop_rests(model: LoopModel, steps: int = LOOP_STEPS) -> list[float]:
         result = generate(model, list(range(1, LOOP_PROMPT + 1)), max_new_tokens=steps, ignore_eos=True, stop=clock)
     durations = clock.step_durations(called + result.time_to_first_token_s + result.decode_s)
     return step_rests(durations, model.span_s, model.head_s)
-
-
-def measure_step_overhead(runs: int = LOOP_RUNS, steps: int = LOOP_STEPS,
-                          cache_bytes: int | None = None) -> Measurement:
-    """The decode loop's fixed cost per step (seconds): the median rest over `runs` generate() runs on the tiny
-    decoder (one warm-up run first), with the rests' spread. `cache_bytes`: the last-level cache its span leaves cold
-    (None: read from /sys; 0: none)."""
-    from hivekeeper.core.machine.cpu_features import last_level_cache_bytes
-    from hivekeeper.core.machine.measure import load_average, median_and_spread
-
-    load = load_average()
-    model = loop_model(cache_bytes=last_level_cache_bytes() if cache_bytes is None else cache_bytes)
-    loop_rests(model, 4)  # first-call costs: allocator, kernel choice
-    rests = [rest for _ in range(runs) for rest in loop_rests(model, steps)]
-    rests = [max(0.0, r) for r in rests]  # a step whose span or head call caught a burst of load
-    value, spread = median_and_spread(rests)
-    return Measurement(STEP_OVERHEAD_KEY, "CPU decode step overhead (embedding, sampling, loop)", value, "s",
-                       spread, len(rests), max(load, load_average()),
-                       f"generate() on a 1-block {LOOP_HIDDEN}-wide decoder of {LOOP_VOCAB} tokens ({LOOP_EMBEDDING} "
-                       f"embedding, caches left cold): each step less its span and head calls, the median of "
-                       f"{len(rests)} steps", rests)

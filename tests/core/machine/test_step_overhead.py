@@ -1,6 +1,6 @@
-"""The decode loop's fixed cost per step (core/machine/step_overhead.py): generate() on a tiny in-memory decoder, each
-step less its span and head calls; the measurement reaches a profile and the plan (issue 23, session 16). The
-engine's real loop runs; no timing asserts."""
+"""The decode loop's fixed cost per step (core/machine/step_overhead.py, measure.measure_step_overhead): generate() on
+a tiny in-memory decoder, each step less its span and head calls; the measurement reaches a profile and the plan
+(issue 23, session 16). The engine's real loop runs; no timing asserts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from hivekeeper.core.machine import step_overhead
 from hivekeeper.core.machine.detect import detect_hardware
-from hivekeeper.core.machine.measure import TINY, run_benchmarks
+from hivekeeper.core.machine.measure import TINY, measure_step_overhead, run_benchmarks, span_of_config
 from hivekeeper.core.machine.measurement import STEP_OVERHEAD_KEY
 from hivekeeper.core.machine.profiles import apply_measurements, decode_streaming
 from hivekeeper.planner.efficiency import DEFAULTS, default_efficiency
@@ -23,7 +23,10 @@ def test_a_step_rest_is_the_step_less_its_span_and_head_calls():
 
 
 def test_the_loop_model_runs_generate_and_times_every_call():
-    model = step_overhead.loop_model(vocab=512)
+    from hivekeeper.core.runtime.model import Embedding
+
+    config, span = span_of_config(step_overhead.loop_config(vocab=512))
+    model = step_overhead.loop_model(config, span, Embedding(config).requires_grad_(False), cache_bytes=1 << 16)
     rests = step_overhead.loop_rests(model, steps=10)
     assert len(rests) == 9  # ten tokens: the first comes from the prefill, nine decode steps follow
     assert len(model.span_s) == len(model.head_s) == 10  # the prefill's call and one per step
@@ -31,7 +34,7 @@ def test_the_loop_model_runs_generate_and_times_every_call():
 
 
 def test_the_measurement_is_the_median_rest_of_its_steps():
-    measured = step_overhead.measure_step_overhead(runs=2, steps=9, cache_bytes=1 << 20)
+    measured = measure_step_overhead(runs=2, steps=9, cache_bytes=1 << 20)
     assert measured.key == STEP_OVERHEAD_KEY and measured.unit == "s"
     assert measured.repeats == len(measured.samples) == 16
     assert min(measured.samples) <= measured.value <= max(measured.samples) and measured.value >= 0
