@@ -22,12 +22,11 @@ the formulas.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from .efficiency import Efficiency, MachineEfficiency, default_efficiency
+from .efficiency import Efficiency, MachineEfficiency, at_width, default_efficiency
 from .errors import InputError
 from .formats import WeightFormat, bits_of, get_format
 from .hardware import ComputeDevice, HardwareSpec, PrefillRate
@@ -1017,16 +1016,11 @@ def pass_rate(grid: CandidateArrays, rows):
 
 def prefill_rate_at(rates: tuple[PrefillRate, ...], hidden: int) -> tuple[float, float]:
     """(peak FLOP/s, half-rate rows) of the measured prefill rates (PrefillRate, any order) at a model's width:
-    interpolated between the measured widths on a log scale of width, the nearest one's beyond them."""
+    interpolated between the measured widths on a log scale of width, the nearest one's beyond them (at_width)."""
     ordered = sorted(rates, key=lambda r: r.hidden)
-    if len(ordered) == 1 or hidden <= ordered[0].hidden:
-        return ordered[0].peak_flops, ordered[0].half_rows
-    if hidden >= ordered[-1].hidden:
-        return ordered[-1].peak_flops, ordered[-1].half_rows
-    low, high = next((a, b) for a, b in zip(ordered, ordered[1:]) if a.hidden <= hidden <= b.hidden)
-    t = math.log(hidden / low.hidden) / math.log(high.hidden / low.hidden)
-    return (low.peak_flops + t * (high.peak_flops - low.peak_flops),
-            low.half_rows + t * (high.half_rows - low.half_rows))
+    widths = [r.hidden for r in ordered]
+    return (at_width(hidden, widths, [r.peak_flops for r in ordered]),
+            at_width(hidden, widths, [r.half_rows for r in ordered]))
 
 
 def decode_cpu_attention(grid: CandidateArrays, context: float, attention_flops) -> Resource:

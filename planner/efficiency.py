@@ -106,8 +106,8 @@ class Efficiency:
             return ((REREAD_ROWS, self.weight_reread_rows),)
         curve = []
         for rows in sorted({r for _, r, _ in self.reread_rows_by_width}):
-            measured = [(math.log(w), reads) for w, r, reads in self.reread_rows_by_width if r == rows]
-            curve.append((rows, float(np.interp(math.log(max(1, width)), *zip(*measured)))))
+            measured = [(w, reads) for w, r, reads in self.reread_rows_by_width if r == rows]
+            curve.append((rows, at_width(width, [w for w, _ in measured], [reads for _, reads in measured])))
         return tuple(curve)
 
     def reread_rows_at(self, width: int, rows: int = 0) -> float:
@@ -115,6 +115,13 @@ class Efficiency:
         row, the curve's (reread_curve) between and at its row counts, its last beyond them."""
         curve = ((1, 1.0), *self.reread_curve(width))
         return float(np.interp(rows or REREAD_ROWS, [r for r, _ in curve], [reads for _, reads in curve]))
+
+
+def at_width(width: int, widths: list[int], values: list[float]) -> float:
+    """A figure measured at `widths` (of blocks, ascending) for blocks `width` wide: interpolated on log(width)
+    between the measured widths, the nearest one's beyond them (a model as wide as SmolLM2's 576 reads as the thin
+    span, a 960-wide one between it and the 2048-wide span)."""
+    return float(np.interp(math.log(max(1, width)), [math.log(w) for w in widths], values))
 
 
 _GPU_SOURCE = "0.3 ms/block launch overhead and 0.8 bandwidth: FlexGen OPT-6.7B on T4, HELM GPT-J on A100"
