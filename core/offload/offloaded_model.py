@@ -91,6 +91,25 @@ def _run_small_block(dtype: torch.dtype) -> None:
 # glibc's mallopt parameter: allocations from this size up get their own memory map, unmapped when freed
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 1 << 20
+# ... once a model is loaded: activations below it come from the heaps and are reused step after step. Issue 23,
+# session 16: at 1 MiB every activation of SmolLM2's batch-64 prefill (576 wide: 1 MiB from ~455 rows) was mapped
+# fresh and page-faulted in every block, 17,600-29,600 faults and 34-49 ms a block against 0 and 27 ms
+RUN_MMAP_THRESHOLD_BYTES = 32 << 20
+
+
+def set_mmap_threshold(nbytes: int) -> None:
+    """Allocations of `nbytes` or more get their own memory map, returned to the OS when freed (glibc's fixed mmap
+    threshold; no-op where the C library is not glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes)
+    except (OSError, AttributeError):
+        pass
+
+
+def reuse_activations() -> None:
+    """After loading: allocations below RUN_MMAP_THRESHOLD_BYTES come from glibc's heaps (the conversion temporaries
+    that keep_heap_small is for are gone by then; the heaps then hold what a step's activations need)."""
+    set_mmap_threshold(RUN_MMAP_THRESHOLD_BYTES)
 
 
 def keep_heap_small() -> None:
@@ -100,11 +119,9 @@ def keep_heap_small() -> None:
     freed blocks of that size in its heaps. A 16-bit plan over an fp32 checkpoint converts every tensor it reads
     through a temporary of the file's dtype (tens of MB for an embedding), so the heaps kept ~25 MB of freed
     temporaries, part of what put a bf16 run 17% over its RAM budget (with the bf16 kernels' code, see
-    warm_up_runtime). No-op where the C library is not glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    except (OSError, AttributeError):
-        pass
+    warm_up_runtime). No-op where the C library is not glibc. Loading sets it (OffloadedModel); once loaded, the
+    model runs with reuse_activations's."""
+    set_mmap_threshold(MMAP_THRESHOLD_BYTES)
 
 
 def _return_freed_memory() -> None:
@@ -248,6 +265,7 @@ class OffloadedModel:
         if isinstance(self.checkpoint, GGUFCheckpoint):
             release_mapped_pages(self.checkpoint)  # what small reads (norms, biases) left mapped
         _return_freed_memory()  # the temporaries of converting reads (a 16-bit plan over an fp32 file)
+        reuse_activations()
 
     def _stream_buffer(self, device: str | torch.device, pin: bool = False, layer: int = 0) -> Block:
         """An unfilled block for streamed weights: quantized like the store's blocks, packed like a GGUF's layer
