@@ -121,22 +121,34 @@ def prepare_kernels() -> None:
         print(f"kernels {native_kernels.status()} after {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
+def check_run_options(args: argparse.Namespace) -> None:
+    """Where the blocks run and with which plan, as given, checked before the kernels compile or a model loads (bad
+    input is one line at once): a swarm run takes no --quant and needs --initial-peers; a local one a valid --plan
+    and --quant."""
+    from hivekeeper.planner.errors import InputError
+
+    if args.swarm:
+        if getattr(args, "quant", "none") != "none":
+            raise InputError("--quant applies to local runs: in a swarm each server chooses its weight format")
+        if not args.initial_peers:
+            raise InputError("--swarm needs --initial-peers (the multiaddrs a `hivekeeper serve` printed)")
+    else:
+        from hivekeeper.core.offload.local_plan import check_plan_options
+
+        check_plan_options(args.plan, getattr(args, "quant", "none"))
+
+
 def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int, prompt_len: int,
                 max_length: int, ram_budget: float | None, drop_page_cache: bool = False) -> Runner:
     """Load the model for this run: the engine with a plan, or a swarm client."""
     from hivekeeper.core.offload.local_plan import plan_local_run
 
+    check_run_options(args)
     prepare_kernels()
     is_demo = _is_demo(path)
     if args.swarm:
-        from hivekeeper.planner.errors import InputError
-
         from hivekeeper.core.swarm.client.inference import SwarmModel
 
-        if getattr(args, "quant", "none") != "none":
-            raise InputError("--quant applies to local runs: in a swarm each server chooses its weight format")
-        if not args.initial_peers:
-            raise InputError("--swarm needs --initial-peers (the multiaddrs a `hivekeeper serve` printed)")
         model = SwarmModel(args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix)
         info = {"source": "swarm", "initial_peers": list(args.initial_peers)}
         if getattr(args, "prompts", None):  # trained prompts first in every session (core/finetune/prompted.py)
@@ -343,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
     args.batch = len(prompts) if args.prompts_file else args.batch
     ram_budget = check_budget(args)
     sampling = sampling_params(args)
+    check_run_options(args)
 
     from hivekeeper.core.runtime.generation import check_prompt_fits, context_limit, generate
 

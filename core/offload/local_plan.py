@@ -222,18 +222,27 @@ def packed_choice(model_path: str | Path, quant: str, hardware):
     return choice if choice.quant in PACKED_FORMATS else FormatChoice(quant)
 
 
+def check_plan_options(plan_arg: str, quant: str) -> None:
+    """--plan and --quant as given, checked before anything is loaded or compiled (one line, exit 2): a known
+    --quant, only with --plan auto, and a plan file that can be read."""
+    if quant not in ("none", "int8", "nf4"):
+        raise InputError(f"--quant {quant!r}: choose none, int8 or nf4")
+    if plan_arg == "auto":
+        return
+    if quant != "none":
+        raise InputError(f"--quant {quant} goes with --plan auto; with --plan {plan_arg} the plan file's "
+                         "weight_format decides")
+    read_plan_file(plan_arg)
+
+
 def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_len: int, max_new_tokens: int,
                   ram_budget_bytes: float | None = None, quant: str = "none", **search_options) -> PolicyChoice:
     """--plan auto (the planner, with --quant's weight format) or --plan FILE (whose weight_format decides).
     search_options: search_policy's hardware, efficiency, fallback and measure."""
-    if quant not in ("none", "int8", "nf4"):
-        raise InputError(f"--quant {quant!r}: choose none, int8 or nf4")
+    check_plan_options(plan_arg, quant)
     if plan_arg == "auto":
         return search_policy(model_path, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                              ram_budget_bytes=ram_budget_bytes, quant=quant, **search_options)
-    if quant != "none":
-        raise InputError(f"--quant {quant} goes with --plan auto; with --plan {plan_arg} the plan file's "
-                         "weight_format decides")
     doc = read_plan_file(plan_arg)
     warnings = plan_file_checks(doc, plan_arg, model_path)
     return PolicyChoice(policy_from_dict(doc, source=str(plan_arg)), str(plan_arg), f"policy read from {plan_arg}",
