@@ -52,21 +52,10 @@ def busy_core(busy: bool):
 
 
 def timed_parts(runner) -> dict[str, list[float]]:
-    """Seconds of each call of the runner's blocks (its span) and LM head, appended as they run."""
+    """Seconds of each call of the runner's blocks (its span) and LM head, appended as they run
+    (step_overhead.TimedCall, as the measurement's own loop times them)."""
+    from hivekeeper.core.machine.step_overhead import TimedCall
+
     times: dict[str, list[float]] = {"blocks": [], "head": []}
-
-    class Timed:
-        def __init__(self, name: str, part):
-            self.name, self.part = name, part
-
-        def __call__(self, *args, **kwargs):
-            started = time.perf_counter()
-            out = self.part(*args, **kwargs)
-            times[self.name].append(time.perf_counter() - started)
-            return out
-
-        def __getattr__(self, attribute):
-            return getattr(self.part, attribute)
-
-    runner.span, runner.head = Timed("blocks", runner.span), Timed("head", runner.head)
+    runner.span, runner.head = TimedCall(runner.span, times["blocks"]), TimedCall(runner.head, times["head"])
     return times

@@ -29,7 +29,7 @@ import numpy as np
 from .efficiency import Efficiency, MachineEfficiency, at_width, default_efficiency
 from .errors import InputError
 from .formats import WeightFormat, bits_of, get_format
-from .hardware import ComputeDevice, HardwareSpec, PrefillRate
+from .hardware import ComputeDevice, HardwareSpec, PrefillRate, rate_at_rows
 from .models import ModelSpec
 
 TIERS = ("gpu", "cpu", "disk")
@@ -1011,7 +1011,8 @@ def pass_rate(grid: CandidateArrays, rows):
         return grid.peak_flops
     peak, half_rows = prefill_rate_at(streaming.prefill_rates, grid.numbers.hidden)
     rows = np.maximum(rows, 1.0)
-    return np.where((grid.stored_bytes == 4.0) & ~grid.overlapped, peak * rows / (rows + half_rows), grid.peak_flops)
+    return np.where((grid.stored_bytes == 4.0) & ~grid.overlapped, rate_at_rows(peak, half_rows, rows),
+                    grid.peak_flops)
 
 
 def prefill_rate_at(rates: tuple[PrefillRate, ...], hidden: int) -> tuple[float, float]:

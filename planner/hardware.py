@@ -33,6 +33,11 @@ class PrefillRate:
     half_rows: float  # rows at which it reaches half the peak (the weights' per-pass cost, in rows)
 
 
+def rate_at_rows(peak_flops, half_rows, rows):
+    """A PrefillRate's FLOP/s at `rows` rows a product: peak_flops x rows / (rows + half_rows) (numbers or arrays)."""
+    return peak_flops * rows / (rows + half_rows)
+
+
 @dataclass(frozen=True)
 class DecodeStreaming:
     """How a CPU's inference kernels read weights in decode, as `hivekeeper measure` found (measure_weight_streaming):

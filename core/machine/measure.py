@@ -29,6 +29,7 @@ import torch
 from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS
 from hivekeeper.planner.efficiency import REREAD_ROWS
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.hardware import rate_at_rows
 
 from hivekeeper.core.machine import step_overhead
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
@@ -581,7 +582,7 @@ def prefill_measurements(runs: list[PrefillRun], load: float) -> list[Measuremen
               + " (medians), through the runtime's prefill path")
     peak, half_rows = curve[widths[-1]]
     rows = PREFILL_SEQUENCES * PREFILL_TOKENS
-    rate = peak * rows / (rows + half_rows)
+    rate = rate_at_rows(peak, half_rows, rows)
     samples = [r.flops / max(s - r.blocks * fixed, 1e-9) for r in shown for s in r.seconds]
     found = [Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", rate, "FLOP/s",
                          median_and_spread(samples)[1] if samples else 0.0, len(samples), load,
