@@ -355,7 +355,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two small demo models and smaller grids (a smoke run)")
     parser.add_argument("--fast", action="store_true",
                         help="the full models and shapes on fewer grid points (under 10 min on a quiet 2-core machine)")
-    parser.add_argument("--repeats", type=int, default=2, help="repeats per grid point (the fastest is kept)")
+    parser.add_argument("--repeats", type=int, default=2, help="repeats per grid point (their median is kept)")
     parser.add_argument("--dump", metavar="FILE", help="also write the calibration and the evaluation points (JSON)")
     parser.add_argument("--refit", metavar="FILE",
                         help="measure nothing: fit and judge a --dump's calibration and evaluation points again")

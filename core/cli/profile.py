@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placements", metavar="NAME,...",
                         help="resident (default), ram (GPU: weights streamed from RAM), disk (half the blocks on disk)")
     parser.add_argument("--repeats", metavar="N",
-                        help="repeats of the whole grid; each point keeps its fastest (default 3)")
+                        help="repeats of the whole grid; each point keeps their median (default 3)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--no-save", action="store_true", help="do not save the calibration in the machine profile")
     parser.add_argument("--report", action="store_true", help="report the saved calibration instead of profiling")

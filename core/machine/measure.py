@@ -1385,19 +1385,24 @@ class BenchmarkSizes:
     # last-level cache each; the streamed ones stream_thin wide, stream_bytes or twice the cache each, the larger (one
     # buffer for the three formats); None: skip them (TINY)
     packed_streamed: bool = True  # False: only the cached spans
+    packed_bytes: int | None = None  # the packed streamed spans' bytes (None: stream_bytes)
     step_repeats: int = STEP_REPEATS  # timings of each whole decode step at least (they take milliseconds)
 
 
 # QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads).
-# Its decode spans are the full measurement's widths (2048 and 576): one 2048-wide block (172 MiB) and 96 MiB of
-# 576-wide ones, both beyond the cache (issue 23, session 15: its earlier spans, one 1024-wide block of 43 MiB, 1.4x
-# a 32 MiB L3, and 64 MiB of 384-wide ones, fitted 0.26 ms a block and put SmolLM2's fp32 decode 1.41x slow). Its
-# packed spans are the full measurement's too, the streamed ones included (96 MiB of 576-wide blocks, one buffer for
-# the three formats: measure_packed_kernels)
+# Its decode spans are the full measurement's, widths 2048 and 576 and 384 MiB each (two 2048-wide blocks, 28 of 576),
+# as large as the models a CPU runs. Issue 23, session 15: its earlier spans, one 1024-wide block of 43 MiB, 1.4x a
+# 32 MiB L3, and 64 MiB of 384-wide ones, fitted 0.26 ms a block and put SmolLM2's fp32 decode 1.41x slow. Session
+# 17: a native step call starts at a fixed cost of ~0.3-0.6 ms (two 8-block calls took 0.4-0.7 ms more than one
+# 16-block call; an LM head of 113 MB read as 226 MB did in 2x less 0.3 ms), which its spans of then, one 2048-wide
+# block (172 MiB, ~6.5 ms) and 7 of 576 (95 MiB, ~3.8 ms), charged to the rate: they read 24-26 GB/s where spans of
+# 384 MiB and the models (400-540 MB in a span call and a head call) read 27-30 in the same loop, and the planner
+# priced both calibration models' one-row steps 1.05-1.19x slow. Its packed streamed spans stay 96 MiB of 576-wide
+# blocks (a packed small model's size; one buffer for the three formats: measure_packed_kernels)
 QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill_rows=128, matmul_seconds=0.05,
-                       stream_hidden=2048, stream_bytes=96 << 20, half_wide=None, half_bytes=64 << 20,
-                       disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2, dtypes=("fp32", "bf16"),
-                       step_repeats=4)
+                       stream_hidden=2048, stream_bytes=384 << 20, packed_bytes=96 << 20, half_wide=None,
+                       half_bytes=64 << 20, disk_bytes=8 << 20, link_bytes=16 << 20, peer_bytes=1 << 20, repeats=2,
+                       dtypes=("fp32", "bf16"), step_repeats=4)
 
 
 # a few megabytes, the caches ignored: for tests and screenshots, where the numbers do not matter
@@ -1405,6 +1410,21 @@ TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_row
                       stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_wide=None,
                       half_bytes=4 << 20, disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2,
                       dtypes=("fp32", "bf16"), packed_hidden=None)
+
+
+# the decode spans take at most this share of the memory available when a measurement starts, each (two spans)
+SPAN_MEMORY_SHARE = 8
+
+
+def within_memory(sizes: BenchmarkSizes, available: int | None = None) -> BenchmarkSizes:
+    """`sizes` with each decode span (stream_bytes) at most 1/SPAN_MEMORY_SHARE of the memory `available` (None:
+    psutil's, now), so that the quick measurement of a small machine does not push it into swap; never below
+    twice the last-level cache, which the spans must exceed (stream_span_configs)."""
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    return replace(sizes, stream_bytes=min(sizes.stream_bytes, max(available // SPAN_MEMORY_SHARE, 1)))
 
 
 def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str | os.PathLike | None = None,
@@ -1418,6 +1438,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     formats' decode steps (their rates and a packed block's
     fixed cost, fitted to packed spans of two widths). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
+    sizes = within_memory(sizes)
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
     beyond_cache = 2 * (last_level_cache_bytes() if sizes.cache_bytes is None else sizes.cache_bytes)
     steps.append(("RAM bandwidth", lambda: [measure_memory_read("cpu", max(sizes.ram_bytes, beyond_cache),
@@ -1498,7 +1519,8 @@ def measure_step_overhead(runs: int = step_overhead.LOOP_RUNS, steps: int = step
 def measure_packed_at(sizes: BenchmarkSizes) -> list[Measurement]:
     """The packed formats' decode steps at `sizes` (measure_packed_kernels), as run_benchmarks takes them: a bench
     reads them again with this, at the moment it runs a packed model."""
-    return measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.stream_bytes, sizes.cache_bytes,
+    return measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.packed_bytes or sizes.stream_bytes,
+                                  sizes.cache_bytes,
                                   sizes.packed_streamed, max(sizes.step_repeats, PACKED_STEP_REPEATS),
                                   thin_width(sizes.stream_hidden, sizes.stream_thin))
 

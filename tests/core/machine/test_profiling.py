@@ -34,13 +34,16 @@ def calibration(tiny_checkpoint) -> Calibration:
                          device="cpu")
 
 
-def test_denoise_keeps_the_fastest_repeat_and_the_spread():
+def test_denoise_keeps_the_median_repeat_and_the_spread():
     runs = [Run(16, 4, 1, "resident", 0.30, 0.010, 0.33, 1.0), Run(16, 4, 1, "resident", 0.20, 0.012, 0.25, 2.5),
-            Run(16, 1, 1, "resident", 0.21, None, 0.21, 0.5)]
+            Run(16, 4, 1, "resident", 0.26, 0.020, 0.40, 0.7), Run(16, 1, 1, "resident", 0.21, None, 0.21, 0.5),
+            Run(8, 4, 1, "resident", 0.10, 0.010, 0.20, 0.5), Run(8, 4, 1, "resident", 0.14, 0.014, 0.30, 0.5)]
     points = {(p.prompt_len, p.output_len): p for p in denoise(runs)}
     point = points[(16, 4)]
-    assert (point.prefill_s, point.step_s, point.runtime_s) == (0.20, 0.010, 0.25)  # each time's own minimum
-    assert point.spread == pytest.approx((0.33 - 0.25) / 0.25) and point.repeats == 2 and point.loadavg == 2.5
+    assert (point.prefill_s, point.step_s, point.runtime_s) == (0.26, 0.012, 0.33)  # each time's own median
+    assert point.spread == pytest.approx((0.40 - 0.25) / 0.25) and point.repeats == 3 and point.loadavg == 2.5
+    two = points[(8, 4)]  # of two repeats, their mean
+    assert (two.prefill_s, two.step_s, two.runtime_s) == pytest.approx((0.12, 0.012, 0.25))
     assert points[(16, 1)].step_s is None and points[(16, 1)].decode_tokens_per_s is None
 
 
