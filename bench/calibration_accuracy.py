@@ -93,23 +93,26 @@ def machine_line(kind: str) -> dict:
 def grids(quick: bool, repeats: int, fast: bool = False):
     """(calibration grid, evaluation grids): batch 1, 4 and 8 (the decode kernels' most rows: session 16 measures
     8-row steps) over two prompt lengths, and batch 64 on a short prompt; `fast`: the full models on fewer and
-    shorter points (two prompt lengths each, as the fits need), same shapes and batches."""
+    shorter points (two prompt lengths each, as the fits need), same shapes and batches. Batch 64 runs
+    BATCH64_REPEATS times, BATCH64_TOKENS new tokens each (its prefills take seconds)."""
     from hivekeeper.core.machine.profiling import ProfileGrid
 
+    batch64 = dict(repeats=BATCH64_REPEATS, output_lens=(1, BATCH64_TOKENS), batch_sizes=(64,))
     if fast:
         return (ProfileGrid((16, 96), (1, 8), (1, 2, 4), repeats=repeats),
-                [ProfileGrid((32, 96), (1, 8), EVALUATED_BATCHES, repeats=repeats),
-                 ProfileGrid((8, 24), (1, 4), (64,), repeats=1)])
+                [ProfileGrid((32, 96), (1, 8), EVALUATED_BATCHES, repeats=repeats), ProfileGrid((8, 24), **batch64)])
     if quick:
         return (ProfileGrid((16, 64), (1, 8), (1, 4), repeats=repeats),
-                [ProfileGrid((32, 96), (1, 8), EVALUATED_BATCHES, repeats=repeats),
-                 ProfileGrid((8, 16), (1, 4), (64,), repeats=1)])
+                [ProfileGrid((32, 96), (1, 8), EVALUATED_BATCHES, repeats=repeats), ProfileGrid((8, 16), **batch64)])
     return (ProfileGrid((16, 64, 160), (1, 8), (1, 2, 4), repeats=repeats),
-            [ProfileGrid((32, 128), (1, 8), EVALUATED_BATCHES, repeats=repeats),
-             ProfileGrid((16, 32), (1, 4), (64,), repeats=1)])
+            [ProfileGrid((32, 128), (1, 8), EVALUATED_BATCHES, repeats=repeats), ProfileGrid((16, 32), **batch64)])
 
 
 EVALUATED_BATCHES = (1, 4, 8)  # and 64, on its own grid
+# Session 17: each point keeps the median of its repeats (profiling.denoise), 3 by default (--repeats), so that one
+# repeat at a slow or fast moment of the host is not half the point; batch 64 runs twice with 6 new tokens (5 steps
+# to a median), where it ran once with 4 (one run's 3 steps put the demo's batch-64 step 0.88-1.25x its prediction)
+DEFAULT_REPEATS, BATCH64_REPEATS, BATCH64_TOKENS = 3, 2, 6
 
 
 def run_points(path, evaluation_grids, label: str):
@@ -355,7 +358,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two small demo models and smaller grids (a smoke run)")
     parser.add_argument("--fast", action="store_true",
                         help="the full models and shapes on fewer grid points (under 10 min on a quiet 2-core machine)")
-    parser.add_argument("--repeats", type=int, default=2, help="repeats per grid point (their median is kept)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="repeats per grid point (their median is kept)")
     parser.add_argument("--dump", metavar="FILE", help="also write the calibration and the evaluation points (JSON)")
     parser.add_argument("--refit", metavar="FILE",
                         help="measure nothing: fit and judge a --dump's calibration and evaluation points again")

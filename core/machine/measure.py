@@ -463,8 +463,10 @@ def row_reads(seconds: float, nbytes: float, blocks: int, per_block: float, band
 
 # A prefill pass: PREFILL_SEQUENCES prompts of PREFILL_TOKENS tokens (rows per product: their product) through the
 # first blocks of a span holding about PREFILL_WEIGHTS weights (compute-bound: it needs no span beyond the caches),
-# timed PREFILL_REPEATS times in turn with the other span's
-PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 12_000_000, 3
+# timed PREFILL_REPEATS times in turn with the other span's. Session 17: with 3, a quick measurement at a swing of the
+# host fitted the 576-wide rate's half-rate rows at 152 (48-58 otherwise) and the 2048-wide one flat, and priced
+# SmolLM2's 32-row prefill 1.53x slow; a median of 5 costs ~0.6 s more (~0.3 s a repeat on this 2-core host)
+PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 12_000_000, 5
 # the fp32 spans' prefill passes run at two row counts (these many prompts of PREFILL_TOKENS: 96 and 288 rows), which
 # give the rate by rows (prefill_curve). Issue 23, session 16: a 2048-wide block multiplied at ~80 GFLOP/s over 32
 # rows, ~135 over 96, ~180 over 384-512 (BLAS packs a weight once a call whatever its rows), a 576-wide one at ~70,

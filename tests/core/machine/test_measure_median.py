@@ -60,8 +60,8 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
 
     monkeypatch.setattr(measure, "_alternating_seconds", alternating)
     monkeypatch.setattr(measure, "_timings", lambda fn, repeats, device: [0.020, 0.022, 0.018, 0.020, 0.020])
-    results = {m.key: m for m in measure.measure_decode_blocks(256, 2 << 20, repeats=5, cache_bytes=0,
-                                                               step_repeats=5)}
+    results = {m.key: m for m in measure.measure_decode_blocks(256, 2 << 20, repeats=4, cache_bytes=0,
+                                                               step_repeats=4)}
     stream = results[WEIGHT_STREAM_KEY]
     assert stream.value == pytest.approx(bandwidth) and results[BLOCK_OVERHEAD_KEY].value == pytest.approx(per_block)
     assert stream.samples and (stream.value, stream.spread) == (pytest.approx(bandwidth),
