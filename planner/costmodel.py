@@ -1071,19 +1071,25 @@ def lm_head(grid: CandidateArrays) -> AcceleratorWork:
     nbytes = grid.numbers.head_params * grid.head_bytes
     flops = grid.batch * 2.0 * grid.numbers.head_params
     kernel_rows = grid.overlapped & (grid.batch <= PACKED_KERNEL_ROWS)
+    many_rows = grid.batch > PACKED_KERNEL_ROWS
     reads = nbytes * format_reads(grid, grid.batch) * np.where(kernel_rows, 1.0 - grid.cached_share, 1.0)
+    blas_peak = np.where(many_rows, pass_rate(grid, grid.batch), grid.peak_flops)
     work = accelerator_work(grid, reads, nbytes, flops,
-                            np.where(kernel_rows, kernel_peak(grid, grid.head_flops), grid.peak_flops))
+                            np.where(kernel_rows, kernel_peak(grid, grid.head_flops), blas_peak))
     work = overlap(work, kernel_rows) if kernel_rows.any() else work
     if not steps_measured(grid.machine):
         return work
     # an fp32 head of up to PACKED_KERNEL_ROWS rows runs on the decode kernels (cpu_decode.head_step), which multiply
     # as they read, as the measured steps' blocks do: its FLOPs count only where they outlast its reads (issue 23:
-    # added, they put 2-4 ms on a thin model's one-row step, as much again at 4 rows, more at a busy measurement's rate)
+    # added, they put 2-4 ms on a thin model's one-row step, as much again at 4 rows, more at a busy measurement's rate).
+    # Beyond them it is one BLAS pass of `batch` rows, priced as the blocks' passes are: at the rate of its rows, its
+    # reads inside it (reads_in_passes; session 17: at the 96-row rate with its reads added, a batch-64 step's head
+    # put SmolLM2's step ~5% and the wide demo's ~4% slow)
     kernel_head = (grid.head_bytes == 4.0) & (grid.batch <= PACKED_KERNEL_ROWS)
-    return AcceleratorWork(work.bytes_min, work.flops, work.memory_s,
-                           np.where(kernel_head, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s),
-                           work.bound_s)
+    return reads_in_passes(grid, AcceleratorWork(
+        work.bytes_min, work.flops, work.memory_s,
+        np.where(kernel_head, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s), work.bound_s),
+        many_rows)
 
 
 # ---- prefill of p tokens per sequence, per block ------------------------------------------------------------------

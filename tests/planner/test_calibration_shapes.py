@@ -222,7 +222,9 @@ def test_a_decode_step_written_out_term_by_term_adds_up_to_the_step_and_each_ter
 def test_the_heads_flops_in_a_few_row_step_count_only_beyond_its_reads_on_measured_steps(model):
     """Up to PACKED_KERNEL_ROWS rows the fp32 head runs on the decode kernels (cpu_decode.head_step), which multiply
     as they read: halving the FLOP rate leaves a 1- or 4-row step's head at its reads (they outlast its FLOPs here);
-    at 64 rows (BLAS) its FLOPs still add, and a CPU whose steps were not measured still adds them."""
+    at 64 rows it is one BLAS pass, priced as the blocks' prefill passes are (session 17): its FLOPs at the passes'
+    rate with its reads inside them (here they do not outlast them: 0), where a profile without measured passes adds
+    the reads; a CPU whose steps were not measured still adds its FLOPs."""
     from hivekeeper.planner.costmodel import decode_step_terms
 
     fast, slow = measured_cpu(1e-3, prefill_flops=90e9), measured_cpu(1e-3, prefill_flops=45e9)
@@ -236,7 +238,11 @@ def test_the_heads_flops_in_a_few_row_step_count_only_beyond_its_reads_on_measur
         assert head(slow, rows)["head_compute_s"] == head(fast, rows)["head_compute_s"] == 0.0
         assert head(slow, rows)["head_reads_s"] == pytest.approx(head(fast, rows)["head_reads_s"], rel=1e-9)
     many_fast, many_slow = head(fast, 64), head(slow, 64)
-    assert many_slow["head_compute_s"] > many_fast["head_compute_s"] > 0.0
+    assert many_slow["head_compute_s"] == pytest.approx(2 * many_fast["head_compute_s"], rel=1e-9)
+    assert many_fast["head_compute_s"] == pytest.approx(64 * 2.0 * model.vocab_size * model.hidden_size / 90e9,
+                                                        rel=1e-6)
+    assert many_fast["head_reads_s"] == many_slow["head_reads_s"] == 0.0
+    assert head(measured_cpu(1e-3, passes=False), 64)["head_reads_s"] > 0.0
     unmeasured = get_hardware("cpu-generic")
     assert head(unmeasured, 1)["head_compute_s"] > 0.0
 
