@@ -20,7 +20,7 @@ import struct
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, TextIO
 
 import numpy as np
@@ -681,22 +681,32 @@ class StreamSpans:
 @dataclass(frozen=True)
 class StreamReading:
     """One reading of the streaming rate: bytes/s and a block's fixed cost fitted to the two spans' median one-row
-    steps (fit_bytes_and_blocks), with every step's seconds."""
+    steps (fit_bytes_and_blocks), with every step's seconds; and, where few-row steps were timed with them, each
+    span's few-row reads by that fit (ROW_READS_AT_KEY<width>x<rows> -> row_reads: the same moment's ratio)."""
 
     bandwidth: float
     per_block: float
     wide_s: list[float]
     narrow_s: list[float]
+    reads: dict[str, float] = field(default_factory=dict)
 
 
-def stream_reading(spans: StreamSpans, repeats: int) -> StreamReading:
+def stream_reading(spans: StreamSpans, repeats: int, few_rows: tuple[int, ...] = ()) -> StreamReading:
     """The decode steps' streaming rate now: `repeats` one-row steps of each span timed in turn (after one warm-up
-    each), fitted on their medians. Runs in the thread layout set (the runtime's: cpu_matmul.use_blas_threads)."""
-    (b1, n1), (b2, n2) = spans.shapes()
-    s1, s2 = _alternating_seconds([decode_steps(spans.wide_config, spans.wide, 1),
-                                   decode_steps(spans.narrow_config, spans.narrow, 1)], repeats)
+    each), fitted on their medians; with `few_rows`, steps of those many rows through both spans timed in the same
+    loop, and their reads by that fit. Runs in the thread layout set (the runtime's: cpu_matmul.use_blas_threads)."""
+    shapes = spans.shapes()
+    configs = ((spans.wide_config, spans.wide), (spans.narrow_config, spans.narrow))
+    timed = _alternating_seconds([decode_steps(config, span, rows) for rows in (1, *few_rows)
+                                  for config, span in configs], repeats)
+    (b1, n1), (b2, n2) = shapes
+    s1, s2 = timed[:2]
     per_block, bandwidth = fit_bytes_and_blocks((statistics.median(s1), b1, n1), (statistics.median(s2), b2, n2))
-    return StreamReading(bandwidth, per_block, s1, s2)
+    reads = {f"{ROW_READS_AT_KEY}{config.hidden_size}x{rows}": row_reads(statistics.median(seconds), nbytes, blocks,
+                                                                           per_block, bandwidth)
+             for rows, pair in zip(few_rows, zip(timed[2::2], timed[3::2]))
+             for seconds, (config, _), (nbytes, blocks) in zip(pair, configs, shapes)}
+    return StreamReading(bandwidth, per_block, s1, s2, reads)
 
 
 # run_benchmarks reads the decode steps' streaming rate four more times after measure_decode_blocks's reading, spread
@@ -723,7 +733,8 @@ class StreamRereads:
         previous_threads = torch.get_num_threads()
         use_blas_threads()  # the runtime's thread layout, as measure_decode_blocks reads it in
         try:
-            self.readings.append(stream_reading(self.built(), max(sizes.repeats, sizes.step_repeats)))
+            self.readings.append(stream_reading(self.built(), max(sizes.repeats, sizes.step_repeats),
+                                                (FEW_ROWS, PACKED_KERNEL_ROWS)))
         finally:
             torch.set_num_threads(previous_threads)
         return []
@@ -761,7 +772,7 @@ def fold_stream_readings(results: list[Measurement], later: list[StreamReading],
     """`results` with the decode steps' streaming rate (WEIGHT_STREAM_KEY) and a block's fixed cost
     (BLOCK_OVERHEAD_KEY) pooled from measure_decode_blocks's reading and the `later` ones (pooled_reading, on the
     spans' (bytes, blocks) `shapes`); the rate's samples are then the readings' rates, its spread their range over
-    their median; a few-row step's reads are counted at the pooled rate (reads_at_rate). Unchanged without later
+    their median; a few-row step's reads are the median of every reading's (pooled_reads). Unchanged without later
     readings or without the decode steps' measurements."""
     by_key = {m.key: m for m in results}
     stream, block = by_key.get(WEIGHT_STREAM_KEY), by_key.get(BLOCK_OVERHEAD_KEY)
@@ -776,21 +787,29 @@ def fold_stream_readings(results: list[Measurement], later: list[StreamReading],
                                          repeats=len(rates), samples=rates, loadavg=max(stream.loadavg, load_average()),
                                          detail=stream.detail + words),
               BLOCK_OVERHEAD_KEY: replace(block, value=pooled.per_block, detail=block.detail + words)}
-    scale = pooled.bandwidth / stream.value
-    folded.update({m.key: reads_at_rate(m, scale, pooled.bandwidth) for m in results
-                   if m.key == SMALL_ROWS_READS_KEY or m.key.startswith(ROW_READS_AT_KEY)})
+    folded.update({m.key: pooled_reads(m, later) for m in results if m.key.startswith(ROW_READS_AT_KEY)})
+    four = [key for key in folded if key.startswith(ROW_READS_AT_KEY) and key.endswith(f"x{FEW_ROWS}")]
+    if four and SMALL_ROWS_READS_KEY in by_key:  # older profiles' one figure: the wide span's 4-row reads
+        wide = max(four, key=lambda key: int(key[len(ROW_READS_AT_KEY):].split("x")[0]))
+        folded[SMALL_ROWS_READS_KEY] = replace(by_key[SMALL_ROWS_READS_KEY], value=folded[wide].value,
+                                               spread=folded[wide].spread, samples=folded[wide].samples,
+                                               repeats=folded[wide].repeats)
     return [folded.get(m.key, m) for m in results]
 
 
-def reads_at_rate(reads: Measurement, scale: float, bandwidth: float) -> Measurement:
-    """A few-row step's reads (row_reads: its time over its one-row reads at the first reading's rate) counted at the
-    pooled rate, `scale` times the first: the few-row step's own time is kept. Session 16: a 4-row step through
-    576-wide blocks took 6.3-6.75 ms in four measurements while the one-row step, bound by the RAM's moment, took
-    3.96-4.81 ms; over the one-row step of its own moment the reads read 1.40-1.77, over the pooled rate's they hold
-    the step the cost model then prices at that rate."""
-    return replace(reads, value=max(1.0, reads.value * scale),
-                   detail=f"{reads.detail}; counted at the pooled rate {bandwidth / 1e9:.3g} GB/s ({scale:.3g}x the "
-                          "first reading's)")
+def pooled_reads(reads: Measurement, later: list[StreamReading]) -> Measurement:
+    """A few-row step's reads (row_reads: over its own reading's one-row fit) as the median of the first reading's
+    and every later reading's of the same key, at least 1; unchanged where no later reading timed it. Session 17:
+    one reading's few-row steps at a moment of the host put the 576-wide span's 4-row reads at 1.18-1.89 between
+    quick measurements; a ratio to the one-row step of the same seconds, read five times over the measurement, is
+    the machine's typical one, which the cost model prices at the pooled rate."""
+    samples = [reads.value, *(r.reads[reads.key] for r in later if reads.key in r.reads)]
+    if len(samples) == 1:
+        return reads
+    return replace(reads, value=max(1.0, statistics.median(samples)), spread=median_and_spread(samples)[1],
+                   repeats=len(samples), samples=samples,
+                   detail=f"{reads.detail}; the median of {len(samples)} readings spread over the measurement "
+                          f"({', '.join(f'{x:.3g}' for x in samples)})")
 
 
 def _alternating_seconds(runs: list[Callable[[], None]], repeats: int) -> list[list[float]]:

@@ -55,6 +55,16 @@ def test_fingerprint_identifies_hardware_not_free_space():
     assert len(fingerprints) == 3 and all(len(f) == 16 for f in fingerprints)
 
 
+def test_a_real_measurement_pools_the_few_row_reads_of_every_reading(measured):
+    """Session 17: the four later readings of the streaming rate time the spans' 4- and 8-row steps too (real steps
+    here, at TINY's sizes), and each width's reads are the median of the five readings' (at least 1)."""
+    from hivekeeper.core.machine.measurement import ROW_READS_AT_KEY
+
+    few = [m for m in measured if m.key.startswith(ROW_READS_AT_KEY)]
+    assert len(few) == 4 and all(m.repeats == len(m.samples) == 5 and m.value >= 1.0 for m in few)
+    assert all(m.value == pytest.approx(max(1.0, sorted(m.samples)[2])) for m in few)
+
+
 def test_measured_numbers_replace_estimates_with_their_sources(measured):
     spec = detect_hardware()
     hardware = apply_measurements(spec, measured, when=1.7e9)

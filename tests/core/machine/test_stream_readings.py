@@ -78,7 +78,8 @@ def test_plan_hardware_auto_plans_with_the_pooled_readings(monkeypatch, tmp_path
     fed = [reading(7.0, 0.02), reading(30.0, 0.01), reading(7.0, 0.02), reading(7.0, 0.02)]
     packed_with = []  # the packed spans' arguments (they fit a packed block's cost themselves: none passed in)
     monkeypatch.setattr(measure, "QUICK", replace(TINY, packed_hidden=256))
-    monkeypatch.setattr(measure, "stream_reading", lambda spans, repeats: fed.pop(0))
+    few = []  # the rows of the few-row steps each later reading times with its one-row ones
+    monkeypatch.setattr(measure, "stream_reading", lambda spans, repeats, rows=(): few.append(rows) or fed.pop(0))
     monkeypatch.setattr(measure, "measure_packed_kernels", lambda *args: packed_with.append(args) or [])
     monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path))
     (tmp_path / "data").mkdir()
@@ -89,6 +90,7 @@ def test_plan_hardware_auto_plans_with_the_pooled_readings(monkeypatch, tmp_path
     steps = [line.split("%", 1)[1].strip() for line in first.stderr.splitlines() if line.strip()[:1].isdigit()]
     again_at = [i for i, step in enumerate(steps) if step == "CPU decode streaming, read again"]
     assert not fed and len(again_at) == 4 and again_at[0] > steps.index("CPU decode steps")
+    assert few == [(measure.FEW_ROWS, measure.PACKED_KERNEL_ROWS)] * 4 == [(4, 8)] * 4
     assert steps.index("CPU decode steps") < steps.index("CPU packed-format decode steps") < again_at[0]
     assert again_at[0] < steps.index("disk") < again_at[-1] < steps.index("CPU packed-format decode steps, read again")
     assert steps[-1] == "done" and len(packed_with) == 2 and all(0.02e-3 not in args for args in packed_with)
@@ -109,16 +111,25 @@ def test_plan_hardware_auto_plans_with_the_pooled_readings(monkeypatch, tmp_path
     assert decode_with(30.0) > 3.5 * decode_with(7.0)
 
 
-def test_a_few_row_steps_reads_are_counted_at_the_pooled_rate():
-    """The few-row step's time is kept: its reads over the first reading's one-row reads (17.4 GB/s, a lucky
-    moment) become its reads over the pooled rate's (10.2 GB/s), so the step the plan prices at the pooled rate is
-    the step measured; reads stay at least 1."""
+def test_a_few_row_steps_reads_are_the_median_of_every_readings():
+    """Session 17: each later reading times the few-row steps with its one-row ones, and each width's reads are the
+    median of the five readings' (each over the one-row step of its own moment), at least 1; the older profiles' one
+    figure follows the wide span's 4-row reads; a key no later reading timed keeps the first reading's."""
     from hivekeeper.core.machine.measurement import ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY
 
+    wide4, thin4, thin8 = (f"{ROW_READS_AT_KEY}{key}" for key in ("2048x4", "576x4", "576x8"))
     reads = [Measurement(SMALL_ROWS_READS_KEY, "4-row reads", 2.0, "x", 0.1, 7, 0.5, "wide span"),
-             Measurement(f"{ROW_READS_AT_KEY}576x4", "4-row reads, 576 wide", 1.7, "x", 0.1, 7, 0.5, "thin span")]
-    later = [reading(9.1, 0.2), reading(10.2, 0.2), reading(8.8, 0.2), reading(11.0, 0.2)]
+             Measurement(wide4, "4-row reads, 2048 wide", 2.0, "x", 0.1, 7, 0.5, "wide span"),
+             Measurement(thin4, "4-row reads, 576 wide", 1.9, "x", 0.1, 7, 0.5, "thin span"),
+             Measurement(thin8, "8-row reads, 576 wide", 2.5, "x", 0.1, 7, 0.5, "thin span")]
+    later = [replace(reading(9.1, 0.2), reads={wide4: 1.6, thin4: 1.4}), replace(reading(10.2, 0.2), reads={
+        wide4: 1.5, thin4: 1.3}), replace(reading(8.8, 0.2), reads={wide4: 1.7, thin4: 0.9}),
+        replace(reading(11.0, 0.2), reads={wide4: 1.8, thin4: 0.8})]
     folded = {m.key: m for m in fold_stream_readings(first_reading(17.4, 0.2) + reads, later, SHAPES)}
-    assert folded[SMALL_ROWS_READS_KEY].value == pytest.approx(2.0 * 10.2 / 17.4)
-    assert folded[f"{ROW_READS_AT_KEY}576x4"].value == 1.0  # 1.7 x 10.2 / 17.4 < 1: once at least
-    assert "pooled rate 10.2 GB/s" in folded[SMALL_ROWS_READS_KEY].detail
+    assert folded[wide4].value == pytest.approx(1.7) and folded[wide4].samples == [2.0, 1.6, 1.5, 1.7, 1.8]
+    assert folded[thin4].value == pytest.approx(1.3) and folded[thin4].spread == pytest.approx((1.9 - 0.8) / 1.3)
+    assert folded[SMALL_ROWS_READS_KEY].value == pytest.approx(1.7) and folded[SMALL_ROWS_READS_KEY].repeats == 5
+    assert "median of 5 readings" in folded[wide4].detail
+    assert folded[thin8] == reads[3]  # no later reading timed it
+    low = [replace(reading(10.0, 0.2), reads={thin4: 0.9})] * 4
+    assert {m.key: m for m in fold_stream_readings(first_reading(17.4, 0.2) + reads, low, SHAPES)}[thin4].value == 1.0
