@@ -1081,8 +1081,8 @@ def lm_head(grid: CandidateArrays) -> AcceleratorWork:
         return work
     # an fp32 head of up to PACKED_KERNEL_ROWS rows runs on the decode kernels (cpu_decode.head_step), which multiply
     # as they read, as the measured steps' blocks do: its FLOPs count only where they outlast its reads (issue 23:
-    # added, they put 2-4 ms on a thin model's one-row step, as much again at 4 rows, more at a busy measurement's rate).
-    # Beyond them it is one BLAS pass of `batch` rows, priced as the blocks' passes are: at the rate of its rows, its
+    # added, they put 2-4 ms on a thin model's one-row step, as much again at 4 rows, more at a busy measurement's
+    # rate). Beyond them it is one BLAS pass of `batch` rows, priced as the blocks' passes are: at the rate of its rows, its
     # reads inside it (reads_in_passes; session 17: at the 96-row rate with its reads added, a batch-64 step's head
     # put SmolLM2's step ~5% and the wide demo's ~4% slow)
     kernel_head = (grid.head_bytes == 4.0) & (grid.batch <= PACKED_KERNEL_ROWS)

@@ -406,7 +406,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     # ..., a, b, ...): the steps of each repeat see the same moment, so the few-row steps' ratio to the one-row ones
     # is not a swing of the host's between them (session 16: timed apart, the 576-wide span's 4-row ratio read 1.63
     # where in turn it read 1.34-1.39 four times)
-    row_counts = (1, FEW_ROWS, PACKED_KERNEL_ROWS)
+    row_counts = (1, *FEW_ROW_COUNTS)
     timed = _alternating_seconds([decode_steps(config, span, rows) for rows in row_counts
                                   for config, span in ((wide_config, wide), (narrow_config, narrow))], repeats)
     s1, s2 = timed[:2]
@@ -440,6 +440,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
 
 
 FEW_ROWS = REREAD_ROWS  # the rows of the few-row decode steps measured (the native kernels take up to 8)
+FEW_ROW_COUNTS = (FEW_ROWS, PACKED_KERNEL_ROWS)  # every few-row step a reading times: 4 rows and the kernels' most
 
 
 def few_row_reads(seconds: list[float], rows: int, width: int, nbytes: int, blocks: int,
@@ -737,7 +738,7 @@ class StreamRereads:
         use_blas_threads()  # the runtime's thread layout, as measure_decode_blocks reads it in
         try:
             self.readings.append(stream_reading(self.built(), max(sizes.repeats, sizes.step_repeats),
-                                                (FEW_ROWS, PACKED_KERNEL_ROWS)))
+                                                FEW_ROW_COUNTS))
         finally:
             torch.set_num_threads(previous_threads)
         return []
@@ -1457,10 +1458,11 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     """Every benchmark this machine allows, in turn: RAM, CPU matmuls per dtype (decode and prefill shapes), decode
     weight streaming, a bf16 decode step against fp32 (with native bf16 math), disk (when a folder is given), GPU
     memory, GPU matmuls and host<->device copies (pinned and pageable) when a CUDA device is present (and gpu=True),
-    and each peer; the decode steps' streaming rate is read again between the later steps and their pooled fit kept
-    (StreamRereads, fold_stream_readings), the decode loop's fixed cost per step (step_overhead), then the packed
-    formats' decode steps (their rates and a packed block's
-    fixed cost, fitted to packed spans of two widths). progress(fraction, label) is called before each step;
+    and each peer; the decode steps' streaming rate (and their few-row reads) is read again between the later steps
+    and the pooled figures kept (StreamRereads, fold_stream_readings), the decode loop's fixed cost per step
+    (step_overhead); the packed formats' decode steps (their rates and a packed block's fixed cost, fitted to packed
+    spans of two widths) are read after the decode steps and again last, and pooled (pool_packed). The decode spans
+    fit the memory available (within_memory). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
     sizes = within_memory(sizes)
     steps: list[tuple[str, Callable[[], list[Measurement]]]] = []
@@ -1536,8 +1538,6 @@ def pooled_packed(first: Measurement, second: Measurement) -> Measurement:
     """One measurement from two readings of one key: the median of both readings' samples (a cost at least 0), their
     range over it as the spread."""
     samples = first.samples + second.samples
-    if not samples:
-        return second
     median, spread = median_and_spread(samples)
     value = max(0.0, median) if first.unit == "s" else median
     return replace(first, value=value, spread=spread, repeats=len(samples), loadavg=max(first.loadavg, second.loadavg),
@@ -1574,8 +1574,8 @@ def measure_packed_at(sizes: BenchmarkSizes) -> list[Measurement]:
     """The packed formats' decode steps at `sizes` (measure_packed_kernels), as run_benchmarks takes them: a bench
     reads them again with this, at the moment it runs a packed model."""
     return measure_packed_kernels(sizes.repeats, sizes.packed_hidden, sizes.packed_bytes or sizes.stream_bytes,
-                                  sizes.cache_bytes,
-                                  sizes.packed_streamed, max(sizes.step_repeats, PACKED_STEP_REPEATS),
+                                  sizes.cache_bytes, sizes.packed_streamed,
+                                  max(sizes.step_repeats, PACKED_STEP_REPEATS),
                                   thin_width(sizes.stream_hidden, sizes.stream_thin))
 
 

@@ -175,7 +175,8 @@ def test_a_bf16_prefill_is_timed_through_bf16_blocks_on_the_runtimes_path():
     threads = torch.get_num_threads()
     prefill = measure.measure_half_prefill(256, repeats=3)
     assert torch.get_num_threads() == threads  # the caller's thread count is restored
-    assert prefill.key == PREFILL_BF16_KEY and prefill.unit == "FLOP/s" and len(prefill.samples) == measure.PREFILL_REPEATS
+    assert prefill.key == PREFILL_BF16_KEY and prefill.unit == "FLOP/s"
+    assert len(prefill.samples) == measure.PREFILL_REPEATS
     assert min(prefill.samples) <= prefill.value <= max(prefill.samples) and prefill.value > 0
     config, span = measure.decode_span(256, measure.PREFILL_WEIGHTS * 4)
     _, flops, blocks = measure.prefill_pass(config, measure.half_span(config, span), torch.bfloat16)

@@ -69,8 +69,9 @@ def test_without_later_readings_or_decode_steps_nothing_changes():
 def test_plan_hardware_auto_plans_with_the_pooled_readings(monkeypatch, tmp_path, cli):
     """Through the user's command: the first `plan --hardware auto` on a machine never measured measures it (here
     at TINY's sizes, the later readings fed in: four, after the decode steps' own, between the later steps and last
-    before the packed spans' second reading, each of which fits its own block cost), saves the median reading in its profile, whatever the first (real) one was (three of the four fed are
-    equal, so both spans' median steps are theirs), and plans with it (a second plan from the saved profile predicts the same); the lucky reading (30 GB/s)
+    before the packed spans' second reading, each of which fits its own block cost), saves the median reading in its
+    profile, whatever the first (real) one was (three of the four fed are equal, so both spans' median steps are
+    theirs), and plans with it (a second plan from the saved profile predicts the same); the lucky reading (30 GB/s)
     would have planned decode about four times faster (with the FLOP/s raised in both, so that the reads decide)."""
     from hivekeeper.core.machine.measurement import PREFILL_FLOPS_KEY
     from hivekeeper.core.machine.profiles import load_profile, save_profile
