@@ -1,8 +1,9 @@
 """What the benchmarks share (not a benchmark itself): demo checkpoints written once into the data folder, a
-fixed prompt of token ids, and a CPU-bound process to run beside ("busy")."""
+fixed prompt of token ids, a CPU-bound process to run beside ("busy"), and a child's JSON answer."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 HOG_DEADLINE_S = 1800  # the hog kills itself after this, should the bench die without killing it
+CHILD_DEADLINE_S = 600  # a child_json child is killed after this
 
 
 def demo_checkpoint(name: str, shape: dict) -> Path:
@@ -59,3 +61,17 @@ def timed_parts(runner) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"blocks": [], "head": []}
     runner.span, runner.head = TimedCall(runner.span, times["blocks"]), TimedCall(runner.head, times["head"])
     return times
+
+
+def child_json(command: list[str], env: dict | None) -> dict:
+    """The last line of a child's stdout as JSON; on failure or past CHILD_DEADLINE_S (run() kills the child), the
+    output so far in the error."""
+    what = " ".join(command[2:6])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE_S, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise SystemExit(f"{what}: no answer in {CHILD_DEADLINE_S} s; output so far:\n"
+                         f"{exc.stdout or ''}{exc.stderr or ''}") from None
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed ({done.returncode}):\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -9,16 +9,20 @@ Issue 23: one number for the whole grid hid where the cost model was wrong, so t
    timed: the uncalibrated cost model uses it.
 3. Calibration (timed): a runtime profile of the thin model over a small grid with the real engine and generate(),
    then the fit (`hivekeeper profile`'s).
-4. Evaluation: an independent run of both models at batch 1, 4, 8 and 64, prefill and decode. For every (model,
-   batch, phase) the calibrated and uncalibrated errors; the default model's decode tokens/s at batch 1 predicted
-   (after the quick measurement alone, and calibrated) against measured.
+4. Evaluation: independent runs of both models at batch 1, 4, 8 and 64, prefill and decode, in two rounds (thin,
+   wide, thin, wide; each point the mean of its rounds: EVALUATION_ROUNDS). For every (model, batch, phase) the
+   calibrated and uncalibrated errors; the default model's decode tokens/s at batch 1 predicted (after the quick
+   measurement alone, and calibrated) against measured. Beside them, each round judged alone (`rounds_mape_pct`) and
+   the host's own repeat error (`host_repeat_mape_pct`: the second round's times "predicted" by the first's), the
+   floor a prediction made a minute earlier meets on this host.
 
 The default model runs dequantized to fp32 here (HIVEKEEPER_GGUF_PACKED=0 unless set): since issue 16 the runtime
 keeps its Q4_1/Q8_0 blocks packed by default. The planner now plans that packed path too (format q4_1, at the packed
 kernels' measured rate: docs/calibration.md), but the calibration grid and its fits are of fp32 runs, so this bench
-keeps the fp32 run for them; one more run, batch 1, times the default model packed as `generate` runs it and sets
-it beside the packed format's prediction (`default_model_packed_decode_tokens_per_s`; not with --quick): its steady
-decode, 64 new tokens with the tokenizer streaming the text, the median of 3 runs per prompt length (session 16: the
+keeps the fp32 run for them; one more run, batch 1, times the default model packed as `generate` runs it (in a
+process of its own, once a round) and sets it beside the packed format's prediction
+(`default_model_packed_decode_tokens_per_s`; not with --quick): its steady decode, 64 new tokens with the tokenizer
+streaming the text, the median of 3 runs per prompt length and round (session 16: the
 grid's fastest repeat of 7-step medians read it 15-25% faster than `generate` and bench/predicted_vs_measured.py),
 also predicted from the packed kernels' readings of the moment (`uncalibrated_now`: the quick measurement's packed
 spans timed again right before and after the runs, their mean in place of the profile's).
@@ -50,14 +54,16 @@ import hivekeeper.core  # noqa: F401 - first, before numpy and torch: sets OpenB
 import argparse
 import json
 import os
+import sys
 
 os.environ.setdefault("HIVEKEEPER_GGUF_PACKED", "0")  # the fp32 run the cost model describes (see above)
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from _common import demo_checkpoint  # bench/ is the script's folder, first on sys.path
+from _common import child_json, demo_checkpoint  # bench/ is the script's folder, first on sys.path
 
 WIDE = dict(layers=2, hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=8192, max_position=1024)
 QUICK_THIN = dict(layers=12, hidden=256, intermediate=704, heads=4, kv_heads=2, vocab=2048, max_position=512)
@@ -73,8 +79,6 @@ def run_as(kind: str) -> None:
     the BLAS libraries read theirs when they load, so it must be set before this process imports them."""
     if kind == "this" or all(os.environ.get(k) == v for k, v in AVX2_MACHINE.items()):
         return  # this kind, or already started again in the other's environment
-    import sys
-
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_MACHINE})
 
 
@@ -124,6 +128,98 @@ def run_points(path, evaluation_grids, label: str):
         runs, policies = measure_grid(path, grid, device="cpu", seed=1 + i, progress=TerminalProgress(label))
         points += denoise(runs)
     return points, policies
+
+
+# Session 18: each model is evaluated twice, the rounds apart (thin, wide, thin, wide), and every point is the mean of
+# its two rounds. A point of one round is this host's speed of one moment, which swings +-15-20% from one minute to
+# the next (session 17): judged against one round, a prediction's error held the host's move since the measurement
+# and the point's own moment. The rounds' difference is reported too (host_repeat_mape_pct: round 2 "predicted" by
+# round 1), the error no prediction made a minute earlier can go below on this host
+EVALUATION_ROUNDS = 2
+
+
+@dataclass
+class Evaluation:
+    """The evaluation's runs: per model, each round's points and the stream probe's readings (before and after each
+    round), its placements' policies; the packed row's rounds; the load and seconds of each stage."""
+
+    rounds: dict = field(default_factory=dict)
+    readings: dict = field(default_factory=dict)
+    policies: dict = field(default_factory=dict)
+    packed: list = field(default_factory=list)
+    loads: dict = field(default_factory=dict)
+    stages: dict = field(default_factory=dict)
+
+
+def evaluate_rounds(models: dict, evaluation_grids, read_stream, packed_run=None) -> Evaluation:
+    """Every model over the evaluation grids, EVALUATION_ROUNDS times in turn (thin, wide, thin, wide), the
+    streaming rate read (`read_stream()`, B/s) right before and after each; `packed_run(path)` (a round of the
+    packed row: packed_round) after the first model's runs of each round, its rounds kept where it returns any."""
+    done = Evaluation({name: [] for name in models}, {name: [] for name in models})
+    for index in range(EVALUATION_ROUNDS):
+        for position, (name, path) in enumerate(models.items()):
+            started, stage = time.perf_counter(), f"evaluate {name} ({index + 1})"
+            done.readings[name].append(read_stream())
+            points, done.policies[name] = run_points(path, evaluation_grids, f"{stage} ")
+            done.rounds[name].append(points)
+            done.readings[name].append(read_stream())
+            if packed_run is not None and position == 0:
+                done.packed += [r for r in [packed_run(path)] if r is not None]
+            done.loads[stage] = round(os.getloadavg()[0], 2)
+            done.stages[stage] = round(time.perf_counter() - started, 1)
+    return done
+
+
+def pooled_rounds(rounds: list[list]) -> list:
+    """One point per grid point from its rounds' points (same grids, so the same points in each): every time the
+    mean of the rounds', the spread the widest of theirs and of the rounds' runtimes, the repeats all of theirs."""
+    from hivekeeper.planner.calibration import ProfilePoint
+
+    groups: dict[tuple, list] = {}
+    for points in rounds:
+        for pt in points:
+            groups.setdefault(point_key(pt), []).append(pt)
+    pooled = []
+    for group in groups.values():
+        runtimes = [pt.runtime_s for pt in group]
+        steps = [pt.step_s for pt in group if pt.step_s is not None]
+        first = group[0]
+        pooled.append(ProfilePoint(
+            first.prompt_len, first.output_len, first.batch_size,
+            prefill_s=float(np.mean([pt.prefill_s for pt in group])),
+            step_s=float(np.mean(steps)) if steps else None, runtime_s=float(np.mean(runtimes)),
+            placement=first.placement,
+            spread=max([pt.spread for pt in group] + [(max(runtimes) - min(runtimes)) / min(runtimes)]),
+            repeats=sum(pt.repeats for pt in group), loadavg=max(pt.loadavg for pt in group)))
+    return pooled
+
+
+def point_key(pt) -> tuple:
+    return pt.placement, pt.prompt_len, pt.output_len, pt.batch_size
+
+
+def repeat_errors(first: list, last: list) -> dict:
+    """The host's own repeat error, per batch size and phase: the MAPE of the last round's tokens/s "predicted" by
+    the first round's at the same points ({"b1": {"decode": {"repeat": %}, "prefill": {...}}, ...})."""
+    from hivekeeper.planner.calibration import FormPrediction, form_accuracy
+
+    earlier = {point_key(pt): pt for pt in first}
+    table: dict = {}
+    for batch in sorted({pt.batch_size for pt in last}):
+        chosen = [pt for pt in last if pt.batch_size == batch and point_key(pt) in earlier]
+        before = [earlier[point_key(pt)] for pt in chosen]
+        as_predicted = FormPrediction(np.array([pt.prefill_s for pt in before]),
+                                      np.array([np.nan if pt.step_s is None else pt.step_s for pt in before]),
+                                      np.array([pt.runtime_s for pt in before]))
+        for phase, acc in form_accuracy(chosen, as_predicted).items():
+            if phase in ("decode", "prefill"):
+                table.setdefault(f"b{batch}", {})[phase] = {"repeat": round(100 * acc.mape, 1)}
+    return table
+
+
+def zip_rounds(by_model: dict) -> list[dict]:
+    """{model: [round 1's table, round 2's, ...]} -> [{model: round 1's table}, {model: round 2's}, ...]."""
+    return [dict(zip(by_model, tables)) for tables in zip(*by_model.values())]
 
 
 def shape_errors(spec, forms: dict, points, policies) -> tuple[dict, dict]:
@@ -204,36 +300,34 @@ def default_model_decode(spec, hardware, points, policies, efficiencies: dict) -
     return result
 
 
-def packed_default_decode(path, spec, hardware, grid, efficiencies: dict, now=None) -> dict:
-    """The default model as `generate` runs it (its Q4_1 blocks packed; its tokenizer decoding every new token),
-    batch 1: its steady decode measured over the grid's prompt lengths (generate_points), and predicted with its packed
-    format (planner/format_choice.py) by each form; with `now` (a function of the packed readings -> hardware, called
-    on readings taken right before and after the runs: packed_now), also from the packed kernels' rates of the moment
-    (`uncalibrated_now`: the cost model's own error, apart from the host's move since the quick measurement)."""
+def packed_default_decode(path, spec, hardware, rounds: list, efficiencies: dict, now=None) -> dict:
+    """The default model as `generate` runs it (its Q4_1 blocks packed; its tokenizer decoding every new token; in a
+    process of its own: packed_runs_in_child), batch 1: its steady decode measured over the grid's prompt lengths in
+    every round (`rounds`: packed_runs_in_child's, one a round; each point the mean of its rounds, pooled_rounds), and
+    predicted with its packed format (planner/format_choice.py) by each form; with `now` (packed_now's function of
+    packed readings -> hardware, called on the readings taken in those processes right before and after their runs),
+    also from the packed kernels' rates of the moment (`uncalibrated_now`: the cost model's own error, apart from the
+    host's move since the quick measurement). {} where the model keeps no packed format."""
     import dataclasses
 
-    from hivekeeper.core.machine.measure import QUICK, measure_packed_at
     from hivekeeper.core.machine.profiling import placement_policy
     from hivekeeper.planner.calibration import measured_efficiency
     from hivekeeper.planner.format_choice import gguf_packed_type
 
     packed_format = gguf_packed_type(str(path))
-    if packed_format is None:
+    if packed_format is None or not rounds:
         return {}
-    before = measure_packed_at(QUICK) if now else []
-    os.environ["HIVEKEEPER_GGUF_PACKED"] = "1"  # read when the blocks load
-    try:
-        points = generate_points(path, grid.prompt_lens, PACKED_NEW_TOKENS, max(grid.repeats, PACKED_RUNS))
-    finally:
-        os.environ["HIVEKEEPER_GGUF_PACKED"] = "0"
     policies = {"resident": dataclasses.replace(placement_policy("resident", False, "fp32"),
                                                 weight_format=packed_format)}
-    measured = [pt for pt, _ in points]
-    row = {"format": packed_format, "new_tokens": PACKED_NEW_TOKENS,
-           "runs_tokens_per_s": {pt.prompt_len: runs for pt, runs in points},
+    measured = pooled_rounds([[pt for pt, _ in done["points"]] for done in rounds])
+    runs: dict = {}
+    for done in rounds:
+        for pt, rates in done["points"]:
+            runs.setdefault(pt.prompt_len, []).extend(rates)
+    row = {"format": packed_format, "new_tokens": PACKED_NEW_TOKENS, "rounds": len(rounds), "runs_tokens_per_s": runs,
            **default_model_decode(spec, hardware, measured, policies, efficiencies)}
     if now:
-        hardware_now = now(before, measure_packed_at(QUICK))
+        hardware_now = now(*(done[when] for done in rounds for when in ("before", "after")))
         at_now = default_model_decode(spec, hardware_now, measured, policies,
                                       {"uncalibrated_now": measured_efficiency(hardware_now)})
         row.update({key: at_now[key] for key in ("uncalibrated_now", "uncalibrated_now_ratio")})
@@ -241,16 +335,60 @@ def packed_default_decode(path, spec, hardware, grid, efficiencies: dict, now=No
     return row
 
 
+def packed_round(path, grid, read_now: bool) -> dict | None:
+    """One round of the packed row's runs (packed_runs_in_child over the grid's prompt lengths, PACKED_RUNS runs at
+    least); None where the model keeps no packed format."""
+    from hivekeeper.planner.format_choice import gguf_packed_type
+
+    if gguf_packed_type(str(path)) is None:
+        return None
+    return packed_runs_in_child(path, grid.prompt_lens, max(grid.repeats, PACKED_RUNS), read_now)
+
+
+def packed_runs_in_child(path, prompt_lens, runs: int, read_now: bool) -> dict:
+    """packed_runs in a fresh process (this script again, --packed-runs-of), its blocks packed
+    (HIVEKEEPER_GGUF_PACKED=1): {"points": [(ProfilePoint, each run's tokens/s)], "before": [Measurement],
+    "after": [...]}. Session 18: run in this process after the fp32 evaluation, the packed default model decoded ~10%
+    slower than the quick measurement's packed readings said (predicted 1.13x on average over eight runs; from the
+    readings taken around the runs 1.02x), where bench/predicted_vs_measured.py, which runs `generate` as its own
+    process as a user does, read 1.01x: the row now runs as the command does."""
+    from hivekeeper.core.machine.measurement import Measurement
+    from hivekeeper.planner.calibration import ProfilePoint
+
+    command = [sys.executable, str(Path(__file__).resolve()), "--packed-runs-of", str(path), "--prompt-lens",
+               ",".join(map(str, prompt_lens)), "--runs", str(runs), *(["--read-now"] if read_now else [])]
+    doc = child_json(command, {**os.environ, "HIVEKEEPER_GGUF_PACKED": "1"})
+    return {"points": [(ProfilePoint.from_dict(point), rates) for point, rates in doc["points"]],
+            **{when: [Measurement.from_dict(m) for m in doc[when]] for when in ("before", "after")}}
+
+
+def packed_runs(path, prompt_lens, runs: int, read_now: bool) -> dict:
+    """The child's side of packed_runs_in_child, as JSON: generate_points on the physical cores (the command's
+    threads), with the packed formats' readings (measure_packed_at) right before and after them when `read_now`."""
+    from hivekeeper.core.machine.measure import QUICK, measure_packed_at
+    from hivekeeper.core.offload.offloaded_model import use_physical_cores
+
+    use_physical_cores()
+    before = measure_packed_at(QUICK) if read_now else []
+    points = generate_points(path, prompt_lens, PACKED_NEW_TOKENS, runs)
+    after = measure_packed_at(QUICK) if read_now else []
+    return {"points": [[point.as_dict(), rates] for point, rates in points],
+            "before": [m.as_dict() for m in before], "after": [m.as_dict() for m in after]}
+
+
 def packed_now(detected, measurements: list):
-    """A function of two packed readings (measure_packed_at's, before and after a run) -> the hardware with each of
-    their values the mean of the two and the rest of the quick measurement as it was."""
+    """A function of packed readings (measure_packed_at's, before and after each run) -> the hardware with each of
+    their values the mean of the readings' and the rest of the quick measurement as it was."""
     import dataclasses
 
     from hivekeeper.core.machine.profiles import apply_measurements
 
-    def hardware(before: list, after: list):
-        later = {m.key: m.value for m in after}
-        moment = {m.key: (m.value + later.get(m.key, m.value)) / 2 for m in before}
+    def hardware(*readings: list):
+        values: dict = {}
+        for reading in readings:
+            for m in reading:
+                values.setdefault(m.key, []).append(m.value)
+        moment = {key: float(np.mean(found)) for key, found in values.items()}
         return apply_measurements(detected, [dataclasses.replace(m, value=moment.get(m.key, m.value))
                                              for m in measurements], time.time())
 
@@ -365,9 +503,17 @@ def main() -> None:
                         help="measure nothing: fit and judge a --dump's calibration and evaluation points again")
     parser.add_argument("--as", dest="kind", choices=("this", "avx2"), default="this",
                         help="avx2: run as a CPU without AVX512 and 16-bit math (pinned features and BLAS kernels)")
+    parser.add_argument("--packed-runs-of", metavar="PATH", help=argparse.SUPPRESS)  # packed_runs_in_child's child
+    parser.add_argument("--prompt-lens", default="32,96", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=int, default=PACKED_RUNS, help=argparse.SUPPRESS)
+    parser.add_argument("--read-now", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.refit:
         print(json.dumps(refit(args.refit)))
+        return
+    if args.packed_runs_of:
+        print(json.dumps(packed_runs(args.packed_runs_of, tuple(int(p) for p in args.prompt_lens.split(",")),
+                                     args.runs, args.read_now)))
         return
     run_as(args.kind)
 
@@ -408,34 +554,40 @@ def main() -> None:
     stages["calibrate"] = round(time.perf_counter() - started - measure_s, 1)
     efficiencies = {"calibrated": calibration.efficiency, "uncalibrated": base}
 
-    # ---- evaluation: both models, batch 1, 4 and 64 ----------------------------------------------------------------
-    probe = stream_probe(QUICK)
+    # ---- evaluation: both models, batch 1, 4, 8 and 64, in EVALUATION_ROUNDS rounds ------------------------------
     per_block = next(m.value for m in measurements if m.key == BLOCK_OVERHEAD_KEY)
     profile_rate = next(m.value for m in measurements if m.key == WEIGHT_STREAM_KEY)
-    errors, ratios, terms, streams, evaluated, default, packed = {}, {}, {}, {}, {}, None, {}
-    for name, path in models.items():
-        stage_started = time.perf_counter()
-        before = probe(per_block)
-        points, model_policies = run_points(path, evaluation_grids, f"evaluate {name} ")
-        after = probe(per_block)
-        hardware_now = apply_measurements(detected, with_stream_rate(measurements, (before + after) / 2), time.time())
+    packed_run = None if args.quick else (lambda path: packed_round(path, evaluation_grids[0], read_now=True))
+    probe = stream_probe(QUICK)
+    evaluation = evaluate_rounds(models, evaluation_grids, lambda: probe(per_block), packed_run)
+    stages.update(evaluation.stages)
+    loads.update(evaluation.loads)
+    errors, ratios, terms, streams, evaluated, round_errors, repeat = {}, {}, {}, {}, {}, {}, {}
+    default = None
+    for name in models:
+        points, model_policies = pooled_rounds(evaluation.rounds[name]), evaluation.policies[name]
+        moment = float(np.mean(evaluation.readings[name]))
+        hardware_now = apply_measurements(detected, with_stream_rate(measurements, moment), time.time())
         forms = {"calibrated": (hardware, calibration.efficiency), "uncalibrated": (hardware, base),
                  "uncalibrated_now": (hardware_now, measured_efficiency(hardware_now))}
-        streams[name] = {"profile_gbps": round(profile_rate / 1e9, 2), "before_gbps": round(before / 1e9, 2),
-                         "after_gbps": round(after / 1e9, 2)}
+        streams[name] = {"profile_gbps": round(profile_rate / 1e9, 2),
+                         "readings_gbps": [round(r / 1e9, 2) for r in evaluation.readings[name]]}
         evaluated[name] = points
         errors[name], ratios[name] = shape_errors(specs[name], forms, points, model_policies)
         terms[name] = step_terms(specs[name], forms, points, model_policies)
+        round_errors[name] = [shape_errors(specs[name], forms, pts, model_policies)[0]
+                              for pts in evaluation.rounds[name]]
+        repeat[name] = repeat_errors(evaluation.rounds[name][0], evaluation.rounds[name][-1])
         if name == thin_name:
             default = default_model_decode(specs[name], hardware, points, model_policies, efficiencies)
-            packed = {} if args.quick else packed_default_decode(path, specs[name], hardware, evaluation_grids[0],
-                                                                 efficiencies, packed_now(detected, measurements))
-        loads[f"evaluated {name}"] = round(os.getloadavg()[0], 2)
-        stages[f"evaluate {name}"] = round(time.perf_counter() - stage_started, 1)
+    packed = packed_default_decode(models[thin_name], specs[thin_name], hardware, evaluation.packed, efficiencies,
+                                   packed_now(detected, measurements))
 
     if args.dump:
         Path(args.dump).write_text(json.dumps({"calibration": calibration.as_dict(), "evaluation": {
-            name: [pt.as_dict() for pt in points] for name, points in evaluated.items()}}))
+            name: [pt.as_dict() for pt in points] for name, points in evaluated.items()}, "rounds": {
+            name: [[pt.as_dict() for pt in points] for points in by_round]
+            for name, by_round in evaluation.rounds.items()}}))
     line = result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
                        loads)
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
@@ -443,6 +595,11 @@ def main() -> None:
     line["terms"], line["stream_rate_now"] = terms, streams
     line.update({f"{phase}_mape_uncalibrated_now_pct": overall(errors, phase, "uncalibrated_now")
                  for phase in ("decode", "prefill")})  # the model's error with the streaming rate of the moment
+    line["rounds_mape_pct"] = {f"{phase}_{form}": [overall(by_round, phase, form) for by_round in
+                                                   zip_rounds(round_errors)]
+                               for phase in ("decode", "prefill") for form in ("calibrated", "uncalibrated")}
+    line["host_repeat_mape_pct"] = {phase: overall(repeat, phase, "repeat") for phase in ("decode", "prefill")}
+    line["host_repeat_per_shape_pct"] = repeat
     line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
     line["measured"]["packed_gweights_per_s"] = {m.key[len("cpu_packed_"):]: round(m.value / 1e9, 2)
                                                   for m in measurements if m.key.startswith("cpu_packed_")}

@@ -40,15 +40,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
-from _common import demo_preset, timed_parts  # bench/ is the script's folder, first on sys.path
+from _common import child_json, demo_preset, timed_parts  # bench/ is the script's folder, first on sys.path
 
 GOAL = 0.15
 NOW_READINGS = 5  # streaming readings in a row right before each decode (reading_now), pooled
-CHILD_DEADLINE_S = 600
 
 
 def hivekeeper(*args: str, env: dict | None = None) -> dict:
@@ -76,20 +74,6 @@ def one_run(model: str, prompt_len: int, new_tokens: int, no_measure: bool, pack
         plan["parts_ms"] = child_json([sys.executable, __file__, "--parts-of", model, "--prompt-len", str(prompt_len),
                                        "--new-tokens", str(new_tokens)], env)
     return plan, measured
-
-
-def child_json(command: list[str], env: dict | None) -> dict:
-    """The last line of a child's stdout as JSON; on failure or past the deadline (run() kills the child), the
-    output so far in the error."""
-    what = " ".join(command[2:6])
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE_S, env=env)
-    except subprocess.TimeoutExpired as exc:
-        raise SystemExit(f"{what}: no answer in {CHILD_DEADLINE_S} s; output so far:\n"
-                         f"{exc.stdout or ''}{exc.stderr or ''}") from None
-    if done.returncode != 0:
-        raise SystemExit(f"{what} failed ({done.returncode}):\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def quick_measurement(config: str) -> dict:
