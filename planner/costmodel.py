@@ -1002,7 +1002,7 @@ def reads_in_passes(grid: CandidateArrays, work: AcceleratorWork, many_rows) -> 
 
 def pass_rate(grid: CandidateArrays, rows):
     """FLOP/s of a pass of `rows` rows a product through BLAS (a prefill, or a decode micro-batch beyond the
-    kernels' rows), per candidate: for fp32 on a CPU whose prefill rate `hivekeeper measure` timed at two row counts
+    kernels' rows), per candidate: for fp32 on a CPU whose prefill rate `hivekeeper measure` timed at several row counts
     (DecodeStreaming.prefill_rates), that rate at the model's width, peak x rows / (rows + half_rows); else the
     format's one rate (grid.peak_flops). Issue 23, session 16: at the one rate of 96-row passes the wide model's
     32-row prefills were predicted 0.68x their time, its 384-512-row ones 1.22-1.26x."""

@@ -23,7 +23,7 @@ HEADROOM_TEXT = ("default headroom: the larger of 2 GiB and 10% of RAM, of 0.5 G
 @dataclass(frozen=True)
 class PrefillRate:
     """A CPU's fp32 prefill rate at one block width, as `hivekeeper measure` fitted it to the runtime's prefill passes
-    at two row counts: rate(m rows) = peak_flops x m / (m + half_rows). A pass over few rows multiplies poorly (BLAS
+    at several row counts: rate(m rows) = peak_flops x m / (m + half_rows). A pass over few rows multiplies poorly (BLAS
     packs every weight once a call, whatever the rows), and thin blocks reach less than wide ones at the same rows
     (issue 23, session 16: a 2048-wide block ~80 GFLOP/s at 32 rows, ~180 at 384-512; a 576-wide one ~70 and
     ~130), so one FLOP rate cannot price prefills of every size and width."""

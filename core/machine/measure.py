@@ -410,7 +410,8 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
     timed = _alternating_seconds([decode_steps(config, span, rows) for rows in row_counts
                                   for config, span in ((wide_config, wide), (narrow_config, narrow))], repeats)
     s1, s2 = timed[:2]
-    # prefill passes through both spans at two row counts, all four in turn: the rate by rows at each width
+    # prefill passes through both spans at every PREFILL_SEQUENCE_COUNTS row count, all in turn: the rate by rows
+    # at each width
     prefills = [prefill_pass(config, span, sequences=sequences) for sequences in PREFILL_SEQUENCE_COUNTS
                 for config, span in ((wide_config, wide), (narrow_config, narrow))]
     prefill_seconds = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
@@ -471,12 +472,15 @@ def row_reads(seconds: float, nbytes: float, blocks: int, per_block: float, band
 # host fitted the 576-wide rate's half-rate rows at 152 (48-58 otherwise) and the 2048-wide one flat, and priced
 # SmolLM2's 32-row prefill 1.53x slow; a median of 5 costs ~0.6 s more (~0.3 s a repeat on this 2-core host)
 PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 12_000_000, 5
-# the fp32 spans' prefill passes run at two row counts (these many prompts of PREFILL_TOKENS: 96 and 288 rows), which
-# give the rate by rows (prefill_curve). Issue 23, session 16: a 2048-wide block multiplied at ~80 GFLOP/s over 32
-# rows, ~135 over 96, ~180 over 384-512 (BLAS packs a weight once a call whatever its rows), a 576-wide one at ~70,
+# the fp32 spans' prefill passes run at three row counts (these many prompts of PREFILL_TOKENS: 48, 96 and 288 rows),
+# which give the rate by rows (prefill_curve). Issue 23, session 16: a 2048-wide block multiplied at ~80 GFLOP/s over
+# 32 rows, ~135 over 96, ~180 over 384-512 (BLAS packs a weight once a call whatever its rows), a 576-wide one at ~70,
 # ~115 and ~130-145; the one rate of 96-row passes priced the wide model's 32-row prefills 0.68x their time and its
-# 384-512-row ones 1.22-1.26x
-PREFILL_SEQUENCE_COUNTS = (PREFILL_SEQUENCES, 6)
+# 384-512-row ones 1.22-1.26x. Session 18: at two row counts (96, 288) one pass at a swing of the host set the line: a
+# quick measurement put a 576-wide block's cost beyond its FLOPs at 7.5 ms (a 32-row pass of one takes ~3.5) and
+# SmolLM2's 32-row prefill 1.45x slow; a third count nearer the prompts people type, and a line robust to one bad
+# point (line_of_passes), cost ~0.3 s
+PREFILL_SEQUENCE_COUNTS = (1, PREFILL_SEQUENCES, 6)
 
 
 def block_weights(block) -> int:
@@ -539,33 +543,43 @@ def prefill_runs(passes: list[tuple[Callable[[], None], float, int]], seconds: l
     return runs
 
 
-def rate_and_intercept(few: tuple[float, float], many: tuple[float, float], blocks: int) -> tuple[float, float]:
-    """(FLOP/s, seconds a block) with seconds = FLOPs / rate + blocks x intercept, solved from two passes (seconds,
-    FLOPs) of the same blocks at two row counts; where noise makes the split meaningless (the larger pass no slower,
-    or a negative intercept), no intercept and the two passes' mean rate."""
-    (t1, f1), (t2, f2) = few, many
-    if t2 > t1 and f2 > f1:
-        rate = (f2 - f1) / (t2 - t1)
-        intercept = (t1 - f1 / rate) / blocks
-        if intercept >= 0:
-            return rate, intercept
-    return (f1 + f2) / (t1 + t2), 0.0
+def rate_and_intercept(passes: list[tuple[float, float]], blocks: int) -> tuple[float, float]:
+    """(FLOP/s, seconds a block) with seconds = FLOPs / rate + blocks x intercept, fitted to passes (seconds, FLOPs)
+    of the same blocks at several row counts (line_of_passes); where noise makes the split meaningless (no slope, or
+    a negative intercept), no intercept and the passes' mean rate."""
+    line = line_of_passes(passes)
+    if line is not None:
+        slope, at_zero = line
+        if at_zero >= 0:
+            return 1.0 / slope, at_zero / blocks
+    return sum(f for _, f in passes) / sum(t for t, _ in passes), 0.0
+
+
+def line_of_passes(passes: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(seconds per FLOP, seconds at no FLOPs) of the line through passes (seconds, FLOPs) by Theil-Sen: the median
+    of the slopes between every two passes, then the median of each pass's time less its FLOPs at that slope, so one
+    pass at a swing of the host does not set it (with two passes: the line through both). None where the slope is
+    not positive."""
+    slopes = [(t2 - t1) / (f2 - f1) for i, (t1, f1) in enumerate(passes) for t2, f2 in passes[i + 1:] if f2 != f1]
+    if not slopes or statistics.median(slopes) <= 0:
+        return None
+    slope = statistics.median(slopes)
+    return slope, statistics.median(t - f * slope for t, f in passes)
 
 
 def prefill_curve(runs: list[PrefillRun]) -> tuple[float, dict[int, tuple[float, float]]]:
     """(a block's fixed cost in a prefill, {width: (peak FLOP/s, half-rate rows)}) from passes of two spans of
-    different widths at two row counts each: per width, seconds = FLOPs / peak + blocks x intercept; the intercept of
-    a block of W weights is 2 W x half rows / peak + the fixed cost, the half-rate rows taken alike at both widths to
-    split the two (the fixed cost kept from 0 to the smaller intercept, the rest each width's own half-rate rows)."""
+    different widths at several row counts each (PREFILL_SEQUENCE_COUNTS): per width, seconds = FLOPs / peak +
+    blocks x intercept (rate_and_intercept); the intercept of a block of W weights is 2 W x half rows / peak + the
+    fixed cost, the half-rate rows taken alike at both widths to split the two (the fixed cost kept from 0 to the
+    smaller intercept, the rest each width's own half-rate rows)."""
     by_width: dict[int, list[PrefillRun]] = {}
     for run in runs:
         by_width.setdefault(run.hidden, []).append(run)
     fits = {}
-    for width, pair in by_width.items():
-        ordered = sorted(pair, key=lambda r: r.rows)
-        few, many = ordered[0], ordered[-1]
-        rate, intercept = rate_and_intercept((few.median_s, few.flops), (many.median_s, many.flops), few.blocks)
-        fits[width] = (rate, intercept, 2.0 * few.block_weights / rate)  # the last: seconds a row a block at peak
+    for width, passes in by_width.items():
+        rate, intercept = rate_and_intercept([(r.median_s, r.flops) for r in passes], passes[0].blocks)
+        fits[width] = (rate, intercept, 2.0 * passes[0].block_weights / rate)  # the last: seconds a row a block at peak
     widths = sorted(fits)
     thin, wide = fits[widths[0]], fits[widths[-1]]
     shared = (wide[1] - thin[1]) / (wide[2] - thin[2]) if wide[2] != thin[2] else 0.0
@@ -581,7 +595,7 @@ def prefill_measurements(runs: list[PrefillRun], load: float) -> list[Measuremen
     fixed, curve = prefill_curve(runs)
     widths = sorted(curve)
     shown = [r for r in runs if r.hidden == widths[-1] and r.rows == PREFILL_SEQUENCES * PREFILL_TOKENS]
-    detail = (f"prefill passes of {' and '.join(str(n * PREFILL_TOKENS) for n in PREFILL_SEQUENCE_COUNTS)} rows "
+    detail = (f"prefill passes of {', '.join(str(n * PREFILL_TOKENS) for n in PREFILL_SEQUENCE_COUNTS)} rows "
               f"({PREFILL_TOKENS}-token prompts) through random fp32 blocks of widths "
               f"{' and '.join(map(str, widths))}, in turn ({len(runs[0].seconds)} repeats each): "
               + ", ".join(f"{r.blocks} x {r.hidden} at {r.rows} rows {r.median_s * 1e3:.3g} ms" for r in runs)

@@ -40,7 +40,7 @@ PACKED_BLOCK_KEY = "cpu_block_overhead_packed"
 # FLOP/s of their products and the fixed cost of a block in a prefill
 PREFILL_FLOPS_KEY = "cpu_prefill_fp32"
 PREFILL_BLOCK_KEY = "cpu_prefill_block_overhead"
-# ... and (session 16) the fp32 prefill rate by rows at each span's width, fitted to passes at two row counts:
+# ... and (session 16) the fp32 prefill rate by rows at each span's width, fitted to passes at three row counts:
 # rate(m) = peak x m / (m + half rows). Key prefix + width ("cpu_prefill_peak_w576"): the peak in FLOP/s, and the
 # rows at which the rate is half of it (hardware.PrefillRate)
 PREFILL_PEAK_KEY = "cpu_prefill_peak_w"

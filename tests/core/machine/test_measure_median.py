@@ -49,7 +49,8 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
                      [four[0], four[0] * 3, four[0] * 0.9, four[0], four[0]],
                      [four[1] * 1.05, four[1], four[1] * 0.5, four[1], four[1]],
                      [eight[0]] * 5, [eight[1]] * 5],
-           "prefill": [[0.50, 0.40, 0.45], [0.90, 1.00, 0.80], [1.10, 1.00, 1.05], [1.90, 2.00, 1.80]]}
+           "prefill": [[0.30, 0.35, 0.25], [0.65, 0.70, 0.60], [0.50, 0.40, 0.45], [0.90, 1.00, 0.80],
+                       [1.10, 1.00, 1.05], [1.90, 2.00, 1.80]]}  # 48, 96 and 288 rows, the wide span's first
     step_calls = []
 
     def alternating(runs, repeats):
@@ -84,7 +85,7 @@ def test_the_decode_steps_rate_is_fitted_to_the_median_steps_of_spans_timed_in_t
 
 
 def passes_of(curve: dict[int, tuple[float, float, int, int]], fixed_s: float, repeats: list[float]):
-    """PrefillRun of two widths at both PREFILL_SEQUENCE_COUNTS row counts, timed as the rate by rows says: each
+    """PrefillRun of two widths at every PREFILL_SEQUENCE_COUNTS row count, timed as the rate by rows says: each
     width (peak FLOP/s, half-rate rows, weights a block, blocks) takes FLOPs / peak + blocks x (2 W x half rows /
     peak + fixed_s), each repeat that time x its factor in `repeats`."""
     runs = []
@@ -138,9 +139,26 @@ def test_each_widths_cost_beyond_its_flops_is_kept_whatever_share_the_fixed_cost
 
 def test_passes_noise_makes_unfittable_give_no_intercept_and_their_mean_rate():
     """A larger pass timed no slower than the smaller one, or a negative intercept: no intercept, the mean rate."""
-    assert measure.rate_and_intercept((0.2, 1e9), (0.19, 3e9), 2) == (pytest.approx(4e9 / 0.39), 0.0)
-    assert measure.rate_and_intercept((0.005, 1e9), (0.025, 3e9), 1) == (pytest.approx(4e9 / 0.03), 0.0)
-    assert measure.rate_and_intercept((0.03, 1e9), (0.05, 3e9), 2) == (pytest.approx(1e11), pytest.approx(0.01))
+    assert measure.rate_and_intercept([(0.2, 1e9), (0.19, 3e9)], 2) == (pytest.approx(4e9 / 0.39), 0.0)
+    assert measure.rate_and_intercept([(0.005, 1e9), (0.025, 3e9)], 1) == (pytest.approx(4e9 / 0.03), 0.0)
+    assert measure.rate_and_intercept([(0.03, 1e9), (0.05, 3e9)], 2) == (pytest.approx(1e11), pytest.approx(0.01))
+
+
+def test_one_pass_at_a_swing_of_the_host_does_not_set_the_line():
+    """Session 18: three row counts, the line by Theil-Sen. At 1e11 FLOP/s and 10 ms a block (2 blocks), passes of
+    0.5, 1 and 3 GFLOP: the 1-GFLOP pass caught 40% slow leaves the rate and the intercept as they were (a line
+    through the two-row-count passes it was fitted from before would have put the intercept at 17 ms and the rate
+    at 1.7e11), and a swing of 10% in any one pass moves them by less than 20%."""
+    clean = [(0.02 + f / 1e11, f) for f in (0.5e9, 1e9, 3e9)]
+    assert measure.rate_and_intercept(clean, 2) == (pytest.approx(1e11), pytest.approx(0.01))
+    slow = [clean[0], (clean[1][0] * 1.4, 1e9), clean[2]]
+    assert measure.rate_and_intercept(slow, 2) == (pytest.approx(1e11), pytest.approx(0.01))
+    two_point = measure.rate_and_intercept([slow[1], slow[2]], 2)
+    assert two_point[0] > 1.6e11 and two_point[1] > 0.016
+    for i in range(3):
+        moved = [(t * 1.1 if j == i else t, f) for j, (t, f) in enumerate(clean)]
+        rate, intercept = measure.rate_and_intercept(moved, 2)
+        assert 0.8e11 < rate < 1.2e11 and 0.008 < intercept < 0.012
 
 
 def measured(prefill_rate: float | None, prefill_block_s: float | None, packed_prefill: float | None, extra=(),
