@@ -314,8 +314,8 @@ def packed_default_decode(path, spec, hardware, rounds: list, efficiencies: dict
     from hivekeeper.planner.calibration import measured_efficiency
     from hivekeeper.planner.format_choice import gguf_packed_type
 
-    packed_format = gguf_packed_type(str(path))
-    if packed_format is None or not rounds:
+    packed_format = gguf_packed_type(str(path)) if rounds else None  # no rounds: --quick, whose demo is no GGUF
+    if packed_format is None:
         return {}
     policies = {"resident": dataclasses.replace(placement_policy("resident", False, "fp32"),
                                                 weight_format=packed_format)}

@@ -83,3 +83,14 @@ def test_the_packed_row_pools_its_rounds(calibration_bench):
     assert row["measured"] == pytest.approx(1 / ((1 / 150 + 1 / 100) / 2), abs=0.01)  # the mean step of the rounds
     assert row["uncalibrated_ratio"] == pytest.approx(row["uncalibrated"] / row["measured"], abs=1e-3)
     assert calibration_bench.packed_default_decode(path, None, hardware, [], {}) == {}  # no rounds: no row
+
+
+def test_no_packed_rounds_no_row_whatever_the_model(calibration_bench, tmp_path):
+    """--quick runs no packed row, and its thin model is a demo checkpoint, no GGUF: no row, no error."""
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.runtime.demo_model import DemoSpec, write_demo_checkpoint
+
+    path = tmp_path / "demo"
+    write_demo_checkpoint(path, DemoSpec(layers=1, hidden=64, intermediate=128, heads=2, kv_heads=1, vocab=300,
+                                         max_position=64))
+    assert calibration_bench.packed_default_decode(path, None, detect_hardware(), [], {}) == {}
