@@ -41,6 +41,7 @@ flags, kernels and BLAS cores ran.
 
     python bench/calibration_accuracy.py [--quick | --fast] [--repeats N] [--dump FILE] [--as avx2]
     python bench/calibration_accuracy.py --refit FILE   # a --dump's points fitted and judged again by this code
+    python bench/calibration_accuracy.py --summarize FILE...   # several runs' lines: each cell's bias and scatter
 
 --fast keeps both full models, every batch size and phase, and the packed row, on fewer grid points (calibration
 2 prompt lengths x 2 output lengths x batch 1, 2, 4; evaluation at shorter prompts, batch 64 at 8 and 24), so a run fits
@@ -501,6 +502,9 @@ def main() -> None:
     parser.add_argument("--dump", metavar="FILE", help="also write the calibration and the evaluation points (JSON)")
     parser.add_argument("--refit", metavar="FILE",
                         help="measure nothing: fit and judge a --dump's calibration and evaluation points again")
+    parser.add_argument("--summarize", metavar="FILE", nargs="+",
+                        help="measure nothing: the result lines of several runs (files of this bench's output), each "
+                             "cell's mean predicted / measured time and its scatter over them, and each goal's count")
     parser.add_argument("--as", dest="kind", choices=("this", "avx2"), default="this",
                         help="avx2: run as a CPU without AVX512 and 16-bit math (pinned features and BLAS kernels)")
     parser.add_argument("--packed-runs-of", metavar="PATH", help=argparse.SUPPRESS)  # packed_runs_in_child's child
@@ -510,6 +514,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.refit:
         print(json.dumps(refit(args.refit)))
+        return
+    if args.summarize:
+        print(json.dumps(summarize([result_of(path) for path in args.summarize])))
         return
     if args.packed_runs_of:
         print(json.dumps(packed_runs(args.packed_runs_of, tuple(int(p) for p in args.prompt_lens.split(",")),
@@ -650,6 +657,69 @@ def refit(path: str) -> dict:
                                  "weight_reread_rows", "prefill_layer_overhead_s", "row_overhead_s")}}
 
 
+def result_of(path: str) -> dict:
+    """The result line in a file of this bench's output (its last line that is one; stderr's progress may be in the
+    file too); an InputError naming the file where there is none."""
+    from hivekeeper.planner.errors import InputError
+
+    if not Path(path).is_file():
+        raise InputError(f"{path}: no such file")
+    for line in reversed(Path(path).read_text(errors="replace").splitlines()):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and doc.get("bench") == "calibration_accuracy" and "per_shape_time_ratio" in doc:
+            return doc
+    raise InputError(f"{path}: no calibration_accuracy result line in it")
+
+
+def summarize(results: list[dict]) -> dict:
+    """Several runs judged together (session 18: one run's MAPE holds the host's moment, which moves a point 5-16%
+    from one minute to the next here): per kind of machine (`machine.as`), model, batch and phase, each form's
+    geometric mean predicted / measured time over the runs (the cost model's bias) and the standard deviation of its
+    log in % (the runs' scatter); the packed default model's the same; how many runs met each goal; the median host
+    repeat error where the runs report it."""
+    cells: dict = {}
+    packed: dict = {}
+    met: dict = {}
+    repeats: dict = {}
+    for doc in results:
+        kind = doc.get("machine", {}).get("as", "this")
+        for model, table in doc["per_shape_time_ratio"].items():
+            for batch, phases in table.items():
+                for phase, forms in phases.items():
+                    for form, ratio in forms.items():
+                        cells.setdefault(kind, {}).setdefault(model, {}).setdefault(batch, {}).setdefault(
+                            phase, {}).setdefault(form, []).append(ratio)
+        ratio = (doc.get("default_model_packed_decode_tokens_per_s") or {}).get("uncalibrated_ratio")
+        if ratio:
+            packed.setdefault(kind, []).append(ratio)
+        for goal, ok in doc.get("goals_met", {}).items():
+            met.setdefault(goal, []).append(bool(ok))
+        for phase, value in (doc.get("host_repeat_mape_pct") or {}).items():
+            repeats.setdefault(phase, []).append(value)
+    return {"bench": "calibration_accuracy", "summarized_runs": len(results),
+            "runs_by_kind": {kind: sum(1 for d in results if d.get("machine", {}).get("as", "this") == kind)
+                             for kind in sorted({d.get("machine", {}).get("as", "this") for d in results})},
+            "per_shape_bias": nested_map(cells, bias_and_scatter),
+            "default_model_packed_bias": {kind: bias_and_scatter(values) for kind, values in packed.items()},
+            "goals_met_runs": {goal: f"{sum(oks)} of {len(oks)}" for goal, oks in met.items()},
+            "host_repeat_mape_pct_median": {phase: round(float(np.median(v)), 1) for phase, v in repeats.items()}}
+
+
+def bias_and_scatter(ratios: list[float]) -> dict:
+    """{"mean": geometric mean, "scatter_pct": standard deviation of the logs in % (0 for one run), "runs": n}."""
+    logs = np.log(np.asarray(ratios, dtype=float))
+    return {"mean": round(float(np.exp(logs.mean())), 3),
+            "scatter_pct": round(100 * float(logs.std(ddof=1)), 1) if len(logs) > 1 else 0.0, "runs": len(logs)}
+
+
+def nested_map(tree: dict, leaf) -> dict:
+    """`tree` with every list at its leaves replaced by leaf(list)."""
+    return {k: nested_map(v, leaf) if isinstance(v, dict) else leaf(v) for k, v in tree.items()}
+
+
 def default_model_goal(default: dict, packed: dict) -> bool:
     """Whether the default model's decode, as `generate` runs it (the packed row when there is one, else fp32), is
     predicted within GOALS["default_model"] after the quick measurement alone."""
@@ -705,4 +775,10 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
 
 
 if __name__ == "__main__":
-    main()
+    from hivekeeper.planner.errors import InputError
+
+    try:
+        main()
+    except InputError as exc:  # bad input (a --summarize or --refit file): one line, exit 2
+        print(f"calibration_accuracy: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,9 +1,14 @@
 """bench/calibration_accuracy.py's two evaluation rounds (issue 23, session 18): the models evaluated in turn twice
 with the streaming rate read around each run (evaluate_rounds: the real engine on small demo checkpoints), each point
-the mean of its rounds (pooled_rounds), and the host's own repeat error (repeat_errors: fed-in points). Nothing is
-timed."""
+the mean of its rounds (pooled_rounds), the host's own repeat error (repeat_errors: fed-in points), and several runs
+judged together (--summarize: fed-in result lines). Nothing is timed."""
 
 from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +68,45 @@ def test_the_models_run_in_turn_each_round_with_the_rate_read_around_every_run(c
         assert len(done.rounds[name]) == 2 and set(done.policies[name]) == {"resident"}
         keys = [sorted(calibration_bench.point_key(pt) for pt in points) for points in done.rounds[name]]
         assert keys[0] == keys[1] and len(keys[0]) == 2 * 2 * 2  # every grid point in both rounds
+
+
+def result_line(kind: str, thin_b1_decode: float, met: bool, packed: float | None) -> dict:
+    """A result line as the bench prints it, cut to what summarize reads."""
+    return {"bench": "calibration_accuracy", "machine": {"as": kind},
+            "per_shape_time_ratio": {"thin": {"b1": {"decode": {"calibrated": thin_b1_decode, "uncalibrated": 1.0}}}},
+            "default_model_packed_decode_tokens_per_s": {"uncalibrated_ratio": packed} if packed else {},
+            "goals_met": {"decode_calibrated": met, "default_model": True},
+            "host_repeat_mape_pct": {"decode": 10.0 if met else 20.0}}
+
+
+def test_several_runs_give_each_cells_bias_and_scatter_and_each_goals_count(calibration_bench, tmp_path):
+    """Session 18: --summarize judges runs together, each cell's geometric mean ratio (the model's bias) and the
+    standard deviation of its log (the runs' scatter), per kind of machine; a file's last result line is the run's."""
+    files = []
+    for i, line in enumerate([result_line("this", 1.2, False, 1.1), result_line("this", 1.2 ** -1, True, 1.1 ** -1),
+                              result_line("this", 1.0, True, None), result_line("avx2", 1.05, True, 1.0)]):
+        files.append(tmp_path / f"run{i}.out")
+        files[-1].write_text("progress on stderr\n" + json.dumps(line) + "\n")
+    summary = calibration_bench.summarize([calibration_bench.result_of(str(f)) for f in files])
+    assert summary["summarized_runs"] == 4 and summary["runs_by_kind"] == {"avx2": 1, "this": 3}
+    cell = summary["per_shape_bias"]["this"]["thin"]["b1"]["decode"]
+    assert cell["calibrated"]["mean"] == pytest.approx(1.0) and cell["calibrated"]["runs"] == 3
+    assert cell["calibrated"]["scatter_pct"] == pytest.approx(100 * math.log(1.2), abs=0.1)  # logs -a, a, 0: sd a
+    assert cell["uncalibrated"] == {"mean": 1.0, "scatter_pct": 0.0, "runs": 3}
+    assert summary["per_shape_bias"]["avx2"]["thin"]["b1"]["decode"]["calibrated"] == {
+        "mean": 1.05, "scatter_pct": 0.0, "runs": 1}
+    assert summary["default_model_packed_bias"]["this"]["mean"] == pytest.approx(1.0) and \
+        summary["default_model_packed_bias"]["this"]["runs"] == 2  # the run without a packed row is left out
+    assert summary["goals_met_runs"] == {"decode_calibrated": "3 of 4", "default_model": "4 of 4"}
+    assert summary["host_repeat_mape_pct_median"] == {"decode": 10.0}
+
+
+def test_a_file_without_a_result_line_is_named_and_exits_2(tmp_path):
+    from ..child_output import run
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "calibration_accuracy.py"
+    empty = tmp_path / "progress.out"
+    empty.write_text("evaluate thin [####] 100%\n")
+    done = run([sys.executable, str(bench), "--summarize", str(empty)], timeout=120)
+    assert done.returncode == 2 and str(empty) in done.stderr and "no calibration_accuracy result line" in done.stderr
+    assert "Traceback" not in done.stderr
