@@ -684,8 +684,10 @@ def summarize(results: list[dict]) -> dict:
     packed: dict = {}
     met: dict = {}
     repeats: dict = {}
+    kinds: dict = {}
     for doc in results:
         kind = doc.get("machine", {}).get("as", "this")
+        kinds[kind] = kinds.get(kind, 0) + 1
         for model, table in doc["per_shape_time_ratio"].items():
             for batch, phases in table.items():
                 for phase, forms in phases.items():
@@ -700,8 +702,7 @@ def summarize(results: list[dict]) -> dict:
         for phase, value in (doc.get("host_repeat_mape_pct") or {}).items():
             repeats.setdefault(phase, []).append(value)
     return {"bench": "calibration_accuracy", "summarized_runs": len(results),
-            "runs_by_kind": {kind: sum(1 for d in results if d.get("machine", {}).get("as", "this") == kind)
-                             for kind in sorted({d.get("machine", {}).get("as", "this") for d in results})},
+            "runs_by_kind": dict(sorted(kinds.items())),
             "per_shape_bias": nested_map(cells, bias_and_scatter),
             "default_model_packed_bias": {kind: bias_and_scatter(values) for kind, values in packed.items()},
             "goals_met_runs": {goal: f"{sum(oks)} of {len(oks)}" for goal, oks in met.items()},

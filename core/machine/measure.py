@@ -561,9 +561,9 @@ def line_of_passes(passes: list[tuple[float, float]]) -> tuple[float, float] | N
     pass at a swing of the host does not set it (with two passes: the line through both). None where the slope is
     not positive."""
     slopes = [(t2 - t1) / (f2 - f1) for i, (t1, f1) in enumerate(passes) for t2, f2 in passes[i + 1:] if f2 != f1]
-    if not slopes or statistics.median(slopes) <= 0:
+    slope = statistics.median(slopes) if slopes else 0.0
+    if slope <= 0:
         return None
-    slope = statistics.median(slopes)
     return slope, statistics.median(t - f * slope for t, f in passes)
 
 
