@@ -4,6 +4,8 @@ fixed prompt of token ids, a CPU-bound process to run beside ("busy"), and a chi
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,15 +65,36 @@ def timed_parts(runner) -> dict[str, list[float]]:
     return times
 
 
-def child_json(command: list[str], env: dict | None) -> dict:
-    """The last line of a child's stdout as JSON; on failure or past CHILD_DEADLINE_S (run() kills the child), the
-    output so far in the error."""
+def child_json(command: list[str], env: dict | None, deadline_s: float = CHILD_DEADLINE_S,
+               progress: bool = False) -> dict:
+    """The last line of a child's stdout as JSON. The child runs in a process group of its own: past `deadline_s`,
+    or when this process is interrupted, the group is killed (its own children too), and on a failure or the
+    deadline the output so far is in the error. `progress`: the child's stderr (its progress bars) goes to ours as it
+    runs instead of into the error."""
     what = " ".join(command[2:6])
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=None if progress else subprocess.PIPE,
+                             text=True, env=env, start_new_session=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE_S, env=env)
-    except subprocess.TimeoutExpired as exc:
-        raise SystemExit(f"{what}: no answer in {CHILD_DEADLINE_S} s; output so far:\n"
-                         f"{exc.stdout or ''}{exc.stderr or ''}") from None
-    if done.returncode != 0:
-        raise SystemExit(f"{what} failed ({done.returncode}):\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        out, err = child.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        out, err = kill_group(child)
+        raise SystemExit(f"{what}: no answer in {deadline_s:g} s; output so far:\n{out}{err}") from None
+    except BaseException:
+        kill_group(child)
+        raise
+    lines = out.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        said = err if err is not None else "(its messages are above)\n"
+        why = f"failed ({child.returncode})" if child.returncode else "printed nothing"
+        raise SystemExit(f"{what} {why}:\n{said}")
+    return json.loads(lines[-1])
+
+
+def kill_group(child: subprocess.Popen) -> tuple[str, str]:
+    """Kill a child started in a session of its own, and every process of its group; its output so far."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:  # gone already
+        pass
+    out, err = child.communicate()
+    return out or "", err or ""

@@ -40,8 +40,17 @@ off), OpenBLAS's kernels (OPENBLAS_CORETYPE=Haswell), torch's (ATEN_CPU_CAPABILI
 flags, kernels and BLAS cores ran.
 
     python bench/calibration_accuracy.py [--quick | --fast] [--repeats N] [--dump FILE] [--as avx2]
+    python bench/calibration_accuracy.py --fast --times 3 --as both   # 3 runs of each kind, then their summary
     python bench/calibration_accuracy.py --refit FILE   # a --dump's points fitted and judged again by this code
     python bench/calibration_accuracy.py --summarize FILE...   # several runs' lines: each cell's bias and scatter
+
+One run's MAPE holds the host's moment as well as the cost model's error (session 18: here a point measured a minute
+later moves 5-16%). `--times N` (and `--as both`) runs the bench N times, each run in a process of its own as a single
+invocation makes it, prints each run's line as it ends, then one summary line (`--summarize`'s): per kind of machine
+each goal's count of runs, the runs' mean MAPEs, and the goals applied to the cost model's bias (`bias_mape_pct`: the
+mean over cells of the tokens/s error of the cell's geometric mean ratio, the host's scatter averaged out over the
+runs).
+`--summarize` reads every result line of its files, so a --times output can be summarized again with others.
 
 --fast keeps both full models, every batch size and phase, and the packed row, on fewer grid points (calibration
 2 prompt lengths x 2 output lengths x batch 1, 2, 4; evaluation at shorter prompts, batch 64 at 8 and 24), so a run fits
@@ -492,7 +501,8 @@ def with_stream_rate(measurements: list, rate: float) -> list:
     return [dataclasses.replace(m, value=rate) if m.key == WEIGHT_STREAM_KEY else m for m in measurements]
 
 
-def main() -> None:
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`argv`, else sys.argv's)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small demo models and smaller grids (a smoke run)")
     parser.add_argument("--fast", action="store_true",
@@ -505,18 +515,29 @@ def main() -> None:
     parser.add_argument("--summarize", metavar="FILE", nargs="+",
                         help="measure nothing: the result lines of several runs (files of this bench's output), each "
                              "cell's mean predicted / measured time and its scatter over them, and each goal's count")
-    parser.add_argument("--as", dest="kind", choices=("this", "avx2"), default="this",
-                        help="avx2: run as a CPU without AVX512 and 16-bit math (pinned features and BLAS kernels)")
+    parser.add_argument("--as", dest="kind", choices=("this", "avx2", "both"), default="this",
+                        help="avx2: run as a CPU without AVX512 and 16-bit math (pinned features and BLAS kernels); "
+                             "both: a run of each kind in turn, each in a process of its own, then their summary")
+    parser.add_argument("--times", type=int, metavar="N",
+                        help="N runs (of each kind with --as both), each in a process of its own, each run's line "
+                             "printed as it ends, then the --summarize line of them all")
     parser.add_argument("--packed-runs-of", metavar="PATH", help=argparse.SUPPRESS)  # packed_runs_in_child's child
     parser.add_argument("--prompt-lens", default="32,96", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=PACKED_RUNS, help=argparse.SUPPRESS)
     parser.add_argument("--read-now", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_arguments()
     if args.refit:
         print(json.dumps(refit(args.refit)))
         return
     if args.summarize:
-        print(json.dumps(summarize([result_of(path) for path in args.summarize])))
+        print(json.dumps(summarize([doc for path in args.summarize for doc in results_of(path)])))
+        return
+    if args.times is not None or args.kind == "both":
+        run_repeatedly(args)
         return
     if args.packed_runs_of:
         print(json.dumps(packed_runs(args.packed_runs_of, tuple(int(p) for p in args.prompt_lens.split(",")),
@@ -604,7 +625,7 @@ def main() -> None:
                  for phase in ("decode", "prefill")})  # the model's error with the streaming rate of the moment
     line["rounds_mape_pct"] = {f"{phase}_{form}": [overall(by_round, phase, form) for by_round in
                                                    zip_rounds(round_errors)]
-                               for phase in ("decode", "prefill") for form in ("calibrated", "uncalibrated")}
+                               for phase, form in PHASE_FORMS}
     line["host_repeat_mape_pct"] = {phase: overall(repeat, phase, "repeat") for phase in ("decode", "prefill")}
     line["host_repeat_per_shape_pct"] = repeat
     line["fast"], line["stage_s"] = args.fast, {**stages, "total": round(time.perf_counter() - started, 1)}
@@ -615,6 +636,39 @@ def main() -> None:
     line["measured"]["step_overhead_ms"] = next((round(m.value * 1e3, 3) for m in measurements
                                                  if m.key == STEP_OVERHEAD_KEY), None)
     print(json.dumps({**line, "default_model_packed_decode_tokens_per_s": packed, "machine": machine_line(args.kind)}))
+
+
+# Session 19: one command for the goals judged over several runs (session 18's proposal); a run is killed past this
+RUN_DEADLINE_S = 1800
+
+
+def run_repeatedly(args) -> None:
+    """--times N / --as both: every run of run_commands in turn (its progress shown, its line printed as it ends),
+    then the summary of them all."""
+    results = []
+    for command in run_commands(args):
+        results.append(child_json(command, None, RUN_DEADLINE_S, progress=True))
+        print(json.dumps(results[-1]), flush=True)
+    print(json.dumps(summarize(results)))
+
+
+def run_commands(args) -> list[list[str]]:
+    """The runs of --times N / --as both: this script with the run's own flags, once per kind (this, avx2, this, avx2,
+    ... with both), N times; with --dump, each run's dump FILE.<run>-<kind>. An InputError for N below 1."""
+    from hivekeeper.planner.errors import InputError
+
+    times = 1 if args.times is None else args.times
+    if times < 1:
+        raise InputError(f"--times {times}: at least 1 run")
+    kinds = ("this", "avx2") if args.kind == "both" else (args.kind,)
+    flags = [flag for flag, on in (("--quick", args.quick), ("--fast", args.fast)) if on]
+    commands = []
+    for run in range(1, times + 1):
+        for kind in kinds:
+            dump = ["--dump", f"{args.dump}.{run}-{kind}"] if args.dump else []
+            commands.append([sys.executable, str(Path(__file__).resolve()), *flags, "--repeats", str(args.repeats),
+                             *dump, "--as", kind])
+    return commands
 
 
 def model_paths(quick: bool) -> dict:
@@ -648,8 +702,7 @@ def refit(path: str) -> dict:
         judged = [ProfilePoint.from_dict(p) for p in points]
         errors[name], ratios[name] = shape_errors(spec, forms, judged, calibration.policies)
         terms[name] = step_terms(spec, forms, judged, calibration.policies)
-    summary = {f"{phase}_mape_{form}_pct": overall(errors, phase, form)
-               for phase in ("decode", "prefill") for form in ("calibrated", "uncalibrated")}
+    summary = {mape_key(phase, form): overall(errors, phase, form) for phase, form in PHASE_FORMS}
     return {"bench": "calibration_accuracy", "refit": path, **summary, "per_shape_mape_pct": errors,
             "per_shape_time_ratio": ratios, "terms": terms, "fitted_factors": list(fitted.factors),
             "fitted": {k: float(f"{getattr(fitted.efficiency.accelerator, k):.4g}")
@@ -657,56 +710,100 @@ def refit(path: str) -> dict:
                                  "weight_reread_rows", "prefill_layer_overhead_s", "row_overhead_s")}}
 
 
-def result_of(path: str) -> dict:
-    """The result line in a file of this bench's output (its last line that is one; stderr's progress may be in the
-    file too); an InputError naming the file where there is none."""
+def results_of(path: str) -> list[dict]:
+    """Every result line in a file of this bench's output, in order (stderr's progress may be in the file too, and
+    a --times run's summary, which is no run's); an InputError naming the file where there is none."""
     from hivekeeper.planner.errors import InputError
 
     if not Path(path).is_file():
         raise InputError(f"{path}: no such file")
-    for line in reversed(Path(path).read_text(errors="replace").splitlines()):
+    found = []
+    for line in Path(path).read_text(errors="replace").splitlines():
         try:
             doc = json.loads(line)
         except ValueError:
             continue
         if isinstance(doc, dict) and doc.get("bench") == "calibration_accuracy" and "per_shape_time_ratio" in doc:
-            return doc
-    raise InputError(f"{path}: no calibration_accuracy result line in it")
+            found.append(doc)
+    if not found:
+        raise InputError(f"{path}: no calibration_accuracy result line in it")
+    return found
 
 
 def summarize(results: list[dict]) -> dict:
     """Several runs judged together (session 18: one run's MAPE holds the host's moment, which moves a point 5-16%
     from one minute to the next here): per kind of machine (`machine.as`), model, batch and phase, each form's
     geometric mean predicted / measured time over the runs (the cost model's bias) and the standard deviation of its
-    log in % (the runs' scatter); the packed default model's the same; how many runs met each goal; the median host
-    repeat error where the runs report it."""
-    cells: dict = {}
-    packed: dict = {}
-    met: dict = {}
-    repeats: dict = {}
-    kinds: dict = {}
+    log in % (the runs' scatter); the default model's ratio the same; how many runs met each goal; per kind, the
+    goals judged both ways (judge_kind); the median host repeat error where the runs report it."""
+    by_kind: dict = {}
     for doc in results:
-        kind = doc.get("machine", {}).get("as", "this")
-        kinds[kind] = kinds.get(kind, 0) + 1
+        by_kind.setdefault(doc.get("machine", {}).get("as", "this"), []).append(doc)
+    bias = {kind: nested_map(cell_ratios(docs), bias_and_scatter) for kind, docs in sorted(by_kind.items())}
+    default = {kind: bias_and_scatter(ratios) for kind, docs in sorted(by_kind.items())
+               if (ratios := [r for r in map(run_default_ratio, docs) if r])}
+    repeats: dict = {}
+    for doc in results:
+        for phase, value in (doc.get("host_repeat_mape_pct") or {}).items():
+            repeats.setdefault(phase, []).append(value)
+    return {"bench": "calibration_accuracy", "summarized_runs": len(results),
+            "runs_by_kind": {kind: len(docs) for kind, docs in sorted(by_kind.items())},
+            "per_shape_bias": bias, "default_model_bias": default,
+            "goals_met_runs": goal_counts(results),
+            "per_kind": {kind: judge_kind(docs, bias[kind], default.get(kind)) for kind, docs in sorted(by_kind.items())},
+            "host_repeat_mape_pct_median": {phase: round(float(np.median(v)), 1) for phase, v in repeats.items()}}
+
+
+def cell_ratios(docs: list[dict]) -> dict:
+    """{model: {batch: {phase: {form: [each run's predicted / measured time]}}}} of some runs' lines."""
+    cells: dict = {}
+    for doc in docs:
         for model, table in doc["per_shape_time_ratio"].items():
             for batch, phases in table.items():
                 for phase, forms in phases.items():
                     for form, ratio in forms.items():
-                        cells.setdefault(kind, {}).setdefault(model, {}).setdefault(batch, {}).setdefault(
-                            phase, {}).setdefault(form, []).append(ratio)
-        ratio = (doc.get("default_model_packed_decode_tokens_per_s") or {}).get("uncalibrated_ratio")
-        if ratio:
-            packed.setdefault(kind, []).append(ratio)
+                        cells.setdefault(model, {}).setdefault(batch, {}).setdefault(phase, {}).setdefault(
+                            form, []).append(ratio)
+    return cells
+
+
+def goal_counts(docs: list[dict]) -> dict:
+    """{goal: "k of n"}: how many of the runs met each goal."""
+    met: dict = {}
+    for doc in docs:
         for goal, ok in doc.get("goals_met", {}).items():
             met.setdefault(goal, []).append(bool(ok))
-        for phase, value in (doc.get("host_repeat_mape_pct") or {}).items():
-            repeats.setdefault(phase, []).append(value)
-    return {"bench": "calibration_accuracy", "summarized_runs": len(results),
-            "runs_by_kind": dict(sorted(kinds.items())),
-            "per_shape_bias": nested_map(cells, bias_and_scatter),
-            "default_model_packed_bias": {kind: bias_and_scatter(values) for kind, values in packed.items()},
-            "goals_met_runs": {goal: f"{sum(oks)} of {len(oks)}" for goal, oks in met.items()},
-            "host_repeat_mape_pct_median": {phase: round(float(np.median(v)), 1) for phase, v in repeats.items()}}
+    return {goal: f"{sum(oks)} of {len(oks)}" for goal, oks in met.items()}
+
+
+PHASE_FORMS = tuple((phase, form) for phase in ("decode", "prefill") for form in ("calibrated", "uncalibrated"))
+
+
+def mape_key(phase: str, form: str) -> str:
+    """A result line's key of one phase and form's MAPE (%)."""
+    return f"{phase}_mape_{form}_pct"
+
+
+def judge_kind(docs: list[dict], bias: dict, default: dict | None) -> dict:
+    """One kind's runs judged two ways. As single runs: each goal's count, the mean of the runs' MAPEs. As the cost
+    model's bias (session 19): the goals applied to the mean over (model, batch) cells of the error of the cell's
+    geometric mean ratio, in tokens/s as the MAPEs are (|measured / predicted time - 1|: `bias_mape_pct`), and to the
+    default model's mean ratio; the host's scatter averages out over the runs, the model's error does not (a cell
+    predicted 8% fast in every run stays 8%)."""
+    keys = [mape_key(phase, form) for phase, form in PHASE_FORMS]
+    mean_mape = {key: round(float(np.mean(values)), 1) for key in keys
+                 if (values := [doc[key] for doc in docs if key in doc])}
+    bias_mape = {}
+    for phase, form in PHASE_FORMS:
+        offs = [abs(1 / forms[form]["mean"] - 1) for batches in bias.values() for phases in batches.values()
+                if (forms := phases.get(phase)) and form in forms]
+        if offs:
+            bias_mape[mape_key(phase, form)] = round(100 * float(np.mean(offs)), 1)
+    by_bias = mape_goals(bias_mape) if len(bias_mape) == len(keys) else {}
+    if default:
+        by_bias["default_model"] = abs(default["mean"] - 1) <= GOALS["default_model"]
+    return {"runs": len(docs), "goals_met_runs": goal_counts(docs), "mean_run_mape_pct": mean_mape,
+            "bias_mape_pct": bias_mape, "goals_met_by_bias": by_bias}
 
 
 def bias_and_scatter(ratios: list[float]) -> dict:
@@ -721,11 +818,31 @@ def nested_map(tree: dict, leaf) -> dict:
     return {k: nested_map(v, leaf) if isinstance(v, dict) else leaf(v) for k, v in tree.items()}
 
 
+def default_model_ratio(default: dict | None, packed: dict | None) -> float | None:
+    """The default model's predicted / measured decode tokens/s after the quick measurement alone, as `generate` runs
+    it: the packed row's when there is one, else the fp32 row's (--quick)."""
+    return (packed or default or {}).get("uncalibrated_ratio")
+
+
+def run_default_ratio(doc: dict) -> float | None:
+    """default_model_ratio of a run's result line."""
+    return default_model_ratio(doc.get("default_model_decode_tokens_per_s"),
+                               doc.get("default_model_packed_decode_tokens_per_s"))
+
+
 def default_model_goal(default: dict, packed: dict) -> bool:
-    """Whether the default model's decode, as `generate` runs it (the packed row when there is one, else fp32), is
-    predicted within GOALS["default_model"] after the quick measurement alone."""
-    ratio = (packed or default).get("uncalibrated_ratio", float("nan"))
-    return abs(ratio - 1) <= GOALS["default_model"]
+    """Whether the default model's decode (default_model_ratio) is predicted within GOALS["default_model"]."""
+    ratio = default_model_ratio(default, packed)
+    return ratio is not None and abs(ratio - 1) <= GOALS["default_model"]
+
+
+def mape_goals(mape: dict) -> dict:
+    """The MAPE goals met by `mape` (a result line's four MAPEs, in %): calibrated decode and prefill, and uncalibrated
+    (both phases)."""
+    return {"decode_calibrated": mape["decode_mape_calibrated_pct"] <= 100 * GOALS["decode_calibrated"],
+            "prefill_calibrated": mape["prefill_mape_calibrated_pct"] <= 100 * GOALS["prefill_calibrated"],
+            "uncalibrated": max(mape["decode_mape_uncalibrated_pct"],
+                                mape["prefill_mape_uncalibrated_pct"]) <= 100 * GOALS["uncalibrated"]}
 
 
 def result_line(args, models, threads, measure_s, calibration, measurements, base, errors, default, evaluated,
@@ -739,8 +856,7 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
                           "weight_reread_rows", "prefill_layer_overhead_s", "row_overhead_s")}
 
     by_key = {m.key: m for m in measurements}
-    summary = {f"{phase}_mape_{form}_pct": overall(errors, phase, form)
-               for phase in ("decode", "prefill") for form in ("calibrated", "uncalibrated")}
+    summary = {mape_key(phase, form): overall(errors, phase, form) for phase, form in PHASE_FORMS}
     return {
         "bench": "calibration_accuracy", "quick": args.quick, "models": list(models), "threads": threads,
         "measure_s": round(measure_s, 1), "calibration_s": round(calibration.profile_seconds, 1),
@@ -768,10 +884,7 @@ def result_line(args, models, threads, measure_s, calibration, measurements, bas
         "median_spread_pct": round(100 * float(np.median([pt.spread for pts in evaluated.values() for pt in pts])), 1),
         "loadavg": loads,
         "goals_pct": {k: 100 * v for k, v in GOALS.items()},
-        "goals_met": {"decode_calibrated": summary["decode_mape_calibrated_pct"] <= 100 * GOALS["decode_calibrated"],
-                      "prefill_calibrated": summary["prefill_mape_calibrated_pct"] <= 100 * GOALS["prefill_calibrated"],
-                      "uncalibrated": max(summary["decode_mape_uncalibrated_pct"],
-                                          summary["prefill_mape_uncalibrated_pct"]) <= 100 * GOALS["uncalibrated"]},
+        "goals_met": mape_goals(summary),
     }
 
 

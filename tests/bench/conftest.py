@@ -27,3 +27,13 @@ def calibration_bench():
             os.environ.pop("HIVEKEEPER_GGUF_PACKED", None)
         else:
             os.environ["HIVEKEEPER_GGUF_PACKED"] = packed
+
+
+@pytest.fixture(scope="module")
+def bench_common():
+    """bench/_common.py as a module (what the bench scripts share)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(BENCH))

@@ -87,7 +87,7 @@ def test_several_runs_give_each_cells_bias_and_scatter_and_each_goals_count(cali
                               result_line("this", 1.0, True, None), result_line("avx2", 1.05, True, 1.0)]):
         files.append(tmp_path / f"run{i}.out")
         files[-1].write_text("progress on stderr\n" + json.dumps(line) + "\n")
-    summary = calibration_bench.summarize([calibration_bench.result_of(str(f)) for f in files])
+    summary = calibration_bench.summarize([doc for f in files for doc in calibration_bench.results_of(str(f))])
     assert summary["summarized_runs"] == 4 and summary["runs_by_kind"] == {"avx2": 1, "this": 3}
     cell = summary["per_shape_bias"]["this"]["thin"]["b1"]["decode"]
     assert cell["calibrated"]["mean"] == pytest.approx(1.0) and cell["calibrated"]["runs"] == 3
@@ -95,8 +95,8 @@ def test_several_runs_give_each_cells_bias_and_scatter_and_each_goals_count(cali
     assert cell["uncalibrated"] == {"mean": 1.0, "scatter_pct": 0.0, "runs": 3}
     assert summary["per_shape_bias"]["avx2"]["thin"]["b1"]["decode"]["calibrated"] == {
         "mean": 1.05, "scatter_pct": 0.0, "runs": 1}
-    assert summary["default_model_packed_bias"]["this"]["mean"] == pytest.approx(1.0) and \
-        summary["default_model_packed_bias"]["this"]["runs"] == 2  # the run without a packed row is left out
+    assert summary["default_model_bias"]["this"]["mean"] == pytest.approx(1.0) and \
+        summary["default_model_bias"]["this"]["runs"] == 2  # the run without a default model row is left out
     assert summary["goals_met_runs"] == {"decode_calibrated": "3 of 4", "default_model": "4 of 4"}
     assert summary["host_repeat_mape_pct_median"] == {"decode": 10.0}
 
