@@ -411,10 +411,9 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
                                   for config, span in ((wide_config, wide), (narrow_config, narrow))], repeats)
     s1, s2 = timed[:2]
     # prefill passes through both spans at every PREFILL_SEQUENCE_COUNTS row count, all in turn: the rate by rows
-    # at each width
-    prefills = [prefill_pass(config, span, sequences=sequences) for sequences in PREFILL_SEQUENCE_COUNTS
-                for config, span in ((wide_config, wide), (narrow_config, narrow))]
-    prefill_seconds = _alternating_seconds([run for run, _, _ in prefills], PREFILL_REPEATS)
+    # at each width (run_benchmarks reads them again later: StreamRereads.read_prefill)
+    prefills = spans.prefill_passes()
+    prefills.read(PREFILL_REPEATS)
     (m1, _), (m2, _) = median_and_spread(s1), median_and_spread(s2)
     per_block, bandwidth = fit_bytes_and_blocks((m1, b1, n1), (m2, b2, n2))
     load = max(load, load_average())
@@ -435,8 +434,7 @@ def _decode_block_measurements(hidden: int, total_bytes: int, repeats: int, cach
                 detail=f"{few[0].detail} (older profiles' one figure for every width; per width and rows: "
                        f"{ROW_READS_AT_KEY}<width>x<rows>)"),
         *few,
-        *prefill_measurements(prefill_runs(prefills, prefill_seconds, (wide_config, narrow_config),
-                                           (wide.blocks[0], narrow.blocks[0])), load),
+        *prefill_measurements(prefills.runs(), load, prefills.repeats()),
     ]
 
 
@@ -472,6 +470,7 @@ def row_reads(seconds: float, nbytes: float, blocks: int, per_block: float, band
 # host fitted the 576-wide rate's half-rate rows at 152 (48-58 otherwise) and the 2048-wide one flat, and priced
 # SmolLM2's 32-row prefill 1.53x slow; a median of 5 costs ~0.6 s more (~0.3 s a repeat on this 2-core host)
 PREFILL_SEQUENCES, PREFILL_TOKENS, PREFILL_WEIGHTS, PREFILL_REPEATS = 2, 48, 12_000_000, 5
+PREFILL_REREAD_REPEATS = 3  # each later reading of the passes (PrefillPasses: two more, ~1.5 s each here)
 # the fp32 spans' prefill passes run at three row counts (these many prompts of PREFILL_TOKENS: 48, 96 and 288 rows),
 # which give the rate by rows (prefill_curve). Issue 23, session 16: a 2048-wide block multiplied at ~80 GFLOP/s over
 # 32 rows, ~135 over 96, ~180 over 384-512 (BLAS packs a weight once a call whatever its rows), a 576-wide one at ~70,
@@ -543,6 +542,40 @@ def prefill_runs(passes: list[tuple[Callable[[], None], float, int]], seconds: l
     return runs
 
 
+class PrefillPasses:
+    """The prefill passes through the two stream spans (prefill_pass at every PREFILL_SEQUENCE_COUNTS row count,
+    each over the wide span and then the narrow one), built once and read (timed in turn) once or more. Issue 23,
+    session 19: one reading lasts ~2 s, and a quick measurement whose one reading fell in a slow spell of the host
+    (every pass 1.4-1.9x its usual time, the rest of the run at the usual speed) priced every prefill 1.4-1.7x slow,
+    which the calibration, whose matmul fraction only goes down, could not undo; another read one pass (2048 wide,
+    288 rows) 1.3x slow and fitted that width flat. run_benchmarks reads them again in the middle and at the end of
+    the measurement (StreamRereads.read_prefill), and each pass's time is the median of the readings' medians."""
+
+    def __init__(self, configs: tuple, spans: tuple):
+        self.configs = configs
+        self.first_blocks = tuple(span.blocks[0] for span in spans)
+        self.passes = [prefill_pass(config, span, sequences=sequences) for sequences in PREFILL_SEQUENCE_COUNTS
+                       for config, span in zip(configs, spans)]
+        self.readings: list[list[list[float]]] = []  # per reading, each pass's seconds of every repeat
+
+    def read(self, repeats: int) -> None:
+        """One reading: every pass `repeats` times in turn (after one warm-up each)."""
+        self.readings.append(_alternating_seconds([run for run, _, _ in self.passes], repeats))
+
+    def repeats(self) -> tuple[int, ...]:
+        """The repeats of each reading."""
+        return tuple(len(reading[0]) for reading in self.readings)
+
+    def runs(self) -> list[PrefillRun]:
+        """The passes as PrefillRun: with one reading, each repeat's seconds; with more, each reading's median
+        (their median is the pass's time: one reading at a slow spell of the host does not set it)."""
+        if len(self.readings) == 1:
+            seconds = self.readings[0]
+        else:
+            seconds = [[statistics.median(reading[i]) for reading in self.readings] for i in range(len(self.passes))]
+        return prefill_runs(self.passes, seconds, self.configs, self.first_blocks)
+
+
 def rate_and_intercept(passes: list[tuple[float, float]], blocks: int) -> tuple[float, float]:
     """(FLOP/s, seconds a block) with seconds = FLOPs / rate + blocks x intercept, fitted to passes (seconds, FLOPs)
     of the same blocks at several row counts (line_of_passes); where noise makes the split meaningless (no slope, or
@@ -587,17 +620,21 @@ def prefill_curve(runs: list[PrefillRun]) -> tuple[float, dict[int, tuple[float,
     return fixed, {width: (rate, (intercept - fixed) / per_row) for width, (rate, intercept, per_row) in fits.items()}
 
 
-def prefill_measurements(runs: list[PrefillRun], load: float) -> list[Measurement]:
+def prefill_measurements(runs: list[PrefillRun], load: float, readings: tuple[int, ...] = ()) -> list[Measurement]:
     """The fp32 prefill rate by rows at each span's width (PREFILL_PEAK_KEY, PREFILL_HALF_ROWS_KEY: prefill_curve),
     a block's fixed cost in a prefill (PREFILL_BLOCK_KEY), and the widest span's rate at PREFILL_SEQUENCES x
     PREFILL_TOKENS rows (PREFILL_FLOPS_KEY: the CPU's fp32 FLOP/s the planner shows and prices other than by rows),
-    from the passes' median times."""
+    from the passes' median times. `readings`: the repeats of each reading the runs' seconds come from, where
+    there were several (PrefillPasses.runs: each second a reading's median), for the detail."""
     fixed, curve = prefill_curve(runs)
+    timed = (f"{len(runs[0].seconds)} repeats each" if len(readings) < 2 else
+             f"read {len(readings)} times over the measurement, {' + '.join(map(str, readings))} repeats each; each "
+             "pass the median of the readings' medians")
     widths = sorted(curve)
     shown = [r for r in runs if r.hidden == widths[-1] and r.rows == PREFILL_SEQUENCES * PREFILL_TOKENS]
     detail = (f"prefill passes of {', '.join(str(n * PREFILL_TOKENS) for n in PREFILL_SEQUENCE_COUNTS)} rows "
               f"({PREFILL_TOKENS}-token prompts) through random fp32 blocks of widths "
-              f"{' and '.join(map(str, widths))}, in turn ({len(runs[0].seconds)} repeats each): "
+              f"{' and '.join(map(str, widths))}, in turn ({timed}): "
               + ", ".join(f"{r.blocks} x {r.hidden} at {r.rows} rows {r.median_s * 1e3:.3g} ms" for r in runs)
               + " (medians), through the runtime's prefill path")
     peak, half_rows = curve[widths[-1]]
@@ -682,6 +719,7 @@ class StreamSpans:
     wide: torch.nn.Module
     narrow_config: object
     narrow: torch.nn.Module
+    prefills: "PrefillPasses | None" = field(default=None, repr=False, compare=False)
 
     @classmethod
     def make(cls, hidden: int, total_bytes: int, cache_bytes: int | None = None,
@@ -689,6 +727,12 @@ class StreamSpans:
         (wide_config, wide), (narrow_config, narrow) = (
             span_of_config(config) for config in stream_span_configs(hidden, total_bytes, cache_bytes, thin))
         return cls(wide_config, wide, narrow_config, narrow)
+
+    def prefill_passes(self) -> PrefillPasses:
+        """The prefill passes through the two spans (built at the first call, then the same)."""
+        if self.prefills is None:
+            self.prefills = PrefillPasses((self.wide_config, self.narrow_config), (self.wide, self.narrow))
+        return self.prefills
 
     def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """((bytes, blocks) of the wide span, the same of the narrow one)."""
@@ -757,13 +801,37 @@ class StreamRereads:
             torch.set_num_threads(previous_threads)
         return []
 
+    def read_prefill(self) -> list[Measurement]:
+        """One more reading of the prefill passes through the spans (PREFILL_REREAD_REPEATS in turn), in the
+        runtime's thread layout; no measurement of its own (pool folds them)."""
+        previous_threads = torch.get_num_threads()
+        use_blas_threads()
+        try:
+            self.built().prefill_passes().read(PREFILL_REREAD_REPEATS)
+        finally:
+            torch.set_num_threads(previous_threads)
+        return []
+
     def pool(self, results: list[Measurement]) -> list[Measurement]:
         """The last reading, then `results` (in place) with the pooled fit of all of them (fold_stream_readings) in
-        place of measure_decode_blocks's, and the spans dropped; no measurement of its own."""
+        place of measure_decode_blocks's, and its prefill measurements from every reading of the passes
+        (fold_prefill_readings), and the spans dropped; no measurement of its own."""
         self.read()
-        results[:] = fold_stream_readings(results, self.readings, self.built().shapes())
+        results[:] = fold_prefill_readings(fold_stream_readings(results, self.readings, self.built().shapes()),
+                                           self.built().prefill_passes())
         self.spans = None
         return []
+
+
+def fold_prefill_readings(results: list[Measurement], prefills: PrefillPasses) -> list[Measurement]:
+    """`results` with the prefill measurements (prefill_measurements' keys) made again from every reading of the
+    passes (PrefillPasses.runs: each pass the median of the readings' medians), in place of the first reading's;
+    unchanged with one reading or without the first's measurements."""
+    if len(prefills.readings) < 2 or not any(m.key == PREFILL_BLOCK_KEY for m in results):
+        return results
+    again = {m.key: m for m in prefill_measurements(prefills.runs(), load_average(), prefills.repeats())}
+    return [replace(again[m.key], loadavg=max(m.loadavg, again[m.key].loadavg)) if m.key in again else m
+            for m in results]
 
 
 def step_seconds(reading: StreamReading, shape: tuple[int, int]) -> float:
@@ -1502,6 +1570,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                                                    sizes.repeats, wide=sizes.half_wide),
                                measure_half_prefill(sizes.half_hidden, sizes.repeats)]))
     steps += reread
+    prefill_again = [("CPU prefill passes, read again", rereads.read_prefill)] if rereads is not None else []
+    steps += prefill_again
     if disk_folder is not None:
         steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))
     steps += reread
@@ -1519,6 +1589,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                                                                                  sizes.repeats)]))
     for peer in peers:
         steps.append((f"peer {peer}", lambda peer=peer: measure_peer(peer, sizes.repeats, sizes.peer_bytes)))
+    steps += prefill_again
     if rereads is not None:
         steps.append(("CPU decode streaming, read again", lambda: rereads.pool(results)))
     if "fp32" in sizes.dtypes:  # what a decode step costs beyond its blocks and head (the engine's own loop)

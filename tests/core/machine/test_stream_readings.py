@@ -95,8 +95,13 @@ def test_plan_hardware_auto_plans_with_the_pooled_readings(monkeypatch, tmp_path
     assert steps.index("CPU decode steps") < steps.index("CPU packed-format decode steps") < again_at[0]
     assert again_at[0] < steps.index("disk") < again_at[-1] < steps.index("CPU packed-format decode steps, read again")
     assert steps[-1] == "done" and len(packed_with) == 2 and all(0.02e-3 not in args for args in packed_with)
+    # the prefill passes read twice more (session 19), in the middle and right before the pool
+    prefill_at = [i for i, step in enumerate(steps) if step == "CPU prefill passes, read again"]
+    assert len(prefill_at) == 2 and again_at[0] < prefill_at[0] < steps.index("disk") < prefill_at[1]
+    assert prefill_at[1] == again_at[-1] - 1
     (path,) = (tmp_path / "profiles").glob("*.json")
     profile = load_profile(path)
+    assert "read 3 times over the measurement" in profile.measurement(PREFILL_FLOPS_KEY).detail
     assert profile.measurement(WEIGHT_STREAM_KEY).value == pytest.approx(7e9)
     assert profile.measurement(BLOCK_OVERHEAD_KEY).value == pytest.approx(0.02e-3)
     again = cli(*plan)
