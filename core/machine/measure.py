@@ -1543,7 +1543,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     and each peer; the decode steps' streaming rate (and their few-row reads) is read again between the later steps
     and the pooled figures kept (StreamRereads, fold_stream_readings), the decode loop's fixed cost per step
     (step_overhead); the packed formats' decode steps (their rates and a packed block's fixed cost, fitted to packed
-    spans of two widths) are read after the decode steps and again last, and pooled (pool_packed). The decode spans
+    spans of two widths) are read after the decode steps, in the middle and last, and pooled (pool_packed), as the
+    fp32 prefill passes are (StreamRereads.read_prefill, fold_prefill_readings). The decode spans
     fit the memory available (within_memory). progress(fraction, label) is called before each step;
     should_stop() is checked between steps (what was measured so far is returned)."""
     sizes = within_memory(sizes)
@@ -1561,7 +1562,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
                       lambda: measure_decode_blocks(sizes.stream_hidden, sizes.stream_bytes, sizes.repeats,
                                                     sizes.cache_bytes, sizes.step_repeats, rereads.built(),
                                                     sizes.stream_thin)))
-    if sizes.packed_hidden is not None:  # read early and again last (pool_packed); each reading fits its own spans
+    if sizes.packed_hidden is not None:  # read early, in the middle and last (pool_packed); each fits its own spans
         steps.append(("CPU packed-format decode steps", lambda: measure_packed_at(sizes)))
     steps += reread
     if has_half_math():  # where bf16 is native, whether it beats fp32 at decode decides 16-bit plans (cpu_dtype)
@@ -1572,6 +1573,10 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     steps += reread
     prefill_again = [("CPU prefill passes, read again", rereads.read_prefill)] if rereads is not None else []
     steps += prefill_again
+    packed_later: list[list[Measurement]] = []  # the packed formats' later readings, pooled last (pool_packed)
+    if sizes.packed_hidden is not None:
+        steps.append(("CPU packed-format decode steps, read again",
+                      lambda: packed_later.append(measure_packed_at(sizes)) or []))
     if disk_folder is not None:
         steps.append(("disk", lambda: list(measure_disk(disk_folder, sizes.disk_bytes, max(1, min(sizes.repeats, 3))))))
     steps += reread
@@ -1596,7 +1601,7 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU decode step overhead", lambda: [measure_step_overhead(cache_bytes=sizes.cache_bytes)]))
     if sizes.packed_hidden is not None:
         steps.append(("CPU packed-format decode steps, read again",
-                      lambda: pool_packed(results, measure_packed_at(sizes))))
+                      lambda: pool_packed(results, [*packed_later, measure_packed_at(sizes)])))
     for index, (label, step) in enumerate(steps):
         if should_stop():
             break
@@ -1606,29 +1611,39 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
     return results
 
 
-def pool_packed(results: list[Measurement], later: list[Measurement]) -> list[Measurement]:
-    """`results` (in place) with each packed-format measurement pooled with the `later` reading of the same key
-    (pooled_packed), and any `later` key not in them added; no measurement of its own. Session 17: a packed span's
-    step takes 2-4 ms, so one reading of 9 repeats spans a tenth of a second of a host whose rate swings within
-    seconds; between quick measurements the streamed Q4_1 rate read 26-43 G weights/s and put SmolLM2's packed decode
-    0.81-1.11x its measured tokens/s. Read early and last in the measurement, the median spans ~5 s of it, as the fp32
-    streaming rate's pooled readings do."""
-    again = {m.key: m for m in later}
+def pool_packed(results: list[Measurement], later: list[list[Measurement]]) -> list[Measurement]:
+    """`results` (in place) with each packed-format measurement pooled with the `later` readings of the same key
+    (pooled_packed), and any key of the later readings not in them added; no measurement of its own. Session 17: a
+    packed span's step takes 2-4 ms, so one reading of 9 repeats spans a tenth of a second of a host whose rate swings
+    within seconds; between quick measurements the streamed Q4_1 rate read 26-43 G weights/s and put SmolLM2's packed
+    decode 0.81-1.11x its measured tokens/s. Read early and last in the measurement, the median spanned ~5 s of it, as
+    the fp32 streaming rate's pooled readings do. Session 19: a quick measurement whose two readings both fell in a
+    slow spell read the kernels' Q4_1 rate at 27 G weights/s (40 when the model ran) and put SmolLM2's packed decode
+    0.71x; a third reading, in the middle, and the median of all three readings' samples."""
+    again: dict[str, list[Measurement]] = {}
+    for reading in later:
+        for m in reading:
+            again.setdefault(m.key, []).append(m)
     results[:] = [pooled_packed(m, again.pop(m.key)) if m.key in again else m for m in results]
-    results.extend(again.values())
+    results.extend(pooled_packed(found[0], found[1:]) for found in again.values())
     return []
 
 
-def pooled_packed(first: Measurement, second: Measurement) -> Measurement:
-    """One measurement from two readings of one key: the median of both readings' samples (a cost at least 0), their
-    range over it as the spread."""
-    samples = first.samples + second.samples
+def pooled_packed(first: Measurement, later: list[Measurement]) -> Measurement:
+    """One measurement from readings of one key (`first`, then the `later` ones): the median of every reading's
+    samples (a cost at least 0), so that one reading at a slow spell among three does not set it; their range over
+    it as the spread. `first` alone: itself."""
+    if not later:
+        return first
+    readings = [first, *later]
+    samples = [x for m in readings for x in m.samples]
     median, spread = median_and_spread(samples)
     value = max(0.0, median) if first.unit == "s" else median
-    return replace(first, value=value, spread=spread, repeats=len(samples), loadavg=max(first.loadavg, second.loadavg),
-                   samples=samples, detail=f"{first.detail}; read twice, early and last in the measurement "
-                                           f"({first.value:.4g} and {second.value:.4g}): the median of both "
-                                           f"readings' {len(samples)} samples")
+    values = ", ".join(f"{m.value:.4g}" for m in readings)
+    return replace(first, value=value, spread=spread, repeats=len(samples),
+                   loadavg=max(m.loadavg for m in readings), samples=samples,
+                   detail=f"{first.detail}; read {len(readings)} times over the measurement ({values}): the median "
+                          f"of the readings' {len(samples)} samples")
 
 
 def measure_step_overhead(runs: int = step_overhead.LOOP_RUNS, steps: int = step_overhead.LOOP_STEPS,
