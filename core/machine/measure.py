@@ -792,25 +792,25 @@ class StreamRereads:
     def read(self) -> list[Measurement]:
         """One more reading (kept in self.readings; no measurement of its own: fold_stream_readings)."""
         sizes = self.sizes
-        previous_threads = torch.get_num_threads()
-        use_blas_threads()  # the runtime's thread layout, as measure_decode_blocks reads it in
-        try:
-            self.readings.append(stream_reading(self.built(), max(sizes.repeats, sizes.step_repeats),
-                                                FEW_ROW_COUNTS))
-        finally:
-            torch.set_num_threads(previous_threads)
+        self.in_runtime_threads(lambda: self.readings.append(
+            stream_reading(self.built(), max(sizes.repeats, sizes.step_repeats), FEW_ROW_COUNTS)))
         return []
 
     def read_prefill(self) -> list[Measurement]:
-        """One more reading of the prefill passes through the spans (PREFILL_REREAD_REPEATS in turn), in the
-        runtime's thread layout; no measurement of its own (pool folds them)."""
+        """One more reading of the prefill passes through the spans (PREFILL_REREAD_REPEATS in turn); no measurement
+        of its own (pool folds them)."""
+        self.in_runtime_threads(lambda: self.built().prefill_passes().read(PREFILL_REREAD_REPEATS))
+        return []
+
+    @staticmethod
+    def in_runtime_threads(read: Callable[[], None]) -> None:
+        """read() in the runtime's thread layout, as measure_decode_blocks reads it in; torch's threads restored."""
         previous_threads = torch.get_num_threads()
         use_blas_threads()
         try:
-            self.built().prefill_passes().read(PREFILL_REREAD_REPEATS)
+            read()
         finally:
             torch.set_num_threads(previous_threads)
-        return []
 
     def pool(self, results: list[Measurement]) -> list[Measurement]:
         """The last reading, then `results` (in place) with the pooled fit of all of them (fold_stream_readings) in
