@@ -21,6 +21,8 @@ def test_a_killed_orphan_and_its_child_leave_no_zombie(pytestconfig):
     while not driver.children() and time.monotonic() < deadline:
         time.sleep(0.02)
     (worker,) = driver.children()
+    while worker.name() != "sleep" and time.monotonic() < deadline:  # forked, but still the shell until it execs
+        time.sleep(0.02)
     assert driver.ppid() == psutil.Process().pid  # adopted by the test process
 
     described = checks.kill_and_describe([driver.pid, worker.pid])
