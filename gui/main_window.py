@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QHBoxLayout, QLayout, QListWidget, QListWidgetIte
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.gui.services.chat import ChatService
+from hivekeeper.gui.services.collector import GuiThreadCollector
 from hivekeeper.gui.services.coverage import CoverageService
 from hivekeeper.gui.services.hardware import DetectService
 from hivekeeper.gui.services.measure import FirstMeasure, MeasureService, first_measure_enabled
@@ -47,6 +48,7 @@ class MainWindow(QMainWindow):
         self.resize(1280, 800)
         self._quitting = False
         self._shut_down = False
+        self.collector = GuiThreadCollector(self)  # cyclic garbage (Qt objects in it) dies on this thread only
 
         folder = self.store.folder
         self.detect = DetectService(self, folder)
@@ -398,3 +400,4 @@ class MainWindow(QMainWindow):
         WorkerThread.stop_all()
         if self.tray is not None:
             self.tray.hide()
+        self.collector.stop()
