@@ -297,3 +297,19 @@ def suite_machine_profile():
                             for key, (value, unit) in SUITE_PROFILE_FIGURES.items()]
     profile.measured_at, profile.threads = 1.7e9, 2
     return save_profile(profile)
+
+
+@pytest.fixture
+def measured_machine(suite_machine_profile):
+    """measured_machine(config_folder): the suite's fixed profile copied into a test's own config folder, so a plan
+    for this machine made there (a child's too) reads it rather than measuring the host first (10-50 s), where the
+    test is about something else; returns the copy's path."""
+    from pathlib import Path
+
+    def copy(folder) -> Path:
+        target = Path(folder) / "profiles" / suite_machine_profile.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(suite_machine_profile, target)
+        return target
+
+    return copy

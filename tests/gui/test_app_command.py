@@ -19,15 +19,18 @@ def _env(tmp_path, **extra) -> dict:
     return {**env, "HIVEKEEPER_CONFIG_DIR": str(tmp_path / "config"), **extra}
 
 
-def test_without_a_display_it_points_to_the_cli(tmp_path, cli, monkeypatch):
-    """In this process (the `cli` fixture): the command's real child process is the test below."""
+def test_without_a_display_it_points_to_the_cli(tmp_path, cli, monkeypatch, measured_machine):
+    """In this process (the `cli` fixture): the command's real child process is the test below. The machine was
+    measured before (its plan reads the profile; the first plan's measurement is tests/core/cli's)."""
     for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path / "config"))
+    measured_machine(tmp_path / "config")
     out = cli("app", "--model", "Qwen/Qwen2.5-0.5B")
     assert out.returncode == 0, out.stderr
     assert "No display found" in out.stdout and "hivekeeper plan" in out.stdout
     assert "Qwen2.5-0.5B" in out.stdout  # the plan for this machine follows
+    assert "measuring it quickly" not in out.stderr  # from the saved profile
 
 
 def test_the_app_opens_and_closes_cleanly_on_sigterm(tmp_path):

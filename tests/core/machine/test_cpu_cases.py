@@ -17,8 +17,8 @@ from hivekeeper.core.cli.main import main
 from hivekeeper.core.machine import cpu_dtype
 from hivekeeper.core.machine.detect import detect_cpu_section, detect_hardware
 from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PREFILL_BF16_KEY, PREFILL_FLOPS_KEY, Measurement
-from hivekeeper.core.machine.profiles import (MachineProfile, apply_measurements, comparison_rows, new_profile,
-                                              save_profile)
+from hivekeeper.core.machine.profiles import (MachineProfile, apply_measurements, comparison_rows, load_profile,
+                                              new_profile, save_profile)
 from hivekeeper.core.offload.offloaded_model import OffloadedModel
 from hivekeeper.core.offload.placement import cpu_attention_dtype
 from hivekeeper.core.offload.local_plan import PolicyChoice, compute_dtype, engine_plan, fallback_policy
@@ -52,6 +52,15 @@ def save_half_decode_measurement(ratio: float) -> None:
     profile.measurements = [Measurement(HALF_DECODE_KEY, "bf16 decode step / fp32 one", ratio, "x", 0.0, 3, 0.0,
                                         "simulated")]
     save_profile(profile)  # the engine's decision reads the changed file at its next call
+
+
+def save_profile_without_half_step(suite_profile) -> None:
+    """A saved profile of the suite's fixed figures (tests/conftest.py) under the pinned flags' fingerprint, with no
+    16-bit step among them: plans decide by the flags alone, and `generate` does not measure the host first."""
+    profile = new_profile(detect_hardware())
+    profile.measured_at, profile.measurements = 1.7e9, load_profile(suite_profile).measurements
+    assert HALF_DECODE_KEY not in {m.key for m in profile.measurements}
+    save_profile(profile)
 
 
 def detect_text(capsys) -> str:
@@ -238,16 +247,21 @@ def bf16_checkpoint(tmp_path_factory):
     (BF16, 0.6, 1, "bf16", "bfloat16"),
 ])
 def test_generate_plans_and_runs_what_the_decision_says(bf16_checkpoint, config_dir, cpu_flags, capsys, monkeypatch,
-                                                        flags, ratio, batch, planned, runs):
+                                                        suite_machine_profile, flags, ratio, batch, planned, runs):
     """`hivekeeper generate --plan auto` on a bf16 checkpoint: the planner picks and the engine runs one dtype, by
-    the rows the plan's decode steps multiply."""
+    the rows the plan's decode steps multiply. Never from the host's own measurement (a machine never measured would
+    be measured quickly first, and its bf16 step decide): each case has a saved profile."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps `generate` from changing this process's thread count
     cpu_flags(flags)
     if ratio is not None:
         save_half_decode_measurement(ratio)
+    else:
+        save_profile_without_half_step(suite_machine_profile)
     assert main(["generate", "--model", str(bf16_checkpoint), "--prompt", "hello", "--batch", str(batch),
                  "--max-new-tokens", "3", "--ignore-eos", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    result = json.loads(said.out)
+    assert "measuring it quickly" not in said.err
     policy = result["plan"]["policy"]
     assert policy["weight_format"] == planned, result["plan"]
     if planned == "bf16" and ratio == 1.7:  # bf16 by its rows: its micro-batches are beyond the kernels' rows

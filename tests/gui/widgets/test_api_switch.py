@@ -19,9 +19,12 @@ DEADLINE_MS = 240_000  # a child that imports torch and loads the model, on a bu
 
 
 @pytest.fixture
-def app_window(qapp, qtbot, config_dir, demo_checkpoint):
-    """The main window as gui/app.py's main() makes it, from settings saved beforehand (chat with the demo model)."""
+def app_window(qapp, qtbot, config_dir, demo_checkpoint, measured_machine):
+    """The main window as gui/app.py's main() makes it, from settings saved beforehand (chat with the demo model), on
+    a machine measured before (the API's plan reads the profile instead of measuring the host first)."""
     from hivekeeper.gui.app import open_window
+
+    measured_machine(config_dir)
 
     saved = Settings()
     saved.chat.model, saved.chat.mode = str(demo_checkpoint), "local"
