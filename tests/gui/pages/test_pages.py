@@ -152,7 +152,7 @@ def test_model_list_shows_the_three_state_fit(make_window, qtbot, demo_checkpoin
 def test_hardware_page_detects_and_measures(make_window, qtbot, config_dir, monkeypatch):
     from hivekeeper.gui.services.measure import SIZES_ENV
 
-    monkeypatch.setenv(SIZES_ENV, "quick")  # the app's own switch for `hivekeeper measure --quick` sizes
+    monkeypatch.setenv(SIZES_ENV, "tiny")  # the app's own switch: sizes of a few MB (the wiring is tested here)
     window = make_window()
     page = window.hardware_page
     with qtbot.waitSignal(window.detect.detected, timeout=120_000):
