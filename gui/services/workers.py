@@ -9,7 +9,9 @@ The callbacks given to `run_in_thread` always run on the GUI thread, whatever th
 a bound method of a QObject, but calls a lambda or a plain function on the emitting (worker) thread, where touching
 a widget starts its timers from the wrong thread ("QBasicTimer::start: Timers cannot be started from another
 thread"). So the worker's signals reach the callbacks through a `_Relay` QObject made on the GUI thread. Workers
-are started from the GUI thread only (`start` raises otherwise), so their QObjects belong to it.
+are started from the GUI thread only (`start` raises otherwise), so their QObjects belong to it. While a worker runs,
+Python's cyclic garbage is collected on the GUI thread only (collector.py), as it is while a window is open: a
+collection the worker's allocations set off would destroy Qt objects held in cycles on the worker.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Callable
 from PySide6.QtCore import QCoreApplication, QObject, Qt, QThread, Signal, Slot
 
 from hivekeeper.planner.errors import InputError
+
+from hivekeeper.gui.services.collector import GuiThreadCollector
 
 Report = Callable[[Any], None]
 ShouldStop = Callable[[], bool]
@@ -66,6 +70,12 @@ class Worker(QObject):
             self.finished.emit()
 
 
+def require_gui_thread() -> None:
+    app = QCoreApplication.instance()
+    if app is not None and QThread.currentThread() is not app.thread():
+        raise RuntimeError("a worker is started from the GUI thread only (its callbacks and QObjects live there)")
+
+
 class WorkerThread:
     """A Worker on its own QThread; keeps both alive until the thread ends. Connect signals before `start()`."""
 
@@ -81,9 +91,7 @@ class WorkerThread:
         self.worker.finished.connect(self.thread.quit, Qt.ConnectionType.DirectConnection)
 
     def start(self) -> "WorkerThread":
-        app = QCoreApplication.instance()
-        if app is not None and QThread.currentThread() is not app.thread():
-            raise RuntimeError("a worker is started from the GUI thread only (its callbacks and QObjects live there)")
+        require_gui_thread()
         # Drop handles of threads that have fully ended. (Dropping one from its own `finished` signal would
         # destroy the QThread while it is still winding down, which Qt reports and may crash on.)
         WorkerThread._alive -= {h for h in WorkerThread._alive if h.thread.isFinished()}
@@ -120,6 +128,7 @@ class _Relay(QObject):
     def __init__(self, handle: WorkerThread, on_yield, on_return, on_error, on_finish):
         super().__init__()
         _Relay._pending.add(self)
+        self._collector = GuiThreadCollector(self)  # until the worker has finished
         self._callbacks = {"yield": on_yield, "return": on_return, "error": on_error, "finish": on_finish}
         worker = handle.worker
         if on_yield is not None:
@@ -141,6 +150,7 @@ class _Relay(QObject):
 
     def _finished(self) -> None:
         _Relay._pending.discard(self)
+        self._collector.stop()
         if self._callbacks["finish"] is not None:
             self._callbacks["finish"]()
 
@@ -149,6 +159,7 @@ def run_in_thread(func: Callable[[Report, ShouldStop], Any], *, on_yield=None, o
                   on_finish=None) -> WorkerThread:
     """Start func on a worker thread with the given callbacks, called on the GUI thread (any callable: a lambda
     too) through the handle's `_Relay`."""
+    require_gui_thread()  # before the relay (and its collector) is made
     handle = WorkerThread(func)
     handle.relay = _Relay(handle, on_yield, on_return, on_error, on_finish)
     return handle.start()

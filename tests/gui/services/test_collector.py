@@ -21,12 +21,10 @@ def garbage_qobject(died: dict) -> None:
     obj.itself = obj
 
 
-def allocate(report, should_stop) -> int:
-    """Far more container objects than the collector's thresholds: an automatic collection would run here."""
-    kept = 0
-    for _ in range(20):
-        kept += len([[] for _ in range(50_000)])
-    return kept
+def allocate(report, should_stop) -> list:
+    """Far more container objects than the youngest generation's threshold, kept (the counts stay past it until the
+    GUI thread looks): an automatic collection would run here, on the worker."""
+    return [[] for _ in range(200_000)]
 
 
 def test_a_cycle_with_a_qt_object_dies_on_the_gui_thread_while_a_worker_allocates(make_window, qtbot):
@@ -67,16 +65,28 @@ def test_a_full_collection_waits_until_the_oldest_generation_grew_a_quarter(make
         def collections():
             return [stats["collections"] for stats in gc.get_stats()]
 
-        due_now()
-        before = collections()
-        collector.collect_if_due()
-        after = collections()
-        assert after[2] == before[2] and after[1] == before[1] + 1  # braked: the younger generation only
-
         kept = [[] for _ in range(len(gc.get_objects(2)) // 4 + 1000)]  # a quarter more, long-lived
         due_now()  # moves them into the oldest generation
         before = collections()
         collector.collect_if_due()
         assert collections()[2] == before[2] + 1 and kept
+
+        due_now()  # right after that full one: a few objects more
+        before = collections()
+        collector.collect_if_due()
+        after = collections()
+        assert after[2] == before[2] and after[1] == before[1] + 1  # braked: the younger generation only
     finally:
         gc.set_threshold(*thresholds)
+
+
+def test_without_a_window_a_running_worker_holds_it_off_too(qapp, qtbot):
+    assert gc.isenabled()
+    gui, died, done = threading.get_ident(), {}, {}
+    garbage_qobject(died)
+    handle = run_in_thread(allocate, on_return=lambda n: done.setdefault("n", n))
+    assert not gc.isenabled()
+    qtbot.waitUntil(lambda: "n" in done and "thread" in died, timeout=30_000)
+    assert died["thread"] == gui
+    qtbot.waitUntil(gc.isenabled, timeout=10_000)  # given back once the worker has finished
+    assert handle.wait(10_000)

@@ -4,6 +4,7 @@ worker is started from the GUI thread only."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 
@@ -26,3 +27,4 @@ def test_lambda_callbacks_run_on_the_gui_thread_and_workers_start_there_only(qap
                            on_error=lambda message: seen.setdefault("error", message))
     qtbot.waitUntil(lambda: "error" in seen, timeout=30_000)
     assert nested.wait(10_000) and "from the GUI thread only" in seen["error"]
+    qtbot.waitUntil(gc.isenabled, timeout=10_000)  # the refused worker holds no collector (collector.py)
