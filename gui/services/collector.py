@@ -48,6 +48,7 @@ class GuiThreadCollector(QObject):
         self._holding = True
         self.collections = 0  # collections this holder ran
         self._kept_by_full = len(gc.get_objects(2))  # the oldest generation after the last full collection
+        self._brake_recheck_at = 0  # the oldest generation's count at which the brake is looked at again
         self._timer = QTimer(self)
         self._timer.setInterval(TICK_MS)
         self._timer.timeout.connect(self.collect_if_due)
@@ -55,16 +56,25 @@ class GuiThreadCollector(QObject):
 
     def collect_if_due(self) -> None:
         generation = due_generation()
-        if generation == 2 and not self._oldest_grew():
+        if generation == 2 and not self._full_allowed():
             generation = 1
         if generation is not None:
             gc.collect(generation)
             self.collections += 1
         if generation == 2:
-            self._kept_by_full = len(gc.get_objects(2))
+            self._kept_by_full, self._brake_recheck_at = len(gc.get_objects(2)), 0
 
-    def _oldest_grew(self) -> bool:
-        return len(gc.get_objects(2)) - self._kept_by_full >= FULL_BRAKE * self._kept_by_full
+    def _full_allowed(self) -> bool:
+        """The brake: the oldest generation grew a quarter since the last full collection. Counting it lists the
+        generation (20 ms for 200k objects), so once braked it is counted again only after as many younger
+        collections as the oldest generation's threshold (the count gc.get_count() gives it)."""
+        count = gc.get_count()[2]
+        if count < self._brake_recheck_at:
+            return False
+        if len(gc.get_objects(2)) - self._kept_by_full >= FULL_BRAKE * self._kept_by_full:
+            return True
+        self._brake_recheck_at = count + gc.get_threshold()[2]
+        return False
 
     def stop(self) -> None:
         """Give automatic collection back when no other holder is open (no collection here: a full one at every
