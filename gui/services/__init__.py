@@ -1,7 +1,7 @@
 """Work off the GUI thread, as QObjects with signals.
 
 - `workers`        a function on a QThread with an abort flag.
-- `collector`      cyclic garbage collected on the GUI thread while a window is open (never on a worker).
+- `collector`      cyclic garbage collected on the GUI thread while a window is open or a worker runs.
 - `child_process`  a child process that reports one JSON object per line (QProcess).
 - `hardware`, `hardware_probe`  this machine, detected in a child process; `measure` the Measure button and the
   automatic quick measurement of a machine never measured (FirstMeasure).

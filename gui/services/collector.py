@@ -1,11 +1,11 @@
-"""Python's cyclic garbage collected on the GUI thread only, while a window is open.
+"""Python's cyclic garbage collected on the GUI thread only, while a window is open or a worker runs.
 
 A Qt object held in a reference cycle (a widget whose connected lambda refers back to it, a timer in a closure) is
 deleted when Python's collector finds the cycle, on whatever thread allocates at that moment. On a worker (the
 quick measurement, a chat reply, a chart) its C++ destructor then runs off the GUI thread: "QBasicTimer::start:
 Timers cannot be started from another thread", and a crash at worst. CI saw eight such warnings during the first
 quick measurement (session 20): the collection ran on the measurement's worker, inside torch. So while a holder is
-open (each MainWindow is one), automatic collection is off, and a timer on the GUI thread collects whenever Python's
+open (each MainWindow is one, and each running worker: workers._Relay), automatic collection is off, and a timer on the GUI thread collects whenever Python's
 own thresholds say a collection is due (the generation they name), with CPython's own brake on full collections: one
 only when the objects the younger collections moved to the oldest generation since the last full one are at least a
 quarter of those it kept (a full collection of a process with torch loaded takes 0.1-0.5 s). When the last holder
@@ -38,17 +38,20 @@ class GuiThreadCollector(QObject):
 
     _holders = 0
     _was_enabled = True
+    # the brake's state is the process's, as the collector's is: set when the first holder opens, so a worker's
+    # start (a Plan page chart at every knob move) does not list the oldest generation (20 ms per 200k objects)
+    _kept_by_full = 0  # the oldest generation after the last full collection
+    _brake_recheck_at = 0  # the oldest generation's count at which the brake is looked at again
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
         if GuiThreadCollector._holders == 0:
             GuiThreadCollector._was_enabled = gc.isenabled()
             gc.disable()
+            GuiThreadCollector._kept_by_full, GuiThreadCollector._brake_recheck_at = len(gc.get_objects(2)), 0
         GuiThreadCollector._holders += 1
         self._holding = True
         self.collections = 0  # collections this holder ran
-        self._kept_by_full = len(gc.get_objects(2))  # the oldest generation after the last full collection
-        self._brake_recheck_at = 0  # the oldest generation's count at which the brake is looked at again
         self._timer = QTimer(self)
         self._timer.setInterval(TICK_MS)
         self._timer.timeout.connect(self.collect_if_due)
@@ -62,7 +65,7 @@ class GuiThreadCollector(QObject):
             gc.collect(generation)
             self.collections += 1
         if generation == 2:
-            self._kept_by_full, self._brake_recheck_at = len(gc.get_objects(2)), 0
+            GuiThreadCollector._kept_by_full, GuiThreadCollector._brake_recheck_at = len(gc.get_objects(2)), 0
 
     def _full_allowed(self) -> bool:
         """The brake: the oldest generation grew a quarter since the last full collection. Counting it lists the
@@ -73,12 +76,12 @@ class GuiThreadCollector(QObject):
             return False
         if len(gc.get_objects(2)) - self._kept_by_full >= FULL_BRAKE * self._kept_by_full:
             return True
-        self._brake_recheck_at = count + gc.get_threshold()[2]
+        GuiThreadCollector._brake_recheck_at = count + gc.get_threshold()[2]
         return False
 
     def stop(self) -> None:
-        """Give automatic collection back when no other holder is open (no collection here: a full one at every
-        window's end made tests/gui 12% slower, 158 s against 142 s, and the window's own garbage outlives it anyway). Idempotent."""
+        """Give automatic collection back when no other holder is open. Idempotent. No collection here: a full one
+        at every window's end made tests/gui 12% slower (158 s against 142 s), and the window's garbage outlives it."""
         if not self._holding:
             return
         self._holding = False
