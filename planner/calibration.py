@@ -278,7 +278,8 @@ def fit_idealized(prompt_len, output_len, runtime_s, *, max_breaks: int = 2, bat
 # ---- measured points ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ProfilePoint:
-    """One grid point of a runtime profile: the fastest of its repeats (the least disturbed) and their spread."""
+    """One grid point of a runtime profile: the median of its repeats (core/machine/profiling.denoise) and their
+    spread."""
 
     prompt_len: int
     output_len: int
@@ -664,7 +665,7 @@ class Calibration:
     device: str = "cpu"
     threads: int = 0
     calibrated: bool = True  # the flag a Plan page shows ("calibrated on this machine")
-    notes: tuple[str, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = field(default_factory=tuple)  # e.g. the grid's passes off the measured pace (profiling)
 
     @property
     def efficiency(self) -> MachineEfficiency:
@@ -801,7 +802,7 @@ def build_calibration(model: ModelSpec, model_path: str, hardware: HardwareSpec,
                       points: list[ProfilePoint], policies: dict[str, Policy], *, created: float,
                       profile_seconds: float, base: MachineEfficiency | None = None, device: str = "cpu",
                       threads: int = 0, factors: tuple[str, ...] | None = None,
-                      clock: Callable[[], float] | None = None) -> Calibration:
+                      clock: Callable[[], float] | None = None, notes: tuple[str, ...] = ()) -> Calibration:
     """Fit the efficiency factors and the idealized forms to a measured grid; the Calibration to save.
 
     profile_seconds is the time spent measuring; the fit's own time is added when `clock` (time.perf_counter) is
@@ -816,7 +817,7 @@ def build_calibration(model: ModelSpec, model_path: str, hardware: HardwareSpec,
         accelerator=fitted.efficiency.accelerator, host=fitted.efficiency.host,
         uncalibrated_accelerator=base.accelerator, uncalibrated_host=base.host, policies=dict(policies),
         points=tuple(points), idealized=ideal, accuracy={}, created=created, profile_seconds=profile_seconds,
-        device=device, threads=threads,
+        device=device, threads=threads, notes=tuple(notes),
     )
     predictions = compare_forms(calibration, hardware)
     table = {form: form_accuracy(points, predictions[form]) for form in (*FORMS, "linear-alpha")}

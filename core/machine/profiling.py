@@ -4,8 +4,10 @@
 (greedy, ignore_eos) for every prompt length × output length × batch size of a `ProfileGrid`, and repeats the whole
 grid `repeats` times, so a burst of load from other processes hits different repeats of a point at different
 moments; each point keeps the median of its repeats (the machine's typical time, as `hivekeeper measure` keeps the
-median of its timings) and the spread. It then fits the cost model's
-efficiency factors and the idealized-runtime forms (planner/calibration.py) and returns the Calibration to save.
+median of its timings) and the spread. On a measured machine `PaceCheck` compares each pass of the grid with what
+the measurement predicts and, when the host ran well off that pace, times the grid again at a later moment (issue 23,
+session 21). It then fits the cost model's efficiency factors and the idealized-runtime forms
+(planner/calibration.py) and returns the Calibration to save.
 
 `render_report` and `write_report_png` compare the three forms (uncalibrated cost model, calibrated cost model,
 idealized α(p) + β(o − 1)) with the measurements: per point, MAPE and worst error, and plots of runtime vs p and o.
@@ -26,11 +28,13 @@ import numpy as np
 
 from hivekeeper.core.machine.step_overhead import StepClock
 from hivekeeper.planner.calibration import (Calibration, FormPrediction, ProfilePoint, build_calibration,
-                                            compare_forms, cost_model_predictions, form_accuracy, linear_alpha_fits)
+                                            compare_forms, cost_model_predictions, form_accuracy, linear_alpha_fits,
+                                            measured_efficiency)
 from hivekeeper.planner.costmodel import Placement, Policy
-from hivekeeper.planner.efficiency import MachineEfficiency
+from hivekeeper.planner.efficiency import MEASURED_PREFIX, MachineEfficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
+from hivekeeper.planner.models import ModelSpec
 
 Progress = Callable[[float, str], None]
 
@@ -107,6 +111,7 @@ class Run:
     step_s: float | None
     runtime_s: float
     loadavg: float
+    grid_pass: int = 0  # which pass of the whole grid (PaceCheck may ask for more than one)
 
 
 def denoise(runs: list[Run]) -> list[ProfilePoint]:
@@ -134,17 +139,22 @@ def _silent(fraction: float, label: str) -> None:
     pass
 
 
+PassCheck = Callable[[list[Run], Policy, int], bool]
+
+
 def measure_grid(model_path: str | Path, grid: ProfileGrid, *, device: str = "cpu", progress: Progress = _silent,
-                 should_stop: Callable[[], bool] = lambda: False, seed: int = 0) -> tuple[list[Run], dict[str, Policy]]:
-    """Time generate() at every grid point and repeat; returns the raw runs and the policy of each placement."""
+                 should_stop: Callable[[], bool] = lambda: False, seed: int = 0,
+                 check: PassCheck | None = None) -> tuple[list[Run], dict[str, Policy]]:
+    """Time generate() at every grid point and repeat; returns the raw runs and the policy of each placement.
+
+    After each pass of the whole grid (its `repeats`) `check(runs of the pass, policy, pass index)` may ask for one
+    more pass of that placement (PaceCheck: the host ran off its measured pace)."""
     import torch
 
     from hivekeeper.core.runtime.checkpoint import load_config
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
     from hivekeeper.core.offload.placement import place_model
-    from hivekeeper.core.runtime.generation import generate
     from hivekeeper.core.offload.local_plan import compute_dtype
-    from hivekeeper.core.machine.measure import load_average
 
     from hivekeeper.planner.model_catalog import load_model_spec
 
@@ -157,38 +167,179 @@ def measure_grid(model_path: str | Path, grid: ProfileGrid, *, device: str = "cp
     if longest > config.max_position_embeddings:
         raise InputError(f"the grid's longest run ({max(grid.prompt_lens)} + {max(grid.output_lens)} tokens) exceeds "
                          f"the model's context ({config.max_position_embeddings} tokens)")
-    generator = torch.Generator().manual_seed(seed)
+    timer = _GridTimer(grid, config.vocab_size, torch.Generator().manual_seed(seed), progress, should_stop)
     policies = {name: placement_policy(name, on_gpu, weight_format) for name in grid.placements}
-    runs: list[Run] = []
-    done, total = 0, grid.runs
     for name, policy in policies.items():
         plan = place_model(config, policy, device=device, dtype=dtype, batch=max(grid.batch_sizes),
                            max_length=longest, quant=quant)
-        progress(done / total, f"loading ({name})")
+        progress(timer.fraction, f"loading ({name})")
         model = OffloadedModel(model_path, plan, drop_page_cache=name == "disk")
         try:
-            warm = torch.randint(0, config.vocab_size, (min(grid.prompt_lens),), generator=generator).tolist()
-            generate(model, warm, max_new_tokens=2, ignore_eos=True)  # first-call costs: allocator, kernel choice
-            for repeat in range(grid.repeats):
-                for p, o, b in grid.points():
-                    if should_stop():
-                        return runs, policies
-                    progress(done / total, f"{name} p={p} o={o} b={b} (repeat {repeat + 1}/{grid.repeats})")
-                    ids = torch.randint(0, config.vocab_size, (b, p), generator=generator).tolist()
-                    load = load_average()
-                    clock = StepClock()
-                    called = time.perf_counter()
-                    result = generate(model, ids, max_new_tokens=o, batch=b, ignore_eos=True, stop=clock)
-                    last_token_at = called + result.time_to_first_token_s + result.decode_s
-                    steps = clock.step_durations(last_token_at) if result.steps > 1 else []
-                    step = float(np.median(steps)) if steps else None
-                    runs.append(Run(p, o, b, name, result.time_to_first_token_s, step, result.total_s,
-                                    max(load, load_average())))
-                    done += 1
+            timer.warm_up(model)
+            grid_pass = 0
+            while timer.time_pass(model, name, grid_pass) and check is not None \
+                    and check(timer.runs_of(name, grid_pass), policy, grid_pass):
+                grid_pass += 1
+                timer.add_pass()
         finally:
             model.close()
-    progress(1.0, "measured")
-    return runs, policies
+        if should_stop():
+            break
+    if not should_stop():
+        progress(1.0, "measured")
+    return timer.runs, policies
+
+
+class _GridTimer:
+    """The runs of one measure_grid call and its progress (the total grows when a check asks for another pass)."""
+
+    def __init__(self, grid: ProfileGrid, vocab_size: int, generator, progress: Progress,
+                 should_stop: Callable[[], bool]):
+        self.grid, self.vocab_size, self.generator = grid, vocab_size, generator
+        self.progress, self.should_stop = progress, should_stop
+        self.runs: list[Run] = []
+        self.total = grid.runs
+
+    @property
+    def fraction(self) -> float:
+        return len(self.runs) / self.total
+
+    def add_pass(self) -> None:
+        self.total += self.grid.repeats * len(self.grid.points())
+
+    def runs_of(self, placement: str, grid_pass: int) -> list[Run]:
+        return [r for r in self.runs if r.placement == placement and r.grid_pass == grid_pass]
+
+    def warm_up(self, model) -> None:
+        """First-call costs (allocator, kernel choice) before anything is timed."""
+        import torch
+
+        from hivekeeper.core.runtime.generation import generate
+
+        warm = torch.randint(0, self.vocab_size, (min(self.grid.prompt_lens),), generator=self.generator).tolist()
+        generate(model, warm, max_new_tokens=2, ignore_eos=True)
+
+    def time_pass(self, model, placement: str, grid_pass: int) -> bool:
+        """Every point `repeats` times, in turn; False when stopped."""
+        repeats = self.grid.repeats
+        for repeat in range(repeats):
+            for p, o, b in self.grid.points():
+                if self.should_stop():
+                    return False
+                label = f"repeat {repeat + 1}/{repeats}" if not grid_pass else \
+                    f"pass {grid_pass + 1}, repeat {repeat + 1}/{repeats}"
+                self.progress(self.fraction, f"{placement} p={p} o={o} b={b} ({label})")
+                self.runs.append(self.time_point(model, placement, p, o, b, grid_pass))
+        return True
+
+    def time_point(self, model, placement: str, p: int, o: int, b: int, grid_pass: int) -> Run:
+        import torch
+
+        from hivekeeper.core.machine.measure import load_average
+        from hivekeeper.core.runtime.generation import generate
+
+        ids = torch.randint(0, self.vocab_size, (b, p), generator=self.generator).tolist()
+        load = load_average()
+        clock = StepClock()
+        called = time.perf_counter()
+        result = generate(model, ids, max_new_tokens=o, batch=b, ignore_eos=True, stop=clock)
+        last_token_at = called + result.time_to_first_token_s + result.decode_s
+        steps = clock.step_durations(last_token_at) if result.steps > 1 else []
+        step = float(np.median(steps)) if steps else None
+        return Run(p, o, b, placement, result.time_to_first_token_s, step, result.total_s, max(load, load_average()),
+                   grid_pass)
+
+
+# ---- the host's pace during the grid (issue 23, session 21) -------------------------------------------------------
+# The accuracy bench's calibration grid lasts ~17 s, and its host has slow spells of 10-20 s. In one run every point
+# of the grid ran at 0.72-0.85 of what the quick measurement predicted (the evaluation a minute later at 0.95-1.08):
+# the fit followed that moment, and the calibrated decode missed by 17.5% where the uncalibrated one missed by 7.7%.
+# The measurement reads its figures at several moments (core/machine/measure.py); the grid is one moment unless it
+# is read again. A pass of the grid whose pace (predicted / measured time, geometric mean over its points, prefill
+# and decode apart) lies outside [1 / PACE_TOLERANCE, PACE_TOLERANCE] is followed by another pass, at most
+# EXTRA_PASSES more; the fit keeps the passes within the tolerance when there are any (the host at the pace the
+# plans are made for), else all of them (then it is the model's own error on this machine, or a host busy the
+# whole time, and the calibration's notes say which passes were off).
+PACE_TOLERANCE = 1.12
+EXTRA_PASSES = 2
+
+
+@dataclass(frozen=True)
+class PassPace:
+    """How fast one pass of the grid ran against the measured machine's prediction: predicted / measured time,
+    geometric mean over the pass's points (1: as measured; 0.8: the runs took 1.25x the predicted time)."""
+
+    placement: str
+    grid_pass: int
+    prefill: float
+    decode: float | None
+
+    def off(self, tolerance: float = PACE_TOLERANCE) -> bool:
+        return any(not 1 / tolerance <= pace <= tolerance for pace in (self.prefill, self.decode) if pace is not None)
+
+    def describe(self) -> str:
+        decode = "" if self.decode is None else f", decode {self.decode:.2f}"
+        return f"pass {self.grid_pass + 1} ({self.placement}): prefill {self.prefill:.2f}{decode}"
+
+
+def pass_pace(model: ModelSpec, hardware: HardwareSpec, efficiency: MachineEfficiency, runs: list[Run],
+              policy: Policy, grid_pass: int) -> PassPace:
+    """The pace of one pass: its points (medians of its repeats) against the cost model's predictions."""
+    points = denoise(runs)
+    placement = points[0].placement
+    predicted = cost_model_predictions(model, hardware, points, {placement: policy}, efficiency)
+    prefill = [predicted.prefill_s[i] / pt.prefill_s for i, pt in enumerate(points)]
+    decode = [predicted.step_s[i] / pt.step_s for i, pt in enumerate(points) if pt.step_s]
+    return PassPace(placement, grid_pass, _geometric_mean(prefill), _geometric_mean(decode) if decode else None)
+
+
+def _geometric_mean(values: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(values))))
+
+
+class PaceCheck:
+    """measure_grid's check on a measured machine: another pass while the last one ran off the measured pace
+    (at most `extra_passes` more); `kept` the runs to fit, `notes` what happened, for the calibration."""
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, efficiency: MachineEfficiency,
+                 tolerance: float = PACE_TOLERANCE, extra_passes: int = EXTRA_PASSES):
+        self.model, self.hardware, self.efficiency = model, hardware, efficiency
+        self.tolerance, self.extra_passes = tolerance, extra_passes
+        self.paces: list[PassPace] = []
+
+    @staticmethod
+    def applies(efficiency: MachineEfficiency) -> bool:
+        """Only a measured machine has a pace to compare with (a catalog's figures are estimates)."""
+        return efficiency.accelerator.name.startswith(MEASURED_PREFIX)
+
+    def __call__(self, runs: list[Run], policy: Policy, grid_pass: int) -> bool:
+        pace = pass_pace(self.model, self.hardware, self.efficiency, runs, policy, grid_pass)
+        self.paces.append(pace)
+        return pace.off(self.tolerance) and grid_pass < self.extra_passes
+
+    def kept(self, runs: list[Run]) -> list[Run]:
+        """Per placement, the runs of its passes within the tolerance; all its runs when none was."""
+        kept = []
+        for placement in dict.fromkeys(r.placement for r in runs):
+            paces = [p for p in self.paces if p.placement == placement]
+            steady = {p.grid_pass for p in paces if not p.off(self.tolerance)}
+            kept += [r for r in runs if r.placement == placement and (not steady or r.grid_pass in steady)]
+        return kept
+
+    def notes(self) -> tuple[str, ...]:
+        """One line per placement whose grid ran off the measured pace (nothing when every first pass was on it)."""
+        notes = []
+        for placement in dict.fromkeys(p.placement for p in self.paces):
+            paces = [p for p in self.paces if p.placement == placement]
+            if len(paces) == 1 and not paces[0].off(self.tolerance):
+                continue
+            steady = [p.grid_pass + 1 for p in paces if not p.off(self.tolerance)]
+            kept = f"fitted on pass {', '.join(map(str, steady))}" if steady else \
+                "no pass ran at the measured pace: fitted on all (the model's own error here, or a host busy throughout)"
+            notes.append(f"the host's pace during the grid (predicted / measured time; within 1/{self.tolerance:g}-"
+                         f"{self.tolerance:g} is at the measured pace): "
+                         f"{'; '.join(p.describe() for p in paces)}; {kept}")
+        return tuple(notes)
 
 
 def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareSpec, machine_id: str, *,
@@ -208,16 +359,19 @@ def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareS
 
     device = device or default_device()
     started = time.perf_counter()
-    runs, policies = measure_grid(model_path, grid, device=device, progress=progress, should_stop=should_stop)
+    spec = load_model_spec(str(model_path))
+    base = base or measured_efficiency(hardware)
+    check = PaceCheck(spec, hardware, base) if PaceCheck.applies(base) else None
+    runs, policies = measure_grid(model_path, grid, device=device, progress=progress, should_stop=should_stop,
+                                  check=check)
     if should_stop():
         raise InputError("profiling stopped before the grid was measured")
-    points = denoise(runs)
+    points = denoise(check.kept(runs) if check else runs)
     progress(1.0, "fitting")
-    spec = load_model_spec(str(model_path))
     return build_calibration(
         spec, str(Path(model_path).absolute()), hardware, hardware_to_json(hardware), machine_id, points, policies,
         created=time.time(), profile_seconds=time.perf_counter() - started, base=base, device=device,
-        threads=torch.get_num_threads(), clock=time.perf_counter,
+        threads=torch.get_num_threads(), clock=time.perf_counter, notes=check.notes() if check else (),
     )
 
 
@@ -270,7 +424,7 @@ def report_dict(calibration: Calibration, predictions: dict[str, FormPrediction]
                        "calibrated": dataclasses.asdict(calibration.accelerator)},
         "idealized": [f.as_dict() for f in calibration.idealized],
         "linear_alpha": [f.as_dict() for f in linear_alpha_fits(points)],
-        "accuracy": accuracy, "points": rows,
+        "accuracy": accuracy, "points": rows, "notes": list(calibration.notes),
     }
 
 
@@ -286,6 +440,7 @@ def render_report(calibration: Calibration) -> str:
     lines = [f"{calibration.model.name} on {calibration.device} ({calibration.threads} threads), "
              f"{len(points)} points, calibrated in {calibration.profile_seconds:.1f} s",
              "errors: (predicted − measured) / measured for uncalibrated / calibrated / idealized"]
+    lines += [f"note: {note}" for note in calibration.notes]
     lines += _columns(_point_table(points, predictions))
     lines.append("")
     summary = [("form", "prefill MAPE", "worst", "decode MAPE", "worst", "runtime MAPE", "worst", "runtime R²")]

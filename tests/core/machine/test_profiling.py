@@ -151,3 +151,70 @@ def test_profile_command_then_report_then_plan(tiny_checkpoint, config_dir, tmp_
     assert is_calibrated(json.loads(capsys.readouterr().out)["efficiency"])
     assert main(["profile", "--model", str(tiny_checkpoint), "--prompt-lens", "4,x"]) == 2
     assert "--prompt-lens" in capsys.readouterr().err
+
+
+# ---- the host's pace during the grid (issue 23, session 21) -------------------------------------------------------
+PACE_GRID = ProfileGrid(prompt_lens=(4, 12), output_lens=(1, 3), batch_sizes=(1,), repeats=1)
+
+
+def measured_hardware(scale: float):
+    """This machine measured at the suite's fixed figures, every rate divided by `scale`."""
+    from tests.conftest import SUITE_PROFILE_FIGURES
+    from hivekeeper.core.machine.measurement import Measurement
+    from hivekeeper.core.machine.profiles import apply_measurements
+
+    measurements = [Measurement(key, key, value / scale, unit, 0.0, 1, 0.5, "fed in by the test", [value / scale])
+                    for key, (value, unit) in SUITE_PROFILE_FIGURES.items()]
+    return apply_measurements(detect_hardware(), measurements, 1.7e9)
+
+
+def runs_at_pace(spec, hardware, efficiency, policy, pace: float, grid_pass: int) -> list[Run]:
+    """The grid's runs as if the host ran at `pace` (predicted / measured time) of the cost model's predictions."""
+    from hivekeeper.planner.calibration import ProfilePoint, cost_model_predictions
+
+    shapes = PACE_GRID.points()
+    points = [ProfilePoint(p, o, b, prefill_s=1.0, step_s=1.0 if o > 1 else None, runtime_s=1.0) for p, o, b in shapes]
+    predicted = cost_model_predictions(spec, hardware, points, {"resident": policy}, efficiency)
+    return [Run(p, o, b, "resident", predicted.prefill_s[i] / pace,
+                predicted.step_s[i] / pace if o > 1 else None, predicted.runtime_s[i] / pace, 0.5, grid_pass)
+            for i, (p, o, b) in enumerate(shapes)]
+
+
+def test_a_pass_off_the_measured_pace_is_timed_again_and_the_steady_pass_is_fitted(tiny_checkpoint):
+    from hivekeeper.core.machine.profiling import PACE_TOLERANCE, PaceCheck
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    spec, hardware = load_model_spec(str(tiny_checkpoint)), measured_hardware(1.0)
+    efficiency, policy = measured_efficiency(hardware), placement_policy("resident", False, "fp32")
+    assert PaceCheck.applies(efficiency) and not PaceCheck.applies(measured_efficiency(detect_hardware()))
+    check = PaceCheck(spec, hardware, efficiency)
+    slow, steady = (runs_at_pace(spec, hardware, efficiency, policy, pace, i) for i, pace in enumerate((0.8, 0.97)))
+    assert check(slow, policy, 0)  # 0.8 of the measured pace: time the grid again
+    assert not check(steady, policy, 1)
+    assert [round(p.prefill, 3) for p in check.paces] == [0.8, 0.97] and check.paces[0].decode == pytest.approx(0.8)
+    assert check.kept(slow + steady) == steady
+    (note,) = check.notes()
+    assert "pass 1 (resident): prefill 0.80, decode 0.80" in note and "fitted on pass 2" in note
+    # a pace within the tolerance the first time: one pass, nothing to note
+    quiet = PaceCheck(spec, hardware, efficiency)
+    assert not quiet(runs_at_pace(spec, hardware, efficiency, policy, 1.05, 0), policy, 0) and quiet.notes() == ()
+    # off every time: at most EXTRA_PASSES more, then all of them fitted, and the note says so
+    busy = PaceCheck(spec, hardware, efficiency, extra_passes=1)
+    runs = [runs_at_pace(spec, hardware, efficiency, policy, PACE_TOLERANCE * 1.1, i) for i in range(2)]
+    assert busy(runs[0], policy, 0) and not busy(runs[1], policy, 1)
+    assert busy.kept(runs[0] + runs[1]) == runs[0] + runs[1]
+    assert "no pass ran at the measured pace" in busy.notes()[0]
+
+
+def test_profile_times_the_grid_again_while_it_runs_off_the_measured_pace(tiny_checkpoint):
+    from hivekeeper.core.machine.profiling import EXTRA_PASSES
+
+    hardware = measured_hardware(1000.0)  # a measurement 1000x slower than any host runs the tiny model
+    calibration = profile_model(tiny_checkpoint, PACE_GRID, hardware, "test-machine",
+                                base=measured_efficiency(hardware), device="cpu")
+    assert all(p.repeats == 1 + EXTRA_PASSES for p in calibration.points)
+    (note,) = calibration.notes
+    assert note.count("(resident): prefill") == 1 + EXTRA_PASSES and "no pass ran at the measured pace" in note
+    assert f"note: {note}" in render_report(calibration) and report_dict(calibration)["notes"] == [note]
+    unmeasured = profile_model(tiny_checkpoint, PACE_GRID, detect_hardware(), "test-machine", device="cpu")
+    assert all(p.repeats == 1 for p in unmeasured.points) and unmeasured.notes == ()
