@@ -93,11 +93,11 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import (comparison_rows, load_machine_profile, machine_fingerprint, new_profile,
                                   save_profile, write_json_atomic)
-    from hivekeeper.core.machine.measure import QUICK, BenchmarkSizes, TerminalProgress, parse_peer, run_benchmarks
+    from hivekeeper.core.machine.measure import TerminalProgress, parse_peer, run_benchmarks, sizes_from_environment
 
     for peer in args.peer:
         parse_peer(peer)  # bad addresses fail before minutes of benchmarks
-    sizes = QUICK if args.quick else BenchmarkSizes()
+    sizes = sizes_from_environment("quick" if args.quick else "full")  # HIVEKEEPER_MEASURE_SIZES names others
     if args.repeats is not None:
         try:
             repeats = int(args.repeats)

@@ -60,17 +60,17 @@ def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
 def measure_quickly(say: Callable[[str], None] = _stderr) -> str:
     """`hivekeeper measure --quick` without its table: this machine's RAM bandwidth, matmuls, decode weight streaming
     and (when the data folder exists) disk, saved as its profile, each step said as it starts; returns the line that
-    says so."""
+    says so. HIVEKEEPER_MEASURE_SIZES names other sizes (tests: "tiny")."""
     from hivekeeper.core.machine.cpu_dtype import forget
     from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
-    from hivekeeper.core.machine.measure import QUICK, run_benchmarks
+    from hivekeeper.core.machine.measure import run_benchmarks, sizes_from_environment
     from hivekeeper.core.machine.measurement import busy_words
     from hivekeeper.core.machine.profiles import new_profile, save_profile
 
     detected = detect_hardware()
     started = time.time()
     folder = default_data_dir()
-    measurements = run_benchmarks(QUICK, disk_folder=folder if folder.is_dir() else None,
+    measurements = run_benchmarks(sizes_from_environment("quick"), disk_folder=folder if folder.is_dir() else None,
                                   progress=lambda fraction, label: say(f"  {100 * fraction:3.0f}%  {label}"))
     profile = new_profile(detected)
     profile.measurements, profile.measured_at = measurements, started

@@ -36,7 +36,8 @@ from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
     PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
-    ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
+    ROW_READS_AT_KEY, SIZES_CHOICES, SIZES_ENV, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
+    Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_for_decode, torch_threads,
                                                         use_blas_threads)
@@ -1517,6 +1518,15 @@ TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_row
                       stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_wide=None,
                       half_bytes=4 << 20, disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2,
                       dtypes=("fp32", "bf16"), packed_hidden=None)
+
+
+def sizes_from_environment(default: str = "full") -> BenchmarkSizes:
+    """The BenchmarkSizes that HIVEKEEPER_MEASURE_SIZES (measurement.SIZES_ENV) names ("full": the defaults;
+    "quick": QUICK; "tiny": TINY), or `default`'s when it is unset: the app's and the commands' one switch."""
+    choice = os.environ.get(SIZES_ENV, "").strip().lower() or default
+    if choice not in SIZES_CHOICES:
+        raise InputError(f"{SIZES_ENV}={os.environ[SIZES_ENV]!r}: use one of {', '.join(SIZES_CHOICES)}")
+    return {"quick": QUICK, "tiny": TINY}.get(choice) or BenchmarkSizes()
 
 
 # the decode spans take at most this share of the memory available when a measurement starts, each (two spans)

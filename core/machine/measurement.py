@@ -15,6 +15,12 @@ from dataclasses import asdict, dataclass, field
 # 1.7 s); 4.9 s at load 1.6 in session 11, before the whole-step bf16 timing
 QUICK_TAKES = "10-50 s"
 
+# the sizes of every measurement the app or a command makes without being told (the Measure button's, `measure`'s,
+# the first plan's quick one): "full", "quick" or "tiny" (a few megabytes, the caches ignored: tests and screenshots,
+# where only the wiring matters); measure.sizes_from_environment reads it
+SIZES_ENV = "HIVEKEEPER_MEASURE_SIZES"
+SIZES_CHOICES = ("full", "quick", "tiny")
+
 # keys of measure.measure_decode_blocks's results, also read by profiles (which must not import torch)
 WEIGHT_STREAM_KEY = "cpu_weight_stream"
 MATMUL_START_KEY = "cpu_matmul_start"  # profiles measured before measure_decode_blocks

@@ -8,8 +8,9 @@ the Hardware and Plan pages take it the same way as a detection.
 The button's sizes are `hivekeeper measure`'s defaults (about a minute on a laptop). The first plan for a machine
 that was never measured needs its numbers, so the app measures it once by itself with `--quick` sizes
 (measurement.QUICK_TAKES, each step shown in the status bar: `start(quick=True)`, issue 14 item 12).
-HIVEKEEPER_MEASURE_SIZES overrides both: "full", "quick", or "tiny" (a few megabytes, ignoring the caches: tests and
-screenshots, where only the wiring matters). The disk benchmark runs in the
+HIVEKEEPER_MEASURE_SIZES (measurement.SIZES_ENV) overrides both, as it does for the commands: "full", "quick", or
+"tiny" (a few megabytes, ignoring the caches: tests and screenshots, where only the wiring matters). The disk benchmark
+runs in the
 data folder, where models are kept.
 """
 
@@ -21,27 +22,11 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
-from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
 
-from hivekeeper.core.machine.measurement import QUICK_TAKES, busy_words, load_now
+from hivekeeper.core.machine.measurement import QUICK_TAKES, SIZES_ENV, busy_words, load_now  # noqa: F401
 
 from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
-
-
-SIZES_ENV = "HIVEKEEPER_MEASURE_SIZES"
-SIZES_CHOICES = ("full", "quick", "tiny")
-
-
-def sizes_from_environment(default: str = "full"):
-    """The BenchmarkSizes that HIVEKEEPER_MEASURE_SIZES names ("full": the defaults; "quick": QUICK; "tiny": TINY),
-    or `default`'s when it is unset."""
-    from hivekeeper.core.machine.measure import QUICK, TINY, BenchmarkSizes
-
-    choice = os.environ.get(SIZES_ENV, "").strip().lower() or default
-    if choice not in SIZES_CHOICES:
-        raise InputError(f"{SIZES_ENV}={os.environ[SIZES_ENV]!r}: use one of {', '.join(SIZES_CHOICES)}")
-    return {"quick": QUICK, "tiny": TINY}.get(choice) or BenchmarkSizes()
 
 
 def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | None, report, should_stop) -> dict | None:
@@ -51,7 +36,7 @@ def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | No
     from hivekeeper.core.machine.detect import default_data_dir, detect_hardware
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import new_profile, save_profile
-    from hivekeeper.core.machine.measure import run_benchmarks
+    from hivekeeper.core.machine.measure import run_benchmarks, sizes_from_environment
 
     from hivekeeper.gui.services.hardware_probe import machine_doc
 

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from hivekeeper.core.machine.measurement import QUICK_TAKES
+from hivekeeper.core.machine.measurement import QUICK_TAKES, SIZES_ENV
 
 from ...child_output import run
 
@@ -22,7 +22,8 @@ def predicted(stdout: str) -> dict:
 
 
 def test_the_first_run_measures_this_machine_and_predicts_from_it(tiny_checkpoint, tmp_path, cli, monkeypatch):
-    env = {**os.environ, "HIVEKEEPER_CONFIG_DIR": str(tmp_path)}
+    # the sizes of a few megabytes (the switch the app's tests use too): what is tested here is the wiring
+    env = {**os.environ, "HIVEKEEPER_CONFIG_DIR": str(tmp_path), SIZES_ENV: "tiny"}
     first = run([sys.executable, "-m", "hivekeeper.core.cli.main", *GENERATE, "--model", str(tiny_checkpoint)],
                 timeout=300, env=env)
     assert first.returncode == 0, first.stderr

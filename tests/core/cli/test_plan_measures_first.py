@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from hivekeeper.core.machine.measurement import QUICK_TAKES
+from hivekeeper.core.machine.measurement import QUICK_TAKES, SIZES_ENV
 
 from ...child_output import run
 
@@ -17,7 +17,8 @@ MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
 
 def plan(config_dir, *args: str):
-    env = {**os.environ, "HIVEKEEPER_CONFIG_DIR": str(config_dir)}
+    """A real child's plan; its measurement at sizes of a few megabytes (what is tested here is the wiring)."""
+    env = {**os.environ, "HIVEKEEPER_CONFIG_DIR": str(config_dir), SIZES_ENV: "tiny"}
     return run([sys.executable, "-m", "hivekeeper.core.cli.main", "plan", "--model", MODEL, "--hardware", "auto",
                 "--json", *args], timeout=300, env=env)
 

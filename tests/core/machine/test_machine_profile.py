@@ -20,15 +20,12 @@ from hivekeeper.core.machine.profiles import (
     profile_path,
     save_profile,
 )
-from hivekeeper.core.machine.measure import BenchmarkSizes, run_benchmarks
+from hivekeeper.core.machine.measure import TINY, run_benchmarks
 from hivekeeper.planner.calibration import is_calibrated, measured_efficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware_catalog import (CPU_SOFTWARE_HALF_SLOWDOWN, GIB, get_hardware, hardware_from_dict,
                                                 hardware_to_json)
 
-TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
-                      stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_bytes=4 << 20,
-                      disk_bytes=8 << 20, repeats=2, dtypes=("fp32", "bf16"))
 
 
 @pytest.fixture
@@ -167,9 +164,15 @@ def test_planner_takes_the_saved_profile_for_this_machine(config_dir, measured):
     assert efficiency.name.startswith("measured:") and not is_calibrated(efficiency.name)
 
 
-def test_measure_then_plan_from_the_command_line(config_dir, tmp_path, capsys):
+def test_measure_then_plan_from_the_command_line(config_dir, tmp_path, capsys, monkeypatch):
     from hivekeeper.core.cli.main import main
+    from hivekeeper.core.machine.measurement import SIZES_ENV
 
+    monkeypatch.setenv(SIZES_ENV, "huge")
+    assert main(["measure", "--quick", "--no-disk"]) == 2
+    err = capsys.readouterr().err
+    assert f"{SIZES_ENV}='huge'" in err and "tiny" in err and "Traceback" not in err
+    monkeypatch.setenv(SIZES_ENV, "tiny")  # the app's and the commands' switch: the wiring is what is tested here
     out = tmp_path / "machine.json"
     assert main(["measure", "--quick", "--no-disk", "--repeats", "1", "--json", "--out", str(out)]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -16,17 +16,15 @@ import threading
 import pytest
 
 from hivekeeper.core.machine import measure
-from hivekeeper.core.machine.measure import (BandwidthServer, BenchmarkSizes, MatmulShape, TerminalProgress, measure_disk,
-                                     measure_matmul, measure_memory_read, measure_peer, parse_peer, run_benchmarks)
+from hivekeeper.core.machine.measure import (TINY, BandwidthServer, MatmulShape, TerminalProgress,
+                                     measure_disk, measure_matmul, measure_memory_read, measure_peer, parse_peer,
+                                     run_benchmarks)
 from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PREFILL_BF16_KEY
 from hivekeeper.core.runtime.model import KVCache
 from hivekeeper.planner.errors import InputError
 
 from ...child_output import ChildOutput
 
-TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
-                      stream_hidden=256, stream_bytes=8 << 20, cache_bytes=0, half_hidden=256, half_bytes=4 << 20,
-                      disk_bytes=8 << 20, peer_bytes=256 << 10, repeats=2, dtypes=("fp32", "bf16"))
 
 
 def test_memory_read_keeps_the_best_repeat_and_the_spread():
