@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.machine.profiles import (comparison_rows, load_machine_profile, machine_fingerprint, new_profile,
                                   save_profile, write_json_atomic)
     from hivekeeper.core.machine.measure import TerminalProgress, parse_peer, run_benchmarks, sizes_from_environment
+    from hivekeeper.core.machine.first_measure import ANOTHER_MEASURES
+    from hivekeeper.core.machine.profile_files import measuring
 
     for peer in args.peer:
         parse_peer(peer)  # bad addresses fail before minutes of benchmarks
@@ -112,9 +114,11 @@ def run(args: argparse.Namespace) -> int:
 
     threads = use_physical_cores()
     detected = detect_hardware()
-    started = time.time()
-    measurements = run_benchmarks(sizes, disk_folder=_disk_folder(args), peers=tuple(args.peer),
-                                  gpu=not args.no_gpu, progress=TerminalProgress("measure "))
+    with measuring(machine_fingerprint(detected), waiting=lambda: print(f"note: {ANOTHER_MEASURES}", file=sys.stderr,
+                                                                        flush=True)):
+        started = time.time()
+        measurements = run_benchmarks(sizes, disk_folder=_disk_folder(args), peers=tuple(args.peer),
+                                      gpu=not args.no_gpu, progress=TerminalProgress("measure "))
     previous = load_machine_profile(detected)
     profile = new_profile(detected)
     profile.measurements, profile.measured_at, profile.threads = measurements, started, threads

@@ -5,6 +5,8 @@ machine's saved profile. Where there is none, or it was measured at a load above
 quiet now, the plan measures it quickly first (`hivekeeper measure --quick`'s sizes, seconds), saves the profile and
 says so, rather than predict from estimates: issue 14 item 12, where `generate --json` put 11 tokens/s predicted (the
 estimated 10 GB/s RAM read) beside 41 measured because only `plan` measured. `--no-measure` plans with estimates.
+One process measures the machine at a time (profile_files.measuring): a plan that finds another measuring waits, and
+plans from the profile the other saved.
 """
 
 from __future__ import annotations
@@ -22,16 +24,26 @@ def _stderr(line: str) -> None:
 def this_machine(measure: bool = True, say: Callable[[str], None] = _stderr):
     """(HardwareSpec, MachineEfficiency or None) of this machine with its saved profile's measured numbers and
     factors, measured quickly first when why_measure says so (and `measure`); `say` gets the notes."""
+    from hivekeeper.core.machine.profile_files import machine_fingerprint, measuring
     from hivekeeper.core.machine.profiles import detect_or_load_profile
 
     hardware, efficiency = detect_or_load_profile()
     why, note = why_measure(efficiency is not None, measure)
     if note or why:
         say(f"note: {note or why}")
-    if why:
-        say(measure_quickly(say))
-        hardware, efficiency = detect_or_load_profile()
+    if not why:
+        return hardware, efficiency
+    with measuring(machine_fingerprint(hardware), waiting=lambda: say(f"note: {ANOTHER_MEASURES}")):
+        hardware, efficiency = detect_or_load_profile()  # another process may have measured it while this one waited
+        if why_measure(efficiency is not None, measure)[0]:
+            say(measure_quickly(say))
+            return detect_or_load_profile()
+    say(f"note: {MEASURED_BY_ANOTHER}")
     return hardware, efficiency
+
+
+ANOTHER_MEASURES = "another hivekeeper process is measuring this machine: waiting for it (two at once slow each other)"
+MEASURED_BY_ANOTHER = "another hivekeeper process measured this machine meanwhile: planning from its profile"
 
 
 def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:

@@ -1,5 +1,5 @@
-"""Where machine profiles live and which file is a machine's: the profile folder, the hardware fingerprint, and reading
-a profile file's JSON and measurements.
+"""Where machine profiles live and which file is a machine's: the profile folder, the hardware fingerprint, reading
+a profile file's JSON and measurements, and the lock that keeps two processes from measuring the machine at once.
 
 Kept apart from profiles.py, which detects this machine when asked, so that detection itself can read the saved
 measurement that decides what 16-bit CPU plans compute in (core/machine/cpu_dtype_rule.py) without an import cycle.
@@ -11,7 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory file locks here, measurements are not serialized
+    fcntl = None
 
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
@@ -88,3 +96,47 @@ def saved_measurements(path: Path) -> list[Measurement]:
     doc = read_profile_json(path)
     check_profile_doc(doc, str(path))
     return measurements_from(doc, str(path))
+
+
+# how often a process waiting for another's measurement looks again (and checks whether it was asked to stop)
+MEASURING_POLL_S = 0.2
+
+
+@contextmanager
+def measuring(fingerprint: str, waiting: Callable[[], None] = lambda: None,
+              should_stop: Callable[[], bool] = lambda: False) -> Iterator[bool]:
+    """Holds this machine's measuring lock (an advisory lock on `<profiles>/<fingerprint>.measuring`) for the block:
+    one measurement of a machine at a time, across processes. Two at once (the app's first quick measurement and an
+    API child's first plan, or `hivekeeper measure` while the app measures) would each slow the other's figures.
+    When another process holds it, `waiting()` is called once and the lock is tried again every MEASURING_POLL_S until
+    it is free (the holder's exit frees it too) or `should_stop()`: the block then runs with False (not held; the
+    caller stops). Where the platform has no fcntl (Windows) nothing is locked."""
+    if fcntl is None:
+        yield True
+        return
+    folder = profiles_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{fingerprint}.measuring", "a+b") as lock:
+        held = _take(lock.fileno(), waiting, should_stop)
+        try:
+            yield held
+        finally:
+            if held:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _take(fd: int, waiting: Callable[[], None], should_stop: Callable[[], bool]) -> bool:
+    """Take the lock on `fd`, waiting (said once) while another process holds it; False when stopped first."""
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        if not said:
+            waiting()
+            said = True
+        if should_stop():
+            return False
+        time.sleep(MEASURING_POLL_S)

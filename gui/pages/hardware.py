@@ -23,7 +23,7 @@ from hivekeeper.planner.hardware import GIB, HEADROOM_RULE, HardwareSpec, defaul
 from hivekeeper.planner.hardware_catalog import CPU_SOFTWARE_HALF_SLOWDOWN
 
 from hivekeeper.gui.services.hardware import DetectService, MachineInfo
-from hivekeeper.gui.services.measure import MeasureService
+from hivekeeper.gui.services.measure import WAITING_FOR_ANOTHER, MeasureService
 from hivekeeper.gui.style import SOURCE_COLORS, label, page_layout
 
 COLUMNS = ("Part", "Quantity", "Value", "Source", "Before measuring")
@@ -376,7 +376,8 @@ class HardwarePage(QWidget):
 
     def _on_progress(self, fraction: float, what: str) -> None:
         self.progress.setValue(int(round(fraction * 100)))
-        self.progress_label.setText(what if what == "done" else f"measuring {what}…")
+        self.progress_label.setText(what if what == "done" else f"{what}…" if what == WAITING_FOR_ANOTHER else
+                                    f"measuring {what}…")
 
     def _on_measured(self, doc: dict) -> None:
         self.progress_label.setText("done")
@@ -393,5 +394,5 @@ class HardwarePage(QWidget):
     def _on_measure_running(self, running: bool) -> None:
         self.measure_button.setEnabled(not running)
         self.cancel_button.setEnabled(running)
-        if not running and self.progress_label.text().startswith("measuring"):
+        if not running and self.progress_label.text().startswith(("measuring", WAITING_FOR_ANOTHER)):
             self.progress_label.setText("cancelled")

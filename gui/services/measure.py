@@ -29,6 +29,10 @@ from hivekeeper.core.machine.measurement import QUICK_TAKES, SIZES_ENV, busy_wor
 from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
 
 
+# the progress label while another process (a command, an API child's first plan) measures this machine
+WAITING_FOR_ANOTHER = "waiting for another hivekeeper process's measurement of this machine"
+
+
 def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | None, report, should_stop) -> dict | None:
     """Run every benchmark, save them as this machine's profile, return the probe answer (None when cancelled).
     sizes: a BenchmarkSizes, None (as HIVEKEEPER_MEASURE_SIZES says, else full) or "quick" (as it says, else
@@ -37,6 +41,7 @@ def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | No
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import new_profile, save_profile
     from hivekeeper.core.machine.measure import run_benchmarks, sizes_from_environment
+    from hivekeeper.core.machine.profile_files import machine_fingerprint, measuring
 
     from hivekeeper.gui.services.hardware_probe import machine_doc
 
@@ -48,9 +53,12 @@ def measure_machine(detected: HardwareSpec | None, sizes, disk_folder: Path | No
         detected = detect_hardware()
     folder = Path(disk_folder) if disk_folder is not None else default_data_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    measurements = run_benchmarks(sizes, disk_folder=folder,
-                                  progress=lambda fraction, label: report((fraction, label)), should_stop=should_stop)
+    with measuring(machine_fingerprint(detected), waiting=lambda: report((0.0, WAITING_FOR_ANOTHER)),
+                   should_stop=should_stop):
+        started = time.time()
+        measurements = [] if should_stop() else run_benchmarks(
+            sizes, disk_folder=folder, progress=lambda fraction, label: report((fraction, label)),
+            should_stop=should_stop)
     if should_stop():
         return None
     profile = new_profile(detected)

@@ -47,3 +47,24 @@ def test_a_bad_sizes_setting_is_reported_on_the_page(app_window, qtbot, monkeypa
     text = page.profile_label.text()
     assert SIZES_ENV in text and "'huge'" in text and "quick" in text
     assert page.machine.measured_at is None
+
+
+def test_the_button_waits_while_another_process_measures_and_cancel_stops_the_wait(app_window, qtbot, config_dir,
+                                                                                  monkeypatch):
+    """One measurement of a machine at a time across processes (core/machine/profile_files.measuring): while another
+    process (here this test) measures, the page says it waits, and Cancel ends the wait without measuring."""
+    from hivekeeper.core.machine.profile_files import machine_fingerprint, measuring
+    from hivekeeper.gui.services.measure import WAITING_FOR_ANOTHER
+
+    monkeypatch.setenv(SIZES_ENV, "tiny")
+    window = app_window
+    page = window.hardware_page
+    _wait_for_detection(window, qtbot)
+    with measuring(machine_fingerprint(page.machine.detected)) as held:
+        assert held
+        qtbot.mouseClick(page.measure_button, Qt.MouseButton.LeftButton)
+        qtbot.waitUntil(lambda: page.progress_label.text() == f"{WAITING_FOR_ANOTHER}…", timeout=60_000)
+        qtbot.mouseClick(page.cancel_button, Qt.MouseButton.LeftButton)
+        qtbot.waitUntil(lambda: page.measure_button.isEnabled(), timeout=10_000)
+    assert page.progress_label.text() == "cancelled" and page.machine.measured_at is None
+    assert not list((config_dir / "profiles").glob("*.json"))  # nothing measured, nothing saved

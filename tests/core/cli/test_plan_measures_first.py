@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 
 from hivekeeper.core.machine.measurement import QUICK_TAKES, SIZES_ENV
 
-from ...child_output import run
+from ...child_output import ChildOutput, run
 
 MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
@@ -63,3 +65,33 @@ def test_a_plan_for_this_machine_says_so(tmp_path, cli, monkeypatch):
     done = cli("plan", "--hardware", "auto", "--no-measure")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].endswith(" on this machine (goal: chat)"), done.stdout
+
+
+def test_a_plan_waits_for_another_process_measuring_and_plans_from_what_it_saved(tmp_path, measured_machine,
+                                                                                 monkeypatch):
+    """Two first measurements at once (the app's, and an API child's first plan) would slow each other's figures: a
+    plan that finds this machine being measured waits, then plans from the profile the other process saved."""
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.first_measure import ANOTHER_MEASURES, MEASURED_BY_ANOTHER
+    from hivekeeper.core.machine.profile_files import machine_fingerprint, measuring
+
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path))
+    env = {**os.environ, SIZES_ENV: "tiny"}
+    command = [sys.executable, "-m", "hivekeeper.core.cli.main", "plan", "--model", MODEL, "--hardware", "auto", "--json"]
+    with measuring(machine_fingerprint(detect_hardware())) as held:  # this test process is "the other process"
+        assert held
+        child = ChildOutput(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
+        try:
+            child.wait_for(re.escape(ANOTHER_MEASURES), stream="stderr", timeout=120)
+            assert child.proc.poll() is None  # still waiting
+            saved = measured_machine(tmp_path)  # what the other process measured and saved
+        except BaseException:
+            child.close()
+            raise
+    try:
+        assert child.wait(timeout=120) == 0, child.report()
+    finally:
+        child.close()
+    assert MEASURED_BY_ANOTHER in child.stderr and "measured it quickly" not in child.stderr, child.stderr
+    assert json.loads(child.stdout)["efficiency"].startswith("measured")
+    assert sorted(p.name for p in saved.parent.glob("*.json")) == [saved.name]
