@@ -9,7 +9,8 @@
                     path, beyond the last-level cache; fp32, and each packed format's), bf16 vs fp32 at decode,
                     copies, disk reads, peers.
 - `measurement`     one benchmark's result as saved (no torch, so reading a profile stays light).
-- `profile_files`   where machine profiles live, the hardware fingerprint, reading a profile file.
+- `profile_files`   where machine profiles live, the hardware fingerprint, reading a profile file, the lock that
+                    keeps two processes from measuring the machine at once.
 - `profiles`        saved machine profiles (measurements + calibration) and applying them to a spec.
 - `first_measure`   the first plan for this machine measures it quickly first (plan, generate, chat, api).
 - `profiling`       timing the real runtime over a grid, calibrating the planner, predicted vs measured.
