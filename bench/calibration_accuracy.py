@@ -572,7 +572,7 @@ def main() -> None:
     loads["measured"] = round(os.getloadavg()[0], 2)
     stages = {"measure": round(measure_s, 1)}
     calibration = profile_model(models[thin_name], calibration_grid, hardware, machine_fingerprint(detected),
-                                base=base, device="cpu", progress=TerminalProgress("calibrate "))
+                                base=base, device="cpu", progress=TerminalProgress("calibrate "), threads=threads)
     loads["calibrated"] = round(os.getloadavg()[0], 2)
     stages["calibrate"] = round(time.perf_counter() - started - measure_s, 1)
     efficiencies = {"calibrated": calibration.efficiency, "uncalibrated": base}

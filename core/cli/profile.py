@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.machine.profiling import profile_model, render_report, report_dict, write_report_png
 
     path = resolve_checkpoint(args.model)
-    use_physical_cores()
+    threads = use_physical_cores()
     detected = detect_hardware()
     profile = load_machine_profile(detected) or new_profile(detected)
     if not profile.measurements:
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     hardware = profile.hardware(detected)
     base = measured_efficiency(hardware)  # what the planner uses before calibration; every fit starts from it
     calibration = profile_model(path, grid, hardware, profile.fingerprint, base=base, device=args.device,
-                                progress=TerminalProgress("profile "))
+                                progress=TerminalProgress("profile "), threads=threads)
     saved = None
     if not args.no_save:
         profile.calibration = calibration

@@ -154,15 +154,17 @@ def measure_grid(model_path: str | Path, grid: ProfileGrid, *, device: str = "cp
     from hivekeeper.core.runtime.checkpoint import load_config
     from hivekeeper.core.offload.offloaded_model import OffloadedModel
     from hivekeeper.core.offload.placement import place_model
-    from hivekeeper.core.offload.local_plan import compute_dtype
+    from hivekeeper.core.offload.local_plan import compute_dtype, runtime_format
 
+    from hivekeeper.planner.formats import PACKED_FORMATS
     from hivekeeper.planner.model_catalog import load_model_spec
 
     config = load_config(model_path)
     spec = load_model_spec(str(model_path))
     on_gpu = torch.device(device).type == "cuda"
-    dtype, quant = compute_dtype(spec.torch_dtype, device)
-    weight_format = _FORMAT_OF_DTYPE[str(dtype)]
+    packed = runtime_format(model_path, on_gpu=on_gpu).quant  # a GGUF the runtime keeps packed on a CPU: its format
+    dtype, quant = compute_dtype(packed if packed in PACKED_FORMATS else spec.torch_dtype, device)
+    weight_format = packed if packed in PACKED_FORMATS else _FORMAT_OF_DTYPE[str(dtype)]
     longest = max(grid.prompt_lens) + max(grid.output_lens)
     if longest > config.max_position_embeddings:
         raise InputError(f"the grid's longest run ({max(grid.prompt_lens)} + {max(grid.output_lens)} tokens) exceeds "
@@ -344,11 +346,12 @@ class PaceCheck:
 
 def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareSpec, machine_id: str, *,
                   base: MachineEfficiency | None = None, device: str | None = None, progress: Progress = _silent,
-                  should_stop: Callable[[], bool] = lambda: False) -> Calibration:
+                  should_stop: Callable[[], bool] = lambda: False, threads: int | None = None) -> Calibration:
     """Measure the grid on this machine and fit every form: the Calibration to save in the machine profile.
 
     `hardware` is the spec the planner uses here (with measured numbers when `hivekeeper measure` ran) and `base`
-    the efficiency it uses before calibration; the fitted factors are relative to that spec.
+    the efficiency it uses before calibration; the fitted factors are relative to that spec. `threads`: the matmul
+    threads the runtime's layout set (offloaded_model.use_physical_cores), for the report; else torch's.
     """
     import torch
 
@@ -371,7 +374,7 @@ def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareS
     return build_calibration(
         spec, str(Path(model_path).absolute()), hardware, hardware_to_json(hardware), machine_id, points, policies,
         created=time.time(), profile_seconds=time.perf_counter() - started, base=base, device=device,
-        threads=torch.get_num_threads(), clock=time.perf_counter, notes=check.notes() if check else (),
+        threads=threads or torch.get_num_threads(), clock=time.perf_counter, notes=check.notes() if check else (),
     )
 
 

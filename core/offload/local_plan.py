@@ -211,12 +211,18 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
 def packed_choice(model_path: str | Path, quant: str, hardware):
     """planner.format_choice for this run: a GGUF's own Q8_0/Q4_0/Q4_1 on a CPU where the runtime packs it (what
     the engine then runs, so the prediction is of it); else `quant` unchanged."""
+    return runtime_format(model_path, quant, on_gpu=bool(hardware.gpus))
+
+
+def runtime_format(model_path: str | Path, quant: str = "none", *, on_gpu: bool):
+    """packed_choice on a device: a GGUF's own packed format where the runtime keeps it packed (a CPU, no --quant),
+    else `quant` unchanged."""
     from hivekeeper.planner.format_choice import FormatChoice, format_choice
     from hivekeeper.planner.formats import PACKED_FORMATS
 
     from hivekeeper.core.runtime.gguf import packed_by_default
 
-    if quant != "none" or hardware.gpus:
+    if quant != "none" or on_gpu:
         return FormatChoice(quant)
     choice = format_choice(str(model_path), "auto", on_cpu=True, runtime_packs=packed_by_default())
     return choice if choice.quant in PACKED_FORMATS else FormatChoice(quant)

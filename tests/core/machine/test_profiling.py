@@ -218,3 +218,17 @@ def test_profile_times_the_grid_again_while_it_runs_off_the_measured_pace(tiny_c
     assert f"note: {note}" in render_report(calibration) and report_dict(calibration)["notes"] == [note]
     unmeasured = profile_model(tiny_checkpoint, PACE_GRID, detect_hardware(), "test-machine", device="cpu")
     assert all(p.repeats == 1 for p in unmeasured.points) and unmeasured.notes == ()
+
+
+def test_the_default_gguf_is_profiled_in_the_packed_format_the_runtime_runs(monkeypatch):
+    """A new user's `profile --model` on the built-in Q4_1 GGUF: the runtime keeps its linears packed on a CPU, so the
+    predictions the calibration compares with (and fits to) must be of q4_1, not fp32 (they were: decode predicted
+    ~0.3x the measured rate, and that fit was saved for every plan). HIVEKEEPER_GGUF_PACKED=0 runs and plans fp32."""
+    from hivekeeper.core.runtime.default_model import default_model_file
+
+    grid = ProfileGrid(prompt_lens=(4, 8), output_lens=(1,), batch_sizes=(1,), repeats=1)
+    runs, policies = measure_grid(default_model_file(), grid)
+    assert policies["resident"].weight_format == "q4_1" and len(runs) == 2
+    monkeypatch.setenv("HIVEKEEPER_GGUF_PACKED", "0")
+    _, unpacked = measure_grid(default_model_file(), grid)
+    assert unpacked["resident"].weight_format == "fp32"
