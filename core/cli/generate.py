@@ -138,12 +138,22 @@ def check_run_options(args: argparse.Namespace) -> None:
         check_plan_options(args.plan, getattr(args, "quant", "none"))
 
 
+def check_plan_for(args: argparse.Namespace, path) -> None:
+    """A --plan FILE for this model, checked before the kernels compile (one line, exit 2): a plan made for another
+    model, or a file that is no plan, is refused at once."""
+    if not args.swarm and args.plan != "auto":
+        from hivekeeper.core.offload.local_plan import check_plan_file
+
+        check_plan_file(args.plan, path)
+
+
 def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int, prompt_len: int,
                 max_length: int, ram_budget: float | None, drop_page_cache: bool = False) -> Runner:
     """Load the model for this run: the engine with a plan, or a swarm client."""
     from hivekeeper.core.offload.local_plan import plan_local_run
 
     check_run_options(args)
+    check_plan_for(args, path)
     prepare_kernels()
     is_demo = _is_demo(path)
     if args.swarm:
@@ -361,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads()
     path, tokenizer, config = resolve_model(args)
+    check_plan_for(args, path)
     prompt_ids = tokenize_prompts(args, tokenizer, prompts)
     prompt_len = len(prompt_ids[0]) if args.prompts_file else len(prompt_ids)
     check_prompt_fits(prompt_len, config, what=args.prompts_file or "--prompt")

@@ -80,6 +80,7 @@ def policy_from_dict(doc, source: str = "plan") -> Policy:
             raise InputError(f"{source}: field 'policy' must be an object")
         if "num_blocks" in doc:
             raise InputError(f"{source}: this is a serving plan (goal 'serve'); make a chat or batch plan")
+    check_policy_fields(doc, source)
     policy = Fields(doc, source)
     ram = Placement(0.0, 1.0, 0.0)
     values = dict(
@@ -94,9 +95,28 @@ def policy_from_dict(doc, source: str = "plan") -> Policy:
         attention_on_cpu=policy.flag("attention_on_cpu", default=False),
     )
     try:
-        return Policy(**values)  # checks that span fields (recompute with CPU attention, disk activations)
+        made = Policy(**values)  # checks that span fields (recompute with CPU attention, disk activations)
     except InputError as exc:
         raise InputError(f"{source}: {exc}") from None
+    if policy.has("batch_size") and policy.integer("batch_size", low=1, high=65536 * 4096) != made.batch_size:
+        raise policy.error("batch_size", f"is {doc['batch_size']}, but micro_batch_size x num_micro_batches is "
+                                         f"{made.batch_size}")
+    return made
+
+
+# what Policy.as_dict writes (`plan --json`'s "policy"); batch_size is the product of the micro-batches, checked
+POLICY_FIELDS = ("weight_format", "weights", "kv_cache", "activations", "batch_size", "micro_batch_size",
+                 "num_micro_batches", "kv_cache_mode", "prefetch_depth", "attention_on_cpu")
+
+
+def check_policy_fields(doc: dict, source: str) -> None:
+    """A policy object names only policy fields, at least one: a file that is not a plan (a hardware JSON, a typo'd
+    field) is refused rather than run with every default."""
+    unknown = [key for key in doc if key not in POLICY_FIELDS]
+    if unknown or not doc:
+        what = f"unknown field {', '.join(repr(k) for k in unknown[:5])}" if unknown else "no policy fields"
+        raise InputError(f"{source}: not a plan ({what}): give a file from `hivekeeper plan --json` or its 'policy' "
+                         f"object ({', '.join(POLICY_FIELDS)})")
 
 
 def read_plan_file(path: str | Path):
@@ -134,6 +154,13 @@ def plan_file_checks(doc, path: str | Path, model_path: str | Path) -> tuple[str
     if isinstance(fingerprint, str) and fingerprint != this_machine_fingerprint():
         return (f"{path} was made on another machine (fingerprint {fingerprint}): its placement may not fit here",)
     return ()
+
+
+def check_plan_file(plan_arg: str | Path, model_path: str | Path) -> None:
+    """A plan file that can be run with this model: a policy (policy_from_dict) made for it (plan_file_checks)."""
+    doc = read_plan_file(plan_arg)
+    plan_file_checks(doc, plan_arg, model_path)
+    policy_from_dict(doc, source=str(plan_arg))
 
 
 def this_machine_fingerprint() -> str:

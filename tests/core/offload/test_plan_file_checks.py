@@ -75,3 +75,21 @@ def test_a_hand_written_policy_has_nothing_to_check(tiny_checkpoint, tmp_path, d
     result = generate(tiny_checkpoint, path, cli)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plan"]["warnings"] == []
+
+
+@pytest.mark.parametrize("doc, words", [
+    ({"a": 1}, "not a plan (unknown field 'a')"),
+    ({}, "not a plan (no policy fields)"),
+    ({"id": "laptop", "cpu": {"cores": 8}, "gpus": []}, "unknown field 'id', 'cpu', 'gpus'"),  # a hardware JSON
+    ({"policy": {"weight_format": "fp32", "micro_batch": 4}}, "unknown field 'micro_batch'"),
+    ({"policy": {"batch_size": -3}}, "field 'batch_size' must be an integer from 1"),
+    ({"policy": {"micro_batch_size": 2, "num_micro_batches": 2, "batch_size": 3}},
+     "field 'batch_size' is 3, but micro_batch_size x num_micro_batches is 4"),
+])
+def test_a_file_that_is_not_a_plan_is_refused_in_one_line(tiny_checkpoint, tmp_path, doc, words, cli):
+    """A new user's `--plan` file that is no plan (a typo'd field, a hardware JSON) ran with every default."""
+    path = tmp_path / "notaplan.json"
+    path.write_text(json.dumps(doc))
+    result = generate(tiny_checkpoint, path, cli)
+    assert result.returncode == 2 and words in result.stderr and str(path) in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
