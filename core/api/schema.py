@@ -60,6 +60,8 @@ def parse_json(raw: bytes) -> dict:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+    except RecursionError:  # e.g. 100000 nested arrays: Python's parser gives up, the body is no request
+        raise APIError(400, "the request body nests JSON deeper than the parser takes", code="invalid_json") from None
     if not isinstance(doc, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return doc

@@ -115,6 +115,7 @@ def test_completions_continue_a_raw_prompt(api):
 
 @pytest.mark.parametrize("body, status, field", [
     (b'{"messages": [', 400, None),
+    (b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested past the parser's recursion limit: was a 500 and a traceback
     ({"model": DEFAULT_MODEL_ID}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, 400, "max_tokens"),
