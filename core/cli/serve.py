@@ -208,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         _check_positive("--throughput", throughput, allow_zero=True)
     block_indices = _parse_block_indices(args.block_indices) if args.block_indices else None
     check_listen_address(args.host, args.port)
+    initial_peers = check_initial_peers(args.initial_peers)  # before a model is planned and loaded
 
     _setup_logging(args.json_status)
     if args.torch_threads:
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint=checkpoint,
         dht_prefix=dht_prefix_for(args.model, args.dht_prefix),
         repository=None if is_local else args.model,
-        initial_peers=check_initial_peers(args.initial_peers),
+        initial_peers=initial_peers,
         host=args.host,
         port=args.port,
         announce_maddrs=tuple(args.announce_maddrs),

@@ -214,8 +214,10 @@ def test_cli_rejects_bad_input_in_one_line(tiny_checkpoint, capsys, argv, messag
     from hivekeeper.core.cli.main import main
 
     assert main([arg.replace("{ckpt}", str(tiny_checkpoint)) for arg in argv]) == 2
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+    assert "Serving" not in captured.out  # refused before a model is planned or loaded
 
 
 def test_a_server_sessions_input_history_grows_rewinds_and_follows_beams():
