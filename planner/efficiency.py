@@ -21,7 +21,10 @@ the set it used. docs/cost-model.md explains where each default comes from; in s
 - link_fraction: the catalog's host-link numbers are already practical rates (80% of PCIe nominal), so 1.0.
 - disk_fraction: large sequential reads reach ~90% of a drive's rated speed.
 - runtime_bytes: memory the framework holds before any weight: CUDA context + cuBLAS workspace + allocator
-  slack on a GPU (1 GiB); Python + torch + tokenizer in RAM (1.5 GiB).
+  slack on a GPU (1 GiB); Python + torch + tokenizer + the runtime's warm-up in RAM (CPU_RUNTIME_BYTES, 0.5 GiB:
+  `generate --json`'s baseline_rss_bytes, what the process held before the model, was 0.31 GB on the 2-core EPYC
+  and 0.39 GB in a newcomer's run, torch 2.13 CPU; until session 21 a round 1.5 GiB, which put the built-in 97 MB
+  model's plan at a 1.75 GB peak against 0.52 GB measured, and "does not fit" on a 4 GB machine).
 - weight_reread_rows: a CPU matmul of a few rows (decode at batch 2-8) takes several times the one-row time:
   the one-row product is a bandwidth-tuned matrix-vector kernel, a few rows go through a GEMM kernel that reads
   the weights less efficiently. Measured on the development machine (AVX2 EPYC), [m, 4096] x [4096, 8192] fp32:
@@ -126,6 +129,9 @@ def at_width(width: int, widths: list[int], values: list[float]) -> float:
 
 _GPU_SOURCE = "0.3 ms/block launch overhead and 0.8 bandwidth: FlexGen OPT-6.7B on T4, HELM GPT-J on A100"
 
+CPU_RUNTIME_BYTES = GIB // 2  # see runtime_bytes above
+
+
 DEFAULTS: dict[str, Efficiency] = {
     "datacenter-gpu": Efficiency(
         "default:datacenter-gpu", matmul_fraction=0.5, bandwidth_fraction=0.8,
@@ -142,7 +148,7 @@ DEFAULTS: dict[str, Efficiency] = {
     "cpu": Efficiency(
         "default:cpu", matmul_fraction=0.5, bandwidth_fraction=0.5, layer_overhead_s=0.2e-3,
         prefill_layer_overhead_s=3e-3,
-        runtime_bytes=int(1.5 * GIB), weight_reread_rows=3.0,
+        runtime_bytes=CPU_RUNTIME_BYTES, weight_reread_rows=3.0,
         source="round figures: PyTorch CPU kernels reach about half of theoretical DRAM bandwidth and FLOP/s; "
                "small-row matmuls re-read the weights per row, up to 3 times, and a prefill costs 3 ms a block "
                "beyond its matmuls (measured on an AVX2 EPYC)"),

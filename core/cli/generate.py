@@ -205,7 +205,16 @@ def _is_demo(path) -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far."""
+    """The process's peak resident set size so far. On Linux its memory's high-water mark (/proc/self/status VmHWM),
+    which starts again at exec: getrusage's ru_maxrss keeps the parent's peak across fork and exec, so a run started
+    by a large process (the app, a test worker: 2.3 GB) reported that process's memory as its own."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -67,7 +67,7 @@ def test_local_chat_uses_the_plan_for_the_windows_machine(app_window, qtbot, dem
     assert blocks.endswith(f"blocks: {spec.num_layers} RAM") and cache == f"KV cache blocks: {spec.num_layers} RAM"
 
     # a machine whose RAM cannot hold the runtime and this model: the planner finds no local plan, and so must chat
-    small = apply_host_overrides(machine.detected, ram_gb=1.01)
+    small = apply_host_overrides(machine.detected, ram_gb=0.5)  # below the runtime reserve (CPU_RUNTIME_BYTES)
     small = dataclasses.replace(small, cpu=dataclasses.replace(small.cpu, in_use_bytes=0))  # as if nothing else ran
     assert search(spec, small, "chat", Constraints(quant="none"), Workload(512, 512)).prediction is None
     window.detect.remember(machine_doc(small, None))

@@ -174,7 +174,8 @@ def test_missing_memory_counts_the_ram_staging_of_weights_streamed_from_disk():
                       max_position_embeddings=8192, num_experts=8, experts_per_token=2, gated_mlp=False)
     gpu = ComputeDevice(kind="gpu", name="gpu", memory_bytes=6_000_000_000, memory_bandwidth=1e11,
                         flops={"fp16": 1e13, "fp32": 2e13}, power_watts=50.0, host_link_bandwidth=4e9)
-    cpu = ComputeDevice(kind="cpu", name="cpu", memory_bytes=4_000_000_000, memory_bandwidth=1e10,
+    cpu = ComputeDevice(kind="cpu", name="cpu", memory_bytes=2_926_258_176, memory_bandwidth=1e10,  # 4 GB less 1 GiB: as much room for the
+                        # model as 4 GB had beside the runtime reserve of 1.5 GiB before session 21 (now 0.5 GiB)
                         flops={"fp32": 1e12}, power_watts=100.0)
     machine = HardwareSpec(id="small", gpus=(gpu,), cpu=cpu, disk=DiskSpec(50_000_000_000, 1e9, 1e9),
                            network=NetworkSpec(1e9, 1e9, 0.02))

@@ -4,6 +4,7 @@ broken GGUF are one clear line with exit 2."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -85,3 +86,20 @@ def test_broken_gguf_through_the_cli(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and str(path) in lines[0] and "GGUF" in lines[0], done.stderr
     assert done.stdout == "" and sorted(p.name for p in Path(tmp_path).iterdir()) == ["broken.gguf"]
+
+
+@needs_default_model
+def test_the_plan_puts_the_default_models_memory_near_what_a_run_holds(cli):
+    """A newcomer's check: `plan` put the built-in 97 MB model's peak at 1.75 GB (a round 1.5 GiB for Python and
+    torch) where `generate` held 0.52 GB, and said it does not fit a 4 GB machine. The plan of the same run is now
+    within 2x of the peak RSS it measures, and the model fits 4 GB."""
+    done = run_cli("generate", "--prompt", QUESTION, "--max-new-tokens", "16", "--ignore-eos", "--json")
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    lengths = ("--prompt-len", str(run["prompt_tokens"]), "--output-len", str(run["new_tokens"]))
+    planned = cli("plan", "--json", *lengths)
+    assert planned.returncode == 0, planned.stderr
+    peak = json.loads(planned.stdout)["peak_memory_bytes"]["cpu"]
+    assert run["peak_rss_bytes"] / 2 <= peak <= 2 * run["peak_rss_bytes"], (peak, run["peak_rss_bytes"])
+    small = cli("plan", "--json", "--ram-gb", "4", *lengths)
+    assert small.returncode == 0 and json.loads(small.stdout)["fit"] == "local", small.stdout[:500]
