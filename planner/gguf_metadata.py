@@ -232,6 +232,8 @@ def open_reader(path: str | Path):
             head = handle.read(4)
     except OSError as exc:
         raise InputError(f"{file}: cannot read ({exc.strerror or exc})") from None
+    if not head:
+        raise InputError(f"{file}: the file is empty, not a GGUF file")
     if head != GGUF_MAGIC:
         raise InputError(f"{file}: not a GGUF file (it starts with {head!r}, a GGUF starts with {GGUF_MAGIC!r})")
     try:

@@ -114,8 +114,9 @@ def kept_free(hardware, reserve_gb: float | None) -> dict[str, float]:
     limit = min(sizes) / 1e9
     if reserve_gb >= limit:
         where = "RAM" if limit * 1e9 == hardware.cpu.memory_bytes else "GPU memory"
+        machine = "this machine" if hardware.id == "detected" else hardware.id
         raise InputError(f"--reserve-gb {reserve_gb:g} leaves nothing to plan with: it must be below the "
-                         f"{limit:.3g} GB of {where} of {hardware.id}")
+                         f"{limit:.3g} GB of {where} that {machine} has")
     return {"gpu": reserve_gb * 1e9, "cpu": reserve_gb * 1e9, "disk": 0.0}
 
 

@@ -415,7 +415,12 @@ def write_demo_checkpoint(
     num_params = sum(t.numel for t in plan)
     weight_bytes = num_params * torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(dest.parent).free
+    if not os.access(dest.parent, os.W_OK):
+        raise InputError(f"{dest.parent}: cannot write there (no permission, or a read-only file system)")
+    usage = shutil.disk_usage(dest.parent)
+    if usage.total == 0:  # /proc, /sys: "0.00 GB free" said nothing about why
+        raise InputError(f"{dest.parent}: not a folder on a disk (a virtual file system); choose another folder")
+    free = usage.free
     if weight_bytes + (64 << 20) > free:
         raise InputError(
             f"{dest.parent}: not enough free disk space for {weight_bytes / 1e9:.2f} GB of weights "

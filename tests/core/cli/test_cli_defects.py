@@ -105,3 +105,18 @@ def test_readme_python_version_is_pyproject_s():
     readme = (ROOT / "README.md").read_text()
     assert f"Python ≥ {version}" in readme
     assert not re.search(r"Python (≥|>=) ?3\.(?!" + re.escape(version.split(".")[1]) + r")\d+", readme)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("demo-model", "/proc/hivekeeper-demo"), "/proc: not a folder on a disk (a virtual file system)"),
+    (("plan", "--model", "{empty}"), "the file is empty, not a GGUF file"),
+    (("plan", "--reserve-gb", "100000", "--no-measure"), "GB of RAM that this machine has"),
+])
+def test_a_newcomers_bad_input_says_what_is_wrong(tmp_path, cli, args, words):
+    """Session 21's newcomer: /proc was "not enough free disk space ... (0.00 GB free)", an empty file "starts with
+    b''", and --reserve-gb ended "... of RAM of detected"."""
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    result = cli(*(arg.replace("{empty}", str(empty)) for arg in args))
+    assert result.returncode == 2 and words in one_line(result), result.stderr
+    assert not Path("/proc/hivekeeper-demo").exists()
