@@ -93,3 +93,18 @@ def test_a_measured_packed_prefill_pays_no_per_block_prefill_cost_beside_its_rat
     assert prefill(measured, 0.05) == pytest.approx(prefill(measured, 0.0), rel=1e-9)
     assert prefill(unmeasured, 0.05) - prefill(unmeasured, 0.0) == pytest.approx(THIN.num_layers * 0.05)
     assert prefill(measured, 0.05, "fp32") - prefill(measured, 0.0, "fp32") == pytest.approx(THIN.num_layers * 0.05)
+
+
+def test_a_prompt_of_no_more_rows_than_the_decode_kernels_take_runs_at_their_rate():
+    """Session 21: an 8-token prompt of the built-in model runs its packed products on the decode kernels (up to
+    PACKED_KERNEL_ROWS rows), at their rate, not at the many-row prefill rate (it was predicted 1.9x too fast). Here
+    the kernels multiply 4x slower than the prefill rate: a token of an 8-token prompt costs ~4x one of a 16-token
+    prompt, and the 8-token prefill takes about as long as 8 rows at the kernels' rate."""
+    from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS
+
+    hardware = machine({"q4_1": 40e9}, ram_gbps=1000.0)  # kernels 10e9 weights/s a row; prefill 40e9; reads ~free
+    rows = PACKED_KERNEL_ROWS
+    few, many = prefill_s(hardware, rows) / rows, prefill_s(hardware, 2 * rows) / (2 * rows)
+    assert 3.0 < few / many < 4.5
+    weights = THIN.num_layers * model_numbers(THIN).matrix_params
+    assert prefill_s(hardware, rows) == pytest.approx(weights * rows / 10e9, rel=0.15)
