@@ -406,7 +406,18 @@ class SwarmServer:
             stopped.cancel()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._wait_for_loops(tasks)
+
+    async def _wait_for_loops(self, tasks: list[asyncio.Task]) -> None:
+        """The cancelled background loops, awaited at most LOOPS_STOP_S: one stuck in a call that does not end on
+        cancellation must not keep the server (and its p2pd) from shutting down."""
+        done, stuck = await asyncio.wait(tasks, timeout=LOOPS_STOP_S)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: its error was said when it ended the serving
+        if stuck:
+            logger.warning("%d background loop(s) still running %g s after the stop; shutting down without them",
+                           len(stuck), LOOPS_STOP_S)
 
     async def _announce_loop(self) -> None:
         period = self.update_period
@@ -581,6 +592,10 @@ class SwarmServer:
             await self.p2p.shutdown()
         if self.peer_id is not None:
             self.emit(self.status_event("offline"))
+
+
+# how long a stopping server waits for its cancelled background loops (announce, balance, stats, pause)
+LOOPS_STOP_S = 10.0
 
 
 def _normalized(value) -> object:
