@@ -140,12 +140,7 @@ def plan_file_checks(doc, path: str | Path, model_path: str | Path) -> tuple[str
     another model; warnings when it was made for another machine. A bare policy object says neither: no checks."""
     if not isinstance(doc, dict) or "policy" not in doc:
         return ()
-    from hivekeeper.planner.model_catalog import load_model_spec
-
-    planned_model, here = doc.get("model"), load_model_spec(str(model_path)).name
-    if isinstance(planned_model, str) and planned_model != here:
-        raise InputError(f"{path}: this plan was made for model {planned_model!r}, not {here!r} (this run's "
-                         f"--model); make one with `hivekeeper plan --model {model_path} --json`")
+    check_plan_model(doc, path, model_path)
     hardware = doc.get("hardware")
     if isinstance(hardware, str) and hardware != "detected":
         return (f"{path} was made for hardware {hardware!r}, not this machine: its weight format and placement were "
@@ -156,10 +151,23 @@ def plan_file_checks(doc, path: str | Path, model_path: str | Path) -> tuple[str
     return ()
 
 
+def check_plan_model(doc, path: str | Path, model_path: str | Path) -> None:
+    """An InputError when a plan file (`hivekeeper plan --json`) was made for another model than this run's."""
+    if not isinstance(doc, dict) or "policy" not in doc:
+        return
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    planned_model, here = doc.get("model"), load_model_spec(str(model_path)).name
+    if isinstance(planned_model, str) and planned_model != here:
+        raise InputError(f"{path}: this plan was made for model {planned_model!r}, not {here!r} (this run's "
+                         f"--model); make one with `hivekeeper plan --model {model_path} --json`")
+
+
 def check_plan_file(plan_arg: str | Path, model_path: str | Path) -> None:
-    """A plan file that can be run with this model: a policy (policy_from_dict) made for it (plan_file_checks)."""
+    """A plan file that can be run with this model: a policy (policy_from_dict) made for it (check_plan_model). The
+    machine's warnings wait for the run's plan (plan_file_checks): they detect the hardware."""
     doc = read_plan_file(plan_arg)
-    plan_file_checks(doc, plan_arg, model_path)
+    check_plan_model(doc, plan_arg, model_path)
     policy_from_dict(doc, source=str(plan_arg))
 
 

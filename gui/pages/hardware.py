@@ -376,8 +376,12 @@ class HardwarePage(QWidget):
 
     def _on_progress(self, fraction: float, what: str) -> None:
         self.progress.setValue(int(round(fraction * 100)))
-        self.progress_label.setText(what if what == "done" else f"{what}…" if what == WAITING_FOR_ANOTHER else
-                                    f"measuring {what}…")
+        if what == "done":
+            self.progress_label.setText(what)
+        elif what == WAITING_FOR_ANOTHER:
+            self.progress_label.setText(f"{what}…")
+        else:
+            self.progress_label.setText(f"measuring {what}…")
 
     def _on_measured(self, doc: dict) -> None:
         self.progress_label.setText("done")
