@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 HELP = "/help lists the commands, /reset clears the conversation, /exit quits, Ctrl-C stops a reply"
 COMMANDS = (("/help", "this list, and what the chat runs"), ("/reset", "forget the conversation so far"),
+            ("/retry", "send again the message whose reply failed"),
             ("/exit, /quit", "end the chat (Ctrl-D too)"), ("Ctrl-C", "stop the reply being written"))
 USER_PROMPT = "you> "
 ASSISTANT_PROMPT = "assistant> "
@@ -172,6 +173,7 @@ class _Chat:
         self.prompt_tokens = context - args.max_new_tokens  # the most a prompt may hold
         self.prompt_cache = conversation_cache(context, swarm=args.swarm)
         self.stop = threading.Event()  # Ctrl-C was pressed: cleared as a reply starts and as the prompt shows
+        self.failed_turn: str | None = None  # the last message whose reply failed, for /retry
 
     def on_interrupt(self, signum, frame) -> None:
         # Ctrl-C: stop the reply being written, or at the prompt end the wait for a line (a reminder is shown); never
@@ -207,6 +209,8 @@ class _Chat:
             return True
         if command in ("/help", "/?"):
             _say(self._help())
+        elif command == "/retry":
+            self._retry()
         elif command == "/reset":
             self.history.reset()
             self.prompt_cache.reset()
@@ -226,23 +230,47 @@ class _Chat:
             lines.append(f"the conversation is saved to {self.args.history}")
         return "\n".join(lines)
 
-    def _reply(self, text: str) -> None:
-        """The model's reply to a user turn, streamed, kept in the history (saved with --history), then its stats."""
-        from hivekeeper.core.runtime.generation import generate
+    def _retry(self) -> None:
+        if self.failed_turn is None:
+            _say("(no failed reply to retry)")
+        else:
+            self._reply(self.failed_turn)
 
+    def _reply(self, text: str) -> None:
+        """The model's reply to a user turn, streamed, kept in the history (saved with --history), then its stats; a
+        reply that fails leaves the history as it was (the message kept for /retry)."""
         prompt_ids = self._prompt(text)
         if prompt_ids is None:
             return
         self.stop.clear()
         _say(ASSISTANT_PROMPT, end="")
-        result = generate(self.runner.model, prompt_ids, max_new_tokens=self.args.max_new_tokens,
-                          sampling=self.sampling, tokenizer=self.tokenizer,
-                          on_text=lambda row, piece: _say(piece, end=""), stop=self.stop,
-                          prompt_cache=self.prompt_cache)
+        try:
+            result = self._generate(prompt_ids)
+        except InputError as exc:  # a swarm without servers for some blocks (SwarmGap), or a run that cannot go on
+            self._failed(text, exc)
+            return
+        self.failed_turn = None
         self.history.add_assistant(result.texts[0])
         if self.args.history:
             self.history.save(self.args.history)
         _say(_stats(result))
+
+    def _generate(self, prompt_ids: list[int]):
+        from hivekeeper.core.runtime.generation import generate
+
+        return generate(self.runner.model, prompt_ids, max_new_tokens=self.args.max_new_tokens,
+                        sampling=self.sampling, tokenizer=self.tokenizer,
+                        on_text=lambda row, piece: _say(piece, end=""), stop=self.stop,
+                        prompt_cache=self.prompt_cache)
+
+    def _failed(self, text: str, exc: InputError) -> None:
+        """A reply that could not be finished: the message leaves the history (kept for /retry) and the cache is
+        dropped (a swarm session whose server died cannot be continued; the next turn prefills anew)."""
+        self.history.messages.pop()
+        self.failed_turn = text
+        self.prompt_cache.reset()
+        _say(f"\n(the reply failed: {exc})\n(the conversation is kept as it was before your message; /retry sends "
+             f"it again)")
 
     def _prompt(self, text: str) -> list[int] | None:
         """The conversation with the new user turn, as prompt ids (the oldest messages left out when they no longer

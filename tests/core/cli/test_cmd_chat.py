@@ -205,3 +205,40 @@ def test_missing_chat_template_fails_before_loading(tiny_checkpoint, tmp_path, c
     assert main(["chat", "--model", str(folder)]) == 2
     out, err = capsys.readouterr()
     assert "no chat template" in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+@pytest.mark.slow
+def test_a_swarm_chat_keeps_the_conversation_when_blocks_lose_their_server_and_retries(tiny_checkpoint, tmp_path):
+    """A server dies and no other serves its block: the reply fails with the blocks named, the chat goes on with the
+    conversation as it was, and /retry sends the message again once a server is back (Petals' chat ends there)."""
+    from hivekeeper.core.swarm.local import LocalSwarm
+
+    history = tmp_path / "chat.json"
+
+    def said() -> list[str]:
+        return [m["content"] for m in json.loads(history.read_text())["messages"]]
+
+    with LocalSwarm(tiny_checkpoint) as swarm:
+        swarm.start("--block-indices", "0:1")
+        holder = swarm.start("--block-indices", "1:2")
+        chat = Chat("--model", str(tiny_checkpoint), "--swarm", "--initial-peers", *swarm.initial_peers,
+                    "--max-new-tokens", "4", "--history", str(history), "--seed", "3")
+        try:
+            mark = chat.send("Hello")
+            chat.wait_for(STATS.pattern, mark)
+            holder.kill()
+            mark = chat.send("Are you there?")
+            chat.wait_for(r"the reply failed: no server covers block 1.*\n.*/retry sends it again\)\nyou> ", mark)
+            assert chat.proc.poll() is None
+            assert said()[::2] == ["Hello"]
+
+            swarm.start("--block-indices", "1:2")
+            mark = chat.send("/retry")
+            chat.wait_for(STATS.pattern, mark)
+            assert said()[::2] == ["Hello", "Are you there?"] and len(said()) == 4
+            mark = chat.send("/retry")
+            chat.wait_for(r"no failed reply to retry", mark)
+            chat.send("/exit")
+            assert chat.close() == 0
+        finally:
+            chat.close()
