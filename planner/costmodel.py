@@ -38,6 +38,12 @@ TIERS = ("gpu", "cpu", "disk")
 # layout): a bf16 decode step takes 1.5x the fp32 one, whose product goes through OpenBLAS (core/runtime/kernels/cpu_matmul.py),
 # i.e. 6 bytes of traffic per 2-byte weight.
 HALF_AS_FP32_ON_CPU = 3.0
+# A CPU with native bf16 math whose one-row bf16 decode step (torch's kernels) `hivekeeper measure` has not timed
+# against the fp32 one (the native kernels): a bf16 step is taken as this many fp32 steps, the slowest measured on the
+# project's machines (AMD EPYC with AVX512-BF16, quiet: 83 tokens/s in fp32, 33 in bf16; elsewhere 1.0-2.2x,
+# core/machine/cpu_dtype_rule.py). A few-row plan is then bf16 only where fp32 is predicted slower by more than
+# that, as where fp32 weights would stream from disk and bf16 ones fit in RAM.
+UNMEASURED_HALF_DECODE_RATIO = 2.5
 # bitsandbytes' int8 / nf4 kernels on a CPU, relative to fp32 (decode step, 128-token prefill): measured by
 # bench/quant_cpu.py on the development machine (AVX2 EPYC, bitsandbytes 0.50.2, torch on one thread as the runtime
 # runs it) for a TinyLlama-sized block. They dequantize in unfused ops, so the time follows the weight count, not
@@ -371,15 +377,21 @@ def cpu_native_half(cpu: ComputeDevice) -> bool:
     return any(cpu.flops.get(dtype, 0.0) >= fp32 > 0 for dtype in ("bf16", "fp16"))
 
 
-def bf16_by_rows(native: bool, step_ratio: float | None, rows):
+def bf16_by_rows(native: bool, step_ratio: float | None, rows, planned_rows=None):
     """The one rule for what a bf16 plan computes in on a CPU, by the rows its decode steps multiply (the engine asks
     it through core/machine/cpu_dtype_rule, the planner through cpu_bf16_at): bf16 where the CPU multiplies bf16
     natively (`native`: AVX512-BF16 or AMX) and either a step multiplies more rows than the native decode kernels take
-    (PACKED_KERNEL_ROWS: such steps, as a prefill, run torch's matmuls, bf16 ones on AMX at their measured rate) or
-    a measured bf16 decode step took less than fp32's (`step_ratio` < 1; None: not measured, fp32); else fp32 (the
-    kernels' fp32 decode beat torch's bf16 one: 1.1-2.2x its time on the AMX VM). True where bf16, per `rows`."""
+    (PACKED_KERNEL_ROWS: such steps, as a prefill, run torch's matmuls, bf16 ones on AMX at their measured rate), a
+    measured bf16 decode step took less than fp32's (`step_ratio` < 1), or the plan was made for steps of at most
+    those rows (`planned_rows`, its micro-batch: the planner names bf16 for them only where it predicts the measured
+    bf16 step faster than fp32 as placed, e.g. bf16 weights in RAM where fp32 ones would stream from disk, and the
+    engine's fp32 would hold twice the bytes the plan placed); else fp32 (a run of fewer rows than its plan was made
+    for, or no plan: the kernels' fp32 decode beat torch's bf16 one, 1.1-2.2x its time on the AMX VM). True where
+    bf16, per `rows`."""
     few_rows_faster = step_ratio is not None and step_ratio < 1.0
-    return np.logical_and(bool(native), np.logical_or(np.asarray(rows) > PACKED_KERNEL_ROWS, few_rows_faster))
+    planned_few = False if planned_rows is None else np.asarray(planned_rows) <= PACKED_KERNEL_ROWS
+    beyond = np.asarray(rows) > PACKED_KERNEL_ROWS
+    return np.logical_and(bool(native), np.logical_or(beyond, np.logical_or(few_rows_faster, planned_few)))
 
 
 def cpu_native_bf16(cpu: ComputeDevice) -> bool:
@@ -389,21 +401,25 @@ def cpu_native_bf16(cpu: ComputeDevice) -> bool:
     return cpu.flops.get("bf16", 0.0) >= fp32 > 0
 
 
-def cpu_bf16_at(cpu: ComputeDevice, rows):
+def cpu_bf16_at(cpu: ComputeDevice, rows, planned_rows=None):
     """bf16_by_rows for a CPU as the planner sees it: its FLOP/s table and its measured bf16-vs-fp32 decode step."""
-    return bf16_by_rows(cpu_native_bf16(cpu), cpu.half_decode_ratio, rows)
+    return bf16_by_rows(cpu_native_bf16(cpu), cpu.half_decode_ratio, rows, planned_rows)
 
 
-def runs_as_planned(machine: Machine, traits: list[FormatTraits], c: dict[str, np.ndarray]) -> np.ndarray:
+def runs_as_planned(machine: Machine, traits: list[FormatTraits], c: dict[str, np.ndarray],
+                    planned_rows=None) -> np.ndarray:
     """Per candidate: whether the engine computes it in the format it names. On a CPU a 16-bit candidate runs as
     planned only in bf16 where bf16_by_rows says so for its micro-batch rows (the engine's rows:
-    placement.micro_batch_rows, `b` on the grid); elsewhere the engine computes fp32 at twice the bytes, which the
-    fp32 candidates already plan. Other accelerators and formats: every candidate."""
+    placement.micro_batch_rows, `b` on the grid) and the rows its plan was made for (`planned_rows`; None: `b`, a
+    candidate is its own plan, so a native CPU computes every bf16 candidate in bf16 and the search weighs it by its
+    price); elsewhere the engine computes fp32 at twice the bytes, which the fp32 candidates already plan. Other
+    accelerators and formats: every candidate."""
     if machine.acc.kind != "cpu":
         return np.ones(len(c["fmt"]), dtype=bool)
     names = np.array([t.fmt.name for t in traits])[c["fmt"]]
     sixteen = (names == "bf16") | (names == "fp16")
-    return ~sixteen | ((names == "bf16") & cpu_bf16_at(machine.acc, c["b"]))
+    planned = c["b"] if planned_rows is None else planned_rows
+    return ~sixteen | ((names == "bf16") & cpu_bf16_at(machine.acc, c["b"], planned))
 
 
 @dataclass(frozen=True)
@@ -435,6 +451,9 @@ class FormatTraits:
     # packed formats: a block's fixed cost in a decode step within the kernels' rows, as measured on packed spans
     # (packed_block_cost); negative: Efficiency.layer_overhead_s
     decode_block_s: float = -1.0
+    # a decode block's fixed costs within gemv_rows, relative to the fp32 kernels' (bf16 on a CPU: its measured step
+    # ratio, half_step_ratio, which times whole steps, fixed costs and all: torch's norms, rotary and attention)
+    decode_block_factor: float = 1.0
 
 
 def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
@@ -468,20 +487,26 @@ def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
 
 def half_cpu_traits(machine: Machine, fmt: WeightFormat, native: bool) -> FormatTraits:
     """A 16-bit format on a CPU. Natively multiplied bf16: a decode micro-batch of up to PACKED_KERNEL_ROWS rows
-    takes the measured bf16 decode step (half_decode_ratio: that many fp32 steps; 2 bytes a weight where not
-    measured), more rows (and a prefill) read 2 bytes a weight at the CPU's bf16 matmul rate (measured by `hivekeeper
-    measure`: 527 GFLOP/s against fp32's ~100 on the AMX VM). Converted to fp32 first (no native math, or fp16):
+    takes the bf16 decode step through torch (half_step_ratio: that many fp32 steps, measured or the slowest seen), more
+    rows (and a prefill) read 2 bytes a weight at the CPU's bf16 matmul rate (measured by `hivekeeper measure`: 527
+    GFLOP/s against fp32's ~100 on the AMX VM). Converted to fp32 first (no native math, or fp16):
     HALF_AS_FP32_ON_CPU the bytes, at the rate the FLOP/s table lists for the format (the catalog's rate of
     software-converted kernels), else fp32's."""
     cpu = machine.acc
     half_native = native and fmt.name == "bf16"
-    gemv = gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU
-    if half_native and cpu.half_decode_ratio:  # measured: a bf16 step is that many fp32 steps
-        gemv = 4.0 * cpu.half_decode_ratio
+    gemm = 2.0 if half_native else 2.0 * HALF_AS_FP32_ON_CPU
+    gemv = 4.0 * half_step_ratio(cpu) if half_native else gemm  # a bf16 step is that many fp32 steps
     peak = float(cpu.peak_flops(fmt.name) if fmt.name in cpu.flops else cpu.peak_flops("fp32"))
     vector = _vector_bytes(fmt)
     return FormatTraits(fmt, fmt.bytes_per_param, gemv, gemm, vector, 2.0, 1.0 if native else HALF_AS_FP32_ON_CPU,
-                        peak, peak, False, vector, peak, gemv_rows=PACKED_KERNEL_ROWS if half_native else 1.0)
+                        peak, peak, False, vector, peak, gemv_rows=PACKED_KERNEL_ROWS if half_native else 1.0,
+                        decode_block_factor=half_step_ratio(cpu) if half_native else 1.0)
+
+
+def half_step_ratio(cpu: ComputeDevice) -> float:
+    """A few-row bf16 decode step (torch's kernels) over the fp32 one (the native kernels) on a CPU with native bf16
+    math: measured (ComputeDevice.half_decode_ratio), else UNMEASURED_HALF_DECODE_RATIO."""
+    return cpu.half_decode_ratio or UNMEASURED_HALF_DECODE_RATIO
 
 
 def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
@@ -742,6 +767,7 @@ class CandidateArrays:
     cached_share: np.ndarray  # packed formats: the share of a step's weights read from the last-level cache
     prefill_overhead: np.ndarray  # FormatTraits.prefill_overhead
     decode_block_s: np.ndarray  # FormatTraits.decode_block_s (negative: Efficiency.layer_overhead_s)
+    decode_block_factor: np.ndarray  # FormatTraits.decode_block_factor
     block_bytes: np.ndarray  # one block's weights at rest
     kv_token: np.ndarray  # one token of one block's K and V
     cached_per_token: np.ndarray  # what is kept per token and block: K and V, or the block's input when recomputing
@@ -769,7 +795,7 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         peak_flops=trait("peak_flops"),
         gemv_flops=gemv_flops, overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
         head_flops=head_flops, cached_share=share, prefill_overhead=trait("prefill_overhead"),
-        decode_block_s=trait("decode_block_s"),
+        decode_block_s=trait("decode_block_s"), decode_block_factor=trait("decode_block_factor"),
         block_bytes=block_bytes, kv_token=kv_token,
         cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
         attention_on_acc=c["ca"] + off * (~cpu_attention),
@@ -898,16 +924,23 @@ def block_pass(grid: CandidateArrays, accelerator: AcceleratorWork, overhead_s, 
 # ---- decode: one step at the mean context, per block ------------------------------------------------------------
 def decode_block(grid: CandidateArrays, context: float) -> BlockPass:
     """One block's share of a decode step at a context length (the mean over the decode steps)."""
-    attention_flops = 4.0 * grid.numbers.q_dim * context * grid.batch
+    attention_flops = decode_attention_flops(grid, context)
     return block_pass(grid, decode_accelerator(grid, context, attention_flops),
                       grid.micro_batches * decode_block_overhead(grid),
                       decode_cpu_attention(grid, context, attention_flops), decode_link(grid, context),
                       decode_disk(grid, context))
 
 
+def decode_attention_flops(grid: CandidateArrays, context: float):
+    """FLOPs of one block's attention in a decode step over `context` cached tokens: each sequence's query times
+    every key, and the weights times every value."""
+    return 4.0 * grid.numbers.q_dim * context * grid.batch
+
+
 def decode_block_overhead(grid: CandidateArrays):
     """A block's fixed cost in one micro-batch of a decode step: what the native kernels' whole-span call pays a
-    block (up to PACKED_KERNEL_ROWS rows; kernel_block_cost). On a CPU a micro-batch of more rows runs
+    block (up to PACKED_KERNEL_ROWS rows; kernel_block_cost; bf16's through torch: its measured step ratio of that,
+    FormatTraits.decode_block_factor). On a CPU a micro-batch of more rows runs
     block by block through torch and BLAS, as a prefill does (core/runtime/model.Span.forward), so its blocks pay the
     prefill's fixed cost (prefill_block's; issue 23: at the kernels' per-block cost a thin model's batch-64 decode,
     30 blocks, was predicted several times faster than it ran at load 8)."""
@@ -917,7 +950,7 @@ def decode_block_overhead(grid: CandidateArrays):
     # SmolLM2's 30 thin blocks took a 4-row step ~2.1x a one-row one, a 2-block wide model ~1.6x)
     per_row = np.where(cpu, grid.acc_eff.row_overhead_s * np.maximum(grid.micro_batch - 1.0, 0.0), 0.0)
     return np.where(torch_rows, grid.acc_eff.prefill_layer_overhead_s * grid.prefill_overhead,
-                    kernel_block_cost(grid) + per_row)
+                    (kernel_block_cost(grid) + per_row) * grid.decode_block_factor)
 
 
 def kernel_block_cost(grid: CandidateArrays):
@@ -1184,6 +1217,11 @@ def step_components(grid: CandidateArrays, context: float, block: BlockPass,
         "link_bytes_step": layers * block.link.nbytes, "disk_bytes_step": layers * block.disk.nbytes,
         "acc_bytes_step": layers * acc.bytes_min, "cpu_cache_bytes_step": layers * block.cpu.nbytes,
         "acc_flops_step": layers * acc.flops,
+        # of those FLOPs' products: the blocks' weights (each multiplied by every row of a micro-batch), and
+        # attention over the KV cache on the accelerator (growing with the context); the LM head's are apart
+        # (packed_kernel_detail)
+        "block_weights_step": layers * touched_matrices(grid.numbers, grid.micro_batch),
+        "attention_products_step": layers * decode_attention_flops(grid, context) * grid.attention_on_acc / 2.0,
         "streamed_weight_bytes_step": layers * (1.0 - grid.weights_on_acc) * grid.block_bytes,
         "cache_streamed_step": layers * cache_streamed(grid, context),
     }
@@ -1375,32 +1413,35 @@ def evaluate(model: ModelSpec, hardware: HardwareSpec, policy: Policy, workload:
 
 def evaluate_as_run(model: ModelSpec, hardware: HardwareSpec, policy: Policy, workload: Workload | None = None,
                     efficiency: MachineEfficiency | None = None,
-                    reserve_bytes: dict[str, float] | None = None) -> Prediction:
+                    reserve_bytes: dict[str, float] | None = None, planned_rows: int | None = None) -> Prediction:
     """`evaluate` of what the engine would run for `policy` (as_run): a 16-bit policy it computes in fp32 is
-    predicted in fp32, saying so first in bottleneck_detail and in engine_note (the Plan page's what-if knobs; the
-    search offers no such policy). `evaluate` itself prices the format as named."""
-    ran, note = as_run(machine_view(hardware, reserve_bytes), policy)
+    predicted in fp32, saying so first in bottleneck_detail and in engine_note (the Plan page's what-if knobs, and a
+    plan of `planned_rows` rows a micro-batch run in `policy`'s fewer; the search offers no such policy). `evaluate`
+    itself prices the format as named."""
+    ran, note = as_run(machine_view(hardware, reserve_bytes), policy, planned_rows)
     prediction = evaluate(model, hardware, ran, workload, efficiency, reserve_bytes)
     if not note:
         return prediction
     return replace(prediction, engine_note=note, bottleneck_detail=f"{note}. {prediction.bottleneck_detail}")
 
 
-def as_run(machine: Machine, policy: Policy) -> tuple[Policy, str]:
+def as_run(machine: Machine, policy: Policy, planned_rows: int | None = None) -> tuple[Policy, str]:
     """(the policy the engine runs for `policy` on this machine, why it differs in words, else ""): a 16-bit policy
     that runs_as_planned says the engine computes in fp32 (a CPU without native bf16 math, fp16 on a CPU, or a bf16
-    plan whose micro-batches multiply at most PACKED_KERNEL_ROWS rows where the measured bf16 decode step is not
-    faster) is the fp32 one, twice the bytes in every tier (issue 22: the Plan page's knobs showed such a plan in
-    bf16; the search drops them, policy.evaluate_grid)."""
+    plan made for micro-batches of `planned_rows` rows, beyond PACKED_KERNEL_ROWS, run in micro-batches of at most
+    those rows where the measured bf16 decode step is not faster; None: the policy is its own plan) is the fp32 one,
+    twice the bytes in every tier (issue 22: the Plan page's knobs showed such a plan in bf16; the search drops
+    them, policy.evaluate_grid)."""
     traits = [format_traits(machine, policy.weight_format)]
-    if runs_as_planned(machine, traits, policy_columns(machine, policy))[0]:
+    if runs_as_planned(machine, traits, policy_columns(machine, policy), planned_rows)[0]:
         return policy, ""
     name, rows = policy.weight_format, policy.micro_batch_size
     if name != "bf16" or not cpu_native_bf16(machine.acc):
         why = f"this CPU multiplies no {name} natively"
     else:
         why = (f"its micro-batches multiply {rows} row{'s' if rows != 1 else ''}, at most the native decode kernels' "
-               f"{PACKED_KERNEL_ROWS}, and no bf16 decode step measured on this CPU beat fp32's")
+               f"{PACKED_KERNEL_ROWS}, and no bf16 decode step measured on this CPU beat fp32's (the plan was made "
+               f"for {planned_rows} rows)")
     return replace(policy, weight_format="fp32"), f"Computed in fp32, as the engine runs this {name} plan: {why}"
 
 
@@ -1460,17 +1501,44 @@ def dequantization_detail(machine: Machine, policy: Policy, packed_bytes: float)
             f"({_gb(packed_bytes)} of weights and KV cache per decode step); 16-bit weights or a GPU avoid it")
 
 
-def packed_kernel_detail(machine: Machine, policy: Policy, out, i: int) -> str:
-    """The sentence for a decode step bound by the packed formats' CPU kernels rather than by reading RAM."""
+def packed_kernel_detail(machine: Machine, model: ModelSpec, policy: Policy, out, i: int) -> str:
+    """The sentence for a decode step bound by the packed formats' CPU kernels rather than by reading RAM. It counts
+    the blocks' packed weights the kernels unpack in a step (the same whatever the prompt, so `plan` and `generate`
+    say the same number for a model) apart from the products of attention over the KV cache (which grow with the
+    context) and from the LM head's weights (on their own kernel)."""
     fmt = policy.weight_format
     rate, measured = packed_kernel_rate(machine.acc, fmt)
-    products = float(out["acc_flops_step"][i]) / 2.0
-    reads_s = float(out["acc_bytes_step"][i]) / machine.acc_bandwidth
+    weights, attention = (float(out[key][i]) for key in ("block_weights_step", "attention_products_step"))
+    nbytes = float(out["acc_bytes_step"][i])
     source = "measured" if measured else "default estimate; `hivekeeper measure` times it"
-    return (f"CPU {bits_of(fmt)}-bit kernel compute: the {fmt} kernels unpack and multiply {products / 1e6:.3g} M "
-            f"weights per decode step at {rate / 1e9:.3g} G weights/s ({source}); reading their "
-            f"{_gb(float(out['acc_bytes_step'][i]))} from RAM at {_rate(machine.acc_bandwidth)} would take only "
-            f"{reads_s * 1e3:.3g} ms")
+    return (f"CPU {bits_of(fmt)}-bit kernel compute: per decode step the {fmt} kernels unpack the blocks' "
+            f"{_count(weights)} packed weights and multiply them by {rows_words(policy)} (the LM head's "
+            f"{_count(model_numbers(model).head_params)} weights apart), and attention over the KV cache adds "
+            f"{_count(attention)} products (more as the context grows), at {rate / 1e9:.3g} G weights/s "
+            f"({source}); reading the weights and KV cache ({_gb(nbytes)}) from RAM at "
+            f"{_rate(machine.acc_bandwidth)} would take only {nbytes / machine.acc_bandwidth * 1e3:.3g} ms")
+
+
+def _count(x: float) -> str:
+    """A count of weights or products for people: "106 M", "6.48 G"."""
+    return f"{x / 1e9:.3g} G" if x >= 1e9 else f"{x / 1e6:.3g} M"
+
+
+def rows_words(policy: Policy) -> str:
+    """The rows a decode step multiplies the weights by: "1 row", "4 rows", "2 micro-batches of 4 rows"."""
+    rows = f"{policy.micro_batch_size} row{'s' if policy.micro_batch_size > 1 else ''}"
+    return f"{policy.num_micro_batches} micro-batches of {rows}" if policy.num_micro_batches > 1 else rows
+
+
+def half_step_words(machine: Machine, policy: Policy) -> str:
+    """The clause for a bf16 step of up to PACKED_KERNEL_ROWS rows on a CPU with native bf16 math: it runs through
+    torch and is charged half_step_ratio fp32 steps, more than its bytes at the RAM rate say; else ""."""
+    if machine.acc.kind != "cpu" or policy.weight_format != "bf16" or not cpu_native_bf16(machine.acc) \
+            or policy.micro_batch_size > PACKED_KERNEL_ROWS:
+        return ""
+    measured = machine.acc.half_decode_ratio
+    why = "as measured" if measured else "the slowest seen; not measured here: `hivekeeper measure` times it"
+    return f"; its bf16 step runs through torch, charged {half_step_ratio(machine.acc):.3g}x the fp32 kernels' ({why})"
 
 
 def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out, i: int) -> tuple[str, str]:
@@ -1514,9 +1582,10 @@ def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out,
                   f"step at {_rate(machine.acc_bandwidth)}")
         if value("weight_reads") > 1.0:
             detail += f" (the weights {value('weight_reads'):.3g} times: small-row CPU matmuls re-read them per row)"
+        detail += half_step_words(machine, policy)
     elif resource == "accelerator compute" and get_format(policy.weight_format).packed \
             and policy.micro_batch_size <= PACKED_KERNEL_ROWS:
-        resource, detail = "packed kernel compute", packed_kernel_detail(machine, policy, out, i)
+        resource, detail = "packed kernel compute", packed_kernel_detail(machine, model, policy, out, i)
     elif resource == "accelerator compute":
         resource = "gpu compute" if machine.acc_tier == "gpu" else "cpu compute"
         flops = value("acc_flops_step")

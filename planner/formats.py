@@ -73,3 +73,9 @@ def get_format(name: str) -> WeightFormat:
 def bits_of(name: str) -> int:
     """The nominal bits of a quantized format's codes (8 or 4), for sentences ("4-bit kernel compute")."""
     return 8 if name in ("int8", "q8_0") else 4
+
+
+def packed_words(name: str) -> str:
+    """How weights kept packed in a format are named to people ("q4_1 (packed)"): `generate`'s placement line and
+    `plan`'s "in memory" row say the same."""
+    return f"{name.lower()} (packed)"

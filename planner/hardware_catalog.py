@@ -32,7 +32,7 @@ DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4")
 # keys any section may hold besides its fields (where its numbers come from, comments)
 _META_KEYS = frozenset({"source", "sources", "_doc"})
 # Source labels that stand on their own; anything else read from the catalog is prefixed "catalog:".
-_SOURCE_LABELS = ("catalog", "measured", "detected", "derived", "user", "estimated", "default")
+SOURCE_LABELS = ("catalog", "measured", "detected", "derived", "user", "estimated", "default")
 
 # Field limits: (smallest allowed, largest allowed). Larger values are typos (10 PB of RAM), not hardware.
 _LIMITS: dict[str, tuple[float, float]] = {
@@ -221,7 +221,7 @@ def clamp_to_limit(value: float, limit: str) -> float:
 
 
 def _source_label(text: str, default: str) -> str:
-    if text.split(":", 1)[0].strip() in _SOURCE_LABELS:
+    if text.split(":", 1)[0].strip() in SOURCE_LABELS:
         return text
     prefix = default.split(":", 1)[0]
     return f"{prefix}:{text}"

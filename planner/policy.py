@@ -84,7 +84,8 @@ def candidate_formats(model: ModelSpec, machine: Machine, quant: str, packed: tu
     if machine.acc.kind == "cpu":
         # a CPU without 16-bit math computes a 16-bit plan in fp32 (core/offload/local_plan.compute_dtype), holding
         # 4 bytes a weight where the 16-bit format would count 2: only fp32 is what runs there. With it, a 16-bit
-        # candidate stays where the engine computes it in bf16 at its rows (costmodel.runs_as_planned)
+        # candidate stays where the engine computes it in bf16 at its rows (costmodel.runs_as_planned: every bf16
+        # one, each its own plan), weighed against fp32 by its price (a few-row step at the measured bf16 step)
         formats = ["fp32"] if not cpu_native_half(machine.acc) else [*formats, "fp32"]
         if quant == "auto":
             formats += [name for name in packed if name not in formats]

@@ -1,7 +1,10 @@
-"""`hivekeeper detect`: show this machine's detected hardware, or save it as a hardware JSON file.
+"""`hivekeeper detect`: show this machine's hardware as plans for it see it, or save it as a hardware JSON file.
 
-The text also says which CPU flags decisions use (pinned or reported), whether the native decode kernels run, and
-what 16-bit plans compute in on this CPU and why (core/machine/cpu_dtype.py).
+Once `hivekeeper measure` has saved a profile of this machine, its measured numbers replace the estimates (as they do
+for `plan --hardware auto`: profiles.MachineProfile.hardware), and the text says so, with the profile's file and
+when it was measured; before, the numbers are the detected ones and estimates, marked as such. The text also says
+which CPU flags decisions use (pinned or reported), whether the native decode kernels run, and what 16-bit plans
+compute in on this CPU and why (core/machine/cpu_dtype.py).
 """
 
 from __future__ import annotations
@@ -9,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.core.machine.measurement import busy_words
 from hivekeeper.planner.hardware import HardwareSpec
 from hivekeeper.planner.hardware_catalog import hardware_to_json
 
@@ -34,13 +39,35 @@ def write_json_atomically(path: Path, doc: dict) -> None:
 
 
 def _source_tag(sources: dict[str, str], key: str) -> str:
-    label = sources.get(key, "").split(":", 1)[0]
+    """" [estimated]", " [measured]", " [default]"...: the first word of the number's source (its date, for a
+    measured one, is on the "numbers:" line); "" for a number read from the system."""
+    label = sources.get(key, "").split(":", 1)[0].split(" ", 1)[0]
     return f" [{label}]" if label and label != "detected" else ""
 
 
-def describe(spec: HardwareSpec) -> str:
-    """A few human-readable lines; numbers not read from the system carry their source in brackets."""
-    lines = [f"machine: {spec.description or spec.id}"]
+def measured_or_estimated(data_dir: str | None) -> tuple[HardwareSpec, str]:
+    """(this machine as plans for it see it, the line saying where its numbers come from): detected, with its saved
+    profile's measured numbers in place of the estimates where `hivekeeper measure` ran here."""
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.profile_files import profiles_dir
+    from hivekeeper.core.machine.profiles import load_machine_profile
+
+    detected = detect_hardware(data_dir)
+    profile = load_machine_profile(detected)
+    if profile is None or not profile.measurements:
+        return detected, (f"numbers: estimates, marked [estimated] or [default] (no measured profile of this "
+                          f"machine in {profiles_dir()}: `hivekeeper measure` measures it and saves one)")
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(profile.measured_at)) if profile.measured_at else "?"
+    busy = busy_words(profile.measurements, detected.cpu.cores or 1)
+    return profile.hardware(detected), (f"numbers: measured {when} by `hivekeeper measure`, from the profile "
+                                        f"{profile.path}{f' ({busy})' if busy else ''}; those marked [measured] "
+                                        "replace the estimates")
+
+
+def describe(spec: HardwareSpec, origin: str = "") -> str:
+    """A few human-readable lines; numbers not read from the system carry their source in brackets, and `origin`
+    (measured_or_estimated's line), when given, follows the machine's name."""
+    lines = [f"machine: {spec.description or spec.id}", *([origin] if origin else [])]
     for index, gpu in enumerate(spec.gpus):
         best = max(gpu.flops.get(dtype, 0.0) for dtype in ("fp16", "bf16", "fp32"))
         link = "unified memory" if gpu.unified_memory else f"host link {gpu.host_link_bandwidth / 1e9:.1f} GB/s"
@@ -64,13 +91,11 @@ def describe(spec: HardwareSpec) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hivekeeper.core.machine.detect import detect_hardware
-
-    spec = detect_hardware(args.data_dir)
+    spec, origin = measured_or_estimated(args.data_dir)
     doc = hardware_to_json(spec)
     if args.out:
         write_json_atomically(Path(args.out), doc)
-        print(f"wrote {args.out}", file=sys.stderr)
+        print(f"wrote {args.out}; {origin}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc, indent=2))
     elif not args.out:
@@ -78,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         from hivekeeper.core.machine.cpu_dtype_rule import choice_for
         from hivekeeper.core.runtime.kernels import native_kernels
 
-        print(describe(spec))
+        print(describe(spec, origin))
         print(f"CPU flags: {cpu_features.describe()}")
         print(f"CPU decode kernels: {native_kernels.status()}")  # built here on first use: it may take a second
         print(choice_for(spec).line())

@@ -1,5 +1,9 @@
 """`hivekeeper generate`: generate text once from a prompt, for scripts and benchmarks.
 
+It is raw completion: the prompt goes to the model as written, with no chat template, and the model continues it.
+`hivekeeper chat` wraps each message in the model's chat template; `--help` says both (RAW_COMPLETION, after the
+one-line help).
+
 Runs the model locally through the offloading engine (with the planner's policy, or one from a plan file, under an
 optional RAM budget) or through a swarm (--swarm). Prints the text and a summary — tokens/s, time to first token,
 peak RSS, the plan used — or all of it as one JSON object with --json.
@@ -20,6 +24,10 @@ import argparse
 import json
 import sys
 
+# what `generate --help` says of the prompt after the one-line help (main.COMMANDS: "... (raw completion: no chat
+# template)")
+RAW_COMPLETION = ("The prompt goes to the model as written, with no chat template, and the model continues it; "
+                  "`hivekeeper chat` applies the model's chat template (a chat model answers questions there).")
 # said when every sequence ended before its first word (a chat model given a bare question often does)
 ENDED_AT_ONCE = ("note: the model ended the text at once (end of sequence): generate continues the prompt as written; "
                  "a chat model answers a question in `hivekeeper chat`, which wraps it in the model's chat template")
@@ -345,9 +353,10 @@ def note_capped_tokens(asked: int, prompt_tokens: int, max_length: int, context:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = f"{parser.description}. {RAW_COMPLETION}" if parser.description else RAW_COMPLETION
     add_model_arguments(parser)
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument("--prompt", help="the text to continue, given to the model as written (no chat template)")
     prompt.add_argument("--prompts-file", metavar="FILE",
                         help="one prompt per line, generated together as one batch (the planner's batch and "
                              "micro-batches); the prompts must have the same number of tokens")

@@ -19,9 +19,11 @@ from hivekeeper.planner.errors import InputError
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hivekeeper.core.cli.plan", "recommend how to run a model on this machine or in the swarm"),
-    "detect": ("hivekeeper.core.cli.detect", "show the detected hardware (text; --json for a hardware JSON document)"),
+    "detect": ("hivekeeper.core.cli.detect", "show this machine's hardware: measured numbers once `hivekeeper measure` "
+                                             "ran, else estimates (text; --json for a hardware JSON document)"),
     "demo-model": ("hivekeeper.core.cli.demo_model", "write a random-weight Llama checkpoint for offline use"),
-    "generate": ("hivekeeper.core.cli.generate", "generate text once, for scripts and benchmarks"),
+    "generate": ("hivekeeper.core.cli.generate", "generate text once, for scripts and benchmarks (raw completion: no "
+                                                 "chat template)"),
     "chat": ("hivekeeper.core.cli.chat", "chat in the terminal with a local or swarm model"),
     "api": ("hivekeeper.core.cli.api", "serve a model over a local OpenAI-compatible HTTP API"),
     "finetune": ("hivekeeper.core.cli.finetune", "train soft or deep prompts for a model, locally or in a swarm"),

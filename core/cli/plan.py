@@ -17,7 +17,7 @@ import math
 from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.format_choice import FormatChoice, plan_constraints
-from hivekeeper.planner.formats import PACKED_FORMATS
+from hivekeeper.planner.formats import PACKED_FORMATS, packed_words
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
 from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Plan, plan_to_dict, search
@@ -203,11 +203,12 @@ def packed_memory(model: str, spec, held: str, packed_plan: bool = False) -> dic
 
 def format_that_runs(weight_format: str, rows: int = 1) -> str:
     """The float format the engine holds a plan's weight format in on this machine, for decode micro-batches of
-    `rows` rows (a 16-bit plan runs in fp32 on a CPU where it has no fast 16-bit path: local_plan.compute_dtype)."""
+    `rows` rows, the plan's own (a 16-bit plan runs in fp32 on a CPU where it has no fast 16-bit path:
+    local_plan.compute_dtype)."""
     from hivekeeper.core.offload.placement import FLOAT_FORMATS
     from hivekeeper.core.offload.local_plan import compute_dtype, default_device
 
-    dtype, _quant = compute_dtype(weight_format, default_device(), rows)
+    dtype, _quant = compute_dtype(weight_format, default_device(), rows, planned_rows=rows)
     return {value: name for name, value in FLOAT_FORMATS.items()}[dtype]
 
 
@@ -243,18 +244,30 @@ def _size(x: float) -> str:
 
 
 def _gguf_rows(gguf: dict) -> list[tuple[str, str]]:
-    """What the GGUF file holds and what the runtime holds once it has dequantized it."""
+    """What the GGUF file holds and what the runtime holds once it has loaded it."""
     types = ", ".join(f"{name} {t['bits_per_weight']:.3g} bits/weight" for name, t in gguf["types"].items())
     rows = [("GGUF file", f"{_size(gguf['tensor_bytes'])} of weights ({types}); {_size(gguf['block_bytes'])} "
                           f"per block")]
     if "memory_format" in gguf:
         note = f"; {gguf['memory_note']}" if "memory_note" in gguf else ""
-        how = (f"the blocks' {'/'.join(gguf['memory_packed'])} linears and the LM head stay packed, the rest "
-               "dequantized"
-               if gguf.get("memory_packed") else "the runtime dequantizes GGUF weights")
-        rows.append(("in memory", f"{_size(gguf['memory_bytes'])} as {gguf['memory_format']} "
-                                  f"({_size(gguf['memory_block_bytes'])} per block): {how}{note}"))
+        rows.append(("in memory", f"{_size(gguf['memory_bytes'])} as {held_as(gguf)}, "
+                                  f"{_size(gguf['memory_block_bytes'])} per block: {held_how(gguf)}{note}"))
     return rows
+
+
+def held_as(gguf: dict) -> str:
+    """The format the runtime holds the blocks' weights in, as `generate` names it ("q4_1 (packed)" where they stay
+    packed: OffloadPlan.describe; else the float format it dequantizes them to)."""
+    packed = gguf.get("memory_packed")
+    return packed_words("/".join(packed)) if packed else gguf["memory_format"]
+
+
+def held_how(gguf: dict) -> str:
+    """Which of the weights stay packed and what the rest is held in."""
+    if not gguf.get("memory_packed"):
+        return "the runtime dequantizes GGUF weights"
+    return (f"the blocks' {'/'.join(gguf['memory_packed'])} linears and the LM head stay packed as the file stores "
+            f"them, the rest is held as {gguf['memory_format']}")
 
 
 def runtime_row(data: dict) -> tuple[str, str]:

@@ -5,6 +5,7 @@
 - `cpu_dtype_rule`  what a 16-bit plan computes in on a CPU (flags, then a measured bf16-vs-fp32 decode step), and how
                     the planner sees it.
 - `cpu_dtype`       that decision for this machine, as the engine asks it (runs_natively_on_cpu).
+- `flops_words`     what each dtype's FLOP/s figure is, in words (the Hardware page's rows; one source per table).
 - `measure`         micro-benchmarks: RAM and device bandwidth, matmul FLOP/s, whole decode steps (the runtime's
                     path, beyond the last-level cache; fp32, and each packed format's), bf16 vs fp32 at decode,
                     copies, disk reads, peers.

@@ -63,14 +63,15 @@ def dtype_name(dtype) -> str:
     return DTYPE_NAMES.get(name, name)
 
 
-def runs_natively_on_cpu(dtype, rows: int | None = None) -> bool:
+def runs_natively_on_cpu(dtype, rows: int | None = None, planned_rows: int | None = None) -> bool:
     """Whether this CPU computes in `dtype` itself, else in fp32: fp32 always; bf16 for a plan whose decode
-    micro-batches multiply `rows` rows where the rule says so (SixteenBitChoice.at); `rows` None: at any rows, i.e.
-    whether the CPU multiplies `dtype` natively at all (its attention over a bf16 cache, the kernels to warm up)."""
+    micro-batches multiply `rows` rows, made for micro-batches of `planned_rows` (None: no plan), where the rule says
+    so (SixteenBitChoice.at); `rows` None: at any rows, i.e. whether the CPU multiplies `dtype` natively at all (its
+    attention over a bf16 cache, the kernels to warm up)."""
     name = dtype_name(dtype)
     if name == "fp32":
         return True
     choice = sixteen_bit_choice()
     if rows is None:
         return name == "bf16" and choice.native
-    return name == choice.at(rows)
+    return name == choice.at(rows, planned_rows)

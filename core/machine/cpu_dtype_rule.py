@@ -13,10 +13,14 @@ with torch on both cores), although bf16 reads half the bytes; with the two core
   applies too): more rows than the native decode kernels take (PACKED_KERNEL_ROWS, 8: a batch plan's micro-batches
   of 16-512 rows, which like a prefill run torch's matmuls) compute in bf16, where AMX multiplies at its measured
   matmul rate (527 GFLOP/s against fp32's ~100 on this project's AMX VM; session 11's bf16 batch plan made 261-353
-  tokens/s where fp32 made 212); a few-row step (a chat plan) computes in bf16 only where `hivekeeper measure` saved
+  tokens/s where fp32 made 212); a few-row step (a chat plan) computes in bf16 where `hivekeeper measure` saved
   a measurement (measure.measure_half_decode: whole decode steps of the same random blocks in bf16 and in fp32, each
-  through the runtime's own decode path, timed in turn) that says a bf16 step is faster; without one, fp32. On the
-  AMX VM a one-row bf16 step took 1.1-2.2x fp32's (bf16's norms, rotary, attention and conversions in torch);
+  through the runtime's own decode path, timed in turn) that says a bf16 step is faster, or where the plan itself
+  was made for so few rows: the planner names bf16 for them only where it prices the bf16 step (measured, else
+  costmodel.UNMEASURED_HALF_DECODE_RATIO fp32 steps) faster than fp32 as placed, e.g. bf16 weights in RAM where
+  fp32 ones would stream from disk (widened to fp32, such a plan would hold twice the bytes it placed); else
+  (a plan made for more rows run on fewer, a checkpoint's own dtype) fp32. On the AMX VM a one-row bf16 step took
+  1.1-2.2x fp32's (bf16's norms, rotary, attention and conversions in torch);
 - fp16 has no native path on these CPUs (AVX512-BF16 is bf16 only): fp16 plans compute in fp32 on a CPU.
 
 The answer is as good as the conditions of the measurement: on a machine busy with other work the native kernels'
@@ -46,6 +50,11 @@ from hivekeeper.core.machine.profile_files import machine_fingerprint, profile_p
 
 SIXTEEN_BIT = ("bf16", "fp16")
 CHOICE_WORDS = "CPU 16-bit plans: "  # opens the decision's line, which with_choice appends to the FLOP/s source
+# why a plan of few rows may be bf16 where the rule's default for them is fp32 (costmodel.bf16_by_rows)
+# opens the note a native CPU's FLOP/s source carries where its bf16 entry was raised to the fp32 rate (with_choice)
+BF16_AT_FP32_WORDS = "bf16 at the fp32 rate, the least a CPU with native bf16 math is charged: "
+PLANNED_FEW_WORDS = ("the planner names bf16 for them only where it predicts fp32 slower, as where fp32 weights "
+                     "would stream from disk")
 
 
 @dataclass(frozen=True)
@@ -60,15 +69,18 @@ class SixteenBitChoice:
     native: bool = False
     step_ratio: float | None = None
 
-    def at(self, rows: int) -> str:
-        """'bf16' or 'fp32': what a 16-bit plan whose decode micro-batches multiply `rows` rows computes in."""
-        return "bf16" if bool(bf16_by_rows(self.native, self.step_ratio, rows)) else "fp32"
+    def at(self, rows: int, planned_rows: int | None = None) -> str:
+        """'bf16' or 'fp32': what a 16-bit plan whose decode micro-batches multiply `rows` rows, made for
+        micro-batches of `planned_rows` (None: no plan, a checkpoint's own dtype), computes in."""
+        return "bf16" if bool(bf16_by_rows(self.native, self.step_ratio, rows, planned_rows)) else "fp32"
 
     def line(self) -> str:
         if not self.native:
             return f"{CHOICE_WORDS}{self.dtype} ({self.reason})"
+        planned = f", bf16 there too in a plan made for so few rows ({PLANNED_FEW_WORDS})" \
+            if self.dtype == "fp32" else ""
         return (f"{CHOICE_WORDS}{self.at(PACKED_KERNEL_ROWS + 1)} beyond {PACKED_KERNEL_ROWS} rows a step, "
-                f"{self.dtype} up to {PACKED_KERNEL_ROWS} ({self.reason})")
+                f"{self.dtype} up to {PACKED_KERNEL_ROWS} ({self.reason}){planned}")
 
 
 def half_math_names() -> str:
@@ -113,21 +125,31 @@ def with_choice(cpu: ComputeDevice, choice: SixteenBitChoice) -> ComputeDevice:
     (as a CPU that converts them, hardware_catalog.CPU_SOFTWARE_HALF_SLOWDOWN) where it has no native bf16 math;
     with it, bf16 at its own (measured) rate and at least fp32's, and the measured bf16 decode step as
     ComputeDevice.half_decode_ratio (the few-row half of the rule; profiles.apply_measurements sets it too). The
-    FLOP/s source says why where the table changes, and on a CPU with native bf16 math always (the rows rule)."""
+    FLOP/s source says why where the table changes (a bf16 entry raised to fp32's: raised_note), and on a CPU with
+    native bf16 math always (the rows rule)."""
     fp32 = cpu.flops.get("fp32", 0.0)
     if fp32 <= 0:
         return cpu
-    flops = dict(cpu.flops)
+    flops, own = dict(cpu.flops), cpu.flops.get("bf16", 0.0)
     if not choice.native:
         for name in SIXTEEN_BIT:
             if flops.get(name, 0.0) >= fp32:
                 flops[name] = fp32 / CPU_SOFTWARE_HALF_SLOWDOWN
     else:
-        flops["bf16"] = max(flops.get("bf16", 0.0), fp32)
+        flops["bf16"] = max(own, fp32)
     ratio = choice.step_ratio if choice.native and choice.step_ratio is not None else cpu.half_decode_ratio
     said = cpu.sources.get("flops", "")
     if flops == cpu.flops and (not choice.native or CHOICE_WORDS in said):  # a native CPU's line says the rows rule
         return cpu if ratio == cpu.half_decode_ratio else dataclasses.replace(cpu, half_decode_ratio=ratio)
     base = "" if said.startswith(CHOICE_WORDS) else said.split(f"; {CHOICE_WORDS}")[0]  # one decision's line
-    source = "; ".join(part for part in (base, choice.line()) if part)
+    raised = raised_note(own, fp32) if choice.native else ""
+    source = "; ".join(part for part in (base, choice.line(), raised) if part)
     return dataclasses.replace(cpu, flops=flops, sources={**cpu.sources, "flops": source}, half_decode_ratio=ratio)
+
+
+def raised_note(own: float, fp32: float) -> str:
+    """Where a native CPU's bf16 FLOP/s entry (`own`, 0: none) is below its fp32 rate, and with_choice raises it:
+    the words that say the bf16 figure is fp32's and what bf16's own was; else ""."""
+    if own >= fp32:
+        return ""
+    return f"{BF16_AT_FP32_WORDS}{f'its own {own / 1e9:.3g} GFLOP/s' if own > 0 else 'its own rate not measured'}"

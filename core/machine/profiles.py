@@ -33,6 +33,7 @@ from hivekeeper.planner.hardware_catalog import clamp_to_limit, prefill_rate_in_
 
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
+from hivekeeper.core.machine.flops_words import flops_source
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
     PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
@@ -360,12 +361,12 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
                     key=lambda d: ("fp32", "bf16", "fp16").index(d) if d in ("fp32", "bf16", "fp16") else 9)
     for dtype in dtypes:
         rows.append(row("CPU", f"{dtype} matmul", cpu.flops.get(dtype), f"cpu_matmul_{dtype}_prefill", "FLOP/s",
-                        cpu.sources.get("flops", "")))
+                        flops_source(dtype, cpu.flops, cpu.sources.get("flops", ""))))
     # the runtime's own prefill passes, which the planner's FLOP/s table takes where measured (apply_measurements)
     for dtype, key in (("fp32", PREFILL_FLOPS_KEY), ("bf16", PREFILL_BF16_KEY)):
         if key in measured:
             rows.append(row("CPU", f"{dtype} prefill through blocks", cpu.flops.get(dtype), key, "FLOP/s",
-                            cpu.sources.get("flops", "")))
+                            flops_source(dtype, cpu.flops, cpu.sources.get("flops", ""))))
     # decode's weight streaming: the cost model's default (half the RAM bandwidth, 3 re-reads) beside the measured
     default_cpu = DEFAULT_EFFICIENCY["cpu"]
     rows.append(row("RAM", "decode weight streaming", cpu.memory_bandwidth * default_cpu.bandwidth_fraction,
@@ -396,7 +397,7 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
                         gpu.sources.get("memory_bandwidth", "")))
         for dtype in ("fp32", "fp16", "bf16"):
             rows.append(row("GPU 0", f"{dtype} matmul", gpu.flops.get(dtype), f"gpu0_matmul_{dtype}_prefill",
-                            "FLOP/s", gpu.sources.get("flops", "")))
+                            "FLOP/s", flops_source(dtype, gpu.flops, gpu.sources.get("flops", ""))))
         if not gpu.unified_memory:
             copies = (("gpu0_h2d_pinned", "host→GPU, pinned"), ("gpu0_h2d_pageable", "host→GPU, pageable"),
                       ("gpu0_d2h_pinned", "GPU→host, pinned"), ("gpu0_d2h_pageable", "GPU→host, pageable"))

@@ -290,12 +290,15 @@ def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_l
                         warnings, predicted=predicted_figures(doc))
 
 
-def compute_dtype(weight_format: str, device: str, rows: int = 1):
+def compute_dtype(weight_format: str, device: str, rows: int = 1, planned_rows: int | None = None):
     """(torch dtype, quant) to run a weight format with on a device, for a plan whose decode micro-batches multiply
-    `rows` rows (placement.micro_batch_rows). On a CPU a 16-bit plan runs in bf16 where the CPU multiplies bf16
-    natively and the rule of core/machine/cpu_dtype_rule says so for its rows (beyond the native decode kernels'
-    rows; at or below them only where a measured bf16 step beat fp32's), else in fp32 (without 16-bit math prefill
-    would be ~100x slower); the planner offers no 16-bit plan the engine would run in fp32 (costmodel.runs_as_planned).
+    `rows` rows (placement.micro_batch_rows) and which was made for micro-batches of `planned_rows` (its
+    micro_batch_size; None: no plan, a checkpoint's own dtype). On a CPU a 16-bit plan runs in bf16 where the CPU
+    multiplies bf16 natively and the rule of core/machine/cpu_dtype_rule says so for its rows (beyond the native
+    decode kernels' rows; at or below them where a measured bf16 step beat fp32's or the plan was made for so few
+    rows: the planner names bf16 there only where it predicts fp32 slower, as streamed from disk), else in fp32
+    (without 16-bit math prefill would be ~100x slower); the planner offers no 16-bit plan the engine would run in
+    fp32 (costmodel.runs_as_planned).
     int8/nf4 compute in fp16 on CUDA, fp32 on the CPU; a packed format (q8_0/q4_0/q4_1) is a GGUF run in fp32 on a
     CPU, packed by the GGUF loader (fp16 on CUDA)."""
     import torch
@@ -311,7 +314,7 @@ def compute_dtype(weight_format: str, device: str, rows: int = 1):
         return (torch.float16 if on_gpu else torch.float32), "none"
     if weight_format not in FLOAT_FORMATS:
         raise InputError(f"weight format {weight_format!r} is not supported by the engine")
-    if not on_gpu and weight_format != "fp32" and not runs_natively_on_cpu(weight_format, rows):
+    if not on_gpu and weight_format != "fp32" and not runs_natively_on_cpu(weight_format, rows, planned_rows):
         return torch.float32, "none"
     return FLOAT_FORMATS[weight_format], "none"
 
@@ -336,7 +339,7 @@ def engine_plan(config, choice: PolicyChoice, *, batch: int, max_length: int, ra
     device = device or default_device()
     policy = choice.policy
     rows = micro_batch_rows(batch, policy.micro_batch_size, policy.num_micro_batches)
-    dtype, quant = compute_dtype(policy.weight_format, device, rows)
+    dtype, quant = compute_dtype(policy.weight_format, device, rows, planned_rows=policy.micro_batch_size)
     held = packed_sizes(model_path, device, dtype, quant) if model_path is not None else {}
     plan = place_model(config, choice.policy, device=device, dtype=dtype, batch=batch, max_length=max_length,
                        ram_budget_bytes=ram_budget_bytes, prefill_tokens=prefill_tokens, quant=quant, **held)

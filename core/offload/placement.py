@@ -16,6 +16,7 @@ import torch
 from hivekeeper.planner.costmodel import (TIERS, Policy, cpu_part_sequences, cpu_step_activation_bytes,
                                          cpu_step_values, largest_matrix_params, sixteen_bit_cpu_transient_bytes)
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.formats import packed_words
 
 from hivekeeper.core.machine.cpu_dtype import runs_natively_on_cpu
 from hivekeeper.core.runtime.checkpoint import quant_compute_dtype
@@ -130,7 +131,7 @@ class EnginePlan:
         cache = ", ".join(f"{n} {names[t]}" for t, n in self.summary()["kv_cache_blocks"].items())
         dtype = self.quant if self.quant != "none" else str(self.dtype).removeprefix("torch.")
         if self.packed_format:  # the blocks' linears stay as the file stores them, the rest is fp32
-            dtype = f"{self.packed_format} (packed)"
+            dtype = packed_words(self.packed_format)
         text = f"{dtype} blocks: {blocks}; KV cache blocks: {cache}"
         if self.kv_recompute:
             text += " (block inputs kept, K/V recomputed)"

@@ -7,7 +7,6 @@ estimate it replaced, with the spread of its repeats: read from this machine's s
 
 from __future__ import annotations
 
-import re
 import time
 
 from PySide6.QtCore import Qt, Signal
@@ -15,12 +14,11 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QProgressBar, QPushButton, QTableWidget, QTableWidgetItem,
                                QVBoxLayout, QWidget)
 
-from hivekeeper.core.machine.cpu_dtype_rule import CHOICE_WORDS, SIXTEEN_BIT
+from hivekeeper.core.machine.flops_words import flops_source, split_source
 from hivekeeper.core.machine.measurement import BLOCK_OVERHEAD_KEY, Measurement
 from hivekeeper.core.machine.profiles import ComparisonRow, MachineProfile, comparison_rows, load_machine_profile
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import GIB, HEADROOM_RULE, HardwareSpec, default_headroom
-from hivekeeper.planner.hardware_catalog import CPU_SOFTWARE_HALF_SLOWDOWN
 
 from hivekeeper.gui.services.hardware import DetectService, MachineInfo
 from hivekeeper.gui.services.measure import WAITING_FOR_ANOTHER, MeasureService
@@ -28,18 +26,6 @@ from hivekeeper.gui.style import SOURCE_COLORS, label, page_layout
 
 COLUMNS = ("Part", "Quantity", "Value", "Source", "Before measuring")
 COMPARE_COLUMNS = ("Part", "Quantity", "Catalog / estimate", "Measured", "Measured ÷ catalog", "Spread of repeats")
-
-
-def split_source(source: str) -> tuple[str, str]:
-    """(kind, detail) of a source: "catalog:T4 datasheet" -> ("catalog", "T4 datasheet"),
-    "measured 2025-01-02 10.00: RAM read, best of 5" -> ("measured", "2025-01-02 10.00: RAM read, best of 5")."""
-    match = re.match(r"\s*([A-Za-z]+)\s*:?\s*(.*)", source or "")
-    if not match:
-        return "unknown", ""
-    kind, detail = match.group(1).lower(), match.group(2).strip()
-    if kind not in SOURCE_COLORS:  # a catalog entry names its reference directly
-        return "catalog", source.strip()
-    return kind, detail
 
 
 HEADROOM_RULE_WORDS = {tier: f"larger of {minimum / GIB:g} GiB and {fraction:.0%}"
@@ -56,40 +42,16 @@ def _gbps(x: float | None) -> str:
 
 
 FLOPS_ORDER = ("fp32", "bf16", "fp16", "int8")
-ESTIMATED_PEAK = ("estimated: a theoretical peak (cores x clock x operations per cycle of the CPU's instructions), "
-                  "not a rate any matmul was seen to reach; Measure replaces it")
 
 
 def compute_rows(part: str, device) -> list[tuple[str, str, str, str]]:
     """One row per dtype of a device's FLOP/s table ("fp32 compute": the rate the planner charges, which after
     Measure is the runtime's prefill passes through blocks, not a bare matmul's), each in its own unit with where it
     came from: a spec sheet's or the CPU's theoretical peak, a measured rate, or the rate the planner charges 16-bit
-    matmuls on a CPU that computes 16-bit plans in fp32 (core/machine/cpu_dtype_rule.with_choice)."""
+    matmuls on a CPU that computes 16-bit plans in fp32 (core/machine/cpu_dtype_rule.with_choice): flops_words."""
     flops, source = device.flops, device.sources.get("flops", "")
-    return [(part, f"{dtype} compute", format_quantity(flops[dtype], "FLOP/s"), compute_source(dtype, flops, source))
+    return [(part, f"{dtype} compute", format_quantity(flops[dtype], "FLOP/s"), flops_source(dtype, flops, source))
             for dtype in sorted(flops, key=lambda d: FLOPS_ORDER.index(d) if d in FLOPS_ORDER else 9)]
-
-
-def compute_source(dtype: str, flops: dict[str, float], source: str) -> str:
-    """Where one dtype's FLOP/s figure comes from, in words that say what kind of number it is; the CPU's 16-bit
-    decision (appended to the source by with_choice) goes with the 16-bit rows only."""
-    base, _, choice = source.partition(f"; {CHOICE_WORDS}")
-    choice = f"{CHOICE_WORDS}{choice}" if choice else ""
-    fp32 = flops.get("fp32", 0.0)  # (a spec read back from JSON holds 6 digits: 1e-3 tells the 1/7 apart)
-    if dtype in SIXTEEN_BIT and fp32 > 0 and abs(flops[dtype] * CPU_SOFTWARE_HALF_SLOWDOWN - fp32) < 1e-3 * fp32:
-        return (f"derived: 1/{CPU_SOFTWARE_HALF_SLOWDOWN:g} of the fp32 rate, what the planner charges {dtype} "
-                f"matmuls where 16-bit plans compute in fp32, not a rate of the {dtype} instructions"
-                f"{f' ({choice})' if choice else ''}; the fp32 rate: {base}")
-    kind, detail = split_source(base)
-    if kind == "estimated" and dtype != "fp32" and fp32 > 0:
-        words = f"{ESTIMATED_PEAK}: {flops[dtype] / fp32:.3g}x the fp32 peak ({detail}) for its {dtype} instructions"
-    elif kind == "estimated":
-        words = f"{ESTIMATED_PEAK} ({detail})"
-    elif kind == "catalog":
-        words = f"catalog: the spec sheet's peak ({detail})"
-    else:
-        words = base
-    return f"{words}; {choice}" if choice and dtype in SIXTEEN_BIT else words
 
 
 def hardware_rows(spec: HardwareSpec) -> list[tuple[str, str, str, str]]:

@@ -143,11 +143,13 @@ def predict_run(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings
     """The cost model's Prediction for `policy` run the way "Run this plan" runs it: `batch` sequences of
     `prompt_len` tokens, `new_tokens` each, in micro-batches of the policy's size (the engine's split: one
     micro-batch when the batch is smaller), with the page's memory to leave free; in the dtype the engine computes
-    that shape in (costmodel.evaluate_as_run: a bf16 plan run on a few prompts may be fp32, and says so)."""
+    that shape in (costmodel.evaluate_as_run: a bf16 plan made for more rows run on a few prompts may be fp32, and
+    says so)."""
     micro = max(1, min(policy.micro_batch_size, batch))
     shaped = replace(policy, micro_batch_size=micro, num_micro_batches=-(-batch // micro))
     return evaluate_as_run(model, hardware, shaped, Workload(max(1, prompt_len), max(1, new_tokens)),
-                           efficiency=efficiency, reserve_bytes=constraints_of(settings, hardware).reserve_bytes)
+                           efficiency=efficiency, reserve_bytes=constraints_of(settings, hardware).reserve_bytes,
+                           planned_rows=policy.micro_batch_size)
 
 
 # ---- memory per tier -----------------------------------------------------------------------------------------------

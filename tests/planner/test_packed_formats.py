@@ -66,12 +66,20 @@ def test_a_slow_kernel_makes_the_packed_kernels_the_bottleneck_in_words():
     slow = cpu_machine(ram_gbps=50.0, kernels={"q4_0": 2e9, "q8_0": 2e9})
     four = decode(slow, "q4_0")
     assert four.bottleneck == "packed kernel compute"
-    assert four.bottleneck_detail.startswith("CPU 4-bit kernel compute: the q4_0 kernels")
+    assert four.bottleneck_detail.startswith("CPU 4-bit kernel compute: per decode step the q4_0 kernels")
     assert "2 G weights/s (measured)" in four.bottleneck_detail and "RAM bandwidth" not in four.bottleneck_detail
     eight = decode(slow, "q8_0")
     assert eight.bottleneck == "packed kernel compute" and eight.bottleneck_detail.startswith("CPU 8-bit kernel")
     # the step is the kernels' time: 6.5e9 weights at 2e9/s, reads overlapped, plus the fixed costs
     weights = LLAMA_7B.num_layers * model_numbers(LLAMA_7B).matrix_params
+    # the blocks' weights named apart from the LM head and from attention, whose products grow with the context: the
+    # same weights for a longer prompt (`plan`'s 512 + 128 tokens beside a short `generate`)
+    longer = evaluate(LLAMA_7B, slow, Policy(weight_format="q4_0", **RESIDENT),
+                      Workload(prompt_len=512, output_len=128))
+    for detail in (four.bottleneck_detail, longer.bottleneck_detail):
+        assert f"unpack the blocks' {weights / 1e9:.3g} G packed weights and multiply them by 1 row (the LM head's " \
+               f"{model_numbers(LLAMA_7B).head_params / 1e6:.3g} M weights apart)" in detail, detail
+    assert four.bottleneck_detail != longer.bottleneck_detail  # the attention products
     assert weights / 2e9 < four.decode_step_s < weights / 2e9 * 1.3
 
 

@@ -66,10 +66,11 @@ def test_the_blocks_compute_follows_the_cpus_bf16_rate():
 
 
 @pytest.mark.parametrize("ratio", [None, 1.7])
-def test_a_few_row_bf16_what_if_is_predicted_in_the_fp32_the_engine_runs_and_says_so(ratio):
+def test_a_batch_plan_run_in_few_rows_is_predicted_in_the_fp32_the_engine_runs_and_says_so(ratio):
+    """The bf16 batch plan (128 rows a micro-batch) run on 3 prompts: the engine computes those 3-row steps in fp32."""
     hardware, workload = cpu(200e9, ratio), Workload(prompt_len=16, output_len=8)
     few = dataclasses.replace(STREAMED, micro_batch_size=3, num_micro_batches=1)
-    shown = evaluate_as_run(MODEL, hardware, few, workload, EFF)
+    shown = evaluate_as_run(MODEL, hardware, few, workload, EFF, planned_rows=STREAMED.micro_batch_size)
     fp32 = evaluate(MODEL, hardware, dataclasses.replace(few, weight_format="fp32"), workload, EFF)
     assert shown.policy.weight_format == "fp32" and shown.throughput_tokens_per_s == fp32.throughput_tokens_per_s
     assert shown.peak_memory_bytes == fp32.peak_memory_bytes  # fp32's bytes in every tier
@@ -77,7 +78,18 @@ def test_a_few_row_bf16_what_if_is_predicted_in_the_fp32_the_engine_runs_and_say
                                                           .throughput_tokens_per_s, rel=1e-3)
     assert shown.engine_note.startswith("Computed in fp32, as the engine runs this bf16 plan: its micro-batches "
                                         f"multiply 3 rows, at most the native decode kernels' {PACKED_KERNEL_ROWS}")
+    assert shown.engine_note.endswith("(the plan was made for 128 rows)")
     assert shown.bottleneck_detail.startswith(shown.engine_note)
+
+
+@pytest.mark.parametrize("ratio", [None, 1.7])
+def test_a_few_row_bf16_what_if_is_its_own_plan_and_runs_in_bf16(ratio):
+    """The Plan page's knobs set to bf16 at 3 rows: a plan made for 3 rows, which the engine computes in bf16 (the
+    planner names it where fp32 would be slower, e.g. streamed from disk), priced at the bf16 step."""
+    hardware, workload = cpu(200e9, ratio), Workload(prompt_len=16, output_len=8)
+    few = dataclasses.replace(STREAMED, micro_batch_size=3, num_micro_batches=1)
+    shown = evaluate_as_run(MODEL, hardware, few, workload, EFF)
+    assert shown == evaluate(MODEL, hardware, few, workload, EFF) and shown.engine_note == ""
 
 
 def test_what_the_engine_runs_as_named_is_evaluated_as_named():

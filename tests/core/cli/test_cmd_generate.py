@@ -47,6 +47,20 @@ def in_process(monkeypatch, capsys):
     return run
 
 
+def test_help_says_generate_is_raw_completion_and_chat_applies_the_template(cli):
+    """A new user asked a chat model a question with generate and got no answer: --help did not say that generate
+    gives the prompt as written (no chat template) and that chat applies the model's template."""
+    done = hivekeeper("generate", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # as argparse wraps it
+    assert "(raw completion: no chat template)" in text
+    assert "The prompt goes to the model as written, with no chat template" in text
+    assert "`hivekeeper chat` applies the model's chat template" in text
+    assert "--prompt PROMPT the text to continue, given to the model as written (no chat template)" in text
+    listing = " ".join(cli("--help").stdout.split())  # the commands' one-line help
+    assert "generate generate text once, for scripts and benchmarks (raw completion: no chat template)" in listing
+
+
 def test_json_output_of_the_real_command(tiny_checkpoint):
     auto = generate_json(tiny_checkpoint, "--max-new-tokens", "12", "--ignore-eos")
     assert auto["plan"]["source"] == "auto" and auto["plan"]["engine"]["blocks"] == {"cpu": 2}

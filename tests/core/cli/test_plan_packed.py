@@ -9,10 +9,15 @@ the same machine (XEON), so the comparison does not depend on this machine's spe
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 
 import pytest
 
 from hivekeeper.core.cli.main import main
+
+from ...child_output import run
 
 MODEL = "smollm2-135m-instruct"
 # The 2-core Xeon (AVX512-BF16, AMX) of sessions 6 and 7, as `hivekeeper measure` found it: RAM and fp32 matmul
@@ -126,3 +131,62 @@ def test_a_servers_span_is_planned_packed_as_the_server_loads_it_and_says_so(cap
     data = json.loads(out)  # the server's span (issue 16 item 4): the file's q4_1, kept packed
     assert data["policy"]["weight_format"] == "q4_1" and data["format_choice"]["why"].startswith("serve: ")
     assert "packed" in data["format_choice"]["why"]
+
+
+def hivekeeper(*args: str):
+    """The real command in a child process (the default model, offline)."""
+    return run([sys.executable, "-m", "hivekeeper.core.cli.main", *args], timeout=300,
+               env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+
+
+def test_the_in_memory_row_names_the_packed_format_generate_runs(capsys, xeon, tmp_path):
+    """The row said "96.6 MB as fp32" of blocks the runtime keeps in Q4_1, which `generate` calls "q4_1 (packed)"."""
+    code, out, _ = plan(capsys, "--hardware", xeon, "--json")
+    assert code == 0
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(out)
+    code, human, _ = plan(capsys, "--hardware", xeon)
+    assert code == 0
+    row = next(line for line in human.splitlines() if line.lstrip().startswith("in memory"))
+    done = hivekeeper("generate", "--model", MODEL, "--plan", str(plan_file), "--prompt", "Hello",
+                      "--max-new-tokens", "2")
+    assert done.returncode == 0, done.stderr
+    held = re.search(rf"^plan \({re.escape(str(plan_file))}\): (.+?) blocks: ", done.stdout, re.M).group(1)
+    assert held == "q4_1 (packed)" and f"96.6 MB as {held}, 2.22 MB per block: " in row, row
+    assert "fp32" not in row.split(":")[0] and row.endswith("the rest is held as fp32")
+
+
+def packed_weights(sentence: str) -> tuple[str, str]:
+    """(the blocks' packed weights, the attention products) a packed-kernel bottleneck names, in M."""
+    found = re.search(r"the q4_1 kernels unpack the blocks' (\S+) M packed weights and multiply them by 1 row "
+                      r"\(the LM head's \S+ M weights apart\), and attention over the KV cache adds (\S+) M products",
+                      sentence)
+    assert found, sentence
+    return found.group(1), found.group(2)
+
+
+def test_plan_and_generate_name_the_same_packed_weights_per_step(tmp_path, cli, monkeypatch):
+    """`plan` said the kernels multiply 126 M weights per step and `generate --json` 106-107 M for the same model: one
+    figure held the blocks' weights and the attention products, which grow with the context (plan's 512 + 128 tokens,
+    generate's short prompt). Now the blocks' weights are named apart, the same in both, and the attention's too."""
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.measurement import PACKED_KERNEL_KEY, Measurement
+    from hivekeeper.core.machine.profiles import new_profile, save_profile
+
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path))
+    profile = new_profile(detect_hardware())  # slow q4_1 kernels: the step waits for them, in plan and generate
+    profile.measurements = [Measurement(key, key, value, unit, 0.0, 1, 0.5, "fixed by this test", [value])
+                            for key, value, unit in (("ram_read", 10e9, "B/s"), ("cpu_matmul_fp32_prefill", 40e9,
+                                                     "FLOP/s"), (f"{PACKED_KERNEL_KEY}q4_1", 1e9, "weights/s"))]
+    profile.measured_at = 1.7e9
+    save_profile(profile)
+    done = hivekeeper("generate", "--model", MODEL, "--prompt", "Hello", "--max-new-tokens", "4", "--json")
+    assert done.returncode == 0, done.stderr
+    generated = json.loads(done.stdout)["plan"]
+    planned = json.loads(cli("plan", "--model", MODEL, "--hardware", "auto", "--json").stdout)
+    assert generated["predicted"]["bottleneck"] == planned["bottleneck"] == "packed kernel compute"
+    (weights, short_attention), (same, long_attention) = (packed_weights(generated["reason"]),
+                                                          packed_weights(planned["reason"]))
+    # the blocks' Q4_1 weights as the file holds them, in both
+    assert weights == same == f"{planned['gguf']['types']['Q4_1']['weights'] / 1e6:.3g}"
+    assert float(short_attention) < 1 < 10 < float(long_attention)  # a 1-token prompt; plan's 512 + 128 tokens

@@ -138,22 +138,29 @@ MANY_ROWS = PACKED_KERNEL_ROWS + 1  # a decode micro-batch beyond the native ker
 
 
 def assert_few_row_plans_compute_in_fp32() -> None:
+    """A checkpoint's own bf16 (no plan), or a plan made for more rows run in as few as the kernels take."""
     assert compute_dtype("bf16", "cpu") == (torch.float32, "none")
     assert compute_dtype("bf16", "cpu", PACKED_KERNEL_ROWS) == (torch.float32, "none")
+    assert compute_dtype("bf16", "cpu", 3, planned_rows=MANY_ROWS) == (torch.float32, "none")
     assert compute_dtype("fp16", "cpu", MANY_ROWS) == (torch.float32, "none")  # no native fp16 math at any rows
     assert compute_dtype("bf16", "cuda") == (torch.bfloat16, "none")  # a GPU plan is not the CPU's decision
 
 
 def assert_sixteen_bit_plans_compute_in_fp32() -> None:
     assert_few_row_plans_compute_in_fp32()
+    assert compute_dtype("bf16", "cpu", 1, planned_rows=1) == (torch.float32, "none")  # whatever the plan
     assert compute_dtype("bf16", "cpu", 512) == (torch.float32, "none")
     assert cpu_attention_dtype(torch.bfloat16) == torch.float32
     assert not cpu_native_half(detect_hardware().cpu)  # the planner costs 16-bit as converted to fp32
 
 
 def assert_many_row_plans_compute_in_bf16() -> None:
-    """On a CPU with native bf16 math, whatever was measured of one-row steps."""
+    """On a CPU with native bf16 math, whatever was measured of one-row steps; and a plan made for as few rows as the
+    kernels take (the planner names bf16 there only where it predicts fp32 slower, as streamed from disk)."""
     assert compute_dtype("bf16", "cpu", MANY_ROWS) == (torch.bfloat16, "none")
+    for rows in (1, PACKED_KERNEL_ROWS):
+        assert compute_dtype("bf16", "cpu", rows, planned_rows=rows) == (torch.bfloat16, "none")
+    assert compute_dtype("fp16", "cpu", 1, planned_rows=1) == (torch.float32, "none")  # no native fp16 math
     assert cpu_attention_dtype(torch.bfloat16) is None and cpu_attention_dtype(torch.float16) == torch.float32
     cpu = detect_hardware().cpu
     assert cpu_native_half(cpu) and list(cpu_bf16_at(cpu, [1, PACKED_KERNEL_ROWS, MANY_ROWS])) == [
@@ -181,7 +188,8 @@ def test_half_math_without_a_measurement_uses_bf16_only_beyond_the_kernels_rows(
     assert_many_row_plans_compute_in_bf16()
     assert (f"CPU 16-bit plans: bf16 beyond {PACKED_KERNEL_ROWS} rows a step, fp32 up to {PACKED_KERNEL_ROWS} "
             "(AVX512-BF16; no measurement says a one-row bf16 decode step beats fp32 here: run `hivekeeper measure`)"
-            ) in detect_text(capsys)
+            ", bf16 there too in a plan made for so few rows (the planner names bf16 for them only where it "
+            "predicts fp32 slower") in detect_text(capsys)
 
 
 def test_half_math_with_a_slower_measured_bf16_step_uses_bf16_only_beyond_the_kernels_rows(config_dir, cpu_flags,
@@ -231,6 +239,33 @@ def test_half_math_with_a_faster_measured_bf16_step_uses_bf16_at_every_rows(conf
     assert list(cpu_bf16_at(detect_hardware().cpu, [1, MANY_ROWS])) == [True, True]
     assert "CPU 16-bit plans: bf16 beyond 8 rows a step, bf16 up to 8 (AVX512-BF16; a one-row bf16 decode step " \
         "measured 0.60x the time of fp32" in detect_text(capsys)
+
+
+@pytest.fixture(scope="module")
+def wide_bf16_checkpoint(tmp_path_factory):
+    """8 blocks 512 wide: 46 MB of bf16 blocks, 93 MB in fp32."""
+    return make_demo_checkpoint(tmp_path_factory.mktemp("bf16") / "wide-bf16", layers=8, hidden=512, dtype="bf16")
+
+
+@pytest.mark.parametrize("ratio", [None, 1.7])
+def test_a_chat_plan_whose_fp32_weights_exceed_the_ram_budget_plans_and_runs_bf16_from_ram(
+        wide_bf16_checkpoint, config_dir, cpu_flags, capsys, monkeypatch, suite_machine_profile, ratio):
+    """The issue: with native bf16 math and no one-row bf16 step measured faster, a chat plan was fp32 even where its
+    fp32 weights overflow the RAM budget (streamed from disk) and bf16 ones fit: now the planner prices the bf16 step
+    (the measured one, else the slowest seen), plans bf16 all in RAM, and the engine runs the plan's bf16."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps `generate` from changing this process's thread count
+    cpu_flags(BF16)
+    if ratio is not None:
+        save_half_decode_measurement(ratio)
+    else:
+        save_profile_without_half_step(suite_machine_profile)
+    assert main(["generate", "--model", str(wide_bf16_checkpoint), "--prompt", "hello", "--max-new-tokens", "3",
+                 "--ignore-eos", "--json", "--ram-budget-gb", "0.07"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    policy, engine = result["plan"]["policy"], result["plan"]["engine"]
+    assert policy["weight_format"] == "bf16" and policy["weights"]["disk"] == 0, result["plan"]
+    assert engine["dtype"] == "bfloat16" and engine["blocks"] == {"cpu": 8} and not engine["disk_blocks"]
+    assert result["new_tokens"] == 3
 
 
 @pytest.fixture(scope="module")

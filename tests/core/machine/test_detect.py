@@ -117,7 +117,9 @@ def test_cli_detect_out_writes_a_loadable_file(tmp_path, capsys):
     assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
 
 
-def test_cli_detect_json_and_text(tmp_path, capsys):
+def test_cli_detect_json_and_text(tmp_path, capsys, monkeypatch):
+    # no profile, so the estimates (a profile's measured numbers: tests/core/cli/test_cmd_detect.py)
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path / "config"))
     assert main(["detect", "--json", "--data-dir", str(tmp_path)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["cpu"]["cores"] >= 1 and doc["id"] == "detected"

@@ -78,6 +78,14 @@ def test_each_compute_figure_has_its_unit_and_says_what_kind_of_number_it_is(amx
     compare = {page.compare_table.item(i, 1).text(): page.compare_table.item(i, 3).text()
                for i in range(page.compare_table.rowCount())}
     assert compare["bf16 matmul"] == "389 GFLOP/s"  # the measured rate itself, below
+    # beside it, the estimate it replaced says what that figure is: the bf16 one is not fp32's (the issue: every
+    # dtype's catalog cell showed the FLOP/s table's one source, the fp32 peak's "cores x clock x FLOP/cycle")
+    catalog = {page.compare_table.item(i, 1).text(): page.compare_table.item(i, 2).toolTip()
+               for i in range(page.compare_table.rowCount())}
+    assert "x the fp32 peak" in catalog["bf16 matmul"] and "for its bf16 instructions" in catalog["bf16 matmul"]
+    assert "CPU 16-bit plans" in catalog["bf16 matmul"] and "CPU 16-bit plans" not in catalog["fp32 matmul"]
+    assert catalog["fp32 matmul"].startswith("estimated: a theoretical peak") and "x the fp32 peak" not in \
+        catalog["fp32 matmul"]
 
 
 def test_large_figures_are_written_without_an_exponent():
@@ -86,3 +94,31 @@ def test_large_figures_are_written_without_an_exponent():
 
     values = {quantity: value for _, quantity, value, _ in hardware_rows(get_hardware("h100-sxm"))}
     assert values["memory bandwidth"] == "3,350 GB/s" and values["int8 compute"] == "1,979 TFLOP/s", values
+
+
+def test_a_bf16_figure_raised_to_the_fp32_rate_says_so_not_fp32s_source(cpu_flags):
+    """The issue's other half: on a CPU with native bf16 math whose measured bf16 rate is below fp32's, the planner's
+    table raises bf16 to the fp32 rate (cpu_dtype_rule.with_choice), and the bf16 row showed fp32's figure with the
+    measurement's source, which reads as fp32's. Now it says the figure is fp32's rate and what bf16's own was; the
+    fp32 row keeps the measurement. Without a display: the rows the page and its comparison table are built from."""
+    from hivekeeper.gui.pages.hardware import hardware_rows
+
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.measurement import PREFILL_BF16_KEY
+    from hivekeeper.core.machine.profiles import MachineProfile, apply_measurements, comparison_rows
+
+    cpu_flags("sse2 avx avx2 fma avx512f avx512_bf16")  # AVX512-BF16, as the issue's AMD EPYC
+    prefill = [Measurement(PREFILL_FLOPS_KEY, "fp32 prefill", 80e9, "FLOP/s", 0.1, 3, 1.0, "test figures"),
+               Measurement(PREFILL_BF16_KEY, "bf16 prefill", 60e9, "FLOP/s", 0.1, 3, 1.0, "test figures")]
+    detected = detect_hardware()
+    sources = {quantity: (value, source) for part, quantity, value, source in
+               hardware_rows(apply_measurements(detected, prefill)) if part.startswith("CPU")}
+    assert sources["bf16 compute"][0] == sources["fp32 compute"][0] == "80 GFLOP/s"
+    assert sources["bf16 compute"][1].startswith("derived: bf16 at the fp32 rate") and \
+        "its own 60 GFLOP/s" in sources["bf16 compute"][1]
+    assert sources["fp32 compute"][1].startswith("measured") and "bf16 at the fp32 rate" not in \
+        sources["fp32 compute"][1]
+    rows = {r.quantity: r for r in comparison_rows(detected, MachineProfile("x", {}, 1.7e9, prefill))}
+    fp32, bf16 = rows["fp32 prefill through blocks"], rows["bf16 prefill through blocks"]
+    assert bf16.catalog == pytest.approx(2 * fp32.catalog, rel=1e-4) and "2x the fp32 peak" in bf16.catalog_source
+    assert "2x the fp32 peak" not in fp32.catalog_source
