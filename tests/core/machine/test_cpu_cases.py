@@ -247,18 +247,24 @@ def wide_bf16_checkpoint(tmp_path_factory):
     return make_demo_checkpoint(tmp_path_factory.mktemp("bf16") / "wide-bf16", layers=8, hidden=512, dtype="bf16")
 
 
+def pin_case(monkeypatch, cpu_flags, flags, ratio, suite_machine_profile) -> None:
+    """The CPU flags pinned and a saved profile with this bf16/fp32 step ratio (None: without one), for a `generate`
+    run in this process."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps `generate` from changing this process's thread count
+    cpu_flags(flags)
+    if ratio is not None:
+        save_half_decode_measurement(ratio)
+    else:
+        save_profile_without_half_step(suite_machine_profile)
+
+
 @pytest.mark.parametrize("ratio", [None, 1.7])
 def test_a_chat_plan_whose_fp32_weights_exceed_the_ram_budget_plans_and_runs_bf16_from_ram(
         wide_bf16_checkpoint, config_dir, cpu_flags, capsys, monkeypatch, suite_machine_profile, ratio):
     """The issue: with native bf16 math and no one-row bf16 step measured faster, a chat plan was fp32 even where its
     fp32 weights overflow the RAM budget (streamed from disk) and bf16 ones fit: now the planner prices the bf16 step
     (the measured one, else the slowest seen), plans bf16 all in RAM, and the engine runs the plan's bf16."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps `generate` from changing this process's thread count
-    cpu_flags(BF16)
-    if ratio is not None:
-        save_half_decode_measurement(ratio)
-    else:
-        save_profile_without_half_step(suite_machine_profile)
+    pin_case(monkeypatch, cpu_flags, BF16, ratio, suite_machine_profile)
     assert main(["generate", "--model", str(wide_bf16_checkpoint), "--prompt", "hello", "--max-new-tokens", "3",
                  "--ignore-eos", "--json", "--ram-budget-gb", "0.07"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -286,12 +292,7 @@ def test_generate_plans_and_runs_what_the_decision_says(bf16_checkpoint, config_
     """`hivekeeper generate --plan auto` on a bf16 checkpoint: the planner picks and the engine runs one dtype, by
     the rows the plan's decode steps multiply. Never from the host's own measurement (a machine never measured would
     be measured quickly first, and its bf16 step decide): each case has a saved profile."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps `generate` from changing this process's thread count
-    cpu_flags(flags)
-    if ratio is not None:
-        save_half_decode_measurement(ratio)
-    else:
-        save_profile_without_half_step(suite_machine_profile)
+    pin_case(monkeypatch, cpu_flags, flags, ratio, suite_machine_profile)
     assert main(["generate", "--model", str(bf16_checkpoint), "--prompt", "hello", "--batch", str(batch),
                  "--max-new-tokens", "3", "--ignore-eos", "--json"]) == 0
     said = capsys.readouterr()
