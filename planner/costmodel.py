@@ -29,7 +29,7 @@ import numpy as np
 from .efficiency import Efficiency, MachineEfficiency, at_width, default_efficiency
 from .errors import InputError
 from .formats import WeightFormat, bits_of, get_format
-from .hardware import ComputeDevice, HardwareSpec, PrefillRate, rate_at_rows
+from .hardware import PACKED_ROW_COUNTS, ComputeDevice, HardwareSpec, PrefillRate, rate_at_rows
 from .models import ModelSpec
 
 TIERS = ("gpu", "cpu", "disk")
@@ -454,6 +454,9 @@ class FormatTraits:
     # a decode block's fixed costs within gemv_rows, relative to the fp32 kernels' (bf16 on a CPU: its measured step
     # ratio, half_step_ratio, which times whole steps, fixed costs and all: torch's norms, rotary and attention)
     decode_block_factor: float = 1.0
+    # packed formats: a decode step of each of PACKED_ROW_COUNTS rows over a one-row one, as measured
+    # (ComputeDevice.packed_row_steps); empty: not measured (kernel_row_factor)
+    row_steps: tuple[float, ...] = ()
 
 
 def format_traits(machine: Machine, weight_format: str) -> FormatTraits:
@@ -527,7 +530,8 @@ def packed_traits(machine: Machine, fmt: WeightFormat) -> FormatTraits:
                         gemv_flops_cached=2.0 * packed_cached_rate(cpu, fmt.name),
                         head_flops_cached=2.0 * packed_cached_rate(cpu, PACKED_HEAD_FORMAT),
                         prefill_overhead=0.0 if packed_prefill_rate(cpu, fmt.name)[1] else 1.0,
-                        decode_block_s=-1.0 if block_cost is None else block_cost)
+                        decode_block_s=-1.0 if block_cost is None else block_cost,
+                        row_steps=cpu.packed_row_steps.get(fmt.name, ()))
 
 
 def sixteen_bit_format(model: ModelSpec, machine: Machine) -> str:
@@ -768,6 +772,7 @@ class CandidateArrays:
     prefill_overhead: np.ndarray  # FormatTraits.prefill_overhead
     decode_block_s: np.ndarray  # FormatTraits.decode_block_s (negative: Efficiency.layer_overhead_s)
     decode_block_factor: np.ndarray  # FormatTraits.decode_block_factor
+    row_steps: np.ndarray  # [candidates, PACKED_ROW_COUNTS]: FormatTraits.row_steps (0: not measured)
     block_bytes: np.ndarray  # one block's weights at rest
     kv_token: np.ndarray  # one token of one block's K and V
     cached_per_token: np.ndarray  # what is kept per token and block: K and V, or the block's input when recomputing
@@ -796,6 +801,7 @@ def candidate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEffici
         gemv_flops=gemv_flops, overlapped=trait("overlapped") > 0, head_bytes=trait("head_bytes"),
         head_flops=head_flops, cached_share=share, prefill_overhead=trait("prefill_overhead"),
         decode_block_s=trait("decode_block_s"), decode_block_factor=trait("decode_block_factor"),
+        row_steps=np.array([t.row_steps or (0.0,) * len(PACKED_ROW_COUNTS) for t in traits], dtype=float)[c["fmt"]],
         block_bytes=block_bytes, kv_token=kv_token,
         cached_per_token=np.where(recompute, numbers.hidden * kv, kv_token), cache_off_acc=off,
         attention_on_acc=c["ca"] + off * (~cpu_attention),
@@ -974,8 +980,9 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     kernel_rows = grid.overlapped & (rows <= PACKED_KERNEL_ROWS)
     nbytes = nbytes - np.where(kernel_rows, grid.micro_batches * touched * read_per_param * grid.cached_share, 0.0)
     blas_peak = np.where(rows > PACKED_KERNEL_ROWS, pass_rate(grid, rows), grid.peak_flops)
-    work = accelerator_work(grid, nbytes, bytes_min, flops, np.where(kernel_rows, kernel_peak(grid, grid.gemv_flops),
-                                                                     blas_peak))
+    work = accelerator_work(grid, nbytes, bytes_min, flops,
+                            np.where(kernel_rows, kernel_peak(grid, few_rows_flops(grid, grid.gemv_flops, rows)),
+                                     blas_peak))
     if kernel_rows.any():
         work = overlap(work, kernel_rows)
     if not steps_measured(grid.machine):
@@ -991,6 +998,29 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
 
 PACKED_KERNEL_ROWS = 8  # rows the decode kernels take at once (native_kernels.MAX_ROWS); more: packed_prefill_rate
 PACKED_PREFILL_ROWS = 512  # rows one pass over a packed weight serves in a prefill (native_kernels.QUANT_MAX_ROWS)
+
+
+def few_rows_flops(grid: CandidateArrays, one_row_flops, rows):
+    """A packed kernel's FLOP/s in a step of `rows` rows (at most PACKED_KERNEL_ROWS) from its one-row rate: rows x
+    that rate / kernel_row_factor (a step of r rows takes that many one-row steps of kernel time)."""
+    rows = np.asarray(rows, dtype=float)
+    return one_row_flops * np.maximum(rows, 1.0) / kernel_row_factor(grid, rows)
+
+
+def kernel_row_factor(grid: CandidateArrays, rows):
+    """A packed kernel step of `rows` rows over a one-row one: where measured (FormatTraits.row_steps), linear
+    between 1 at one row and the measured ratios at PACKED_ROW_COUNTS rows; else `rows` (each row a one-row step's
+    kernel time, as before session 22). Issue 23 (session 22): the built-in Q4_1 model's 4-row steps took ~1.7
+    one-row steps (measured 400-440 tokens/s against 214 predicted), its 8-row ones ~4."""
+    rows = np.clip(np.broadcast_to(np.asarray(rows, dtype=float), grid.row_steps.shape[:1]), 1.0,
+                   float(PACKED_ROW_COUNTS[-1]))
+    xs = (1.0, *map(float, PACKED_ROW_COUNTS))
+    ys = np.column_stack((np.ones(len(rows)), grid.row_steps))
+    factor = np.ones(len(rows))
+    for k in range(1, len(xs)):  # the segment a row count falls in overwrites the ones before it
+        slope = (ys[:, k] - ys[:, k - 1]) / (xs[k] - xs[k - 1])
+        factor = np.where(rows >= xs[k - 1], ys[:, k - 1] + (rows - xs[k - 1]) * slope, factor)
+    return np.where(np.all(grid.row_steps > 0, axis=1), factor, rows)
 
 
 def kernel_peak(grid: CandidateArrays, flops):
@@ -1108,7 +1138,8 @@ def lm_head(grid: CandidateArrays) -> AcceleratorWork:
     reads = nbytes * format_reads(grid, grid.batch) * np.where(kernel_rows, 1.0 - grid.cached_share, 1.0)
     blas_peak = np.where(many_rows, pass_rate(grid, grid.batch), grid.peak_flops)
     work = accelerator_work(grid, reads, nbytes, flops,
-                            np.where(kernel_rows, kernel_peak(grid, grid.head_flops), blas_peak))
+                            np.where(kernel_rows, kernel_peak(grid, few_rows_flops(grid, grid.head_flops, grid.batch)),
+                                     blas_peak))
     work = overlap(work, kernel_rows) if kernel_rows.any() else work
     if not steps_measured(grid.machine):
         return work
@@ -1150,6 +1181,8 @@ def prefill_accelerator(grid: CandidateArrays, prompt_len: float) -> Accelerator
     # as a decode step of that many rows does (session 21: the built-in model's 8-token prefills, priced at the
     # 96-row prefill rate, were predicted 1.9x too fast)
     kernel_rows = grid.overlapped & (rows <= PACKED_KERNEL_ROWS)
+    # (not few_rows_flops: a prompt runs block by block, not in the decode kernels' one call for the span, and its
+    # 8 rows took ~6 one-row steps, where a decode step of 8 rows took ~4; session 22)
     peak = np.where(kernel_rows, kernel_peak(grid, grid.gemv_flops), pass_rate(grid, rows))
     work = accelerator_work(grid, nbytes, bytes_min, flops, peak)
     if np.any(kernel_rows):

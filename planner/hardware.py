@@ -20,6 +20,12 @@ HEADROOM_TEXT = ("default headroom: the larger of 2 GiB and 10% of RAM, of 0.5 G
                  "of the free disk, plus what other programs held of RAM and GPU memory at detection")
 
 
+# the row counts of a few-row packed decode step `hivekeeper measure` times beside the one-row step
+# (ComputeDevice.packed_row_steps): the kernels take 4 rows and more in pairs of weight rows, so the cost per row
+# changes there, and 8 is the most they take (costmodel.PACKED_KERNEL_ROWS)
+PACKED_ROW_COUNTS = (4, 8)
+
+
 @dataclass(frozen=True)
 class PrefillRate:
     """A CPU's fp32 prefill rate at one block width, as `hivekeeper measure` fitted it to the runtime's prefill passes
@@ -96,6 +102,10 @@ class ComputeDevice:
     # before session 14 subtracted from their packed rates)
     packed_block_overhead_s: float | None = None
     cache_bytes: int | None = None  # a CPU's last-level cache (detected); None: unknown, every model streamed
+    # a CPU's packed-format kernels on a few rows: format -> a decode step of PACKED_ROW_COUNTS rows each over a one-row
+    # step, as `hivekeeper measure` timed them side by side through the streamed span (the kernels' time of each, the
+    # blocks' fixed cost off); empty where not measured (a step of r rows then takes r one-row steps' kernel time)
+    packed_row_steps: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # a CPU's bf16 decode step over its fp32 one, as measured (bf16 through torch, fp32 through the native kernels):
     # the planner takes a one-row bf16 step at that many fp32 steps; None: not measured (half the fp32 bytes)
     half_decode_ratio: float | None = None

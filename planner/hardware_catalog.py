@@ -24,7 +24,8 @@ from . import fields
 from .errors import InputError
 from .fields import REQUIRED, Fields
 from .formats import PACKED_FORMATS
-from .hardware import GIB, ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec, PrefillRate
+from .hardware import (GIB, PACKED_ROW_COUNTS, ComputeDevice, DecodeStreaming, DiskSpec, HardwareSpec, NetworkSpec,
+                       PrefillRate)
 
 CATALOG_PATH = Path(__file__).parent / "data" / "hardware.json"
 
@@ -54,6 +55,7 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "pcie_gen": (1, 7),
     "pcie_lanes": (1, 32),
     "gweights_per_s": (0.001, 100_000.0),  # a CPU's packed-format kernels, billions of weights per second
+    "row_step_ratio": (0.1, 64.0),  # a packed few-row decode step over a one-row one (ComputeDevice.packed_row_steps)
     "packed_block_overhead_ms": (0.0, 100.0),  # ... and the fixed cost of a packed block in a decode step
     "cache_mib": (0.0625, 65_536.0),  # a CPU's last-level cache, MiB
     "half_decode_ratio": (0.05, 16.0),  # a CPU's measured bf16 decode step over its fp32 one
@@ -236,7 +238,8 @@ _GPU_KEYS = {"name", "memory_gb", "memory_gib", "memory_bandwidth_gbps", "flops_
              "pcie_gen", "pcie_lanes", "unified_memory", "in_use_gb"}
 _CPU_KEYS = {"name", "cores", "ram_gb", "ram_gib", "ram_bandwidth_gbps", "flops_tflops", "clock_ghz", "simd", "power_w",
              "decode_streaming", "in_use_gb", "packed_kernels_gweights_per_s", "packed_kernels_cached_gweights_per_s",
-             "packed_prefill_gweights_per_s", "packed_block_overhead_ms", "cache_mib", "half_decode_ratio"}
+             "packed_prefill_gweights_per_s", "packed_block_overhead_ms", "cache_mib", "half_decode_ratio",
+             "packed_row_steps"}
 # the cpu section's optional "decode_streaming" object (measured): key -> (lower, upper bound)
 _STREAMING_FIELDS = {"bandwidth_fraction": (0.01, 1.0), "small_row_reads": (1.0, 16.0), "matmul_start_ms": (0.0, 100.0)}
 _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0),  # issue 23: measured per-block cost of a decode step
@@ -337,6 +340,27 @@ def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s
     return rates
 
 
+def _parse_packed_row_steps(s: _Section, key: str = "packed_row_steps") -> dict[str, tuple[float, ...]]:
+    """The cpu section's optional "packed_row_steps": {"q4_1": [1.7, 3.9], ...}: a packed format's decode step of
+    each of PACKED_ROW_COUNTS rows over its one-row step (hardware.ComputeDevice.packed_row_steps)."""
+    table = s.doc.get(key)
+    if table is None:
+        return {}
+    counts = ", ".join(map(str, PACKED_ROW_COUNTS))
+    if not isinstance(table, dict):
+        raise s.error(key, f"must be an object of format -> [step ratio at {counts} rows]")
+    steps = {}
+    for name, values in table.items():
+        if name not in PACKED_FORMATS:
+            raise s.error(f"{key}.{name}", f"is not a packed format ({', '.join(PACKED_FORMATS)})")
+        if not isinstance(values, list) or len(values) != len(PACKED_ROW_COUNTS):
+            raise s.error(f"{key}.{name}", f"must be a list of {len(PACKED_ROW_COUNTS)} step ratios (at {counts} "
+                                           f"rows), got {values!r}")
+        steps[name] = tuple(check_number(v, "row_step_ratio", where=s.where, field=s.name(f"{key}.{name}[{i}]"))
+                            for i, v in enumerate(values))
+    return steps
+
+
 def _parse_gpu(doc: Any, where: str, path: str, default_source: str) -> ComputeDevice:
     s = _Section(doc, where, path)
     s.check_keys(_GPU_KEYS)
@@ -393,6 +417,7 @@ def _parse_cpu(doc: Any, where: str, default_source: str) -> ComputeDevice:
         packed_kernels=_parse_packed_kernels(s),
         packed_kernels_cached=_parse_packed_kernels(s, "packed_kernels_cached_gweights_per_s"),
         packed_prefill=_parse_packed_kernels(s, "packed_prefill_gweights_per_s"),
+        packed_row_steps=_parse_packed_row_steps(s),
         packed_block_overhead_s=(s.limited("packed_block_overhead_ms", "packed_block_overhead_ms") / 1e3
                                  if s.has("packed_block_overhead_ms") else None),
         cache_bytes=int(s.limited("cache_mib", "cache_mib") * (1 << 20)) if s.has("cache_mib") else None,
@@ -733,6 +758,8 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                if cpu.packed_prefill else {}),
             **({"packed_block_overhead_ms": round(cpu.packed_block_overhead_s * 1e3, 4)}
                if cpu.packed_block_overhead_s is not None else {}),
+            **({"packed_row_steps": {name: [round(r, 4) for r in steps] for name, steps in cpu.packed_row_steps.items()}}
+               if cpu.packed_row_steps else {}),
             **({"cache_mib": round(cpu.cache_bytes / (1 << 20), 4)} if cpu.cache_bytes else {}),
             **({"half_decode_ratio": round(cpu.half_decode_ratio, 4)} if cpu.half_decode_ratio else {}),
             "sources": dict(cpu.sources),

@@ -29,13 +29,13 @@ import torch
 from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS
 from hivekeeper.planner.efficiency import REREAD_ROWS
 from hivekeeper.planner.errors import InputError
-from hivekeeper.planner.hardware import rate_at_rows
+from hivekeeper.planner.hardware import PACKED_ROW_COUNTS, rate_at_rows
 
 from hivekeeper.core.machine import step_overhead
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
+    PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
     ROW_READS_AT_KEY, SIZES_CHOICES, SIZES_ENV, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
     Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
@@ -1053,14 +1053,17 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
                           for name in FORMATS})
         spans.update({(PACKED_BLOCK_KEY, name): packed_span(name, narrow_width(hidden), cached)
                       for name in FORMATS})
-        timed = dict(zip(spans, _alternating_seconds([decode_steps(config, span, 1) for config, span, _ in
-                                                      spans.values()], max(repeats, step_repeats))))
+        steps = {(key, name, 1): decode_steps(config, span, 1) for (key, name), (config, span, _) in spans.items()}
+        steps.update({(PACKED_ROWS_KEY, name, rows): decode_steps(config, span, rows)
+                      for (key, name), (config, span, _) in spans.items() if key == PACKED_KERNEL_KEY
+                      for rows in PACKED_ROW_COUNTS})
+        timed = dict(zip(steps, _alternating_seconds(list(steps.values()), max(repeats, step_repeats))))
         prefills = {name: prefill_pass(config, span) for (key, name), (config, span, _) in spans.items()
                     if key == PACKED_CACHED_KEY}
         prefill_timed = _alternating_seconds([run for run, _, _ in prefills.values()], PREFILL_REPEATS)
     finally:
         torch.set_num_threads(previous_threads)
-    runs = {key: (timed[key], weights, config.num_layers) for key, (config, _, weights) in spans.items()}
+    runs = {key: (timed[(*key, 1)], weights, config.num_layers) for key, (config, _, weights) in spans.items()}
     block = packed_block_overhead({name: (runs[(PACKED_CACHED_KEY, name)], runs[(PACKED_BLOCK_KEY, name)])
                                    for name in FORMATS}, load, f"widths {hidden} and {narrow_width(hidden)}")
     path = "native kernels" if native_kernels.library() is not None else "numpy (no native kernels)"
@@ -1079,6 +1082,10 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
             f"median {median_and_spread(seconds)[0] * 1e3:.3g} ms less {block_s * 1e3:.3g} ms a block (the fixed "
             "cost fitted to the packed spans); the spans timed in turn"))
     results.append(block)
+    for (_, name, rows), seconds in timed.items():
+        if rows > 1:
+            one_row, _, count = runs[(PACKED_KERNEL_KEY, name)]
+            results.append(packed_rows_measurement(name, rows, one_row, seconds, count, block_s, load))
     for (name, (_, flops, count)), seconds in zip(prefills.items(), prefill_timed):
         products = flops / 2.0  # row-weight products (attention's few aside)
         results.append(_median_rate_measurement(
@@ -1088,6 +1095,24 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
             f"of width {hidden}, {path}, median {median_and_spread(seconds)[0] * 1e3:.3g} ms; the formats timed in "
             "turn"))
     return results
+
+
+def packed_rows_measurement(fmt: str, rows: int, one_row: list[float], few_rows: list[float], blocks: int,
+                            block_s: float, load: float) -> Measurement:
+    """PACKED_ROWS_KEY: a packed format's decode step of `rows` rows over its one-row step through the same streamed
+    span, each repeat's pair timed side by side (`one_row`, `few_rows`: seconds of each repeat, in turn), each less
+    its blocks' fixed cost (packed_kernel_seconds); the median of the repeats' ratios, at least 1 (a step of more
+    rows never takes less). Issue 23 (session 22): the planner took a step of r rows as r one-row steps of kernel
+    time; the built-in model's 4-row steps took ~1.7 and its 8-row ones ~4 (the kernels take 4 rows and more in pairs
+    of weight rows), and its 2- to 8-row decode was predicted at 0.5-0.7x its measured tokens/s."""
+    ratios = [max(1.0, packed_kernel_seconds(f, blocks, block_s) / packed_kernel_seconds(o, blocks, block_s))
+              for o, f in zip(one_row, few_rows)]
+    value, spread = median_and_spread(ratios)
+    return Measurement(f"{PACKED_ROWS_KEY}{fmt}x{rows}", f"CPU {fmt} decode step of {rows} rows over one row", value,
+                       "x", spread, len(ratios), max(load, load_average()),
+                       f"{rows}-row and one-row decode steps of the streamed span of {blocks} random {fmt} blocks, "
+                       f"timed in turn, each less {block_s * 1e3:.3g} ms a block; the median of the repeats' ratios",
+                       ratios)
 
 
 def thin_width(hidden: int, thin: int = STREAM_THIN) -> int:

@@ -35,6 +35,11 @@ ROW_READS_AT_KEY = "cpu_small_rows_reads_at_"
 PACKED_KERNEL_KEY = "cpu_packed_kernel_"
 # ... and with the span's weights in the last-level cache: key PACKED_CACHED_KEY + format, weights/s
 PACKED_CACHED_KEY = "cpu_packed_cached_"
+# ... and a decode step of a few rows through the streamed span over its one-row step, timed side by side (the
+# kernels' time of each, the blocks' fixed cost off): key PACKED_ROWS_KEY + format + "x" + rows ("cpu_packed_rows_
+# q4_1x4"), one per row count of hardware.PACKED_ROW_COUNTS, unit "x" (issue 23, session 22: the built-in model's
+# 4-row steps took ~1.7 one-row steps, where the planner had taken 4)
+PACKED_ROWS_KEY = "cpu_packed_rows_"
 # ... and a prefill through such a cached span (the int8 kernels on many rows): key PACKED_PREFILL_KEY + format, in
 # row-weight products per second (WEIGHTS_PER_S; 2 FLOPs each)
 PACKED_PREFILL_KEY = "cpu_packed_prefill_"

@@ -28,7 +28,7 @@ from hivekeeper.planner.efficiency import DEFAULTS as DEFAULT_EFFICIENCY
 from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.formats import PACKED_FORMATS
-from hivekeeper.planner.hardware import ComputeDevice, DecodeStreaming, HardwareSpec, PrefillRate
+from hivekeeper.planner.hardware import PACKED_ROW_COUNTS, ComputeDevice, DecodeStreaming, HardwareSpec, PrefillRate
 from hivekeeper.planner.hardware_catalog import clamp_to_limit, prefill_rate_in_limits
 
 from hivekeeper.core.atomic_file import write_json_atomic
@@ -36,7 +36,7 @@ from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.flops_words import flops_source
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
+    PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
     ROW_BLOCK_KEY, ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
     Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
@@ -213,6 +213,16 @@ def packed_kernel_rates(measurements: list[Measurement], prefix: str = PACKED_KE
             and m.value > 0}
 
 
+def packed_row_steps(measurements: list[Measurement]) -> dict[str, tuple[float, ...]]:
+    """format -> its decode steps of PACKED_ROW_COUNTS rows over its one-row step (measure.packed_rows_measurement),
+    as the planner takes them (hardware.ComputeDevice.packed_row_steps): a format with every row count measured;
+    empty where none was (profiles saved before session 22)."""
+    found = {m.key[len(PACKED_ROWS_KEY):]: clamp_to_limit(m.value, "row_step_ratio") for m in measurements
+             if m.key.startswith(PACKED_ROWS_KEY) and m.value > 0}
+    steps = {name: tuple(found.get(f"{name}x{rows}") for rows in PACKED_ROW_COUNTS) for name in PACKED_FORMATS}
+    return {name: ratios for name, ratios in steps.items() if None not in ratios}
+
+
 def packed_block_cost(measurements: list[Measurement]) -> float | None:
     """Seconds of a packed block's fixed cost in a decode step (measure.packed_block_overhead, fitted on packed
     spans), as the planner takes it (hardware.ComputeDevice.packed_block_overhead_s): 0 kept (the fit found none the
@@ -289,8 +299,10 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
         cpu = dataclasses.replace(cpu, half_decode_ratio=min(16.0, max(0.05, by_key[HALF_DECODE_KEY].value)))
     kernels, cached = packed_kernel_rates(measurements), packed_kernel_rates(measurements, PACKED_CACHED_KEY)
     prefill, block = packed_kernel_rates(measurements, PACKED_PREFILL_KEY), packed_block_cost(measurements)
-    if kernels or cached or prefill or block is not None:
+    rows = packed_row_steps(measurements)
+    if kernels or cached or prefill or rows or block is not None:
         cpu = dataclasses.replace(cpu, packed_kernels=kernels or cpu.packed_kernels,
+                                  packed_row_steps=rows or cpu.packed_row_steps,
                                   packed_kernels_cached=cached or cpu.packed_kernels_cached,
                                   packed_prefill=prefill or cpu.packed_prefill,
                                   packed_block_overhead_s=cpu.packed_block_overhead_s if block is None else block)

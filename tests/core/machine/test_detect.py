@@ -89,7 +89,8 @@ def test_cpu_flops_follow_cores_clock_and_simd(detected):
 
 def test_missing_data_dir_uses_the_nearest_existing_parent(tmp_path):
     spec = detect.detect_hardware(tmp_path / "not" / "yet" / "created")
-    assert spec.disk.capacity_bytes == disk_bytes(tmp_path)
+    # free space moves while other tests write (session 22: 8 KiB between the two reads); the source names the folder
+    assert spec.disk.capacity_bytes == pytest.approx(disk_bytes(tmp_path), abs=64 << 20)
     assert str(tmp_path) in spec.disk.sources["capacity_bytes"]
 
 

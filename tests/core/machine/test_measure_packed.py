@@ -16,7 +16,7 @@ from hivekeeper.core.machine.measure import (PREFILL_REPEATS, STEP_REPEATS, form
                                              median_and_spread, narrow_width, packed_block_overhead,
                                              packed_kernel_seconds, packed_span, random_packed_matrix)
 from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY,
-                                                 PACKED_KERNEL_KEY, PACKED_PREFILL_KEY, SMALL_ROWS_READS_KEY,
+                                                 PACKED_KERNEL_KEY, PACKED_PREFILL_KEY, PACKED_ROWS_KEY, SMALL_ROWS_READS_KEY,
                                                  WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profiles import (apply_measurements, comparison_rows, packed_block_cost,
                                               packed_kernel_rates)
@@ -24,7 +24,7 @@ from hivekeeper.planner.calibration import measured_efficiency
 from hivekeeper.planner.costmodel import Placement, Policy, Workload, decode_step_terms, evaluate, model_numbers
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.formats import PACKED_FORMATS
-from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
+from hivekeeper.planner.hardware import PACKED_ROW_COUNTS, ComputeDevice, DiskSpec, HardwareSpec, NetworkSpec
 from hivekeeper.planner.hardware_catalog import get_hardware
 from hivekeeper.planner.models import ModelSpec
 
@@ -68,8 +68,14 @@ def test_one_rate_per_format_from_whole_packed_decode_steps(monkeypatch):
     results = measure_packed_kernels(repeats=2, **TINY_SPAN)
     assert [m.key for m in results] == [*(f"{key}{name}" for key in (PACKED_CACHED_KEY, PACKED_KERNEL_KEY)
                                           for name in PACKED_FORMATS), PACKED_BLOCK_KEY,
+                                        *(f"{PACKED_ROWS_KEY}{name}x{rows}" for name in PACKED_FORMATS
+                                          for rows in PACKED_ROW_COUNTS),
                                         *(f"{PACKED_PREFILL_KEY}{name}" for name in PACKED_FORMATS)]
     for m in results:
+        if m.key.startswith(PACKED_ROWS_KEY):  # the streamed span's few-row steps over its one-row ones
+            assert m.unit == "x" and m.value >= 1 and len(m.samples) == STEP_REPEATS and min(m.samples) >= 1
+            assert "blocks of width" not in m.detail and "of the streamed span" in m.detail
+            continue
         if m.key == PACKED_BLOCK_KEY:  # seconds: the median of the formats' fits, each from both widths
             assert m.unit == "s" and m.value >= 0 and len(m.samples) == len(PACKED_FORMATS)
             assert m.value == pytest.approx(median_and_spread(m.samples)[0])
@@ -363,3 +369,73 @@ def test_the_measure_table_shows_each_kernels_default_beside_its_measurement():
     assert rows["q4_1 kernel, one row"].measured == 5e9
     assert rows["q8_0 kernel, one row"].measured is None and rows["q8_0 kernel, one row"].catalog > 0
     assert rows["q4_1 kernel, one row"].unit == WEIGHTS_PER_S
+
+
+def test_the_few_row_steps_are_the_streamed_spans_kernel_time_over_its_one_row_steps(monkeypatch):
+    """Session 22 (issue 23): each format's 4- and 8-row steps through the streamed span, timed in turn with its
+    one-row steps, each less its blocks' fixed cost: the ratio of the kernels' times (never below 1)."""
+    rate, cost = 25e9, 2e-6
+    factor = {1: 1.0, 4: 1.8, 8: 4.5}
+    monkeypatch.setattr(measure, "decode_steps", lambda config, span, rows: (config, span, rows))
+    real_timing = measure._alternating_seconds
+
+    def timed(runs, repeats):
+        if not all(isinstance(run, tuple) for run in runs):
+            return real_timing(runs, 1)  # the prefill passes, really run
+        return [[weights_of(span) / rate * factor[rows] + config.num_layers * cost for _ in range(repeats)]
+                for config, span, rows in runs]
+
+    monkeypatch.setattr(measure, "_alternating_seconds", timed)
+    one_width = {**TINY_SPAN, "stream_hidden": TINY_SPAN["hidden"]}
+    results = {m.key: m for m in measure_packed_kernels(repeats=2, **one_width, step_repeats=5)}
+    for name in PACKED_FORMATS:
+        for rows in PACKED_ROW_COUNTS:
+            assert results[f"{PACKED_ROWS_KEY}{name}x{rows}"].value == pytest.approx(factor[rows], rel=1e-6)
+    # a few-row step timed faster than the one-row one (noise) is read as 1: more rows never take less
+    from hivekeeper.core.machine.measure import packed_rows_measurement
+
+    assert packed_rows_measurement("q4_1", 4, [1.0, 1.0, 1.0], [0.9, 1.2, 0.8], 10, 0.0, 0.5).value == 1.0
+
+
+def rows_step(name: str, rows: int, value: float) -> Measurement:
+    return Measurement(f"{PACKED_ROWS_KEY}{name}x{rows}", f"CPU {name} {rows} rows", value, "x", 0.1, 9, 0.5)
+
+
+def test_few_row_steps_reach_the_planner_through_a_profile_and_a_hardware_file():
+    from hivekeeper.core.machine.profiles import packed_row_steps
+    from hivekeeper.planner.hardware_catalog import hardware_from_dict, hardware_to_json
+
+    measured = [rows_step("q4_0", 4, 1.8), rows_step("q4_0", 8, 4.5), rows_step("q8_0", 4, 2.0)]
+    assert packed_row_steps(measured) == {"q4_0": (1.8, 4.5)}  # q8_0 lacks its 8-row step: left out
+    spec = apply_measurements(MACHINE, [rate("q4_0", 1e9), *measured])
+    assert spec.cpu.packed_row_steps == {"q4_0": (1.8, 4.5)}
+    doc = hardware_to_json(spec)
+    assert doc["cpu"]["packed_row_steps"] == {"q4_0": [1.8, 4.5]}
+    assert hardware_from_dict(doc).cpu.packed_row_steps == {"q4_0": (1.8, 4.5)}
+    doc["cpu"]["packed_row_steps"] = {"q4_0": [1.8]}
+    with pytest.raises(InputError, match=r"cpu\.packed_row_steps\.q4_0.*2 step ratios \(at 4, 8 rows\)"):
+        hardware_from_dict(doc)
+    doc["cpu"]["packed_row_steps"] = {"q4_0": [1.8, 500]}
+    with pytest.raises(InputError, match=r"packed_row_steps\.q4_0\[1\].*at most 64"):
+        hardware_from_dict(doc)
+
+
+@pytest.mark.parametrize("steps, two, four", [(None, 2.0, 4.0), ((1.8, 4.5), 1 + 0.8 / 3, 1.8)])
+def test_a_packed_few_row_decode_step_takes_the_measured_share_of_one_row_steps(steps, two, four):
+    """Kernel-bound packed decode (a kernel rate far below what RAM feeds): a step of r rows takes r one-row steps'
+    kernel time where the few-row steps were not measured, and the measured ratio (linear between 1 and its row
+    counts) where they were: 2 rows at 1.8 measured at 4 rows take 1.27 one-row steps; 4 rows 1.8."""
+    measured = [rate("q4_0", 1e9), rate("q8_0", 1e9), Measurement(PACKED_BLOCK_KEY, "", 0.0, "s", 0, 3, 0)]
+    if steps is not None:
+        measured += [rows_step(name, rows, value) for name in ("q4_0", "q8_0")
+                     for rows, value in zip(PACKED_ROW_COUNTS, steps)]
+    spec = apply_measurements(MACHINE, measured)
+
+    def step_s(rows: int) -> float:
+        policy = Policy(weight_format="q4_0", weights=Placement(0, 1, 0), kv_cache=Placement(0, 1, 0),
+                        activations=Placement(0, 1, 0), micro_batch_size=rows)
+        return rows / evaluate(MODEL, spec, policy, Workload(8, 8)).decode_tokens_per_s
+
+    one = step_s(1)
+    assert step_s(2) / one == pytest.approx(two, rel=0.03)
+    assert step_s(4) / one == pytest.approx(four, rel=0.03)
