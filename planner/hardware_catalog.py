@@ -322,37 +322,35 @@ def prefill_rate_in_limits(hidden: int, peak_flops: float, half_rows: float) -> 
                        clamp_to_limit(half_rows, "prefill_half_rows"))
 
 
+def _packed_table(s: _Section, key: str, what: str) -> dict:
+    """The cpu section's optional object `key` of packed format -> value (`what` says the values, for the error), its
+    format names checked; {} when absent."""
+    table = s.doc.get(key)
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise s.error(key, f"must be an object of format ({', '.join(PACKED_FORMATS)}) -> {what}")
+    for name in table:
+        if name not in PACKED_FORMATS:
+            raise s.error(f"{key}.{name}", f"is not a packed format ({', '.join(PACKED_FORMATS)})")
+    return table
+
+
 def _parse_packed_kernels(s: _Section, key: str = "packed_kernels_gweights_per_s") -> dict[str, float]:
     """The cpu section's optional "packed_kernels_gweights_per_s": {"q4_0": 6.1, ...} (measured rates of the packed
     formats' kernels, hardware.ComputeDevice.packed_kernels) in weights/s; or, with key
     "packed_kernels_cached_gweights_per_s", their rates with the weights in the last-level cache; with
     "packed_prefill_gweights_per_s", their row-weight products/s in a prefill (ComputeDevice.packed_prefill)."""
-    table = s.doc.get(key)
-    if table is None:
-        return {}
-    if not isinstance(table, dict):
-        raise s.error(key, f"must be an object of format ({', '.join(PACKED_FORMATS)}) -> billions of weights/s")
-    rates = {}
-    for name, value in table.items():
-        if name not in PACKED_FORMATS:
-            raise s.error(f"{key}.{name}", f"is not a packed format ({', '.join(PACKED_FORMATS)})")
-        rates[name] = 1e9 * check_number(value, "gweights_per_s", where=s.where, field=s.name(f"{key}.{name}"))
-    return rates
+    return {name: 1e9 * check_number(value, "gweights_per_s", where=s.where, field=s.name(f"{key}.{name}"))
+            for name, value in _packed_table(s, key, "billions of weights/s").items()}
 
 
 def _parse_packed_row_steps(s: _Section, key: str = "packed_row_steps") -> dict[str, tuple[float, ...]]:
     """The cpu section's optional "packed_row_steps": {"q4_1": [1.7, 3.9], ...}: a packed format's decode step of
     each of PACKED_ROW_COUNTS rows over its one-row step (hardware.ComputeDevice.packed_row_steps)."""
-    table = s.doc.get(key)
-    if table is None:
-        return {}
     counts = ", ".join(map(str, PACKED_ROW_COUNTS))
-    if not isinstance(table, dict):
-        raise s.error(key, f"must be an object of format -> [step ratio at {counts} rows]")
     steps = {}
-    for name, values in table.items():
-        if name not in PACKED_FORMATS:
-            raise s.error(f"{key}.{name}", f"is not a packed format ({', '.join(PACKED_FORMATS)})")
+    for name, values in _packed_table(s, key, f"[step ratio at {counts} rows]").items():
         if not isinstance(values, list) or len(values) != len(PACKED_ROW_COUNTS):
             raise s.error(f"{key}.{name}", f"must be a list of {len(PACKED_ROW_COUNTS)} step ratios (at {counts} "
                                            f"rows), got {values!r}")
