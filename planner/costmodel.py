@@ -929,12 +929,26 @@ def block_pass(grid: CandidateArrays, accelerator: AcceleratorWork, overhead_s, 
 
 # ---- decode: one step at the mean context, per block ------------------------------------------------------------
 def decode_block(grid: CandidateArrays, context: float) -> BlockPass:
-    """One block's share of a decode step at a context length (the mean over the decode steps)."""
+    """One block's share of a decode step at a context length (the mean over the decode steps), with the rows the
+    engine runs it in (decode_parts)."""
+    grid = decode_parts(grid)
     attention_flops = decode_attention_flops(grid, context)
     return block_pass(grid, decode_accelerator(grid, context, attention_flops),
                       grid.micro_batches * decode_block_overhead(grid),
                       decode_cpu_attention(grid, context, attention_flops), decode_link(grid, context),
                       decode_disk(grid, context))
+
+
+def decode_parts(grid: CandidateArrays) -> CandidateArrays:
+    """The candidates' micro-batches as a decode step runs them: on a CPU with K/V kept, the whole batch as one
+    (the engine's OffloadedModel._step_rows; placement.cpu_step_part), whatever the plan's split; elsewhere the plan's.
+    Issue 23 (session 22): priced as 2 passes of 4 rows, the built-in model's `--batch 8` plan was 2 x 2.0 one-row
+    kernel steps where its one 8-row step is 4.9."""
+    merged = (grid.machine.acc.kind == "cpu") & ~grid.recompute
+    if not np.any(merged & (grid.micro_batches > 1)):
+        return grid
+    return replace(grid, micro_batch=np.where(merged, grid.batch, grid.micro_batch),
+                   micro_batches=np.where(merged, 1, grid.micro_batches))
 
 
 def decode_attention_flops(grid: CandidateArrays, context: float):

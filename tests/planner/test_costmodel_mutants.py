@@ -380,22 +380,24 @@ def test_a_token_routed_to_two_experts_holds_both_experts_mlp_values_in_a_cpu_st
     assert ram[0] - ram[1] == 2 * 100 * 3 * 512 * 4
 
 
-@pytest.mark.parametrize("kind, fmt, micro_batch, per_block", [
-    ("cpu", "fp32", 8, 1e-3), ("cpu", "fp32", 16, 5e-3), ("cpu", "q4_0", 16, 0.0), ("gpu", "bf16", 16, 1e-3)])
-def test_a_cpu_decode_of_more_rows_than_the_kernels_take_pays_the_prefills_block_cost(kind, fmt, micro_batch,
+@pytest.mark.parametrize("kind, fmt, micro_batch, parts, per_block", [
+    ("cpu", "fp32", 8, 1, 1e-3), ("cpu", "fp32", 4, 2, 1e-3), ("cpu", "fp32", 8, 2, 5e-3), ("cpu", "q4_0", 8, 2, 0.0),
+    ("gpu", "bf16", 16, 2, 2e-3)])
+def test_a_cpu_decode_of_more_rows_than_the_kernels_take_pays_the_prefills_block_cost(kind, fmt, micro_batch, parts,
                                                                                       per_block):
-    """A decode step's fixed cost is 1 ms a block and micro-batch (the kernels' whole-span call) up to the native
-    kernels' 8 rows; on a CPU a micro-batch of more rows runs block by block like a prefill and pays the prefill's
-    5 ms, or nothing where a packed format's measured prefill rate already holds it. A GPU pays 1 ms at any batch.
-    Two micro-batches, 32 blocks, no per-step cost."""
+    """A decode step's fixed cost is 1 ms a block (the kernels' whole-span call) up to the native kernels' 8 rows; a
+    CPU step runs its whole batch as one part whatever the plan's micro-batches (the engine's _step_rows: 2 x 4 rows
+    pay the one call of 8), and a part of more rows runs block by block like a prefill and pays the prefill's 5 ms,
+    or nothing where a packed format's measured prefill rate already holds it. A GPU pays 1 ms a micro-batch at any
+    batch. 32 blocks, no per-step cost."""
     eff = dataclasses.replace(CPU_EFF, layer_overhead_s=1e-3, prefill_layer_overhead_s=5e-3)
     if kind == "cpu":
         hardware = cpu_machine(packed_prefill={"q4_0": PREFILL_PRODUCTS})
-        policy = Policy(fmt, micro_batch_size=micro_batch, num_micro_batches=2, **ON_CPU)
+        policy = Policy(fmt, micro_batch_size=micro_batch, num_micro_batches=parts, **ON_CPU)
     else:
         hardware, policy = gpu_machine({"fp32": 1e12}), Policy(fmt, micro_batch_size=micro_batch, num_micro_batches=2)
     pred = evaluate(MODEL, hardware, policy, Workload(100, 20), MachineEfficiency(eff, eff))
-    assert pred.step_breakdown_s["overhead"] == pytest.approx(32 * 2 * per_block, rel=1e-12, abs=1e-15)
+    assert pred.step_breakdown_s["overhead"] == pytest.approx(32 * per_block, rel=1e-12, abs=1e-15)
 
 
 def test_the_largest_matrix_is_the_fused_qkv_or_an_mlp_matrix_whichever_is_larger():
