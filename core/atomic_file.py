@@ -13,6 +13,15 @@ from typing import IO, Any, Callable
 from hivekeeper.planner.errors import InputError
 
 
+def in_existing_folder(option: str, path: str | Path) -> Path:
+    """`path` (expanded) for an option that names a file to write (--out, --history): its folder must exist, so that
+    a typo in it fails at once, naming the option, rather than creating folders."""
+    path = Path(path).expanduser()
+    if not path.parent.is_dir():
+        raise InputError(f"{option} {path}: folder {path.parent} does not exist")
+    return path
+
+
 def write_json_atomic(path: str | Path, doc: Any, *, indent: int = 1) -> None:
     """Write `doc` as JSON to a temp file beside `path`, flush it to disk, then rename it over `path`.
 

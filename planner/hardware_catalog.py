@@ -216,6 +216,12 @@ def check_number(value: Any, limit: str, *, where: str, field: str) -> float:
     return fields.check_number(value, low, high, where=where, name=field, hint=UNIT_HINT)
 
 
+def field_limits(limit: str) -> tuple[float, float]:
+    """(smallest, largest) allowed of the hardware field limits named `limit` (e.g. "ram_gb"), for options that
+    override such a field (`plan --ram-gb`), checked before anything else runs."""
+    return _LIMITS[limit]
+
+
 def clamp_to_limit(value: float, limit: str) -> float:
     """A measured or detected value pulled inside the limits named `limit` (detection must not fail on them)."""
     low, high = _LIMITS[limit]

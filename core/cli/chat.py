@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 from hivekeeper.planner.errors import InputError
 
+from hivekeeper.core.atomic_file import in_existing_folder
+
 from hivekeeper.core.cli.generate import (add_model_arguments, add_sampling_arguments, check_budget, open_runner,
                                           resolve_model, sampling_params, set_threads)
 
@@ -76,6 +78,8 @@ def _load_history(args: argparse.Namespace) -> ChatHistory:
     prompt)."""
     from hivekeeper.core.runtime.chat_history import ChatHistory
 
+    if args.history:
+        args.history = str(in_existing_folder("--history", args.history))
     if not (args.history and Path(args.history).exists()):
         return ChatHistory(system_prompt=args.system)
     history = ChatHistory.load(args.history)
@@ -214,6 +218,7 @@ class _Chat:
         elif command == "/reset":
             self.history.reset()
             self.prompt_cache.reset()
+            self.failed_turn = None
             _say("(conversation cleared)")
         elif command.startswith("/"):
             _say(f"(unknown command {command}; {HELP})")

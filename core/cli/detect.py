@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hivekeeper.planner.errors import InputError
 
-from hivekeeper.core.atomic_file import write_json_atomic
+from hivekeeper.core.atomic_file import in_existing_folder, write_json_atomic
 from hivekeeper.core.machine.measurement import busy_words
 from hivekeeper.planner.hardware import HardwareSpec
 from hivekeeper.planner.hardware_catalog import hardware_to_json
@@ -32,10 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def write_json_atomically(path: Path, doc: dict) -> None:
     """Write the spec for --out; the folder must exist (a typo in it should not create folders)."""
-    path = path.expanduser()
-    if not path.parent.is_dir():
-        raise InputError(f"--out {path}: folder {path.parent} does not exist")
-    write_json_atomic(path, doc, indent=2)
+    write_json_atomic(in_existing_folder("--out", path), doc, indent=2)
 
 
 def _source_tag(sources: dict[str, str], key: str) -> str:
@@ -59,9 +56,10 @@ def measured_or_estimated(data_dir: str | None) -> tuple[HardwareSpec, str]:
                           f"machine in {profiles_dir()}: `hivekeeper measure` measures it and saves one)")
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(profile.measured_at)) if profile.measured_at else "?"
     busy = busy_words(profile.measurements, detected.cpu.cores or 1)
-    return profile.hardware(detected), (f"numbers: measured {when} by `hivekeeper measure`, from the profile "
-                                        f"{profile.path}{f' ({busy})' if busy else ''}; those marked [measured] "
-                                        "replace the estimates")
+    return profile.hardware(detected), (f"numbers: measured {when} on this machine (by `hivekeeper measure` or a "
+                                        f"first plan's quick measurement), from the profile {profile.path}"
+                                        f"{f' ({busy})' if busy else ''}; those marked [measured] replace the "
+                                        "estimates")
 
 
 def describe(spec: HardwareSpec, origin: str = "") -> str:

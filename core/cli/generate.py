@@ -71,9 +71,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float, 
 
 def sampling_params(args: argparse.Namespace):
     from hivekeeper.core.runtime.sampling import SamplingParams
+    from hivekeeper.planner.errors import InputError
 
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    except InputError as exc:  # "top_p must be ...": named as the flag the user typed
+        field, rest = str(exc).split(" ", 1)
+        raise InputError(f"--{field.replace('_', '-')} {rest}") from None
 
 
 def check_budget(args: argparse.Namespace) -> float | None:
@@ -319,14 +324,20 @@ def tokenize_prompts(args: argparse.Namespace, tokenizer, prompts: list[str]):
     return tokenize_batch(tokenizer, prompts, args.prompts_file)
 
 
-def predicted_vs_measured(predicted: dict | None, result) -> dict | None:
+def predicted_vs_measured(plan_info: dict, result) -> dict | None:
     """The plan's predicted tokens/s beside this run's: throughput (generated tokens / wall time, prefill
-    included: FlexGen's metric) and decode; None when the policy came without a prediction."""
+    included: FlexGen's metric) and decode; None when the policy came without a prediction. A plan made for another
+    batch than the run's (`--plan FILE`) gets a "note" saying so: its prediction is not this run's."""
+    predicted = plan_info.get("predicted")
     if not predicted:
         return None
     measured_throughput = result.new_tokens / result.total_s if result.total_s > 0 else None
     decode = result.decode_tokens_per_s
-    return {
+    planned = (plan_info.get("policy") or {}).get("batch_size")
+    note = ({"note": f"the plan's prediction is for a batch of {planned}; this run generated {result.batch} "
+                     f"sequence{'s' if result.batch != 1 else ''} together (a plan made with --batch {result.batch} "
+                     "predicts this run)"} if planned and planned != result.batch else {})
+    return {**note,
         "throughput_tokens_per_s": {"predicted": predicted["throughput_tokens_per_s"],
                                     "measured": None if measured_throughput is None else round(measured_throughput, 4)},
         "decode_tokens_per_s": {"predicted": predicted.get("decode_tokens_per_s"),
@@ -340,8 +351,9 @@ def describe_predicted_vs_measured(side: dict) -> str:
         p, m = side[key]["predicted"], side[key]["measured"]
         return f"{'n/a' if p is None else f'{p:.3g}'} vs {'n/a' if m is None else f'{m:.3g}'}"
 
+    note = f"; note: {side['note']}" if "note" in side else ""
     return (f"predicted vs measured tokens/s: throughput {pair('throughput_tokens_per_s')}, decode "
-            f"{pair('decode_tokens_per_s')} (predicted bottleneck: {side['predicted_bottleneck']})")
+            f"{pair('decode_tokens_per_s')} (predicted bottleneck: {side['predicted_bottleneck']}){note}")
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------
@@ -429,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
         "streamed_bytes_per_s": round(streamed / result.total_s) if streamed and result.total_s > 0 else 0,
         "stage_seconds": None if stages is None else stages.as_dict(),
         "plan": runner.plan_info, "random_weights": runner.is_demo,
-        "predicted_vs_measured": predicted_vs_measured(runner.plan_info.get("predicted"), result),
+        "predicted_vs_measured": predicted_vs_measured(runner.plan_info, result),
     })
     if runner.failovers is not None:
         report["failovers"] = runner.failovers

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hivekeeper.planner.hardware_catalog import hardware_to_json
 
+    from hivekeeper.core.atomic_file import in_existing_folder
     from hivekeeper.core.machine.cpu_dtype import choose
     from hivekeeper.core.machine.cpu_dtype import forget as forget_choice
     from hivekeeper.core.machine.detect import detect_hardware
@@ -108,9 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= repeats <= 100:
             raise InputError(f"--repeats must be from 1 to 100, got {repeats}")
         sizes = dataclasses.replace(sizes, repeats=repeats)
-    out = Path(args.out).expanduser() if args.out else None
-    if out is not None and not out.parent.is_dir():
-        raise InputError(f"--out {out}: folder {out.parent} does not exist")
+    out = in_existing_folder("--out", args.out) if args.out else None
 
     threads = use_physical_cores()
     detected = detect_hardware()

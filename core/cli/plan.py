@@ -20,16 +20,17 @@ from hivekeeper.planner.format_choice import FormatChoice, plan_constraints
 from hivekeeper.planner.formats import PACKED_FORMATS, packed_words
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
+from hivekeeper.planner.hardware_catalog import field_limits
 from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Plan, plan_to_dict, search
 
 from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, model_path_or_id
 
-HOST_OVERRIDES = {  # option -> (keyword of resolve_hardware, limit)
-    "ram_gb": ("ram_gb", 65_536.0),
-    "disk_gb": ("disk_gb", 1_000_000.0),
-    "disk_read_gbps": ("disk_read_gbps", 1000.0),
-    "network_mbps": ("network_mbps", 10_000_000.0),
-    "rtt_ms": ("rtt_ms", 60_000.0),
+HOST_OVERRIDES = {  # option -> (keyword of resolve_hardware, the hardware field limits it is checked against)
+    "ram_gb": ("ram_gb", "ram_gb"),
+    "disk_gb": ("disk_gb", "capacity_gb"),
+    "disk_read_gbps": ("disk_read_gbps", "disk_gbps"),
+    "network_mbps": ("network_mbps", "network_mbps"),
+    "rtt_ms": ("rtt_ms", "rtt_ms"),
 }
 
 
@@ -138,7 +139,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     price = _number(args.price_per_hour, "price-per-hour", 0.0, 10_000.0)
     overrides = {}
     for option, (keyword, limit) in HOST_OVERRIDES.items():
-        value = _number(getattr(args, option), option.replace("_", "-"), 0.0, limit)
+        value = _number(getattr(args, option), option.replace("_", "-"), *field_limits(limit))
         if value is not None:
             overrides[keyword] = value
     workload = Workload(prompt_len, output_len, context)

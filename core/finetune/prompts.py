@@ -99,7 +99,11 @@ def load_prompts(path: str | Path) -> tuple[TrainablePrompts, PromptsInfo, dict[
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such prompts file")
-    reader = SafetensorsFile(path)
+    try:
+        reader = SafetensorsFile(path)
+    except InputError as exc:  # most often a text file of prompts given to --prompts instead of --prompts-file
+        raise InputError(f"{exc}: not a prompts file from `hivekeeper finetune --out` (for a text file of prompts, one "
+                         "a line, use --prompts-file)") from None
     try:
         info = _info(path, reader.metadata)
         prompts = TrainablePrompts(info.method, info.tokens, info.hidden_size, info.num_layers)

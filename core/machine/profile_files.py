@@ -115,8 +115,13 @@ def measuring(fingerprint: str, waiting: Callable[[], None] = lambda: None,
         yield True
         return
     folder = profiles_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"{fingerprint}.measuring", "a+b") as lock:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / f"{fingerprint}.measuring", "a+b")
+    except OSError as exc:
+        raise InputError(f"{folder}: cannot hold this machine's profiles ({exc.strerror or exc}); "
+                         f"HIVEKEEPER_CONFIG_DIR, when set, must name a folder") from None
+    with lock:
         held = _take(lock.fileno(), waiting, should_stop)
         try:
             yield held

@@ -22,8 +22,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def hivekeeper(*args: str, input: str | None = None, timeout: float = 300):
-    return run([sys.executable, "-m", "hivekeeper.core.cli.main", *args], timeout=timeout, input=input, env=ENV)
+def hivekeeper(*args: str, input: str | None = None, timeout: float = 300, env: dict | None = None):
+    """The real command as a child (`env`: variables set beside the suite's)."""
+    return run([sys.executable, "-m", "hivekeeper.core.cli.main", *args], timeout=timeout, input=input,
+               env={**ENV, **(env or {})})
 
 
 def one_line(result) -> str:
@@ -120,3 +122,44 @@ def test_a_newcomers_bad_input_says_what_is_wrong(tmp_path, cli, args, words):
     result = cli(*(arg.replace("{empty}", str(empty)) for arg in args))
     assert result.returncode == 2 and words in one_line(result), result.stderr
     assert not Path("/proc/hivekeeper-demo").exists()
+
+
+def test_a_host_override_out_of_range_is_refused_before_the_first_measurement(tmp_path):
+    """Session 22 (a newcomer's run): `plan --ram-gb 0` on a machine never measured measured it quickly (28 s), saved
+    the profile, then refused the value by its JSON field name. Now the flag is checked first, with the hardware
+    file's own range: one line naming the flag, nothing measured or saved."""
+    result = hivekeeper("plan", "--ram-gb", "0", env={"HIVEKEEPER_CONFIG_DIR": str(tmp_path / "config")})
+    assert result.returncode == 2 and result.stdout == ""
+    assert one_line(result) == "hivekeeper plan: error: --ram-gb must be from 0.001 to 65536, got 0"
+    assert not (tmp_path / "config").exists()
+
+
+@pytest.mark.parametrize("args, said", [
+    (("generate", "--prompt", "hi", "--top-p", "2"), "--top-p must be in (0, 1]"),
+    (("generate", "--prompt", "hi", "--temperature", "-1"), "--temperature must be a number >= 0"),
+    (("chat", "--history", "/nonexistent-folder-hk/h.json"), "--history /nonexistent-folder-hk/h.json: folder "
+                                                            "/nonexistent-folder-hk does not exist"),
+])
+def test_bad_options_are_named_as_typed(args, said, cli, tiny_checkpoint):
+    """Sampling errors named the API's fields (top_p); `chat --history` in a missing folder created it at the root."""
+    result = cli(*args[:1], "--model", str(tiny_checkpoint), *args[1:])
+    assert result.returncode == 2 and said in one_line(result)
+    assert not Path("/nonexistent-folder-hk").exists()
+
+
+def test_a_text_file_given_to_prompts_points_at_prompts_file(tmp_path, cli, tiny_checkpoint):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("hello there\nhow are you\n")
+    result = cli("generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "--prompts", str(lines))
+    assert result.returncode == 2
+    assert f"{lines}: corrupt safetensors header" in one_line(result) and "use --prompts-file" in one_line(result)
+
+
+def test_measure_refuses_a_config_dir_that_is_a_file_before_measuring(tmp_path):
+    """It measured, then ended with a NotADirectoryError traceback (exit 1)."""
+    not_a_folder = tmp_path / "config.json"
+    not_a_folder.write_text("{}")
+    result = hivekeeper("measure", "--no-disk", timeout=120,
+                        env={"HIVEKEEPER_CONFIG_DIR": str(not_a_folder), "HIVEKEEPER_MEASURE_SIZES": "tiny"})
+    assert result.returncode == 2 and "measure [" not in result.stderr
+    assert one_line(result).endswith("HIVEKEEPER_CONFIG_DIR, when set, must name a folder")

@@ -210,7 +210,8 @@ def test_missing_chat_template_fails_before_loading(tiny_checkpoint, tmp_path, c
 @pytest.mark.slow
 def test_a_swarm_chat_keeps_the_conversation_when_blocks_lose_their_server_and_retries(tiny_checkpoint, tmp_path):
     """A server dies and no other serves its block: the reply fails with the blocks named, the chat goes on with the
-    conversation as it was, and /retry sends the message again once a server is back (Petals' chat ends there)."""
+    conversation as it was, and /retry sends the message again once a server is back (Petals' chat ends there); after
+    /reset nothing is left to retry."""
     from hivekeeper.core.swarm.local import LocalSwarm
 
     history = tmp_path / "chat.json"
@@ -232,10 +233,18 @@ def test_a_swarm_chat_keeps_the_conversation_when_blocks_lose_their_server_and_r
             assert chat.proc.poll() is None
             assert said()[::2] == ["Hello"]
 
-            swarm.start("--block-indices", "1:2")
+            replacement = swarm.start("--block-indices", "1:2")
             mark = chat.send("/retry")
             chat.wait_for(STATS.pattern, mark)
             assert said()[::2] == ["Hello", "Are you there?"] and len(said()) == 4
+            mark = chat.send("/retry")
+            chat.wait_for(r"no failed reply to retry", mark)
+
+            replacement.kill()  # a failed reply, then /reset: nothing is left to retry
+            mark = chat.send("Still there?")
+            chat.wait_for(r"the reply failed: no server covers block 1", mark)
+            mark = chat.send("/reset")
+            chat.wait_for(r"conversation cleared", mark)
             mark = chat.send("/retry")
             chat.wait_for(r"no failed reply to retry", mark)
             chat.send("/exit")

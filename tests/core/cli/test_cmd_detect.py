@@ -43,7 +43,8 @@ def test_detect_shows_estimates_then_the_measured_profile(tmp_path, cli, monkeyp
 
     after = hivekeeper("detect")
     assert after.returncode == 0, after.stderr
-    assert f"\nnumbers: measured {when} by `hivekeeper measure`, from the profile {path}" in after.stdout
+    assert (f"\nnumbers: measured {when} on this machine (by `hivekeeper measure` or a first plan's quick "
+            f"measurement), from the profile {path}") in after.stdout
     hardware, _ = detect_or_load_profile()  # the numbers `plan --hardware auto` plans with
     assert ram_line(after.stdout).endswith(f", {hardware.cpu.memory_bandwidth / 1e9:.0f} GB/s [measured]")
     assert f"{hardware.cpu.flops['fp32'] / 1e12:.2f} TFLOP/s fp32 [measured]" in after.stdout

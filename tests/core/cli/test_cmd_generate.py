@@ -234,3 +234,22 @@ def test_the_peak_rss_is_the_runs_own_when_a_large_process_starts_it(tiny_checkp
     # reported within 0.1% of the parent's memory
     assert report["baseline_rss_bytes"] <= report["peak_rss_bytes"] < parent - (1 << 29), \
         (report["peak_rss_bytes"], parent)
+
+
+def test_a_plan_made_for_another_batch_says_its_prediction_is_not_this_runs(tiny_checkpoint, tmp_path, in_process):
+    """Session 22 (a newcomer's run): `generate --plan FILE` of a `plan --batch 4` ran one prompt and printed the
+    4-sequence prediction beside the one-sequence run, with no word of it. Now a note says so; a run of the plan's
+    batch has none."""
+    code, out, _ = in_process("plan", "--model", str(tiny_checkpoint), "--batch", "4", "--json")
+    assert code == 0
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(out)
+    common = ["generate", "--model", str(tiny_checkpoint), "--prompt", PROMPT, "--max-new-tokens", "2",
+              "--plan", str(plan_file)]
+    code, out, _ = in_process(*common, "--json")
+    side = json.loads(out)["predicted_vs_measured"]
+    assert side["note"].startswith("the plan's prediction is for a batch of 4; this run generated 1 sequence together")
+    code, out, _ = in_process(*common)
+    assert "note: the plan's prediction is for a batch of 4" in out
+    code, out, _ = in_process(*common, "--batch", "4", "--json")
+    assert "note" not in json.loads(out)["predicted_vs_measured"]
