@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             "hardware": hardware_to_json(hardware),
         }))
         return 0
-    print(render(comparison_rows(detected, profile), measurements))
+    print(render(comparison_rows(detected, profile)))
     print(choice.line())
     print(f"{len(measurements)} measurements in {time.time() - started:.1f} s, {threads} CPU threads, "
           f"load average {max((m.loadavg for m in measurements), default=0):.1f}")
@@ -169,20 +169,17 @@ def _value(value: float | None, unit: str) -> str:
         return f"{value * 1e3:.3g} ms"
     if unit == "weights/s":
         return f"{value / 1e9:.3g} G weights/s"
-    return f"{value:.3g}{unit}"
+    return f"{value:.3g}{unit}" if unit == "x" else f"{value:.3g} {unit}"
 
 
-def render(rows, measurements) -> str:
-    """A table: part, quantity, catalog (or estimate), measured, spread of the repeats."""
+def render(rows) -> str:
+    """A table: part, quantity, catalog (or estimate), measured, spread of the repeats (comparison_rows: every saved
+    measurement has a row)."""
     lines = [("part", "quantity", "catalog/estimate", "measured", "spread")]
     for r in rows:
         if r.measured is None and r.catalog is None:
             continue
         lines.append((r.part, r.quantity, _value(r.catalog, r.unit), _value(r.measured, r.unit),
                       "-" if r.spread is None else f"{100 * r.spread:.0f}%"))
-    decode = [m for m in measurements if m.key.endswith("_decode")]
-    for m in decode:
-        lines.append(("CPU" if m.key.startswith("cpu") else "GPU 0", m.label, "", _value(m.value, m.unit),
-                      f"{100 * m.spread:.0f}%"))
     widths = [max(len(line[i]) for line in lines) for i in range(5)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)

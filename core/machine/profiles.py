@@ -424,4 +424,14 @@ def comparison_rows(detected: HardwareSpec, profile: MachineProfile | None) -> l
         elif m.key.startswith(("peer_upload:", "peer_download:")):
             catalog = net.upload_bps if m.key.startswith("peer_upload:") else net.download_bps
             rows.append(ComparisonRow("network", m.label, catalog, m.value, "bit/s", "", m.spread, m.key))
-    return rows
+    return rows + unlisted_rows(measured, {r.key for r in rows})
+
+
+def unlisted_rows(measured: dict[str, Measurement], listed: set[str]) -> list[ComparisonRow]:
+    """A row for each saved measurement no row above shows (the packed prefill rates and few-row steps, the prefill
+    fits' terms...), with no catalog value: every number a plan may read is on the table (a newcomer's run, session
+    22: a busy measurement's 71 ms prefill block cost was saved and used, and shown nowhere)."""
+    parts = (("cpu_", "CPU"), ("gpu", "GPU 0"), ("disk", "disk"), ("ram", "RAM"))
+    return [ComparisonRow(next((part for prefix, part in parts if key.startswith(prefix)), "other"), m.label, None,
+                          m.value, m.unit, "", m.spread, key)
+            for key, m in measured.items() if key not in listed and not key.startswith("peer_")]

@@ -369,6 +369,14 @@ def test_the_measure_table_shows_each_kernels_default_beside_its_measurement():
     assert rows["q4_1 kernel, one row"].measured == 5e9
     assert rows["q8_0 kernel, one row"].measured is None and rows["q8_0 kernel, one row"].catalog > 0
     assert rows["q4_1 kernel, one row"].unit == WEIGHTS_PER_S
+    # every saved measurement has a row, those without a catalog value too (session 22: a prefill block cost and the
+    # few-row ratios were saved and used, and shown nowhere)
+    profile.measurements += [rows_step("q4_1", 4, 1.8), Measurement(PACKED_PREFILL_KEY + "q4_1", "CPU q4_1 prefill",
+                                                                    4e10, WEIGHTS_PER_S, 0.1, 5, 0.5)]
+    keys = {row.key: row for row in comparison_rows(MACHINE, profile)}
+    assert {m.key for m in profile.measurements} <= set(keys)
+    assert keys[f"{PACKED_ROWS_KEY}q4_1x4"].measured == 1.8 and keys[f"{PACKED_ROWS_KEY}q4_1x4"].part == "CPU"
+    assert keys[f"{PACKED_ROWS_KEY}q4_1x4"].catalog is None and keys[f"{PACKED_ROWS_KEY}q4_1x4"].unit == "x"
 
 
 def test_the_few_row_steps_are_the_streamed_spans_kernel_time_over_its_one_row_steps(monkeypatch):
