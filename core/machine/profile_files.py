@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -82,11 +83,17 @@ def check_profile_doc(doc, where: str) -> None:
 
 
 def measurements_from(doc: dict, where: str) -> list[Measurement]:
-    """The 'measurements' of a profile's JSON object."""
+    """The 'measurements' of a profile's JSON object; a value no measurement gives (not finite, or a ratio of times
+    not above 0: a hand-edited -3 was read as is and flipped the bf16 rule, session 22) is an error naming it."""
     try:
-        return [Measurement.from_dict(m) for m in doc.get("measurements") or []]
+        measurements = [Measurement.from_dict(m) for m in doc.get("measurements") or []]
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"{where}: field 'measurements' is malformed ({type(exc).__name__}: {exc})") from None
+    for m in measurements:
+        if not math.isfinite(m.value) or (m.unit == "x" and m.value <= 0):
+            raise InputError(f"{where}: measurement {m.key!r} has the value {m.value:g}, which no measurement gives: "
+                             "delete the file or run `hivekeeper measure` again")
+    return measurements
 
 
 def saved_measurements(path: Path) -> list[Measurement]:

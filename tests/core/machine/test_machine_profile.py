@@ -150,6 +150,13 @@ def test_bad_profile_files_name_the_file(config_dir):
     path.write_text(json.dumps({"version": 1, "fingerprint": "x", "measurements": [{"value": 1}]}))
     with pytest.raises(InputError, match="measurements"):
         load_profile(path)
+    # a value no measurement gives (hand-edited): named, not read as is (a bf16 step ratio of -3 flipped the rule)
+    for value in (-3, 0, "NaN"):
+        ratio = {"key": "cpu_decode_step_bf16_vs_fp32", "value": value, "unit": "x"}
+        path.write_text(json.dumps({"version": 1, "fingerprint": "x", "measurements": [ratio]}).replace('"NaN"', "NaN"))
+        with pytest.raises(InputError, match=r"measurement 'cpu_decode_step_bf16_vs_fp32' has the value .*run `hivekeeper "
+                                             r"measure` again"):
+            load_profile(path)
 
 
 def test_planner_takes_the_saved_profile_for_this_machine(config_dir, measured):
