@@ -1560,7 +1560,8 @@ def packed_kernel_detail(machine: Machine, model: ModelSpec, policy: Policy, out
     source = "measured" if measured else "default estimate; `hivekeeper measure` times it"
     return (f"CPU {bits_of(fmt)}-bit kernel compute: per decode step the {fmt} kernels unpack the blocks' "
             f"{_count(weights)} packed weights and multiply them by {rows_words(policy)} (the LM head's "
-            f"{_count(model_numbers(model).head_params)} weights apart), and attention over the KV cache adds "
+            f"{_count(model_numbers(model).head_params)} weights on their own {PACKED_HEAD_FORMAT} kernel), and "
+            f"attention over the KV cache adds "
             f"{_count(attention)} products (more as the context grows), at {rate / 1e9:.3g} G weights/s "
             f"({source}); reading the weights and KV cache ({_gb(nbytes)}) from RAM at "
             f"{_rate(machine.acc_bandwidth)} would take only {nbytes / machine.acc_bandwidth * 1e3:.3g} ms")

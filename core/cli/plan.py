@@ -14,7 +14,7 @@ import argparse
 import json
 import math
 
-from hivekeeper.planner.costmodel import Workload, block_weight_bytes, weight_bytes
+from hivekeeper.planner.costmodel import PACKED_HEAD_FORMAT, Workload, block_weight_bytes, weight_bytes
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.format_choice import FormatChoice, plan_constraints
 from hivekeeper.planner.formats import PACKED_FORMATS, packed_words
@@ -267,8 +267,8 @@ def held_how(gguf: dict) -> str:
     """Which of the weights stay packed and what the rest is held in."""
     if not gguf.get("memory_packed"):
         return "the runtime dequantizes GGUF weights"
-    return (f"the blocks' {'/'.join(gguf['memory_packed'])} linears and the LM head stay packed as the file stores "
-            f"them, the rest is held as {gguf['memory_format']}")
+    return (f"the blocks' {'/'.join(gguf['memory_packed'])} linears stay packed as the file stores them and the LM "
+            f"head packed as {PACKED_HEAD_FORMAT}; the rest is held as {gguf['memory_format']}")
 
 
 def runtime_row(data: dict) -> tuple[str, str]:

@@ -78,7 +78,7 @@ def test_a_slow_kernel_makes_the_packed_kernels_the_bottleneck_in_words():
                       Workload(prompt_len=512, output_len=128))
     for detail in (four.bottleneck_detail, longer.bottleneck_detail):
         assert f"unpack the blocks' {weights / 1e9:.3g} G packed weights and multiply them by 1 row (the LM head's " \
-               f"{model_numbers(LLAMA_7B).head_params / 1e6:.3g} M weights apart)" in detail, detail
+               f"{model_numbers(LLAMA_7B).head_params / 1e6:.3g} M weights on their own q8_0 kernel)" in detail, detail
     assert four.bottleneck_detail != longer.bottleneck_detail  # the attention products
     assert weights / 2e9 < four.decode_step_s < weights / 2e9 * 1.3
 

@@ -159,7 +159,7 @@ def test_the_in_memory_row_names_the_packed_format_generate_runs(capsys, xeon, t
 def packed_weights(sentence: str) -> tuple[str, str]:
     """(the blocks' packed weights, the attention products) a packed-kernel bottleneck names, in M."""
     found = re.search(r"the q4_1 kernels unpack the blocks' (\S+) M packed weights and multiply them by 1 row "
-                      r"\(the LM head's \S+ M weights apart\), and attention over the KV cache adds (\S+) M products",
+                      r"\(the LM head's \S+ M weights on their own q8_0 kernel\), and attention over the KV cache adds (\S+) M products",
                       sentence)
     assert found, sentence
     return found.group(1), found.group(2)
