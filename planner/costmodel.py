@@ -1578,15 +1578,18 @@ def rows_words(policy: Policy) -> str:
     return f"{policy.num_micro_batches} micro-batches of {rows}" if policy.num_micro_batches > 1 else rows
 
 
-def half_step_words(machine: Machine, policy: Policy) -> str:
+def half_step_words(machine: Machine, policy: Policy, memory_s: float) -> str:
     """The clause for a bf16 step of up to PACKED_KERNEL_ROWS rows on a CPU with native bf16 math: it runs through
-    torch and is charged half_step_ratio fp32 steps, more than its bytes at the RAM rate say; else ""."""
+    torch and is charged half_step_ratio fp32 steps over the same weights, more than its bytes at the RAM rate say,
+    with the time that makes (`memory_s`: the step's reads as priced; a newcomer, session 22, multiplied the factor
+    by the bf16 bytes' time and got half of it); else ""."""
     if machine.acc.kind != "cpu" or policy.weight_format != "bf16" or not cpu_native_bf16(machine.acc) \
             or policy.micro_batch_size > PACKED_KERNEL_ROWS:
         return ""
     measured = machine.acc.half_decode_ratio
     why = "as measured" if measured else "the slowest seen; not measured here: `hivekeeper measure` times it"
-    return f"; its bf16 step runs through torch, charged {half_step_ratio(machine.acc):.3g}x the fp32 kernels' ({why})"
+    return (f"; its bf16 step runs through torch, charged {half_step_ratio(machine.acc):.3g}x the fp32 kernels' step "
+            f"over the same weights (read as fp32, twice these bytes): {memory_s:.3g} s a step ({why})")
 
 
 def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out, i: int) -> tuple[str, str]:
@@ -1630,7 +1633,7 @@ def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out,
                   f"step at {_rate(machine.acc_bandwidth)}")
         if value("weight_reads") > 1.0:
             detail += f" (the weights {value('weight_reads'):.3g} times: small-row CPU matmuls re-read them per row)"
-        detail += half_step_words(machine, policy)
+        detail += half_step_words(machine, policy, value("accelerator memory"))
     elif resource == "accelerator compute" and get_format(policy.weight_format).packed \
             and policy.micro_batch_size <= PACKED_KERNEL_ROWS:
         resource, detail = "packed kernel compute", packed_kernel_detail(machine, model, policy, out, i)

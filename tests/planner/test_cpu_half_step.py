@@ -7,6 +7,7 @@ its fp32 weights would stream from disk (the issue of the 2-core AVX512-BF16 EPY
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -141,6 +142,9 @@ def test_a_chat_plan_is_bf16_in_ram_where_fp32_would_stream_from_disk(ratio):
     step = ratio or UNMEASURED_HALF_DECODE_RATIO
     charged = f"its bf16 step runs through torch, charged {step:.3g}x the fp32 kernels'"
     assert charged in plan.reason  # the reason says the step is priced above its bytes, and why
+    # ... and the time that makes (the step's reads are most of it): not the bf16 bytes' time times the factor
+    step_s = float(re.search(r"twice these bytes\): (\S+) s a step", plan.reason).group(1))
+    assert step_s == pytest.approx(1.0 / plan.prediction.decode_tokens_per_s, rel=0.1)
     grid = evaluate_grid(MODEL, hardware, "chat", Constraints(quant="none"), CHAT)
     bf16, fp32 = best_of(grid, "bf16"), best_of(grid, "fp32")
     assert grid.cols["wd"][fp32] > 0.3  # fp32's best streams a third of its weights from disk
