@@ -89,6 +89,9 @@ def describe(spec: HardwareSpec, origin: str = "") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.data_dir and Path(args.data_dir).expanduser().exists() and not Path(args.data_dir).expanduser().is_dir():
+        raise InputError(f"--data-dir {args.data_dir}: not a folder (the folder whose filesystem will hold models; "
+                         "one not made yet is read at its nearest existing parent)")
     spec, origin = measured_or_estimated(args.data_dir)
     doc = hardware_to_json(spec)
     if args.out:

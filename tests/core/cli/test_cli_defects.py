@@ -163,3 +163,12 @@ def test_measure_refuses_a_config_dir_that_is_a_file_before_measuring(tmp_path):
                         env={"HIVEKEEPER_CONFIG_DIR": str(not_a_folder), "HIVEKEEPER_MEASURE_SIZES": "tiny"})
     assert result.returncode == 2 and "measure [" not in result.stderr
     assert one_line(result).endswith("HIVEKEEPER_CONFIG_DIR, when set, must name a folder")
+
+
+def test_detect_refuses_a_data_dir_that_is_a_file(tmp_path, cli):
+    """It reported 'filesystem of <the file>'; a folder not made yet is still read at its nearest parent
+    (tests/core/machine/test_detect.py)."""
+    a_file = tmp_path / "models.txt"
+    a_file.write_text("")
+    result = cli("detect", "--data-dir", str(a_file))
+    assert result.returncode == 2 and f"--data-dir {a_file}: not a folder" in one_line(result)
