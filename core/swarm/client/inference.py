@@ -419,6 +419,7 @@ class _InferenceCore:
         def usable(peer: str) -> bool:
             return not client.bans.banned(peer) and client.heard_within(peer, max_age) and peer not in exclude
 
+        known_gap = since is None  # no failed server to date the gap from: a gap this client saw before, else now
         since = time.time() if since is None else since
         refresh, warned = False, False
         while True:
@@ -434,6 +435,8 @@ class _InferenceCore:
                     hops = route_inference(view.spans, start, end, rtts=client.known_rtts(),
                                            cache_tokens_needed=self.batch * self.max_length,
                                            banned=lambda peer: not usable(peer))
+                    for block in range(start, end):
+                        client.gap_since.pop(block, None)
                     return [_ServerSession(client, hop, self.max_length, self.prompts) for hop in hops]
                 except NoRoute as exc:
                     if not pending:
@@ -443,7 +446,11 @@ class _InferenceCore:
             missing = uncovered_blocks(view.spans, start, end, usable=usable) or list(range(start, end))
             nobody_joins = set(uncovered_blocks(view.joining, start, end, usable=lambda p: not client.bans.banned(p)))
             hopeless = [block for block in missing if block in nobody_joins]
+            if known_gap:
+                since = min([since, *(client.gap_since[b] for b in hopeless if b in client.gap_since)])
             if hopeless and time.time() - since >= min(config.gap_seconds, config.retry_seconds):
+                for block in hopeless:
+                    client.gap_since.setdefault(block, since)
                 raise SwarmGap(hopeless, since, cause)  # nobody serves them and nobody is coming: say so now
             if time.monotonic() > deadline:  # (at once for a spot check's referee: no warning then)
                 raise SwarmError(f"{no_route}; waited {config.retry_seconds:g}s for a server") from None
@@ -816,6 +823,9 @@ class SwarmClient:
         self._view: SwarmView | None = None
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
         self.refused: set[str] = set()  # peers that answered but refused blocks their record listed
+        # block -> since when it has had no answering server, as a SwarmGap said: a later session (a chat's /retry)
+        # dates the same gap from then, not from its own first look; cleared once the block is routed again
+        self.gap_since: dict[int, float] = {}
         self.spot_checks = SpotCheckConfig(config.spot_check_rate, config.spot_check_local_blocks)
         self.spot_check_log: list[dict] = []  # every spot check: server, blocks, referee, positions, max diff, ok
         self.local_referee: LocalReferee | None = None  # set by SwarmModel, which has the weights

@@ -140,6 +140,11 @@ def test_a_gap_left_by_a_failed_server_is_dated_from_its_last_answer_and_names_i
                 session.step(torch.randn(1, 1, 64))
             assert gap.value.blocks == [0, 1] and before <= gap.value.since <= after
             assert f"the server that held them, ...{fast[-8:]} (fast), failed: " in str(gap.value)
+        # a later session (a chat's /retry) dates the same gap from then, not from its own first look
+        with client.inference_session(max_length=MAX_LENGTH) as again:
+            with pytest.raises(SwarmGap) as later:
+                again.step(torch.randn(1, 2, 64))
+        assert later.value.blocks == [0, 1] and later.value.since == gap.value.since
     finally:
         client.close()
 
