@@ -278,9 +278,13 @@ class SwarmServer:
         # the weights are here for a local folder and a GGUF (the default model too); a hub model's shards come
         # once the span is chosen, so a random block of its shapes is timed
         here = cfg.checkpoint if not cfg.repository or is_gguf(cfg.checkpoint) else None
+        given = isinstance(cfg.throughput, (int, float))  # advertised as given; the block's rates are advertised too
+        log = (lambda text: logger.info("%s (its forward and inference rates, which clients' step deadlines read; the "
+                                        "throughput advertised is --throughput's %g)", text, cfg.throughput)
+               ) if given else logger.info
         speed, cached = await loop.run_in_executor(None, lambda: get_block_speed(
             self.model_config, cfg.device, cfg.dtype, cfg.quant, checkpoint=here,
-            force_measure=cfg.throughput == "eval", log=logger.info))
+            force_measure=cfg.throughput == "eval", log=log))
         self.speed_source = speed.source_words(now=not cached)
         return speed
 
