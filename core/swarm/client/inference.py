@@ -446,12 +446,14 @@ class _InferenceCore:
             missing = uncovered_blocks(view.spans, start, end, usable=usable) or list(range(start, end))
             nobody_joins = set(uncovered_blocks(view.joining, start, end, usable=lambda p: not client.bans.banned(p)))
             hopeless = [block for block in missing if block in nobody_joins]
-            if known_gap:
-                since = min([since, *(client.gap_since[b] for b in hopeless if b in client.gap_since)])
             if hopeless and time.time() - since >= min(config.gap_seconds, config.retry_seconds):
+                # (waited gap_seconds from this look all the same: a server back since the last report must have
+                # the time to appear in a fresh view of the swarm)
+                first = min([since, *(client.gap_since[b] for b in hopeless if b in client.gap_since)]) \
+                    if known_gap else since
                 for block in hopeless:
-                    client.gap_since.setdefault(block, since)
-                raise SwarmGap(hopeless, since, cause)  # nobody serves them and nobody is coming: say so now
+                    client.gap_since.setdefault(block, first)
+                raise SwarmGap(hopeless, first, cause)  # nobody serves them and nobody is coming: say so now
             if time.monotonic() > deadline:  # (at once for a spot check's referee: no warning then)
                 raise SwarmError(f"{no_route}; waited {config.retry_seconds:g}s for a server") from None
             if not warned:
