@@ -50,9 +50,9 @@ from hivekeeper.core.machine.profile_files import machine_fingerprint, profile_p
 
 SIXTEEN_BIT = ("bf16", "fp16")
 CHOICE_WORDS = "CPU 16-bit plans: "  # opens the decision's line, which with_choice appends to the FLOP/s source
-# why a plan of few rows may be bf16 where the rule's default for them is fp32 (costmodel.bf16_by_rows)
 # opens the note a native CPU's FLOP/s source carries where its bf16 entry was raised to the fp32 rate (with_choice)
 BF16_AT_FP32_WORDS = "bf16 at the fp32 rate, the least a CPU with native bf16 math is charged: "
+# why a plan of few rows may be bf16 where the rule's default for them is fp32 (costmodel.bf16_by_rows)
 PLANNED_FEW_WORDS = ("the planner names bf16 for them only where it predicts fp32 slower, as where fp32 weights "
                      "would stream from disk")
 

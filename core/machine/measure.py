@@ -35,8 +35,8 @@ from hivekeeper.core.machine import step_overhead
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY, PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY,
-    ROW_READS_AT_KEY, SIZES_CHOICES, SIZES_ENV, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
+    PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
+    PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, ROW_READS_AT_KEY, SIZES_CHOICES, SIZES_ENV, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
     Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_for_decode, torch_threads,
