@@ -732,7 +732,7 @@ def evaluate_arrays(numbers: ModelNumbers, machine: Machine, eff: MachineEfficie
     prefill = whole_pass(grid, prefill_block(grid, float(workload.prompt_len)), head)
     out = speeds(grid, workload, step, prefill)
     out.update(step_components(grid, workload.decode_context, block, head))
-    out.update(compute_bound_batch(grid))
+    out.update(compute_bound_batch(grid, workload.decode_context))
     return out
 
 
@@ -979,7 +979,7 @@ def kernel_block_cost(grid: CandidateArrays):
     return np.where(grid.decode_block_s >= 0, grid.decode_block_s, grid.acc_eff.layer_overhead_s)
 
 
-def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -> AcceleratorWork:
+def decode_work(grid: CandidateArrays, context: float, attention_flops) -> tuple[np.ndarray, AcceleratorWork]:
     """The weights the micro-batches touch (re-read by small-row matmuls) and the cache whose attention runs
     here; matmul and attention FLOPs, and the K, V projections again when recomputing them."""
     numbers, rows = grid.numbers, grid.micro_batch
@@ -994,9 +994,15 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     kernel_rows = grid.overlapped & (rows <= PACKED_KERNEL_ROWS)
     nbytes = nbytes - np.where(kernel_rows, grid.micro_batches * touched * read_per_param * grid.cached_share, 0.0)
     blas_peak = np.where(rows > PACKED_KERNEL_ROWS, pass_rate(grid, rows), grid.peak_flops)
-    work = accelerator_work(grid, nbytes, bytes_min, flops,
-                            np.where(kernel_rows, kernel_peak(grid, few_rows_flops(grid, grid.gemv_flops, rows)),
-                                     blas_peak))
+    return kernel_rows, accelerator_work(
+        grid, nbytes, bytes_min, flops,
+        np.where(kernel_rows, kernel_peak(grid, few_rows_flops(grid, grid.gemv_flops, rows)), blas_peak))
+
+
+def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -> AcceleratorWork:
+    """A decode step's block work on the accelerator (decode_work), its reads and the packed kernels' compute
+    overlapped; on a CPU whose steps were measured, FLOPs counted only where they outlast the reads."""
+    kernel_rows, work = decode_work(grid, context, attention_flops)
     if kernel_rows.any():
         work = overlap(work, kernel_rows)
     if not steps_measured(grid.machine):
@@ -1327,7 +1333,7 @@ def run_terms(model: ModelSpec, hardware: HardwareSpec, policy: Policy, workload
             "runtime_s": prefill["pass_s"] + steps * step["pass_s"]}
 
 
-def compute_bound_batch(grid: CandidateArrays) -> dict[str, np.ndarray]:
+def compute_bound_batch(grid: CandidateArrays, context: float) -> dict[str, np.ndarray]:
     """The batch at which streaming the off-accelerator weights takes no longer than computing on them, and what
     sets that streaming time (0: accelerator memory, all weights resident; 1: the host link; 2: the disk)."""
     machine, acc_eff = grid.machine, grid.acc_eff
@@ -1339,10 +1345,26 @@ def compute_bound_batch(grid: CandidateArrays) -> dict[str, np.ndarray]:
     resident = grid.numbers.matrix_params * grid.stored_bytes / (machine.acc_bandwidth * acc_eff.bandwidth_fraction)
     basis_time = np.where(stream > 0, stream, resident)
     effective_flops = grid.peak_flops * acc_eff.matmul_fraction
+    batch = np.ceil(basis_time * effective_flops / grid.numbers.flops_per_token - 1e-9)
     return {
-        "min_compute_bound_batch": np.ceil(basis_time * effective_flops / grid.numbers.flops_per_token - 1e-9),
+        "min_compute_bound_batch": np.where(grid.overlapped, kernel_bound_batch(grid, context, stream, batch), batch),
         "min_compute_bound_basis": np.where(stream > 0, np.where(stream_disk > stream_link, 2, 1), 0),
     }
+
+
+def kernel_bound_batch(grid: CandidateArrays, context: float, stream, beyond):
+    """For packed formats on a CPU: the fewest rows (one micro-batch) whose decode kernels' time for a block reaches
+    its reads (decode_work's, at the decode `context`), or the weights' `stream` time where they stream; where no step
+    within PACKED_KERNEL_ROWS does, the prefill kernels run it: `beyond` (the prefill rate's batch), at least
+    PACKED_KERNEL_ROWS + 1. A newcomer (session 22) read "compute-bound from batch 2" beside a why line that said
+    the kernels bound batch 1."""
+    found = np.zeros(len(grid.micro_batch))
+    for rows in range(PACKED_KERNEL_ROWS, 0, -1):  # the smallest count that reaches it is the last written
+        one = replace(grid, micro_batch=np.full(len(found), float(rows)), batch=np.full(len(found), float(rows)),
+                      micro_batches=np.ones(len(found)))
+        _, work = decode_work(one, context, decode_attention_flops(one, context))
+        found = np.where(work.compute_s >= np.where(stream > 0, stream, work.memory_s), rows, found)
+    return np.where(found > 0, found, np.maximum(beyond, PACKED_KERNEL_ROWS + 1))
 
 
 # ---- one policy ---------------------------------------------------------------------------------------------------
@@ -1559,7 +1581,7 @@ def packed_kernel_detail(machine: Machine, model: ModelSpec, policy: Policy, out
     nbytes = float(out["acc_bytes_step"][i])
     source = "measured" if measured else "default estimate; `hivekeeper measure` times it"
     return (f"CPU {bits_of(fmt)}-bit kernel compute: per decode step the {fmt} kernels unpack the blocks' "
-            f"{_count(weights)} packed weights and multiply them by {rows_words(policy)} (the LM head's "
+            f"{_count(weights)} packed weights and multiply them by {rows_words(machine, policy)} (the LM head's "
             f"{_count(model_numbers(model).head_params)} weights on their own {PACKED_HEAD_FORMAT} kernel), and "
             f"attention over the KV cache adds "
             f"{_count(attention)} products (more as the context grows), at {rate / 1e9:.3g} G weights/s "
@@ -1572,10 +1594,17 @@ def _count(x: float) -> str:
     return f"{x / 1e9:.3g} G" if x >= 1e9 else f"{x / 1e6:.3g} M"
 
 
-def rows_words(policy: Policy) -> str:
-    """The rows a decode step multiplies the weights by: "1 row", "4 rows", "2 micro-batches of 4 rows"."""
-    rows = f"{policy.micro_batch_size} row{'s' if policy.micro_batch_size > 1 else ''}"
-    return f"{policy.num_micro_batches} micro-batches of {rows}" if policy.num_micro_batches > 1 else rows
+def rows_words(machine: Machine, policy: Policy) -> str:
+    """The rows a decode step multiplies the weights by: "1 row", "4 rows", "2 micro-batches of 4 rows"; on a CPU
+    with K/V kept the engine runs the micro-batches as one step (decode_parts): "8 rows (the plan's 2 micro-batches of
+    4, run as one step)" (a newcomer, session 22, read "2 micro-batches of 4 rows" as two passes)."""
+    plural = lambda n: f"{n} row{'s' if n > 1 else ''}"  # noqa: E731
+    if policy.num_micro_batches == 1:
+        return plural(policy.micro_batch_size)
+    if machine.acc.kind == "cpu" and not policy.kv_recompute:
+        return (f"{plural(policy.batch_size)} (the plan's {policy.num_micro_batches} micro-batches of "
+                f"{policy.micro_batch_size}, run as one step)")
+    return f"{policy.num_micro_batches} micro-batches of {plural(policy.micro_batch_size)}"
 
 
 def half_step_words(machine: Machine, policy: Policy, memory_s: float) -> str:

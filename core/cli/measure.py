@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.machine.cpu_dtype import choose
     from hivekeeper.core.machine.cpu_dtype import forget as forget_choice
     from hivekeeper.core.machine.detect import detect_hardware
-    from hivekeeper.core.machine.measurement import busy_words
+    from hivekeeper.core.machine.measurement import busy_words, quiet_load
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import (comparison_rows, load_machine_profile, machine_fingerprint, new_profile,
                                   save_profile, write_json_atomic)
@@ -146,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"saved: {path} (used by `hivekeeper plan --hardware auto` on this machine)")
     busy = busy_words(measurements, os.cpu_count() or 1)
     if path and busy:  # saved all the same: the first plan at a quiet moment measures again (first_measure.why_measure)
-        print(f"note: measured {busy}; the first `plan --hardware auto` at a load of at most {os.cpu_count() or 1} "
-              "measures it again quickly", file=sys.stderr)
+        print(f"note: measured {busy}; the first `plan --hardware auto` at a load of at most "
+              f"{quiet_load(os.cpu_count() or 1):g} measures it again quickly", file=sys.stderr)
     if dropped:
         print("the previous calibration was fitted to the old numbers and is dropped: run `hivekeeper profile` again",
               file=sys.stderr)

@@ -314,8 +314,8 @@ def render(plan: Plan, data: dict) -> str:
         rows.append(("peak memory", " · ".join(
             f"{name} {_gb(peaks.get(tier))}" + (f" of {_gb(capacity[tier])}" if capacity.get(tier) else "")
             for tier, name in (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "disk")) if peaks.get(tier))))
-        rows.append(("compute-bound", f"from batch {data['min_compute_bound_batch']} "
-                                      f"({data['min_compute_bound_basis']})"))
+        rows.append(("compute-bound", f"from batch {data['min_compute_bound_batch']} (a decode step's compute "
+                                      f"outlasts its weight reads, bounded by the {data['min_compute_bound_basis']})"))
     if data.get("gguf") is not None:
         rows += _gguf_rows(data["gguf"])
     if data.get("runtime_s") is not None:

@@ -49,9 +49,10 @@ MEASURED_BY_ANOTHER = "another hivekeeper process measured this machine meanwhil
 def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
     """(why a plan for this machine measures it quickly before planning, or "", a note when it plans with a busy
     profile). It measures when there is no profile yet (the first plan), or when the profile was measured busy (at a
-    load above the CPU count its figures can plan the machine several times too slow) and the machine is quiet now.
+    load above the CPU count its figures can plan the machine several times too slow) and the machine is quiet now
+    (measurement.quiet_load).
     A busy profile while still busy, or with --no-measure, is used, and the note says so."""
-    from hivekeeper.core.machine.measurement import QUICK_TAKES, load_now, measured_load
+    from hivekeeper.core.machine.measurement import QUICK_TAKES, load_now, measured_load, quiet_load
     from hivekeeper.core.machine.profiles import load_machine_profile
 
     if not profiled:
@@ -62,11 +63,11 @@ def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
     if load <= cpus:
         return "", ""
     busy, now = f"this machine's profile was measured busy (at load {load:.1f} on {cpus} CPUs)", load_now()
-    if measure and now <= cpus:
+    if measure and now <= quiet_load(cpus):
         return (f"{busy}; the load is {now:.1f} now: measuring it again quickly ({QUICK_TAKES}; `--no-measure` "
                 "plans with the busy profile)"), ""
-    return "", (f"{busy}: its figures can be several times too slow; the first plan at a load of at most {cpus} "
-                f"measures it again (the load is {now:.1f} now)")
+    return "", (f"{busy}: its figures can be several times too slow; the first plan at a load of at most "
+                f"{quiet_load(cpus):g} measures it again (the load is {now:.1f} now)")
 
 
 def measure_quickly(say: Callable[[str], None] = _stderr) -> str:

@@ -641,7 +641,9 @@ def prefill_measurements(runs: list[PrefillRun], load: float, readings: tuple[in
     peak, half_rows = curve[widths[-1]]
     rows = PREFILL_SEQUENCES * PREFILL_TOKENS
     rate = rate_at_rows(peak, half_rows, rows)
-    samples = [r.flops / max(s - r.blocks * fixed, 1e-9) for r in shown for s in r.seconds]
+    # each repeat's reading: the fitted rate scaled by the pass's median over that repeat (the fixed cost taken off
+    # each repeat instead made a near-zero divisor of a busy run's fit: "spread 19768669886%", session 22)
+    samples = [rate * r.median_s / s for r in shown for s in r.seconds if s > 0]
     found = [Measurement(PREFILL_FLOPS_KEY, "fp32 prefill through decoder blocks", rate, "FLOP/s",
                          median_and_spread(samples)[1] if samples else 0.0, len(samples), load,
                          f"the width-{widths[-1]} rate at {rows} rows; {detail}", samples),

@@ -117,11 +117,22 @@ def busy_words(measurements: list[Measurement], cpus: int) -> str:
 
 
 LOAD_ENV = "HIVEKEEPER_LOAD_AVERAGE"  # pins load_now (tests: whether a busy profile is measured again)
+# the share of the CPUs other programs may hold before a measurement for it to start quiet (quiet_load). Session 23:
+# at "at most the CPU count" a 2-core machine at load 2.0 (others holding both cores) measured again, the
+# measurement's own threads took the load to 2.6, and every plan measured again, 36 s each
+QUIET_SHARE = 0.5
+
+
+def quiet_load(cpus: int) -> float:
+    """The highest load average before a measurement at which it starts quiet: QUIET_SHARE of the CPUs. Before a
+    measurement the load is others' alone; while it runs its own threads add up to the CPU count (busy_words' limit),
+    so a measurement started above this would be found busy again."""
+    return QUIET_SHARE * cpus
 
 
 def load_now() -> float:
     """The 1-minute load average now (HIVEKEEPER_LOAD_AVERAGE when set): a measurement started at a load of at most
-    the CPU count is a quiet one's. A profile measured busy is measured again at the first such moment (`plan
+    quiet_load is a quiet one's. A profile measured busy is measured again at the first such moment (`plan
     --hardware auto`, the app)."""
     import psutil
 

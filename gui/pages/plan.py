@@ -586,8 +586,8 @@ class PlanPage(QWidget):
         self.prefill_card.set(fmt_rate(prefill), f"roofline bound {fmt_rate(roof_p)}" if roof_p else "")
         batch_note = ""
         if n.get("min_compute_bound_batch"):
-            batch_note = (f"; compute-bound from batch {n['min_compute_bound_batch']} "
-                          f"({n.get('min_compute_bound_basis') or ''})")
+            batch_note = (f"; compute-bound from batch {n['min_compute_bound_batch']} (a step's compute outlasts "
+                          f"its weight reads, bounded by the {n.get('min_compute_bound_basis') or ''})")
         self.bottleneck_card.set(n.get("bottleneck") or "–", (n.get("bottleneck_detail") or "") + batch_note)
         self.bottleneck_card.value.setWordWrap(True)
         policy = n.get("policy") or {}

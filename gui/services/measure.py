@@ -24,7 +24,7 @@ from PySide6.QtCore import QObject, Signal
 
 from hivekeeper.planner.hardware import HardwareSpec
 
-from hivekeeper.core.machine.measurement import QUICK_TAKES, SIZES_ENV, busy_words, load_now  # noqa: F401
+from hivekeeper.core.machine.measurement import QUICK_TAKES, SIZES_ENV, busy_words, load_now, quiet_load  # noqa: F401
 
 from hivekeeper.gui.services.workers import WorkerThread, run_in_thread
 
@@ -159,9 +159,10 @@ class FirstMeasure(QObject):
         if machine.measured_at is not None and not busy:
             return False
         now = load_now()
-        if busy and now > cpus:
+        if busy and now > quiet_load(cpus):
             self._say(f"This machine's profile was measured busy (load {machine.measured_load:.1f} on {cpus} CPUs): "
-                      f"plans may be too slow; it is measured again when the load is at most {cpus}.", 30_000)
+                      f"plans may be too slow; it is measured again when the load is at most {quiet_load(cpus):g}.",
+                      30_000)
             return False
         self.started_at = time.time()
         self.quick = True

@@ -16,7 +16,7 @@ from hivekeeper.planner.hardware import ComputeDevice, DiskSpec, HardwareSpec, N
 from hivekeeper.planner.hardware_catalog import hardware_from_dict, hardware_to_json
 from hivekeeper.planner.models import ModelSpec
 from hivekeeper.planner.policy import Constraints, candidate_formats, search
-from hivekeeper.planner.costmodel import machine_view
+from hivekeeper.planner.costmodel import PACKED_KERNEL_ROWS, machine_view, rows_words
 
 LLAMA_7B = ModelSpec(name="llama-7b", family="llama", num_layers=32, hidden_size=4096, intermediate_size=11008,
                      num_heads=32, num_kv_heads=32, head_dim=128, vocab_size=32000, tie_word_embeddings=False,
@@ -81,6 +81,36 @@ def test_a_slow_kernel_makes_the_packed_kernels_the_bottleneck_in_words():
                f"{model_numbers(LLAMA_7B).head_params / 1e6:.3g} M weights on their own q8_0 kernel)" in detail, detail
     assert four.bottleneck_detail != longer.bottleneck_detail  # the attention products
     assert weights / 2e9 < four.decode_step_s < weights / 2e9 * 1.3
+
+
+def test_the_kernel_bound_line_names_the_rows_a_step_runs_not_two_passes_where_the_cpu_runs_one():
+    """A newcomer (session 22) read "2 micro-batches of 4 rows" as two passes; a CPU with K/V kept runs the 8 rows as
+    one step (decode_parts), and a plan that recomputes K/V runs its micro-batches in turn."""
+    slow = cpu_machine(ram_gbps=50.0, kernels={"q4_0": 2e9})
+    split = dict(micro_batch_size=4, num_micro_batches=2, **RESIDENT)
+    kept = evaluate(LLAMA_7B, slow, Policy(weight_format="q4_0", **split), WORKLOAD).bottleneck_detail
+    assert "multiply them by 8 rows (the plan's 2 micro-batches of 4, run as one step) (the LM head" in kept, kept
+    assert rows_words(machine_view(slow), Policy(kv_recompute=True, **split)) == "2 micro-batches of 4 rows"
+    assert rows_words(machine_view(GPU_MACHINE), Policy(**split)) == "2 micro-batches of 4 rows"
+    assert rows_words(machine_view(slow), Policy(micro_batch_size=3, **RESIDENT)) == "3 rows"
+
+
+@pytest.mark.parametrize("kernel_rate", [2e9, 5e10, 1.2e11, 2.5e11, 1e12])
+def test_compute_bound_from_the_batch_whose_step_the_kernels_bound(kernel_rate):
+    """`plan`'s "compute-bound from batch N" agrees with the why line of each batch: below N the reads bound a step,
+    at N the packed kernels (within their rows) or the prefill kernels' compute beyond them. A newcomer (session 22)
+    read "compute-bound from batch 2" beside a why line naming the kernels at batch 1."""
+    machine = cpu_machine(ram_gbps=50.0, kernels={"q4_0": kernel_rate})
+
+    def bottleneck(rows: int) -> str:
+        policy = Policy(weight_format="q4_0", micro_batch_size=rows, **RESIDENT)
+        return evaluate(LLAMA_7B, machine, policy, WORKLOAD).bottleneck
+
+    first = decode(machine, "q4_0").min_compute_bound_batch
+    assert all(bottleneck(rows) == "ram bandwidth" for rows in range(1, min(first, PACKED_KERNEL_ROWS + 1)))
+    assert bottleneck(first) == ("packed kernel compute" if first <= PACKED_KERNEL_ROWS else "cpu compute")
+    # the slowest kernels bound one row, the fastest none within their rows, those between some count of rows
+    assert (first == 1) == (kernel_rate == 2e9) and (first > PACKED_KERNEL_ROWS) == (kernel_rate == 1e12)
 
 
 def test_decode_follows_the_measured_kernel_rate_and_else_the_per_core_default():

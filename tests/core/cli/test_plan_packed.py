@@ -190,3 +190,8 @@ def test_plan_and_generate_name_the_same_packed_weights_per_step(tmp_path, cli, 
     # the blocks' Q4_1 weights as the file holds them, in both
     assert weights == same == f"{planned['gguf']['types']['Q4_1']['weights'] / 1e6:.3g}"
     assert float(short_attention) < 1 < 10 < float(long_attention)  # a 1-token prompt; plan's 512 + 128 tokens
+    # kernel-bound at batch 1, so compute-bound from batch 1 (a newcomer, session 22, read "from batch 2" beside it)
+    assert planned["min_compute_bound_batch"] == 1
+    human = cli("plan", "--model", MODEL, "--hardware", "auto").stdout
+    assert re.search(r"compute-bound +from batch 1 \(a decode step's compute outlasts its weight reads, bounded by "
+                     r"the RAM bandwidth\)", human), human

@@ -118,6 +118,20 @@ def test_prefill_passes_at_two_row_counts_give_each_widths_rate_by_rows_and_a_bl
     fastest = [measure.PrefillRun([min(r.seconds)], r.flops, r.blocks, r.rows, r.hidden, r.block_weights)
                for r in runs]
     assert measure.prefill_curve(fastest)[1][2048][0] > 1.5 * 190e9
+    # the spread shown is the repeats' range over their median (1.01 - 0.5), whatever the fixed cost fitted
+    assert got[PREFILL_FLOPS_KEY].spread == pytest.approx((1 / 0.5 - 1 / 1.01) / 1.0, rel=1e-6)
+
+
+def test_a_busy_fit_of_a_large_fixed_cost_shows_the_repeats_spread_not_a_runaway_one():
+    """Session 22: a busy quick measurement fitted a prefill block's fixed cost near its passes' own time, and the
+    shown spread, taken from each repeat less that cost, read 19768669886%. The fitted rate's samples scale with each
+    repeat's time over the pass's median."""
+    curve = {576: (120e9, 40.0, 3_500_000, 3), 2048: (190e9, 40.0, 45_000_000, 1)}
+    runs = passes_of(curve, 0.07, [1.0, 0.9, 1.1])  # a 70 ms fixed cost: most of each pass
+    got = {m.key: m for m in prefill_measurements(runs, load=1.0)}
+    assert got[PREFILL_BLOCK_KEY].value == pytest.approx(0.07, rel=1e-6)
+    assert got[PREFILL_FLOPS_KEY].spread == pytest.approx(1 / 0.9 - 1 / 1.1, rel=1e-6)
+    assert max(got[PREFILL_FLOPS_KEY].samples) == pytest.approx(got[PREFILL_FLOPS_KEY].value / 0.9, rel=1e-6)
 
 
 def test_each_widths_cost_beyond_its_flops_is_kept_whatever_share_the_fixed_cost_takes():
