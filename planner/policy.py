@@ -297,6 +297,33 @@ class Plan:
     efficiency: str
     candidates_evaluated: int
     warnings: tuple[str, ...] = ()  # what a user should know before running it (plan_warnings)
+    other_formats: tuple["FormatOption", ...] = ()  # the search's best of each weight format it did not choose
+
+
+@dataclass(frozen=True)
+class FormatOption:
+    """The best candidate of a weight format the search weighed and did not choose: its predicted decode tokens/s
+    and the share of its weights on disk (None tokens/s: no candidate of it fits). A newcomer (session 22) saw a bf16
+    plan on a CPU, whose rule says fp32 for few rows, with no word that fp32 would stream from disk."""
+
+    weight_format: str
+    decode_tokens_per_s: float | None
+    on_disk: float = 0.0
+
+
+def other_formats(grid: GridResult, best: int) -> tuple[FormatOption, ...]:
+    """Each format of the grid but the best candidate's, at its own best feasible candidate (by score)."""
+    options = []
+    for k, name in enumerate(grid.formats):
+        if k == int(grid.cols["fmt"][best]):
+            continue
+        mine = np.flatnonzero((grid.cols["fmt"] == k) & grid.feasible)
+        if mine.size == 0:
+            options.append(FormatOption(name, None))
+            continue
+        i = int(mine[np.argmax(grid.score[mine])])
+        options.append(FormatOption(name, float(grid.out["decode_tps"][i]), float(grid.cols["wd"][i])))
+    return tuple(options)
 
 
 def _placement_words(prediction: Prediction, machine: Machine) -> str:
@@ -369,7 +396,8 @@ def search(model: ModelSpec, hardware: HardwareSpec, goal: str = "chat", constra
     return Plan(goal=goal, model=model.name, hardware=hardware.id, workload=workload, fit=fit, reason=reason,
                 prediction=prediction, runtime=runtime, missing_bytes=missing, server=server, efficiency=eff.name,
                 candidates_evaluated=int(grid.score.size),
-                warnings=plan_warnings(prediction if goal != "serve" else None, runtime))
+                warnings=plan_warnings(prediction if goal != "serve" else None, runtime),
+                other_formats=other_formats(grid, best) if local_ok else ())
 
 
 SLOW_QUERY_S = 600.0  # a plan whose query takes longer than this (10 minutes) gets a warning
@@ -493,6 +521,8 @@ def plan_to_dict(plan: Plan) -> dict:
         else None,
         "missing_bytes": plan.missing_bytes,
         "candidates_evaluated": plan.candidates_evaluated,
+        "other_formats": [{"weight_format": o.weight_format, "decode_tokens_per_s": _round(o.decode_tokens_per_s),
+                           "weights_on_disk": round(o.on_disk, 4)} for o in plan.other_formats],
         "warnings": list(plan.warnings),
     })
     if plan.goal == "serve" and s is not None:

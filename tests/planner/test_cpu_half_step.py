@@ -149,6 +149,10 @@ def test_a_chat_plan_is_bf16_in_ram_where_fp32_would_stream_from_disk(ratio):
     bf16, fp32 = best_of(grid, "bf16"), best_of(grid, "fp32")
     assert grid.cols["wd"][fp32] > 0.3  # fp32's best streams a third of its weights from disk
     assert grid.out["runtime_s"][bf16] < 0.7 * grid.out["runtime_s"][fp32]
+    # the plan says what it weighed: fp32's best, its speed and its share on disk (`plan`'s "weighed:")
+    (other,) = plan.other_formats
+    assert other.weight_format == "fp32" and other.on_disk == pytest.approx(grid.cols["wd"][fp32])
+    assert other.decode_tokens_per_s == pytest.approx(grid.out["decode_tps"][fp32])
 
 
 @pytest.mark.parametrize("ratio", [None, 1.25, 1.7])

@@ -47,6 +47,19 @@ def test_json_has_every_field_and_the_numbers_hang_together():
     assert data["context_len"] == 1200
 
 
+def test_the_format_row_names_the_formats_weighed_and_their_speed(cli):
+    """A plan's format against a rule of thumb (nf4 over int8 on a GPU; bf16 on a CPU where fp32 would stream from
+    disk, session 22's newcomer) shows what the search weighed: each other format's best, as in the JSON."""
+    args = ("plan", "--model", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--hardware", "t4")
+    data = json.loads(cli(*args, "--json").stdout)
+    others = {o["weight_format"]: o for o in data["other_formats"]}
+    assert set(others) == {"fp16", "int8", "nf4"} - {data["policy"]["weight_format"]}
+    assert all(0 < o["decode_tokens_per_s"] and o["weights_on_disk"] == 0 for o in others.values())
+    row = next(line for line in cli(*args).stdout.splitlines() if line.lstrip().startswith("format"))
+    assert "; weighed: " in row and all(f"{name} {o['decode_tokens_per_s']:.3g} tokens/s" in row
+                                        for name, o in others.items()), row
+
+
 def test_serve_json_and_human_table(cli):
     result = cli("plan", "--model", "meta-llama/Llama-2-70b-hf", "--hardware", "rtx-4090", "--goal", "serve", "--json")
     assert result.returncode == 0, result.stderr
