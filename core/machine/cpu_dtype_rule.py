@@ -53,8 +53,7 @@ CHOICE_WORDS = "CPU 16-bit plans: "  # opens the decision's line, which with_cho
 # opens the note a native CPU's FLOP/s source carries where its bf16 entry was raised to the fp32 rate (with_choice)
 BF16_AT_FP32_WORDS = "bf16 at the fp32 rate, the least a CPU with native bf16 math is charged: "
 # why a plan of few rows may be bf16 where the rule's default for them is fp32 (costmodel.bf16_by_rows)
-PLANNED_FEW_WORDS = ("the planner names bf16 for them only where it predicts fp32 slower, as where fp32 weights "
-                     "would stream from disk")
+PLANNED_FEW_WORDS = "where the planner predicts fp32 slower, as where fp32 weights would stream from disk"
 
 
 @dataclass(frozen=True)
@@ -98,10 +97,11 @@ def choose(measurements: list[Measurement] | tuple[Measurement, ...] = ()) -> Si
                                         "fp32 here: run `hivekeeper measure`", native=True)
     ratio = float(measured.value)
     faster = bool(bf16_by_rows(True, ratio, 1))
+    # the measurement's own detail (widths, paths, medians) is `measure`'s table's: with it this line ran to ~600
+    # characters (a newcomer, session 22)
     return SixteenBitChoice("bf16" if faster else "fp32",
                             f"{half_math_names()}; a one-row bf16 decode step measured {ratio:.2f}x the time of fp32 "
-                            f"({measured.detail}; load average {measured.loadavg:.1f} while measured)",
-                            native=True, step_ratio=ratio)
+                            f"at load {measured.loadavg:.1f}", native=True, step_ratio=ratio)
 
 
 def choose_from_profile(path) -> SixteenBitChoice:

@@ -116,6 +116,9 @@ def busy_words(measurements: list[Measurement], cpus: int) -> str:
     return f"at load {load:.1f} on {cpus} CPUs: busy, measure again when quiet"
 
 
+# opens the note of a RAM bandwidth source where the planner takes the decode steps' measured reads, above the plain
+# read benchmark (profiles.apply_measurements; `detect` says so)
+RAISED_RAM_WORDS = "raised to the"
 LOAD_ENV = "HIVEKEEPER_LOAD_AVERAGE"  # pins load_now (tests: whether a busy profile is measured again)
 # the share of the CPUs other programs may hold before a measurement for it to start quiet (quiet_load). Session 23:
 # at "at most the CPU count" a 2-core machine at load 2.0 (others holding both cores) measured again, the

@@ -37,8 +37,8 @@ from hivekeeper.core.machine.flops_words import flops_source
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
     BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
     PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
-    PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, ROW_BLOCK_KEY, ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
-    Measurement)
+    PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, RAISED_RAM_WORDS, ROW_BLOCK_KEY, ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY,
+    STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
     PROFILE_VERSION, check_profile_doc, config_dir, fingerprint_fields, machine_fingerprint, measurements_from,
     profile_path, read_profile_json)
@@ -283,7 +283,7 @@ def apply_measurements(spec: HardwareSpec, measurements: list[Measurement], when
         bandwidth = float(round(clamp_to_limit(ram_bandwidth(measurements) / 1e9, "ram_bandwidth_gbps") * 1e9))
         source = _source(m, when)
         if bandwidth > m.value * 1.0001:
-            source += f"; raised to the {bandwidth / 1e9:.3g} GB/s that decode steps read RAM at (measured beside it)"
+            source += f"; {RAISED_RAM_WORDS} {bandwidth / 1e9:.3g} GB/s that decode steps read RAM at (measured beside it)"
         cpu = dataclasses.replace(cpu, memory_bandwidth=bandwidth,
                                   sources={**cpu.sources, "memory_bandwidth": source})
     cpu_rates = _matmul_rates(measurements, "cpu")
