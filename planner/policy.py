@@ -311,6 +311,18 @@ class FormatOption:
     on_disk: float = 0.0
 
 
+def weighed_words(others: list[dict] | None) -> str:
+    """"; weighed: fp32 0.0549 tokens/s (47% of its weights on disk), ...": plan_to_dict's "other_formats" in words
+    (`plan`'s format row, the Plan page's format line), so a choice against a rule of thumb shows why; "" for none."""
+    words = []
+    for other in others or []:
+        tps, disk = other["decode_tokens_per_s"], other["weights_on_disk"]
+        on_disk = f" ({100 * disk:.0f}% of its weights on disk)" if disk > 0 else ""
+        words.append(f"{other['weight_format']} does not fit" if tps is None else
+                     f"{other['weight_format']} {tps:.3g} tokens/s{on_disk}")
+    return f"; weighed: {', '.join(words)}" if words else ""
+
+
 def other_formats(grid: GridResult, best: int) -> tuple[FormatOption, ...]:
     """Each format of the grid but the best candidate's, at its own best feasible candidate (by score)."""
     options = []

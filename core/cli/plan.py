@@ -21,7 +21,7 @@ from hivekeeper.planner.formats import PACKED_FORMATS, packed_words
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
 from hivekeeper.planner.hardware_catalog import field_limits
-from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Plan, plan_to_dict, search
+from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Plan, plan_to_dict, search, weighed_words
 
 from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, model_path_or_id
 
@@ -301,7 +301,7 @@ def render(plan: Plan, data: dict) -> str:
         split = f" ({policy['micro_batch_size']} × {policy['num_micro_batches']})" \
             if policy["num_micro_batches"] > 1 else ""
         why = (data.get("format_choice") or {}).get("why")
-        rows += [*([("format", f"{policy['weight_format']}: {why}{weighed_words(data)}")] if why else []),
+        rows += [*([("format", f"{policy['weight_format']}: {why}{weighed_words(data.get('other_formats'))}")] if why else []),
                  ("weights", f"{policy['weight_format']}: {_where(policy['weights'])}"),
                  ("KV cache", f"{_where(policy['kv_cache'])} ({policy['kv_cache_mode']}"
                               f"{', attention on CPU' if policy['attention_on_cpu'] else ''})"),
@@ -336,18 +336,6 @@ def render(plan: Plan, data: dict) -> str:
     body = "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
     warnings = "".join(f"\nwarning: {text}" for text in data.get("warnings") or ())
     return f"{header}\n{body}\nwhy: {plan.reason}{warnings}\nefficiency: {plan.efficiency}"
-
-
-def weighed_words(data: dict) -> str:
-    """"; weighed: fp32 0.035 tokens/s (45% of its weights on disk), ...": the search's best of each format it did
-    not choose (JSON "other_formats"), so a choice against a rule of thumb shows why; "" where there were none."""
-    words = []
-    for other in data.get("other_formats") or []:
-        tps, disk = other["decode_tokens_per_s"], other["weights_on_disk"]
-        words.append(f"{other['weight_format']} does not fit" if tps is None else
-                     f"{other['weight_format']} {_tps(tps)}" + (f" ({100 * disk:.0f}% of its weights on disk)"
-                                                                if disk > 0 else ""))
-    return f"; weighed: {', '.join(words)}" if words else ""
 
 
 def kept_free_report(reserve: dict[str, float], explicit: bool) -> dict:

@@ -27,6 +27,7 @@ from hivekeeper.planner.efficiency import MachineEfficiency
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec, default_headroom
 from hivekeeper.planner.models import ModelSpec
+from hivekeeper.planner.policy import weighed_words
 
 from hivekeeper.core.runtime.default_model import model_path_or_id
 
@@ -569,6 +570,7 @@ class PlanPage(QWidget):
         self.headline.setText(f"{name} on {where}")
         self.run_box.set_machine(None if self.settings.hardware == DETECTED else where)
         why = (n.get("format_choice") or {}).get("why", "")
+        why += weighed_words(n.get("other_formats")) if why else ""
         self.format_label.setText(why[:1].upper() + why[1:])
         calibrated = is_calibrated(plan.efficiency)
         self.factors_label.setText(f"Cost-model factors: {plan.efficiency} "

@@ -54,3 +54,19 @@ def test_fit_words_name_disk_streaming():
     disk = result.prediction.policy.weights.disk
     assert result.fit == "local" and disk > 0.5
     assert plan_view.fit_words(result) == f"runs here, {100 * disk:.0f}% streamed from disk"
+
+
+def test_the_format_line_names_the_formats_weighed(make_window, qtbot):
+    """As `plan`'s format row: the formats the search weighed and did not choose, each its best plan's tokens/s, so a
+    choice against a rule of thumb (a newcomer, session 22: bf16 on a CPU where fp32 would stream from disk) shows
+    why. On a T4 a chat plan weighs fp16, int8 and nf4."""
+    window = make_window(_settings("chat", "t4"))
+    plan = window.plan_page
+    window.show_page("Plan")
+    qtbot.waitUntil(lambda: plan.result is not None, timeout=20_000)
+    others = plan.result.numbers["other_formats"]
+    chosen = plan.result.numbers["policy"]["weight_format"]
+    assert {o["weight_format"] for o in others} == {"fp16", "int8", "nf4"} - {chosen}
+    text = plan.format_label.text()
+    assert "; weighed: " in text and all(f"{o['weight_format']} {o['decode_tokens_per_s']:.3g} tokens/s" in text
+                                         for o in others), text
