@@ -21,7 +21,8 @@ from hivekeeper.planner.formats import PACKED_FORMATS, packed_words
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
 from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
 from hivekeeper.planner.hardware_catalog import field_limits
-from hivekeeper.planner.policy import GOALS, MOSTLY_ON_DISK, QUANTS, Plan, plan_to_dict, search, weighed_words
+from hivekeeper.planner.policy import (GOALS, MOSTLY_ON_DISK, QUANTS, Plan, check_context, plan_to_dict, search,
+                                       weighed_words)
 
 from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, model_path_or_id
 
@@ -147,6 +148,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     from hivekeeper.planner.model_catalog import load_model_spec
 
     model = load_model_spec(model_arg)
+    check_context(model, workload)  # before measuring a never-measured machine
     hardware, efficiency = _hardware(args.hardware, overrides, measure=not args.no_measure)
     reserve = kept_free(hardware, reserve_gb)
     constraints, choice = plan_constraints(model_arg, args.quant, hardware, args.goal, batch_size=batch,

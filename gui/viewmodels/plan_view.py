@@ -103,6 +103,7 @@ def plan_for(model: ModelSpec, hardware: HardwareSpec, settings: PlanSettings,
     search's other choices kept). `efficiency`: the cost-model factors for this machine (measured or calibrated),
     None for the defaults."""
     workload = workload_of(settings)
+    planner_policy.check_context(model, workload)
     constraints, choice = plan_format(settings, hardware)
     price = settings.price_per_hour or None
     plan = planner_policy.search(model, hardware, settings.goal, constraints, workload, efficiency=efficiency,

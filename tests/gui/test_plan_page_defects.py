@@ -9,6 +9,7 @@ from PySide6.QtWidgets import QApplication
 
 from hivekeeper.gui.settings import Settings
 from hivekeeper.planner.hardware_catalog import get_hardware
+from hivekeeper.planner.model_catalog import get_model
 
 
 def _window(make_window, qtbot, hardware: str, model="meta-llama/Meta-Llama-3.1-8B-Instruct", quant="auto"):
@@ -76,3 +77,17 @@ def test_chart_y_axes_stay_at_or_above_zero(make_window, qtbot):
     for plot in (plan.budget_plot, plan.batch_plot):
         plot.plotItem.vb.autoRange()
         assert plot.plotItem.vb.viewRange()[1][0] >= 0
+
+
+def test_a_context_beyond_the_models_own_is_an_error_not_a_plan(make_window, qtbot):
+    """Session 23: a Context length of 1,000,000 for an 8192-token model showed 37 tokens/s with 75% of the cache on
+    disk; the page now says the model cannot attend that far, and plans again once the context is back in range."""
+    _, plan = _window(make_window, qtbot, "cpu-generic", model="TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    limit = get_model("TinyLlama/TinyLlama-1.1B-Chat-v1.0").max_position_embeddings
+    plan.context_spin.setValue(1_000_000)
+    qtbot.waitUntil(lambda: plan.error_label.isVisible(), timeout=20_000)
+    assert plan.error == (f"a context of 1,000,000 tokens (prompt + output, or the context asked for) is beyond "
+                          f"TinyLlama/TinyLlama-1.1B-Chat-v1.0's {limit:,} (max_position_embeddings in its config)")
+    plan.context_spin.setValue(limit)
+    qtbot.waitUntil(lambda: not plan.error_label.isVisible(), timeout=20_000)
+    assert plan.result.plan.workload.cache_len == limit

@@ -108,6 +108,11 @@ BAD_INPUTS = [
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--batch", "10000000"], "--batch"),
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--prompt-len", "900", "--context", "100"], "context"),
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--reserve-gb", "-1"], "--reserve-gb"),
+    # beyond the model's own context (2048 for OPT; session 23: 1,000,000 was planned at 37 tokens/s)
+    (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--context", "1000000"],
+     "a context of 1,000,000 tokens (prompt + output, or the context asked for) is beyond facebook/opt-6.7b's 2,048"),
+    (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--prompt-len", "2000", "--output-len", "100"],
+     "a context of 2,100 tokens"),
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--quant", "fp8"], "--quant"),
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--goal", "fastest"], "--goal"),
     (["--model", "facebook/opt-6.7b", "--hardware", "t4", "--price-per-hour", "nan"], "--price-per-hour"),
