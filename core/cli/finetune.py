@@ -5,9 +5,11 @@
 The blocks run here, or with --swarm through the swarm's rpc_forward / rpc_backward (the embeddings, head and the
 prompts stay here). A progress line shows the step, the loss and training tokens/s. The prompts are saved as a
 small safetensors file with the model id and method in its metadata; when --out exists the run resumes from it
-(its optimizer state included) up to --steps in all. Use the result with `chat` / `generate` / `api --prompts FILE`.
+(its optimizer state included) up to --steps in all, with the file's method and prompt tokens unless others are
+given (which is refused). Use the result with `chat` / `generate` / `api --prompts FILE`.
 
-The data file is checked before any weight is loaded: a bad line is one error naming the file and line, exit 2.
+The data file is checked before any weight is loaded: a bad line is one error naming the file and line, exit 2;
+so are --prompt-tokens (below the model's context) and --out (a file, not a folder).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON lines: {\"messages\": [...]} chats (the last message, the assistant's, is "
                              "learned) or {\"prompt\": ..., \"completion\": ...} pairs")
     parser.add_argument("--eval", metavar="FILE.jsonl", help="held-out examples: their loss before and after")
-    parser.add_argument("--method", choices=("ptune", "deep_ptune"), default="deep_ptune",
-                        help="ptune: soft prompt tokens before the input; deep_ptune: also a prompt per block")
-    parser.add_argument("--prompt-tokens", type=int, default=8, metavar="N", help="trained prompt tokens (8)")
+    # no defaults here: left out, a resumed --out file's are taken, else the trainer's (deep_ptune, 8)
+    parser.add_argument("--method", choices=("ptune", "deep_ptune"),
+                        help="ptune: soft prompt tokens before the input; deep_ptune (the default): also a prompt per "
+                             "block; resuming --out, its method")
+    parser.add_argument("--prompt-tokens", type=int, metavar="N",
+                        help="trained prompt tokens (8; resuming --out, its number)")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps in all, resumed ones included (30)")
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate (0.01)")
     parser.add_argument("--batch", type=int, default=4, help="examples per step (4)")
@@ -44,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     for name in ("steps", "batch", "prompt_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.lr < 10:
         raise InputError(f"--lr must be a positive number below 10, got {args.lr}")

@@ -5,12 +5,14 @@
 
 A chat is rendered with the model's chat template; the loss counts only its last message, which must be the
 assistant's (so training teaches replies, not questions). A pair is encoded as plain text; the loss counts the
-completion. Blank lines are skipped. Anything else (a line that is not JSON, a missing field, an empty file, an
-example longer than the context leaves after the trained prompt tokens) is one InputError naming the file and line.
+completion. Blank lines are skipped. The file is UTF-8 (with or without a BOM). Anything else (bytes that are not
+UTF-8, a line that is not JSON, a missing field, an empty file, an example longer than the context leaves after the
+trained prompt tokens) is one InputError naming the file and line.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 from dataclasses import dataclass
@@ -29,16 +31,31 @@ class Example:
 def read_examples(path: str | Path, tokenizer, max_tokens: int) -> list[Example]:
     """Every example of the file, tokenized; max_tokens: the longest sequence allowed (context - prompt tokens)."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read the data file ({getattr(exc, 'strerror', None) or exc})") from None
     examples = [_example(path, number, text, tokenizer, max_tokens)
-                for number, text in enumerate(lines, 1) if text.strip()]
+                for number, text in enumerate(_lines(path), 1) if text.strip()]
     if not examples:
         raise InputError(f"{path}: the data file is empty (it needs JSON lines of 'messages' or "
                          f"'prompt'/'completion')")
     return examples
+
+
+def _lines(path: Path) -> list[str]:
+    """The file's lines: UTF-8 (a BOM at the start, as Windows Notepad writes, is skipped), split at "\n" alone
+    (JSON strings may hold U+2028 and other characters str.splitlines() splits at); bytes that are not UTF-8 are
+    one error naming the line."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the data file ({exc.strerror or exc})") from None
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise InputError(f"{path}:1: UTF-16 text: the data file must be UTF-8")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:  # exc.object: the bytes after the BOM, which hold no newline
+        line = exc.object.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{path}:{line}: byte 0x{exc.object[exc.start]:02x} is not UTF-8: the data file must be "
+                         "UTF-8") from None
+    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 def _example(path: Path, number: int, text: str, tokenizer, max_tokens: int) -> Example:

@@ -66,6 +66,17 @@ class TrainablePrompts(nn.Module):
         return first, deep
 
 
+def check_prompt_tokens(tokens: int, context: int, what: str) -> None:
+    """Prompt tokens take the first positions of the model's context, ptune and deep_ptune alike: they must leave
+    room for an example (and be at most MAX_PROMPT_TOKENS). `what` names them: "--prompt-tokens 9000"."""
+    most = min(MAX_PROMPT_TOKENS, context - 1)
+    if tokens >= context:
+        cap = f" (and at most {most})" if most < context - 1 else ""
+        raise InputError(f"{what}: must be below the model's context of {context} tokens{cap}")
+    if not 1 <= tokens <= most:
+        raise InputError(f"{what}: must be between 1 and {most}")
+
+
 def check_method(method: str) -> None:
     if method not in METHODS:
         raise InputError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -97,6 +108,8 @@ def load_prompts(path: str | Path) -> tuple[TrainablePrompts, PromptsInfo, dict[
     from hivekeeper.core.runtime.safetensors_file import SafetensorsFile
 
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: a folder, not a prompts file")
     if not path.is_file():
         raise InputError(f"{path}: no such prompts file")
     try:

@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -24,8 +25,9 @@ from torch import Tensor
 
 from hivekeeper.core.finetune.blocks import HopFailed
 from hivekeeper.core.finetune.data import Example, batches
-from hivekeeper.core.finetune.prompts import PromptsInfo, TrainablePrompts, save_prompts
+from hivekeeper.core.finetune.prompts import PromptsInfo, TrainablePrompts, check_prompt_tokens, save_prompts
 from hivekeeper.core.swarm.client.inference import SwarmError
+from hivekeeper.planner.errors import InputError
 
 
 @dataclass
@@ -180,6 +182,10 @@ def load_frozen_parts(path) -> FrozenParts:
     return FrozenParts(config, embedding, head)
 
 
+DEFAULT_METHOD = "deep_ptune"
+DEFAULT_PROMPT_TOKENS = 8
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One training run as the CLI and the app describe it."""
@@ -187,8 +193,8 @@ class RunSpec:
     data: str
     out: str
     model: str = "smollm2-135m-instruct"
-    method: str = "deep_ptune"
-    prompt_tokens: int = 8
+    method: str | None = None  # None: the resumed file's, else DEFAULT_METHOD
+    prompt_tokens: int | None = None  # None: the resumed file's, else DEFAULT_PROMPT_TOKENS
     steps: int = 30
     lr: float = 1e-2
     batch: int = 4
@@ -200,21 +206,25 @@ class RunSpec:
 
 
 def open_trainer(spec: RunSpec, say: Callable[[str], None] = lambda line: None) -> tuple[Trainer, list[Example]]:
-    """(trainer, held-out examples): the data read and checked before any weight is loaded, the prompts resumed from
-    spec.out when it exists (same method, size and model shape) or started anew, the blocks here or in the swarm.
-    Close the swarm client with close_trainer."""
+    """(trainer, held-out examples): the prompts resumed from spec.out when it exists (same method, size and model
+    shape) or started anew, their size checked against the model's context, then the data read and checked, all
+    before any weight is loaded; the blocks here or in the swarm. Close the swarm client with close_trainer."""
     from hivekeeper.core.finetune.blocks import local_blocks, swarm_blocks
     from hivekeeper.core.finetune.data import read_examples
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
+    from hivekeeper.core.runtime.generation import context_limit
     from hivekeeper.core.runtime.tokenizer import load_tokenizer
 
+    _check_out(spec.out)
     path = resolve_checkpoint(spec.model, blocks=(0, 0), embeddings=True) if spec.swarm else \
         resolve_checkpoint(spec.model)
     tokenizer, config = load_tokenizer(path), load_config(path)
-    room = config.max_position_embeddings - spec.prompt_tokens
+    prompts, info, moments = _start_or_resume(spec, config)
+    room = context_limit(config) - prompts.tokens
     examples = read_examples(spec.data, tokenizer, room)
     held_out = read_examples(spec.eval_data, tokenizer, room) if spec.eval_data else []
-    prompts, info, moments = _start_or_resume(spec, config, say)
+    if Path(spec.out).exists():
+        say(f"resuming {spec.out} at step {info.step}")
     parts = load_frozen_parts(path)
     if info.step == 0:
         prompts.start_from_vocabulary(parts.embedding.weight, spec.seed)
@@ -224,27 +234,46 @@ def open_trainer(spec: RunSpec, say: Callable[[str], None] = lambda line: None) 
     return Trainer(parts, blocks, prompts, info, examples, train, moments), held_out
 
 
+def _check_out(out: str) -> None:
+    """--out is a prompts file to write or resume: a folder there is refused before anything is loaded."""
+    if Path(out).is_dir():
+        raise InputError(f"--out {out}: a folder, not a prompts file")
+
+
 def close_trainer(trainer: Trainer) -> None:
     client = getattr(trainer.blocks, "client", None)
     if client is not None:
         client.close()
 
 
-def _start_or_resume(spec: RunSpec, config, say: Callable[[str], None]):
-    """(prompts, info, Adam's moments): from spec.out when it exists (same method and shape), else new ones."""
-    from pathlib import Path
-
+def _start_or_resume(spec: RunSpec, config):
+    """(prompts, info, Adam's moments): from spec.out when it exists (its method and size unless the run names
+    others, which is refused), else new ones of the run's method and size (or the defaults)."""
     from hivekeeper.core.finetune.prompts import check_fits, load_prompts
-    from hivekeeper.planner.errors import InputError
+    from hivekeeper.core.runtime.generation import context_limit
 
     if Path(spec.out).exists():
         prompts, info, moments = load_prompts(spec.out)
         check_fits(spec.out, info, config)
-        if (info.method, info.tokens) != (spec.method, spec.prompt_tokens):
-            raise InputError(f"{spec.out}: holds {info.method} prompts of {info.tokens} tokens; this run asks for "
-                             f"{spec.method} with {spec.prompt_tokens} (use another --out to start anew)")
-        say(f"resuming {spec.out} at step {info.step}")
+        _check_same_prompts(spec, info)
+        check_prompt_tokens(info.tokens, context_limit(config), f"{spec.out}: its {info.tokens} prompt tokens")
         return prompts, PromptsInfo(**{**info.__dict__, "lr": spec.lr}), moments
-    prompts = TrainablePrompts(spec.method, spec.prompt_tokens, config.hidden_size, config.num_layers)
-    info = PromptsInfo(spec.model, spec.method, spec.prompt_tokens, config.hidden_size, config.num_layers, 0, spec.lr)
+    method = DEFAULT_METHOD if spec.method is None else spec.method
+    tokens = DEFAULT_PROMPT_TOKENS if spec.prompt_tokens is None else spec.prompt_tokens
+    check_prompt_tokens(tokens, context_limit(config), f"--prompt-tokens {tokens}")
+    prompts = TrainablePrompts(method, tokens, config.hidden_size, config.num_layers)
+    info = PromptsInfo(spec.model, method, tokens, config.hidden_size, config.num_layers, 0, spec.lr)
     return prompts, info, {}
+
+
+def _check_same_prompts(spec: RunSpec, info: PromptsInfo) -> None:
+    """A run resuming a file may leave out --method and --prompt-tokens (the file's are taken); a different value
+    given is refused, saying the file's."""
+    flags = (("--method", spec.method, info.method), ("--prompt-tokens", spec.prompt_tokens, info.tokens))
+    differ = [(flag, asked, held) for flag, asked, held in flags if asked is not None and asked != held]
+    if differ:
+        asked = " ".join(f"{flag} {value}" for flag, value, _ in differ)
+        held = " ".join(f"{flag} {value}" for flag, _, value in differ)
+        them = "them" if len(differ) > 1 else "it"
+        raise InputError(f"{spec.out}: holds {info.method} prompts of {info.tokens} tokens, not {asked}: pass "
+                         f"{held} (or leave {them} out) to resume, or use another --out to start anew")

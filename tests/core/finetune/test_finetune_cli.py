@@ -1,9 +1,13 @@
 """`hivekeeper finetune` on the tiny demo model, run in this process through the command's own entry point.
 
 - Bad data (a line that is not JSON, an empty file, an example longer than the context, a chat that does not end
-  with the assistant's reply) is one error line naming the file and line, exit 2, and no prompts file is written.
+  with the assistant's reply, bytes that are not UTF-8, a UTF-16 file) is one error line naming the file and line,
+  exit 2, and no prompts file is written. A UTF-8 BOM (Notepad's) and a U+2028 inside a JSON string are read.
+- --prompt-tokens at or past the default model's context (8192) and an --out that is a folder are refused in one
+  line before the data is read.
 - A run saves its prompts with the model id, method and step in the file's metadata; a second run with more
-  --steps resumes from that file and ends where one uninterrupted run ends.
+  --steps resumes from that file and ends where one uninterrupted run ends; a resume that leaves out --method and
+  --prompt-tokens takes the file's, and one that names another size is told the file's.
 - `generate --prompts FILE` runs the trained prompts first: its text differs from the plain model's, and a prompts
   file for another model's shape is refused in one line, and so is a prompt that leaves no room after the trained
   prompts (naming the prompts file and its tokens). It runs through the local plan: with every block streamed
@@ -24,6 +28,7 @@ import torch
 
 from hivekeeper.core.cli.main import main
 from hivekeeper.core.finetune.prompts import load_prompts
+from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID, INSTALL_HINT, default_model_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,10 +54,13 @@ def finetune(checkpoint, data, out, *extra: str) -> int:
     ('{"prompt": "' + "word " * 2500 + '", "completion": " b"}\n', 1, "the model's context leaves 2046"),
     ('{"messages": [{"role": "user", "content": "hi"}]}\n', 1, "the last message must be the assistant's"),
     ('{"text": "hi"}\n', 1, "needs 'messages' or both 'prompt' and 'completion'"),
-])
+    (b'{"prompt": "a", "completion": " b"}\n{"prompt": "caf\xe9", "completion": " b"}\n', 2,
+     "byte 0xe9 is not UTF-8: the data file must be UTF-8"),  # Latin-1
+    ('{"prompt": "a", "completion": " b"}\n'.encode("utf-16"), 1, "UTF-16 text: the data file must be UTF-8"),
+], ids=["not-json", "empty", "too-long", "no-reply", "no-fields", "latin-1", "utf-16"])
 def test_bad_data_is_one_line_naming_file_and_line(tiny_checkpoint, tmp_path, capsys, text, line, says):
     data = tmp_path / "bad.jsonl"
-    data.write_text(text)
+    data.write_bytes(text if isinstance(text, bytes) else text.encode())
     out = tmp_path / "p.prompts"
     assert finetune(tiny_checkpoint, data, out, "--steps", "1") == 2
     error = capsys.readouterr().err.strip()
@@ -60,6 +68,63 @@ def test_bad_data_is_one_line_naming_file_and_line(tiny_checkpoint, tmp_path, ca
     assert f"{data}:{line}:" in error if line else f"{data}:" in error
     assert says in error
     assert not out.exists()
+
+
+@pytest.mark.parametrize("raw", [
+    b"\xef\xbb\xbf" + json.dumps(PAIRS[0]).encode() + b"\r\n",  # UTF-8 with a BOM and CRLF, as Notepad saves it
+    json.dumps({"prompt": "The sky\u2028is", "completion": " blue."}, ensure_ascii=False).encode() + b"\n",
+], ids=["bom", "line-separator-in-a-string"])
+def test_utf8_with_a_bom_or_a_line_separator_in_a_string_trains(cli, tiny_checkpoint, tmp_path, raw):
+    data, out = tmp_path / "data.jsonl", tmp_path / "p.prompts"
+    data.write_bytes(raw)
+    done = cli("finetune", "--model", str(tiny_checkpoint), "--data", str(data), "--out", str(out),
+               "--prompt-tokens", "2", "--steps", "1")
+    assert done.returncode == 0, done.stderr
+    assert load_prompts(out)[1].step == 1
+
+
+DEFAULT_MODEL = pytest.mark.skipif(default_model_file() is None,
+                                   reason=f"the default model is not installed ({INSTALL_HINT})")
+
+
+@DEFAULT_MODEL
+@pytest.mark.parametrize("method", ["ptune", "deep_ptune"])
+def test_prompt_tokens_past_the_context_are_refused_before_the_data(cli, tmp_path, method):
+    """Both methods put their prompt tokens in the first positions of the context: --prompt-tokens must be below
+    it, said of the flag itself (not of a data line, which would be read first, and here is not JSON)."""
+    data, out = tmp_path / "data.jsonl", tmp_path / "p.prompts"
+    data.write_text("not json\n")
+    done = cli("finetune", "--model", DEFAULT_MODEL_ID, "--data", str(data), "--out", str(out), "--method", method,
+               "--prompt-tokens", "100000")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert done.stderr.startswith("hivekeeper finetune: error: --prompt-tokens 100000: must be below the model's "
+                                  "context of 8192 tokens"), done.stderr
+    assert not out.exists()
+
+
+def test_an_out_folder_is_refused_as_a_folder(cli, tiny_checkpoint, data, tmp_path):
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    done = cli("finetune", "--model", str(tiny_checkpoint), "--data", str(data), "--out", str(folder))
+    assert (done.returncode, done.stderr) == (2, f"hivekeeper finetune: error: --out {folder}: a folder, not a "
+                                                 "prompts file\n")
+    assert list(folder.iterdir()) == []
+
+
+def test_a_resume_takes_the_files_method_and_prompt_tokens(cli, tiny_checkpoint, data, tmp_path):
+    """Trained with --method ptune --prompt-tokens 2 (neither the default), the file resumes without them; asking
+    for another size is refused with the file's."""
+    out = tmp_path / "z.prompts"
+    common = ("finetune", "--model", str(tiny_checkpoint), "--data", str(data), "--out", str(out), "--batch", "2")
+    assert cli(*common, "--method", "ptune", "--prompt-tokens", "2", "--steps", "1").returncode == 0
+    done = cli(*common, "--steps", "2")
+    assert done.returncode == 0 and "resuming" in done.stderr, done.stderr
+    _, info, _ = load_prompts(out)
+    assert (info.method, info.tokens, info.step) == ("ptune", 2, 2)
+    done = cli(*common, "--steps", "3", "--prompt-tokens", "3")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert f"{out}: holds ptune prompts of 2 tokens, not --prompt-tokens 3: pass --prompt-tokens 2" in done.stderr
+    assert load_prompts(out)[1].step == 2
 
 
 def test_a_run_saves_its_prompts_and_a_second_run_resumes(tiny_checkpoint, data, tmp_path, capsys):
