@@ -17,7 +17,8 @@ vocabulary and its merges: 100k views, ~12 s on a busy machine, paid by every pr
 are built by the package's own code on first access, so every value is what GGUFReader gives.
 
 Bad input (wrong magic, truncated file, an unknown architecture, several files in a folder, a split file) raises
-InputError with one line naming the file and the problem.
+InputError with one line naming the file and the problem. A truncated file (a download cut short) is found by the
+reader itself: every read past the end raises `Truncated`, said as such instead of numpy's or struct's words.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ FUSED_LINEARS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", 
 # ---------------------------------------------------------------------------------------------------------------
 # Finding and opening files
 # ---------------------------------------------------------------------------------------------------------------
+class Truncated(ValueError):
+    """A read of a GGUF's header (metadata, tensor list) or tensor data that runs past the end of the file; `end`:
+    where the tensor data ends (the file's full size), when known."""
+
+    def __init__(self, part: str = "header", end: int | None = None):
+        super().__init__(f"its {part} runs past the end of the file" if end is None
+                         else f"its {part} runs to byte {end:,}")
+
+
 def has_magic(path: Path) -> bool:
     """Whether the file at `path` starts with the GGUF magic (False when it cannot be read)."""
     try:
@@ -151,7 +161,20 @@ def fast_reader_class():
             return self.values[index_or_slice]
 
     class FastReader(GGUFReader):
-        """GGUFReader whose metadata arrays of strings and numbers are LazyArrayFields."""
+        """GGUFReader whose metadata arrays of strings and numbers are LazyArrayFields, and whose reads past the
+        end of the file raise Truncated (GGUFReader's own raise numpy's words there, or return a short view)."""
+
+        def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+            end = offset + np.dtype(dtype).itemsize * int(count)
+            if end > self.data.size:
+                raise Truncated()
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            try:
+                super()._build_tensors(start_offs, fields)
+            except Truncated:
+                raise Truncated("tensor data", tensor_data_end(start_offs, fields)) from None
 
         def _build_fields(self, offs: int, count: int) -> int:
             for _ in range(count):
@@ -189,7 +212,7 @@ def fast_reader_class():
                 view = self._get(start, dtype, count)
                 read_values = view.tolist
             if end > self.data.size:
-                raise ValueError(f"{name}: the array runs past the end of the file")
+                raise Truncated()
             field = LazyArrayField(self, offset, name, key_parts, value_offset, GGUFValueType(item_type), read_values)
             return field, end - value_offset
 
@@ -200,11 +223,26 @@ def fast_reader_class():
             buffer, offs, heads = memoryview(self.data), start, []
             for _ in range(count):  # the one loop per string: lengths say where the next one starts
                 heads.append(offs)
-                offs += 8 + unpack(buffer, offs)[0]  # struct.error past the end of the file
+                if offs + 8 > len(buffer):
+                    raise Truncated()
+                offs += 8 + unpack(buffer, offs)[0]
             heads.append(offs)
             return functools.partial(decode_strings, buffer, heads), offs
 
     return FastReader
+
+
+def tensor_data_end(start: int, fields: list) -> int:
+    """Where the last tensor's data ends (the size the whole file should have), from GGUFReader's tensor-info fields
+    (name length, name, dimension count, dimensions, type, offset) and the data section's `start`."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    ends = [0]
+    for entry in fields:
+        dims, raw_type, offset = entry.parts[3], entry.parts[4], entry.parts[5]
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+        ends.append(start + int(offset[0]) + int(np.prod(dims, dtype=np.int64)) * size // block)
+    return max(ends)
 
 
 def decode_strings(buffer: memoryview, heads: list[int]) -> list[str]:
@@ -240,6 +278,9 @@ def open_reader(path: str | Path):
         return cached_reader(str(file.resolve()), stat.st_mtime_ns, stat.st_size)
     except ImportError:
         raise InputError(f"{file}: reading GGUF files needs the `gguf` package (pip install gguf)") from None
+    except Truncated as exc:
+        raise InputError(f"{file}: corrupt or truncated GGUF file ({stat.st_size:,} bytes; {exc}), e.g. a download "
+                         f"cut short: download or copy it again") from None
     except Exception as exc:  # the reader raises ValueError/IndexError/KeyError on truncated or garbled data
         raise InputError(f"{file}: corrupt or truncated GGUF file ({type(exc).__name__}: {one_line(exc)})") from None
 

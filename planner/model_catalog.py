@@ -19,6 +19,9 @@ from .model_config import HFConfig, parse_hf_config, read_config_json
 from .models import ModelSpec
 
 MODELS_DIR = Path(__file__).parent / "data" / "models"
+# the built-in model's id (core/runtime/default_model.DEFAULT_MODEL_ID is this one; plan and the app take it as a
+# model id); only suggested here, as the planner reads its GGUF file, not this id
+BUILT_IN_MODEL_ID = "smollm2-135m-instruct"
 
 # Current hub ids of catalog models Meta renamed (meta-llama/Meta-Llama-3.1-* became meta-llama/Llama-3.1-*); a base
 # model maps to its Instruct twin, whose architecture (all the planner reads) is the same.
@@ -60,16 +63,18 @@ def get_model(model_id: str) -> ModelSpec:
 
 
 def did_you_mean(model_id: str) -> list[str]:
-    """Catalog ids close to an unknown one (difflib, case-insensitive, on the whole id and on the name after the
-    org), best first; at most three."""
-    ids = model_ids()
-    by_lower = {i.lower(): i for i in ids}
-    by_name = {i.split("/", 1)[1].lower(): i for i in ids}
-    wanted = model_id.lower()
-    close = difflib.get_close_matches(wanted, list(by_lower), n=3, cutoff=0.6)
-    close += difflib.get_close_matches(wanted.rsplit("/", 1)[-1], list(by_name), n=3, cutoff=0.6)
-    found = [by_lower.get(c) or by_name[c] for c in close]
-    return list(dict.fromkeys(found))[:3]
+    """Catalog ids and the built-in model's id close to an unknown one (`closeness` at least 0.6), best first; at
+    most three."""
+    scores = {candidate: closeness(model_id, candidate) for candidate in [*model_ids(), BUILT_IN_MODEL_ID]}
+    return sorted((c for c, score in scores.items() if score >= 0.6), key=lambda c: -scores[c])[:3]
+
+
+def closeness(given: str, candidate: str) -> float:
+    """difflib's ratio of two model ids, case-insensitive, on the whole ids or on their last path parts (the names
+    after the org: 'HuggingFaceTB/SmolLM2-135M-Instruct' is 'smollm2-135m-instruct'), whichever is closer."""
+    given, candidate = given.lower(), candidate.lower()
+    pairs = ((given, candidate), (given.rsplit("/", 1)[-1], candidate.rsplit("/", 1)[-1]))
+    return max(difflib.SequenceMatcher(None, a, b).ratio() for a, b in pairs)
 
 
 def hf_cache_dir() -> Path:

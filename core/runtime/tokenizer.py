@@ -136,10 +136,12 @@ class Tokenizer:
     # ---- loading -------------------------------------------------------------------------------------------------
     @classmethod
     def from_folder(cls, path: str | Path) -> "Tokenizer":
-        """Load tokenizer.json, tokenizer_config.json, generation_config.json and config.json from a folder."""
+        """Load tokenizer.json, tokenizer_config.json, generation_config.json and config.json from a folder.
+        config.json is read first: a broken one is the folder's problem to name, before a missing tokenizer.json."""
         folder = Path(path)
         if not folder.is_dir():
             raise InputError(f"{folder}: no such checkpoint folder")
+        model_config = _read_json(folder / "config.json")
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise InputError(
@@ -154,7 +156,6 @@ class Tokenizer:
 
         tok_config = _read_json(folder / "tokenizer_config.json")
         gen_config = _read_json(folder / "generation_config.json")
-        model_config = _read_json(folder / "config.json")
 
         bos = _token_text(tok_config.get("bos_token"))
         eos = _token_text(tok_config.get("eos_token"))

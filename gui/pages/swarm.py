@@ -556,7 +556,7 @@ class SwarmPage(QWidget):
         online = sum(s.get("state") == "online" for s in servers)
         self.set_field("servers", str(online), f"{len(servers)} announced")
         bottleneck = report.get("bottleneck")
-        note = f"{report.get('num_blocks', 0)} blocks, {online} servers online"
+        note = f"{counted(report.get('num_blocks', 0), 'block')}, {counted(online, 'server')} online"
         if bottleneck:
             note += f"; weakest block {bottleneck['block']} ({fmt_rate(bottleneck['throughput'])} requests/s)"
         if gaps:

@@ -38,7 +38,7 @@ def test_a_killed_server_leaves_the_coverage_within_seconds(make_window, qtbot, 
             doomed.kill()
             killed_at = time.monotonic()
             # (its records would keep it "online" for 2 x 60 s; the watcher's probe sees it gone in one period)
-            qtbot.waitUntil(lambda: "1 servers online" in page.coverage_note.text(), timeout=30_000)
+            qtbot.waitUntil(lambda: "1 server online" in page.coverage_note.text(), timeout=30_000)
             seconds = time.monotonic() - killed_at
             assert "no server for blocks 1" in page.coverage_note.text()
             assert list(page.coverage_data[1]) == [10.0, 0.0]  # block 1 has no throughput left

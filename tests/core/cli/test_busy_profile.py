@@ -63,3 +63,17 @@ def test_a_quiet_profile_is_used_without_a_word(profile_at, monkeypatch):
     profile_at(CPUS - 0.5)
     monkeypatch.setenv(LOAD_ENV, "0.4")
     assert why_measure(profiled=True, measure=True) == ("", "")
+
+
+def test_a_busy_profile_measured_again_is_said_so_not_a_first_plan(profile_at, cli, monkeypatch):
+    """Session 23: `api` re-measuring a busy profile said "the first plan for this machine: measured it quickly"."""
+    from hivekeeper.core.machine.measurement import SIZES_ENV
+
+    path = profile_at(CPUS + 2.5)
+    monkeypatch.setenv(LOAD_ENV, "0")
+    monkeypatch.setenv(SIZES_ENV, "tiny")  # the wiring is tested, not the figures
+    done = cli("plan", "--model", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--hardware", "auto", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "note: measured this machine again quickly (" in done.stderr
+    assert "the first plan for this machine" not in done.stderr
+    assert load_profile(path).measured_at != 1.7e9  # measured now

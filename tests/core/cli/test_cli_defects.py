@@ -172,3 +172,42 @@ def test_detect_refuses_a_data_dir_that_is_a_file(tmp_path, cli):
     a_file.write_text("")
     result = cli("detect", "--data-dir", str(a_file))
     assert result.returncode == 2 and f"--data-dir {a_file}: not a folder" in one_line(result)
+
+
+# ---- session 23's newcomer ------------------------------------------------------------------------------------------
+def test_a_broken_config_json_is_named_before_a_missing_tokenizer(tmp_path, cli):
+    """`generate` on a folder whose config.json is not JSON said "tokenizer.json: missing. This checkpoint has no fast
+    tokenizer; convert it ...", while `models list` said what is wrong: config.json is read first now."""
+    folder = tmp_path / "badcfg"
+    folder.mkdir()
+    (folder / "config.json").write_text("{bad")
+    result = cli("generate", "--model", str(folder), "--prompt", "hi")
+    assert result.returncode == 2 and result.stdout == ""
+    line = one_line(result)
+    assert f"{folder / 'config.json'}: not valid JSON" in line and "tokenizer" not in line, line
+
+
+def test_the_built_in_model_cut_short_says_so_in_plain_words(tmp_path, cli):
+    """`head -c 1000000 model.gguf > cut.gguf`, then `generate --model cut.gguf`: the line ended in struct's
+    "unpack_from requires a buffer of at least 1000007 bytes ...". Now the file's size and what runs past its end."""
+    from hivekeeper.core.runtime.default_model import INSTALL_HINT, default_model_file
+
+    source = default_model_file()
+    if source is None:
+        pytest.skip(f"the built-in model is not installed ({INSTALL_HINT})")
+    cut = tmp_path / "cut.gguf"
+    with open(source, "rb") as whole:
+        cut.write_bytes(whole.read(1_000_000))
+    result = cli("generate", "--model", str(cut), "--prompt", "hi")
+    assert result.returncode == 2 and result.stdout == ""
+    line = one_line(result)
+    assert f"{cut}: corrupt or truncated GGUF file (1,000,000 bytes; its header runs past the end of the file)" in line
+    assert not re.search(r"unpack|buffer|reshape", line), line
+
+
+def test_the_built_in_models_hub_name_suggests_the_built_in_model(cli):
+    """`plan --model HuggingFaceTB/SmolLM2-135M-Instruct` suggested only Meta-Llama-3.1 ids (their whole ids look
+    alike); the built-in model, the same name after the org, comes first now."""
+    result = cli("plan", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--hardware", "rtx-4090")
+    assert result.returncode == 2
+    assert "did you mean smollm2-135m-instruct or " in one_line(result), result.stderr

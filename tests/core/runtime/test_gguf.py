@@ -539,6 +539,22 @@ def test_truncated_file(tmp_path, keep):
     assert "truncated" in str(error.value) or "not a GGUF" in str(error.value)
 
 
+@pytest.mark.parametrize("where, words", [("strings", "its header runs past the end of the file"),
+                                         ("tensors", "its tensor data runs to byte {size:,}")])
+def test_a_cut_file_says_what_runs_past_its_end(tmp_path, where, words):
+    """Session 23: the built-in model cut at 1 MB (in its token strings) said struct's "unpack_from requires a buffer
+    of at least 1000007 bytes ...", cut in its tensor data numpy's "cannot reshape array of size ...". Now: the file's
+    size and what runs past its end; for tensor data, the size the whole file has."""
+    path = small_file(tmp_path)
+    data = path.read_bytes()
+    keep = data.index(b"tokenizer.ggml.tokens") + 200 if where == "strings" else int(0.6 * len(data))
+    path.write_bytes(data[:keep])
+    with pytest.raises(InputError) as error:
+        GGUFCheckpoint(path)
+    assert_one_line(error, path, f"corrupt or truncated GGUF file ({keep:,} bytes; {words.format(size=len(data))})")
+    assert not any(word in str(error.value) for word in ("unpack", "buffer", "reshape", "dtype")), error.value
+
+
 def test_unknown_architecture(tmp_path):
     path = small_file(tmp_path, arch="falcon")
     with pytest.raises(InputError) as error:
