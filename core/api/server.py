@@ -6,8 +6,13 @@ Requests are handled concurrently: each one is checked, then handed to the servi
 decodes concurrent requests together, see core/runtime/continuous.py), and its text comes back through an asyncio
 queue. A bad request gets an OpenAI-shaped JSON error (schema.APIError) naming the field, and the server goes on; so
 does an error while generating (500; 503 through a swarm). With `stream: true` the text goes out as server-sent
-events (`data: {chunk}` lines, then `data: [DONE]`); a client that disconnects mid-stream cancels its request, which
-leaves the batch (and frees its KV cache) at the next step.
+events (`data: {chunk}` lines, then `data: [DONE]`). A client that disconnects cancels its request, which leaves the
+batch (and frees its KV cache) at the next step: mid-stream, as the stream's generator is closed; without `stream`,
+as the handler waiting for the whole reply looks every DISCONNECT_POLL_S whether its client is still there.
+
+The requests being answered are counted (Requests, shown on /health). A server that stops (Ctrl-C, SIGTERM,
+shutdown()) cancels them first: their handlers answer at once (503, the reply cut short) and uvicorn's graceful
+shutdown has nothing left to wait for, rather than cancelling them after its timeout with a traceback each.
 """
 
 from __future__ import annotations
@@ -17,22 +22,27 @@ import json
 import socket
 import threading
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hivekeeper.core.api.schema import (MAX_BODY_BYTES, APIError, GenerationRequest, chat_request,
                                         completion_request, parse_json)
 from hivekeeper.core.api.service import ModelService, Reply
+from hivekeeper.core.runtime.continuous import Completion
 
 SHUTDOWN_TIMEOUT_S = 10
+DISCONNECT_POLL_S = 0.1  # how often a handler waiting for a whole (non-streamed) reply looks for its client
+CLIENT_GONE = 499  # what a handler whose client left answers (to nobody): nginx's "client closed request"
 
 
-def build_app(service: ModelService) -> Starlette:
-    """The ASGI app of the API over `service`."""
+def build_app(service: ModelService, requests: Requests | None = None) -> Starlette:
+    """The ASGI app of the API over `service`; `requests` counts (and at a stop cancels) the requests it answers."""
+    requests = requests if requests is not None else Requests()
 
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [service.model_card()]})
@@ -42,13 +52,13 @@ def build_app(service: ModelService) -> Starlette:
         return JSONResponse(service.model_card())
 
     async def health(request: HTTPRequest):
-        return JSONResponse({"status": "ok", "model": service.model_id})
+        return JSONResponse({"status": "ok", "model": service.model_id, "requests": len(requests.pending)})
 
     async def chat(request: HTTPRequest):
-        return await complete(service, chat_request(parse_json(await body(request))))
+        return await complete(request, service, requests, chat_request(parse_json(await body(request))))
 
     async def completions(request: HTTPRequest):
-        return await complete(service, completion_request(parse_json(await body(request))))
+        return await complete(request, service, requests, completion_request(parse_json(await body(request))))
 
     routes = [Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
               Route("/", health), Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -125,19 +135,51 @@ def too_large(length: int) -> APIError:
                     code="request_too_large")
 
 
+class Requests:
+    """The requests being answered: handed to the engine, not yet done, their client still there. A stopping server
+    cancels them (stop()) and takes no new ones."""
+
+    def __init__(self):
+        self.pending: set[Pending] = set()
+        self.stopping = False
+
+    def submit(self, engine, pending: Pending) -> None:
+        if self.stopping:
+            raise stopping_error()
+        engine.submit(pending.engine_request)
+        self.pending.add(pending)
+
+    def stop(self) -> None:
+        """Cancel every request (each leaves the engine at its next step; its handler answers a 503)."""
+        self.stopping = True
+        for pending in list(self.pending):
+            pending.cancel()
+
+
+def stopping_error() -> APIError:
+    return APIError(503, "the server is stopping: ask again once it is back", error_type="service_unavailable",
+                    code="server_stopping")
+
+
 class Pending:
     """One request handed to the engine: its text and its end arrive on an asyncio queue from the engine's thread."""
 
-    def __init__(self, service: ModelService, request: GenerationRequest):
+    def __init__(self, service: ModelService, request: GenerationRequest, requests: Requests):
         self.loop = asyncio.get_running_loop()
+        self.requests = requests
         self.events: asyncio.Queue = asyncio.Queue()
         self.engine_request = service.engine_request(request, self._text, self._done)
 
     def _put(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._arrived, item)
         except RuntimeError:  # the loop is gone (shutting down): nobody is waiting
             pass
+
+    def _arrived(self, item) -> None:
+        if item[0] == "done":
+            self.requests.pending.discard(self)
+        self.events.put_nowait(item)
 
     def _text(self, text: str) -> None:
         self._put(("text", text))
@@ -146,38 +188,63 @@ class Pending:
         self._put(("done", outcome))
 
     def cancel(self) -> None:
+        """The engine drops the request at its next step (its client left, or the server stops); once done, a no-op."""
         self.engine_request.cancelled.set()
+        self.requests.pending.discard(self)
+
+    async def next_event(self):
+        """("text", str) or ("done", Completion); an engine failure is raised, and so is a stop (a 503): a request
+        cut short by the server's stop (its client still there) is not a whole reply."""
+        kind, value = await self.events.get()
+        if kind == "done" and isinstance(value, BaseException):
+            raise value
+        if kind == "done" and value.finish_reason == "stopped":
+            raise stopping_error()
+        return kind, value
 
     async def events_until_done(self):
-        """("text", str) items, then ("done", Completion); an engine failure is raised."""
+        """("text", str) items, then ("done", Completion)."""
         while True:
-            kind, value = await self.events.get()
-            if kind == "done" and isinstance(value, BaseException):
-                raise value
+            kind, value = await self.next_event()
             yield kind, value
             if kind == "done":
                 return
 
+    async def completion(self) -> Completion:
+        while True:
+            kind, value = await self.next_event()
+            if kind == "done":
+                return value
 
-async def complete(service: ModelService, request: GenerationRequest):
+    async def completion_while_connected(self, http: HTTPRequest) -> Completion | None:
+        """The whole reply's Completion; None when the client left first, looked at every DISCONNECT_POLL_S (the
+        request is then cancelled: it frees its row, as a stream's does)."""
+        waiting = asyncio.ensure_future(self.completion())
+        try:
+            while not (await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S))[0]:
+                if await http.is_disconnected():
+                    return None
+            return waiting.result()
+        finally:
+            waiting.cancel()
+            self.cancel()  # after the end, a no-op
+
+
+async def complete(http: HTTPRequest, service: ModelService, requests: Requests, request: GenerationRequest):
     """Hand a checked request to the engine; the whole reply, or a stream of it."""
     reply = Reply(service, request)
-    pending = Pending(service, request)  # every refusal is raised here, before anything is sent
-    service.engine.submit(pending.engine_request)
+    pending = Pending(service, request, requests)  # every refusal is raised here, before anything is sent
+    requests.submit(service.engine, pending)
     if request.stream:
         return StreamingResponse(stream(service, reply, pending), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    try:
-        async for kind, value in pending.events_until_done():
-            if kind == "done":
-                return JSONResponse(reply.whole(value))
-    finally:
-        pending.cancel()  # a client that left (the task is cancelled) frees its row; after the end, a no-op
+    done = await pending.completion_while_connected(http)
+    return Response(status_code=CLIENT_GONE) if done is None else JSONResponse(reply.whole(done))
 
 
 async def stream(service: ModelService, reply: Reply, pending: Pending):
-    """The reply as server-sent events; the engine's failure after the 200 went out ends the stream with an error
-    event. A client that leaves closes this generator, which cancels the request."""
+    """The reply as server-sent events; the engine's failure after the 200 went out (or the server's stop) ends the
+    stream with an error event. A client that leaves closes this generator, which cancels the request."""
     try:
         yield event(reply.chunk(first=True))
         try:
@@ -205,13 +272,12 @@ class APIServer:
     model loads, and --port 0 gets a free port). serve_forever() blocks; shutdown() from another thread ends it."""
 
     def __init__(self, service: ModelService, sock: socket.socket, verbose: bool = False):
-        import uvicorn
-
         self.service = service
         self.socket = sock
-        config = uvicorn.Config(build_app(service), log_level="info" if verbose else "warning",
+        self.requests = Requests()
+        config = uvicorn.Config(build_app(service, self.requests), log_level="info" if verbose else "warning",
                                 access_log=verbose, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)
-        self.server = uvicorn.Server(config)
+        self.server = StoppingServer(config, self.requests)
         self._stopped = threading.Event()
 
     @property
@@ -230,6 +296,18 @@ class APIServer:
 
     def server_close(self) -> None:
         self.socket.close()
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown cancels the requests being answered before it waits for their handlers."""
+
+    def __init__(self, config: uvicorn.Config, requests: Requests):
+        super().__init__(config)
+        self.requests = requests
+
+    async def shutdown(self, sockets=None) -> None:
+        self.requests.stop()
+        await super().shutdown(sockets=sockets)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"serving {server.service.model_id} at {url} ({server.service.runner.description})", flush=True)
     signal.signal(signal.SIGTERM, interrupt)  # uvicorn re-raises the SIGTERM it caught once it has finished
     try:
-        server.serve_forever()  # Ctrl-C (SIGINT) or SIGTERM: uvicorn finishes what it serves, then returns
+        server.serve_forever()  # Ctrl-C (SIGINT) or SIGTERM: running requests cancelled, then returns
     except KeyboardInterrupt:
         pass
     finally:

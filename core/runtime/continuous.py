@@ -218,11 +218,13 @@ class ContinuousBatcher(_EngineThread):
                         self._fill()
                     if self.rows:
                         self._step()
-        if self.filling is not None:
-            self.rows += self.filling.rows  # their requests end as "stopped" with the others
-        for row in list(self.rows):
-            row.output.stop()
-            self._finish(row)
+            # still in inference mode: _finish moves pool rows (session 23: closed with two rows running, the copy
+            # into an inference tensor outside it raised "Inplace update to inference tensor outside InferenceMode")
+            if self.filling is not None:
+                self.rows += self.filling.rows  # their requests end as "stopped" with the others
+            for row in list(self.rows):
+                row.output.stop()
+                self._finish(row)
         for request in self._waiting:  # taken off the queue, never started
             request.on_done(Completion("", [], "stopped", len(request.prompt_ids)))
         self._drain()

@@ -18,7 +18,7 @@ from hivekeeper.core.child_argv import hivekeeper_command
 
 from hivekeeper.gui.services.child_process import ChildService, last_error
 
-STOP_GRACE_MS = 10_000  # uvicorn finishes the requests it serves, then the model is closed
+STOP_GRACE_MS = 10_000  # the server cancels running requests (503), then closes the model
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """`hivekeeper api` driven by the official `openai` client, as its users drive it, on a tiny checkpoint served in
 this process (a real uvicorn server on 127.0.0.1): greedy text equal to `hivekeeper generate`, streaming equal to
-not streaming, concurrent streams decoded in one batch with each one's own text, a client that leaves freeing its
-row, and the client's own error types for a bad key, a bad field and a prompt past the context."""
+not streaming, concurrent streams decoded in one batch with each one's own text, a client that leaves (mid-stream, or
+waiting for a whole reply) freeing its row, and the client's own error types for a bad key, a bad field and a prompt
+past the context."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -14,10 +16,13 @@ import pytest
 from hivekeeper.core.cli.api import open_server
 from hivekeeper.core.cli.main import build_parser, main
 
+from .raw_http import send_request
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KEY = "sesame"
 PROMPTS = ["hello there", "the cat sat on the mat and", "one two", "a b c d e f g h i j"]
 NEW_TOKENS = 10
+LONG_TOKENS = 2000  # a reply "count" goes on with to its max_tokens (the tiny model's context is 2048 tokens)
 DEADLINE_S = 120
 
 
@@ -157,3 +162,35 @@ def test_errors_arrive_as_the_clients_own_error_types(api, client, openai):
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+
+
+def health(api) -> dict:
+    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=DEADLINE_S)
+    try:
+        connection.request("GET", "/health", headers={"Authorization": f"Bearer {KEY}"})
+        return json.loads(connection.getresponse().read())
+    finally:
+        connection.close()
+
+
+def test_a_client_that_leaves_before_its_whole_reply_frees_its_row(api, client):
+    """Without `stream`: the client hangs up while the engine is held mid-reply (so the request cannot end on its
+    own); the server lets the request go, and once released the engine drops it without another step, though it had
+    nearly all of its max_tokens to go."""
+    engine = api.service.engine
+    before = engine.stats.steps
+    sock = send_request(api.port, "/v1/completions", {"model": client_model(client), "prompt": "count",
+                                                      "max_tokens": LONG_TOKENS, "temperature": 0}, KEY, DEADLINE_S)
+    try:
+        wait_until(lambda: engine.stats.steps > before, "the reply under way")
+        with engine.hold():  # no step runs meanwhile
+            held = engine.stats.steps
+            assert engine.active == 1 and held - before < LONG_TOKENS - 1  # still generating
+            assert health(api)["requests"] == 1
+            sock.close()
+            wait_until(lambda: health(api)["requests"] == 0, "the server letting the left request go")
+    finally:
+        sock.close()
+    wait_until(lambda: engine.active == 0 and engine.waiting == 0, "the left request's row freed")
+    assert engine.stats.steps == held  # dropped at its next step, without decoding it
+    assert complete(client, PROMPTS[0]).usage.completion_tokens == NEW_TOKENS

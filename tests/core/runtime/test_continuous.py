@@ -242,3 +242,34 @@ def test_the_serial_engine_gives_the_same_texts(runner, alone):
     finally:
         engine.close()
         runner.model.config.eos_token_ids, runner.tokenizer.eos_token_ids = saved
+
+
+def test_closing_with_rows_running_ends_each_as_stopped(runner):
+    """Session 23: closed with two or more rows decoding, the engine's thread moved pool rows outside inference mode
+    ("Inplace update to inference tensor outside InferenceMode") and the requests never ended. Each ends "stopped",
+    with the text it had. The first request's third piece of text holds the engine's thread while the test closes it."""
+    engine = no_eos(engine_for(runner.model, runner.tokenizer, 8), runner)
+    outcomes = Outcomes(runner)
+    requests = [outcomes.request(i, prompt, max_new=60) for i, prompt in enumerate(PROMPTS)]
+    pieces, inside, resume = [], threading.Event(), threading.Event()
+
+    def hold_at_the_third(text: str) -> None:
+        pieces.append(text)
+        if len(pieces) == 3:
+            inside.set()
+            resume.wait(DEADLINE_S)
+
+    requests[0].on_text = hold_at_the_third
+    try:
+        with engine.hold():
+            for request in requests:
+                engine.submit(request)
+        assert inside.wait(DEADLINE_S)
+        assert engine.active >= 2
+        engine.close(timeout=0)  # closed while a step is under way
+    finally:
+        resume.set()
+        engine.close()
+    done = outcomes.wait()
+    assert {outcome.finish_reason for outcome in done.values()} == {"stopped"}
+    assert 3 <= len(done[0].token_ids) < 60
