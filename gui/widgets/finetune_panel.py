@@ -10,6 +10,7 @@ their file to the Chat page, which offers them as the chat's trained prompts.
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Callable
 
 import pyqtgraph as pg
@@ -110,8 +111,12 @@ class FinetunePanel(QDialog):
         if not data or not out:
             self.status.setText("choose a data file and where the prompts go")
             return False
-        spec = RunSpec(data=data, out=out, model=self._model_of(), method=self.method_combo.currentData(),
-                       prompt_tokens=self.tokens_spin.value(), steps=self.steps_spin.value(),
+        # resuming an existing prompts file goes on with its own method and size (the boxes are for a new file; session
+        # 23: other values there were refused in the command line's words)
+        resumes = Path(out).expanduser().is_file()
+        spec = RunSpec(data=data, out=str(Path(out).expanduser()), model=self._model_of(),
+                       method=None if resumes else self.method_combo.currentData(),
+                       prompt_tokens=None if resumes else self.tokens_spin.value(), steps=self.steps_spin.value(),
                        lr=self.lr_spin.value(), batch=self.batch_spin.value())
         self.losses, self.error, self.steps_done = [], "", None
         self.curve.setData([], [])

@@ -53,9 +53,12 @@ def test_the_panel_trains_draws_the_loss_stops_resumes_and_feeds_the_chat(app_wi
     assert not panel.error and 4 <= panel.steps_done < 10_000
     stopped_at = panel.steps_done
     panel.steps_spin.setValue(stopped_at + 1)
+    panel.tokens_spin.setValue(5)  # for a new file: a resume goes on with the file's 2 (it was refused, session 23)
+    panel.method_combo.setCurrentIndex(panel.method_combo.findData("ptune"))
     assert panel.start()
     qtbot.waitUntil(lambda: panel.start_button.isEnabled() and panel.steps_done is not None, timeout=120_000)
-    assert [step for step, _ in panel.losses] == [stopped_at + 1] and panel.steps_done == stopped_at + 1
+    assert not panel.error and [step for step, _ in panel.losses] == [stopped_at + 1]
+    assert panel.steps_done == stopped_at + 1
 
 
 def test_the_chat_backend_runs_trained_prompts_first(demo_checkpoint, tmp_path):
