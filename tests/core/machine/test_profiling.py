@@ -181,7 +181,7 @@ def runs_at_pace(spec, hardware, efficiency, policy, pace: float, grid_pass: int
 
 
 def test_a_pass_off_the_measured_pace_is_timed_again_and_the_steady_pass_is_fitted(tiny_checkpoint):
-    from hivekeeper.core.machine.profiling import PACE_TOLERANCE, PaceCheck
+    from hivekeeper.core.machine.profiling import MEASURED_SLOW_WORDS, PACE_TOLERANCE, PaceCheck
     from hivekeeper.planner.model_catalog import load_model_spec
 
     spec, hardware = load_model_spec(str(tiny_checkpoint)), measured_hardware(1.0)
@@ -204,6 +204,12 @@ def test_a_pass_off_the_measured_pace_is_timed_again_and_the_steady_pass_is_fitt
     assert busy(runs[0], policy, 0) and not busy(runs[1], policy, 1)
     assert busy.kept(runs[0] + runs[1]) == runs[0] + runs[1]
     assert "no pass ran at the measured pace" in busy.notes()[0]
+    assert MEASURED_SLOW_WORDS in busy.notes()[0]  # faster than measured every time: the measurement read slow
+    # slower than measured every time: the host was busy throughout (or the model's own error), no advice to measure
+    slower = PaceCheck(spec, hardware, efficiency, extra_passes=1)
+    runs = [runs_at_pace(spec, hardware, efficiency, policy, 0.8, i) for i in range(2)]
+    assert slower(runs[0], policy, 0) and not slower(runs[1], policy, 1)
+    assert "no pass ran at the measured pace" in slower.notes()[0] and MEASURED_SLOW_WORDS not in slower.notes()[0]
 
 
 def test_profile_times_the_grid_again_while_it_runs_off_the_measured_pace(tiny_checkpoint):
