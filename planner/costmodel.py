@@ -1346,8 +1346,10 @@ def compute_bound_batch(grid: CandidateArrays, context: float) -> dict[str, np.n
     basis_time = np.where(stream > 0, stream, resident)
     effective_flops = grid.peak_flops * acc_eff.matmul_fraction
     batch = np.ceil(basis_time * effective_flops / grid.numbers.flops_per_token - 1e-9)
+    if grid.overlapped.any():  # packed formats: from their kernels' steps (8 more decode passes over the grid)
+        batch = np.where(grid.overlapped, kernel_bound_batch(grid, context, stream, batch), batch)
     return {
-        "min_compute_bound_batch": np.where(grid.overlapped, kernel_bound_batch(grid, context, stream, batch), batch),
+        "min_compute_bound_batch": batch,
         "min_compute_bound_basis": np.where(stream > 0, np.where(stream_disk > stream_link, 2, 1), 0),
     }
 
