@@ -293,15 +293,16 @@ def overall(errors: dict, phase: str, form: str) -> float:
     return round(float(np.mean(values)), 1) if values else float("nan")
 
 
-def default_model_decode(spec, hardware, points, policies, efficiencies: dict) -> dict:
+def default_model_decode(spec, points, policies, forms: dict) -> dict:
     """The default model's decode tokens/s at batch 1 (median over the evaluation's prompt lengths): measured, and
-    predicted by each form; and each form's prefill tokens/s over the measured one (`<form>_prefill_ratio`)."""
+    predicted by each form ({name: (hardware, efficiency)}); and each form's prefill tokens/s over the measured one
+    (`<form>_prefill_ratio`)."""
     from hivekeeper.planner.calibration import cost_model_predictions
 
     chosen = [pt for pt in points if pt.batch_size == 1 and pt.step_s]
     result = {"measured": round(float(np.median([1.0 / pt.step_s for pt in chosen])), 2),
               "prefill_measured": round(float(np.median([pt.prompt_len / pt.prefill_s for pt in chosen])), 1)}
-    for name, eff in efficiencies.items():
+    for name, (hardware, eff) in forms.items():
         predicted = cost_model_predictions(spec, hardware, chosen, policies, eff)
         result[name] = round(float(np.median(1.0 / predicted.step_s)), 2)
         result[f"{name}_ratio"] = round(result[name] / result["measured"], 3)
@@ -310,7 +311,7 @@ def default_model_decode(spec, hardware, points, policies, efficiencies: dict) -
     return result
 
 
-def packed_default_decode(path, spec, hardware, rounds: list, efficiencies: dict, now=None) -> dict:
+def packed_default_decode(path, spec, rounds: list, forms: dict, now=None) -> dict:
     """The default model as `generate` runs it (its Q4_1 blocks packed; its tokenizer decoding every new token; in a
     process of its own: packed_runs_in_child), batch 1: its steady decode measured over the grid's prompt lengths in
     every round (`rounds`: packed_runs_in_child's, one a round; each point the mean of its rounds, pooled_rounds), and
@@ -335,11 +336,11 @@ def packed_default_decode(path, spec, hardware, rounds: list, efficiencies: dict
         for pt, rates in done["points"]:
             runs.setdefault(pt.prompt_len, []).extend(rates)
     row = {"format": packed_format, "new_tokens": PACKED_NEW_TOKENS, "rounds": len(rounds), "runs_tokens_per_s": runs,
-           **default_model_decode(spec, hardware, measured, policies, efficiencies)}
+           **default_model_decode(spec, measured, policies, forms)}
     if now:
         hardware_now = now(*(done[when] for done in rounds for when in ("before", "after")))
-        at_now = default_model_decode(spec, hardware_now, measured, policies,
-                                      {"uncalibrated_now": measured_efficiency(hardware_now)})
+        at_now = default_model_decode(spec, measured, policies,
+                                      {"uncalibrated_now": (hardware_now, measured_efficiency(hardware_now))})
         row.update({key: at_now[key] for key in ("uncalibrated_now", "uncalibrated_now_ratio")})
         row["kernel_q4_1_now_gweights_per_s"] = round(hardware_now.cpu.packed_kernels.get("q4_1", 0) / 1e9, 2)
     return row
@@ -550,6 +551,7 @@ def main() -> None:
     from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, STEP_OVERHEAD_KEY,
                                                      WEIGHT_STREAM_KEY)
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
+    from hivekeeper.core.machine.decode_reread import read_decode_again
     from hivekeeper.core.machine.profiling import profile_model
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.planner.calibration import measured_efficiency
@@ -571,11 +573,22 @@ def main() -> None:
     base = measured_efficiency(hardware)
     loads["measured"] = round(os.getloadavg()[0], 2)
     stages = {"measure": round(measure_s, 1)}
+    reread: dict = {}  # the measurements as profile_model's read_again left them, where it read the decode steps again
+
+    def read_again(weight_format: str):
+        reread["measurements"] = read_decode_again(measurements, weight_format, QUICK)
+        reread["hardware"] = apply_measurements(detected, reread["measurements"], time.time())
+        return reread["hardware"]
+
     calibration = profile_model(models[thin_name], calibration_grid, hardware, machine_fingerprint(detected),
-                                base=base, device="cpu", progress=TerminalProgress("calibrate "), threads=threads)
+                                base=base, device="cpu", progress=TerminalProgress("calibrate "), threads=threads,
+                                read_again=read_again)
     loads["calibrated"] = round(os.getloadavg()[0], 2)
     stages["calibrate"] = round(time.perf_counter() - started - measure_s, 1)
-    efficiencies = {"calibrated": calibration.efficiency, "uncalibrated": base}
+    # the calibrated form: the measurement as the profile left it (read again where the grid ran faster than it
+    # predicts: decode_reread) with the fitted factors; the uncalibrated one: the quick measurement alone
+    calibrated_hardware = reread.get("hardware", hardware)
+    measured_forms = {"calibrated": (calibrated_hardware, calibration.efficiency), "uncalibrated": (hardware, base)}
 
     # ---- evaluation: both models, batch 1, 4, 8 and 64, in EVALUATION_ROUNDS rounds ------------------------------
     per_block = next(m.value for m in measurements if m.key == BLOCK_OVERHEAD_KEY)
@@ -591,7 +604,7 @@ def main() -> None:
         points, model_policies = pooled_rounds(evaluation.rounds[name]), evaluation.policies[name]
         moment = float(np.mean(evaluation.readings[name]))
         hardware_now = apply_measurements(detected, with_stream_rate(measurements, moment), time.time())
-        forms = {"calibrated": (hardware, calibration.efficiency), "uncalibrated": (hardware, base),
+        forms = {**measured_forms,
                  "uncalibrated_now": (hardware_now, measured_efficiency(hardware_now))}
         streams[name] = {"profile_gbps": round(profile_rate / 1e9, 2),
                          "readings_gbps": [round(r / 1e9, 2) for r in evaluation.readings[name]]}
@@ -602,8 +615,8 @@ def main() -> None:
                               for pts in evaluation.rounds[name]]
         repeat[name] = repeat_errors(evaluation.rounds[name][0], evaluation.rounds[name][-1])
         if name == thin_name:
-            default = default_model_decode(specs[name], hardware, points, model_policies, efficiencies)
-    packed = packed_default_decode(models[thin_name], specs[thin_name], hardware, evaluation.packed, efficiencies,
+            default = default_model_decode(specs[name], points, model_policies, measured_forms)
+    packed = packed_default_decode(models[thin_name], specs[thin_name], evaluation.packed, measured_forms,
                                    packed_now(detected, measurements))
 
     if args.dump:
@@ -616,6 +629,9 @@ def main() -> None:
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
     line["per_shape_time_ratio"] = ratios
     line["calibration_notes"] = list(calibration.notes)  # session 21: the grid's passes off the measured pace
+    if reread:  # session 24: the grid decoded faster than the quick measurement predicts; its decode steps read again
+        line["measured"]["stream_read_again_gbps"] = next(round(m.value / 1e9, 2) for m in reread["measurements"]
+                                                          if m.key == WEIGHT_STREAM_KEY)
     line["terms"], line["stream_rate_now"] = terms, streams
     line.update({f"{phase}_mape_uncalibrated_now_pct": overall(errors, phase, "uncalibrated_now")
                  for phase in ("decode", "prefill")})  # the model's error with the streaming rate of the moment

@@ -856,13 +856,18 @@ def pooled_reading(readings: list[StreamReading], shapes: tuple[tuple[int, int],
     return StreamReading(bandwidth, per_block, wide_s, narrow_s)
 
 
+SPREAD_MOMENTS = "spread over the measurement"  # when fold_stream_readings's later readings were taken (its default)
+
+
 def fold_stream_readings(results: list[Measurement], later: list[StreamReading],
-                         shapes: tuple[tuple[int, int], tuple[int, int]]) -> list[Measurement]:
+                         shapes: tuple[tuple[int, int], tuple[int, int]],
+                         moments: str = SPREAD_MOMENTS) -> list[Measurement]:
     """`results` with the decode steps' streaming rate (WEIGHT_STREAM_KEY) and a block's fixed cost
     (BLOCK_OVERHEAD_KEY) pooled from measure_decode_blocks's reading and the `later` ones (pooled_reading, on the
     spans' (bytes, blocks) `shapes`); the rate's samples are then the readings' rates, its spread their range over
-    their median; a few-row step's reads are the median of every reading's (pooled_reads). Unchanged without later
-    readings or without the decode steps' measurements."""
+    their median; a few-row step's reads are the median of every reading's (pooled_reads). `moments`: when the later
+    readings were taken, for the details. Unchanged without later readings or without the decode steps'
+    measurements."""
     by_key = {m.key: m for m in results}
     stream, block = by_key.get(WEIGHT_STREAM_KEY), by_key.get(BLOCK_OVERHEAD_KEY)
     if not later or stream is None or block is None:
@@ -871,12 +876,12 @@ def fold_stream_readings(results: list[Measurement], later: list[StreamReading],
     pooled = pooled_reading(readings, shapes)
     rates = [r.bandwidth for r in readings]
     listed = ", ".join(f"{r.bandwidth / 1e9:.3g} GB/s {r.per_block * 1e3:.2g} ms" for r in readings)
-    words = f"; fitted again to the median steps of {len(rates)} readings spread over the measurement ({listed})"
+    words = f"; fitted again to the median steps of {len(rates)} readings {moments} ({listed})"
     folded = {WEIGHT_STREAM_KEY: replace(stream, value=pooled.bandwidth, spread=median_and_spread(rates)[1],
                                          repeats=len(rates), samples=rates, loadavg=max(stream.loadavg, load_average()),
                                          detail=stream.detail + words),
               BLOCK_OVERHEAD_KEY: replace(block, value=pooled.per_block, detail=block.detail + words)}
-    folded.update({m.key: pooled_reads(m, later) for m in results if m.key.startswith(ROW_READS_AT_KEY)})
+    folded.update({m.key: pooled_reads(m, later, moments) for m in results if m.key.startswith(ROW_READS_AT_KEY)})
     four = [key for key in folded if key.startswith(ROW_READS_AT_KEY) and key.endswith(f"x{FEW_ROWS}")]
     if four and SMALL_ROWS_READS_KEY in by_key:  # older profiles' one figure: the wide span's 4-row reads
         wide = max(four, key=lambda key: int(key[len(ROW_READS_AT_KEY):].split("x")[0]))
@@ -886,7 +891,7 @@ def fold_stream_readings(results: list[Measurement], later: list[StreamReading],
     return [folded.get(m.key, m) for m in results]
 
 
-def pooled_reads(reads: Measurement, later: list[StreamReading]) -> Measurement:
+def pooled_reads(reads: Measurement, later: list[StreamReading], moments: str = SPREAD_MOMENTS) -> Measurement:
     """A few-row step's reads (row_reads: over its own reading's one-row fit) as the median of the first reading's
     and every later reading's of the same key, at least 1; unchanged where no later reading timed it. Session 17:
     one reading's few-row steps at a moment of the host put the 576-wide span's 4-row reads at 1.18-1.89 between
@@ -897,7 +902,7 @@ def pooled_reads(reads: Measurement, later: list[StreamReading]) -> Measurement:
         return reads
     return replace(reads, value=max(1.0, statistics.median(samples)), spread=median_and_spread(samples)[1],
                    repeats=len(samples), samples=samples,
-                   detail=f"{reads.detail}; the median of {len(samples)} readings spread over the measurement "
+                   detail=f"{reads.detail}; the median of {len(samples)} readings {moments} "
                           f"({', '.join(f'{x:.3g}' for x in samples)})")
 
 

@@ -6,7 +6,8 @@ grid `repeats` times, so a burst of load from other processes hits different rep
 moments; each point keeps the median of its repeats (the machine's typical time, as `hivekeeper measure` keeps the
 median of its timings) and the spread. On a measured machine `PaceCheck` compares each pass of the grid with what
 the measurement predicts and, when the host ran well off that pace, times the grid again at a later moment (issue 23,
-session 21). It then fits the cost model's efficiency factors and the idealized-runtime forms
+session 21); where every pass decoded faster than the measurement predicts, its decode steps are read again
+(core/machine/decode_reread.py, session 24) and the fit is against that reading. It then fits the cost model's efficiency factors and the idealized-runtime forms
 (planner/calibration.py) and returns the Calibration to save.
 
 `render_report` and `write_report_png` compare the three forms (uncalibrated cost model, calibrated cost model,
@@ -273,6 +274,11 @@ MEASURED_SLOW_WORDS = ("every pass ran faster than this machine's measurement pr
                        "moment: run `hivekeeper measure` again at a quiet one, then profile again")
 
 
+# where every pass decoded faster than measured and profile_model could read the decode steps again (read_again)
+READ_AGAIN_WORDS = ("every pass decoded faster than the measurement predicts, so its decode steps were read again "
+                    "after the grid and the measurement updated; against it")
+
+
 @dataclass(frozen=True)
 class PassPace:
     """How fast one pass of the grid ran against the measured machine's prediction: predicted / measured time,
@@ -290,6 +296,11 @@ class PassPace:
         """Whether the pass ran faster than the measurement predicted beyond the tolerance, in no phase slower."""
         paces = [pace for pace in (self.prefill, self.decode) if pace is not None]
         return max(paces) > tolerance and min(paces) >= 1 / tolerance
+
+    def decode_faster(self, tolerance: float = PACE_TOLERANCE) -> bool:
+        """Whether the pass's decode ran faster than the measurement predicted beyond the tolerance, its prefill not
+        slower: the measured decode steps read slow (read_again's case)."""
+        return self.decode is not None and self.decode > tolerance and self.prefill >= 1 / tolerance
 
     def describe(self) -> str:
         decode = "" if self.decode is None else f", decode {self.decode:.2f}"
@@ -320,6 +331,7 @@ class PaceCheck:
         self.model, self.hardware, self.efficiency = model, hardware, efficiency
         self.tolerance, self.extra_passes = tolerance, extra_passes
         self.paces: list[PassPace] = []
+        self.earlier: list[PassPace] = []  # the paces against the measurement before it was read again (against)
 
     @staticmethod
     def applies(efficiency: MachineEfficiency) -> bool:
@@ -330,6 +342,23 @@ class PaceCheck:
         pace = pass_pace(self.model, self.hardware, self.efficiency, runs, policy, grid_pass)
         self.paces.append(pace)
         return pace.off(self.tolerance) and grid_pass < self.extra_passes
+
+    def decode_read_slow(self) -> bool:
+        """Whether some placement's every pass decoded faster than the measurement predicts (decode_faster): its
+        decode steps are worth reading again before the fit."""
+        return any(all(p.decode_faster(self.tolerance) for p in self.paces if p.placement == placement)
+                   for placement in dict.fromkeys(p.placement for p in self.paces))
+
+    def against(self, hardware: HardwareSpec, efficiency: MachineEfficiency, runs: list[Run],
+                policies: dict[str, Policy]) -> "PaceCheck":
+        """The same passes' paces against a measurement read again (decode_reread), the earlier ones kept for the
+        notes."""
+        check = PaceCheck(self.model, hardware, efficiency, self.tolerance, self.extra_passes)
+        check.earlier = list(self.paces)
+        check.paces = [pass_pace(self.model, hardware, efficiency,
+                                 [r for r in runs if r.placement == p.placement and r.grid_pass == p.grid_pass],
+                                 policies[p.placement], p.grid_pass) for p in self.paces]
+        return check
 
     def kept(self, runs: list[Run]) -> list[Run]:
         """Per placement, the runs of its passes within the tolerance; all its runs when none was."""
@@ -345,27 +374,36 @@ class PaceCheck:
         notes = []
         for placement in dict.fromkeys(p.placement for p in self.paces):
             paces = [p for p in self.paces if p.placement == placement]
-            if len(paces) == 1 and not paces[0].off(self.tolerance):
+            earlier = [p for p in self.earlier if p.placement == placement]
+            if len(paces) == 1 and not paces[0].off(self.tolerance) and not earlier:
                 continue
             steady = [p.grid_pass + 1 for p in paces if not p.off(self.tolerance)]
             kept = f"fitted on pass {', '.join(map(str, steady))}" if steady else \
                 "no pass ran at the measured pace: fitted on all (the model's own error here, or a host busy throughout)"
             if not steady and all(p.faster(self.tolerance) for p in paces):
                 kept += f"; {MEASURED_SLOW_WORDS}"
+            read = f"{'; '.join(p.describe() for p in earlier)}; {READ_AGAIN_WORDS}: " if earlier else ""
             notes.append(f"the host's pace during the grid (predicted / measured time; within 1/{self.tolerance:g}-"
-                         f"{self.tolerance:g} is at the measured pace): "
+                         f"{self.tolerance:g} is at the measured pace): {read}"
                          f"{'; '.join(p.describe() for p in paces)}; {kept}")
         return tuple(notes)
 
 
+ReadAgain = Callable[[str], HardwareSpec]
+
+
 def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareSpec, machine_id: str, *,
                   base: MachineEfficiency | None = None, device: str | None = None, progress: Progress = _silent,
-                  should_stop: Callable[[], bool] = lambda: False, threads: int | None = None) -> Calibration:
+                  should_stop: Callable[[], bool] = lambda: False, threads: int | None = None,
+                  read_again: ReadAgain | None = None) -> Calibration:
     """Measure the grid on this machine and fit every form: the Calibration to save in the machine profile.
 
     `hardware` is the spec the planner uses here (with measured numbers when `hivekeeper measure` ran) and `base`
     the efficiency it uses before calibration; the fitted factors are relative to that spec. `threads`: the matmul
     threads the runtime's layout set (offloaded_model.use_physical_cores), for the report; else torch's.
+    `read_again(weight format)`: on a CPU, where every pass decoded faster than the measurement predicts, reads that
+    format's decode steps again, keeps the measurements for the caller to save, and returns the spec they give
+    (decode_reread.read_decode_again); the fit is then against it (`base` becomes its measured efficiency).
     """
     import torch
 
@@ -383,6 +421,12 @@ def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareS
                                   check=check)
     if should_stop():
         raise InputError("profiling stopped before the grid was measured")
+    if check is not None and read_again is not None and device == "cpu" and check.decode_read_slow():
+        progress(1.0, "reading the decode steps again")
+        again = read_again(next(iter(policies.values())).weight_format)
+        if again != hardware:
+            hardware, base = again, measured_efficiency(again)
+            check = check.against(hardware, base, runs, policies)
     points = denoise(check.kept(runs) if check else runs)
     progress(1.0, "fitting")
     return build_calibration(

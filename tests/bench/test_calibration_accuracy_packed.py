@@ -74,23 +74,22 @@ def test_the_packed_row_pools_its_rounds(calibration_bench):
         return {"points": [(ProfilePoint(32, 64, 1, 0.1, step_s, 0.1 + 63 * step_s, repeats=3), rates)],
                 "before": [], "after": []}
 
-    row = calibration_bench.packed_default_decode(path, load_model_spec(str(path)), hardware,
+    row = calibration_bench.packed_default_decode(path, load_model_spec(str(path)),
                                                   [one_round(1 / 150, [140.0, 150.0, 160.0]),
                                                    one_round(1 / 100, [90.0, 100.0, 110.0])],
-                                                  {"uncalibrated": measured_efficiency(hardware)})
+                                                  {"uncalibrated": (hardware, measured_efficiency(hardware))})
     assert row["format"] == "q4_1" and row["rounds"] == 2
     assert row["runs_tokens_per_s"] == {32: [140.0, 150.0, 160.0, 90.0, 100.0, 110.0]}
     assert row["measured"] == pytest.approx(1 / ((1 / 150 + 1 / 100) / 2), abs=0.01)  # the mean step of the rounds
     assert row["uncalibrated_ratio"] == pytest.approx(row["uncalibrated"] / row["measured"], abs=1e-3)
-    assert calibration_bench.packed_default_decode(path, None, hardware, [], {}) == {}  # no rounds: no row
+    assert calibration_bench.packed_default_decode(path, None, [], {}) == {}  # no rounds: no row
 
 
 def test_no_packed_rounds_no_row_whatever_the_model(calibration_bench, tmp_path):
     """--quick runs no packed row, and its thin model is a demo checkpoint, no GGUF: no row, no error."""
-    from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.runtime.demo_model import DemoSpec, write_demo_checkpoint
 
     path = tmp_path / "demo"
     write_demo_checkpoint(path, DemoSpec(layers=1, hidden=64, intermediate=128, heads=2, kv_heads=1, vocab=300,
                                          max_position=64))
-    assert calibration_bench.packed_default_decode(path, None, detect_hardware(), [], {}) == {}
+    assert calibration_bench.packed_default_decode(path, None, [], {}) == {}

@@ -238,3 +238,82 @@ def test_the_default_gguf_is_profiled_in_the_packed_format_the_runtime_runs(monk
     monkeypatch.setenv("HIVEKEEPER_GGUF_PACKED", "0")
     _, unpacked = measure_grid(default_model_file(), grid)
     assert unpacked["resident"].weight_format == "fp32"
+
+
+# ---- a measurement that read slow, read again after the grid (issue 23, session 24) -------------------------------
+def slow_stream_measurements():
+    """The suite's figures, every rate 1000x slow, with the decode steps' figures of a measurement whose streaming
+    read 10 MB/s: any host decodes the tiny model far faster than that predicts."""
+    from tests.conftest import SUITE_PROFILE_FIGURES
+    from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
+                                                     Measurement)
+
+    figures = {key: (value / 1000, unit) for key, (value, unit) in SUITE_PROFILE_FIGURES.items()}
+    figures.update({WEIGHT_STREAM_KEY: (1e7, "B/s"), BLOCK_OVERHEAD_KEY: (0.0, "s"), SMALL_ROWS_READS_KEY: (1.0, "x")})
+    return [Measurement(key, key, value, unit, 0.0, 1, 0.5, "fed in by the test", [value])
+            for key, (value, unit) in figures.items()]
+
+
+def stream_rate(measurements) -> float:
+    from hivekeeper.core.machine.measurement import WEIGHT_STREAM_KEY
+
+    return next(m.value for m in measurements if m.key == WEIGHT_STREAM_KEY)
+
+
+def test_a_grid_decoding_faster_than_measured_reads_the_decode_steps_again_and_fits_against_them(tiny_checkpoint):
+    """Session 23: a quick measurement that caught a slow moment stayed slow through calibration (the fit keeps a
+    CPU's measured per-byte rate): calibrated 14.9% off, uncalibrated 15.0%. Where every pass decodes faster than
+    the measurement predicts, profile_model reads the decode steps again (here at TINY sizes, for real), and the
+    calibration is fitted against the measurement it returns."""
+    from hivekeeper.core.machine.decode_reread import AFTER_GRID, read_decode_again
+    from hivekeeper.core.machine.measure import TINY
+    from hivekeeper.core.machine.profiles import apply_measurements
+    from hivekeeper.core.machine.profiling import READ_AGAIN_WORDS
+
+    detected, slow = detect_hardware(), slow_stream_measurements()
+    hardware, asked = apply_measurements(detected, slow, 1.7e9), []
+
+    def read_again(weight_format: str):
+        asked.append(weight_format)
+        asked.append(read_decode_again(slow, weight_format, TINY))
+        return apply_measurements(detected, asked[-1], 1.7e9)
+
+    calibration = profile_model(tiny_checkpoint, PACE_GRID, hardware, "test-machine",
+                                base=measured_efficiency(hardware), device="cpu", read_again=read_again)
+    assert asked[0] == "fp32" and len(asked) == 2
+    again = {m.key: m for m in asked[1]}
+    assert stream_rate(asked[1]) > 100 * stream_rate(slow)  # three readings now outvote the slow one
+    assert AFTER_GRID in next(m.detail for m in asked[1] if m.value == stream_rate(asked[1]))
+    assert again["ram_read"] == next(m for m in slow if m.key == "ram_read")  # what was not read again is kept
+    fitted_on = calibration_hardware(calibration).cpu.memory_bandwidth  # the rate decode steps read RAM at, now
+    assert fitted_on == pytest.approx(stream_rate(asked[1]), rel=1e-5) and fitted_on > 100 * hardware.cpu.memory_bandwidth
+    (note,) = calibration.notes
+    before, _, after = note.partition(READ_AGAIN_WORDS)
+    assert "pass 1 (resident)" in before and "pass 1 (resident)" in after  # the paces against both measurements
+    # without read_again (or where the grid ran at the measured pace) nothing is read: the advice to measure again
+    unread = profile_model(tiny_checkpoint, PACE_GRID, hardware, "test-machine", base=measured_efficiency(hardware),
+                           device="cpu")
+    assert READ_AGAIN_WORDS not in unread.notes[0] and calibration_hardware(unread) == hardware
+
+
+def test_the_profile_command_saves_the_decode_steps_it_read_again(tiny_checkpoint, config_dir, monkeypatch, capsys):
+    """The user's path: a saved profile whose measurement read slow, `hivekeeper profile`; the profile saved then
+    holds the decode steps' new reading beside the calibration fitted against it."""
+    from hivekeeper.core.cli.main import main
+    from hivekeeper.core.machine.measure import SIZES_ENV
+    from hivekeeper.core.machine.profiling import READ_AGAIN_WORDS
+
+    monkeypatch.setenv(SIZES_ENV, "tiny")  # the reading's spans: a few megabytes
+    detected = detect_hardware()
+    profile = new_profile(detected)
+    profile.measurements, profile.measured_at = slow_stream_measurements(), 1.7e9
+    save_profile(profile)
+    assert main(["profile", "--model", str(tiny_checkpoint), "--prompt-lens", "4,12", "--output-lens", "1,3",
+                 "--batch-sizes", "1", "--repeats", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert any(READ_AGAIN_WORDS in note for note in doc["notes"])
+    saved = load_machine_profile(detected)
+    assert stream_rate(saved.measurements) > 100 * stream_rate(profile.measurements)
+    assert saved.calibration is not None
+    assert calibration_hardware(saved.calibration).cpu.memory_bandwidth == pytest.approx(  # (saved to 6 digits)
+        saved.hardware(detected).cpu.memory_bandwidth, rel=1e-5)
