@@ -575,8 +575,8 @@ def main() -> None:
     stages = {"measure": round(measure_s, 1)}
     reread: dict = {}  # the measurements as profile_model's read_again left them, where it read the decode steps again
 
-    def read_again(weight_format: str):
-        reread["measurements"] = read_decode_again(measurements, weight_format, QUICK)
+    def read_again():
+        reread["measurements"] = read_decode_again(measurements, QUICK)
         reread["hardware"] = apply_measurements(detected, reread["measurements"], time.time())
         return reread["hardware"]
 
@@ -629,7 +629,7 @@ def main() -> None:
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
     line["per_shape_time_ratio"] = ratios
     line["calibration_notes"] = list(calibration.notes)  # session 21: the grid's passes off the measured pace
-    if reread:  # session 24: the grid decoded faster than the quick measurement predicts; its decode steps read again
+    if reread:  # session 24: the grid ran faster than the quick measurement predicts; its decode steps read again
         line["measured"]["stream_read_again_gbps"] = next(round(m.value / 1e9, 2) for m in reread["measurements"]
                                                           if m.key == WEIGHT_STREAM_KEY)
     line["terms"], line["stream_rate_now"] = terms, streams

@@ -130,11 +130,6 @@ def page_layout(page: QWidget, layout_class, margins: tuple[int, int], spacing: 
     return layout
 
 
-def counted(count: int, noun: str) -> str:
-    """"1 open session", "2 open sessions": a count with its noun, plural but for one."""
-    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
-
-
 def fmt_rate(tokens_per_s: float | None) -> str:
     """A rate (tokens/s, requests/s) with sensible digits: "2,034", "23.7", "4.56"."""
     if tokens_per_s is None:

@@ -31,6 +31,7 @@ from .errors import InputError
 from .formats import WeightFormat, bits_of, get_format
 from .hardware import PACKED_ROW_COUNTS, ComputeDevice, HardwareSpec, PrefillRate, rate_at_rows
 from .models import ModelSpec
+from .words import counted
 
 TIERS = ("gpu", "cpu", "disk")
 # A CPU without 16-bit math: PyTorch's matmul kernels widen 16-bit values in registers, so a 16-bit weight costs
@@ -1510,7 +1511,7 @@ def as_run(machine: Machine, policy: Policy, planned_rows: int | None = None) ->
     if name != "bf16" or not cpu_native_bf16(machine.acc):
         why = f"this CPU multiplies no {name} natively"
     else:
-        why = (f"its micro-batches multiply {rows} row{'s' if rows != 1 else ''}, at most the native decode kernels' "
+        why = (f"its micro-batches multiply {counted(rows, 'row')}, at most the native decode kernels' "
                f"{PACKED_KERNEL_ROWS}, and no bf16 decode step measured on this CPU beat fp32's (the plan was made "
                f"for {planned_rows} rows)")
     return replace(policy, weight_format="fp32"), f"Computed in fp32, as the engine runs this {name} plan: {why}"

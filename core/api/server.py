@@ -236,10 +236,25 @@ async def complete(http: HTTPRequest, service: ModelService, requests: Requests,
     pending = Pending(service, request, requests)  # every refusal is raised here, before anything is sent
     requests.submit(service.engine, pending)
     if request.stream:
-        return StreamingResponse(stream(service, reply, pending), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return CancellingStream(stream(service, reply, pending), pending)
     done = await pending.completion_while_connected(http)
     return Response(status_code=CLIENT_GONE) if done is None else JSONResponse(reply.whole(done))
+
+
+class CancellingStream(StreamingResponse):
+    """The server-sent events of a reply, whose request is cancelled however the response ends: a client that left
+    before the events began (the head not sent, or the disconnect seen first) ends it before `stream` ever started,
+    and an async generator never started runs no `finally` when closed; that request went on to its max_tokens."""
+
+    def __init__(self, events, pending: Pending):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.pending = pending
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.pending.cancel()  # after the end, a no-op
 
 
 async def stream(service: ModelService, reply: Reply, pending: Pending):

@@ -328,14 +328,16 @@ def predicted_vs_measured(plan_info: dict, result) -> dict | None:
     """The plan's predicted tokens/s beside this run's: throughput (generated tokens / wall time, prefill
     included: FlexGen's metric) and decode; None when the policy came without a prediction. A plan made for another
     batch than the run's (`--plan FILE`) gets a "note" saying so: its prediction is not this run's."""
+    from hivekeeper.planner.words import counted
+
     predicted = plan_info.get("predicted")
     if not predicted:
         return None
     measured_throughput = result.new_tokens / result.total_s if result.total_s > 0 else None
     decode = result.decode_tokens_per_s
     planned = (plan_info.get("policy") or {}).get("batch_size")
-    note = ({"note": f"the plan's prediction is for a batch of {planned}; this run generated {result.batch} "
-                     f"sequence{'s' if result.batch != 1 else ''} together (a plan made with --batch {result.batch} "
+    note = ({"note": f"the plan's prediction is for a batch of {planned}; this run generated "
+                     f"{counted(result.batch, 'sequence')} together (a plan made with --batch {result.batch} "
                      "predicts this run)"} if planned and planned != result.batch else {})
     return {**note,
         "throughput_tokens_per_s": {"predicted": predicted["throughput_tokens_per_s"],

@@ -111,13 +111,13 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_again(profile, detected, weight_format: str):
-    """profile_model's read_again: the profile's decode steps of `weight_format` read again (saved with the
-    calibration), and the spec they give."""
+def read_again(profile, detected):
+    """profile_model's read_again: the profile's decode steps read again (saved with the calibration), and the spec
+    they give."""
     from hivekeeper.core.machine.decode_reread import read_decode_again
     from hivekeeper.core.machine.measure import sizes_from_environment
 
-    profile.measurements = read_decode_again(profile.measurements, weight_format, sizes_from_environment("quick"))
+    profile.measurements = read_decode_again(profile.measurements, sizes_from_environment("quick"))
     return profile.hardware(detected)
 
 
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     base = measured_efficiency(hardware)  # what the planner uses before calibration; every fit starts from it
     calibration = profile_model(path, grid, hardware, profile.fingerprint, base=base, device=args.device,
                                 progress=TerminalProgress("profile "), threads=threads,
-                                read_again=lambda weight_format: read_again(profile, detected, weight_format))
+                                read_again=lambda: read_again(profile, detected))
     saved = None
     if not args.no_save:
         profile.calibration = calibration

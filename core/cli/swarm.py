@@ -15,6 +15,7 @@ import argparse
 import json
 
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.words import counted
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +35,6 @@ def _fmt(value, digits: int = 1) -> str:
     if value is None:
         return "-"
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def counted(count: int, noun: str) -> str:
-    """"1 server", "2 servers": a count with its noun, plural but for one."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def print_tables(report: dict) -> None:

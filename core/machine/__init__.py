@@ -15,5 +15,5 @@
 - `profiles`        saved machine profiles (measurements + calibration) and applying them to a spec.
 - `first_measure`   the first plan for this machine measures it quickly first (plan, generate, chat, api).
 - `profiling`       timing the real runtime over a grid, calibrating the planner, predicted vs measured.
-- `decode_reread`   a measurement's decode steps read again where a profile's grid decoded faster than it predicts.
+- `decode_reread`   a measurement's decode steps read again where a profile's grid ran faster than it predicts.
 """

@@ -6,7 +6,7 @@ grid `repeats` times, so a burst of load from other processes hits different rep
 moments; each point keeps the median of its repeats (the machine's typical time, as `hivekeeper measure` keeps the
 median of its timings) and the spread. On a measured machine `PaceCheck` compares each pass of the grid with what
 the measurement predicts and, when the host ran well off that pace, times the grid again at a later moment (issue 23,
-session 21); where every pass decoded faster than the measurement predicts, its decode steps are read again
+session 21); where every pass ran faster than the measurement predicts, its decode steps are read again
 (core/machine/decode_reread.py, session 24) and the fit is against that reading. It then fits the cost model's efficiency factors and the idealized-runtime forms
 (planner/calibration.py) and returns the Calibration to save.
 
@@ -274,9 +274,9 @@ MEASURED_SLOW_WORDS = ("every pass ran faster than this machine's measurement pr
                        "moment: run `hivekeeper measure` again at a quiet one, then profile again")
 
 
-# where every pass decoded faster than measured and profile_model could read the decode steps again (read_again)
-READ_AGAIN_WORDS = ("every pass decoded faster than the measurement predicts, so its decode steps were read again "
-                    "after the grid and the measurement updated; against it")
+# where every pass ran faster than measured and profile_model could read the decode steps again (read_again)
+READ_AGAIN_WORDS = ("every pass ran faster than the measurement predicts, so its decode steps were read again after "
+                    "the grid and the measurement updated; against it")
 
 
 @dataclass(frozen=True)
@@ -296,11 +296,6 @@ class PassPace:
         """Whether the pass ran faster than the measurement predicted beyond the tolerance, in no phase slower."""
         paces = [pace for pace in (self.prefill, self.decode) if pace is not None]
         return max(paces) > tolerance and min(paces) >= 1 / tolerance
-
-    def decode_faster(self, tolerance: float = PACE_TOLERANCE) -> bool:
-        """Whether the pass's decode ran faster than the measurement predicted beyond the tolerance, its prefill not
-        slower: the measured decode steps read slow (read_again's case)."""
-        return self.decode is not None and self.decode > tolerance and self.prefill >= 1 / tolerance
 
     def describe(self) -> str:
         decode = "" if self.decode is None else f", decode {self.decode:.2f}"
@@ -343,11 +338,14 @@ class PaceCheck:
         self.paces.append(pace)
         return pace.off(self.tolerance) and grid_pass < self.extra_passes
 
-    def decode_read_slow(self) -> bool:
-        """Whether some placement's every pass decoded faster than the measurement predicts (decode_faster): its
-        decode steps are worth reading again before the fit."""
-        return any(all(p.decode_faster(self.tolerance) for p in self.paces if p.placement == placement)
+    def read_slow(self) -> bool:
+        """Whether some placement's every pass ran faster than the measurement predicts (PassPace.faster): the
+        measurement likely caught a slow moment, and its decode steps are worth reading again before the fit."""
+        return any(self.all_faster([p for p in self.paces if p.placement == placement])
                    for placement in dict.fromkeys(p.placement for p in self.paces))
+
+    def all_faster(self, paces: list[PassPace]) -> bool:
+        return bool(paces) and all(p.faster(self.tolerance) for p in paces)
 
     def against(self, hardware: HardwareSpec, efficiency: MachineEfficiency, runs: list[Run],
                 policies: dict[str, Policy]) -> "PaceCheck":
@@ -380,7 +378,7 @@ class PaceCheck:
             steady = [p.grid_pass + 1 for p in paces if not p.off(self.tolerance)]
             kept = f"fitted on pass {', '.join(map(str, steady))}" if steady else \
                 "no pass ran at the measured pace: fitted on all (the model's own error here, or a host busy throughout)"
-            if not steady and all(p.faster(self.tolerance) for p in paces):
+            if not steady and self.all_faster(paces):
                 kept += f"; {MEASURED_SLOW_WORDS}"
             read = f"{'; '.join(p.describe() for p in earlier)}; {READ_AGAIN_WORDS}: " if earlier else ""
             notes.append(f"the host's pace during the grid (predicted / measured time; within 1/{self.tolerance:g}-"
@@ -389,7 +387,7 @@ class PaceCheck:
         return tuple(notes)
 
 
-ReadAgain = Callable[[str], HardwareSpec]
+ReadAgain = Callable[[], HardwareSpec]
 
 
 def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareSpec, machine_id: str, *,
@@ -401,8 +399,8 @@ def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareS
     `hardware` is the spec the planner uses here (with measured numbers when `hivekeeper measure` ran) and `base`
     the efficiency it uses before calibration; the fitted factors are relative to that spec. `threads`: the matmul
     threads the runtime's layout set (offloaded_model.use_physical_cores), for the report; else torch's.
-    `read_again(weight format)`: on a CPU, where every pass decoded faster than the measurement predicts, reads that
-    format's decode steps again, keeps the measurements for the caller to save, and returns the spec they give
+    `read_again()`: on a CPU, where every pass ran faster than the measurement predicts, reads its decode steps
+    again, keeps the measurements for the caller to save, and returns the spec they give
     (decode_reread.read_decode_again); the fit is then against it (`base` becomes its measured efficiency).
     """
     import torch
@@ -421,9 +419,9 @@ def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareS
                                   check=check)
     if should_stop():
         raise InputError("profiling stopped before the grid was measured")
-    if check is not None and read_again is not None and device == "cpu" and check.decode_read_slow():
+    if check is not None and read_again is not None and device == "cpu" and check.read_slow():
         progress(1.0, "reading the decode steps again")
-        again = read_again(next(iter(policies.values())).weight_format)
+        again = read_again()
         if again != hardware:
             hardware, base = again, measured_efficiency(again)
             check = check.against(hardware, base, runs, policies)

@@ -18,11 +18,12 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFormLayout, QGroup
 from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_public
 from hivekeeper.core.swarm.server.throughput import BlockSpeed, cached_block_speed
 from hivekeeper.planner.swarm import ServerPlan, span_throughput
+from hivekeeper.planner.words import counted
 
 from hivekeeper.gui.services.coverage import CoverageService
 from hivekeeper.gui.services.node import STATE_WORDS, NodeLaunch, NodeService
 from hivekeeper.gui.settings import SwarmSettings
-from hivekeeper.gui.style import (ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, counted, fmt_rate, label,
+from hivekeeper.gui.style import (ACCENT, BAD, MUTED, OTHERS, STATE_COLORS, StatCard, fmt_rate, label,
                                   page_layout)
 from hivekeeper.gui.widgets.chart import Chart
 from hivekeeper.gui.widgets.model_menu import model_menu

@@ -1,15 +1,9 @@
 """Review (issue 14, a new user's pass): the pages read as they are named and counted: the Models and Settings pages
 open with their names as the navigation rail has them (Models had no title, Settings was "Step aside for me"), and
-counts read as English (the Swarm page's node said "1 open sessions": the screenshots' chat held one session open)."""
+counts read as English (the Swarm page's node said "1 open sessions": the screenshots' chat held one session open;
+planner/words.py's `counted`, tests/planner/test_words.py)."""
 
 from __future__ import annotations
-
-from hivekeeper.gui.style import counted
-
-
-def test_a_count_of_one_is_singular_and_others_plural():
-    assert counted(1, "open session") == "1 open session"
-    assert [counted(n, "server") for n in (0, 2, 1200)] == ["0 servers", "2 servers", "1,200 servers"]
 
 
 def test_the_models_and_settings_pages_open_with_their_names_as_in_the_navigation(app_window):

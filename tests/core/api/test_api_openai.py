@@ -194,3 +194,39 @@ def test_a_client_that_leaves_before_its_whole_reply_frees_its_row(api, client):
     wait_until(lambda: engine.active == 0 and engine.waiting == 0, "the left request's row freed")
     assert engine.stats.steps == held  # dropped at its next step, without decoding it
     assert complete(client, PROMPTS[0]).usage.completion_tokens == NEW_TOKENS
+
+
+def test_a_stream_whose_client_left_before_it_began_is_cancelled(api, client):
+    """The client is gone before the stream's first event: the response head waits on the connection and the next
+    message the server receives is the disconnect (uvicorn's ASGI 2.3: Starlette then cancels the response's
+    sending), so the events' generator never starts, and a generator that never started runs none of its code when closed: the request used to
+    generate on to its max_tokens. Driven through the served ASGI app with the engine held, so the request cannot
+    end on its own meanwhile."""
+    import asyncio
+
+    engine, app = api.service.engine, api.server.config.app
+    body = json.dumps({"model": client_model(client), "prompt": "count", "max_tokens": LONG_TOKENS,
+                       "temperature": 0, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 9), "server": ("127.0.0.1", api.port),
+             "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    arriving = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive():
+        return arriving.pop(0) if arriving else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message["type"])
+        if message["type"] == "http.response.start":
+            await asyncio.Event().wait()  # the head waits on a connection nobody reads (until the disconnect)
+
+    with engine.hold():  # no step runs meanwhile
+        held = engine.stats.steps
+        asyncio.run(asyncio.wait_for(app(scope, receive, send), DEADLINE_S))
+        assert sent == ["http.response.start"]  # nothing of the stream went out
+        assert health(api)["requests"] == 0  # the server let the request go
+    wait_until(lambda: engine.active == 0 and engine.waiting == 0, "the left request's row freed")
+    assert engine.stats.steps == held  # dropped before its first step

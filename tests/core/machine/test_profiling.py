@@ -260,9 +260,9 @@ def stream_rate(measurements) -> float:
     return next(m.value for m in measurements if m.key == WEIGHT_STREAM_KEY)
 
 
-def test_a_grid_decoding_faster_than_measured_reads_the_decode_steps_again_and_fits_against_them(tiny_checkpoint):
+def test_a_grid_running_faster_than_measured_reads_the_decode_steps_again_and_fits_against_them(tiny_checkpoint):
     """Session 23: a quick measurement that caught a slow moment stayed slow through calibration (the fit keeps a
-    CPU's measured per-byte rate): calibrated 14.9% off, uncalibrated 15.0%. Where every pass decodes faster than
+    CPU's measured per-byte rate): calibrated 14.9% off, uncalibrated 15.0%. Where every pass runs faster than
     the measurement predicts, profile_model reads the decode steps again (here at TINY sizes, for real), and the
     calibration is fitted against the measurement it returns."""
     from hivekeeper.core.machine.decode_reread import AFTER_GRID, read_decode_again
@@ -273,20 +273,19 @@ def test_a_grid_decoding_faster_than_measured_reads_the_decode_steps_again_and_f
     detected, slow = detect_hardware(), slow_stream_measurements()
     hardware, asked = apply_measurements(detected, slow, 1.7e9), []
 
-    def read_again(weight_format: str):
-        asked.append(weight_format)
-        asked.append(read_decode_again(slow, weight_format, TINY))
+    def read_again():
+        asked.append(read_decode_again(slow, TINY))
         return apply_measurements(detected, asked[-1], 1.7e9)
 
     calibration = profile_model(tiny_checkpoint, PACE_GRID, hardware, "test-machine",
                                 base=measured_efficiency(hardware), device="cpu", read_again=read_again)
-    assert asked[0] == "fp32" and len(asked) == 2
-    again = {m.key: m for m in asked[1]}
-    assert stream_rate(asked[1]) > 100 * stream_rate(slow)  # three readings now outvote the slow one
-    assert AFTER_GRID in next(m.detail for m in asked[1] if m.value == stream_rate(asked[1]))
+    (read,) = asked
+    again = {m.key: m for m in read}
+    assert stream_rate(read) > 100 * stream_rate(slow)  # three readings now outvote the slow one
+    assert AFTER_GRID in next(m.detail for m in read if m.value == stream_rate(read))
     assert again["ram_read"] == next(m for m in slow if m.key == "ram_read")  # what was not read again is kept
     fitted_on = calibration_hardware(calibration).cpu.memory_bandwidth  # the rate decode steps read RAM at, now
-    assert fitted_on == pytest.approx(stream_rate(asked[1]), rel=1e-5) and fitted_on > 100 * hardware.cpu.memory_bandwidth
+    assert fitted_on == pytest.approx(stream_rate(read), rel=1e-5) and fitted_on > 100 * hardware.cpu.memory_bandwidth
     (note,) = calibration.notes
     before, _, after = note.partition(READ_AGAIN_WORDS)
     assert "pass 1 (resident)" in before and "pass 1 (resident)" in after  # the paces against both measurements
@@ -317,3 +316,32 @@ def test_the_profile_command_saves_the_decode_steps_it_read_again(tiny_checkpoin
     assert saved.calibration is not None
     assert calibration_hardware(saved.calibration).cpu.memory_bandwidth == pytest.approx(  # (saved to 6 digits)
         saved.hardware(detected).cpu.memory_bandwidth, rel=1e-5)
+
+
+def test_the_packed_kernels_are_read_again_with_the_measurement_counted_as_one_reading():
+    """A measurement's packed figures (here read slow, 1000x) beside readings taken now: each becomes the median of
+    its value and theirs, a cost never below 0; a figure the new readings lack is kept. Then read for real at small
+    sizes: the packed kernels' rates move to this host's."""
+    from dataclasses import replace
+
+    from hivekeeper.core.machine.decode_reread import AFTER_GRID, fold_packed_readings, read_decode_again
+    from hivekeeper.core.machine.measure import TINY
+    from hivekeeper.core.machine.measurement import PACKED_BLOCK_KEY, PACKED_KERNEL_KEY, Measurement
+
+    def figure(key, value, unit):
+        return Measurement(key, key, value, unit, 0.0, 1, 0.5, "fed in by the test", [value])
+
+    q4 = f"{PACKED_KERNEL_KEY}q4_1"
+    slow = [figure(q4, 1e7, "weights/s"), figure(PACKED_BLOCK_KEY, 1e-5, "s"), figure("ram_read", 1e7, "B/s")]
+    later = [[figure(q4, rate, "weights/s"), figure(PACKED_BLOCK_KEY, cost, "s")]
+             for rate, cost in ((3e10, -2e-5), (2e10, -1e-5), (4e10, -3e-5))]
+    folded = {m.key: m for m in fold_packed_readings(slow, later)}
+    assert folded[q4].value == 2.5e10  # the median of 1e7 and the three readings now: the middle two's mean
+    assert folded[PACKED_BLOCK_KEY].value == 0.0 and folded["ram_read"] == slow[2]
+    assert AFTER_GRID in folded[q4].detail and "1e+07" in folded[q4].detail
+
+    small = replace(TINY, packed_hidden=256, packed_bytes=2 << 20)  # spans of a few megabytes, caches ignored
+    slower = [replace(slow[0], value=1e5), *slow[1:]]  # (kernels at these sizes: ~1e9 weights/s on this host)
+    read = {m.key: m for m in read_decode_again(slower, small, readings=1)}
+    assert set(read) == {m.key for m in slow}  # only what the measurement held
+    assert read[q4].value > 100 * slower[0].value  # (1e5 + a real rate) / 2
