@@ -43,6 +43,14 @@ flags, kernels and BLAS cores ran.
     python bench/calibration_accuracy.py --fast --times 3 --as both   # 3 runs of each kind, then their summary
     python bench/calibration_accuracy.py --refit FILE   # a --dump's points fitted and judged again by this code
     python bench/calibration_accuracy.py --summarize FILE...   # several runs' lines: each cell's bias and scatter
+    python bench/calibration_accuracy.py --fast --busy-measurement   # the quick measurement beside a busy core
+    python bench/calibration_accuracy.py --fast --busy-measurement --no-read-again   # the same, fitted as before
+
+`--busy-measurement` (session 24) runs the quick measurement beside one CPU-bound process and everything after it
+quiet: the case of a measurement that caught a busy moment, which `profile` meets by reading the measurement's decode
+steps and prefill passes again after its grid (core/machine/read_again.py). Its uncalibrated figures are then the
+busy measurement's, and its calibrated ones what the profile leaves (the line's "measured" has
+"stream_read_again_gbps" and "prefill_read_again_gflops" where it read again).
 
 One run's MAPE holds the host's moment as well as the cost model's error (session 18: here a point measured a minute
 later moves 5-16%). `--times N` (and `--as both`) runs the bench N times, each run in a process of its own as a single
@@ -73,7 +81,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import child_json, demo_checkpoint  # bench/ is the script's folder, first on sys.path
+from _common import busy_core, child_json, demo_checkpoint  # bench/ is the script's folder, first on sys.path
 
 WIDE = dict(layers=2, hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=8192, max_position=1024)
 QUICK_THIN = dict(layers=12, hidden=256, intermediate=704, heads=4, kv_heads=2, vocab=2048, max_position=512)
@@ -522,6 +530,11 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--times", type=int, metavar="N",
                         help="N runs (of each kind with --as both), each in a process of its own, each run's line "
                              "printed as it ends, then the --summarize line of them all")
+    parser.add_argument("--busy-measurement", action="store_true",
+                        help="the quick measurement with a CPU-bound process beside it, everything after it quiet: a "
+                             "measurement that caught a busy moment (profile then reads its decode steps again)")
+    parser.add_argument("--no-read-again", action="store_true",
+                        help="calibrate without reading the decode steps again (as before session 24), to compare")
     parser.add_argument("--packed-runs-of", metavar="PATH", help=argparse.SUPPRESS)  # packed_runs_in_child's child
     parser.add_argument("--prompt-lens", default="32,96", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=PACKED_RUNS, help=argparse.SUPPRESS)
@@ -548,10 +561,10 @@ def main() -> None:
 
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.machine.measure import QUICK, TerminalProgress, run_benchmarks
-    from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, STEP_OVERHEAD_KEY,
-                                                     WEIGHT_STREAM_KEY)
+    from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, PREFILL_FLOPS_KEY,
+                                                     STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY)
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
-    from hivekeeper.core.machine.decode_reread import read_decode_again
+    from hivekeeper.core.machine.read_again import read_measurement_again
     from hivekeeper.core.machine.profiling import profile_model
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.planner.calibration import measured_efficiency
@@ -567,26 +580,27 @@ def main() -> None:
     # ---- the automatic quick measurement, then calibration on the thin model ------------------------------------
     started = time.perf_counter()
     detected = detect_hardware()
-    measurements = run_benchmarks(QUICK, disk_folder=None, gpu=False, progress=TerminalProgress("measure "))
+    with busy_core(args.busy_measurement):  # session 24: a measurement that caught a busy moment, on purpose
+        measurements = run_benchmarks(QUICK, disk_folder=None, gpu=False, progress=TerminalProgress("measure "))
     measure_s = time.perf_counter() - started
     hardware = apply_measurements(detected, measurements, time.time())
     base = measured_efficiency(hardware)
     loads["measured"] = round(os.getloadavg()[0], 2)
     stages = {"measure": round(measure_s, 1)}
-    reread: dict = {}  # the measurements as profile_model's read_again left them, where it read the decode steps again
+    reread: dict = {}  # the measurements as profile_model's read_again left them, where it read them again
 
     def read_again():
-        reread["measurements"] = read_decode_again(measurements, QUICK)
+        reread["measurements"] = read_measurement_again(measurements, QUICK)
         reread["hardware"] = apply_measurements(detected, reread["measurements"], time.time())
         return reread["hardware"]
 
     calibration = profile_model(models[thin_name], calibration_grid, hardware, machine_fingerprint(detected),
                                 base=base, device="cpu", progress=TerminalProgress("calibrate "), threads=threads,
-                                read_again=read_again)
+                                read_again=None if args.no_read_again else read_again)
     loads["calibrated"] = round(os.getloadavg()[0], 2)
     stages["calibrate"] = round(time.perf_counter() - started - measure_s, 1)
     # the calibrated form: the measurement as the profile left it (read again where the grid ran faster than it
-    # predicts: decode_reread) with the fitted factors; the uncalibrated one: the quick measurement alone
+    # predicts: read_again) with the fitted factors; the uncalibrated one: the quick measurement alone
     calibrated_hardware = reread.get("hardware", hardware)
     measured_forms = {"calibrated": (calibrated_hardware, calibration.efficiency), "uncalibrated": (hardware, base)}
 
@@ -629,9 +643,11 @@ def main() -> None:
     line["goals_met"]["default_model"] = default_model_goal(default, packed)
     line["per_shape_time_ratio"] = ratios
     line["calibration_notes"] = list(calibration.notes)  # session 21: the grid's passes off the measured pace
-    if reread:  # session 24: the grid ran faster than the quick measurement predicts; its decode steps read again
-        line["measured"]["stream_read_again_gbps"] = next(round(m.value / 1e9, 2) for m in reread["measurements"]
-                                                          if m.key == WEIGHT_STREAM_KEY)
+    line["busy_measurement"], line["read_again"] = args.busy_measurement, not args.no_read_again
+    if reread:  # session 24: the grid ran faster than the quick measurement predicts; it was read again
+        again = {m.key: m.value for m in reread["measurements"]}
+        line["measured"]["stream_read_again_gbps"] = round(again[WEIGHT_STREAM_KEY] / 1e9, 2)
+        line["measured"]["prefill_read_again_gflops"] = round(again.get(PREFILL_FLOPS_KEY, 0.0) / 1e9, 1)
     line["terms"], line["stream_rate_now"] = terms, streams
     line.update({f"{phase}_mape_uncalibrated_now_pct": overall(errors, phase, "uncalibrated_now")
                  for phase in ("decode", "prefill")})  # the model's error with the streaming rate of the moment
@@ -673,7 +689,9 @@ def run_commands(args) -> list[list[str]]:
     if times < 1:
         raise InputError(f"--times {times}: at least 1 run")
     kinds = ("this", "avx2") if args.kind == "both" else (args.kind,)
-    flags = [flag for flag, on in (("--quick", args.quick), ("--fast", args.fast)) if on]
+    flags = [flag for flag, on in (("--quick", args.quick), ("--fast", args.fast),
+                                   ("--busy-measurement", args.busy_measurement),
+                                   ("--no-read-again", args.no_read_again)) if on]
     commands = []
     for run in range(1, times + 1):
         for kind in kinds:

@@ -112,12 +112,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def read_again(profile, detected):
-    """profile_model's read_again: the profile's decode steps read again (saved with the calibration), and the spec
-    they give."""
-    from hivekeeper.core.machine.decode_reread import read_decode_again
+    """profile_model's read_again: the profile's decode steps and prefill passes read again (saved with the
+    calibration), and the spec they give."""
+    from hivekeeper.core.machine.read_again import read_measurement_again
     from hivekeeper.core.machine.measure import sizes_from_environment
 
-    profile.measurements = read_decode_again(profile.measurements, sizes_from_environment("quick"))
+    profile.measurements = read_measurement_again(profile.measurements, sizes_from_environment("quick"))
     return profile.hardware(detected)
 
 

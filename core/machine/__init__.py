@@ -15,5 +15,6 @@
 - `profiles`        saved machine profiles (measurements + calibration) and applying them to a spec.
 - `first_measure`   the first plan for this machine measures it quickly first (plan, generate, chat, api).
 - `profiling`       timing the real runtime over a grid, calibrating the planner, predicted vs measured.
-- `decode_reread`   a measurement's decode steps read again where a profile's grid ran faster than it predicts.
+- `read_again`      a measurement's decode steps and prefill passes read again where a profile's grid ran faster
+                    than it predicts.
 """

@@ -6,8 +6,9 @@ grid `repeats` times, so a burst of load from other processes hits different rep
 moments; each point keeps the median of its repeats (the machine's typical time, as `hivekeeper measure` keeps the
 median of its timings) and the spread. On a measured machine `PaceCheck` compares each pass of the grid with what
 the measurement predicts and, when the host ran well off that pace, times the grid again at a later moment (issue 23,
-session 21); where every pass ran faster than the measurement predicts, its decode steps are read again
-(core/machine/decode_reread.py, session 24) and the fit is against that reading. It then fits the cost model's efficiency factors and the idealized-runtime forms
+session 21); where every pass ran faster than the measurement predicts, its decode steps and prefill passes are
+read again (core/machine/read_again.py, session 24) and the fit is against that reading. It then fits the cost
+model's efficiency factors and the idealized-runtime forms
 (planner/calibration.py) and returns the Calibration to save.
 
 `render_report` and `write_report_png` compare the three forms (uncalibrated cost model, calibrated cost model,
@@ -274,9 +275,9 @@ MEASURED_SLOW_WORDS = ("every pass ran faster than this machine's measurement pr
                        "moment: run `hivekeeper measure` again at a quiet one, then profile again")
 
 
-# where every pass ran faster than measured and profile_model could read the decode steps again (read_again)
-READ_AGAIN_WORDS = ("every pass ran faster than the measurement predicts, so its decode steps were read again after "
-                    "the grid and the measurement updated; against it")
+# where every pass ran faster than measured and profile_model could read the measurement again (read_again)
+READ_AGAIN_WORDS = ("every pass ran faster than the measurement predicts, so its decode steps and prefill passes were "
+                    "read again after the grid and the measurement updated; against it")
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,7 @@ class PaceCheck:
 
     def read_slow(self) -> bool:
         """Whether some placement's every pass ran faster than the measurement predicts (PassPace.faster): the
-        measurement likely caught a slow moment, and its decode steps are worth reading again before the fit."""
+        measurement likely caught a slow moment, and its readings are worth taking again before the fit."""
         return any(self.all_faster([p for p in self.paces if p.placement == placement])
                    for placement in dict.fromkeys(p.placement for p in self.paces))
 
@@ -349,7 +350,7 @@ class PaceCheck:
 
     def against(self, hardware: HardwareSpec, efficiency: MachineEfficiency, runs: list[Run],
                 policies: dict[str, Policy]) -> "PaceCheck":
-        """The same passes' paces against a measurement read again (decode_reread), the earlier ones kept for the
+        """The same passes' paces against a measurement read again (read_again), the earlier ones kept for the
         notes."""
         check = PaceCheck(self.model, hardware, efficiency, self.tolerance, self.extra_passes)
         check.earlier = list(self.paces)
@@ -400,8 +401,8 @@ def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareS
     the efficiency it uses before calibration; the fitted factors are relative to that spec. `threads`: the matmul
     threads the runtime's layout set (offloaded_model.use_physical_cores), for the report; else torch's.
     `read_again()`: on a CPU, where every pass ran faster than the measurement predicts, reads its decode steps
-    again, keeps the measurements for the caller to save, and returns the spec they give
-    (decode_reread.read_decode_again); the fit is then against it (`base` becomes its measured efficiency).
+    and prefill passes again, keeps the measurements for the caller to save, and returns the spec they give
+    (read_again.read_measurement_again); the fit is then against it (`base` becomes its measured efficiency).
     """
     import torch
 
@@ -420,7 +421,7 @@ def profile_model(model_path: str | Path, grid: ProfileGrid, hardware: HardwareS
     if should_stop():
         raise InputError("profiling stopped before the grid was measured")
     if check is not None and read_again is not None and device == "cpu" and check.read_slow():
-        progress(1.0, "reading the decode steps again")
+        progress(1.0, "reading the measurement's decode steps and prefill passes again")
         again = read_again()
         if again != hardware:
             hardware, base = again, measured_efficiency(again)

@@ -242,14 +242,16 @@ def test_the_default_gguf_is_profiled_in_the_packed_format_the_runtime_runs(monk
 
 # ---- a measurement that read slow, read again after the grid (issue 23, session 24) -------------------------------
 def slow_stream_measurements():
-    """The suite's figures, every rate 1000x slow, with the decode steps' figures of a measurement whose streaming
-    read 10 MB/s: any host decodes the tiny model far faster than that predicts."""
+    """The suite's figures, every rate 1000x slow, with the decode steps' and prefill passes' figures of a measurement
+    whose streaming read 10 MB/s and prefill 40 MFLOP/s: any host runs the tiny model far faster than that
+    predicts."""
     from tests.conftest import SUITE_PROFILE_FIGURES
-    from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY,
-                                                     Measurement)
+    from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
+                                                     SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
 
     figures = {key: (value / 1000, unit) for key, (value, unit) in SUITE_PROFILE_FIGURES.items()}
-    figures.update({WEIGHT_STREAM_KEY: (1e7, "B/s"), BLOCK_OVERHEAD_KEY: (0.0, "s"), SMALL_ROWS_READS_KEY: (1.0, "x")})
+    figures.update({WEIGHT_STREAM_KEY: (1e7, "B/s"), BLOCK_OVERHEAD_KEY: (0.0, "s"), SMALL_ROWS_READS_KEY: (1.0, "x"),
+                    PREFILL_FLOPS_KEY: (4e7, "FLOP/s"), PREFILL_BLOCK_KEY: (0.0, "s")})
     return [Measurement(key, key, value, unit, 0.0, 1, 0.5, "fed in by the test", [value])
             for key, (value, unit) in figures.items()]
 
@@ -265,7 +267,8 @@ def test_a_grid_running_faster_than_measured_reads_the_decode_steps_again_and_fi
     CPU's measured per-byte rate): calibrated 14.9% off, uncalibrated 15.0%. Where every pass runs faster than
     the measurement predicts, profile_model reads the decode steps again (here at TINY sizes, for real), and the
     calibration is fitted against the measurement it returns."""
-    from hivekeeper.core.machine.decode_reread import AFTER_GRID, read_decode_again
+    from hivekeeper.core.machine.measurement import PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY
+    from hivekeeper.core.machine.read_again import AFTER_GRID, read_measurement_again
     from hivekeeper.core.machine.measure import TINY
     from hivekeeper.core.machine.profiles import apply_measurements
     from hivekeeper.core.machine.profiling import READ_AGAIN_WORDS
@@ -274,7 +277,7 @@ def test_a_grid_running_faster_than_measured_reads_the_decode_steps_again_and_fi
     hardware, asked = apply_measurements(detected, slow, 1.7e9), []
 
     def read_again():
-        asked.append(read_decode_again(slow, TINY))
+        asked.append(read_measurement_again(slow, TINY))
         return apply_measurements(detected, asked[-1], 1.7e9)
 
     calibration = profile_model(tiny_checkpoint, PACE_GRID, hardware, "test-machine",
@@ -284,6 +287,9 @@ def test_a_grid_running_faster_than_measured_reads_the_decode_steps_again_and_fi
     assert stream_rate(read) > 100 * stream_rate(slow)  # three readings now outvote the slow one
     assert AFTER_GRID in next(m.detail for m in read if m.value == stream_rate(read))
     assert again["ram_read"] == next(m for m in slow if m.key == "ram_read")  # what was not read again is kept
+    prefill = again[PREFILL_FLOPS_KEY]  # the prefill passes: the median reading by rate, a real one here
+    assert prefill.value > 100 * 4e7 and AFTER_GRID in prefill.detail and AFTER_GRID in again[PREFILL_BLOCK_KEY].detail
+    assert calibration_hardware(calibration).cpu.flops["fp32"] == pytest.approx(prefill.value, rel=1e-5)
     fitted_on = calibration_hardware(calibration).cpu.memory_bandwidth  # the rate decode steps read RAM at, now
     assert fitted_on == pytest.approx(stream_rate(read), rel=1e-5) and fitted_on > 100 * hardware.cpu.memory_bandwidth
     (note,) = calibration.notes
@@ -324,7 +330,7 @@ def test_the_packed_kernels_are_read_again_with_the_measurement_counted_as_one_r
     sizes: the packed kernels' rates move to this host's."""
     from dataclasses import replace
 
-    from hivekeeper.core.machine.decode_reread import AFTER_GRID, fold_packed_readings, read_decode_again
+    from hivekeeper.core.machine.read_again import AFTER_GRID, fold_packed_readings, read_measurement_again
     from hivekeeper.core.machine.measure import TINY
     from hivekeeper.core.machine.measurement import PACKED_BLOCK_KEY, PACKED_KERNEL_KEY, Measurement
 
@@ -342,6 +348,6 @@ def test_the_packed_kernels_are_read_again_with_the_measurement_counted_as_one_r
 
     small = replace(TINY, packed_hidden=256, packed_bytes=2 << 20)  # spans of a few megabytes, caches ignored
     slower = [replace(slow[0], value=1e5), *slow[1:]]  # (kernels at these sizes: ~1e9 weights/s on this host)
-    read = {m.key: m for m in read_decode_again(slower, small, readings=1)}
+    read = {m.key: m for m in read_measurement_again(slower, small, readings=1)}
     assert set(read) == {m.key for m in slow}  # only what the measurement held
     assert read[q4].value > 100 * slower[0].value  # (1e5 + a real rate) / 2
