@@ -19,19 +19,17 @@ import statistics
 from dataclasses import replace
 
 from hivekeeper.core.machine.measure import (FEW_ROW_COUNTS, PREFILL_REREAD_REPEATS, BenchmarkSizes, PrefillPasses,
-                                             StreamRereads, StreamSpans, fold_stream_readings, load_average,
-                                             measure_packed_at, prefill_measurements, prefill_runs, stream_reading,
+                                             PrefillRun, StreamRereads, StreamSpans, fold_stream_readings, load_average,
+                                             measure_packed_at, prefill_measurements, stream_reading,
                                              within_memory)
-from hivekeeper.core.machine.measurement import (PACKED_KERNEL_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
-                                                 PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, WEIGHT_STREAM_KEY,
-                                                 Measurement)
+from hivekeeper.core.machine.measurement import (PACKED_KERNEL_KEY, PREFILL_BLOCK_KEY, PREFILL_HALF_ROWS_KEY,
+                                                 PREFILL_PEAK_KEY, WEIGHT_STREAM_KEY, Measurement)
 
 # readings taken now: with the measurement's own reading counted as one more, a slow first reading is outvoted
 # (the median of four), and one new reading caught by a slow spell cannot set it alone. This 2-core host, QUICK
 # sizes: ~6 s to build the fp32 spans, ~0.8 s a decode reading, ~1.5 s a prefill one, ~3.4 s a packed one (~24 s)
 REREADINGS = 3
 AFTER_GRID = "taken after `hivekeeper profile`'s grid ran faster than this measurement predicts"
-PREFILL_PREFIXES = (PREFILL_FLOPS_KEY, PREFILL_BLOCK_KEY, PREFILL_PEAK_KEY, PREFILL_HALF_ROWS_KEY)
 
 
 def read_measurement_again(measurements: list[Measurement], sizes: BenchmarkSizes,
@@ -66,26 +64,36 @@ def read_spans_again(measurements: list[Measurement], sizes: BenchmarkSizes, rea
 
 
 def fold_prefill_again(measurements: list[Measurement], prefills: PrefillPasses) -> list[Measurement]:
-    """`measurements` with their fp32 prefill figures (PREFILL_PREFIXES: the rate by rows per width is one fit of
-    every pass, so its figures go together) from the median reading of the measurement's own and each of the
-    `prefills`' readings, ordered by their rate at the measured rows (PREFILL_FLOPS_KEY; of an even count, the
-    faster middle one: the grid ran faster than the measurement); unchanged where the measurement has none or its
-    own is that median."""
-    own = {m.key: m for m in measurements if m.key.startswith(PREFILL_PREFIXES)}
-    if PREFILL_FLOPS_KEY not in own or not prefills.readings:
+    """`measurements` with their fp32 prefill figures (the rate by rows per width, a block's fixed cost, the rate at
+    the measured rows: prefill_measurements) fitted again to every pass's median time over the measurement's own
+    reading (each pass's time as its figures give it back: own_pass_seconds) and each of the `prefills`' readings
+    (each a reading's median), as measure.fold_stream_readings pools the decode steps; unchanged where the
+    measurement lacks the figures of a pass's width or no reading was taken."""
+    by_key = {m.key: m for m in measurements}
+    runs = prefills.runs() if prefills.readings else []
+    own = [own_pass_seconds(by_key, run) for run in runs]
+    if not runs or None in own:
         return measurements
+    if len(prefills.readings) == 1:  # runs() holds that reading's every repeat: its median is the reading's time
+        runs = [replace(run, seconds=[run.median_s]) for run in runs]
     load = load_average()
-    sets = [own] + [{m.key: m for m in prefill_measurements(
-        prefill_runs(prefills.passes, reading, prefills.configs, prefills.first_blocks), load)}
-        for reading in prefills.readings]
-    rates = [found[PREFILL_FLOPS_KEY].value for found in sets]
-    chosen = sorted(sets, key=lambda found: found[PREFILL_FLOPS_KEY].value)[len(sets) // 2]
-    if chosen is own:
-        return measurements
-    words = (f"; the median of {len(sets)} readings by rate, the last {len(sets) - 1} {AFTER_GRID} "
-             f"({', '.join(f'{rate / 1e9:.3g}' for rate in rates)} GFLOP/s)")
-    return [replace(chosen[m.key], loadavg=max(m.loadavg, load), detail=chosen[m.key].detail + words)
-            if m.key in chosen else m for m in measurements]
+    again = {m.key: m for m in prefill_measurements(
+        [replace(run, seconds=[seconds, *run.seconds]) for run, seconds in zip(runs, own)], load)}
+    words = (f"; fitted again to each pass's median over {len(prefills.readings) + 1} readings, the measurement's "
+             f"own and {len(prefills.readings)} {AFTER_GRID}")
+    return [replace(again[m.key], loadavg=max(m.loadavg, load), detail=again[m.key].detail + words)
+            if m.key in again else m for m in measurements]
+
+
+def own_pass_seconds(by_key: dict[str, Measurement], run: PrefillRun) -> float | None:
+    """A prefill pass's time as the measurement's figures give it back (measure.prefill_curve's form): FLOPs / peak
+    + blocks x (2 x a block's weights x half-rate rows / peak + a block's fixed cost); None where its width's
+    figures are missing."""
+    peak, half = (by_key.get(f"{prefix}{run.hidden}") for prefix in (PREFILL_PEAK_KEY, PREFILL_HALF_ROWS_KEY))
+    fixed = by_key.get(PREFILL_BLOCK_KEY)
+    if peak is None or half is None or fixed is None or peak.value <= 0:
+        return None
+    return run.flops / peak.value + run.blocks * (2.0 * run.block_weights * half.value / peak.value + fixed.value)
 
 
 def fold_packed_readings(measurements: list[Measurement], later: list[list[Measurement]]) -> list[Measurement]:

@@ -246,12 +246,17 @@ def slow_stream_measurements():
     whose streaming read 10 MB/s and prefill 40 MFLOP/s: any host runs the tiny model far faster than that
     predicts."""
     from tests.conftest import SUITE_PROFILE_FIGURES
+    from hivekeeper.core.machine.measure import TINY, stream_span_configs
     from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
-                                                     SMALL_ROWS_READS_KEY, WEIGHT_STREAM_KEY, Measurement)
+                                                     PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, SMALL_ROWS_READS_KEY,
+                                                     WEIGHT_STREAM_KEY, Measurement)
 
     figures = {key: (value / 1000, unit) for key, (value, unit) in SUITE_PROFILE_FIGURES.items()}
     figures.update({WEIGHT_STREAM_KEY: (1e7, "B/s"), BLOCK_OVERHEAD_KEY: (0.0, "s"), SMALL_ROWS_READS_KEY: (1.0, "x"),
                     PREFILL_FLOPS_KEY: (4e7, "FLOP/s"), PREFILL_BLOCK_KEY: (0.0, "s")})
+    for config in stream_span_configs(TINY.stream_hidden, TINY.stream_bytes, TINY.cache_bytes, TINY.stream_thin):
+        figures.update({f"{PREFILL_PEAK_KEY}{config.hidden_size}": (4e7, "FLOP/s"),  # the rate by rows at each width
+                        f"{PREFILL_HALF_ROWS_KEY}{config.hidden_size}": (10.0, "rows")})  # of TINY's spans
     return [Measurement(key, key, value, unit, 0.0, 1, 0.5, "fed in by the test", [value])
             for key, (value, unit) in figures.items()]
 
