@@ -8,8 +8,8 @@ median of its timings) and the spread. On a measured machine `PaceCheck` compare
 the measurement predicts and, when the host ran well off that pace, times the grid again at a later moment (issue 23,
 session 21); where every pass ran faster than the measurement predicts, its decode steps and prefill passes are
 read again (core/machine/read_again.py, session 24) and the fit is against that reading. It then fits the cost
-model's efficiency factors and the idealized-runtime forms
-(planner/calibration.py) and returns the Calibration to save.
+model's efficiency factors and the idealized-runtime forms (planner/calibration.py) and returns the Calibration to
+save.
 
 `render_report` and `write_report_png` compare the three forms (uncalibrated cost model, calibrated cost model,
 idealized α(p) + β(o − 1)) with the measurements: per point, MAPE and worst error, and plots of runtime vs p and o.
