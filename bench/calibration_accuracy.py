@@ -565,6 +565,7 @@ def main() -> None:
                                                      STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY)
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
     from hivekeeper.core.machine.read_again import read_measurement_again
+    from hivekeeper.planner.hardware_catalog import hardware_to_json
     from hivekeeper.core.machine.profiling import profile_model
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.planner.calibration import measured_efficiency
@@ -601,7 +602,8 @@ def main() -> None:
     stages["calibrate"] = round(time.perf_counter() - started - measure_s, 1)
     # the calibrated form: the measurement as the profile left it (read again where the grid ran faster than it
     # predicts: read_again) with the fitted factors; the uncalibrated one: the quick measurement alone
-    calibrated_hardware = reread.get("hardware", hardware)
+    adopted = bool(reread) and calibration.hardware == hardware_to_json(reread["hardware"])  # profiling.second_look
+    calibrated_hardware = reread["hardware"] if adopted else hardware
     measured_forms = {"calibrated": (calibrated_hardware, calibration.efficiency), "uncalibrated": (hardware, base)}
 
     # ---- evaluation: both models, batch 1, 4, 8 and 64, in EVALUATION_ROUNDS rounds ------------------------------
@@ -645,6 +647,7 @@ def main() -> None:
     line["calibration_notes"] = list(calibration.notes)  # session 21: the grid's passes off the measured pace
     line["busy_measurement"], line["read_again"] = args.busy_measurement, not args.no_read_again
     if reread:  # session 24: the grid ran faster than the quick measurement predicts; it was read again
+        line["measured"]["read_again_adopted"] = adopted
         again = {m.key: m.value for m in reread["measurements"]}
         line["measured"]["stream_read_again_gbps"] = round(again[WEIGHT_STREAM_KEY] / 1e9, 2)
         line["measured"]["prefill_read_again_gflops"] = round(again.get(PREFILL_FLOPS_KEY, 0.0) / 1e9, 1)

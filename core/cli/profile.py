@@ -49,13 +49,24 @@ def _int_list(text: str | None, option: str, default: tuple[int, ...], high: int
     return tuple(sorted(set(values)))
 
 
+def _int_value(text: str, option: str, high: int) -> int:
+    """One integer option from 1 to `high` (InputError naming it otherwise)."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise InputError(f"--{option} must be an integer, got {text!r}") from None
+    if not 1 <= value <= high:
+        raise InputError(f"--{option} must be from 1 to {high}, got {value}")
+    return value
+
+
 def build_grid(args: argparse.Namespace):
     from hivekeeper.core.machine.profiling import QUICK_GRID, ProfileGrid
 
     base = QUICK_GRID if args.quick else ProfileGrid()
     repeats = base.repeats
     if args.repeats is not None:
-        repeats = _int_list(args.repeats, "repeats", (), 50)[0]
+        repeats = _int_value(args.repeats, "repeats", 50)
     placements = base.placements
     if args.placements:
         placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
@@ -111,14 +122,44 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_again(profile, detected):
-    """profile_model's read_again: the profile's decode steps and prefill passes read again (saved with the
-    calibration), and the spec they give."""
-    from hivekeeper.core.machine.read_again import read_measurement_again
-    from hivekeeper.core.machine.measure import sizes_from_environment
+def saved_words(calibration) -> str:
+    """What the saved calibration changes for the plans here: the factors it moved, or that it moved none (a packed
+    model's steps are priced from the kernels `measure` timed, which the fit keeps: it then changes no plan)."""
+    from hivekeeper.core.machine.profiling import moved_factors
+    from hivekeeper.planner.formats import PACKED_FORMATS
 
-    profile.measurements = read_measurement_again(profile.measurements, sizes_from_environment("quick"))
-    return profile.hardware(detected)
+    moved = moved_factors(calibration)
+    if moved:
+        return f"plans on this machine now use the calibrated factors: {', '.join(moved)}"
+    formats = {policy.weight_format for policy in calibration.policies.values()}
+    why = (f"{'/'.join(sorted(formats))} steps are priced from the kernels `hivekeeper measure` timed, which it keeps"
+           if formats <= set(PACKED_FORMATS) else "the measurement already predicts these runs as well as it can")
+    return f"the fit moved no factor ({why}): plans here stay as measured"
+
+
+class SecondLook:
+    """profile_model's read_again: the profile's decode steps and prefill passes read again, and the spec they give;
+    `adopt(calibration)` puts the new reading in the profile where the calibration was fitted against it
+    (profiling.second_look keeps the measurement where the grid agrees with it better)."""
+
+    def __init__(self, profile, detected):
+        self.profile, self.detected = profile, detected
+        self.measurements, self.hardware = None, None
+
+    def __call__(self):
+        from hivekeeper.core.machine.measure import sizes_from_environment
+        from hivekeeper.core.machine.profiles import apply_measurements
+        from hivekeeper.core.machine.read_again import read_measurement_again
+
+        self.measurements = read_measurement_again(self.profile.measurements, sizes_from_environment("quick"))
+        self.hardware = apply_measurements(self.detected, self.measurements, self.profile.measured_at)
+        return self.hardware
+
+    def adopt(self, calibration) -> None:
+        from hivekeeper.planner.hardware_catalog import hardware_to_json
+
+        if self.hardware is not None and calibration.hardware == hardware_to_json(self.hardware):
+            self.profile.measurements = self.measurements
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,9 +189,10 @@ def run(args: argparse.Namespace) -> int:
               "and calibration can only scale them down", file=sys.stderr)
     hardware = profile.hardware(detected)
     base = measured_efficiency(hardware)  # what the planner uses before calibration; every fit starts from it
+    look = SecondLook(profile, detected)
     calibration = profile_model(path, grid, hardware, profile.fingerprint, base=base, device=args.device,
-                                progress=TerminalProgress("profile "), threads=threads,
-                                read_again=lambda: read_again(profile, detected))
+                                progress=TerminalProgress("profile "), threads=threads, read_again=look)
+    look.adopt(calibration)
     saved = None
     if not args.no_save:
         profile.calibration = calibration
@@ -163,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(render_report(calibration))
     if saved:
-        print(f"saved: {saved} (plans on this machine now use the calibrated factors)")
+        print(f"saved: {saved} ({saved_words(calibration)})")
     if png:
         print(f"plot: {png}")
     return 0

@@ -53,3 +53,11 @@ def test_a_given_file_that_is_no_profile_is_said_to_be_one(tmp_path, cli, text, 
     assert f"--profile-file {given}: not a machine profile ({why}); a profile is the JSON file" in line, line
     assert "delete" not in line and "again" not in line, line
     assert given.read_text() == text
+
+
+def test_repeats_is_one_number_and_said_to_be(cli):
+    """`--repeats 0` said "--repeats values must be from 1 to 50" (the words of the comma-separated lists)."""
+    for given, words in (("0", "--repeats must be from 1 to 50, got 0"), ("x", "--repeats must be an integer, got 'x'"),
+                         ("2,3", "--repeats must be an integer, got '2,3'")):
+        result = cli("profile", "--repeats", given, "--no-save")
+        assert result.returncode == 2 and words in result.stderr, result.stderr

@@ -356,3 +356,41 @@ def test_the_packed_kernels_are_read_again_with_the_measurement_counted_as_one_r
     read = {m.key: m for m in read_measurement_again(slower, small, readings=1)}
     assert set(read) == {m.key for m in slow}  # only what the measurement held
     assert read[q4].value > 100 * slower[0].value  # (1e5 + a real rate) / 2
+
+
+def test_a_new_reading_is_adopted_only_where_the_grid_agrees_with_it_better(tiny_checkpoint):
+    """profiling.second_look: the grid ran 1.5x faster than the measurement; a new reading with faster rates puts
+    the passes nearer its pace (adopted); one with slower rates puts them further off (the host moved between the
+    grid and the reading: kept as measured, and the note says so). (The tiny model's time is mostly fixed costs,
+    so rates 20x move its pace only ~4%: the rule, not the amount, is tested.)"""
+    from hivekeeper.core.machine.profiling import KEPT_WORDS, PaceCheck, second_look
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    spec, hardware = load_model_spec(str(tiny_checkpoint)), measured_hardware(1.0)
+    base, policy = measured_efficiency(hardware), placement_policy("resident", False, "fp32")
+    check = PaceCheck(spec, hardware, base, extra_passes=1)
+    runs = [runs_at_pace(spec, hardware, base, policy, 1.5, i) for i in range(2)]
+    assert check(runs[0], policy, 0) and not check(runs[1], policy, 1) and check.read_slow()
+    nearer, farther = measured_hardware(1 / 20), measured_hardware(4)
+    looked, fitted_on, _ = second_look(check, nearer, hardware, base, runs[0] + runs[1], {"resident": policy})
+    assert fitted_on is nearer and looked.distance() < check.distance() and looked.earlier == check.paces
+    kept, fitted_on, kept_base = second_look(check, farther, hardware, base, runs[0] + runs[1], {"resident": policy})
+    assert kept is check and fitted_on is hardware and kept_base is base
+    assert KEPT_WORDS in check.notes()[0] and all(p.prefill > 1.5 for p in check.declined)
+
+
+def test_the_saved_line_names_the_factors_moved_or_says_none_moved(calibration):
+    """`profile`'s last line: the calibrated factors it moved; where it moved none (the built-in packed model: its
+    steps are priced from the measured kernels, which the fit keeps), that plans stay as measured, not that they
+    "now use the calibrated factors"."""
+    from hivekeeper.core.cli.profile import saved_words
+
+    unmoved = dataclasses.replace(calibration, accelerator=calibration.uncalibrated_accelerator,
+                                  policies={name: dataclasses.replace(policy, weight_format="q4_1")
+                                            for name, policy in calibration.policies.items()})
+    assert saved_words(unmoved) == ("the fit moved no factor (q4_1 steps are priced from the kernels `hivekeeper "
+                                    "measure` timed, which it keeps): plans here stay as measured")
+    moved = dataclasses.replace(calibration, accelerator=dataclasses.replace(
+        calibration.uncalibrated_accelerator, layer_overhead_s=calibration.uncalibrated_accelerator.layer_overhead_s
+        + 1e-4))
+    assert saved_words(moved) == "plans on this machine now use the calibrated factors: layer_overhead_s"
