@@ -37,26 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _int_list(text: str | None, option: str, default: tuple[int, ...], high: int) -> tuple[int, ...]:
     if text is None:
         return default
-    values = []
-    for part in text.split(","):
-        try:
-            value = int(part.strip())
-        except ValueError:
-            raise InputError(f"--{option} must be integers separated by commas, got {text!r}") from None
-        if not 1 <= value <= high:
-            raise InputError(f"--{option} values must be from 1 to {high}, got {value}")
-        values.append(value)
-    return tuple(sorted(set(values)))
+    return tuple(sorted({_int_value(part, option, high, listed=text) for part in text.split(",")}))
 
 
-def _int_value(text: str, option: str, high: int) -> int:
-    """One integer option from 1 to `high` (InputError naming it otherwise)."""
+def _int_value(text: str, option: str, high: int, listed: str | None = None) -> int:
+    """One integer from 1 to `high` of an option (`listed`: the whole comma-separated value it is part of); an
+    InputError naming the option otherwise."""
     try:
         value = int(text.strip())
     except ValueError:
-        raise InputError(f"--{option} must be an integer, got {text!r}") from None
+        raise InputError(f"--{option} must be integers separated by commas, got {listed!r}" if listed is not None
+                         else f"--{option} must be an integer, got {text!r}") from None
     if not 1 <= value <= high:
-        raise InputError(f"--{option} must be from 1 to {high}, got {value}")
+        raise InputError(f"--{option} {'values ' if listed is not None else ''}must be from 1 to {high}, got {value}")
     return value
 
 
