@@ -342,8 +342,8 @@ def _placement_words(prediction: Prediction, machine: Machine) -> str:
     policy = prediction.policy
 
     def where(placement: Placement) -> str:
-        parts = [f"{100 * v:.0f}% {name.upper() if name != 'cpu' else 'RAM'}"
-                 for name, v in (("gpu", placement.gpu), ("cpu", placement.cpu), ("disk", placement.disk)) if v > 0]
+        parts = [f"{100 * v:.0f}% {name}"  # the tier names of `plan`'s rows: GPU, RAM, disk
+                 for name, v in (("GPU", placement.gpu), ("RAM", placement.cpu), ("disk", placement.disk)) if v > 0]
         return " / ".join(parts)
 
     batch = policy.batch_size

@@ -5,12 +5,15 @@ Numbers are read as text and checked here, so bad input is one line on stderr (e
 For a GGUF model the plan also says what the file holds (bytes per weight of each tensor type, the total, a block)
 and what the runtime holds (docs/gguf.md). On a CPU the runtime keeps a GGUF's Q8_0/Q4_0/Q4_1 linears packed, so the
 plan of such a file is in that format (its kernels' speed and bytes), as `generate` runs it; the "format" row (JSON
-"format_choice") names the format and why.
+"format_choice") names the format and why. Where nothing fits locally the reason (JSON and text alike) goes on to say
+where the memory goes (what is kept free and why, what the client side and the runtime need) and which --reserve-gb,
+if any, lets the model run here.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -19,7 +22,7 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.format_choice import FormatChoice, plan_constraints
 from hivekeeper.planner.formats import PACKED_FORMATS, packed_words
 from hivekeeper.planner.gguf_metadata import gguf_sizes, is_gguf
-from hivekeeper.planner.hardware import HEADROOM_TEXT, default_headroom
+from hivekeeper.planner.hardware import GIB, HEADROOM_RULE, HEADROOM_TEXT, default_headroom
 from hivekeeper.planner.hardware_catalog import field_limits
 from hivekeeper.planner.policy import (GOALS, MOSTLY_ON_DISK, QUANTS, Plan, check_context, plan_to_dict, search,
                                        weighed_words)
@@ -119,7 +122,7 @@ def kept_free(hardware, reserve_gb: float | None) -> dict[str, float]:
         machine = "this machine" if hardware.id == "detected" else hardware.id
         raise InputError(f"--reserve-gb {reserve_gb:g} leaves nothing to plan with: it must be below the "
                          f"{limit:.3g} GB of {where} that {machine} has")
-    return {"gpu": reserve_gb * 1e9, "cpu": reserve_gb * 1e9, "disk": 0.0}
+    return {"gpu": reserve_gb * 1e9 if hardware.gpus else 0.0, "cpu": reserve_gb * 1e9, "disk": 0.0}
 
 
 def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object, FormatChoice]:
@@ -154,7 +157,75 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
     constraints, choice = plan_constraints(model_arg, args.quant, hardware, args.goal, batch_size=batch,
                                            reserve_bytes=reserve)  # as the app's Plan page plans it
     plan = search(model, hardware, args.goal, constraints, workload, efficiency=efficiency, price_per_hour=price)
+    if plan.prediction is None:  # the reason says where the memory went and what a smaller reserve would do
+        from hivekeeper.planner.efficiency import default_efficiency
+        from hivekeeper.planner.swarm import client_bytes
+
+        eff = efficiency or default_efficiency(hardware)
+        words = room_words(hardware, reserve, reserve_gb is not None, client_bytes(model, workload, eff),
+                           eff.accelerator.runtime_bytes) if plan.fit == "none" else ""
+        hint = reserve_hint(lambda trial: search(model, hardware, "chat", dataclasses.replace(
+            constraints, reserve_bytes=trial), workload, efficiency=efficiency), hardware, reserve)
+        plan = dataclasses.replace(plan, reason=" ".join(part for part in (plan.reason, words, hint) if part))
     return plan, reserve, hardware, choice
+
+
+def _memories(hardware) -> list[tuple[str, str, float, float]]:
+    """(tier, name, size, bytes other programs hold) of the memories a plan keeps room in: RAM, and a GPU's own."""
+    memories = [("cpu", "RAM", hardware.cpu.memory_bytes, hardware.cpu.in_use_bytes)]
+    if hardware.gpus and not hardware.gpus[0].unified_memory:
+        gpu = hardware.gpus[0]
+        memories.append(("gpu", "GPU memory", gpu.memory_bytes, gpu.in_use_bytes))
+    return memories
+
+
+def room_words(hardware, reserve: dict[str, float], explicit: bool, client: float, runtime: float) -> str:
+    """For a model whose client side fits nowhere: what each memory keeps free, and why (--reserve-gb, or the default
+    headroom and what other programs hold), what is left, and what the client side needs, the runtime's share named.
+    A newcomer read "cannot even hold the client side" for a 96 MB model on 1 GB of RAM that the headroom kept free."""
+    clauses = []
+    for tier, name, size, in_use in _memories(hardware):
+        kept = min(size, reserve.get(tier, 0.0))
+        if explicit:
+            why = f"--reserve-gb {kept / 1e9:g}"
+        else:
+            minimum, fraction = HEADROOM_RULE[tier]
+            why = f"the default headroom: the larger of {minimum / GIB:g} GiB and {100 * fraction:g}% of it"
+            why += f", plus {_gb(in_use)} that other programs hold" if in_use > 0 else ""
+            why += ", at most all of it" if kept >= size else ""
+        left = "leaving nothing" if kept >= size else f"leaving {_gb(size - kept)}"
+        clauses.append(f"of its {_gb(size)} of {name} the plan keeps {_gb(kept)} free ({why}), {left}")
+    text = "; ".join(clauses)
+    return (f"{text[0].upper()}{text[1:]}; the client side alone needs {_gb(client)}, {_gb(runtime)} of it the "
+            f"runtime itself.")
+
+
+def _round_down(gb: float) -> float:
+    """A reserve to suggest: `gb` rounded down to one significant digit (room to spare over the tightest value)."""
+    if gb <= 0:
+        return 0.0
+    scale = 10.0 ** math.floor(math.log10(gb))
+    return math.floor(gb / scale + 1e-9) * scale
+
+
+def reserve_hint(plan_with, hardware, reserve: dict[str, float]) -> str:
+    """Where the model runs here once less is kept free (only what other programs hold): "With --reserve-gb X it runs
+    here.", X the largest one-digit reserve that still leaves its peak memory; "" where it would not run either.
+    `plan_with(reserve_bytes)` plans with that reserve."""
+    memories = _memories(hardware)
+    floor = {tier: float(in_use) for tier, _name, _size, in_use in memories}
+    if all(reserve.get(tier, 0.0) <= floor[tier] for tier in floor):
+        return ""  # nothing kept free beyond what other programs hold: a smaller reserve is no way out
+    trial = plan_with({**floor, "disk": reserve.get("disk", 0.0)})
+    if trial.prediction is None:
+        return ""
+    peaks = trial.prediction.peak_memory_bytes
+    room = min((size - peaks.get(tier, 0)) / 1e9 for tier, _name, size, _in_use in memories)
+    suggested, kept = _round_down(room), min(reserve.get(tier, 0.0) for tier in floor)
+    if suggested * 1e9 < max(floor.values()) or suggested * 1e9 >= kept:
+        return ""
+    names = " and of ".join(name for _tier, name, _size, _in_use in memories)
+    return f"With --reserve-gb {suggested:g} (keeping {suggested:g} GB of {names} free) it runs here."
 
 
 def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
@@ -285,12 +356,42 @@ def runtime_row(data: dict) -> tuple[str, str]:
                                     f"{steps} of every query)")
 
 
+def _share(x: float) -> str:
+    """A share as a whole percentage that never reads 0% or 100% for a part (0.004 -> "under 1%")."""
+    if 0 < x < 0.005:
+        return "under 1%"
+    return f"{min(100 * x, 99) if x < 1 else 100 * x:.0f}%"
+
+
+def fit_words(plan: Plan) -> str:
+    """The "fit" row, as JSON "fit" says it: a "swarm" plan that has a local policy runs here with part of its
+    weights on disk (the reason says why the swarm is suggested), so it says both rather than "only with the swarm"."""
+    if plan.fit == "none":
+        return "does not fit"
+    if plan.prediction is None:
+        return "only with the swarm (this machine can run the client side)"
+    disk = plan.prediction.policy.weights.disk
+    if plan.fit == "swarm":
+        return (f"runs locally, streaming {_share(disk)} of the weights from disk at "
+                f"{_num(plan.prediction.decode_tokens_per_s)} tokens/s; the swarm is suggested instead")
+    if disk > MOSTLY_ON_DISK and plan.goal != "serve":
+        return f"runs locally, streaming {_share(disk)} of the weights from disk"
+    return "runs locally"
+
+
+def kept_free_words(kept_free: dict) -> str:
+    """The "kept free" row: GB per tier and the rule ("nothing (--reserve-gb 0)" where nothing is kept)."""
+    kept = kept_free["bytes"]
+    parts = [f"{name} {_gb(kept[tier])}" for tier, name in (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "disk"))
+             if kept.get(tier)]
+    rule = kept_free["rule"]
+    if rule == "--reserve-gb":
+        rule += f" {max(kept.get('gpu', 0), kept.get('cpu', 0)) / 1e9:g}"
+    return f"{' · '.join(parts) or 'nothing'} ({rule})"
+
+
 def render(plan: Plan, data: dict) -> str:
-    fit = {"local": "runs locally", "swarm": "only with the swarm", "none": "does not fit"}[plan.fit]
-    disk = (plan.prediction.policy.weights.disk if plan.prediction is not None and plan.goal != "serve" else 0.0)
-    if plan.fit == "local" and disk > MOSTLY_ON_DISK:
-        fit += f", streaming {100 * disk:.0f}% of the weights from disk"
-    rows: list[tuple[str, str]] = [("fit", fit)]
+    rows: list[tuple[str, str]] = [("fit", fit_words(plan))]
     policy = data.get("policy")
     if plan.server is not None and plan.server.num_blocks:
         s = plan.server
@@ -328,10 +429,7 @@ def render(plan: Plan, data: dict) -> str:
                      if ((data.get("policy") or {}).get("batch_size") or 1) > 1 and data.get("goal") != "serve"
                      else f"{_num(data['energy_j'])} J per query{cost}"))
     if data.get("kept_free") is not None:
-        kept = data["kept_free"]["bytes"]
-        rows.append(("kept free", " · ".join(f"{name} {_gb(kept[tier])}" for tier, name in
-                                             (("gpu", "GPU"), ("cpu", "RAM"), ("disk", "disk")) if kept.get(tier))
-                     + f" ({data['kept_free']['rule']})"))
+        rows.append(("kept free", kept_free_words(data["kept_free"])))
     width = max(len(name) for name, _ in rows)
     where = "this machine" if plan.hardware == "detected" else plan.hardware  # --hardware auto: the app's words
     header = f"{plan.model} on {where} (goal: {plan.goal})"
