@@ -695,25 +695,104 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "calibration") -> "Calibration":
+        """A saved calibration (as_dict's), every part read by _CalibrationReader: a part missing or malformed is one
+        InputError naming the field (`where` names the calibration: "FILE: field 'calibration'") and what to do."""
+        read = _CalibrationReader(doc, where)
+        eff, unc = read.table("efficiency"), read.table("uncalibrated_efficiency")
+        return cls(
+            machine_id=read.text("machine_id"), model=read.part("model", lambda d: ModelSpec(**d)),
+            model_path=read.text("model_path"), hardware=read.table("hardware"),
+            accelerator=read.part("efficiency.accelerator", efficiency_from_dict, eff.get("accelerator")),
+            host=read.part("efficiency.host", efficiency_from_dict, eff.get("host")),
+            uncalibrated_accelerator=read.part("uncalibrated_efficiency.accelerator", efficiency_from_dict,
+                                               unc.get("accelerator")),
+            uncalibrated_host=read.part("uncalibrated_efficiency.host", efficiency_from_dict, unc.get("host")),
+            policies={name: read.part(f"policies.{name}", policy_from_dict, p)
+                      for name, p in read.table("policies").items()},
+            points=tuple(read.each("points", ProfilePoint.from_dict)),
+            idealized=tuple(read.each("idealized", IdealizedFit.from_dict)),
+            accuracy={form: {q: read.part(f"accuracy.{form}.{q}", Accuracy.from_dict, a)
+                             for q, a in read.table(f"accuracy.{form}", table).items()}
+                      for form, table in read.table("accuracy").items()},
+            created=read.number("created"), profile_seconds=read.number("profile_seconds"),
+            device=str(doc.get("device", "cpu")), threads=int(read.number("threads", 0)),
+            calibrated=bool(doc.get("calibrated", True)), notes=tuple(str(n) for n in read.each("notes", str, ())),
+        )
+
+
+_MISSING = object()
+# what a calibration that cannot be read advises: `profile` (and `measure`) read the saved profile first, so the
+# field must go before it runs again
+PROFILE_AGAIN = ("remove the field 'calibration' from the file (or delete the file) and run `hivekeeper profile` "
+                 "again")
+
+
+class _CalibrationReader:
+    """Reads the parts of a saved calibration's JSON object, each error naming its field: `where` is the
+    calibration's own ("FILE: field 'calibration'", or a plain name), the part's name is added inside its quotes."""
+
+    def __init__(self, doc, where: str):
+        self.where = where
+        if not isinstance(doc, dict):
+            raise self.error("", "must be an object")
+        self.doc = doc
+
+    def field(self, name: str) -> str:
+        if not name:
+            return self.where
+        if self.where.endswith("'") and "field '" in self.where:
+            return f"{self.where[:-1]}.{name}'"
+        return f"{self.where}: field {name!r}"
+
+    def error(self, name: str, problem: str) -> InputError:
+        return InputError(f"{self.field(name)} {problem}; {PROFILE_AGAIN}")
+
+    def value(self, name: str, default=_MISSING):
+        """The top-level field `name` (`default` when absent; an error when there is none)."""
+        if name in self.doc:
+            return self.doc[name]
+        if default is _MISSING:
+            raise self.error(name, "is missing")
+        return default
+
+    def text(self, name: str) -> str:
+        value = self.value(name)
+        if not isinstance(value, str):
+            raise self.error(name, "must be a string")
+        return value
+
+    def number(self, name: str, default=_MISSING) -> float:
+        value = self.value(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.error(name, "must be a finite number")
+        return float(value)
+
+    def table(self, name: str, value=_MISSING) -> dict:
+        """The object at `name` (a top-level field, or `value` read from inside one)."""
+        value = self.value(name) if value is _MISSING else value
+        if not isinstance(value, dict):
+            raise self.error(name, "must be an object")
+        return value
+
+    def each(self, name: str, build: Callable, default=_MISSING) -> list:
+        """`build` of every entry of the list at `name`."""
+        entries = self.value(name, default)
+        if not isinstance(entries, (list, tuple)):
+            raise self.error(name, "must be a list")
+        return [self.part(f"{name}[{i}]", build, entry) for i, entry in enumerate(entries)]
+
+    def part(self, name: str, build: Callable, value=_MISSING):
+        """`build(value)` (value: the top-level field `name` unless given); a value it cannot take is an error naming
+        `name`: its own InputError's words (an efficiency's limits) where it says one, never Python's."""
+        value = self.value(name) if value is _MISSING else value
+        if value is None:
+            raise self.error(name, "is missing")
         try:
-            eff, unc = doc["efficiency"], doc["uncalibrated_efficiency"]
-            return cls(
-                machine_id=str(doc["machine_id"]), model=ModelSpec(**doc["model"]), model_path=str(doc["model_path"]),
-                hardware=dict(doc["hardware"]),
-                accelerator=efficiency_from_dict(eff["accelerator"]), host=efficiency_from_dict(eff["host"]),
-                uncalibrated_accelerator=efficiency_from_dict(unc["accelerator"]),
-                uncalibrated_host=efficiency_from_dict(unc["host"]),
-                policies={name: policy_from_dict(p) for name, p in doc["policies"].items()},
-                points=tuple(ProfilePoint.from_dict(p) for p in doc["points"]),
-                idealized=tuple(IdealizedFit.from_dict(f) for f in doc["idealized"]),
-                accuracy={form: {q: Accuracy.from_dict(a) for q, a in table.items()}
-                          for form, table in doc["accuracy"].items()},
-                created=float(doc["created"]), profile_seconds=float(doc["profile_seconds"]),
-                device=str(doc.get("device", "cpu")), threads=int(doc.get("threads", 0)),
-                calibrated=bool(doc.get("calibrated", True)), notes=tuple(doc.get("notes", ())),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise InputError(f"{where}: malformed calibration ({type(exc).__name__}: {exc})") from None
+            return build(value)
+        except InputError as exc:
+            raise self.error(name, f"is not one `hivekeeper profile` saves ({exc})") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+            raise self.error(name, "is malformed: it is not what `hivekeeper profile` saves there") from None
 
 
 # ---- predicted vs measured, for every form ------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """One micro-benchmark's result, as `hivekeeper measure` saves it in a machine profile.
 
 Kept apart from core/machine/measure.py (which imports torch to run the benchmarks) so that reading a saved profile,
-e.g. in the desktop app's process, never imports torch.
+e.g. in the desktop app's process, never imports torch. `value_problem` says which values a measurement can give,
+for the reader of saved profiles (core/machine/profile_files.py).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -99,6 +101,18 @@ class Measurement:
                    unit=str(doc["unit"]), spread=float(doc.get("spread", 0.0)), repeats=int(doc.get("repeats", 1)),
                    loadavg=float(doc.get("loadavg", 0.0)), detail=str(doc.get("detail", "")),
                    samples=[float(s) for s in doc.get("samples", [])])
+
+
+def value_problem(value: float, unit: str) -> str:
+    """"" where `value` is one a measurement in `unit` gives; else what it must be, for an error naming the field.
+    Every measurement is finite and at least 0 (a cost the noise does not resolve is saved as 0, and the readers
+    take a rate of 0 as not measured); a ratio of times ("x") is above 0. A newcomer's hand-edited RAM read of -5 B/s
+    was read as is and planned with (session 22's -3 bf16 step ratio flipped the 16-bit rule)."""
+    if not math.isfinite(value):
+        return "must be a finite number"
+    if unit == "x":
+        return "" if value > 0 else "must be above 0 (a ratio of times)"
+    return "" if value >= 0 else f"must be at least 0 (in {unit})"
 
 
 def measured_load(measurements: list[Measurement]) -> float:

@@ -26,9 +26,12 @@ from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.hardware import HardwareSpec
 from hivekeeper.planner.hardware_catalog import GIB
 
-from hivekeeper.core.machine.measurement import Measurement
+from hivekeeper.core.machine.measurement import Measurement, value_problem
 
 PROFILE_VERSION = 1
+# what a profile file that cannot be read advises (not "or": `measure` and `profile` read the saved profile too, and
+# stop at the same error while the file is there)
+MEASURE_AGAIN = "delete the file and run `hivekeeper measure` again"
 
 
 def config_dir() -> Path:
@@ -70,7 +73,7 @@ def read_profile_json(path: Path):
     try:
         return json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc}); delete it or run `hivekeeper measure` again") from None
+        raise InputError(f"{path}: not valid JSON ({exc}); {MEASURE_AGAIN}") from None
 
 
 def check_profile_doc(doc, where: str) -> None:
@@ -79,21 +82,50 @@ def check_profile_doc(doc, where: str) -> None:
         raise InputError(f"{where}: a machine profile must be a JSON object")
     if doc.get("version") != PROFILE_VERSION:
         raise InputError(f"{where}: field 'version' is {doc.get('version')!r}, expected {PROFILE_VERSION}; "
-                         "run `hivekeeper measure` again")
+                         f"{MEASURE_AGAIN}")
 
 
 def measurements_from(doc: dict, where: str) -> list[Measurement]:
-    """The 'measurements' of a profile's JSON object; a value no measurement gives (not finite, or a ratio of times
-    not above 0: a hand-edited -3 was read as is and flipped the bf16 rule, session 22) is an error naming it."""
-    try:
-        measurements = [Measurement.from_dict(m) for m in doc.get("measurements") or []]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"{where}: field 'measurements' is malformed ({type(exc).__name__}: {exc})") from None
-    for m in measurements:
-        if not math.isfinite(m.value) or (m.unit == "x" and m.value <= 0):
-            raise InputError(f"{where}: measurement {m.key!r} has the value {m.value:g}, which no measurement gives: "
-                             "delete the file or run `hivekeeper measure` again")
-    return measurements
+    """The 'measurements' of a profile's JSON object, each entry checked (measurement_from): a value no measurement
+    gives is one error naming the file and the field, never read as is."""
+    entries = doc.get("measurements") or []
+    if not isinstance(entries, list):
+        raise _bad_field(where, "measurements", "must be a list")
+    return [measurement_from(entry, f"measurements[{i}]", where) for i, entry in enumerate(entries)]
+
+
+_NUMBERS = ("spread", "repeats", "loadavg")  # optional numeric fields of a saved measurement
+
+
+def _bad_field(where: str, name: str, problem: str) -> InputError:
+    return InputError(f"{where}: field {name!r} {problem}; {MEASURE_AGAIN}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def measurement_from(entry, name: str, where: str) -> Measurement:
+    """One saved measurement (`name`: its field, e.g. "measurements[0]"), its fields checked: key and unit strings,
+    a value a measurement in that unit gives (measurement.value_problem), finite numbers elsewhere."""
+    if not isinstance(entry, dict):
+        raise _bad_field(where, name, "must be an object")
+    for text in ("key", "unit"):
+        if not isinstance(entry.get(text), str) or not entry[text]:
+            raise _bad_field(where, f"{name}.{text}", "must be a non-empty string")
+    value, unit, which = entry.get("value"), entry["unit"], f"(measurement {entry['key']!r})"
+    if not _is_number(value):
+        raise _bad_field(where, f"{name}.value", f"{which} must be a number, got {json.dumps(value)}")
+    problem = value_problem(float(value), unit)
+    if problem:
+        raise _bad_field(where, f"{name}.value", f"{which} {problem}, got {float(value):g}, which no measurement gives")
+    for number in _NUMBERS:
+        if number in entry and not (_is_number(entry[number]) and math.isfinite(entry[number])):
+            raise _bad_field(where, f"{name}.{number}", "must be a finite number")
+    samples = entry.get("samples", [])
+    if not isinstance(samples, list) or not all(_is_number(x) for x in samples):
+        raise _bad_field(where, f"{name}.samples", "must be a list of numbers")
+    return Measurement.from_dict(entry)
 
 
 def saved_measurements(path: Path) -> list[Measurement]:

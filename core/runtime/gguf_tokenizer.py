@@ -12,6 +12,8 @@ supported families (`tokenizer.ggml.model`):
 Control tokens become special added tokens (kept whole, dropped when decoding); user-defined ones plain added
 tokens. `tokenizer_parts` gives the `tokenizers` backend and the options of tokenizer.Tokenizer, which
 `Tokenizer.from_gguf` builds: the same Tokenizer a checkpoint folder gives, so the rest of the app does not care.
+The file's architecture is checked first, as the checkpoint and the planner check it: `generate` and `chat` read the
+tokenizer before the weights, and a file the runtime cannot run must get that one error, not a tokenizer's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as BackendTokenizer
 
 from hivekeeper.planner.errors import InputError
-from hivekeeper.planner.gguf_metadata import field
+from hivekeeper.planner.gguf_metadata import architecture, field
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3")
 
 def tokenizer_parts(reader, source: str) -> tuple[BackendTokenizer, dict]:
     """The tokenizer described by an open GGUFReader's metadata: the backend and the keyword arguments of
-    tokenizer.Tokenizer (special tokens, stop ids, add-BOS rule, chat template); `source` names the file in errors."""
+    tokenizer.Tokenizer (special tokens, stop ids, add-BOS rule, chat template); `source` names the file in errors.
+    An architecture the runtime does not run is refused first (gguf_metadata.architecture's error)."""
+    architecture(reader, source)
     kind = field(reader, "tokenizer.ggml.model")
     tokens = field(reader, "tokenizer.ggml.tokens")
     if kind is None or not tokens:

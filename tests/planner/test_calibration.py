@@ -286,8 +286,33 @@ def test_calibration_round_trips_through_json():
     assert again.model == MODEL and again.points == calibration.points and again.policies == calibration.policies
     assert again.accelerator == calibration.accelerator and again.efficiency == calibration.efficiency
     assert again.idealized_for(4).beta_s == pytest.approx(calibration.idealized_for(4).beta_s)
-    with pytest.raises(InputError, match="malformed calibration"):
+    with pytest.raises(InputError, match="calibration: field 'efficiency' is missing"):
         Calibration.from_dict({"machine_id": "x"})
+
+
+@pytest.mark.parametrize("edit, field, problem", [
+    (lambda d: d.update(efficiency="x"), "calibration.efficiency", "must be an object"),  # the newcomer's
+    (lambda d: d["points"].__setitem__(1, 5), "calibration.points[1]", "is malformed"),
+    (lambda d: d.pop("created"), "calibration.created", "is missing"),
+    (lambda d: d["efficiency"]["host"].update(bandwidth_fraction=3), "calibration.efficiency.host",
+     "bandwidth_fraction must be in (0, 1]"),
+    (lambda d: d["policies"].update(resident=[]), "calibration.policies.resident", "is malformed"),
+])
+def test_a_malformed_calibration_names_its_field_and_what_to_do(edit, field, problem):
+    """A newcomer's profile: `field 'calibration': malformed calibration (TypeError: string indices must be integers,
+    not 'str')`. The error names the field inside the calibration and what to do, in no Python words."""
+    hardware = get_hardware("cpu-generic")
+    points = synthetic_points(MachineEfficiency(DEFAULTS["cpu"], DEFAULTS["cpu"]), noise=0.01, seed=3)
+    doc = json.loads(json.dumps(build_calibration(MODEL, "/models/test", hardware, hardware_to_json(hardware), "abc",
+                                                  points, {"resident": RESIDENT}, created=1.0e9,
+                                                  profile_seconds=1.0).as_dict()))
+    edit(doc)
+    with pytest.raises(InputError) as error:
+        Calibration.from_dict(doc, "p.json: field 'calibration'")
+    message = str(error.value)
+    assert message.startswith(f"p.json: field '{field}' ") and problem in message, message
+    assert "`hivekeeper profile` again" in message and "delete the file" in message, message
+    assert not any(word in message for word in ("Error", "indices", "unexpected keyword", "object has no")), message
 
 
 # ---- measured numbers are not discounted twice ----------------------------------------------------------------------

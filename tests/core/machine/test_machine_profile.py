@@ -154,9 +154,48 @@ def test_bad_profile_files_name_the_file(config_dir):
     for value in (-3, 0, "NaN"):
         ratio = {"key": "cpu_decode_step_bf16_vs_fp32", "value": value, "unit": "x"}
         path.write_text(json.dumps({"version": 1, "fingerprint": "x", "measurements": [ratio]}).replace('"NaN"', "NaN"))
-        with pytest.raises(InputError, match=r"measurement 'cpu_decode_step_bf16_vs_fp32' has the value .*run `hivekeeper "
-                                             r"measure` again"):
+        with pytest.raises(InputError, match=r"field 'measurements\[0\]\.value' \(measurement 'cpu_decode_step_bf16"
+                                             r"_vs_fp32'\) must be .*delete the file and run `hivekeeper measure` "
+                                             r"again"):
             load_profile(path)
+
+
+@pytest.mark.parametrize("key, unit, value, words", [
+    ("ram_read", "B/s", -5, "must be at least 0 (in B/s), got -5"),  # the newcomer's edit
+    ("cpu_decode_block_overhead", "s", -0.001, "must be at least 0 (in s), got -0.001"),
+    ("ram_read", "B/s", "fast", 'must be a number, got "fast"'),
+])
+def test_a_measurement_no_benchmark_gives_stops_the_plan_naming_the_field(config_dir, measured, capsys, key, unit,
+                                                                         value, words):
+    """A newcomer edited a saved profile's `ram_read` to -5: `plan` exited 0 with another RAM figure. Now it is one
+    error naming the file and the field, before anything is planned or measured."""
+    from hivekeeper.core.cli.main import main
+
+    profile = new_profile(detect_hardware())
+    profile.measurements, profile.measured_at = measured, 1.7e9
+    path = save_profile(profile)
+    doc = json.loads(path.read_text())
+    index = next(i for i, m in enumerate(doc["measurements"]) if m["key"] == key)
+    assert doc["measurements"][index]["unit"] == unit
+    doc["measurements"][index]["value"] = value
+    path.write_text(json.dumps(doc))
+    assert main(["plan", "--model", "meta-llama/Llama-3.2-1B", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert not captured.out and "Traceback" not in captured.err
+    assert f"{path}: field 'measurements[{index}].value' (measurement {key!r}) {words}" in captured.err, captured.err
+    assert "delete the file and run `hivekeeper measure` again" in captured.err
+
+
+def test_a_cost_the_noise_did_not_resolve_is_saved_as_0_and_read_back(config_dir, measured):
+    """0 s is a measurement (a fixed cost below the noise), as is a rate of 0 (the readers take it as not measured):
+    only what none gives is refused."""
+    profile = new_profile(detect_hardware())
+    profile.measurements = [dataclasses.replace(m, value=0.0) if m.unit == "s" or m.key == "disk_write" else m
+                            for m in measured]
+    assert any(m.unit == "s" for m in measured) and any(m.key == "disk_write" for m in measured)
+    path = save_profile(profile)
+    assert [m.value for m in load_profile(path).measurements] == pytest.approx([m.value for m in profile.measurements],
+                                                                               rel=1e-5)  # saved to 6 digits
 
 
 def test_planner_takes_the_saved_profile_for_this_machine(config_dir, measured):

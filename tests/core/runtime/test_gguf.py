@@ -606,3 +606,18 @@ def test_folder_with_two_files_and_split_files(tmp_path):
         GGUFCheckpoint(split)
     assert_one_line(error, split, "split")
     assert find_gguf(tmp_path / "nothing-here") is None
+
+
+@pytest.mark.parametrize("command", [["plan", "--no-measure"], ["generate", "--prompt", "hi"], ["chat"]])
+def test_an_unsupported_architecture_is_named_by_every_command(tmp_path, monkeypatch, capsys, command):
+    """A newcomer's mamba file: `plan` named its architecture, `generate` and `chat` (which read the tokenizer
+    before the weights) said only that the file had no tokenizer. Each says the architecture now."""
+    from hivekeeper.core.cli.main import main
+
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hi\n"))
+    path = small_file(tmp_path, arch="mamba", tokenizer=None)
+    assert main([command[0], "--model", str(path), *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: GGUF architecture 'mamba' is not supported" in err, err
+    assert "tokenizer" not in err and "Traceback" not in err, err
