@@ -51,7 +51,8 @@ def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
     profile). It measures when there is no profile yet (the first plan), or when the profile was measured busy (at a
     load above the CPU count its figures can plan the machine several times too slow) and the machine is quiet now
     (measurement.quiet_load).
-    A busy profile while still busy, or with --no-measure, is used, and the note says so."""
+    A busy profile while still busy, or with --no-measure, or holding a calibration (measuring would drop it), is
+    used, and the note says so."""
     from hivekeeper.core.machine.measurement import QUICK_TAKES, load_now, measured_load, quiet_load
     from hivekeeper.core.machine.profiles import load_machine_profile
 
@@ -63,6 +64,10 @@ def why_measure(profiled: bool, measure: bool) -> tuple[str, str]:
     if load <= cpus:
         return "", ""
     busy, now = f"this machine's profile was measured busy (at load {load:.1f} on {cpus} CPUs)", load_now()
+    if profile.calibration is not None:  # measuring again would drop it (session 24: a newcomer's, silently)
+        return "", (f"{busy}: its figures can be several times too slow; it holds the calibration `hivekeeper "
+                    "profile` fitted to them, which measuring again would drop, so it is not measured again by "
+                    "itself: run `hivekeeper measure`, then `hivekeeper profile`, at a quiet moment")
     if measure and now <= quiet_load(cpus):
         return (f"{busy}; the load is {now:.1f} now: measuring it again quickly ({QUICK_TAKES}; `--no-measure` "
                 "plans with the busy profile)"), ""

@@ -77,3 +77,29 @@ def test_a_busy_profile_measured_again_is_said_so_not_a_first_plan(profile_at, c
     assert "note: measured this machine again quickly (" in done.stderr
     assert "the first plan for this machine" not in done.stderr
     assert load_profile(path).measured_at != 1.7e9  # measured now
+
+
+def test_a_busy_profile_holding_a_calibration_is_not_measured_again_by_itself(profile_at, monkeypatch, cli,
+                                                                             tiny_checkpoint):
+    """A newcomer measured beside a busy core, then ran `hivekeeper profile` (which read the measurement again and
+    calibrated); the next quiet `plan` measured the machine again quickly and the calibration was gone without a
+    word (a new measurement drops it). A calibrated profile is planned with as it is, and the note says what to run."""
+    from hivekeeper.core.machine.detect import detect_hardware
+    from hivekeeper.core.machine.profiling import ProfileGrid, profile_model
+    from hivekeeper.planner.calibration import measured_efficiency
+
+    path = profile_at(CPUS + 2.5)
+    profile = load_profile(path)
+    hardware = profile.hardware(detect_hardware())
+    profile.calibration = profile_model(tiny_checkpoint, ProfileGrid(prompt_lens=(4, 8), output_lens=(1, 2),
+                                                                     batch_sizes=(1,), repeats=1),
+                                        hardware, profile.fingerprint, base=measured_efficiency(hardware), device="cpu")
+    save_profile(profile)
+    before = path.read_text()
+    monkeypatch.setenv(LOAD_ENV, str(CPUS / 2))  # quiet: a profile without a calibration would be measured again
+    done = cli("plan", "--model", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--hardware", "auto", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "it holds the calibration `hivekeeper profile` fitted to them" in done.stderr
+    assert "run `hivekeeper measure`, then `hivekeeper profile`, at a quiet moment" in done.stderr
+    assert "measuring it again" not in done.stderr and path.read_text() == before  # planned with it, not measured
+    assert json.loads(done.stdout)["efficiency"].startswith("calibrated")
