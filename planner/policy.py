@@ -425,6 +425,24 @@ def check_context(model: ModelSpec, workload: Workload) -> None:
 
 SLOW_QUERY_S = 600.0  # a plan whose query takes longer than this (10 minutes) gets a warning
 MOSTLY_ON_DISK = 0.5  # a plan with more of its block weights than this on disk says it streams the model from disk
+FIT_WORDS = {"local": "fits here", "swarm": "needs the swarm", "none": "too large"}  # a fit, as the app says it
+
+
+def fit_words(plan: Plan) -> str:
+    """A plan's fit as the app and `models` say it: FIT_WORDS, except that a local plan streaming most of its weights
+    from disk says so, and a plan the swarm is suggested for that still runs here with a part of its weights on disk
+    says both rather than "needs the swarm" (a newcomer, session 24, read that beside a local speed); one with most
+    of them on disk needs the swarm, and says what here would take."""
+    prediction = plan.prediction
+    if prediction is None or plan.goal == "serve":
+        return FIT_WORDS[plan.fit]
+    disk = prediction.policy.weights.disk
+    streamed = f", {100 * disk:.0f}% streamed from disk" if disk > 0 else ""
+    if plan.fit == "swarm" and disk > MOSTLY_ON_DISK:
+        return f"{FIT_WORDS['swarm']} (here {100 * disk:.0f}% of the weights would stream from disk)"
+    if plan.fit == "swarm":
+        return f"runs here{streamed}; the swarm is suggested"
+    return f"runs here{streamed}" if disk > MOSTLY_ON_DISK else FIT_WORDS[plan.fit]
 
 
 def plan_warnings(prediction: Prediction | None, runtime) -> tuple[str, ...]:

@@ -57,7 +57,7 @@ class LibraryModel:
     quantization: str
     root: str = ""
     repo: str = ""  # the HF cache's repository id (rm deletes a repository whole)
-    fit: str = ""  # planner: "fits here", "needs the swarm", "too large", "runs here, N% streamed from disk", "?"
+    fit: str = ""  # planner.policy.fit_words ("fits here", "needs the swarm", "runs here, N% streamed from disk", ...)
     fit_reason: str = ""
 
     @property
@@ -303,18 +303,7 @@ def model_fit(path: str, hardware) -> tuple[str, str]:
         plan = planner_policy.search(spec, hardware, "chat", constraints)
     except InputError as exc:
         return "?", str(exc)
-    return fit_words(plan), plan.reason
-
-
-def fit_words(plan) -> str:
-    """As the app says it: fits here / needs the swarm / too large, or a local plan streaming most weights."""
-    from hivekeeper.planner import policy as planner_policy
-
-    if plan.fit == "local" and plan.prediction is not None:
-        disk = plan.prediction.policy.weights.disk
-        if disk > planner_policy.MOSTLY_ON_DISK:
-            return f"runs here, {100 * disk:.0f}% streamed from disk"
-    return {"local": "fits here", "swarm": "needs the swarm", "none": "too large"}.get(plan.fit, plan.fit)
+    return planner_policy.fit_words(plan), plan.reason
 
 
 # ---- removing ------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hivekeeper.planner import policy as planner_policy
+from hivekeeper.planner.policy import fit_words
 from hivekeeper.planner.costmodel import (Placement, Workload, block_weight_bytes, evaluate_as_run, kv_cache_bytes,
                                           machine_view, weight_bytes)
 from hivekeeper.planner.efficiency import MachineEfficiency
@@ -33,7 +34,6 @@ from hivekeeper.core.runtime.default_model import model_path_or_id
 from hivekeeper.gui.settings import PlanSettings, TIERS
 
 GB = 1e9
-FIT_WORDS = {"local": "fits here", "swarm": "needs the swarm", "none": "too large"}
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ def budget_chart(model: ModelSpec, hardware: HardwareSpec, settings: PlanSetting
 class ModelFit:
     model_id: str
     fit: str  # "local", "swarm" or "none"
-    words: str  # FIT_WORDS[fit]
+    words: str  # planner.policy.fit_words
     reason: str
 
 
@@ -298,14 +298,3 @@ def fit_reason(plan: planner_policy.Plan) -> str:
     detail = plan.prediction.bottleneck_detail if plan.prediction is not None else ""
     lead = f"{detail}. "
     return plan.reason[len(lead):] if detail and plan.reason.startswith(lead) else plan.reason
-
-
-def fit_words(plan: planner_policy.Plan) -> str:
-    """FIT_WORDS for the plan's fit, except that a local plan streaming most of its weights from disk says so
-    rather than "fits here"."""
-    prediction = plan.prediction
-    if plan.fit == "local" and prediction is not None and plan.goal != "serve":
-        disk = prediction.policy.weights.disk
-        if disk > planner_policy.MOSTLY_ON_DISK:
-            return f"runs here, {100 * disk:.0f}% streamed from disk"
-    return FIT_WORDS[plan.fit]

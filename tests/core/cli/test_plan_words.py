@@ -96,3 +96,18 @@ def test_a_plan_with_weights_on_disk_says_it_runs_here(cli):
     assert fit.startswith(f"runs locally, streaming {100 * disk:.0f}% of the weights from disk at ")
     assert f"{data['decode_tokens_per_s']:.3g} tokens/s" in fit and "the swarm is suggested instead" in fit
     assert "only with the swarm" not in fit
+
+
+def test_the_app_and_models_say_it_runs_here_too():
+    """The app's fit line and `models`' fit column (planner.policy.fit_words) said "needs the swarm" for the same plan,
+    which runs here at a local speed with part of its weights on disk."""
+    from hivekeeper.core.cli.main import build_parser
+    from hivekeeper.core.cli.plan import build_plan
+    from hivekeeper.planner.policy import fit_words
+
+    args = build_parser().parse_args(["plan", "--hardware", "cpu-generic", "--ram-gb", "0.64", "--reserve-gb", "0",
+                                      "--no-measure"])
+    found = build_plan(args)[0]
+    disk = found.prediction.policy.weights.disk
+    assert found.fit == "swarm" and fit_words(found) == f"runs here, {100 * disk:.0f}% streamed from disk; the swarm " \
+                                                         "is suggested"
