@@ -10,7 +10,9 @@ peak RSS, the plan used — or all of it as one JSON object with --json.
 
 With --prompts-file the file's prompts (one a line, the same number of tokens each) are generated together as one
 batch, run as the plan's micro-batches; the plan's predicted tokens/s (the planner's, or those a plan file carries)
-are printed beside the measured ones ("predicted_vs_measured" with --json).
+are printed beside the measured ones ("predicted_vs_measured" with --json), with a note where the prediction is not
+this run's (another batch; another placement: no GPU here, a --ram-budget-gb) and where streamed weights came faster
+than the disk reads (the OS page cache).
 
 The text is printed as it is generated (one sequence). Through a swarm, a failed server is replaced and its work
 replayed (each failover is listed in the summary and under "failovers" with --json); when the swarm cannot go on
@@ -195,9 +197,12 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
                                   max_new_tokens=max(1, max_length - prompt_len), max_length=max_length,
                                   ram_budget_bytes=ram_budget, quant=getattr(args, "quant", "none"),
                                   measure=not getattr(args, "no_measure", False))
+    check_plan_quant(args, choice, plan, path)
+    say_gpu_replaced(choice, plan)
     model = OffloadedModel(path, plan, drop_page_cache=drop_page_cache)
     info = {"source": choice.source, "reason": choice.reason, "policy": choice.policy.as_dict(),
-            "engine": plan.summary(), "warnings": list(choice.warnings), "predicted": choice.predicted}
+            "engine": plan.summary(), "warnings": list(choice.warnings), "predicted": choice.predicted,
+            "planned_placement": planned_placement(choice.policy, len(plan.weight_tiers))}
     for warning in choice.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if prompts:  # the prompts run first in each cache, through the plan's placement (core/finetune/prompted.py)
@@ -206,6 +211,39 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
         prompted, description = local_prompted_model(model, prompts, plan.describe())
         return Runner(prompted, tokenizer, {**info, "prompts": prompts}, description, is_demo)
     return Runner(model, tokenizer, info, plan.describe(), is_demo)
+
+
+def from_plan_file(choice) -> bool:
+    """Whether the policy was read from a --plan FILE (not the planner's, nor the fallback)."""
+    return choice.source not in ("auto", "fallback")
+
+
+def check_plan_quant(args: argparse.Namespace, choice, plan, path) -> None:
+    """A plan file whose weight_format is int8/nf4 for a GGUF, refused naming the file and its field (the engine's own
+    refusal names --quant, which the user of a plan file never typed). The engine's condition: on a CPU every block
+    comes from the quantized store, on a GPU the streamed ones."""
+    from hivekeeper.planner.errors import InputError
+    from hivekeeper.planner.gguf_metadata import find_gguf
+
+    stored = plan.compute_tier == "cpu" or plan.streamed_blocks
+    if from_plan_file(choice) and plan.quant != "none" and stored and find_gguf(path) is not None:
+        raise InputError(f"{choice.source}: the plan's policy field weight_format is {plan.quant!r}, but {args.model} "
+                         f"is a GGUF whose weights are already quantized (int8/nf4 re-quantize safetensors "
+                         f"checkpoints); make a plan for it with `hivekeeper plan --model {args.model} --json`")
+
+
+def gpu_share(policy: dict) -> bool:
+    """Whether a policy (Policy.as_dict) puts any weights or KV cache on a GPU."""
+    return any((policy.get(name) or {}).get("gpu", 0) > 0 for name in ("weights", "kv_cache"))
+
+
+def say_gpu_replaced(choice, plan) -> None:
+    """One line on stderr, before the run, when the policy's GPU share runs from RAM because there is no GPU."""
+    if gpu_share(choice.policy.as_dict()) and plan.compute_tier != "gpu":
+        where = choice.source if from_plan_file(choice) else "the plan"
+        print(f"note: {where} puts weights or KV cache on a GPU, but this machine has none: they run from RAM "
+              f"instead ({placement_words(plan.summary())}), so the plan's prediction is not this run's",
+              file=sys.stderr)
 
 
 def _is_demo(path) -> bool:
@@ -324,10 +362,84 @@ def tokenize_prompts(args: argparse.Namespace, tokenizer, prompts: list[str]):
     return tokenize_batch(tokenizer, prompts, args.prompts_file)
 
 
-def predicted_vs_measured(plan_info: dict, result) -> dict | None:
+TIER_WORDS = {"gpu": "GPU", "cpu": "RAM", "disk": "disk"}
+# a run that streamed from disk this much faster than the disk reads came (at least partly) from the page cache
+PAGE_CACHE_FACTOR = 1.2
+
+
+def placement_words(placed: dict) -> str:
+    """"blocks: 14 RAM, 16 disk; KV cache blocks: 30 disk" of {"blocks": {tier: n}, "kv_cache_blocks": {tier: n}}."""
+    def tiers(counts: dict) -> str:
+        return ", ".join(f"{n} {TIER_WORDS[t]}" for t, n in counts.items() if n) or "none"
+
+    return f"blocks: {tiers(placed['blocks'])}; KV cache blocks: {tiers(placed['kv_cache_blocks'])}"
+
+
+def planned_placement(policy, layers: int) -> dict:
+    """Blocks per tier that a Policy's fractions name for `layers` blocks, rounded as the engine rounds them where
+    it follows the policy (placement.tier_counts)."""
+    from hivekeeper.planner.costmodel import TIERS
+
+    from hivekeeper.core.offload.placement import tier_counts
+
+    def count(tiers) -> dict:
+        fractions = {"gpu": tiers.gpu, "cpu": tiers.cpu, "disk": tiers.disk}
+        return {t: n for t, n in tier_counts(fractions, layers, TIERS).items() if n}
+
+    return {"blocks": count(policy.weights), "kv_cache_blocks": count(policy.kv_cache)}
+
+
+def placement_change(plan_info: dict) -> dict | None:
+    """The plan's placement and the one that ran, with why they differ where known; None when they are the same."""
+    policy, engine, planned = plan_info.get("policy"), plan_info.get("engine"), plan_info.get("planned_placement")
+    if not policy or not engine or not planned:
+        return None
+    ran = {"blocks": dict(engine["blocks"]), "kv_cache_blocks": dict(engine["kv_cache_blocks"])}
+    if planned == ran:
+        return None
+    why = []
+    if gpu_share(policy) and not str(engine.get("device", "")).startswith("cuda"):
+        why.append("this machine has no GPU")
+    budget = engine.get("ram_budget_bytes")
+    if budget is not None:
+        why.append(f"--ram-budget-gb {budget / 1e9:g} puts in RAM the blocks that fit in it, the rest on disk")
+    return {"planned": planned, "ran": ran, "why": why}
+
+
+def placement_note(change: dict) -> str:
+    why = f" ({'; '.join(change['why'])})" if change["why"] else ""
+    return (f"this run placed {placement_words(change['ran'])}, not the plan's {placement_words(change['planned'])}"
+            f"{why}: the predicted figures are the plan's placement, not this run's")
+
+
+def page_cache_note(streamed_bytes_per_s: float, disk_read_bytes_per_s: float | None,
+                    dropped_page_cache: bool) -> str | None:
+    """Why a run streamed weights faster than the disk reads (PAGE_CACHE_FACTOR): the OS page cache held them. None
+    when it did not, or when the page cache was dropped (--drop-page-cache) or the disk's figure is unknown."""
+    if dropped_page_cache or not streamed_bytes_per_s or not disk_read_bytes_per_s:
+        return None
+    if streamed_bytes_per_s <= PAGE_CACHE_FACTOR * disk_read_bytes_per_s:
+        return None
+    return (f"this run streamed weights at {streamed_bytes_per_s / 1e9:.3g} GB/s, faster than the "
+            f"{disk_read_bytes_per_s / 1e9:.3g} GB/s disk reads this machine's plans assume: the reads came (at least "
+            "partly) from the OS page cache, not the disk; --drop-page-cache measures the disk")
+
+
+def this_disk_read() -> float | None:
+    """This machine's disk read bandwidth as its plans see it (the saved profile's measurement, else detected)."""
+    from hivekeeper.core.machine.profiles import detect_or_load_profile
+
+    read = detect_or_load_profile()[0].disk.read_bandwidth
+    return float(read) if read else None
+
+
+def predicted_vs_measured(plan_info: dict, result, *, streamed_bytes_per_s: float = 0.0,
+                          disk_read_bytes_per_s: float | None = None, dropped_page_cache: bool = False) -> dict | None:
     """The plan's predicted tokens/s beside this run's: throughput (generated tokens / wall time, prefill
-    included: FlexGen's metric) and decode; None when the policy came without a prediction. A plan made for another
-    batch than the run's (`--plan FILE`) gets a "note" saying so: its prediction is not this run's."""
+    included: FlexGen's metric) and decode; None when the policy came without a prediction. Its "note" says where
+    the prediction is not this run's ("predicts_this_run" false): a plan made for another batch (`--plan FILE`), or
+    another placement than the one that ran (no GPU here, a --ram-budget-gb; "placement" has both); and where the
+    streamed weights came from the page cache rather than the disk (page_cache_note)."""
     from hivekeeper.planner.words import counted
 
     predicted = plan_info.get("predicted")
@@ -336,10 +448,18 @@ def predicted_vs_measured(plan_info: dict, result) -> dict | None:
     measured_throughput = result.new_tokens / result.total_s if result.total_s > 0 else None
     decode = result.decode_tokens_per_s
     planned = (plan_info.get("policy") or {}).get("batch_size")
-    note = ({"note": f"the plan's prediction is for a batch of {planned}; this run generated "
-                     f"{counted(result.batch, 'sequence')} together (a plan made with --batch {result.batch} "
-                     "predicts this run)"} if planned and planned != result.batch else {})
-    return {**note,
+    notes = [f"the plan's prediction is for a batch of {planned}; this run generated "
+             f"{counted(result.batch, 'sequence')} together (a plan made with --batch {result.batch} "
+             "predicts this run)"] if planned and planned != result.batch else []
+    change = placement_change(plan_info)
+    if change is not None:
+        notes.append(placement_note(change))
+    predicts_this_run = not notes
+    cached = page_cache_note(streamed_bytes_per_s, disk_read_bytes_per_s, dropped_page_cache)
+    if cached:
+        notes.append(cached)
+    return {**({"note": "; ".join(notes)} if notes else {}), "predicts_this_run": predicts_this_run,
+        **({"placement": change} if change is not None else {}),
         "throughput_tokens_per_s": {"predicted": predicted["throughput_tokens_per_s"],
                                     "measured": None if measured_throughput is None else round(measured_throughput, 4)},
         "decode_tokens_per_s": {"predicted": predicted.get("decode_tokens_per_s"),
@@ -353,8 +473,9 @@ def describe_predicted_vs_measured(side: dict) -> str:
         p, m = side[key]["predicted"], side[key]["measured"]
         return f"{'n/a' if p is None else f'{p:.3g}'} vs {'n/a' if m is None else f'{m:.3g}'}"
 
+    whose = "" if side.get("predicts_this_run", True) else " (the plan's prediction, not for this run)"
     note = f"; note: {side['note']}" if "note" in side else ""
-    return (f"predicted vs measured tokens/s: throughput {pair('throughput_tokens_per_s')}, decode "
+    return (f"predicted{whose} vs measured tokens/s: throughput {pair('throughput_tokens_per_s')}, decode "
             f"{pair('decode_tokens_per_s')} (predicted bottleneck: {side['predicted_bottleneck']}){note}")
 
 
@@ -443,8 +564,11 @@ def run(args: argparse.Namespace) -> int:
         "streamed_bytes_per_s": round(streamed / result.total_s) if streamed and result.total_s > 0 else 0,
         "stage_seconds": None if stages is None else stages.as_dict(),
         "plan": runner.plan_info, "random_weights": runner.is_demo,
-        "predicted_vs_measured": predicted_vs_measured(runner.plan_info, result),
     })
+    disk = this_disk_read() if streamed and not args.drop_page_cache else None
+    report["predicted_vs_measured"] = predicted_vs_measured(
+        runner.plan_info, result, streamed_bytes_per_s=report["streamed_bytes_per_s"], disk_read_bytes_per_s=disk,
+        dropped_page_cache=args.drop_page_cache)
     if runner.failovers is not None:
         report["failovers"] = runner.failovers
     if args.json:

@@ -194,7 +194,7 @@ def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype | None:
 def _split_activations(fraction_in_ram: float, parts: int) -> list[str]:
     """"gpu" or "cpu" for each of `parts` micro-batches: the RAM share rounded to whole micro-batches, last."""
     f = min(1.0, max(0.0, fraction_in_ram))
-    counts = _counts({"gpu": 1.0 - f, "cpu": f}, parts, ("gpu", "cpu"))
+    counts = tier_counts({"gpu": 1.0 - f, "cpu": f}, parts, ("gpu", "cpu"))
     return ["gpu"] * counts["gpu"] + ["cpu"] * counts["cpu"]
 
 
@@ -216,7 +216,7 @@ def cpu_step_part(batch: int, micro_batch_rows: int, tokens: int) -> int:
     return batch if tokens == 1 else int(cpu_part_sequences(batch, micro_batch_rows, tokens))
 
 
-def _counts(fractions: dict[str, float], total: int, tiers: tuple[str, ...]) -> dict[str, int]:
+def tier_counts(fractions: dict[str, float], total: int, tiers: tuple[str, ...]) -> dict[str, int]:
     """Split `total` blocks over `tiers` in proportion to fractions (largest remainders), in tier order."""
     raw = {t: max(0.0, fractions.get(t, 0.0)) * total for t in tiers}
     scale = sum(raw.values())
@@ -256,13 +256,13 @@ def place_model(config: ModelConfig, policy: Policy, *, device: str | torch.devi
         raise InputError(f"batch and max_length must be positive (got {batch}, {max_length})")
     w = policy.weights
     if on_gpu:
-        weights = _counts({"gpu": w.gpu, "cpu": w.cpu, "disk": w.disk}, layers, TIERS)
+        weights = tier_counts({"gpu": w.gpu, "cpu": w.cpu, "disk": w.disk}, layers, TIERS)
     else:  # no GPU: the plan's GPU share (if any) is RAM
-        weights = _counts({"cpu": w.gpu + w.cpu, "disk": w.disk}, layers, ("cpu", "disk"))
+        weights = tier_counts({"cpu": w.gpu + w.cpu, "disk": w.disk}, layers, ("cpu", "disk"))
         weights["gpu"] = 0
     c = policy.kv_cache
-    cache = _counts({"gpu": c.gpu, "cpu": c.cpu, "disk": c.disk}, layers, TIERS) if on_gpu else \
-        {"gpu": 0, **_counts({"cpu": c.gpu + c.cpu, "disk": c.disk}, layers, ("cpu", "disk"))}
+    cache = tier_counts({"gpu": c.gpu, "cpu": c.cpu, "disk": c.disk}, layers, TIERS) if on_gpu else \
+        {"gpu": 0, **tier_counts({"cpu": c.gpu + c.cpu, "disk": c.disk}, layers, ("cpu", "disk"))}
     cache_tiers = ["gpu"] * cache["gpu"] + ["cpu"] * cache["cpu"] + ["disk"] * cache["disk"]
 
     depth = policy.prefetch_depth
