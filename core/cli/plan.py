@@ -450,9 +450,11 @@ def run(args: argparse.Namespace) -> int:
     if data.get("policy") is not None:
         data["format_choice"] = {"format": data["policy"]["weight_format"], "quant": args.quant, "why": choice.why}
     if args.hardware == "auto":  # a plan file made here says so: `generate --plan FILE` warns on another machine
-        from hivekeeper.core.machine.profile_files import machine_fingerprint
+        from hivekeeper.core.offload.local_plan import this_machine_fingerprint
 
-        data["machine_fingerprint"] = machine_fingerprint(hardware)
+        # the machine as detected, not as --ram-gb and the like reshape it (session 24: a plan made here with
+        # --ram-gb 0.62 was "made on another machine" to generate)
+        data["machine_fingerprint"] = this_machine_fingerprint()
     data["kept_free"] = kept_free_report(reserve, args.reserve_gb is not None)
     gguf = gguf_report(args.model, data, this_machine=args.hardware == "auto")
     if gguf is not None:

@@ -59,6 +59,13 @@ def test_a_plan_for_another_machine_warns_and_one_made_here_does_not(tiny_checkp
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plan"]["warnings"] == [] and "warning:" not in result.stderr
 
+    # made here for less RAM than this machine has (--ram-gb): still this machine's plan (session 24: it warned)
+    smaller, _ = make_plan(cli, tmp_path, "smaller", "--model", str(tiny_checkpoint), "--hardware", "auto",
+                           "--ram-gb", "4")
+    result = generate(tiny_checkpoint, smaller, cli)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["plan"]["warnings"] == [] and "warning:" not in result.stderr
+
     doc["machine_fingerprint"] = "0123456789abcdef"  # the same plan, as if made on another machine
     moved = tmp_path / "moved.json"
     moved.write_text(json.dumps(doc))
