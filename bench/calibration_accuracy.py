@@ -564,8 +564,7 @@ def main() -> None:
     from hivekeeper.core.machine.measurement import (BLOCK_OVERHEAD_KEY, PACKED_BLOCK_KEY, PREFILL_FLOPS_KEY,
                                                      STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY)
     from hivekeeper.core.machine.profiles import apply_measurements, machine_fingerprint
-    from hivekeeper.core.machine.read_again import read_measurement_again
-    from hivekeeper.planner.hardware_catalog import hardware_to_json
+    from hivekeeper.core.machine.read_again import SecondLook
     from hivekeeper.core.machine.profiling import profile_model
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.planner.calibration import measured_efficiency
@@ -588,22 +587,15 @@ def main() -> None:
     base = measured_efficiency(hardware)
     loads["measured"] = round(os.getloadavg()[0], 2)
     stages = {"measure": round(measure_s, 1)}
-    reread: dict = {}  # the measurements as profile_model's read_again left them, where it read them again
-
-    def read_again():
-        reread["measurements"] = read_measurement_again(measurements, QUICK)
-        reread["hardware"] = apply_measurements(detected, reread["measurements"], time.time())
-        return reread["hardware"]
-
+    look = SecondLook(measurements, detected, time.time(), QUICK)  # profile's second look (session 24)
     calibration = profile_model(models[thin_name], calibration_grid, hardware, machine_fingerprint(detected),
                                 base=base, device="cpu", progress=TerminalProgress("calibrate "), threads=threads,
-                                read_again=None if args.no_read_again else read_again)
+                                read_again=None if args.no_read_again else look)
     loads["calibrated"] = round(os.getloadavg()[0], 2)
     stages["calibrate"] = round(time.perf_counter() - started - measure_s, 1)
     # the calibrated form: the measurement as the profile left it (read again where the grid ran faster than it
     # predicts: read_again) with the fitted factors; the uncalibrated one: the quick measurement alone
-    adopted = bool(reread) and calibration.hardware == hardware_to_json(reread["hardware"])  # profiling.second_look
-    calibrated_hardware = reread["hardware"] if adopted else hardware
+    calibrated_hardware = look.hardware if look.adopted(calibration) else hardware
     measured_forms = {"calibrated": (calibrated_hardware, calibration.efficiency), "uncalibrated": (hardware, base)}
 
     # ---- evaluation: both models, batch 1, 4, 8 and 64, in EVALUATION_ROUNDS rounds ------------------------------
@@ -646,9 +638,9 @@ def main() -> None:
     line["per_shape_time_ratio"] = ratios
     line["calibration_notes"] = list(calibration.notes)  # session 21: the grid's passes off the measured pace
     line["busy_measurement"], line["read_again"] = args.busy_measurement, not args.no_read_again
-    if reread:  # session 24: the grid ran faster than the quick measurement predicts; it was read again
-        line["measured"]["read_again_adopted"] = adopted
-        again = {m.key: m.value for m in reread["measurements"]}
+    if look.read is not None:  # session 24: the grid ran faster than the quick measurement predicts; read again
+        line["measured"]["read_again_adopted"] = look.adopted(calibration)
+        again = {m.key: m.value for m in look.read}
         line["measured"]["stream_read_again_gbps"] = round(again[WEIGHT_STREAM_KEY] / 1e9, 2)
         line["measured"]["prefill_read_again_gflops"] = round(again.get(PREFILL_FLOPS_KEY, 0.0) / 1e9, 1)
     line["terms"], line["stream_rate_now"] = terms, streams

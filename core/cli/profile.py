@@ -130,31 +130,6 @@ def saved_words(calibration) -> str:
     return f"the fit moved no factor ({why}): plans here stay as measured"
 
 
-class SecondLook:
-    """profile_model's read_again: the profile's decode steps and prefill passes read again, and the spec they give;
-    `adopt(calibration)` puts the new reading in the profile where the calibration was fitted against it
-    (profiling.second_look keeps the measurement where the grid agrees with it better)."""
-
-    def __init__(self, profile, detected):
-        self.profile, self.detected = profile, detected
-        self.measurements, self.hardware = None, None
-
-    def __call__(self):
-        from hivekeeper.core.machine.measure import sizes_from_environment
-        from hivekeeper.core.machine.profiles import apply_measurements
-        from hivekeeper.core.machine.read_again import read_measurement_again
-
-        self.measurements = read_measurement_again(self.profile.measurements, sizes_from_environment("quick"))
-        self.hardware = apply_measurements(self.detected, self.measurements, self.profile.measured_at)
-        return self.hardware
-
-    def adopt(self, calibration) -> None:
-        from hivekeeper.planner.hardware_catalog import hardware_to_json
-
-        if self.hardware is not None and calibration.hardware == hardware_to_json(self.hardware):
-            self.profile.measurements = self.measurements
-
-
 def run(args: argparse.Namespace) -> int:
     if args.report:
         return _report(args)
@@ -170,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.machine.detect import detect_hardware
     from hivekeeper.core.offload.offloaded_model import use_physical_cores
     from hivekeeper.core.machine.profiles import load_machine_profile, new_profile, save_profile
-    from hivekeeper.core.machine.measure import TerminalProgress
+    from hivekeeper.core.machine.measure import TerminalProgress, sizes_from_environment
+    from hivekeeper.core.machine.read_again import SecondLook
     from hivekeeper.core.machine.profiling import profile_model, render_report, report_dict, write_report_png
 
     path = resolve_checkpoint(args.model)
@@ -182,10 +158,10 @@ def run(args: argparse.Namespace) -> int:
               "and calibration can only scale them down", file=sys.stderr)
     hardware = profile.hardware(detected)
     base = measured_efficiency(hardware)  # what the planner uses before calibration; every fit starts from it
-    look = SecondLook(profile, detected)
+    look = SecondLook(profile.measurements, detected, profile.measured_at, sizes_from_environment("quick"))
     calibration = profile_model(path, grid, hardware, profile.fingerprint, base=base, device=args.device,
                                 progress=TerminalProgress("profile "), threads=threads, read_again=look)
-    look.adopt(calibration)
+    profile.measurements = look.kept(calibration)  # the new reading where the fit was made against it
     saved = None
     if not args.no_save:
         profile.calibration = calibration

@@ -115,3 +115,30 @@ def folded_reading(first: Measurement, values: list[float]) -> Measurement:
                    loadavg=max(first.loadavg, load_average()),
                    detail=f"{first.detail}; the median of {len(readings)} readings, the last {len(values)} "
                           f"{AFTER_GRID} ({', '.join(f'{x:.4g}' for x in readings)})")
+
+
+class SecondLook:
+    """profile_model's `read_again` over a machine's `measurements` (as detected + measured at `when`): each call
+    reads them again (read_measurement_again at `sizes`) and returns the spec they give; `kept(calibration)` is the
+    measurements to save with the calibration: the new reading where it was fitted against it
+    (profiling.second_look adopts it only where the grid agrees with it better), else the measurements as they were."""
+
+    def __init__(self, measurements: list[Measurement], detected, when: float | None, sizes: BenchmarkSizes):
+        self.measurements, self.detected, self.when, self.sizes = measurements, detected, when, sizes
+        self.read: list[Measurement] | None = None
+        self.hardware = None
+
+    def __call__(self):
+        from hivekeeper.core.machine.profiles import apply_measurements
+
+        self.read = read_measurement_again(self.measurements, self.sizes)
+        self.hardware = apply_measurements(self.detected, self.read, self.when)
+        return self.hardware
+
+    def adopted(self, calibration) -> bool:
+        from hivekeeper.planner.hardware_catalog import hardware_to_json
+
+        return self.hardware is not None and calibration.hardware == hardware_to_json(self.hardware)
+
+    def kept(self, calibration) -> list[Measurement]:
+        return self.read if self.adopted(calibration) else self.measurements
