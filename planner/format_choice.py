@@ -97,16 +97,17 @@ def plan_constraints(model: str, quant: str, hardware: HardwareSpec, goal: str, 
     """The search's Constraints for --quant on this model and machine, and the format choice behind them (the plan's
     "format" row): the one way `hivekeeper plan`, the Plan page and the model library's fits plan a model. A serving
     goal sizes a GGUF's server span packed as the server loads it (Constraints.packed_span, serve_packed_span) and
-    plans the local run beside it dequantized. runtime_packs: None reads packed_by_default(). InputError when --quant
-    does not apply (format_choice)."""
+    plans the local run beside it packed too, as `generate` runs it and a chat plan plans it (planned dequantized, a
+    serve plan said "does not fit locally: needs 0.043 GB more memory" of a model whose chat plan ran here).
+    runtime_packs: None reads packed_by_default(). InputError when --quant does not apply (format_choice)."""
     packs = packed_by_default() if runtime_packs is None else runtime_packs
     choice = format_choice(model, quant, on_cpu=not hardware.has_gpu, runtime_packs=packs)
     span = None
     if goal == "serve" and choice.quant in PACKED_FORMATS:
         span = serve_packed_span(model, hardware, "auto", packs)
-        choice = FormatChoice("none", why=f"serve: the server keeps the span's {choice.quant} weights packed as the "
-                                          f"file stores them (sized by its bytes per block); the local plan beside "
-                                          f"it is dequantized")
+        choice = FormatChoice(choice.quant, choice.packed_formats, choice.file_format,
+                              why=f"serve: the server keeps the span's {choice.quant} weights packed as the file "
+                                  f"stores them (sized by its bytes per block), as does a local run")
     constraints = Constraints(quant=choice.quant, batch_size=batch_size, reserve_bytes=dict(reserve_bytes or {}),
                               packed_formats=choice.packed_formats, file_format=choice.file_format, packed_span=span)
     return constraints, choice

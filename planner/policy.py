@@ -389,7 +389,8 @@ def search(model: ModelSpec, hardware: HardwareSpec, goal: str = "chat", constra
         runtime = idealized_runtime(prediction.prefill_s, prediction.decode_step_s, workload.prompt_len,
                                     workload.output_len, prediction.policy.batch_size, machine.power_watts, price)
     server = None
-    if goal == "serve":
+    if goal == "serve":  # the reason so far is a local run's: say so, beside the server's span
+        reason = f"Running the whole model here instead: {reason}"
         server = plan_server(model, hardware, constraints.quant, None, constraints.reserve_bytes, eff,
                              packed=constraints.packed_span)
         n = server.num_blocks

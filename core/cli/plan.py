@@ -164,7 +164,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
         eff = efficiency or default_efficiency(hardware)
         words = room_words(hardware, reserve, reserve_gb is not None, client_bytes(model, workload, eff),
                            eff.accelerator.runtime_bytes) if plan.fit == "none" else ""
-        hint = reserve_hint(lambda trial: search(model, hardware, "chat", dataclasses.replace(
+        hint = reserve_hint(lambda trial: search(model, hardware, args.goal, dataclasses.replace(
             constraints, reserve_bytes=trial), workload, efficiency=efficiency), hardware, reserve)
         plan = dataclasses.replace(plan, reason=" ".join(part for part in (plan.reason, words, hint) if part))
     return plan, reserve, hardware, choice
@@ -211,7 +211,8 @@ def _round_down(gb: float) -> float:
 def reserve_hint(plan_with, hardware, reserve: dict[str, float]) -> str:
     """Where the model runs here once less is kept free (only what other programs hold): "With --reserve-gb X it runs
     here.", X the largest one-digit reserve that still leaves its peak memory; "" where it would not run either.
-    `plan_with(reserve_bytes)` plans with that reserve."""
+    `plan_with(reserve_bytes)` plans with that reserve, for the goal asked (a batch of 64 split into micro-batches
+    runs where one chat step of 64 rows does not: a hint planned as chat was missing or too small for it)."""
     memories = _memories(hardware)
     floor = {tier: float(in_use) for tier, _name, _size, in_use in memories}
     if all(reserve.get(tier, 0.0) <= floor[tier] for tier in floor):

@@ -1,7 +1,8 @@
 """planner/format_choice.py's menu and constraints (issue 16 item 3): quant_options lists exactly the --quant values
 plan_constraints accepts for a GGUF (its own packed type on a CPU where the runtime packs, never bitsandbytes), and
 bitsandbytes for a checkpoint only on a CUDA GPU; plan_constraints gives the search a GGUF's own format packed on a
-CPU, and a serving goal dequantized. Small GGUF files are written with GGUFWriter (no torch)."""
+CPU, and a serving goal the same beside the server's packed span. Small GGUF files are written with GGUFWriter (no
+torch)."""
 
 from __future__ import annotations
 
@@ -56,14 +57,15 @@ def test_bitsandbytes_is_offered_for_a_checkpoint_on_a_cuda_gpu_only():
         plan_constraints(CHECKPOINT, "q4_0", CPU, "chat")
 
 
-def test_constraints_carry_the_knobs_and_serve_plans_dequantized(files):
+def test_constraints_carry_the_knobs_and_serve_plans_the_local_run_packed(files):
     reserve = {"cpu": 3e9}
     constraints, choice = plan_constraints(files["q8_0"], "auto", CPU, "batch", batch_size=8, reserve_bytes=reserve,
                                            runtime_packs=True)
     assert (constraints.quant, constraints.file_format, constraints.batch_size) == ("q8_0", "q8_0", 8)
     assert constraints.reserve_bytes == reserve and "kept packed" in choice.why
     served, why = plan_constraints(files["q8_0"], "auto", CPU, "serve", runtime_packs=True)
-    assert served.quant == "none" and served.packed_formats == () and why.why.startswith("serve:")
+    assert (served.quant, served.packed_formats) == ("q8_0", ("q8_0",)) and why.why.startswith("serve:")
+    assert served.packed_span is not None and served.packed_span.weight_format == "q8_0"
 
 
 @pytest.mark.parametrize("value, packs", [(None, True), ("1", True), ("0", False), (" off ", False), ("no", False)])

@@ -99,7 +99,7 @@ def test_plan_goal_serve_sizes_the_server_span_as_serve_does(model):
     plan = search(load_model_spec(model), hardware, "serve", constraints)
     assert plan.server == plan_model_server(model, hardware, runtime_packs=True)
     assert "30 of 30 blocks in q4_1 packed" in plan.reason and "packed" in choice.why
-    assert constraints.quant == "none"  # the local plan beside it stays dequantized
+    assert constraints.quant == "q4_1"  # the local plan beside it packed too, as `generate` runs it
 
 
 def test_a_q8_0_files_span_is_sized_by_its_own_bytes_and_an_f16_one_unpacked(tmp_path):
