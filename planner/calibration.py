@@ -25,6 +25,7 @@ import numpy as np
 from .costmodel import Placement, Policy, Workload, evaluate
 from .efficiency import MEASURED_PREFIX, Efficiency, MachineEfficiency, default_efficiency  # noqa: F401 (re-export)
 from .errors import InputError
+from .fields import REQUIRED, Fields
 from .hardware import HardwareSpec
 from .models import ModelSpec
 
@@ -695,98 +696,106 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, doc: dict, where: str = "calibration") -> "Calibration":
-        """A saved calibration (as_dict's), every part read by _CalibrationReader: a part missing or malformed is one
-        InputError naming the field (`where` names the calibration: "FILE: field 'calibration'") and what to do."""
-        read = _CalibrationReader(doc, where)
+        """A saved calibration (as_dict's), every part read by _CalibrationReader (fields.Fields): a part missing or
+        malformed is one InputError naming the field, dotted (`where` names the calibration: "FILE: field
+        'calibration'", or a plain name), and what to do (PROFILE_AGAIN)."""
+        try:
+            return cls._read(_CalibrationReader.of(doc, where))
+        except InputError as exc:
+            raise InputError(f"{exc}; {PROFILE_AGAIN}") from None
+
+    @classmethod
+    def _read(cls, read: "_CalibrationReader") -> "Calibration":
         eff, unc = read.table("efficiency"), read.table("uncalibrated_efficiency")
         return cls(
-            machine_id=read.text("machine_id"), model=read.part("model", lambda d: ModelSpec(**d)),
-            model_path=read.text("model_path"), hardware=read.table("hardware"),
-            accelerator=read.part("efficiency.accelerator", efficiency_from_dict, eff.get("accelerator")),
-            host=read.part("efficiency.host", efficiency_from_dict, eff.get("host")),
-            uncalibrated_accelerator=read.part("uncalibrated_efficiency.accelerator", efficiency_from_dict,
-                                               unc.get("accelerator")),
-            uncalibrated_host=read.part("uncalibrated_efficiency.host", efficiency_from_dict, unc.get("host")),
-            policies={name: read.part(f"policies.{name}", policy_from_dict, p)
-                      for name, p in read.table("policies").items()},
+            machine_id=read.text("machine_id"), model=model_from_fields(read.table("model")),
+            model_path=read.text("model_path"), hardware=read.table("hardware").doc,
+            accelerator=eff.part("accelerator", efficiency_from_dict), host=eff.part("host", efficiency_from_dict),
+            uncalibrated_accelerator=unc.part("accelerator", efficiency_from_dict),
+            uncalibrated_host=unc.part("host", efficiency_from_dict),
+            policies=read.table("policies").parts(policy_from_dict),
             points=tuple(read.each("points", ProfilePoint.from_dict)),
             idealized=tuple(read.each("idealized", IdealizedFit.from_dict)),
-            accuracy={form: {q: read.part(f"accuracy.{form}.{q}", Accuracy.from_dict, a)
-                             for q, a in read.table(f"accuracy.{form}", table).items()}
-                      for form, table in read.table("accuracy").items()},
-            created=read.number("created"), profile_seconds=read.number("profile_seconds"),
-            device=str(doc.get("device", "cpu")), threads=int(read.number("threads", 0)),
-            calibrated=bool(doc.get("calibrated", True)), notes=tuple(str(n) for n in read.each("notes", str, ())),
+            accuracy={form: table.parts(Accuracy.from_dict) for form, table in read.table("accuracy").tables()},
+            created=read.number("created", -math.inf, math.inf),
+            profile_seconds=read.number("profile_seconds", -math.inf, math.inf),
+            device=read.text("device", default="cpu"), threads=read.integer("threads", default=0, low=0),
+            calibrated=read.flag("calibrated", True), notes=tuple(str(n) for n in read.each("notes", str, ())),
         )
 
 
-_MISSING = object()
 # what a calibration that cannot be read advises: `profile` (and `measure`) read the saved profile first, so the
 # field must go before it runs again
 PROFILE_AGAIN = ("remove the field 'calibration' from the file (or delete the file) and run `hivekeeper profile` "
                  "again")
+MODEL_ZERO_COUNTS = frozenset({"learned_positions", "embed_proj_dim"})  # ModelSpec's counts where 0 means none
 
 
-class _CalibrationReader:
-    """Reads the parts of a saved calibration's JSON object, each error naming its field: `where` is the
-    calibration's own ("FILE: field 'calibration'", or a plain name), the part's name is added inside its quotes."""
+def model_from_fields(fields: Fields) -> ModelSpec:
+    """The ModelSpec a calibration saved (dataclasses.asdict's), each field checked as its type says (an int a count
+    of at least 1, or 0 where MODEL_ZERO_COUNTS; a bool true/false; a str text): `"num_layers": "a"` was taken."""
+    fields.check_keys({spec.name for spec in dataclasses.fields(ModelSpec)}, "a field of a model")
+    values = {}
+    for spec in dataclasses.fields(ModelSpec):
+        default = REQUIRED if spec.default is dataclasses.MISSING else spec.default
+        kind = getattr(spec.type, "__name__", spec.type)
+        if kind == "int":
+            low = 0 if spec.name in MODEL_ZERO_COUNTS else 1
+            values[spec.name] = fields.integer(spec.name, default=default, low=low)
+        elif kind == "bool":
+            values[spec.name] = fields.flag(spec.name, default)
+        else:
+            values[spec.name] = fields.text(spec.name, default=default, max_len=1000)
+    return ModelSpec(**values)
 
-    def __init__(self, doc, where: str):
-        self.where = where
-        if not isinstance(doc, dict):
-            raise self.error("", "must be an object")
-        self.doc = doc
 
-    def field(self, name: str) -> str:
-        if not name:
-            return self.where
-        if self.where.endswith("'") and "field '" in self.where:
-            return f"{self.where[:-1]}.{name}'"
-        return f"{self.where}: field {name!r}"
+def _file_and_path(where: str) -> tuple[str, str]:
+    """("FILE", "calibration") of "FILE: field 'calibration'" (how a profile names its calibration), so that errors
+    name "FILE: field 'calibration.points[1]'"; (where, "") of a plain name."""
+    file, marker, path = where.rpartition(": field '")
+    return (file, path[:-1]) if marker and path.endswith("'") else (where, "")
 
-    def error(self, name: str, problem: str) -> InputError:
-        return InputError(f"{self.field(name)} {problem}; {PROFILE_AGAIN}")
 
-    def value(self, name: str, default=_MISSING):
-        """The top-level field `name` (`default` when absent; an error when there is none)."""
-        if name in self.doc:
-            return self.doc[name]
-        if default is _MISSING:
-            raise self.error(name, "is missing")
-        return default
+class _CalibrationReader(Fields):
+    """fields.Fields with what a calibration holds beyond plain fields: nested objects that must be given, lists,
+    and parts built by their own from_dict, whose errors name the part, never in Python's words."""
 
-    def text(self, name: str) -> str:
-        value = self.value(name)
-        if not isinstance(value, str):
-            raise self.error(name, "must be a string")
-        return value
+    @classmethod
+    def of(cls, doc, where: str) -> "_CalibrationReader":
+        return cls(doc, *_file_and_path(where))
 
-    def number(self, name: str, default=_MISSING) -> float:
-        value = self.value(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.error(name, "must be a finite number")
-        return float(value)
+    def table(self, key: str) -> "_CalibrationReader":
+        """The nested object `key`: "is missing" when absent, "must be an object" when it is not one."""
+        if not self.has(key):
+            return self.missing(key)
+        if not isinstance(self.doc[key], dict):
+            raise self.error(key, "must be an object")
+        return _CalibrationReader(self.doc[key], self.where, self.name(key))
 
-    def table(self, name: str, value=_MISSING) -> dict:
-        """The object at `name` (a top-level field, or `value` read from inside one)."""
-        value = self.value(name) if value is _MISSING else value
-        if not isinstance(value, dict):
-            raise self.error(name, "must be an object")
-        return value
+    def tables(self) -> list[tuple[str, "_CalibrationReader"]]:
+        """(key, table) of every field, each an object."""
+        return [(key, self.table(key)) for key in self.doc]
 
-    def each(self, name: str, build: Callable, default=_MISSING) -> list:
-        """`build` of every entry of the list at `name`."""
-        entries = self.value(name, default)
+    def parts(self, build: Callable) -> dict:
+        """`build` of every field (part)."""
+        return {key: self.part(key, build) for key in self.doc}
+
+    def each(self, key: str, build: Callable, default=REQUIRED) -> list:
+        """`build` of every entry of the list at `key`; `default` when absent (REQUIRED: 'is missing')."""
+        if not self.has(key):
+            return self.missing(key, default)
+        entries = self.doc[key]
         if not isinstance(entries, (list, tuple)):
-            raise self.error(name, "must be a list")
-        return [self.part(f"{name}[{i}]", build, entry) for i, entry in enumerate(entries)]
+            raise self.error(key, "must be a list")
+        return [self.built(f"{key}[{i}]", build, entry) for i, entry in enumerate(entries)]
 
-    def part(self, name: str, build: Callable, value=_MISSING):
-        """`build(value)` (value: the top-level field `name` unless given); a value it cannot take is an error naming
-        `name`: its own InputError's words (an efficiency's limits) where it says one, never Python's."""
-        value = self.value(name) if value is _MISSING else value
-        if value is None:
-            raise self.error(name, "is missing")
+    def part(self, key: str, build: Callable):
+        """`build` of the field `key`, which must be given (built)."""
+        return self.built(key, build, self.doc[key]) if self.has(key) else self.missing(key)
+
+    def built(self, name: str, build: Callable, value):
+        """`build(value)`; a value it cannot take is an error naming `name`: its own InputError's words (an
+        efficiency's limits) where it says one, never Python's."""
         try:
             return build(value)
         except InputError as exc:

@@ -1,9 +1,10 @@
 """Checked reads of JSON fields: the one field checker behind every file the project reads.
 
-Model configs (model_config.py), hardware JSON (hardware_catalog.py), the app's settings (gui/settings.py) and plan
-files (core/offload/local_plan.py) all read their fields through `Fields`, so a bad value gives the same kind of
-message everywhere: one line naming the file and the field, dotted inside nested objects, as an InputError (the
-CLI's exit 2), e.g. `hw.json: field 'cpu.cores' must be at least 1, got 0`.
+Model configs (model_config.py), hardware JSON (hardware_catalog.py), the app's settings (gui/settings.py), plan
+files (core/offload/local_plan.py) and saved calibrations (calibration.py, a machine profile's field 'calibration')
+all read their fields through `Fields`, so a bad value gives the same kind of message everywhere: one line naming
+the file and the field, dotted inside nested objects, as an InputError (the CLI's exit 2), e.g. `hw.json: field
+'cpu.cores' must be at least 1, got 0`.
 """
 
 from __future__ import annotations

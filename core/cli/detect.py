@@ -2,7 +2,8 @@
 
 Once `hivekeeper measure` has saved a profile of this machine, its measured numbers replace the estimates (as they do
 for `plan --hardware auto`: profiles.MachineProfile.hardware), and the text says so, with the profile's file and
-when it was measured; before, the numbers are the detected ones and estimates, marked as such. The text also says
+when it was measured (and when `hivekeeper profile` read its decode steps and prefill passes again, if it did);
+before, the numbers are the detected ones and estimates, marked as such. The text also says
 which CPU flags decisions use (pinned or reported), whether the native decode kernels run, and what 16-bit plans
 compute in on this CPU and why (core/machine/cpu_dtype.py).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from hivekeeper.planner.errors import InputError
 
 from hivekeeper.core.atomic_file import in_existing_folder, write_json_atomic
-from hivekeeper.core.machine.measurement import RAISED_RAM_WORDS, busy_words
+from hivekeeper.core.machine.measurement import RAISED_RAM_WORDS, busy_words, figures_read_again
 from hivekeeper.planner.hardware import HardwareSpec
 from hivekeeper.planner.hardware_catalog import hardware_to_json
 
@@ -54,12 +55,29 @@ def measured_or_estimated(data_dir: str | None) -> tuple[HardwareSpec, str]:
     if profile is None or not profile.measurements:
         return detected, (f"numbers: estimates, marked [estimated] or [default] (no measured profile of this "
                           f"machine in {profiles_dir()}: `hivekeeper measure` measures it and saves one)")
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(profile.measured_at)) if profile.measured_at else "?"
+    when = _moment(profile.measured_at) if profile.measured_at else "?"
     busy = busy_words(profile.measurements, detected.cpu.cores or 1)
     return profile.hardware(detected), (f"numbers: measured {when} on this machine (by `hivekeeper measure` or a "
                                         f"first plan's quick measurement), from the profile {profile.path}"
-                                        f"{f' ({busy})' if busy else ''}; those marked [measured] replace the "
-                                        "estimates")
+                                        f"{f' ({busy})' if busy else ''}{read_again_words(profile)}; those marked "
+                                        "[measured] replace the estimates")
+
+
+def _moment(unix_time: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(unix_time))
+
+
+def read_again_words(profile) -> str:
+    """Where `hivekeeper profile` read the measurement's decode steps and prefill passes again and kept the new
+    reading (read_again.SecondLook: its grid ran faster than the measurement predicts), words saying so and when
+    (the saved calibration's time, that profile run's); "" otherwise. Without them a "busy" label, which the
+    measurement's other figures earn, read as the whole story of figures read again at a quieter moment."""
+    again = figures_read_again(profile.measurements)
+    if not again:
+        return ""
+    when = f" {_moment(profile.calibration.created)}" if profile.calibration is not None else ""
+    return (f"; its decode steps and prefill passes ({len(again)} figures) were read again{when} by `hivekeeper "
+            f"profile`, whose grid ran faster than the measurement predicts, and plans use that reading")
 
 
 def ram_words(sources: dict) -> str:

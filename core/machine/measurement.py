@@ -120,6 +120,16 @@ def measured_load(measurements: list[Measurement]) -> float:
     return max((m.loadavg for m in measurements), default=0.0)
 
 
+# the words in a figure's detail where `hivekeeper profile` read it again because its grid ran faster than the
+# measurement predicts (core/machine/read_again.py, the decode steps and prefill passes); `detect` finds them by them
+AFTER_GRID = "taken after `hivekeeper profile`'s grid ran faster than this measurement predicts"
+
+
+def figures_read_again(measurements: list[Measurement]) -> list[Measurement]:
+    """The figures `hivekeeper profile` read again and saved (AFTER_GRID in their detail)."""
+    return [m for m in measurements if AFTER_GRID in m.detail]
+
+
 def busy_words(measurements: list[Measurement], cpus: int) -> str:
     """"" when the machine was quiet enough while measuring; else words saying that the figures are a busy moment's
     (a load average above the CPU count: other programs held the cores, and the profile would plan this machine

@@ -22,14 +22,14 @@ from hivekeeper.core.machine.measure import (FEW_ROW_COUNTS, PREFILL_REREAD_REPE
                                              PrefillRun, StreamRereads, StreamSpans, fold_stream_readings, load_average,
                                              measure_packed_at, prefill_measurements, stream_reading,
                                              within_memory)
-from hivekeeper.core.machine.measurement import (PACKED_KERNEL_KEY, PREFILL_BLOCK_KEY, PREFILL_HALF_ROWS_KEY,
-                                                 PREFILL_PEAK_KEY, WEIGHT_STREAM_KEY, Measurement)
+from hivekeeper.core.machine.measurement import (AFTER_GRID, PACKED_KERNEL_KEY, PREFILL_BLOCK_KEY,
+                                                 PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, WEIGHT_STREAM_KEY,
+                                                 Measurement)
 
 # readings taken now: with the measurement's own reading counted as one more, a slow first reading is outvoted
 # (the median of four), and one new reading caught by a slow spell cannot set it alone. This 2-core host, QUICK
 # sizes: ~6 s to build the fp32 spans, ~0.8 s a decode reading, ~1.5 s a prefill one, ~3.4 s a packed one (~24 s)
 REREADINGS = 3
-AFTER_GRID = "taken after `hivekeeper profile`'s grid ran faster than this measurement predicts"
 
 
 def read_measurement_again(measurements: list[Measurement], sizes: BenchmarkSizes,

@@ -297,6 +297,7 @@ def test_calibration_round_trips_through_json():
     (lambda d: d["efficiency"]["host"].update(bandwidth_fraction=3), "calibration.efficiency.host",
      "bandwidth_fraction must be in (0, 1]"),
     (lambda d: d["policies"].update(resident=[]), "calibration.policies.resident", "is malformed"),
+    (lambda d: d["model"].update(num_layers="a"), "calibration.model.num_layers", "must be an integer"),  # was taken
 ])
 def test_a_malformed_calibration_names_its_field_and_what_to_do(edit, field, problem):
     """A newcomer's profile: `field 'calibration': malformed calibration (TypeError: string indices must be integers,
