@@ -39,8 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dht-prefix", help="the model's name in the swarm (default: Petals' convention for a hub "
                         "id, the folder name for a local checkpoint)")
     parser.add_argument("--quant", default="none", choices=("none", "int8", "nf4"), help="weight quantization")
-    parser.add_argument("--dtype", default="auto", help="fp32, bf16 or fp16 (auto: fp32 on CPU, the checkpoint's "
-                        "16-bit dtype on GPU)")
+    parser.add_argument("--dtype", default="auto", help="fp32, bf16 or fp16 (auto: on a GPU the checkpoint's 16-bit "
+                        "dtype; on a CPU bf16 where it multiplies bf16 natively and `hivekeeper measure` found a bf16 "
+                        "decode step faster than fp32, else fp32; fp32 for a GGUF whose blocks stay packed and with "
+                        "--quant int8/nf4)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when present)")
     parser.add_argument("--public-name", help="a name shown to the swarm (e.g. a link or nickname)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for loopback only)")
@@ -170,6 +172,35 @@ def planned_span(checkpoint: Path, dtype, device: str, quant: str, cache_tokens:
         return None
 
 
+def auto_dtype(model_config, device: str, checkpoint: Path, quant: str = "none") -> tuple[torch.dtype, str]:
+    """--dtype auto: (the torch dtype a server computes in, why in words). On a GPU the checkpoint's 16-bit dtype
+    (bf16 where it stores none). On a CPU the planner's server rule (swarm.choose_server_format's
+    cpu_bf16_at(machine.acc, 1)) as the engine decides it: cpu_dtype.sixteen_bit_choice at one row and no plan, bf16
+    where the CPU multiplies bf16 natively and a measured bf16 decode step beat fp32's, else fp32. fp32 regardless
+    where the runtime keeps a GGUF's blocks packed (on a CPU in fp32 only; format_choice.plan_model_server plans that
+    span packed) and beside --quant int8/nf4 weights (the measured step is of unquantized blocks)."""
+    import torch
+
+    from hivekeeper.core.machine.cpu_dtype import sixteen_bit_choice
+    from hivekeeper.planner.format_choice import gguf_packed_type, packed_by_default
+    from hivekeeper.planner.gguf_metadata import is_gguf
+
+    if device != "cpu":
+        stored = (model_config.torch_dtype or "").replace("torch.", "")
+        if stored in ("float16", "bfloat16"):
+            return getattr(torch, stored), "the checkpoint's own 16-bit dtype"
+        return torch.bfloat16, "the checkpoint stores no 16-bit dtype: bf16 on a GPU"
+    if quant != "none":
+        return torch.float32, f"--quant {quant}: the blocks' unquantized parts in fp32 on a CPU"
+    packed = gguf_packed_type(str(checkpoint)) if is_gguf(checkpoint) and packed_by_default() else None
+    if packed is not None:
+        return torch.float32, (f"the GGUF's {packed} blocks stay packed, multiplied by the CPU's kernels in fp32 "
+                               f"(HIVEKEEPER_GGUF_PACKED=0 dequantizes them)")
+    choice = sixteen_bit_choice()
+    # a server's steps multiply a few rows (one per session), as the planner prices them; no plan of its own
+    return (torch.bfloat16 if choice.at(1) == "bf16" else torch.float32), choice.reason
+
+
 def run(args: argparse.Namespace) -> int:
     args = apply_config(args, add_arguments)  # --config FILE: the node service's flags (core/cli/serve_config.py)
     from hivekeeper.core.swarm.bootstrap import any_reachable, bootstrap_peers, is_unreachable_error, \
@@ -183,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from hivekeeper.core.machine.cpu_dtype import dtype_name
     from hivekeeper.core.runtime.checkpoint import load_config, parse_dtype, resolve_checkpoint
     from hivekeeper.core.swarm.contribution import (ContributionLedger, contribution_path, counting_status,
                                                     serving_power)
@@ -226,12 +258,8 @@ def run(args: argparse.Namespace) -> int:
     # a hub id: the config and index now, a span's shards when the server has chosen the span (SwarmServer._load)
     checkpoint = resolve_checkpoint(args.model, blocks=block_indices or (0, 0), embeddings=False)
     model_config = load_config(checkpoint)
-    if args.dtype == "auto":
-        stored = (model_config.torch_dtype or "").replace("torch.", "")
-        dtype = torch.float32 if device == "cpu" else parse_dtype(stored if stored in ("float16", "bfloat16")
-                                                                  else "bf16")
-    else:
-        dtype = parse_dtype(args.dtype)
+    dtype, why = auto_dtype(model_config, device, checkpoint, args.quant) if args.dtype == "auto" \
+        else (parse_dtype(args.dtype), "")
     grouped = model_config.num_kv_heads < model_config.num_heads
     cache_tokens = args.cache_tokens or (16384 if grouped else 4096)
     max_length = min(args.max_length or (8192 if grouped else 2048), model_config.max_position_embeddings)
@@ -239,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
     if num_blocks is None and block_indices is None:
         num_blocks, words = default_num_blocks(checkpoint, model_config, dtype, device, args.quant, cache_tokens,
                                                limits.gpu_gib if device.startswith("cuda") else limits.ram_gib)
-        print(f"Serving {num_blocks} blocks, {words} (planned for this machine's memory)",
+        chosen = f"; --dtype auto: {dtype_name(dtype)}, {why}" if why else ""
+        print(f"Serving {num_blocks} blocks, {words} (planned for this machine's memory{chosen})",
               file=sys.stderr if args.json_status else sys.stdout, flush=True)
     is_local = Path(args.model).expanduser().is_dir()
     config = ServerConfig(

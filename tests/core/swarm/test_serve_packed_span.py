@@ -1,7 +1,8 @@
 """Issue 16 item 4, the planning side, through the real command: `hivekeeper serve` on the real default model
 (SmolLM2-135M-Instruct, Q4_1) with a RAM budget that holds its span packed but not in fp32 plans the span packed,
-says so ("Serving 16 blocks, q4_1 packed"), and the server then loads exactly that many blocks, holding the bytes
-the planner counted (its "online" event's packed and fp32 bytes), within 80% of the budget with the KV cache.
+says so ("Serving 16 blocks, q4_1 packed", in fp32 under --dtype auto because the blocks stay packed), and the server
+then loads exactly that many blocks, holding the bytes the planner counted (its "online" event's packed and fp32
+bytes), within 80% of the budget with the KV cache.
 
 One child process (the server runs until stopped; SIGTERM makes it announce OFFLINE and stop its p2pd).
 """
@@ -43,8 +44,9 @@ def test_serve_plans_a_gguf_span_packed_and_loads_what_it_planned_within_the_bud
                            "--throughput", "1", "--json-status", "--stats-period", "0"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ)))
     try:
-        said = child.wait_for(r"Serving (\d+) blocks, (\S+ packed)", timeout=120, stream="stderr")
-        assert (int(said.group(1)), said.group(2)) == (expected, "q4_1 packed")
+        said = child.wait_for(r"Serving (\d+) blocks, (\S+ packed) \(.*--dtype auto: (\w+), the GGUF's (\S+) blocks "
+                              r"stay packed", timeout=120, stream="stderr")
+        assert said.groups() == (str(expected), "q4_1 packed", "fp32", "q4_1")  # auto: fp32, the packed kernels'
         online = json.loads(child.wait_for(r'\{[^\n]*"state": "online"[^\n]*\}', timeout=180).group(0))
         start, end = online["blocks"]
         assert end - start == expected
