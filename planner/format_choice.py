@@ -82,8 +82,8 @@ def format_choice(model: str, quant: str, *, on_cpu: bool, runtime_packs: bool =
         elif not on_cpu:
             why = f"a GPU runs the GGUF's {own} weights dequantized to 16 bits (the packed kernels are the CPU's)"
         elif quant == "none":
-            why = (f"--quant none: the GGUF's {own} weights planned dequantized (the runtime keeps them packed unless "
-                   f"HIVEKEEPER_GGUF_PACKED=0)")
+            why = (f"--quant none: the GGUF's {own} weights dequantized to a float format, as `generate` runs this "
+                   f"plan (auto keeps them packed)")
         else:
             why = f"HIVEKEEPER_GGUF_PACKED=0: the runtime dequantizes the GGUF's {own} weights"
         return FormatChoice("none", why=why)

@@ -11,8 +11,9 @@ peak RSS, the plan used — or all of it as one JSON object with --json.
 With --prompts-file the file's prompts (one a line, the same number of tokens each) are generated together as one
 batch, run as the plan's micro-batches; the plan's predicted tokens/s (the planner's, or those a plan file carries)
 are printed beside the measured ones ("predicted_vs_measured" with --json), with a note where the prediction is not
-this run's (another batch; another placement: no GPU here, a --ram-budget-gb) and where streamed weights came faster
-than the disk reads (the OS page cache).
+this run's (another batch; other prompt and output tokens; another placement: no GPU here, a --ram-budget-gb), where a
+plan file's prediction was made again for this run's tokens, and where streamed weights came faster than the disk
+reads (the OS page cache).
 
 The text is printed as it is generated (one sequence). Through a swarm, a failed server is replaced and its work
 replayed (each failover is listed in the summary and under "failovers" with --json); when the swarm cannot go on
@@ -202,7 +203,8 @@ def open_runner(args: argparse.Namespace, path, tokenizer, config, *, batch: int
     model = OffloadedModel(path, plan, drop_page_cache=drop_page_cache)
     info = {"source": choice.source, "reason": choice.reason, "policy": choice.policy.as_dict(),
             "engine": plan.summary(), "warnings": list(choice.warnings), "predicted": choice.predicted,
-            "planned_placement": planned_placement(choice.policy, len(plan.weight_tiers))}
+            "planned_placement": planned_placement(choice.policy, len(plan.weight_tiers)),
+            "run_tokens": {"prompt_len": prompt_len, "output_len": max(1, max_length - prompt_len)}}
     for warning in choice.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if prompts:  # the prompts run first in each cache, through the plan's placement (core/finetune/prompted.py)
@@ -412,6 +414,38 @@ def placement_note(change: dict) -> str:
             f"{why}: the predicted figures are the plan's placement, not this run's")
 
 
+def tokens_words(tokens: dict) -> str:
+    """"512 + 128" of {"prompt_len": 512, "output_len": 128}."""
+    return f"{tokens['prompt_len']} + {tokens['output_len']}"
+
+
+def tokens_note(predicted: dict, ran: dict | None) -> str | None:
+    """Where a plan's prediction was made for other prompt and output tokens than this run's (local_plan.TOKENS_KEY);
+    None when they are the same or unknown (a bare policy file)."""
+    from hivekeeper.core.offload.local_plan import TOKENS_KEY
+
+    tokens = predicted.get(TOKENS_KEY)
+    if not tokens or not ran or tokens == ran:
+        return None
+    return (f"the plan's prediction is for {tokens_words(tokens)} tokens; this run was {tokens_words(ran)} (a plan "
+            f"made with --prompt-len {ran['prompt_len']} --output-len {ran['output_len']} predicts this run)")
+
+
+def predicted_again_note(predicted: dict) -> str | None:
+    """Where a plan file's prediction was made again for this run's tokens (local_plan.plan_file_prediction): the
+    plan's own figures, and the tokens they were for."""
+    from hivekeeper.core.offload.local_plan import PLAN_FIGURES_KEY, TOKENS_KEY
+
+    planned = predicted.get(PLAN_FIGURES_KEY)
+    if not planned:
+        return None
+    figures = ", ".join(f"{name} {planned[key]:.3g}" for name, key in (("throughput", "throughput_tokens_per_s"),
+                                                                      ("decode", "decode_tokens_per_s"))
+                        if isinstance(planned.get(key), (int, float)))
+    return (f"predicted for this run's {tokens_words(predicted[TOKENS_KEY])} tokens by the plan's policy on this "
+            f"machine (the plan's figures, for {tokens_words(planned[TOKENS_KEY])} tokens: {figures} tokens/s)")
+
+
 def page_cache_note(streamed_bytes_per_s: float, disk_read_bytes_per_s: float | None,
                     dropped_page_cache: bool) -> str | None:
     """Why a run streamed weights faster than the disk reads (PAGE_CACHE_FACTOR): the OS page cache held them. None
@@ -437,10 +471,14 @@ def predicted_vs_measured(plan_info: dict, result, *, streamed_bytes_per_s: floa
                           disk_read_bytes_per_s: float | None = None, dropped_page_cache: bool = False) -> dict | None:
     """The plan's predicted tokens/s beside this run's: throughput (generated tokens / wall time, prefill
     included: FlexGen's metric) and decode; None when the policy came without a prediction. Its "note" says where
-    the prediction is not this run's ("predicts_this_run" false): a plan made for another batch (`--plan FILE`), or
-    another placement than the one that ran (no GPU here, a --ram-budget-gb; "placement" has both); and where the
-    streamed weights came from the page cache rather than the disk (page_cache_note)."""
+    the prediction is not this run's ("predicts_this_run" false): a plan made for another batch (`--plan FILE`), for
+    other prompt and output tokens (a plan file that could not be predicted again for them here), or another
+    placement than the one that ran (no GPU here, a --ram-budget-gb; "placement" has both); where a plan file's
+    prediction was made again for this run's tokens (its own figures beside); and where the streamed weights came
+    from the page cache rather than the disk (page_cache_note)."""
     from hivekeeper.planner.words import counted
+
+    from hivekeeper.core.offload.local_plan import TOKENS_KEY
 
     predicted = plan_info.get("predicted")
     if not predicted:
@@ -451,13 +489,17 @@ def predicted_vs_measured(plan_info: dict, result, *, streamed_bytes_per_s: floa
     notes = [f"the plan's prediction is for a batch of {planned}; this run generated "
              f"{counted(result.batch, 'sequence')} together (a plan made with --batch {result.batch} "
              "predicts this run)"] if planned and planned != result.batch else []
+    other_tokens = tokens_note(predicted, plan_info.get("run_tokens"))
+    if other_tokens:
+        notes.append(other_tokens)
     change = placement_change(plan_info)
     if change is not None:
         notes.append(placement_note(change))
     predicts_this_run = not notes
-    cached = page_cache_note(streamed_bytes_per_s, disk_read_bytes_per_s, dropped_page_cache)
-    if cached:
-        notes.append(cached)
+    for note in (predicted_again_note(predicted),
+                 page_cache_note(streamed_bytes_per_s, disk_read_bytes_per_s, dropped_page_cache)):
+        if note:
+            notes.append(note)
     return {**({"note": "; ".join(notes)} if notes else {}), "predicts_this_run": predicts_this_run,
         **({"placement": change} if change is not None else {}),
         "throughput_tokens_per_s": {"predicted": predicted["throughput_tokens_per_s"],
@@ -465,6 +507,7 @@ def predicted_vs_measured(plan_info: dict, result, *, streamed_bytes_per_s: floa
         "decode_tokens_per_s": {"predicted": predicted.get("decode_tokens_per_s"),
                                 "measured": None if decode is None else round(decode, 4)},
         "predicted_bottleneck": predicted.get("bottleneck"),
+        "predicted_for_tokens": predicted.get(TOKENS_KEY),
     }
 
 

@@ -232,7 +232,8 @@ def reserve_hint(plan_with, hardware, reserve: dict[str, float]) -> str:
 def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
     """For a GGUF model: the file's sizes (gguf_metadata.GGUFSizes.as_dict) and, when the plan runs, what the
     runtime holds in memory: the weights dequantized to the float format that runs (on this machine, the one the
-    engine computes the plan's format in), the whole model and its largest block."""
+    engine computes the plan's format in), the whole model and its largest block; for a plan of the GGUF's packed
+    format, the packed bytes (a plan of a float format, --quant none, runs dequantized: local_plan.engine_plan)."""
     model = model_path_or_id(model)
     if not is_gguf(model):
         return None
@@ -248,20 +249,19 @@ def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:
                       memory_block_bytes=round(block_weight_bytes(spec, held)))
         if held != planned and planned not in PACKED_FORMATS:
             report["memory_note"] = f"the plan's {planned} weights run as {held} on this machine"
-        if this_machine or planned in PACKED_FORMATS:
-            report.update(packed_memory(model, spec, held, planned in PACKED_FORMATS))
+        if planned in PACKED_FORMATS:
+            report.update(packed_memory(model, spec, held))
     return report
 
 
-def packed_memory(model: str, spec, held: str, packed_plan: bool = False) -> dict:
-    """Where the engine keeps a GGUF's Q8_0/Q4_0/Q4_1 linears packed (CPU, fp32: gguf.packed_by_default; a packed
-    plan is one for a CPU), the bytes it holds then (the blocks as load_packed_block builds them) and the packed
-    types; else nothing."""
-    from hivekeeper.core.offload.local_plan import default_device
+def packed_memory(model: str, spec, held: str) -> dict:
+    """For a plan of a GGUF's packed format (one for a CPU), where the engine keeps its Q8_0/Q4_0/Q4_1 linears packed
+    (fp32, gguf.packed_by_default): the bytes it holds then (the blocks as load_packed_block builds them) and the
+    packed types; else nothing."""
     from hivekeeper.core.offload.packed_stream import outside_held_bytes
     from hivekeeper.core.runtime.gguf import GGUFCheckpoint, packed_by_default
 
-    if held != "fp32" or not (packed_plan or default_device() == "cpu") or not packed_by_default():
+    if held != "fp32" or not packed_by_default():
         return {}
     checkpoint = GGUFCheckpoint(model, packed=True)
     blocks = gguf_sizes(model).packed_block_bytes  # the one count of a packed block's bytes, per layer
@@ -401,6 +401,11 @@ def render(plan: Plan, data: dict) -> str:
                            f"{s.cache_tokens}-token cache per block"),
                  ("per block", f"{_num(s.inference_rps)} inference rps, {_num(s.forward_rps)} forward rps"),
                  ("advertised", f"{_num(s.throughput)} rps")]
+        if data.get("serve_measured"):  # serve's own timing of such a block here, beside the planner's estimate
+            m = data["serve_measured"]
+            rows[-2:] = [(name, f"{value} (planner's estimate)") for name, value in rows[-2:]]
+            rows += [("measured", f"{_num(m['inference_rps'])} inference rps, {_num(m['forward_rps'])} forward rps "
+                                  f"per block, {m['source']}: serve advertises {_num(m['throughput'])} rps")]
     elif policy is not None:
         split = f" ({policy['micro_batch_size']} × {policy['num_micro_batches']})" \
             if policy["num_micro_batches"] > 1 else ""
@@ -457,6 +462,11 @@ def run(args: argparse.Namespace) -> int:
         # --ram-gb 0.62 was "made on another machine" to generate)
         data["machine_fingerprint"] = this_machine_fingerprint()
     data["kept_free"] = kept_free_report(reserve, args.reserve_gb is not None)
+    if plan.server is not None and plan.server.num_blocks and args.hardware == "auto":
+        from hivekeeper.core.swarm.server.throughput import measured_block_speed, measured_report
+
+        speed = measured_block_speed(model_path_or_id(args.model), plan.server)  # as the app's Swarm page reads it
+        data["serve_measured"] = measured_report(speed, plan.server.num_blocks) if speed else None
     gguf = gguf_report(args.model, data, this_machine=args.hardware == "auto")
     if gguf is not None:
         data["gguf"] = gguf

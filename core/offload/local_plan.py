@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from hivekeeper.planner.costmodel import TIERS, Placement, Policy, Workload
 from hivekeeper.planner.errors import InputError
@@ -33,12 +34,18 @@ class PolicyChoice:
     reason: str  # the planner's explanation, or where the policy came from
     warnings: tuple[str, ...] = ()  # what the user should know about this choice (a plan file for another machine)
     predicted: dict | None = None  # the cost model's figures for this policy (PREDICTED_KEYS), when there are any
+    # the planner's figures of another policy for this run on the machine it planned for (run_predictor): the plan
+    # made here re-predicted for the blocks the engine placed (as_placed)
+    predict: Callable[[Policy], dict | None] | None = field(default=None, compare=False, repr=False)
 
 
 # what a run prints as predicted beside its measured figures: the planner's Prediction fields / plan JSON keys
 PREDICTED_KEYS = ("throughput_tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s", "bottleneck")
 # ... and, where the prediction is of another dtype than the policy names (costmodel.evaluate_as_run), why
 ENGINE_NOTE_KEY = "engine_note"
+# the prompt and output tokens a prediction is for ({"prompt_len": p, "output_len": o}), and, where a plan file's
+# prediction was made again for this run's tokens (plan_file_prediction), the plan's tokens and figures
+TOKENS_KEY, PLAN_FIGURES_KEY = "tokens", "plan_figures"
 
 
 def predicted_figures(source) -> dict | None:
@@ -229,16 +236,18 @@ def search_policy(model_path: str | Path, *, batch: int, prompt_len: int, max_ne
         hardware = with_ram_budget(hardware, ram_budget_bytes, efficiency)
     goal = "batch" if batch > 1 else "chat"
     packed = packed_choice(model_path, quant, hardware)  # a GGUF the runtime keeps packed: plan what runs
+    workload = Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens))
     plan = search(spec, hardware, goal, Constraints(quant=packed.quant, batch_size=batch,
                                                     packed_formats=packed.packed_formats,
-                                                    file_format=packed.file_format),
-                  Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens)), efficiency=efficiency)
+                                                    file_format=packed.file_format), workload, efficiency=efficiency)
     if plan.prediction is not None:
         return PolicyChoice(plan.prediction.policy, "auto", plan.reason,
-                            predicted=predicted_figures(plan.prediction))
+                            predicted=for_tokens(predicted_figures(plan.prediction), workload),
+                            predict=run_predictor(spec, workload, hardware, efficiency))
     if not fallback:
         raise DoesNotFit(f"{spec.name} does not fit on this machine: {plan.reason}")
-    fmt = quant if quant != "none" else spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"
+    fmt = packed.quant if packed.quant != "none" else \
+        spec.torch_dtype if spec.torch_dtype in ("fp32", "bf16", "fp16") else "fp32"  # a GGUF the runtime packs: packed
     return PolicyChoice(fallback_policy(fmt, batch), "fallback",
                         f"the planner found no local plan ({plan.reason}); streaming what RAM cannot hold")
 
@@ -247,6 +256,30 @@ def packed_choice(model_path: str | Path, quant: str, hardware):
     """planner.format_choice for this run: a GGUF's own Q8_0/Q4_0/Q4_1 on a CPU where the runtime packs it (what
     the engine then runs, so the prediction is of it); else `quant` unchanged."""
     return runtime_format(model_path, quant, on_gpu=bool(hardware.gpus))
+
+
+def tokens_of(workload: Workload) -> dict:
+    return {"prompt_len": workload.prompt_len, "output_len": workload.output_len}
+
+
+def for_tokens(figures: dict | None, workload: Workload) -> dict | None:
+    """Predicted figures with the tokens they are for (TOKENS_KEY)."""
+    return None if figures is None else {**figures, TOKENS_KEY: tokens_of(workload)}
+
+
+def run_predictor(spec, workload: Workload, hardware, efficiency,
+                  reserve_bytes: dict[str, float] | None = None) -> Callable[[Policy], dict | None]:
+    """The figures (predicted_figures, TOKENS_KEY) of a policy run for `workload` on `hardware`, in the dtype the engine
+    computes it in (costmodel.evaluate_as_run: the planner's prediction of one policy, as the app's "Run this plan"
+    predicts a run)."""
+    from hivekeeper.planner.costmodel import evaluate_as_run
+
+    def predict(policy: Policy) -> dict | None:
+        return for_tokens(predicted_figures(evaluate_as_run(spec, hardware, policy, workload, efficiency,
+                                                            reserve_bytes, planned_rows=policy.micro_batch_size)),
+                          workload)
+
+    return predict
 
 
 def runtime_format(model_path: str | Path, quant: str = "none", *, on_gpu: bool):
@@ -286,8 +319,51 @@ def choose_policy(plan_arg: str, model_path: str | Path, *, batch: int, prompt_l
                              ram_budget_bytes=ram_budget_bytes, quant=quant, **search_options)
     doc = read_plan_file(plan_arg)
     warnings = plan_file_checks(doc, plan_arg, model_path)
-    return PolicyChoice(policy_from_dict(doc, source=str(plan_arg)), str(plan_arg), f"policy read from {plan_arg}",
-                        warnings, predicted=predicted_figures(doc))
+    policy = policy_from_dict(doc, source=str(plan_arg))
+    run = Workload(prompt_len=max(1, prompt_len), output_len=max(1, max_new_tokens))
+    predicted = plan_file_prediction(doc, policy, model_path, run, batch, this_machine=not warnings,
+                                     hardware=search_options.get("hardware"),
+                                     efficiency=search_options.get("efficiency"))
+    return PolicyChoice(policy, str(plan_arg), f"policy read from {plan_arg}", warnings, predicted=predicted)
+
+
+def plan_tokens(doc) -> dict | None:
+    """The prompt and output tokens a plan file (`hivekeeper plan --json`) was made for, or None (a bare policy)."""
+    if not isinstance(doc, dict):
+        return None
+    tokens = {key: doc.get(key) for key in ("prompt_len", "output_len")}
+    return tokens if all(isinstance(v, int) and v >= 1 for v in tokens.values()) else None
+
+
+def plan_file_prediction(doc, policy: Policy, model_path: str | Path, run: Workload, batch: int, *,
+                         this_machine: bool, hardware=None, efficiency=None) -> dict | None:
+    """A plan file's predicted figures for this run: the plan's own when it was made for this run's prompt and
+    output tokens; made again for them (run_predictor, with the plan's kept-free memory) when the plan was made on
+    this machine (`--hardware auto`, no warning of another one) for this batch, its own figures and tokens kept
+    under PLAN_FIGURES_KEY; else the plan's, with the tokens they are for (TOKENS_KEY: generate says they are not
+    this run's)."""
+    figures, tokens = predicted_figures(doc), plan_tokens(doc)
+    if figures is None or tokens is None:
+        return figures
+    figures[TOKENS_KEY] = tokens
+    if tokens == tokens_of(run) or not this_machine or doc.get("hardware") != "detected" or \
+            policy.batch_size != batch:
+        return figures
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    if hardware is None:  # this machine as the plan saw it: the saved profile's measurements (none taken now)
+        from hivekeeper.core.machine.first_measure import this_machine as measured_machine
+
+        hardware, profiled = measured_machine(False)
+        efficiency = efficiency if efficiency is not None else profiled
+    kept = ((doc.get("kept_free") or {}).get("bytes")) if isinstance(doc.get("kept_free"), dict) else None
+    reserve = {tier: float(v) for tier, v in kept.items() if tier in TIERS and isinstance(v, (int, float))} \
+        if isinstance(kept, dict) else None
+    again = run_predictor(load_model_spec(str(model_path)), run, hardware, efficiency, reserve)(policy)
+    if again is None:
+        return figures
+    return {**again, PLAN_FIGURES_KEY: {key: figures.get(key) for key in
+                                        (TOKENS_KEY, "throughput_tokens_per_s", "decode_tokens_per_s")}}
 
 
 def compute_dtype(weight_format: str, device: str, rows: int = 1, planned_rows: int | None = None):
@@ -328,10 +404,11 @@ def default_device() -> str:
 def engine_plan(config, choice: PolicyChoice, *, batch: int, max_length: int, ram_budget_bytes: float | None = None,
                 prefill_tokens: int = 256, device: str | None = None, model_path: str | Path | None = None):
     """The EnginePlan for this run (device, dtype and every block's tier). model_path: the model, so that a GGUF the
-    engine keeps packed is placed by its packed bytes (packed_stream.packed_sizes), not by the dtype's."""
-    from dataclasses import replace
-
+    engine keeps packed is placed by its packed bytes (packed_stream.packed_sizes), not by the dtype's. A GGUF stays
+    packed only where the policy names its packed format (q8_0/q4_0/q4_1): a plan of a float format (a plan file
+    made with --quant none) runs dequantized, as it was predicted (EnginePlan.gguf_dequantized)."""
     from hivekeeper.planner.format_choice import gguf_packed_type
+    from hivekeeper.planner.formats import PACKED_FORMATS
 
     from hivekeeper.core.offload.packed_stream import packed_sizes
     from hivekeeper.core.offload.placement import micro_batch_rows, place_model
@@ -340,9 +417,11 @@ def engine_plan(config, choice: PolicyChoice, *, batch: int, max_length: int, ra
     policy = choice.policy
     rows = micro_batch_rows(batch, policy.micro_batch_size, policy.num_micro_batches)
     dtype, quant = compute_dtype(policy.weight_format, device, rows, planned_rows=policy.micro_batch_size)
-    held = packed_sizes(model_path, device, dtype, quant) if model_path is not None else {}
+    packs = policy.weight_format in PACKED_FORMATS
+    held = packed_sizes(model_path, device, dtype, quant) if model_path is not None and packs else {}
     plan = place_model(config, choice.policy, device=device, dtype=dtype, batch=batch, max_length=max_length,
                        ram_budget_bytes=ram_budget_bytes, prefill_tokens=prefill_tokens, quant=quant, **held)
+    plan = replace(plan, gguf_dequantized=not packs)
     return replace(plan, packed_format=gguf_packed_type(str(model_path)) or "") if held else plan  # says what runs
 
 
@@ -351,13 +430,32 @@ def plan_local_run(plan_arg: str, model_path: str | Path, config, *, batch: int,
                    device: str | None = None, **search_options):
     """The one choice of how to run a model here, made the same way by `hivekeeper generate`, `chat` and the app's
     chat: the policy (choose_policy), then the EnginePlan with the dtype this machine computes it in
-    (compute_dtype). Returns (PolicyChoice, EnginePlan)."""
+    (compute_dtype); under a RAM budget the planner's policy names the blocks the engine placed (as_placed).
+    Returns (PolicyChoice, EnginePlan)."""
     choice = choose_policy(plan_arg, model_path, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                            ram_budget_bytes=ram_budget_bytes, quant=quant, **search_options)
     plan = engine_plan(config, choice, batch=batch, max_length=max_length, ram_budget_bytes=ram_budget_bytes,
                        prefill_tokens=min(256, max(1, prompt_len)), device=device, model_path=model_path)
-    return choice, plan
+    return (as_placed(choice, plan) if ram_budget_bytes is not None else choice), plan
 
+
+def as_placed(choice: PolicyChoice, plan) -> PolicyChoice:
+    """A plan made here (choice.predict) under a RAM budget, with the blocks the engine placed and predicted for
+    them. The engine fills the budget with whole blocks and streams through whole slots (placement.place_model);
+    the planner counts a fraction of the weights and slots in proportion to the streamed share (costmodel
+    solve_weight_placement), which came one block more: SmolLM2 at 0.05 GB planned 7 blocks in RAM, and 7 with
+    their two slots took 50.8 MB. Unchanged where the engine placed the blocks and prefetch depth the policy names."""
+    from hivekeeper.core.offload.placement import tier_counts
+
+    policy, layers = choice.policy, len(plan.weight_tiers)
+    w = policy.weights
+    placed = {tier: plan.weight_tiers.count(tier) for tier in TIERS}
+    named = tier_counts({"gpu": w.gpu, "cpu": w.cpu, "disk": w.disk}, layers, TIERS)
+    if choice.predict is None or (named == placed and policy.prefetch_depth == plan.prefetch_depth):
+        return choice
+    whole = Placement(*(placed[tier] / layers for tier in TIERS))
+    ran = replace(policy, weights=whole, prefetch_depth=plan.prefetch_depth)
+    return replace(choice, policy=ran, predicted=choice.predict(ran))
 
 def use_runtime_threads() -> None:
     """The thread layout local runs use (offloaded_model.use_physical_cores: torch on one thread, the matmuls on

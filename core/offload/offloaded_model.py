@@ -192,8 +192,8 @@ class OffloadedModel:
         self.device = torch.device(plan.device)
         self.cache_dir = cache_dir
         # a checkpoint folder or a GGUF (whose resident CPU fp32 blocks keep Q8_0/Q4_0/Q4_1 linears packed, as a
-        # swarm server's span does: gguf.packed_by_default)
-        self.checkpoint = open_checkpoint(self.path, packed=packed_by_default())
+        # swarm server's span does: gguf.packed_by_default; not where the plan names a float format)
+        self.checkpoint = open_checkpoint(self.path, packed=packed_by_default() and not plan.gguf_dequantized)
         config = self.config = self.checkpoint.config
         if len(plan.weight_tiers) != config.num_layers:
             raise InputError(f"the plan places {len(plan.weight_tiers)} blocks; the model has {config.num_layers}")
@@ -240,7 +240,8 @@ class OffloadedModel:
                 self.embedding = load_embedding(self.path, dtype=dtype, device=self.device)
                 self.head = load_head(self.path, dtype=dtype, device=self.device,
                                       embedding=self.embedding if config.tie_word_embeddings else None,
-                                      decode_layout=not plan.streamed_blocks)
+                                      decode_layout=not plan.streamed_blocks,
+                                      packed=getattr(self.checkpoint, "packed", False))
             self.resident: dict[int, Block] = {}  # on the compute device
             self.pinned: dict[int, Block] = {}  # RAM blocks streamed to the GPU
             for layer, tier in enumerate(plan.weight_tiers):

@@ -45,6 +45,9 @@ class EnginePlan:
     attention_on_cpu: bool = False  # with a GPU: attention over a RAM/disk cache runs on the CPU
     activations_ram_fraction: float = 0.0  # the policy's activations.cpu: micro-batches kept in RAM between blocks
     packed_format: str = ""  # a GGUF's Q8_0/Q4_0/Q4_1 its loader keeps packed in these fp32 blocks (local_plan)
+    # a plan that names a float format for a GGUF (a plan file made with --quant none): its blocks, head and
+    # embedding are dequantized to that format rather than kept packed (local_plan.engine_plan)
+    gguf_dequantized: bool = False
 
     @property
     def compute_tier(self) -> str:

@@ -252,4 +252,5 @@ def test_a_plan_made_for_another_batch_says_its_prediction_is_not_this_runs(tiny
     code, out, _ = in_process(*common)
     assert "note: the plan's prediction is for a batch of 4" in out
     code, out, _ = in_process(*common, "--batch", "4", "--json")
-    assert "note" not in json.loads(out)["predicted_vs_measured"]
+    side = json.loads(out)["predicted_vs_measured"]  # (predicted again for this run's tokens: session 25)
+    assert side["predicts_this_run"] is True and "batch of" not in side.get("note", "")
