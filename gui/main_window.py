@@ -206,7 +206,7 @@ class MainWindow(QMainWindow):
         from hivekeeper.gui.services.models import ModelsService
 
         service = ModelsService(self)
-        service.hardware = lambda: getattr(self.hardware_page.machine, "hardware", None)
+        service.machine = lambda: self.hardware_page.machine
         return ModelsPage(service)
 
     def _build_settings(self) -> QWidget:
@@ -271,7 +271,7 @@ class MainWindow(QMainWindow):
         from hivekeeper.planner.format_choice import plan_model_server
 
         from hivekeeper.core.runtime.default_model import model_path_or_id
-        from hivekeeper.gui.pages.swarm import measured_block_speed
+        from hivekeeper.core.swarm.server.throughput import measured_block_speed
 
         machine = self.hardware_page.machine
         page = self.swarm_page

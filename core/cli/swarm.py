@@ -63,6 +63,14 @@ def print_tables(report: dict) -> None:
               f"{rtt:>7}  {s['public_name'] or ''}")
 
 
+def other_models_line(report: dict) -> str:
+    """The line for a prefix nobody serves in a swarm that lists other models: their prefixes, and --dht-prefix."""
+    names = ", ".join(f"{m['dht_prefix']} ({m['repository']}, {counted(m['num_blocks'], 'block')})"
+                      for m in report["other_models"])
+    return (f"no server found under {report['dht_prefix']}; the swarm's registry lists {names}: "
+            f"pass --dht-prefix PREFIX to see one (a model's prefix follows the name `serve --model` was given)")
+
+
 def _peers(given) -> tuple[str, ...]:
     """The peers given, else the default swarm's; peers nobody answers from are one line (core/swarm/bootstrap.py)."""
     from hivekeeper.core.swarm.bootstrap import any_reachable, bootstrap_peers, unreachable_message
@@ -81,22 +89,31 @@ def print_models(report: dict) -> None:
     for row in rows:
         weak, helps = row["weakest"], row["help"]
         weakest = f"{weak['start']}:{weak['end']} ({weak['throughput']:.3g} rps)" if weak else "-"
-        could = (f"blocks {helps['blocks'][0]}:{helps['blocks'][1]}, ~{helps['rps']:.3g} rps" if helps.get("blocks")
-                 else helps.get("reason") or "no block fits here")
+        could = (f"blocks {helps['blocks'][0]}:{helps['blocks'][1]}, ~{helps['rps']:.3g} rps{rps_source(helps)}"
+                 if helps.get("blocks") else helps.get("reason") or "no block fits here")
         print(f"{row['dht_prefix'][:32]:<32} {row['servers']:>7} {row['covered_blocks']:>4} of {row['num_blocks']:<3} "
               f"{weakest:<20} {could}")
 
 
+def rps_source(helps: dict) -> str:
+    """Where the requests/s offered come from: serve's measurement here (the planner's figure beside it), or ""."""
+    if helps.get("planner_rps") is None:
+        return ""
+    return f" ({helps['source']}; planner ~{helps['planner_rps']:.3g})"
+
+
 def run_models(args: argparse.Namespace) -> int:
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
-    from hivekeeper.core.swarm.directory import HelpPlanner, directory_report, read_directory
+    from hivekeeper.core.swarm.directory import (HelpPlanner, directory_report, live_peers_of, peers_here,
+                                                 read_directory)
 
     client = SwarmClient(ClientConfig(_peers(args.initial_peers), "_directory", 1))
     try:
         rows = client.run(read_directory(client.dht), timeout=60)
+        here = client.run(peers_here(client, live_peers_of(rows)), timeout=60)  # this machine's own servers
     finally:
         client.close()
-    report = directory_report(rows, HelpPlanner())
+    report = directory_report(rows, HelpPlanner(), here)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -113,17 +130,21 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.core.runtime.checkpoint import load_config, resolve_checkpoint
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
     from hivekeeper.core.swarm.dht import dht_prefix_for
-    from hivekeeper.core.swarm.status import read_swarm_status
+    from hivekeeper.core.swarm.status import other_models, read_swarm_status
 
     config = load_config(resolve_checkpoint(args.model, blocks=(0, 0), embeddings=False))
     prefix = dht_prefix_for(args.model, args.dht_prefix)
     client = SwarmClient(ClientConfig(_peers(args.initial_peers), prefix, config.num_layers))
     try:
         report = client.run(read_swarm_status(client, prefix))
+        if not report["servers"]:  # nothing under this prefix: the models the swarm does list, if any
+            report["other_models"] = client.run(other_models(client.dht, prefix))
     finally:
         client.close()
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print_tables(report)
+        if report.get("other_models"):
+            print(other_models_line(report))
     return 0

@@ -2,13 +2,16 @@
 
 Each server is a real subprocess (`python -m hivekeeper.core.cli.main serve ... --json-status`) in its own process
 group, so kill(SIGKILL) takes its p2pd down with it, as a machine crash would. A reader thread collects its JSON
-status lines; stderr goes to a log file.
+status lines; stderr goes to a log file, in the folder given (kept: the caller's) or in a temporary folder of the
+swarm's own, which `stop()` removes once every server has exited. A server that fails to start puts its log's tail
+in the error it raises; where the `with` body raises, the folder is kept and the error names it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -144,6 +147,7 @@ class LocalSwarm:
         self.joins = list(initial_peers)  # another swarm's addresses, for servers of ours to join it
         self.extra_args = list(extra_args)
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.own_log_dir = log_dir is None  # a temporary folder of ours: removed by stop()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hivekeeper-swarm-"))
         self.servers: list[ServerProcess] = []
 
@@ -180,15 +184,21 @@ class LocalSwarm:
         peers = self.joins + [addr for server in up for addr in server.maddrs]
         return ["--initial-peers", *peers] if peers else ["--new-swarm"]
 
-    def stop(self) -> None:
-        """Stop every server, side by side: all are asked first (SIGTERM), then each is waited for."""
+    def stop(self, keep_logs: bool = False) -> None:
+        """Stop every server, side by side: all are asked first (SIGTERM), then each is waited for; then our own log
+        folder goes (unless keep_logs: a failure's logs are read after)."""
         for server in self.servers:
             server.terminate()
         for server in reversed(self.servers):
             server.stop()
+        if self.own_log_dir and not keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalSwarm":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, kind, error, traceback) -> None:
+        failed = isinstance(error, Exception)
+        self.stop(keep_logs=failed)
+        if failed and self.own_log_dir:
+            error.add_note(f"the servers' logs are kept in {self.log_dir}")

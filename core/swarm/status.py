@@ -1,10 +1,14 @@
 """The status report of a swarm: per block, the servers covering it and its throughput; per server, its state, span
 and speed; the gaps and the bottleneck. `hivekeeper swarm status` prints it, the app's coverage chart draws it
 (gui/services/swarm_watch.py): one report, read the same way (`read_swarm_status`), so the two never disagree.
+Where no server is found under the prefix, `other_models` names the models the swarm's registry lists instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
+from hivekeeper.core.swarm.directory import read_registry
 from hivekeeper.core.swarm.dht import (ServerState, block_throughputs, capped_claims, live_peers, spans_of,
                                        with_confirmed, without_peers)
 
@@ -18,6 +22,13 @@ async def read_swarm_status(client, dht_prefix: str) -> dict:
     peers = live_peers(blocks)
     rtts = await client.rtts(peers) if peers else {}
     return swarm_status(blocks, dht_prefix, rtts)
+
+
+async def other_models(node, dht_prefix: str) -> list[dict]:
+    """The models the swarm's registry lists under other prefixes (core/swarm/directory.py read_registry), as
+    {"dht_prefix", "repository", "num_blocks"}: where none serves `dht_prefix`, one of them may be the same model
+    served under another name (`serve --model NAME` derives the prefix from NAME)."""
+    return [asdict(entry) for entry in await read_registry(node) if entry.dht_prefix != dht_prefix]
 
 
 def swarm_status(blocks: list[dict], dht_prefix: str, rtts: dict[str, float | None] | None = None) -> dict:

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFormLayout, QGroup
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from hivekeeper.core.swarm.bootstrap import bootstrap_peers, is_public
-from hivekeeper.core.swarm.server.throughput import BlockSpeed, cached_block_speed
+from hivekeeper.core.swarm.server.throughput import BlockSpeed
 from hivekeeper.planner.swarm import ServerPlan, span_throughput
 from hivekeeper.planner.words import counted
 
@@ -103,15 +103,6 @@ def advertised_words(advertised: float | None, counted: float | None) -> str:
         words += (f"; the swarm counts {fmt_rate(counted)} of it (a claim far above the other servers' is capped), "
                   "as the chart draws")
     return words
-
-
-def measured_block_speed(model: str, server: ServerPlan) -> BlockSpeed | None:
-    """`serve`'s cached measurement of a block of this model's shapes, in the span's format, on this machine's kind
-    of device (core/swarm/server/throughput.py), or None where serve has not timed one here."""
-    from hivekeeper.planner.model_catalog import load_model_spec
-
-    fmt = f"{server.weight_format}{' packed' if server.packed else ''}"
-    return cached_block_speed(load_model_spec(model), "cuda" if server.tier == "gpu" else "cpu", fmt)
 
 
 def advertised_estimate(server: ServerPlan, measured: BlockSpeed | None, blocks: int) -> str:

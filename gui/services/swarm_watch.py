@@ -93,7 +93,8 @@ def _in_words(message: str, peers) -> str:
 def watch_directory(args: argparse.Namespace, stop: threading.Event) -> int:
     """Print the swarm's models, their coverage and where this machine would help, every period."""
     from hivekeeper.core.swarm.client.inference import ClientConfig, SwarmClient
-    from hivekeeper.core.swarm.directory import HelpPlanner, directory_report, read_directory
+    from hivekeeper.core.swarm.directory import (HelpPlanner, directory_report, live_peers_of, peers_here,
+                                                 read_directory)
     from hivekeeper.planner.errors import InputError
 
     try:
@@ -106,7 +107,8 @@ def watch_directory(args: argparse.Namespace, stop: threading.Event) -> int:
         while not stop.is_set():
             try:
                 rows = client.run(read_directory(client.dht), timeout=60)
-                _print({"event": "directory", "time": time.time(), **directory_report(rows, planner)})
+                here = client.run(peers_here(client, live_peers_of(rows)), timeout=60)  # this machine's servers
+                _print({"event": "directory", "time": time.time(), **directory_report(rows, planner, here)})
             except Exception as exc:  # one failed read is reported; the next period tries again
                 _print({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
             stop.wait(args.period)

@@ -22,7 +22,7 @@ START_S = 180_000  # ms: a node imports torch and hivemind, starts p2pd and time
 
 
 def test_the_page_shows_the_rate_serve_announces_and_where_it_comes_from(app_window, qtbot, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # serve's block timings: none yet (the child too)
+    monkeypatch.setenv("HIVEKEEPER_DATA_DIR", str(tmp_path / "data"))  # serve's block timings: none yet (the child too)
     window = app_window
     qtbot.waitUntil(lambda: not window.detect.running and window.hardware_page.machine is not None, timeout=180_000)
     window.settings.swarm.host = "127.0.0.1"
@@ -51,7 +51,7 @@ def test_the_page_shows_the_rate_serve_announces_and_where_it_comes_from(app_win
 def test_the_serve_box_holds_its_rate_line_at_1280_by_800(app_window, qtbot, tmp_path, monkeypatch):
     """The rate's line with its source runs to three lines in the form's field column, and the Serve box then ran
     over the "Models in the swarm" box below (its Join button on that box's title): the line spans the box now."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no block timed here yet: the planner's estimate
+    monkeypatch.setenv("HIVEKEEPER_DATA_DIR", str(tmp_path))  # no block timed here yet: the planner's estimate
     window = app_window
     window.resize(1280, 800)
     qtbot.waitUntil(lambda: not window.detect.running and window.hardware_page.machine is not None, timeout=180_000)

@@ -12,10 +12,16 @@ kernels), a CPU fp32 span is laid out for the BLAS path. So the block timed is t
 the way `load_span` loads the span (real weights: speed depends on shapes and format, not values); a checkpoint
 whose weights are not here yet (a hub model, fetched once the span is chosen) gets a random block of its shapes.
 
-The cache (`swarm_throughput.json` in the user's cache folder) is keyed by the block's shapes, the device type and
-the served format, and each entry records when it was measured and at what load (a busy one is used, and said so:
-`--throughput eval` measures again), so that the app's Swarm page shows the same figure `serve` advertises and says
-where it comes from (`cached_block_speed`, torch-free).
+The cache (`swarm_throughput.json`, `cache_path`: in the data folder where HIVEKEEPER_DATA_DIR is set, else in the
+config folder where HIVEKEEPER_CONFIG_DIR is, else in the user's cache folder) is keyed by the block's shapes, the
+device type and the served format, and each entry records when it was measured and at what load (a busy one is used,
+and said so: `--throughput eval` measures again). `measured_block_speed` reads it for a planner's ServerPlan
+(torch-free): the app's Swarm page, `hivekeeper plan --goal serve` and `hivekeeper swarm models` show the figure
+`serve` advertises beside the planner's estimate and say where it comes from.
+
+The block is timed in the thread layout the server serves in (the same process, after serve set it): torch's own
+ops on one thread, the matmuls on the native kernels' pool or numpy's BLAS over the cores
+(cpu_matmul.use_blas_threads); `device_name` says both (it said "(1 threads)", torch's alone).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_features import cpu_model_name
 from hivekeeper.planner.swarm import FORWARD_TOKENS
+from hivekeeper.planner.words import counted
 from hivekeeper.planner.swarm import span_throughput as planner_span_throughput
 
 CACHE_FILE = "swarm_throughput.json"
@@ -75,11 +82,16 @@ def network_rps_for(bandwidth_bps: float | None, hidden_size: int) -> float | No
 
 
 def device_name(device) -> str:
+    """The GPU's name, or the CPU's with the threads a block runs on: torch's (its own ops, and the matmuls where they
+    stay in torch) and the native kernels' pool (the packed matmuls; numpy's BLAS takes as many for fp32 ones)."""
     import torch
+
+    from hivekeeper.core.runtime.kernels.native_kernels import default_threads
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{cpu_model_name()} ({torch.get_num_threads()} threads)"
+    return (f"{cpu_model_name()} (torch on {counted(torch.get_num_threads(), 'thread')}, "
+            f"native kernels on {counted(default_threads(), 'thread')})")
 
 
 def served_format(checkpoint: str | Path | None, device, dtype, quant: str) -> str:
@@ -110,8 +122,15 @@ def cache_key(config, device_type: str, fmt: str) -> str:
 
 
 def cache_path() -> Path:
+    """The cache file: in HIVEKEEPER_DATA_DIR where it is set (the folder of models and caches), else in
+    HIVEKEEPER_CONFIG_DIR where that is (a private config folder, as tests and benchmarks use, holds this machine's
+    measured profile: its measured block speeds go with it), else in the user's cache folder. serve, the app and the
+    CLI all read this one path, so a private folder isolates them together."""
     import platformdirs
 
+    for variable in ("HIVEKEEPER_DATA_DIR", "HIVEKEEPER_CONFIG_DIR"):
+        if os.environ.get(variable):
+            return Path(os.environ[variable]).expanduser() / CACHE_FILE
     return Path(platformdirs.user_cache_dir("hivekeeper")) / CACHE_FILE
 
 
@@ -131,6 +150,29 @@ def cached_block_speed(config, device_type: str, fmt: str) -> BlockSpeed | None:
         return BlockSpeed(**entry) if isinstance(entry, dict) else None
     except TypeError:
         return None
+
+
+def plan_format(server) -> str:
+    """A planner ServerPlan's span format in served_format's words ('q4_1 packed', 'fp32', 'nf4')."""
+    return f"{server.weight_format}{' packed' if server.packed else ''}"
+
+
+def measured_block_speed(model, server) -> BlockSpeed | None:
+    """`serve`'s cached measurement of a block of `model` (a path or catalog id, or its ModelSpec) in the format of the
+    planned span `server` (a planner ServerPlan), on its kind of device; None where serve has not timed one here.
+    The one reading of the cache for a plan: the app's Swarm page, `plan --goal serve` and `swarm models`."""
+    from hivekeeper.planner.model_catalog import load_model_spec
+
+    spec = load_model_spec(model) if isinstance(model, (str, Path)) else model
+    return cached_block_speed(spec, "cuda" if server.tier == "gpu" else "cpu", plan_format(server))
+
+
+def measured_report(speed: BlockSpeed, num_blocks: int) -> dict:
+    """A measurement as `plan --goal serve --json` and `swarm models --json` report it: the block's rates, what serve
+    advertises for a span of num_blocks blocks (compute only, as serve without --network-mbps), and its source."""
+    return {"inference_rps": speed.inference_rps, "forward_rps": speed.forward_rps,
+            "throughput": span_throughput(speed, num_blocks, None), "source": speed.source_words(),
+            "device_name": speed.device_name}
 
 
 def get_block_speed(config, device, dtype, quant: str = "none", *, checkpoint: str | Path | None = None,

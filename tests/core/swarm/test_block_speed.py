@@ -20,7 +20,7 @@ from hivekeeper.core.swarm.server.throughput import (cache_key, cache_path, cach
 
 
 def test_the_served_block_is_timed_and_kept_under_its_format(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("HIVEKEEPER_DATA_DIR", str(tmp_path))  # no block timed here yet
     path = resolve_default_model()
     config = load_config(path)
     assert served_format(path, "cpu", torch.float32, "none") == "q4_1 packed"

@@ -158,13 +158,13 @@ def test_block_speed_is_measured_once_then_cached(tmp_path, monkeypatch, tiny_ch
     from hivekeeper.core.runtime.checkpoint import load_config
     from hivekeeper.core.swarm.server.throughput import get_block_speed, network_rps_for, span_throughput
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("HIVEKEEPER_DATA_DIR", str(tmp_path))  # the cache follows the data folder
     config = load_config(tiny_checkpoint)
     speed, cached = get_block_speed(config, "cpu", torch.float32)
     assert not cached and speed.inference_rps > 0 and speed.forward_rps > 0
     again, cached = get_block_speed(config, "cpu", torch.float32)
     assert cached and again == speed
-    assert (tmp_path / "hivekeeper" / "swarm_throughput.json").is_file()
+    assert (tmp_path / "swarm_throughput.json").is_file()
     # Petals' formula: compute over the average blocks a request uses, capped by the network
     assert span_throughput(speed, 3, None) == pytest.approx(speed.forward_rps / 2)
     assert span_throughput(speed, 3, 1.0) == 1.0
