@@ -3,6 +3,7 @@
 Lines typed are user turns; replies stream token by token, then a line with the reply's tokens/s. Ctrl-C stops a
 reply (the chat goes on; at the prompt it only reminds how to leave). /reset forgets the conversation (the system
 prompt stays), /exit or end of input quits. --history FILE keeps the conversation in a JSON file across runs.
+Lines from a pipe or a file (which nothing echoes) are written after their prompt, so the output reads as a transcript.
 
 Lines are read by _Keyboard, not sys.stdin.readline(): a Ctrl-C that lands after the prompt is written but before the
 read begins (or that another thread takes) only flags Python's handler, the read is not interrupted, and the reminder
@@ -121,6 +122,10 @@ class _Keyboard:
             self.fd = None
         self.buffer = b""
         self.ended = False  # the end of input was read
+        try:
+            self.is_terminal = stream.isatty()  # a terminal echoes what is typed
+        except (AttributeError, OSError, ValueError):
+            self.is_terminal = False
         self.wakeup: tuple[int, int] | None = None  # the signal wakeup pipe's (read end, write end)
         self.previous_wakeup = -1
 
@@ -201,10 +206,15 @@ class _Chat:
                 return 0
 
     def _read_line(self, keyboard: _Keyboard) -> str | None:
-        """The line typed ("" at the end of input), or None when Ctrl-C ended the wait for it."""
+        """The line typed ("" at the end of input), or None when Ctrl-C ended the wait for it. Input that is not a
+        terminal (a file or a pipe) is not echoed as it comes: the line is written after the prompt, so the reply
+        starts on a line of its own and the transcript shows what was asked."""
         self.stop.clear()  # before the prompt shows: a Ctrl-C right after it must end the wait
         _say(USER_PROMPT, end="")
-        return keyboard.readline(self.stop)
+        line = keyboard.readline(self.stop)
+        if line and not keyboard.is_terminal:
+            _say(line.rstrip("\n"))
+        return line
 
     def _handle(self, text: str) -> bool:
         """A command or a user turn; True to quit."""

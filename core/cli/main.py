@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+from typing import NoReturn
 
 from hivekeeper.planner.errors import InputError
 
@@ -29,13 +30,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "finetune": ("hivekeeper.core.cli.finetune", "train soft or deep prompts for a model, locally or in a swarm"),
     "models": ("hivekeeper.core.cli.models", "models on this machine and the hub: list, search, pull, rm"),
     "serve": ("hivekeeper.core.cli.serve", "serve a span of a model's blocks to a swarm"),
-    "swarm": ("hivekeeper.core.cli.swarm", "inspect a swarm (swarm status)"),
+    "swarm": ("hivekeeper.core.cli.swarm", "inspect a swarm: who serves a model's blocks (swarm status), the models it "
+                                           "serves (swarm models)"),
     "node": ("hivekeeper.core.cli.node", "this machine's node: what it has served (node stats)"),
     "measure": ("hivekeeper.core.cli.measure", "micro-benchmark this machine and save a hardware profile"),
     "profile": ("hivekeeper.core.cli.profile", "profile the runtime and calibrate the planner"),
     "app": ("hivekeeper.core.cli.app", "open the desktop app"),
     "install-desktop": ("hivekeeper.core.cli.install_desktop", "add the app and the node service to your desktop"),
 }
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose usage errors (a value of the wrong type, a missing required option, an unknown choice) are one
+    line on stderr naming the argument, with exit status 2, as every other bad input is (README); `--help` still
+    prints the whole usage. Each command's parser, and theirs in turn, is one (add_subparsers takes the parent's
+    class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class VersionAction(argparse.Action):
@@ -62,7 +74,7 @@ def requested_command(argv: list[str]) -> str:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `only` (a command, or '' for none), the other commands are listed by name and help
     without importing their modules, so they have no options here."""
-    parser = argparse.ArgumentParser(prog="hivekeeper", description="Plan, run and serve large language models.")
+    parser = OneLineParser(prog="hivekeeper", description="Plan, run and serve large language models.")
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():

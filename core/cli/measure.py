@@ -174,12 +174,31 @@ def _value(value: float | None, unit: str) -> str:
 
 def render(rows) -> str:
     """A table: part, quantity, catalog (or estimate), measured, spread of the repeats (comparison_rows: every saved
-    measurement has a row)."""
+    measurement has a row); a measured "weights in cache" row is marked, and a note under the table says what it
+    times (cached_note)."""
+    from hivekeeper.core.machine.measurement import PACKED_CACHED_KEY
+
     lines = [("part", "quantity", "catalog/estimate", "measured", "spread")]
+    cached = False
     for r in rows:
         if r.measured is None and r.catalog is None:
             continue
-        lines.append((r.part, r.quantity, _value(r.catalog, r.unit), _value(r.measured, r.unit),
-                      "-" if r.spread is None else f"{100 * r.spread:.0f}%"))
+        marked = r.measured is not None and r.key.startswith(PACKED_CACHED_KEY)
+        cached = cached or marked
+        lines.append((r.part, r.quantity + (" *" if marked else ""), _value(r.catalog, r.unit),
+                      _value(r.measured, r.unit), "-" if r.spread is None else f"{100 * r.spread:.0f}%"))
     widths = [max(len(line[i]) for line in lines) for i in range(5)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+    table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+    return f"{table}\n{cached_note()}" if cached else table
+
+
+def cached_note() -> str:
+    """What the "weights in cache" rows time, and why they can read below the streamed rows (measure.py's
+    CACHED_RATE_CAVEAT), wrapped under the table."""
+    import textwrap
+
+    from hivekeeper.core.machine.measure import CACHED_RATE_CAVEAT
+
+    return textwrap.fill("* weights in cache: one-row decode steps of a span a third of the last-level cache (a few "
+                         "blocks) stepped again and again, its weights over each step less its blocks' fitted fixed "
+                         f"cost; {CACHED_RATE_CAVEAT}.", width=116, subsequent_indent="  ")

@@ -927,6 +927,13 @@ def _alternating_seconds(runs: list[Callable[[], None]], repeats: int) -> list[l
 PACKED_STEP_REPEATS = 9
 PACKED_HIDDEN = 768  # the packed spans' width: a thin model's blocks (SmolLM2's are 576 wide, a 7B model's 4096)
 PACKED_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+# what a cached packed rate holds besides its weights' products (PACKED_CACHED_KEY; said with the rate and under the
+# `measure` table): a step through the span costs a start and an end whatever its blocks, which the blocks' fitted
+# cost does not take out (the two spans it is fitted to pay it alike); a third of a 32 MiB L3 holds 2-3 blocks of 768,
+# the streamed spans 27-51 of 576 (QUICK, session 25: q8_0 0.72 ms a step cached, 19 G weights/s; 31 streamed)
+CACHED_RATE_CAVEAT = ("what a step costs once, whatever its blocks (the call into the span, its start and end), "
+                      "stays in this rate: over so few blocks it weighs far more than over the streamed span's many, "
+                      "so the rate can read below the streamed one")
 
 
 def random_packed_matrix(fmt: str, outs: int, cols: int, seed: int = 0, out: np.ndarray | None = None):
@@ -1082,12 +1089,13 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
         where = "in the last-level cache" if key == PACKED_CACHED_KEY else "beyond the caches"
         width = hidden if key == PACKED_CACHED_KEY else stream_hidden
         results.append(_median_rate_measurement(
-            f"{key}{name}", f"CPU {name} decode step (one row, {where})", WEIGHTS_PER_S, float(weights),
+            f"{key}{name}", f"{name} one-row decode steps of {count} blocks {where}", WEIGHTS_PER_S, float(weights),
             kernel_seconds, load,
             f"one-row decode steps of {count} random {name} blocks of width {width} "
             f"({weights * format_bytes(name) / 2**20:.0f} MiB packed, {where}: {cache / 2**20:.0f} MiB), {path}, "
             f"median {median_and_spread(seconds)[0] * 1e3:.3g} ms less {block_s * 1e3:.3g} ms a block (the fixed "
-            "cost fitted to the packed spans); the spans timed in turn"))
+            "cost fitted to the packed spans); the spans timed in turn"
+            + (f"; {CACHED_RATE_CAVEAT}" if key == PACKED_CACHED_KEY else "")))
     results.append(block)
     for (_, name, rows), seconds in timed.items():
         if rows > 1:
@@ -1096,7 +1104,7 @@ def measure_packed_kernels(repeats: int = 5, hidden: int = PACKED_HIDDEN, total_
     for (name, (_, flops, count)), seconds in zip(prefills.items(), prefill_timed):
         products = flops / 2.0  # row-weight products (attention's few aside)
         results.append(_median_rate_measurement(
-            f"{PACKED_PREFILL_KEY}{name}", f"CPU {name} prefill ({PREFILL_SEQUENCES * PREFILL_TOKENS} rows)",
+            f"{PACKED_PREFILL_KEY}{name}", f"{name} prefill ({PREFILL_SEQUENCES * PREFILL_TOKENS} rows)",
             WEIGHTS_PER_S, products, seconds, load,
             f"prefill passes of {PREFILL_SEQUENCES} x {PREFILL_TOKENS} tokens through {count} random {name} blocks "
             f"of width {hidden}, {path}, median {median_and_spread(seconds)[0] * 1e3:.3g} ms; the formats timed in "
@@ -1115,7 +1123,7 @@ def packed_rows_measurement(fmt: str, rows: int, one_row: list[float], few_rows:
     ratios = [max(1.0, packed_kernel_seconds(f, blocks, block_s) / packed_kernel_seconds(o, blocks, block_s))
               for o, f in zip(one_row, few_rows)]
     value, spread = median_and_spread(ratios)
-    return Measurement(f"{PACKED_ROWS_KEY}{fmt}x{rows}", f"CPU {fmt} decode step of {rows} rows over one row", value,
+    return Measurement(f"{PACKED_ROWS_KEY}{fmt}x{rows}", f"{fmt} {rows}-row decode step / one-row step", value,
                        "x", spread, len(ratios), max(load, load_average()),
                        f"{rows}-row and one-row decode steps of the streamed span of {blocks} random {fmt} blocks, "
                        f"timed in turn, each less {block_s * 1e3:.3g} ms a block; the median of the repeats' ratios",
@@ -1705,7 +1713,7 @@ def measure_step_overhead(runs: int = step_overhead.LOOP_RUNS, steps: int = step
     step_overhead.loop_rests(model, 4)  # first-call costs: allocator, kernel choice
     rests = [max(0.0, rest) for _ in range(runs) for rest in step_overhead.loop_rests(model, steps)]
     value, spread = median_and_spread(rests)  # (a step whose span or head call caught a burst of load: 0)
-    return Measurement(STEP_OVERHEAD_KEY, "CPU decode step overhead (embedding, sampling, loop)", value, "s",
+    return Measurement(STEP_OVERHEAD_KEY, "decode step overhead (embedding, sampling, loop)", value, "s",
                        spread, len(rests), max(load, load_average()),
                        f"generate() on a 1-block {config.hidden_size}-wide decoder of {config.vocab_size} tokens "
                        f"({step_overhead.LOOP_EMBEDDING} embedding, caches left cold): each step less its span and "

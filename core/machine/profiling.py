@@ -593,7 +593,8 @@ def _point_table(points: list[ProfilePoint], predictions: dict[str, FormPredicti
                           f"{pt.prefill_tokens_per_s:.4g}", " ".join(_pct(e) for e in pre),
                           "-" if pt.step_s is None else f"{pt.decode_tokens_per_s:.4g}",
                           " ".join(_pct(e) for e in dec) if pt.step_s is not None else "",
-                          f"{pt.runtime_s:.4g}", " ".join(_pct(e) for e in run), f"{100 * pt.spread:.0f}%",
+                          f"{pt.runtime_s:.4g}", " ".join(_pct(e) for e in run),
+                          f"{100 * pt.spread:.0f}%" if pt.repeats > 1 or pt.spread else "-",  # 1 repeat: none
                           f"{pt.loadavg:.1f}"))
         return table
 

@@ -277,19 +277,29 @@ def checkpoint_quantization(config_path: Path) -> str:
 
 
 # ---- fit ---------------------------------------------------------------------------------------------------------
-def add_fits(models: list[LibraryModel], hardware=None) -> None:
-    """Each model's fit on this machine (a chat with the default headroom, as the app's model fits), in place."""
-    from hivekeeper.core.machine.detect import detect_hardware
+def this_machine_for_fits():
+    """(HardwareSpec, MachineEfficiency or None): this machine as `plan --hardware auto` plans for it, its saved
+    profile's measured numbers and factors in place where `hivekeeper measure` ran (profiles.detect_or_load_profile),
+    estimates where it never did; a listing does not measure first."""
+    from hivekeeper.core.machine.profiles import detect_or_load_profile
 
-    hardware = hardware if hardware is not None else detect_hardware()
+    return detect_or_load_profile()
+
+
+def add_fits(models: list[LibraryModel], hardware=None, efficiency=None) -> None:
+    """Each model's fit (a chat with the default headroom, as the app's model fits), in place: on `hardware` with
+    `efficiency`, or on this machine as `plan` sees it (this_machine_for_fits) when `hardware` is None."""
+    if hardware is None:
+        hardware, efficiency = this_machine_for_fits()
     for model in models:
-        model.fit, model.fit_reason = model_fit(model.path, hardware)
+        model.fit, model.fit_reason = model_fit(model.path, hardware, efficiency)
 
 
-def model_fit(path: str, hardware) -> tuple[str, str]:
+def model_fit(path: str, hardware, efficiency=None) -> tuple[str, str]:
     """(fit words, the planner's reason); ("?", why) when the planner cannot read the model. Planned in the format
     `generate` runs it in (format_choice.plan_constraints): a GGUF's own Q8_0/Q4_0/Q4_1 weights packed on a CPU, as
-    many bytes as the file holds them in, not dequantized to fp32."""
+    many bytes as the file holds them in, not dequantized to fp32; `efficiency`: the machine's cost-model factors
+    (None: the defaults)."""
     from hivekeeper.planner import policy as planner_policy
     from hivekeeper.planner.format_choice import plan_constraints
     from hivekeeper.planner.hardware import default_headroom
@@ -300,7 +310,7 @@ def model_fit(path: str, hardware) -> tuple[str, str]:
         spec = file_fact(file, "spec", lambda p: load_model_spec(str(p))) if file.is_file() else \
             load_model_spec(path)
         constraints, _ = plan_constraints(path, "auto", hardware, "chat", reserve_bytes=default_headroom(hardware))
-        plan = planner_policy.search(spec, hardware, "chat", constraints)
+        plan = planner_policy.search(spec, hardware, "chat", constraints, efficiency=efficiency)
     except InputError as exc:
         return "?", str(exc)
     return planner_policy.fit_words(plan), plan.reason

@@ -27,18 +27,20 @@ def known_models() -> list:
     return list(LAST_LISTING)
 
 
-def list_with_fits(hardware, should_stop) -> list:
-    """The library with each model's fit on `hardware` (detected here when None), stopping between models."""
-    from hivekeeper.core.machine.detect import detect_hardware
-    from hivekeeper.core.runtime.library import model_fit, scan_library
+def list_with_fits(machine, should_stop) -> list:
+    """The library with each model's fit on `machine` (the app's MachineInfo: its hardware with measured numbers and
+    their efficiency), or on this machine as `hivekeeper models list` and `plan` see it when None
+    (library.this_machine_for_fits), stopping between models."""
+    from hivekeeper.core.runtime.library import model_fit, scan_library, this_machine_for_fits
 
     models = scan_library()
-    if not should_stop() and hardware is None:
-        hardware = detect_hardware()
+    if should_stop():
+        return models
+    hardware, efficiency = this_machine_for_fits() if machine is None else (machine.hardware, machine.efficiency)
     for model in models:
         if should_stop():
             break
-        model.fit, model.fit_reason = model_fit(model.path, hardware)
+        model.fit, model.fit_reason = model_fit(model.path, hardware, efficiency)
     return models
 
 
@@ -55,7 +57,7 @@ class ModelsService(QObject):
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
-        self.hardware = lambda: None  # the machine the app detected (a HardwareSpec), or None: detected per listing
+        self.machine = lambda: None  # the machine the app detected (a MachineInfo), or None: read per listing
         self.listing: WorkerThread | None = None
         self.removing: WorkerThread | None = None
         self.pull_process = JsonLinesProcess(self)
@@ -68,8 +70,8 @@ class ModelsService(QObject):
     def refresh(self) -> None:
         if self.listing is not None and not self.listing.worker.done:
             return
-        hardware = self.hardware()
-        self.listing = run_in_thread(lambda report, should_stop: list_with_fits(hardware, should_stop),
+        machine = self.machine()
+        self.listing = run_in_thread(lambda report, should_stop: list_with_fits(machine, should_stop),
                                      on_return=self._listed, on_error=self.failed.emit)
 
     def _listed(self, models: list) -> None:

@@ -191,6 +191,27 @@ def test_ctrl_c_at_the_prompt_ends_the_wait_even_when_only_its_flag_was_raised(t
     assert signal.set_wakeup_fd(wakeup) == wakeup  # and its wakeup pipe
 
 
+def test_piped_input_reads_as_a_transcript(tiny_checkpoint, capsys, monkeypatch):
+    """`printf 'What is 2+2?\\n/reset\\nName a colour.\\n' | hivekeeper chat` printed `you> assistant> ...` on one
+    line: a pipe does not echo what it feeds, so the chat writes each line after its prompt."""
+    from hivekeeper.core.cli.main import main
+
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as keys:
+        keys.write("What is 2+2?\n/reset\nName a colour.\n")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(sys, "stdin", os.fdopen(read_end, "r"))
+    capsys.readouterr()
+    try:
+        assert main(["chat", "--model", str(tiny_checkpoint), "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    finally:
+        sys.stdin.close()
+    out = capsys.readouterr().out
+    assert "you> What is 2+2?\nassistant> " in out and "you> /reset\n(conversation cleared)\n" in out, out
+    assert "you> Name a colour.\nassistant> " in out and "you> assistant>" not in out, out
+    assert len(STATS.findall(out)) == 2
+
+
 def test_missing_chat_template_fails_before_loading(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     import shutil
 

@@ -61,3 +61,17 @@ def test_repeats_is_one_number_and_said_to_be(cli):
                          ("2,3", "--repeats must be an integer, got '2,3'")):
         result = cli("profile", "--repeats", given, "--no-save")
         assert result.returncode == 2 and words in result.stderr, result.stderr
+
+
+def test_one_repeat_shows_no_spread(tiny_checkpoint, tmp_path, monkeypatch, cli):
+    """`profile --repeats 1` printed a spread of 0% on every point: one timing has no spread ("-")."""
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(tmp_path / "config"))  # not measured: each point timed once
+    result = cli("profile", "--model", str(tiny_checkpoint), *TINY_GRID)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("place "))
+    assert lines[header].split()[-2:] == ["spread", "load"]
+    rows = lines[header + 1:header + 5]
+    assert [row.split()[-2] for row in rows] == ["-"] * 4, "\n".join(lines[header:header + 5])
+    report = json.loads(cli("profile", "--report", "--json").stdout)
+    assert [point["repeats"] for point in report["points"]] == [1] * 4

@@ -133,6 +133,36 @@ def test_list_finds_every_source_read_in_place_with_format_quantization_and_fit(
     assert (DEFAULT_MODEL_ID in rows) == (default_model_file() is not None)
 
 
+# a 1.1B llama given by its config only: its chat plan here is bound by the RAM read rate, which its reason names
+MID_CONFIG = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000, "torch_dtype": "bfloat16",
+              "max_position_embeddings": 2048}
+MEASURED_RAM_READ = 34.1e9  # B/s: no detection estimates it (the suite's fixed profile says 10 GB/s, as estimates may)
+
+
+def measure_here(folder, measured_machine, monkeypatch) -> None:
+    """This machine measured in the config `folder` (the suite's fixed profile, its RAM read MEASURED_RAM_READ),
+    and HIVEKEEPER_CONFIG_DIR pointing at it."""
+    path = measured_machine(folder)
+    doc = json.loads(path.read_text())
+    for measurement in doc["measurements"]:
+        if measurement["key"] == "ram_read":
+            measurement["value"], measurement["samples"] = MEASURED_RAM_READ, [MEASURED_RAM_READ]
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv("HIVEKEEPER_CONFIG_DIR", str(folder))
+
+
+def test_fits_are_planned_on_the_measured_machine_as_plan_plans_it(library, measured_machine, monkeypatch, cli):
+    """A newcomer's report: after `measure`, `models list` judged fits from the detection's estimates (RAM read
+    "at 10 GB/s") while `plan` used the measured 34.1 GB/s. Both plan on this machine's saved profile now."""
+    tmp_path, _ = library
+    measure_here(tmp_path / "config", measured_machine, monkeypatch)
+    hf_config_repo(tmp_path / "hub", "org/mid", MID_CONFIG)
+    row = {r["id"]: r for r in json.loads(cli("models", "list", "--json").stdout)}["org/mid"]
+    plan = json.loads(cli("plan", "--model", row["path"], "--no-measure", "--json").stdout)
+    assert row["fit_reason"] == plan["reason"] and "at 34.1 GB/s" in row["fit_reason"], (row, plan)
+
+
 def test_list_prints_a_table(library, capsys):
     assert main(["models", "list", "--no-fit"]) == 0
     out = capsys.readouterr().out.splitlines()

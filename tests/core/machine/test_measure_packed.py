@@ -379,6 +379,33 @@ def test_the_measure_table_shows_each_kernels_default_beside_its_measurement():
     assert keys[f"{PACKED_ROWS_KEY}q4_1x4"].catalog is None and keys[f"{PACKED_ROWS_KEY}q4_1x4"].unit == "x"
 
 
+def test_the_measure_table_names_each_row_once_and_says_what_the_cached_rate_times():
+    """A newcomer's `measure --quick` table read "CPU   CPU q8_0 decode step of 4 rows over one row" (the part twice)
+    and showed the "weights in cache" rates below the streamed ones with nothing saying why. The table as `measure`
+    prints it (core/cli/measure.render) of real measurements of tiny spans and of the decode loop."""
+    from hivekeeper.core.cli.measure import render
+    from hivekeeper.core.machine.measure import measure_step_overhead
+    from hivekeeper.core.machine.profiles import new_profile
+
+    profile = new_profile(MACHINE)
+    profile.measurements = [*measure_packed_kernels(repeats=2, **TINY_SPAN),
+                            measure_step_overhead(runs=1, steps=3, cache_bytes=1 << 20)]
+    table, note = render(comparison_rows(MACHINE, profile)).split("\n* ")
+    rows = {" ".join(line.split()[:2]) for line in table.splitlines()}
+    assert "CPU CPU" not in rows, table
+    for quantity in ("q8_0 4-row decode step / one-row step", "q4_1 prefill (96 rows)",
+                     "decode step overhead (embedding, sampling, loop)"):
+        assert f"CPU   {quantity}" in table, table
+    cached = [line for line in table.splitlines() if "weights in cache *" in line]
+    assert len(cached) == len(PACKED_FORMATS) and all("G weights/s" in line for line in cached), table
+    said = " ".join(note.split())
+    assert said.startswith("weights in cache: one-row decode steps of a span a third of the last-level cache")
+    assert "stays in this rate" in said and "below the streamed one" in said, said
+    by_key = {m.key: m for m in profile.measurements}
+    assert "stays in this rate" in by_key[f"{PACKED_CACHED_KEY}q8_0"].detail
+    assert "stays in this rate" not in by_key[f"{PACKED_KERNEL_KEY}q8_0"].detail
+
+
 def test_the_few_row_steps_are_the_streamed_spans_kernel_time_over_its_one_row_steps(monkeypatch):
     """Session 22 (issue 23): each format's 4- and 8-row steps through the streamed span, timed in turn with its
     one-row steps, each less its blocks' fixed cost: the ratio of the kernels' times (never below 1)."""
