@@ -988,7 +988,7 @@ def decode_work(grid: CandidateArrays, context: float, attention_flops) -> tuple
     read_per_param = np.where(rows <= grid.gemv_rows, grid.gemv_bytes, grid.gemm_bytes) * format_reads(grid, rows)
     vectors = numbers.vector_params * grid.vector_bytes
     cache = grid.batch * context * grid.cached_per_token * grid.attention_on_acc
-    nbytes = grid.micro_batches * (touched * read_per_param + vectors) + cache * grid.kv_read_factor
+    nbytes = grid.micro_batches * (touched * read_per_param + vectors) + cache * cache_read_factor(grid)
     bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + cache
     flops = grid.batch * numbers.flops_per_token + attention_flops * grid.attention_on_acc \
         + np.where(grid.recompute, 4.0 * numbers.hidden * numbers.kv_dim * context * grid.batch, 0.0)
@@ -998,6 +998,31 @@ def decode_work(grid: CandidateArrays, context: float, attention_flops) -> tuple
     return kernel_rows, accelerator_work(
         grid, nbytes, bytes_min, flops,
         np.where(kernel_rows, kernel_peak(grid, few_rows_flops(grid, grid.gemv_flops, rows)), blas_peak))
+
+
+def cache_read_factor(grid: CandidateArrays):
+    """Weight-rate bytes per byte of KV cache a decode step's attention reads: the format's kv_read_factor, or, for
+    the fp32 caches the CPU kernels attend over (micro-batches of up to PACKED_KERNEL_ROWS rows) on a CPU whose
+    decode attention `hivekeeper measure` timed (DecodeStreaming.attention_bandwidth), the weights' rate over the
+    measured one: the cache then takes its bytes / that rate. Session 25: priced at the weights' 42 GB/s, the
+    built-in model's cache read at ~14.5 in steps of 4-8k tokens, and its decode over an 8k-token context was
+    predicted ~1.8x its tokens/s."""
+    streaming = grid.machine.acc.decode_streaming if grid.machine.acc.kind == "cpu" else None
+    if streaming is None or not streaming.attention_bandwidth:
+        return grid.kv_read_factor
+    weights_rate = grid.machine.acc_bandwidth * grid.acc_eff.bandwidth_fraction
+    kernels = (grid.kv_bytes == 4.0) & (grid.micro_batch <= PACKED_KERNEL_ROWS) & ~grid.recompute
+    return np.where(kernels, weights_rate / streaming.attention_bandwidth, grid.kv_read_factor)
+
+
+def attention_rate_words(machine: Machine, policy: Policy) -> str:
+    """Where cache_read_factor prices the KV cache at the measured attention rate: saying so, else nothing."""
+    streaming = machine.acc.decode_streaming if machine.acc.kind == "cpu" else None
+    if streaming is None or not streaming.attention_bandwidth or policy.kv_recompute \
+            or policy.micro_batch_size > PACKED_KERNEL_ROWS or not (get_format(policy.weight_format).packed
+                                                                   or policy.weight_format == "fp32"):
+        return ""
+    return f", the KV cache at {_rate(streaming.attention_bandwidth)} (the decode attention's measured rate)"
 
 
 def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -> AcceleratorWork:
@@ -1665,6 +1690,7 @@ def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out,
                   f"step at {_rate(machine.acc_bandwidth)}")
         if value("weight_reads") > 1.0:
             detail += f" (the weights {value('weight_reads'):.3g} times: small-row CPU matmuls re-read them per row)"
+        detail += attention_rate_words(machine, policy)
         detail += half_step_words(machine, policy, value("accelerator memory"))
     elif resource == "accelerator compute" and get_format(policy.weight_format).packed \
             and policy.micro_batch_size <= PACKED_KERNEL_ROWS:

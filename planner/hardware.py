@@ -67,6 +67,10 @@ class DecodeStreaming:
     # the fp32 prefill rate by rows at the measured widths (PrefillRate; the thinner first); empty: not measured
     # (profiles before session 16: one FLOP rate for every prefill)
     prefill_rates: tuple[PrefillRate, ...] = ()
+    # bytes of KV cache per second a one-row decode step's attention reads, as measured through the runtime's decode
+    # path over a cache beyond the last-level cache (measure.measure_decode_attention); None: not measured (the cache
+    # is priced at the weights' RAM rate)
+    attention_bandwidth: float | None = None
 
 
 @dataclass(frozen=True)

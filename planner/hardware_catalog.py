@@ -252,7 +252,8 @@ _STREAMING_OPTIONAL = {"block_overhead_ms": (0.0, 100.0),  # issue 23: measured 
                        "prefill_block_overhead_ms": (0.0, 500.0),  # ... and of a prefill (session 11)
                        "row_block_overhead_ms": (0.0, 100.0),  # ... and per extra row of a few-row step (session 13)
                        "step_overhead_ms": (0.0, 100.0),  # ... and of a whole step beyond blocks and head (session 16)
-                       "prefill_rates": None}  # ... and the fp32 prefill rate by rows per width (session 16)
+                       "prefill_rates": None,  # ... and the fp32 prefill rate by rows per width (session 16)
+                       "attention_gbps": (0.01, 10_000.0)}  # ... and the decode attention's cache reads (session 25)
 _STREAMING_TABLE = "small_row_reads_by_width"  # ... and a few-row step's reads per width of blocks (session 16)
 # one entry of "prefill_rates" (hardware.PrefillRate): key -> its _LIMITS name
 _PREFILL_RATE_FIELDS = {"hidden": "prefill_hidden", "peak_gflops": "prefill_peak_gflops",
@@ -275,7 +276,9 @@ def _parse_decode_streaming(doc: Any, where: str) -> DecodeStreaming | None:
                                              "step_overhead_ms"))
     return DecodeStreaming(values["bandwidth_fraction"], values["small_row_reads"], values["matmul_start_ms"] / 1e3,
                            block, prefill, row, row_reads_by_width=_parse_row_reads(doc.get(_STREAMING_TABLE), where),
-                           step_overhead_s=step, prefill_rates=_parse_prefill_rates(doc.get("prefill_rates"), where))
+                           step_overhead_s=step, prefill_rates=_parse_prefill_rates(doc.get("prefill_rates"), where),
+                           attention_bandwidth=(s.number("attention_gbps", *_STREAMING_OPTIONAL["attention_gbps"]) * 1e9
+                                                if "attention_gbps" in doc else None))
 
 
 def _parse_row_reads(doc: Any, where: str) -> tuple[tuple[int, int, float], ...]:
@@ -750,7 +753,9 @@ def hardware_to_json(spec: HardwareSpec) -> dict:
                 **({"prefill_rates": [{"hidden": r.hidden, "peak_gflops": _unit(r.peak_flops, 1e9),
                                        "half_rows": r.half_rows}
                                       for r in cpu.decode_streaming.prefill_rates]}
-                   if cpu.decode_streaming.prefill_rates else {})}}
+                   if cpu.decode_streaming.prefill_rates else {}),
+                **({"attention_gbps": _unit(cpu.decode_streaming.attention_bandwidth, 1e9)}
+                   if cpu.decode_streaming.attention_bandwidth is not None else {})}}
                if cpu.decode_streaming is not None else {}),
             **({"in_use_gb": _unit(cpu.in_use_bytes, 1e9)} if cpu.in_use_bytes else {}),
             **({"packed_kernels_gweights_per_s": {name: _unit(rate, 1e9) for name, rate in cpu.packed_kernels.items()}}

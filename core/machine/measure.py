@@ -34,10 +34,10 @@ from hivekeeper.planner.hardware import PACKED_ROW_COUNTS, rate_at_rows
 from hivekeeper.core.machine import step_overhead
 from hivekeeper.core.machine.cpu_features import has_half_math, last_level_cache_bytes
 from hivekeeper.core.machine.measurement import (  # torch-free, so that saved profiles load without torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
-    PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, ROW_READS_AT_KEY, SIZES_CHOICES, SIZES_ENV, SMALL_ROWS_READS_KEY, STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S,
-    Measurement)
+    ATTENTION_KEY, BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY,
+    PACKED_KERNEL_KEY, PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
+    PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, ROW_READS_AT_KEY, SIZES_CHOICES, SIZES_ENV, SMALL_ROWS_READS_KEY,
+    STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.runtime.kernels import native_kernels
 from hivekeeper.core.runtime.kernels.cpu_matmul import (linear, physical_cores, store_for_decode, torch_threads,
                                                         use_blas_threads)
@@ -1535,6 +1535,7 @@ class BenchmarkSizes:
     packed_streamed: bool = True  # False: only the cached spans
     packed_bytes: int | None = None  # the packed streamed spans' bytes (None: stream_bytes)
     step_repeats: int = STEP_REPEATS  # timings of each whole decode step at least (they take milliseconds)
+    attention_bytes: int = 128 << 20  # the decode attention's cache at ATTENTION_KEYS tokens: this or 4x the cache
 
 
 # QUICK's matmul is large enough for the kernels to reach their rate (a 64 x 256 x 512 one measured call overheads).
@@ -1557,7 +1558,7 @@ QUICK = BenchmarkSizes(ram_bytes=32 << 20, matmul_k=1024, matmul_n=2048, prefill
 TINY = BenchmarkSizes(ram_bytes=4 << 20, matmul_k=128, matmul_n=256, prefill_rows=32, matmul_seconds=0.02,
                       stream_hidden=256, stream_bytes=4 << 20, cache_bytes=0, half_hidden=256, half_wide=None,
                       half_bytes=4 << 20, disk_bytes=4 << 20, link_bytes=4 << 20, peer_bytes=256 << 10, repeats=2,
-                      dtypes=("fp32", "bf16"), packed_hidden=None)
+                      dtypes=("fp32", "bf16"), packed_hidden=None, attention_bytes=2 << 20)
 
 
 def sizes_from_environment(default: str = "full") -> BenchmarkSizes:
@@ -1649,6 +1650,8 @@ def run_benchmarks(sizes: BenchmarkSizes = BenchmarkSizes(), *, disk_folder: str
         steps.append(("CPU decode streaming, read again", lambda: rereads.pool(results)))
     if "fp32" in sizes.dtypes:  # what a decode step costs beyond its blocks and head (the engine's own loop)
         steps.append(("CPU decode step overhead", lambda: [measure_step_overhead(cache_bytes=sizes.cache_bytes)]))
+        steps.append(("CPU decode attention", lambda: [measure_decode_attention(sizes.attention_bytes,
+                                                                                sizes.cache_bytes)]))
     if sizes.packed_hidden is not None:
         steps.append(("CPU packed-format decode steps, read again",
                       lambda: pool_packed(results, [*packed_later, measure_packed_at(sizes)])))
@@ -1718,6 +1721,69 @@ def measure_step_overhead(runs: int = step_overhead.LOOP_RUNS, steps: int = step
                        f"generate() on a 1-block {config.hidden_size}-wide decoder of {config.vocab_size} tokens "
                        f"({step_overhead.LOOP_EMBEDDING} embedding, caches left cold): each step less its span and "
                        f"head calls, the median of {len(rests)} steps", rests)
+
+
+# measure_decode_attention: the long context (a few thousand tokens, as a long chat's), the short one it is set
+# against, the blocks' shape (SmolLM2's grouping, 3 query heads a KV head, heads of 64, in a thinner block: the
+# weights only add to both steps) and the pairs of steps timed (each ~5-10 ms; the median of their differences)
+ATTENTION_KEYS, ATTENTION_SHORT = 4096, 64
+ATTENTION_HEADS, ATTENTION_KV_HEADS = 6, 2
+ATTENTION_PAIRS = 7
+
+
+def attention_span_config(total_bytes: int, cache_bytes: int):
+    """The ModelConfig of measure_decode_attention's span: ATTENTION_HEADS heads of 64 (ATTENTION_KV_HEADS KV
+    heads), a small MLP, as many blocks as hold `total_bytes` or 4x `cache_bytes` (the last-level cache) of fp32
+    K and V at ATTENTION_KEYS tokens, the larger (at least one). At 2.5x a 32 MiB L3 (84 MB) the rate read 15-26 GB/s
+    from run to run on the 2-core dev VM, where SmolLM2's steps at 4-8k tokens (190-370 MB) read theirs at ~14.5."""
+    from hivekeeper.core.runtime.model import ModelConfig
+
+    config = ModelConfig("llama", 256, ATTENTION_HEADS * 64, 64, 1, ATTENTION_HEADS, ATTENTION_KV_HEADS, 64,
+                         max_position_embeddings=ATTENTION_KEYS)
+    per_block = 2 * ATTENTION_KV_HEADS * 64 * 4 * ATTENTION_KEYS
+    return replace(config, num_layers=max(1, math.ceil(max(total_bytes, 4 * cache_bytes) / per_block)))
+
+
+def measure_decode_attention(total_bytes: int = 128 << 20, cache_bytes: int | None = None,
+                             pairs: int = ATTENTION_PAIRS) -> Measurement:
+    """ATTENTION_KEY: bytes of KV cache per second a one-row decode step's attention reads, through the runtime's
+    decode path (Span.forward: the C kernels where built) over a span of thin fp32 blocks (attention_span_config):
+    steps at ATTENTION_KEYS cached tokens and at ATTENTION_SHORT, timed in alternating pairs; the extra K and V
+    bytes over the median of the pairs' differences. `cache_bytes`: the last-level cache (None: read from /sys)."""
+    from hivekeeper.core.runtime.model import KVCache
+
+    load = load_average()
+    config, span = span_of_config(attention_span_config(
+        total_bytes, last_level_cache_bytes() if cache_bytes is None else cache_bytes))
+    cache = KVCache.allocate(config, config.num_layers, 1, ATTENTION_KEYS)
+    with torch.no_grad():
+        cache.k.fill_(0.01)  # written: zero pages would read from one cached page
+        cache.v.fill_(0.01)
+    hidden = torch.randn(1, 1, config.hidden_size) * 0.1
+
+    def step(keys: int) -> float:
+        cache.length = keys - 1
+        started = time.perf_counter()
+        with torch.inference_mode():
+            span(hidden, cache)
+        return time.perf_counter() - started
+
+    previous_threads = torch.get_num_threads()
+    use_blas_threads()  # the runtime's thread layout, in which its decode path runs
+    try:
+        step(ATTENTION_KEYS), step(ATTENTION_SHORT)  # first-call costs: the kernels' scratch, page faults
+        differences = [step(ATTENTION_KEYS) - step(ATTENTION_SHORT) for _ in range(pairs)]
+    finally:
+        torch.set_num_threads(previous_threads)
+    seconds, spread = median_and_spread(differences)
+    extra = config.num_layers * 2 * ATTENTION_KV_HEADS * 64 * 4 * (ATTENTION_KEYS - ATTENTION_SHORT)
+    rate = extra / max(seconds, 1e-6)
+    return Measurement(ATTENTION_KEY, "CPU decode attention (KV cache read)", rate, "B/s", spread, len(differences),
+                       max(load, load_average()),
+                       f"one-row decode steps through {config.num_layers} fp32 blocks of {ATTENTION_HEADS} heads "
+                       f"({ATTENTION_KV_HEADS} KV heads, head_dim 64) at {ATTENTION_KEYS} cached tokens less the same "
+                       f"at {ATTENTION_SHORT} ({decode_path_name()}): {extra / 1e6:.3g} MB of K and V more, the "
+                       f"median of {len(differences)} alternating pairs", [extra / max(d, 1e-6) for d in differences])
 
 
 def measure_packed_at(sizes: BenchmarkSizes) -> list[Measurement]:

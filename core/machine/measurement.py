@@ -71,6 +71,11 @@ HALF_DECODE_KEY = "cpu_decode_step_bf16_vs_fp32"
 # step_overhead.measure_step_overhead: the fixed cost of a decode step outside the blocks and the LM head (embedding,
 # sampling, the generation loop), in seconds (issue 23, session 16: the cost model's 1 ms default until then)
 STEP_OVERHEAD_KEY = "cpu_decode_step_overhead"
+# measure.measure_decode_attention: bytes of KV cache a decode step's attention reads per second (the runtime's own
+# decode path over a cache of a few thousand tokens beyond the last-level cache, less the same steps at a short one).
+# Until then a step's cache reads were priced at the weights' RAM rate: the built-in model's decode at an 8k-token
+# context was predicted ~2x its measured tokens/s (attention read its cache at ~10-15 GB/s beside 42 GB/s of RAM)
+ATTENTION_KEY = "cpu_decode_attention_read"
 
 
 @dataclass

@@ -35,8 +35,8 @@ from hivekeeper.core.atomic_file import write_json_atomic
 from hivekeeper.core.machine.cpu_dtype_rule import choose, with_choice
 from hivekeeper.core.machine.flops_words import flops_source
 from hivekeeper.core.machine.measurement import (  # not .measure: reading a profile must not import torch
-    BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY, PACKED_KERNEL_KEY,
-    PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
+    ATTENTION_KEY, BLOCK_OVERHEAD_KEY, HALF_DECODE_KEY, MATMUL_START_KEY, PACKED_BLOCK_KEY, PACKED_CACHED_KEY,
+    PACKED_KERNEL_KEY, PACKED_PREFILL_KEY, PACKED_ROWS_KEY, PREFILL_BF16_KEY, PREFILL_BLOCK_KEY, PREFILL_FLOPS_KEY,
     PREFILL_HALF_ROWS_KEY, PREFILL_PEAK_KEY, RAISED_RAM_WORDS, ROW_BLOCK_KEY, ROW_READS_AT_KEY, SMALL_ROWS_READS_KEY,
     STEP_OVERHEAD_KEY, WEIGHT_STREAM_KEY, WEIGHTS_PER_S, Measurement)
 from hivekeeper.core.machine.profile_files import (  # where profiles live; imported from here by older code
@@ -168,6 +168,7 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
         return None
     prefill_block, row_block = by_key.get(PREFILL_BLOCK_KEY), by_key.get(ROW_BLOCK_KEY)
     step = by_key.get(STEP_OVERHEAD_KEY)  # absent from profiles measured before session 16
+    attention = by_key.get(ATTENTION_KEY)  # absent from profiles measured before session 25
     return DecodeStreaming(bandwidth_fraction=min(1.0, max(0.01, stream.value / ram_bandwidth(measurements))),
                            small_row_reads=min(16.0, max(1.0, reads.value)),
                            matmul_start_s=min(0.1, max(0.0, start.value)) if start is not None else 0.0,
@@ -177,7 +178,9 @@ def decode_streaming(measurements: list[Measurement]) -> DecodeStreaming | None:
                            row_block_overhead_s=min(0.1, max(0.0, row_block.value)) if row_block is not None else None,
                            row_reads_by_width=row_reads_by_width(measurements),
                            step_overhead_s=min(0.1, max(0.0, step.value)) if step is not None else None,
-                           prefill_rates=prefill_rates(measurements))
+                           prefill_rates=prefill_rates(measurements),
+                           attention_bandwidth=attention.value if attention is not None and attention.value > 0
+                           else None)
 
 
 def row_reads_by_width(measurements: list[Measurement]) -> tuple[tuple[int, int, float], ...]:

@@ -21,10 +21,11 @@ RAM = Placement(gpu=0.0, cpu=1.0, disk=0.0)
 THIN = ModelSpec("thin", "llama", 30, 576, 1536, 9, 3, 64, 49152, True, 2048)
 
 
-def machine(step_s: float | None) -> HardwareSpec:
+def machine(step_s: float | None, attention_bandwidth: float | None = None) -> HardwareSpec:
+    """A 2-core CPU measured as `hivekeeper measure` would (test_attention_bandwidth adds its attention rate)."""
     streaming = DecodeStreaming(bandwidth_fraction=0.8, small_row_reads=2.0, matmul_start_s=0.0,
                                 block_overhead_s=40e-6, prefill_block_overhead_s=1e-3, row_block_overhead_s=0.0,
-                                step_overhead_s=step_s)
+                                step_overhead_s=step_s, attention_bandwidth=attention_bandwidth)
     cpu = ComputeDevice(kind="cpu", name="Test CPU", memory_bytes=16 * 10**9, memory_bandwidth=25e9,
                         flops={"fp32": 150e9}, power_watts=50.0, cores=2, decode_streaming=streaming,
                         sources={"memory_bandwidth": "measured", "flops": "measured"},

@@ -271,7 +271,7 @@ def _declare(library: ctypes.CDLL) -> None:
         "hk_qgemv": ([integer, void_p, void_p, void_p, void_p, long, long, long], integer),
         "hk_dequantize": ([integer, void_p, void_p, long, long], integer),
         "hk_pool_stalls": ([], long), "hk_pool_solo_left": ([], long), "hk_set_solo": ([long], long),
-        "hk_set_attention_pool": ([long], long),
+        "hk_set_attention_pool": ([long], long), "hk_attention_bytes": ([integer], long),
         **({"hk_profile": ([integer], ctypes.c_double)} if profiling() else {}),
     }
     for name, (arguments, result) in signatures.items():
@@ -295,6 +295,14 @@ def set_solo_products(products: int) -> None:
     settings); no-op when off."""
     if (native := library()) is not None:
         native.hk_set_solo(products)
+
+
+def attention_bytes(reset: bool = False) -> int | None:
+    """Bytes of K and V rows the kernels' attention has read since the last reset (each pass over a run of keys
+    counting its rows once: a step reads its cache's bytes once where a KV head serves up to 4 query heads), then
+    zeroed when `reset`; None when the kernels are off."""
+    native = library()
+    return None if native is None else native.hk_attention_bytes(int(reset))
 
 
 def set_attention_pool(products: int) -> None:

@@ -322,7 +322,7 @@ static int pool_ready(void) {
 #define STRAGGLER_SPIN_SECONDS 50e-6
 
 /* Returns 1 when the caller had to sleep for a straggler (a worker that lost its core mid-chunk), else 0. */
-static int wait_for_chunks(long chunks) {
+static int wait_for_chunks(long chunks, double spin_seconds) {
     double deadline = 0;
     int slept = 0;
     for (unsigned spins = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++) {
@@ -330,7 +330,7 @@ static int wait_for_chunks(long chunks) {
         if ((spins & 255) != 0) continue;
         double now = seconds_now();
         if (deadline == 0) {
-            deadline = now + STRAGGLER_SPIN_SECONDS;
+            deadline = now + spin_seconds;
         } else if (now > deadline) {
             pthread_mutex_lock(&pool.finished_mutex);
             atomic_store(&pool.caller_sleeps, 1);
@@ -359,7 +359,15 @@ static int wait_for_chunks(long chunks) {
 static struct { long left, after_stall, stalls, first, products, last_stall; } solo = {
     0, SOLO_MIN, 0, SOLO_MIN, 0, -STALL_WINDOW - 1};
 
-static void parallel(chunk_fn fn, void *ctx, long chunks) {
+/* parallel() for chunks that each take about `chunk_seconds` (more than a product's chunk): a chunk still running
+   elsewhere is waited for spinning that long before it counts as a straggler's (attention_values' chunks read a
+   slice of every V row: ~0.1-0.5 ms at 2-8k keys, and waiting 50 us for them counted ~3 stalls a step at 4-8k
+   tokens and sent the next products solo, SmolLM2's steps 10-13% slower). */
+static void parallel_long(chunk_fn fn, void *ctx, long chunks, double chunk_seconds);
+
+static void parallel(chunk_fn fn, void *ctx, long chunks) { parallel_long(fn, ctx, chunks, STRAGGLER_SPIN_SECONDS); }
+
+static void parallel_long(chunk_fn fn, void *ctx, long chunks, double chunk_seconds) {
     if (pool_ready() == 1 || chunks <= 1 || solo.left > 0) {
         int solo_run = chunks > 1 && solo.left > 0;
         if (solo_run) solo.left--;
@@ -371,7 +379,8 @@ static void parallel(chunk_fn fn, void *ctx, long chunks) {
     pool.ctx = ctx;
     claim_chunks(publish(chunks), 0);
     PROFILE(profile_product);
-    int stalled = wait_for_chunks(chunks);
+    int stalled = wait_for_chunks(chunks, chunk_seconds > STRAGGLER_SPIN_SECONDS ? chunk_seconds
+                                                                                : STRAGGLER_SPIN_SECONDS);
     PROFILE(P_WAIT);
     solo.products++;
     if (stalled) {
@@ -917,15 +926,30 @@ static void rotate(float *v, const float *cos, const float *signed_sin, long d) 
     }
 }
 
+/* Attention, one KV head's query group at a time (grouped-query attention: `heads / kv_heads` query heads share a
+   K and a V). Each key and value row is loaded once per layer for the whole group: the loop before this one ran a
+   query head at a time, loading every K and V row once per query head (3x for SmolLM2: 9 heads, 3 KV heads), one
+   score's horizontal sum and one output's loads and stores per (key, query head). At long contexts a step is mostly
+   attention (SmolLM2's 8k-token cache is 368 MB): the built-in model's engine step took 38-40 ms at 8000 cached
+   tokens and 9 at 1024 (4.4 at 64), 29 and 5.8-6.8 with these passes (2-core EPYC VM, load ~1-1.5; session 25).
+   Three passes, each split into chunks for the pool:
+   attention_scores (a KV head's group against a run of keys), attention_softmax (a query head's scores),
+   attention_values (a KV head's group, a slice of head_dim, over every key: each output summed by one chunk in key
+   order). Every score, sum and output is computed in the order the per-head loop used, so the results are the same
+   bits. */
 typedef struct {
     const hk_block *b;
     const hk_cache *c;
     const hk_token *tokens;      /* row r's token: tokens[r * token_step] (step 0: one position for every row) */
     long token_step, keys;       /* keys: the scores' row stride, the most keys any row attends to */
+    long key_chunks, value_parts; /* scores: chunks of KEY_CHUNK keys per KV head; values: head_dim slices */
     const float *qkv;            /* [batch, (heads + 2 kv_heads) head_dim], q and k rotated */
     float *scores;               /* [batch, heads, keys], row r using its own key count */
     float *context;              /* [batch, heads head_dim] */
 } attention_task;
+
+#define KEY_CHUNK 256   /* keys per chunk of the scores pass (64 KiB of K rows at head_dim 64) */
+#define VALUE_PART 32   /* head_dim floats per chunk of the values pass (two cache lines of each V row) */
 
 /* The keys a new token at `position` attends to in a layer with cache c: [*first_key, position]. */
 static long key_range(const hk_cache *c, long position, long *first_key) {
@@ -934,31 +958,195 @@ static long key_range(const hk_cache *c, long position, long *first_key) {
     return end - *first_key;
 }
 
-/* softmax(q k^T / sqrt(d)) v for one (row, query head) */
-static void attention_head(void *ctx, long index) {
+/* Row `row`'s keys (the count, returned) and the offset of KV head g's first one in the caches. */
+static long row_keys(const attention_task *t, long row, long g, long *at) {
+    const hk_cache *c = t->c;
+    long first_key, keys = key_range(c, t->tokens[row * t->token_step].position, &first_key);
+    *at = row * c->batch_stride + g * c->head_stride + first_key * c->position_stride;
+    return keys;
+}
+
+/* Up to DOT_GROUP queries (q, q + d, ...) times one key row into s: dot(q_i, key) with constant counts. */
+static inline void dot_queries(long count, const float *key, const float *q, long d, float *s) {
+    switch (count) {
+    case 1: dot_block(1, 1, key, 0, q, d, d, 0, s); break;
+    case 2: dot_block(1, 2, key, 0, q, d, d, 0, s); break;
+#if DOT_GROUP > 2
+    case 3: dot_block(1, 3, key, 0, q, d, d, 0, s); break;
+    default: dot_block(1, 4, key, 0, q, d, d, 0, s); break;
+#endif
+    }
+}
+
+/* Bytes of K and V rows the attention passes read, each pass over a run of keys counting its rows once (for up to
+   4 query heads per KV head, the cache's bytes once a step); hk_attention_bytes reads it (reset 1: and zeroes it).
+   Tests check that a step reads each cached byte once (the loop before read it once per query head). */
+static _Atomic long attention_bytes;
+
+long hk_attention_bytes(int reset) {
+    return reset ? atomic_exchange(&attention_bytes, 0) : atomic_load(&attention_bytes);
+}
+
+#if HK_AVX2
+/* The AVX2 paths of the passes below, for head_dim a multiple of 32 and H query heads at a time (1 to 4, constant
+   where inlined: their sums stay in registers). scores_of_heads: what dot() computes for each (key, query), four
+   chains of eight lanes 32 floats a step and sum8, with each key row loaded once for the H queries. values_of_heads:
+   for each output float, 0 + w0 v0 + w1 v1 + ... in key order, a product then a sum as the plain loop's
+   `out[i] += weight * vn[i]` (fp-contract off: -std=c11). Single-thread, the plain loops took ~13 ms (scores) and
+   ~12-17 ms (values) for SmolLM2's 30 layers at 8000 keys. */
+static inline __attribute__((always_inline)) void scores_of_heads(int H, const float *k, long stride, const float *q,
+                                                                  long d, long n0, long n1, float scale, float *p,
+                                                                  long p_stride) {
+    for (long n = n0; n < n1; n++) {
+        const float *kn = k + n * stride;
+        __m256 s[4][4];
+        for (int h = 0; h < H; h++)
+            for (int c = 0; c < 4; c++) s[h][c] = _mm256_setzero_ps();
+        for (long j = 0; j < d; j += 32) {
+            __m256 kv[4];
+            for (int c = 0; c < 4; c++) kv[c] = _mm256_loadu_ps(kn + j + 8 * c);
+            for (int h = 0; h < H; h++)
+                for (int c = 0; c < 4; c++)
+                    s[h][c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + j + 8 * c), kv[c], s[h][c]);
+        }
+        for (int h = 0; h < H; h++)
+            p[h * p_stride + n] = sum8(_mm256_add_ps(_mm256_add_ps(s[h][0], s[h][2]),
+                                                     _mm256_add_ps(s[h][1], s[h][3]))) * scale;
+    }
+}
+
+static inline __attribute__((always_inline)) void values_of_heads(int H, const float *v, long stride, const float *p,
+                                                                  long p_stride, long keys, float *out, long d) {
+    __m256 sums[4][VALUE_PART / 8];
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < VALUE_PART / 8; c++) sums[h][c] = _mm256_setzero_ps();
+    for (long n = 0; n < keys; n++) {
+        const float *vn = v + n * stride;
+        for (int h = 0; h < H; h++) {
+            __m256 weight = _mm256_broadcast_ss(p + h * p_stride + n);
+            for (int c = 0; c < VALUE_PART / 8; c++)
+                sums[h][c] = _mm256_add_ps(sums[h][c], _mm256_mul_ps(weight, _mm256_loadu_ps(vn + 8 * c)));
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < VALUE_PART / 8; c++) _mm256_storeu_ps(out + h * d + 8 * c, sums[h][c]);
+}
+#endif
+
+/* Scores q k / sqrt(d) of KV head g's query group against keys [chunk KEY_CHUNK, +KEY_CHUNK) of one row. */
+static void attention_scores(void *ctx, long index) {
     const attention_task *t = ctx;
     const hk_block *b = t->b;
-    const hk_cache *c = t->c;
     long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, group = nh / nkv;
-    long qkv_width = (nh + 2 * nkv) * d;
-    float scale = (float)(1.0 / sqrt((double)d));
-    long row = index / nh, h = index % nh, first_key;
-    long keys = key_range(c, t->tokens[row * t->token_step].position, &first_key);
-    long at = row * c->batch_stride + (h / group) * c->head_stride + first_key * c->position_stride;
-    const float *k = c->k + at, *v = c->v + at;
-    const float *q = t->qkv + row * qkv_width + h * d;
-    float *p = t->scores + (row * nh + h) * t->keys, *out = t->context + (row * nh + h) * d;
-    float top = -INFINITY;
-    for (long n = 0; n < keys; n++) {
-        p[n] = dot(q, k + n * c->position_stride, d) * scale;
-        top = p[n] > top ? p[n] : top;
+    long row = index / (nkv * t->key_chunks), g = index / t->key_chunks % nkv, chunk = index % t->key_chunks, at;
+    long keys = row_keys(t, row, g, &at), n0 = chunk * KEY_CHUNK, n1 = n0 + KEY_CHUNK < keys ? n0 + KEY_CHUNK : keys;
+    float scale = (float)(1.0 / sqrt((double)d)), s[DOT_GROUP];
+    const float *k = t->c->k + at, *q = t->qkv + row * (nh + 2 * nkv) * d + g * group * d;
+    float *p = t->scores + (row * nh + g * group) * t->keys;
+    if (n1 <= n0) return; /* a row with fewer keys than the longest */
+#if HK_AVX2
+    if (d % 32 == 0) {
+        for (long h = 0; h < group; h += 4) {
+            atomic_fetch_add_explicit(&attention_bytes, (n1 - n0) * d * (long)sizeof(float), memory_order_relaxed);
+            const float *qh = q + h * d;
+            float *ph = p + h * t->keys;
+            switch (group - h) {
+            case 1: scores_of_heads(1, k, t->c->position_stride, qh, d, n0, n1, scale, ph, t->keys); break;
+            case 2: scores_of_heads(2, k, t->c->position_stride, qh, d, n0, n1, scale, ph, t->keys); break;
+            case 3: scores_of_heads(3, k, t->c->position_stride, qh, d, n0, n1, scale, ph, t->keys); break;
+            default: scores_of_heads(4, k, t->c->position_stride, qh, d, n0, n1, scale, ph, t->keys); break;
+            }
+        }
+        return;
     }
+#endif
+    atomic_fetch_add_explicit(&attention_bytes, (n1 - n0) * d * (long)sizeof(float), memory_order_relaxed);
+    for (long n = n0; n < n1; n++) {
+        const float *kn = k + n * t->c->position_stride;
+        for (long h = 0; h < group; h += DOT_GROUP) {
+            long count = group - h < DOT_GROUP ? group - h : DOT_GROUP;
+            dot_queries(count, kn, q + h * d, d, s);
+            for (long i = 0; i < count; i++) p[(h + i) * t->keys + n] = s[i] * scale;
+        }
+    }
+}
+
+/* One (row, query head)'s scores into softmax weights, in place. */
+static void attention_softmax(void *ctx, long index) {
+    const attention_task *t = ctx;
+    long nh = t->b->heads, row = index / nh, first_key;
+    long keys = key_range(t->c, t->tokens[row * t->token_step].position, &first_key);
+    float *p = t->scores + index * t->keys, top = -INFINITY;
+    for (long n = 0; n < keys; n++) top = p[n] > top ? p[n] : top;
     float total = exp_shifted(p, keys, top);
-    memset(out, 0, (size_t)d * sizeof(float));
-    for (long n = 0; n < keys; n++) {
-        const float *vn = v + n * c->position_stride;
-        float weight = p[n] / total;
-        for (long i = 0; i < d; i++) out[i] += weight * vn[i];
+    for (long n = 0; n < keys; n++) p[n] = p[n] / total;
+}
+
+/* Head_dim slice [part VALUE_PART, +VALUE_PART) of KV head g's query group's outputs: sum over keys of weight v,
+   VALUE_HEADS query heads per pass over the values. Summed in a buffer of the chunk's own: two chunks' slices of
+   one output may share a cache line, and storing into it key after key from two threads (the outputs themselves)
+   made the pass ~4x slower than the per-head loop. */
+#define VALUE_HEADS 16
+static void attention_values(void *ctx, long index) {
+    const attention_task *t = ctx;
+    const hk_block *b = t->b;
+    long d = b->head_dim, nh = b->heads, nkv = b->kv_heads, group = nh / nkv;
+    long row = index / (nkv * t->value_parts), g = index / t->value_parts % nkv, at;
+    long i0 = index % t->value_parts * VALUE_PART, width = d - i0 < VALUE_PART ? d - i0 : VALUE_PART;
+    long keys = row_keys(t, row, g, &at);
+    const float *v = t->c->v + at + i0;
+#if HK_AVX2
+    if (width == VALUE_PART) {
+        for (long h = 0; h < group; h += 4) {
+            atomic_fetch_add_explicit(&attention_bytes, keys * width * (long)sizeof(float), memory_order_relaxed);
+            const float *p = t->scores + (row * nh + g * group + h) * t->keys;
+            float *out = t->context + (row * nh + g * group + h) * d + i0;
+            long stride = t->c->position_stride;
+            switch (group - h) {
+            case 1: values_of_heads(1, v, stride, p, t->keys, keys, out, d); break;
+            case 2: values_of_heads(2, v, stride, p, t->keys, keys, out, d); break;
+            case 3: values_of_heads(3, v, stride, p, t->keys, keys, out, d); break;
+            default: values_of_heads(4, v, stride, p, t->keys, keys, out, d); break;
+            }
+        }
+        return;
+    }
+#endif
+    float sums[VALUE_HEADS][VALUE_PART];
+    for (long h0 = 0; h0 < group; h0 += VALUE_HEADS) {
+        long heads = group - h0 < VALUE_HEADS ? group - h0 : VALUE_HEADS;
+        atomic_fetch_add_explicit(&attention_bytes, keys * width * (long)sizeof(float), memory_order_relaxed);
+        const float *p = t->scores + (row * nh + g * group + h0) * t->keys;
+        memset(sums, 0, sizeof sums);
+        for (long n = 0; n < keys; n++) {
+            const float *vn = v + n * t->c->position_stride;
+            for (long h = 0; h < heads; h++) {
+                float weight = p[h * t->keys + n];
+                if (width == VALUE_PART) /* the common case, a constant count the compiler unrolls */
+                    for (long i = 0; i < VALUE_PART; i++) sums[h][i] += weight * vn[i];
+                else
+                    for (long i = 0; i < width; i++) sums[h][i] += weight * vn[i];
+            }
+        }
+        float *out = t->context + (row * nh + g * group + h0) * d + i0;
+        for (long h = 0; h < heads; h++) memcpy(out + h * d, sums[h], (size_t)width * sizeof(float));
+    }
+}
+
+/* softmax(q k^T / sqrt(d)) v for every row and query head into t->context, over the pool or on the caller. */
+static void attention(attention_task *t, long batch, int pooled) {
+    long nkv = t->b->kv_heads;
+    t->key_chunks = ceil_div(t->keys, KEY_CHUNK);
+    t->value_parts = ceil_div(t->b->head_dim, VALUE_PART);
+    long chunks[3] = {batch * nkv * t->key_chunks, batch * t->b->heads, batch * nkv * t->value_parts};
+    chunk_fn passes[3] = {attention_scores, attention_softmax, attention_values};
+    /* a values chunk reads VALUE_PART floats of each of its keys' V rows (at ~1 GB/s of such slices a thread) */
+    double seconds[3] = {0, 0, (double)t->keys * VALUE_PART * sizeof(float) / 1e9};
+    for (int i = 0; i < 3; i++) {
+        if (pooled)
+            parallel_long(passes[i], t, chunks[i], seconds[i]);
+        else
+            for (long index = 0; index < chunks[i]; index++) passes[i](t, index);
     }
 }
 
@@ -1035,12 +1223,9 @@ static int block_decode(const hk_block *b, const hk_cache *c, const hk_token *t,
         }
     }
     PROFILE(P_ROPE);
-    attention_task attention = {b, c, t, token_step, keys, qkv, scores, context};
+    attention_task task = {b, c, t, token_step, keys, 0, 0, qkv, scores, context};
     PROFILE_PRODUCT(P_ATTENTION);
-    if (batch * keys * nh * d >= attention_pool_min) /* over the pool, a query head a chunk; short ones here */
-        parallel(attention_head, &attention, batch * nh);
-    else
-        for (long index = 0; index < batch * nh; index++) attention_head(&attention, index);
+    attention(&task, batch, batch * keys * nh * d >= attention_pool_min); /* short ones on the caller */
     PROFILE(P_ATTENTION);
     if (product(b, 1, b->o_w, context, b->o_b, x, width, nh * d, batch, 1)) return -1; /* x += o(context) */
     PROFILE(P_O);
