@@ -24,6 +24,7 @@ The default model is planned and run as `generate` runs it: its Q4_1 blocks kept
     python bench/predicted_vs_measured.py                 # both models, 64 prompt + 64 new tokens, 3 runs each
     python bench/predicted_vs_measured.py --runs 5 --no-measure
     python bench/predicted_vs_measured.py --dequantized   # and SmolLM2 in fp32
+    python bench/predicted_vs_measured.py --runs 2 --prompt-len 3000 --new-tokens 256  # a long chat's context
 
 Goal: median predicted decode tokens/s within 15% of the median measured, for both models, uncalibrated. Prints one
 JSON line per model: predicted and measured tokens/s for every run and each run's ratio, the medians and their
@@ -80,10 +81,11 @@ def quick_measurement(config: str) -> dict:
     """What the run's automatic quick measurement saved in its config folder: the decode steps' RAM rate (GB/s, the
     pooled fit of the readings spread over the measurement) with every reading's, the fixed cost of a block (ms), the
     fp32 prefill rate (GFLOP/s), the packed kernels' rates (G weights/s; in cache, streamed, prefill), a packed
-    block's fixed cost (ms) and a decode step's beyond its blocks and head (ms; NaN before session 16)."""
+    block's fixed cost (ms), a decode step's beyond its blocks and head (ms; NaN before session 16) and the decode
+    attention's KV cache read rate (GB/s; NaN before session 26: long contexts, `--prompt-len 3000`)."""
     from pathlib import Path
 
-    from hivekeeper.core.machine.measurement import HALF_DECODE_KEY, PACKED_BLOCK_KEY, STEP_OVERHEAD_KEY
+    from hivekeeper.core.machine.measurement import ATTENTION_KEY, HALF_DECODE_KEY, PACKED_BLOCK_KEY, STEP_OVERHEAD_KEY
 
     profiles = list((Path(config) / "profiles").glob("*.json"))
     if not profiles:
@@ -101,7 +103,8 @@ def quick_measurement(config: str) -> dict:
             "bf16_vs_fp32_step": round(values.get(HALF_DECODE_KEY, 0), 3),
             "packed_gweights_per_s": packed,
             "packed_block_overhead_ms": round(values.get(PACKED_BLOCK_KEY, float("nan")) * 1e3, 4),
-            "step_overhead_ms": round(values.get(STEP_OVERHEAD_KEY, float("nan")) * 1e3, 3)}
+            "step_overhead_ms": round(values.get(STEP_OVERHEAD_KEY, float("nan")) * 1e3, 3),
+            "attention_gbps": round(values.get(ATTENTION_KEY, float("nan")) / 1e9, 2)}
 
 
 def reading_now(model: str, prompt_len: int, new_tokens: int) -> dict:

@@ -988,9 +988,11 @@ def decode_work(grid: CandidateArrays, context: float, attention_flops) -> tuple
     read_per_param = np.where(rows <= grid.gemv_rows, grid.gemv_bytes, grid.gemm_bytes) * format_reads(grid, rows)
     vectors = numbers.vector_params * grid.vector_bytes
     cache = grid.batch * context * grid.cached_per_token * grid.attention_on_acc
-    nbytes = grid.micro_batches * (touched * read_per_param + vectors) + cache * cache_read_factor(grid)
+    timed = attention_timed(grid)  # its time is measured_attention_s's, after the products (decode_accelerator)
+    nbytes = grid.micro_batches * (touched * read_per_param + vectors) + np.where(timed, 0.0,
+                                                                                  cache * grid.kv_read_factor)
     bytes_min = grid.micro_batches * (touched * grid.stored_bytes + vectors) + cache
-    flops = grid.batch * numbers.flops_per_token + attention_flops * grid.attention_on_acc \
+    flops = grid.batch * numbers.flops_per_token + np.where(timed, 0.0, attention_flops * grid.attention_on_acc) \
         + np.where(grid.recompute, 4.0 * numbers.hidden * numbers.kv_dim * context * grid.batch, 0.0)
     kernel_rows = grid.overlapped & (rows <= PACKED_KERNEL_ROWS)
     nbytes = nbytes - np.where(kernel_rows, grid.micro_batches * touched * read_per_param * grid.cached_share, 0.0)
@@ -1000,23 +1002,32 @@ def decode_work(grid: CandidateArrays, context: float, attention_flops) -> tuple
         np.where(kernel_rows, kernel_peak(grid, few_rows_flops(grid, grid.gemv_flops, rows)), blas_peak))
 
 
-def cache_read_factor(grid: CandidateArrays):
-    """Weight-rate bytes per byte of KV cache a decode step's attention reads: the format's kv_read_factor, or, for
-    the fp32 caches the CPU kernels attend over (micro-batches of up to PACKED_KERNEL_ROWS rows) on a CPU whose
-    decode attention `hivekeeper measure` timed (DecodeStreaming.attention_bandwidth), the weights' rate over the
-    measured one: the cache then takes its bytes / that rate. Session 25: priced at the weights' 42 GB/s, the
-    built-in model's cache read at ~14.5 in steps of 4-8k tokens, and its decode over an 8k-token context was
-    predicted ~1.8x its tokens/s."""
+def attention_timed(grid: CandidateArrays):
+    """Where a decode step's attention is priced from `hivekeeper measure`'s timing of it
+    (DecodeStreaming.attention_bandwidth: the runtime's one-row steps at a long context less a short one): fp32 caches
+    the CPU kernels attend over (micro-batches of up to PACKED_KERNEL_ROWS rows), without recomputation. Elsewhere
+    the cache is read at the weights' rate (times the format's kv_read_factor) and its FLOPs join the products'."""
     streaming = grid.machine.acc.decode_streaming if grid.machine.acc.kind == "cpu" else None
     if streaming is None or not streaming.attention_bandwidth:
-        return grid.kv_read_factor
-    weights_rate = grid.machine.acc_bandwidth * grid.acc_eff.bandwidth_fraction
-    kernels = (grid.kv_bytes == 4.0) & (grid.micro_batch <= PACKED_KERNEL_ROWS) & ~grid.recompute
-    return np.where(kernels, weights_rate / streaming.attention_bandwidth, grid.kv_read_factor)
+        return np.zeros(len(grid.micro_batch), dtype=bool)
+    return (grid.kv_bytes == 4.0) & (grid.micro_batch <= PACKED_KERNEL_ROWS) & ~grid.recompute
+
+
+def measured_attention_s(grid: CandidateArrays, context: float):
+    """Seconds of a block's decode attention where attention_timed: its K and V bytes at the measured rate, after the
+    block's products (the kernels run it between them: it overlaps neither the weights' reads nor their FLOPs).
+    Session 25: priced at the weights' 42 GB/s, the built-in model's cache read at ~14.5 in steps of 4-8k tokens,
+    and its decode over an 8k-token context was predicted ~1.8x its tokens/s; session 26: as bytes among the
+    weights' reads, overlapped with the packed kernels' FLOPs, a 3000-token context was still predicted 1.16x."""
+    streaming = grid.machine.acc.decode_streaming if grid.machine.acc.kind == "cpu" else None
+    if streaming is None or not streaming.attention_bandwidth:
+        return np.zeros(len(grid.micro_batch))
+    cache = grid.batch * context * grid.cached_per_token * grid.attention_on_acc
+    return np.where(attention_timed(grid), cache / streaming.attention_bandwidth, 0.0)
 
 
 def attention_rate_words(machine: Machine, policy: Policy) -> str:
-    """Where cache_read_factor prices the KV cache at the measured attention rate: saying so, else nothing."""
+    """Where measured_attention_s prices the KV cache at the measured attention rate: saying so, else nothing."""
     streaming = machine.acc.decode_streaming if machine.acc.kind == "cpu" else None
     if streaming is None or not streaming.attention_bandwidth or policy.kv_recompute \
             or policy.micro_batch_size > PACKED_KERNEL_ROWS or not (get_format(policy.weight_format).packed
@@ -1031,15 +1042,15 @@ def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -
     kernel_rows, work = decode_work(grid, context, attention_flops)
     if kernel_rows.any():
         work = overlap(work, kernel_rows)
-    if not steps_measured(grid.machine):
-        return work
-    # the measured steps ran the products too: their FLOPs count only where they outlast the reads. A micro-batch of
-    # more rows than the kernels take runs block by block on BLAS, as a prefill does, and is priced as one
-    # (reads_in_passes)
-    within = grid.micro_batch <= PACKED_KERNEL_ROWS
-    return reads_in_passes(grid, AcceleratorWork(
-        work.bytes_min, work.flops, work.memory_s,
-        np.where(within, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s), work.bound_s), ~within)
+    if steps_measured(grid.machine):
+        # the measured steps ran the products too: their FLOPs count only where they outlast the reads. A
+        # micro-batch of more rows than the kernels take runs block by block on BLAS, as a prefill does, and is
+        # priced as one (reads_in_passes)
+        within = grid.micro_batch <= PACKED_KERNEL_ROWS
+        work = reads_in_passes(grid, AcceleratorWork(
+            work.bytes_min, work.flops, work.memory_s,
+            np.where(within, np.maximum(0.0, work.compute_s - work.memory_s), work.compute_s), work.bound_s), ~within)
+    return replace(work, memory_s=work.memory_s + measured_attention_s(grid, context))
 
 
 PACKED_KERNEL_ROWS = 8  # rows the decode kernels take at once (native_kernels.MAX_ROWS); more: packed_prefill_rate

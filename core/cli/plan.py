@@ -208,25 +208,56 @@ def _round_down(gb: float) -> float:
     return math.floor(gb / scale + 1e-9) * scale
 
 
+MIN_SUGGESTED_RESERVE = 10e6  # bytes: a plan that runs only with less kept free gets no hint
+
+
 def reserve_hint(plan_with, hardware, reserve: dict[str, float]) -> str:
     """Where the model runs here once less is kept free (only what other programs hold): "With --reserve-gb X it runs
-    here.", X the largest one-digit reserve that still leaves its peak memory; "" where it would not run either.
+    here.", X the largest one-digit reserve with which it still runs; "" where it would not run either.
     `plan_with(reserve_bytes)` plans with that reserve, for the goal asked (a batch of 64 split into micro-batches
-    runs where one chat step of 64 rows does not: a hint planned as chat was missing or too small for it)."""
+    runs where one chat step of 64 rows does not: a hint planned as chat was missing or too small for it). "Runs": as
+    with the least kept free, no more of its weights and cache on disk. The reserve is searched for
+    (reserve_boundary), not read off one plan's peak: a batch plan fills the memory it is given, and its peak with
+    nothing kept free suggested "--reserve-gb 1e-06"."""
     memories = _memories(hardware)
     floor = {tier: float(in_use) for tier, _name, _size, in_use in memories}
     if all(reserve.get(tier, 0.0) <= floor[tier] for tier in floor):
         return ""  # nothing kept free beyond what other programs hold: a smaller reserve is no way out
-    trial = plan_with({**floor, "disk": reserve.get("disk", 0.0)})
-    if trial.prediction is None:
+    kept = min(reserve.get(tier, 0.0) for tier in floor)
+
+    def planned(gb: float):
+        trial = {tier: max(least, gb * 1e9) for tier, least in floor.items()}
+        return plan_with({**trial, "disk": reserve.get("disk", 0.0)})
+
+    lowest = max(floor.values()) / 1e9
+    best = planned(lowest)
+    if best.prediction is None:
         return ""
-    peaks = trial.prediction.peak_memory_bytes
-    room = min((size - peaks.get(tier, 0)) / 1e9 for tier, _name, size, _in_use in memories)
-    suggested, kept = _round_down(room), min(reserve.get(tier, 0.0) for tier in floor)
-    if suggested * 1e9 < max(floor.values()) or suggested * 1e9 >= kept:
-        return ""
+
+    def runs(gb: float) -> bool:  # as it runs with the least kept free: no more of it on disk
+        trial = planned(gb)
+        if trial.prediction is None:
+            return False
+        return on_disk(trial.prediction.policy) <= on_disk(best.prediction.policy) + 1e-9
+    suggested = _round_down(reserve_boundary(runs, lowest, kept / 1e9))
+    if suggested * 1e9 < max(MIN_SUGGESTED_RESERVE, max(floor.values())) or not runs(suggested):
+        return ""  # it runs only with (almost) nothing kept free for the system: no advice to give
     names = " and of ".join(name for _tier, name, _size, _in_use in memories)
     return f"With --reserve-gb {suggested:g} (keeping {suggested:g} GB of {names} free) it runs here."
+
+
+def on_disk(policy) -> float:
+    """The shares of a policy's weights and KV cache on disk, summed: what a smaller reserve must not raise."""
+    return policy.weights.disk + policy.kv_cache.disk
+
+
+def reserve_boundary(runs, low: float, high: float, steps: int = 16) -> float:
+    """The largest reserve (GB) between `low` (with which the plan runs) and `high` (with which it does not) that
+    `runs`, to 1/2^steps of the interval: fewer bytes kept free never stops a plan that ran."""
+    for _ in range(steps):
+        middle = (low + high) / 2
+        low, high = (middle, high) if runs(middle) else (low, middle)
+    return low
 
 
 def gguf_report(model: str, data: dict, this_machine: bool) -> dict | None:

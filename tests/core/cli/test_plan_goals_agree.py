@@ -7,6 +7,7 @@ plan ran here with 21% of its weights on disk (its local run was planned dequant
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -37,6 +38,12 @@ def test_the_reserve_hint_is_the_goal_asked_for(cli, tmp_path):
     assert followed["goal"] == "batch" and followed["policy"]["batch_size"] == 64  # the advice holds for this goal
     chat = plan(cli, "--hardware", str(machine), "--batch", "64", "--reserve-gb", hint.group(1))
     assert chat["policy"] is None  # one chat step of 64 rows does not run there: a hint of chat's would be wrong
+    # the largest one-digit reserve: a batch plan fills what it is given, and its peak with nothing kept free
+    # suggested "--reserve-gb 1e-06" (session 25); one step more keeps too much free
+    suggested = float(hint.group(1))
+    step = 10.0 ** math.floor(math.log10(suggested))
+    assert suggested >= 0.01
+    assert plan(cli, *args, "--reserve-gb", f"{suggested + step:g}")["policy"] is None
 
 
 @pytest.mark.parametrize("ram_gb", ["0.64", "0.5"], ids=["runs-with-disk", "fits-nowhere"])
