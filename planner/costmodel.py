@@ -1715,7 +1715,8 @@ def describe_bottleneck(machine: Machine, model: ModelSpec, policy: Policy, out,
         detail = (f"CPU attention over the KV cache in RAM: {_gb(value('cpu_cache_bytes_step'))} per decode step at "
                   f"{_rate(machine.cpu.memory_bandwidth)} RAM bandwidth")
     else:
+        what = "kernel launches" if machine.acc_tier == "gpu" else "fixed costs (norms, rotary, calls)"
         detail = (f"fixed overhead: {model.num_layers} blocks × {policy.num_micro_batches} micro-batch(es) of "
-                  f"kernel launches per decode step")
+                  f"{what} per decode step")
     return resource, detail
 

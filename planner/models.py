@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# where a model's context length is written: what an error about it names (a newcomer, session 26: the built-in
+# model, a GGUF file, was said to have a config.json)
+CONTEXT_FIELDS = "max_position_embeddings in a config.json, <architecture>.context_length in a GGUF"
+
 
 @dataclass(frozen=True)
 class ModelSpec:

@@ -30,7 +30,7 @@ from .efficiency import MachineEfficiency, default_efficiency
 from .errors import InputError
 from .formats import BITSANDBYTES_FORMATS, PACKED_FORMATS
 from .hardware import HEADROOM_RULE, HardwareSpec, tier_headroom
-from .models import ModelSpec
+from .models import CONTEXT_FIELDS, ModelSpec
 from .runtime import RuntimeEstimate, idealized_runtime
 from .swarm import PackedSpan, ServerPlan, client_fits, plan_server
 
@@ -421,7 +421,7 @@ def check_context(model: ModelSpec, workload: Workload) -> None:
     limit = model.max_position_embeddings
     if limit and workload.cache_len > limit:
         raise InputError(f"a context of {workload.cache_len:,} tokens (prompt + output, or the context asked for) is "
-                         f"beyond {model.name}'s {limit:,} (max_position_embeddings in its config)")
+                         f"beyond {model.name}'s {limit:,} ({CONTEXT_FIELDS})")
 
 
 SLOW_QUERY_S = 600.0  # a plan whose query takes longer than this (10 minutes) gets a warning

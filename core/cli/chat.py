@@ -183,6 +183,7 @@ class _Chat:
         self.prompt_cache = conversation_cache(context, swarm=args.swarm)
         self.stop = threading.Event()  # Ctrl-C was pressed: cleared as a reply starts and as the prompt shows
         self.failed_turn: str | None = None  # the last message whose reply failed, for /retry
+        self.left_out = 0  # the oldest messages the last prompt left out (said again only when more are)
 
     def on_interrupt(self, signum, frame) -> None:
         # Ctrl-C: stop the reply being written, or at the prompt end the wait for a line (a reminder is shown); never
@@ -297,8 +298,9 @@ class _Chat:
             self.history.messages.pop()
             _say(f"(error: {exc})")
             return None
-        if dropped:
+        if dropped > self.left_out:  # a newcomer read the same note every turn as a new loss
             _say(f"(the {dropped} oldest messages no longer fit in the context and are left out)")
+        self.left_out = dropped
         return prompt_ids
 
     def close(self) -> None:

@@ -1778,7 +1778,7 @@ def measure_decode_attention(total_bytes: int = 128 << 20, cache_bytes: int | No
     seconds, spread = median_and_spread(differences)
     extra = config.num_layers * 2 * ATTENTION_KV_HEADS * 64 * 4 * (ATTENTION_KEYS - ATTENTION_SHORT)
     rate = extra / max(seconds, 1e-6)
-    return Measurement(ATTENTION_KEY, "CPU decode attention (KV cache read)", rate, "B/s", spread, len(differences),
+    return Measurement(ATTENTION_KEY, "decode attention (KV cache read)", rate, "B/s", spread, len(differences),
                        max(load, load_average()),
                        f"one-row decode steps through {config.num_layers} fp32 blocks of {ATTENTION_HEADS} heads "
                        f"({ATTENTION_KV_HEADS} KV heads, head_dim 64) at {ATTENTION_KEYS} cached tokens less the same "

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from hivekeeper.planner.errors import InputError
+from hivekeeper.planner.models import CONTEXT_FIELDS
 
 from hivekeeper.core.runtime.sampling import Sampler, SamplingParams, StopChecker
 
@@ -193,7 +194,7 @@ def check_prompt_fits(prompt_tokens: int, config, what: str = "the prompt") -> N
     limit = context_limit(config)
     if prompt_tokens >= limit:
         raise InputError(f"{what} has {prompt_tokens} tokens; the model's context is {limit} tokens "
-                         f"(max_position_embeddings in config.json), which leaves no room to generate: "
+                         f"({CONTEXT_FIELDS}), which leaves no room to generate: "
                          f"shorten it below {limit} tokens")
 
 

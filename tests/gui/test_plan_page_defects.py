@@ -10,6 +10,7 @@ from PySide6.QtWidgets import QApplication
 from hivekeeper.gui.settings import Settings
 from hivekeeper.planner.hardware_catalog import get_hardware
 from hivekeeper.planner.model_catalog import get_model
+from hivekeeper.planner.models import CONTEXT_FIELDS
 
 
 def _window(make_window, qtbot, hardware: str, model="meta-llama/Meta-Llama-3.1-8B-Instruct", quant="auto"):
@@ -87,7 +88,7 @@ def test_a_context_beyond_the_models_own_is_an_error_not_a_plan(make_window, qtb
     plan.context_spin.setValue(1_000_000)
     qtbot.waitUntil(lambda: plan.error_label.isVisible(), timeout=20_000)
     assert plan.error == (f"a context of 1,000,000 tokens (prompt + output, or the context asked for) is beyond "
-                          f"TinyLlama/TinyLlama-1.1B-Chat-v1.0's {limit:,} (max_position_embeddings in its config)")
+                          f"TinyLlama/TinyLlama-1.1B-Chat-v1.0's {limit:,} ({CONTEXT_FIELDS})")
     plan.context_spin.setValue(limit)
     qtbot.waitUntil(lambda: not plan.error_label.isVisible(), timeout=20_000)
     assert plan.result.plan.workload.cache_len == limit

@@ -272,3 +272,26 @@ def test_a_swarm_chat_keeps_the_conversation_when_blocks_lose_their_server_and_r
             assert chat.close() == 0
         finally:
             chat.close()
+
+
+def test_the_left_out_note_is_said_when_more_messages_are_left_out(tmp_path, capsys, monkeypatch):
+    """A newcomer (session 26) read "(the 2 oldest messages no longer fit ...)" again on a turn that left nothing
+    more out (its prompt came from the cache), as a new loss: the note comes only when more messages are left out."""
+    from hivekeeper.core.cli.main import main
+
+    model = make_demo_checkpoint(tmp_path / "short", max_position=96)  # a prompt holds ~92 tokens: turns drop out
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as keys:
+        keys.write("one two three four five six seven eight nine ten\n" * 4 + "hi\nhi\n")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(sys, "stdin", os.fdopen(read_end, "r"))
+    capsys.readouterr()
+    try:
+        assert main(["chat", "--model", str(model), "--max-new-tokens", "4", "--temperature", "0",
+                     "--no-measure"]) == 0
+    finally:
+        sys.stdin.close()
+    out = capsys.readouterr().out
+    said = [int(n) for n in re.findall(r"\(the (\d+) oldest messages no longer fit", out)]
+    assert len(said) >= 2 and said == sorted(set(said)), out  # each note names more than the one before
+    assert len(STATS.findall(out)) == 6

@@ -111,3 +111,14 @@ def test_the_app_and_models_say_it_runs_here_too():
     disk = found.prediction.policy.weights.disk
     assert found.fit == "swarm" and fit_words(found) == f"runs here, {100 * disk:.0f}% streamed from disk; the swarm " \
                                                          "is suggested"
+
+
+def test_a_cpu_plan_bound_by_fixed_costs_says_no_kernel_launches(cli, small_machine):
+    """A newcomer (session 26) read "kernel launches per decode step" in a CPU-only plan's why: GPU words. A GPU plan
+    keeps them."""
+    data = plan(cli, "--hardware", small_machine(1.2), "--reserve-gb", "0.5", json_out=True)
+    assert data["reason"].startswith("fixed overhead: 30 blocks × 1 micro-batch(es) of fixed costs (norms, rotary, "
+                                     "calls) per decode step"), data["reason"]
+    gpu = plan(cli, "--hardware", "t4", json_out=True)
+    assert gpu["reason"].startswith("fixed overhead: 30 blocks × 1 micro-batch(es) of kernel launches per decode "
+                                    "step"), gpu["reason"]

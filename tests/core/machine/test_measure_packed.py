@@ -384,17 +384,18 @@ def test_the_measure_table_names_each_row_once_and_says_what_the_cached_rate_tim
     and showed the "weights in cache" rates below the streamed ones with nothing saying why. The table as `measure`
     prints it (core/cli/measure.render) of real measurements of tiny spans and of the decode loop."""
     from hivekeeper.core.cli.measure import render
-    from hivekeeper.core.machine.measure import measure_step_overhead
+    from hivekeeper.core.machine.measure import measure_decode_attention, measure_step_overhead
     from hivekeeper.core.machine.profiles import new_profile
 
     profile = new_profile(MACHINE)
     profile.measurements = [*measure_packed_kernels(repeats=2, **TINY_SPAN),
-                            measure_step_overhead(runs=1, steps=3, cache_bytes=1 << 20)]
+                            measure_step_overhead(runs=1, steps=3, cache_bytes=1 << 20),
+                            measure_decode_attention(total_bytes=1, cache_bytes=0, pairs=2)]
     table, note = render(comparison_rows(MACHINE, profile)).split("\n* ")
     rows = {" ".join(line.split()[:2]) for line in table.splitlines()}
     assert "CPU CPU" not in rows, table
     for quantity in ("q8_0 4-row decode step / one-row step", "q4_1 prefill (96 rows)",
-                     "decode step overhead (embedding, sampling, loop)"):
+                     "decode step overhead (embedding, sampling, loop)", "decode attention (KV cache read)"):
         assert f"CPU   {quantity}" in table, table
     cached = [line for line in table.splitlines() if "weights in cache *" in line]
     assert len(cached) == len(PACKED_FORMATS) and all("G weights/s" in line for line in cached), table
