@@ -167,7 +167,25 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, dict[str, float], object
         hint = reserve_hint(lambda trial: search(model, hardware, args.goal, dataclasses.replace(
             constraints, reserve_bytes=trial), workload, efficiency=efficiency), hardware, reserve)
         plan = dataclasses.replace(plan, reason=" ".join(part for part in (plan.reason, words, hint) if part))
+    elif context and context > prompt_len + output_len:
+        words = filled_context_words(model, hardware, plan, efficiency, reserve)
+        plan = dataclasses.replace(plan, warnings=(*plan.warnings, words))
     return plan, reserve, hardware, choice
+
+
+def filled_context_words(model, hardware, plan: Plan, efficiency, reserve: dict[str, float]) -> str:
+    """For a --context beyond prompt + output: the plan's policy predicted for a conversation that fills it (the
+    prompt the context less the output). A newcomer (session 26) read 163 tokens/s for `--context 8192`, planned at the
+    default 512 + 128 tokens; a chat near 8k tokens decoded at 35-41."""
+    from hivekeeper.planner.costmodel import evaluate
+
+    asked = plan.workload
+    filled = Workload(max(1, asked.context_len - asked.output_len), asked.output_len, asked.context_len)
+    full = evaluate(model, hardware, plan.prediction.policy, filled, efficiency, reserve)
+    return (f"--context {asked.context_len:,}: the speeds above are for {asked.prompt_len:,} + {asked.output_len:,} "
+            f"tokens; a conversation that fills the context ({filled.prompt_len:,} prompt tokens) decodes at "
+            f"{full.decode_tokens_per_s:.3g} tokens/s and reads its prompt at {full.prefill_tokens_per_s:.3g} "
+            f"(--prompt-len {filled.prompt_len} plans for it)")
 
 
 def _memories(hardware) -> list[tuple[str, str, float, float]]:

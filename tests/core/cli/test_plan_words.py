@@ -122,3 +122,19 @@ def test_a_cpu_plan_bound_by_fixed_costs_says_no_kernel_launches(cli, small_mach
     gpu = plan(cli, "--hardware", "t4", json_out=True)
     assert gpu["reason"].startswith("fixed overhead: 30 blocks × 1 micro-batch(es) of kernel launches per decode "
                                     "step"), gpu["reason"]
+
+
+def test_a_context_beyond_prompt_and_output_says_what_filling_it_costs(cli):
+    """A newcomer (session 26) read 163 tokens/s for `plan --context 8192`, planned at the default 512 + 128 tokens,
+    for a chat that decoded at 35-41 near 8k tokens: the plan now warns what a conversation filling the context gets,
+    as `--prompt-len` planning it predicts."""
+    args = ("--hardware", "cpu-generic", "--reserve-gb", "0")
+    data = plan(cli, *args, "--context", "8192", json_out=True)
+    warning = next(text for text in data["warnings"] if text.startswith("--context 8,192: "))
+    filled = re.search(r"\((\d[\d,]*) prompt tokens\) decodes at ([\d.]+) tokens/s", warning)
+    assert filled and filled.group(1) == "8,064", warning
+    asked = plan(cli, *args, "--prompt-len", "8064", "--output-len", "128", json_out=True)
+    assert float(filled.group(2)) == pytest.approx(asked["decode_tokens_per_s"], rel=0.01)
+    assert float(filled.group(2)) < 0.8 * data["decode_tokens_per_s"]
+    plain = plan(cli, *args, json_out=True)
+    assert not any(text.startswith("--context") for text in plain["warnings"])
