@@ -1007,10 +1007,15 @@ def attention_timed(grid: CandidateArrays):
     (DecodeStreaming.attention_bandwidth: the runtime's one-row steps at a long context less a short one): fp32 caches
     the CPU kernels attend over (micro-batches of up to PACKED_KERNEL_ROWS rows), without recomputation. Elsewhere
     the cache is read at the weights' rate (times the format's kv_read_factor) and its FLOPs join the products'."""
-    streaming = grid.machine.acc.decode_streaming if grid.machine.acc.kind == "cpu" else None
-    if streaming is None or not streaming.attention_bandwidth:
+    if measured_attention_rate(grid.machine) is None:
         return np.zeros(len(grid.micro_batch), dtype=bool)
     return (grid.kv_bytes == 4.0) & (grid.micro_batch <= PACKED_KERNEL_ROWS) & ~grid.recompute
+
+
+def measured_attention_rate(machine: Machine) -> float | None:
+    """Bytes/s of KV cache the CPU's decode attention read when `hivekeeper measure` timed it; None: not measured."""
+    streaming = machine.acc.decode_streaming if machine.acc.kind == "cpu" else None
+    return streaming.attention_bandwidth if streaming is not None and streaming.attention_bandwidth else None
 
 
 def measured_attention_s(grid: CandidateArrays, context: float):
@@ -1019,21 +1024,20 @@ def measured_attention_s(grid: CandidateArrays, context: float):
     Session 25: priced at the weights' 42 GB/s, the built-in model's cache read at ~14.5 in steps of 4-8k tokens,
     and its decode over an 8k-token context was predicted ~1.8x its tokens/s; session 26: as bytes among the
     weights' reads, overlapped with the packed kernels' FLOPs, a 3000-token context was still predicted 1.16x."""
-    streaming = grid.machine.acc.decode_streaming if grid.machine.acc.kind == "cpu" else None
-    if streaming is None or not streaming.attention_bandwidth:
+    rate = measured_attention_rate(grid.machine)
+    if rate is None:
         return np.zeros(len(grid.micro_batch))
     cache = grid.batch * context * grid.cached_per_token * grid.attention_on_acc
-    return np.where(attention_timed(grid), cache / streaming.attention_bandwidth, 0.0)
+    return np.where(attention_timed(grid), cache / rate, 0.0)
 
 
 def attention_rate_words(machine: Machine, policy: Policy) -> str:
     """Where measured_attention_s prices the KV cache at the measured attention rate: saying so, else nothing."""
-    streaming = machine.acc.decode_streaming if machine.acc.kind == "cpu" else None
-    if streaming is None or not streaming.attention_bandwidth or policy.kv_recompute \
-            or policy.micro_batch_size > PACKED_KERNEL_ROWS or not (get_format(policy.weight_format).packed
-                                                                   or policy.weight_format == "fp32"):
+    rate = measured_attention_rate(machine)
+    if rate is None or policy.kv_recompute or policy.micro_batch_size > PACKED_KERNEL_ROWS \
+            or not (get_format(policy.weight_format).packed or policy.weight_format == "fp32"):
         return ""
-    return f", the KV cache at {_rate(streaming.attention_bandwidth)} (the decode attention's measured rate)"
+    return f", the KV cache at {_rate(rate)} (the decode attention's measured rate)"
 
 
 def decode_accelerator(grid: CandidateArrays, context: float, attention_flops) -> AcceleratorWork:

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 
-from hivekeeper.planner.costmodel import PACKED_HEAD_FORMAT, Workload, block_weight_bytes, weight_bytes
+from hivekeeper.planner.costmodel import PACKED_HEAD_FORMAT, Workload, block_weight_bytes, evaluate, weight_bytes
 from hivekeeper.planner.errors import InputError
 from hivekeeper.planner.format_choice import FormatChoice, plan_constraints
 from hivekeeper.planner.formats import PACKED_FORMATS, packed_words
@@ -177,8 +177,6 @@ def filled_context_words(model, hardware, plan: Plan, efficiency, reserve: dict[
     """For a --context beyond prompt + output: the plan's policy predicted for a conversation that fills it (the
     prompt the context less the output). A newcomer (session 26) read 163 tokens/s for `--context 8192`, planned at the
     default 512 + 128 tokens; a chat near 8k tokens decoded at 35-41."""
-    from hivekeeper.planner.costmodel import evaluate
-
     asked = plan.workload
     filled = Workload(max(1, asked.context_len - asked.output_len), asked.output_len, asked.context_len)
     full = evaluate(model, hardware, plan.prediction.policy, filled, efficiency, reserve)
@@ -257,6 +255,7 @@ def reserve_hint(plan_with, hardware, reserve: dict[str, float]) -> str:
         if trial.prediction is None:
             return False
         return on_disk(trial.prediction.policy) <= on_disk(best.prediction.policy) + 1e-9
+
     suggested = _round_down(reserve_boundary(runs, lowest, kept / 1e9))
     if suggested * 1e9 < max(MIN_SUGGESTED_RESERVE, max(floor.values())) or not runs(suggested):
         return ""  # it runs only with (almost) nothing kept free for the system: no advice to give
